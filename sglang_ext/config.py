@@ -1,0 +1,144 @@
+"""What to dump: the dump directory, the layer ids, the host-memory cap. Validated here.
+
+Layer ids follow SGLang's aux-capture convention (``layers_to_capture`` in
+``python/sglang/srt/models/llama.py`` and ``deepseek_v2.py``): id ``k`` is the residual
+stream *entering* decoder layer ``k``, i.e. HF transformers' ``output_hidden_states[k]``.
+Id ``N`` (= ``num_hidden_layers``) is the stream after the last decoder layer, *before*
+the final norm (patch 0002). Id 0 (the embedding output) is refused: SGLang's Llama
+aux path cannot capture it (the residual is still ``None`` there).
+
+Note the other convention in the field: EAGLE-3 draft configs'
+``eagle_aux_hidden_state_layer_ids`` name a layer's *output*, so SGLang adds 1 to them
+in ``set_eagle3_layers_to_capture``. Ours are the ids after that +1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+DEFAULT_MAX_HOST_MB = 4096
+DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
+
+
+class DumpConfigError(ValueError):
+    """A --dump-hidden-states-* value is unusable; the message names the flag."""
+
+
+def parse_layer_ids(text: Optional[str]) -> Optional[Tuple[int, ...]]:
+    """Parse ``--dump-hidden-states-layers`` (``"2,16,29,32"``) into sorted unique ids.
+
+    ``None`` or ``""`` means "the default" (``default_layer_ids``, once N is known).
+    Raises ``DumpConfigError`` for non-integers, negative or zero ids and duplicates.
+    The range check against N happens in ``resolve_layer_ids``.
+    """
+    if text is None or str(text).strip() == "":
+        return None
+    ids = []
+    for part in str(text).split(","):
+        part = part.strip()
+        try:
+            value = int(part)
+        except ValueError:
+            raise DumpConfigError(
+                f"--dump-hidden-states-layers: {part!r} is not an integer layer id "
+                f"(expected e.g. 2,16,29,32)"
+            ) from None
+        if value < 1:
+            raise DumpConfigError(
+                f"--dump-hidden-states-layers: layer id {value} is out of range; ids start "
+                f"at 1 (id k = the stream entering decoder layer k; 0, the embedding "
+                f"output, cannot be captured)"
+            )
+        ids.append(value)
+    dupes = sorted({k for k in ids if ids.count(k) > 1})
+    if dupes:
+        raise DumpConfigError(f"--dump-hidden-states-layers: duplicate layer ids {dupes}")
+    return tuple(sorted(ids))
+
+
+def default_layer_ids(num_layers: int) -> Tuple[int, ...]:
+    """EAGLE-3's default ``[2, N//2, N-3]`` (SGLang's ``set_eagle3_layers_to_capture``,
+    speculators' default) plus ``N``, the last layer before the final norm; sorted and
+    de-duplicated (tiny models make them collide: N=4 gives (1, 2, 4))."""
+    n = int(num_layers)
+    if n < 1:
+        raise DumpConfigError(f"model has {n} layers")
+    ids = {k for k in (2, n // 2, n - 3, n) if 1 <= k <= n}
+    return tuple(sorted(ids))
+
+
+def resolve_layer_ids(ids: Optional[Sequence[int]], num_layers: int) -> Tuple[int, ...]:
+    """The ids to capture for a model of ``num_layers`` decoder layers.
+
+    Raises ``DumpConfigError`` if any id is above N.
+    """
+    if ids is None:
+        return default_layer_ids(num_layers)
+    too_big = [k for k in ids if k > num_layers]
+    if too_big:
+        raise DumpConfigError(
+            f"--dump-hidden-states-layers: ids {too_big} exceed the model's "
+            f"{num_layers} layers (valid: 1..{num_layers}; {num_layers} = last layer "
+            f"before the final norm)"
+        )
+    return tuple(sorted(ids))
+
+
+def check_directory(path: Optional[str]) -> str:
+    """Validate ``--dump-hidden-states-dir``; returns its real path.
+
+    Raises ``DumpConfigError`` if it is missing, not a directory or not writable (tested
+    by creating and removing a file, which also catches read-only mounts).
+    """
+    if not path:
+        raise DumpConfigError("--dump-hidden-states-dir: empty path")
+    if not os.path.exists(path):
+        raise DumpConfigError(
+            f"--dump-hidden-states-dir: {path!r} does not exist; create it first "
+            f"(mkdir -p {path})"
+        )
+    if not os.path.isdir(path):
+        raise DumpConfigError(f"--dump-hidden-states-dir: {path!r} is not a directory")
+    real = os.path.realpath(path)
+    probe = os.path.join(real, f".kimi-sglang-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise DumpConfigError(
+            f"--dump-hidden-states-dir: cannot write in {path!r}: {e.strerror}"
+        ) from None
+    return real
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """Validated dump options. ``layer_ids`` is ``None`` until the model's N is known."""
+
+    directory: str
+    layer_ids: Optional[Tuple[int, ...]]
+    max_host_bytes: int
+    writer_threads: int = DEFAULT_WRITER_THREADS
+
+    @classmethod
+    def from_server_args(cls, server_args) -> "DumpConfig":
+        """Build from SGLang's ``ServerArgs``; raises ``DumpConfigError``."""
+        directory = check_directory(server_args.dump_hidden_states_dir)
+        layer_ids = parse_layer_ids(getattr(server_args, "dump_hidden_states_layers", None))
+        max_mb = getattr(server_args, "dump_hidden_states_max_host_mb", DEFAULT_MAX_HOST_MB)
+        if not isinstance(max_mb, int) or max_mb < 1:
+            raise DumpConfigError(
+                f"--dump-hidden-states-max-host-mb: must be a positive integer, got {max_mb!r}"
+            )
+        threads = int(os.environ.get("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS))
+        if threads < 1:
+            raise DumpConfigError("KIMI_SGLANG_WRITER_THREADS must be >= 1")
+        return cls(
+            directory=directory,
+            layer_ids=layer_ids,
+            max_host_bytes=max_mb * (1 << 20),
+            writer_threads=threads,
+        )

@@ -1,0 +1,419 @@
+"""The dump file contract: names, keys, metadata, atomic write, completion lock, index, reader.
+
+One finished request gives one file ``<dump dir>/<name>.safetensors`` holding
+
+- ``hidden_states``: ``[num_prompt_tokens, num_layers, hidden_size]``, the model dtype
+  (bf16 for most checkpoints). Slot ``j`` is layer id ``layer_ids[j]``: the residual
+  stream *entering* decoder layer ``k`` (what HF transformers' ``output_hidden_states[k]``
+  holds), and id ``N`` (= num_hidden_layers) the last layer's output *before* the final
+  norm. Layer ids are sorted ascending, so with the default ``[2, N//2, N-3, N]`` the
+  last slot is what speculators' EAGLE-3/DFlash trainers read as the verifier's last
+  hidden state (they apply the verifier's final norm to it themselves).
+- ``token_ids``: ``[num_prompt_tokens]`` int64, the prompt's token ids.
+
+These are the keys and layout vLLM's hidden-states connector writes and speculators'
+offline reader loads (``hs_<i>.safetensors``). ``__metadata__`` (str -> str) holds
+``format``, ``rid``, ``layer_ids`` (JSON list), ``num_layers`` (of the model),
+``model_path``, ``sglang_version``, ``sglang_ext_version`` and ``series``.
+
+Writing (all relative to an open directory descriptor, so nothing follows a symlink
+planted at a name or swapped in for the directory after start-up):
+
+1. ``reserve()`` picks a name from the rid (``safe_stem``) that neither a finished file
+   nor a write in flight holds, by creating ``<name>.safetensors.lock`` with
+   ``O_CREAT|O_EXCL|O_NOFOLLOW`` and holding an exclusive ``flock`` on it.
+2. ``write_reserved()`` writes ``.<name>.safetensors.tmp`` and
+   renames it to ``<name>.safetensors``: a reader never sees a partial file under the
+   final name. Then one line goes to ``index.jsonl`` (``rid``, ``file``, ``num_tokens``,
+   ``bytes``, ``layer_ids``).
+3. The lock file is unlinked and released. On failure the temporary file is removed,
+   ``<name>.safetensors.error`` receives the message, and the lock is released.
+
+A client waits for a file by waiting on its lock (``wait_complete``): this is the
+completion protocol of vLLM's hidden-states connector, which speculators' client uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+import unicodedata
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+FORMAT_VERSION = "kimi-sglang/1"
+KEY_HIDDEN_STATES = "hidden_states"
+KEY_TOKEN_IDS = "token_ids"
+SUFFIX = ".safetensors"
+LOCK_SUFFIX = ".lock"
+ERROR_SUFFIX = ".error"
+TMP_PREFIX = "."
+TMP_SUFFIX = ".tmp"
+INDEX_NAME = "index.jsonl"
+
+# Longest stem taken from the rid; the whole name stays far below NAME_MAX (255 bytes)
+# even with the hash, a collision counter and the longest suffix.
+MAX_STEM_CHARS = 96
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+# What safetensors >= 0.8 names its own temporary file while writing (".tmpXXXXXX").
+_SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9_]{6,}")
+
+
+class DumpFormatError(ValueError):
+    """A file does not follow the contract above (missing key, bad shape or dtype)."""
+
+
+def safe_stem(rid: str) -> str:
+    """File stem for a request id: readable, bounded, and never a path.
+
+    Characters outside ``[A-Za-z0-9._-]`` become ``_`` (after NFKC folding), leading dots
+    are dropped (no hidden files, no ``..``), the result is cut to ``MAX_STEM_CHARS``, and
+    ``-<8 hex of sha256(rid)>`` is appended so that rids which sanitise alike (``a/b`` and
+    ``a_b``) still get different names. Accepts any str, including empty, NUL and
+    separators; the result matches ``[A-Za-z0-9._-]+`` and contains no ``/``.
+    """
+    if not isinstance(rid, str):
+        raise TypeError(f"rid must be str, got {type(rid).__name__}")
+    digest = hashlib.sha256(rid.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    text = unicodedata.normalize("NFKC", rid)
+    text = _UNSAFE.sub("_", text).lstrip(".")[:MAX_STEM_CHARS]
+    return f"{text}-{digest}" if text else f"req-{digest}"
+
+
+@dataclass
+class Reservation:
+    """A name held for one request's file: the lock file exists and we hold its flock."""
+
+    dir_fd: int
+    name: str  # "<stem>[-n].safetensors", relative to the dump directory
+    lock_fd: int
+
+    @property
+    def lock_name(self) -> str:
+        return self.name + LOCK_SUFFIX
+
+    @property
+    def tmp_name(self) -> str:
+        return TMP_PREFIX + self.name + TMP_SUFFIX
+
+
+def open_dump_dir(path: str) -> int:
+    """Open the dump directory for the ``*_at`` operations below; returns a descriptor.
+
+    Raises ``FileNotFoundError`` / ``NotADirectoryError`` / ``PermissionError`` with the
+    path in the message. The descriptor pins the directory: renaming it or replacing its
+    path with a symlink later does not redirect writes.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"dump directory {path!r} does not exist") from None
+    except NotADirectoryError:
+        raise NotADirectoryError(f"dump directory {path!r} is not a directory") from None
+    if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
+        os.close(fd)
+        raise PermissionError(f"dump directory {path!r} is not writable")
+    return fd
+
+
+def reserve(dir_fd: int, rid: str) -> Reservation:
+    """Hold a fresh file name for ``rid``; never one a finished or in-flight file has.
+
+    Tries ``<stem>.safetensors``, then ``<stem>-1.safetensors``, ... The lock file is
+    created exclusively (a symlink or any entry already at that name counts as taken).
+    Raises ``OSError`` when the directory cannot take a new entry (e.g. ``ENOSPC``).
+    """
+    stem = safe_stem(rid)
+    for n in range(0, 1 << 20):
+        name = f"{stem}{SUFFIX}" if n == 0 else f"{stem}-{n}{SUFFIX}"
+        try:
+            lock_fd = os.open(
+                name + LOCK_SUFFIX,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=dir_fd,
+            )
+        except FileExistsError:
+            continue
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        if _lexists_at(dir_fd, name) or _lexists_at(dir_fd, name + ERROR_SUFFIX):
+            os.unlink(name + LOCK_SUFFIX, dir_fd=dir_fd)
+            os.close(lock_fd)
+            continue
+        return Reservation(dir_fd=dir_fd, name=name, lock_fd=lock_fd)
+    raise OSError(errno.EEXIST, f"no free file name for rid {rid!r}")
+
+
+def _lexists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def printable_rid(rid: str) -> str:
+    """``rid`` as valid UTF-8 text: equal to ``rid`` unless it holds lone surrogates
+    (possible from JSON ``\\udcff`` escapes), which become ``\\udcff`` literally."""
+    return rid.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def build_metadata(
+    *,
+    rid: str,
+    layer_ids: Sequence[int],
+    num_layers: int,
+    extra: Optional[Mapping[str, str]] = None,
+) -> Dict[str, str]:
+    """The ``__metadata__`` dict (all values str, as safetensors requires)."""
+    meta = {
+        "format": FORMAT_VERSION,
+        "rid": printable_rid(rid),
+        "layer_ids": json.dumps([int(k) for k in layer_ids]),
+        "num_layers": str(int(num_layers)),
+    }
+    for key, value in (extra or {}).items():
+        meta[key] = str(value)
+    return meta
+
+
+def write_reserved(
+    res: Reservation,
+    hidden_states: Any,
+    token_ids: Any,
+    metadata: Mapping[str, str],
+) -> int:
+    """Write the file for a reservation atomically; returns its size in bytes.
+
+    ``hidden_states``: torch ``[T, L, H]`` (CPU, contiguous); ``token_ids``: torch int64
+    ``[T]``. Raises ``DumpFormatError`` on inconsistent shapes and ``OSError`` on I/O
+    failure; in both cases nothing is left under the final name and the temporary file
+    is removed. Does not release the reservation (see ``complete`` / ``fail``).
+    """
+    check_tensors(hidden_states, token_ids)
+    from safetensors.torch import save_file
+
+    # safetensors writes by path. This path reaches the dump directory through its open
+    # descriptor, so a symlink swapped in for the directory is never followed; an entry
+    # planted at the temporary name is replaced by rename, not followed (safetensors
+    # >= 0.8 itself writes a hidden temporary file and renames it onto this name).
+    try:
+        save_file(
+            {KEY_HIDDEN_STATES: hidden_states, KEY_TOKEN_IDS: token_ids},
+            f"/proc/self/fd/{res.dir_fd}/{res.tmp_name}",
+            metadata=dict(metadata),
+        )
+        size = os.stat(res.tmp_name, dir_fd=res.dir_fd, follow_symlinks=False).st_size
+        os.rename(res.tmp_name, res.name, src_dir_fd=res.dir_fd, dst_dir_fd=res.dir_fd)
+    except BaseException:
+        _unlink_quiet(res.dir_fd, res.tmp_name)
+        raise
+    return size
+
+
+def check_tensors(hidden_states: Any, token_ids: Any) -> None:
+    """Raise ``DumpFormatError`` unless shapes and dtypes follow the contract."""
+    if hidden_states.dim() != 3:
+        raise DumpFormatError(
+            f"hidden_states must be [num_tokens, num_layers, hidden_size], "
+            f"got shape {tuple(hidden_states.shape)}"
+        )
+    if token_ids.dim() != 1 or str(token_ids.dtype) != "torch.int64":
+        raise DumpFormatError(
+            f"token_ids must be int64 [num_tokens], got {token_ids.dtype} "
+            f"{tuple(token_ids.shape)}"
+        )
+    if hidden_states.shape[0] != token_ids.shape[0]:
+        raise DumpFormatError(
+            f"hidden_states has {hidden_states.shape[0]} rows for "
+            f"{token_ids.shape[0]} token ids"
+        )
+
+
+def append_index(dir_fd: int, record: Mapping[str, Any]) -> None:
+    """Append one JSON line to ``index.jsonl`` (one ``write`` with ``O_APPEND``)."""
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode("ascii")
+    fd = os.open(
+        INDEX_NAME,
+        os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o644,
+        dir_fd=dir_fd,
+    )
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def complete(res: Reservation) -> None:
+    """Release a reservation whose file is in place: unlink the lock, then drop the flock."""
+    _unlink_quiet(res.dir_fd, res.lock_name)
+    os.close(res.lock_fd)
+
+
+def fail(res: Reservation, message: str) -> None:
+    """Release a reservation whose write failed: leave ``<name>.error``, drop the lock.
+
+    Never raises: if even the error file cannot be written (disk full), a waiter that
+    finds neither the file nor the error reports the file as missing.
+    """
+    try:
+        fd = os.open(
+            res.name + ERROR_SUFFIX,
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o644,
+            dir_fd=res.dir_fd,
+        )
+        try:
+            os.write(fd, message.encode("utf-8", "replace")[:4096])
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    _unlink_quiet(res.dir_fd, res.tmp_name)
+    _unlink_quiet(res.dir_fd, res.lock_name)
+    try:
+        os.close(res.lock_fd)
+    except OSError:
+        pass
+
+
+def _unlink_quiet(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def clean_stale(dir_fd: int) -> Dict[str, int]:
+    """Remove what an interrupted run left: temporary files and locks nobody holds.
+
+    Temporary files are ours (``.<name>.safetensors.tmp``) and safetensors' own
+    (``.tmpXXXXXX``); only the writing rank of one server may use a dump directory.
+
+    Called once at start-up by the writing rank. A lock is stale when an exclusive
+    non-blocking ``flock`` on it succeeds. Returns counts ``{"tmp": n, "lock": m}``.
+    """
+    removed = {"tmp": 0, "lock": 0}
+    for name in os.listdir(dir_fd):
+        if (name.startswith(TMP_PREFIX) and name.endswith(SUFFIX + TMP_SUFFIX)) or (
+            _SAFETENSORS_TMP.fullmatch(name)
+        ):
+            _unlink_quiet(dir_fd, name)
+            removed["tmp"] += 1
+        elif name.endswith(SUFFIX + LOCK_SUFFIX):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _unlink_quiet(dir_fd, name)
+            os.close(fd)
+            removed["lock"] += 1
+    return removed
+
+
+def _wait_outcome(path: str) -> Optional[str]:
+    """After the lock is gone: ``None`` if the file is there, else the error message."""
+    if os.path.lexists(path):
+        return None
+    try:
+        with open(path + ERROR_SUFFIX, encoding="utf-8", errors="replace") as f:
+            return f.read() or "hidden-state write failed"
+    except FileNotFoundError:
+        return f"hidden-state file {path} is missing"
+
+
+def _try_lock_released(path: str) -> bool:
+    """True when nobody holds ``<path>.lock`` (it is gone, or a shared flock succeeds)."""
+    try:
+        fd = os.open(path + LOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def wait_complete(path: str, timeout: float = 600.0) -> Optional[str]:
+    """Block until the writer has released ``path``; ``None`` on success, else the error.
+
+    Raises ``TimeoutError`` after ``timeout`` seconds. Blocking ``flock`` would be
+    simplest, but polling with a short back-off lets the same code serve asyncio.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while not _try_lock_released(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"hidden-state file {path} not complete after {timeout}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return _wait_outcome(path)
+
+
+async def wait_complete_async(path: str, timeout: float = 600.0) -> Optional[str]:
+    """``wait_complete`` for an event loop (never blocks the loop)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while not _try_lock_released(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"hidden-state file {path} not complete after {timeout}s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return _wait_outcome(path)
+
+
+@dataclass
+class DumpRecord:
+    """One file, loaded: torch tensors plus the metadata dict."""
+
+    hidden_states: Any  # torch.Tensor [T, L, H]
+    token_ids: Any  # torch.Tensor int64 [T]
+    metadata: Dict[str, str]
+
+    @property
+    def layer_ids(self) -> list:
+        return json.loads(self.metadata["layer_ids"])
+
+
+def load(path: str) -> DumpRecord:
+    """Read one dump file; raises ``DumpFormatError`` if it breaks the contract."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        missing = {KEY_HIDDEN_STATES, KEY_TOKEN_IDS} - keys
+        if missing:
+            raise DumpFormatError(f"{path}: missing keys {sorted(missing)}")
+        meta = f.metadata() or {}
+        hs = f.get_tensor(KEY_HIDDEN_STATES)
+        ids = f.get_tensor(KEY_TOKEN_IDS)
+    check_tensors(hs, ids)
+    if "layer_ids" in meta and len(json.loads(meta["layer_ids"])) != hs.shape[1]:
+        raise DumpFormatError(
+            f"{path}: {hs.shape[1]} layer slots but metadata names {meta['layer_ids']}"
+        )
+    return DumpRecord(hidden_states=hs, token_ids=ids, metadata=dict(meta))
+
+
+def read_index(directory: str) -> list:
+    """All records of ``<directory>/index.jsonl``, in write order."""
+    path = os.path.join(directory, INDEX_NAME)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,319 @@
+"""The only API SGLang's patched files call (patches/<base>/*.diff). Keep it small.
+
+===========================  ====================================================
+patched file (v0.5.17)       call
+===========================  ====================================================
+server_args.py               ``check_server_args(server_args)`` from __post_init__
+model_runner.py              ``setup_model(model_runner)`` before CUDA-graph capture
+forward_batch_info.py        ``capture_hidden_mode(batch, model_runner, mode)``
+scheduler.py                 ``is_enabled()``: keep per-request extend lengths
+batch_result_processor.py    ``on_prefill_result(batch, logits_output, lens)``
+tokenizer_manager.py         ``await finish_response(meta_info)``
+===========================  ====================================================
+
+Every function returns at once when dumping is off. SGLang is imported lazily so this
+module can be imported by the patched files without cycles.
+
+Process model: the tokenizer manager (main process) calls ``check_server_args`` and
+``finish_response``; each scheduler process (one per TP rank) calls the rest. Only the
+attention-TP rank 0 of the target model writes; other ranks keep their rows on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+from sglang_ext import __version__
+from sglang_ext import format as fmt
+from sglang_ext.config import DumpConfig, DumpConfigError, resolve_layer_ids
+
+logger = logging.getLogger(__name__)
+
+PATH_KEY = "hidden_states_path"
+ERROR_KEY = "hidden_states_error"
+_REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
+
+# Decoder-model classes whose patched forward can capture id N (patch 0002).
+FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
+
+
+@dataclass
+class _Dumper:
+    """Per-process dump state, created by ``setup_model`` on the target model's ranks."""
+
+    config: DumpConfig
+    layer_ids: Tuple[int, ...]
+    num_layers: int
+    is_writer: bool
+    metadata: dict
+    capture_full: Any  # CaptureHiddenMode.FULL
+    writer: Any = None  # DumpWriter on the writing rank
+    dir_fd: Optional[int] = None
+
+
+_DUMPER: Optional[_Dumper] = None
+
+
+def is_enabled() -> bool:
+    """True in a scheduler process whose model dumps hidden states."""
+    return _DUMPER is not None
+
+
+# ---- start-up -------------------------------------------------------------------
+def check_server_args(server_args) -> None:
+    """Validate the --dump-hidden-states-* options at start-up; adjust what must be.
+
+    Raises ``DumpConfigError`` (a ``ValueError``: SGLang prints it and exits) for a
+    missing or unwritable directory, bad layer ids, a bad memory cap, and options the
+    dump path does not support (``--enable-return-hidden-states`` /
+    ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism,
+    PD disaggregation, DP attention). Turns the radix cache off (a request whose prefix
+    is cached would compute, and so dump, only its suffix) and says so in the log.
+    """
+    DumpConfig.from_server_args(server_args)
+    refused = {
+        "--enable-return-hidden-states / --return-hidden-states-mode": bool(
+            server_args.enable_return_hidden_states or server_args.return_hidden_states_mode
+        ),
+        "--speculative-algorithm": bool(getattr(server_args, "speculative_algorithm", None)),
+        "--pp-size > 1": int(getattr(server_args, "pp_size", 1) or 1) > 1,
+        "--disaggregation-mode": getattr(server_args, "disaggregation_mode", "null")
+        not in (None, "null"),
+        "--enable-dp-attention": bool(getattr(server_args, "enable_dp_attention", False)),
+    }
+    bad = [name for name, on in refused.items() if on]
+    if bad:
+        raise DumpConfigError(
+            f"--dump-hidden-states-dir cannot be combined with {', '.join(bad)} "
+            f"(not supported by the dump path yet)"
+        )
+    if not server_args.disable_radix_cache:
+        logger.warning(
+            "--dump-hidden-states-dir: turning the radix cache off (--disable-radix-cache) "
+            "so every prompt token is computed and dumped"
+        )
+        server_args.disable_radix_cache = True
+
+
+def _find_decoder(model) -> Tuple[Any, Any]:
+    """(causal LM with ``capture_aux_hidden_states``, decoder with ``layers_to_capture``).
+
+    Multimodal wrappers such as Kimi-K2.5's ``KimiK25ForConditionalGeneration`` hold the
+    causal LM in ``language_model``.
+    """
+    for lm in (model, getattr(model, "language_model", None)):
+        inner = getattr(lm, "model", None)
+        if lm is not None and hasattr(lm, "capture_aux_hidden_states") and hasattr(
+            inner, "layers_to_capture"
+        ):
+            return lm, inner
+    raise DumpConfigError(
+        f"--dump-hidden-states-dir: model {type(model).__name__} has no aux hidden-state "
+        f"capture (capture_aux_hidden_states / model.layers_to_capture)"
+    )
+
+
+def setup_model(model_runner) -> None:
+    """Turn on aux capture of the dump layers in the target model; start the writer.
+
+    Called from ``ModelRunner.init_attention_backends`` before CUDA-graph capture.
+    Raises ``DumpConfigError`` for layer ids the model cannot give.
+    """
+    global _DUMPER
+    server_args = model_runner.server_args
+    if not getattr(server_args, "dump_hidden_states_dir", None) or model_runner.is_draft_worker:
+        return
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.version import __version__ as sglang_version
+
+    config = DumpConfig.from_server_args(server_args)
+    lm, decoder = _find_decoder(model_runner.model)
+    num_layers = int(model_runner.model_config.num_hidden_layers)
+    layer_ids = resolve_layer_ids(config.layer_ids, num_layers)
+    decoder_classes = {cls.__name__ for cls in type(decoder).__mro__}
+    if num_layers in layer_ids and not decoder_classes & set(FINAL_NORM_CAPTURE_MODELS):
+        raise DumpConfigError(
+            f"--dump-hidden-states-layers: id {num_layers} (before the final norm) is "
+            f"patched for {', '.join(FINAL_NORM_CAPTURE_MODELS)} only, not "
+            f"{type(decoder).__name__}; pass ids below {num_layers}"
+        )
+    lm.capture_aux_hidden_states = True
+    decoder.layers_to_capture = list(layer_ids)
+
+    ps = model_runner.ps
+    is_writer = int(getattr(ps, "attn_tp_rank", ps.tp_rank)) == 0
+    dumper = _Dumper(
+        config=config,
+        layer_ids=layer_ids,
+        num_layers=num_layers,
+        is_writer=is_writer,
+        capture_full=CaptureHiddenMode.FULL,
+        metadata={
+            "model_path": server_args.model_path,
+            "sglang_version": sglang_version,
+            "sglang_ext_version": __version__,
+            "series": f"v{sglang_version}",
+        },
+    )
+    if is_writer:
+        import torch
+
+        from sglang_ext.writer import DumpWriter
+
+        dumper.dir_fd = fmt.open_dump_dir(config.directory)
+        removed = fmt.clean_stale(dumper.dir_fd)
+        if any(removed.values()):
+            logger.warning("hidden-state dump: removed leftovers of an earlier run: %s", removed)
+        device = torch.device(model_runner.device, model_runner.gpu_id) if str(
+            model_runner.device
+        ).startswith("cuda") else None
+        dumper.writer = DumpWriter(
+            dumper.dir_fd,
+            max_host_bytes=config.max_host_bytes,
+            threads=config.writer_threads,
+            device=device,
+        )
+    _DUMPER = dumper
+    logger.info(
+        "hidden-state dump: layers %s of %d into %s (writer rank: %s)",
+        list(layer_ids), num_layers, config.directory, is_writer,
+    )
+
+
+# ---- every forward ------------------------------------------------------------------
+def capture_hidden_mode(batch, model_runner, mode):
+    """FULL for the target model's extend (prefill) batches while dumping, else ``mode``."""
+    if (
+        _DUMPER is None
+        or model_runner.is_draft_worker
+        or not batch.forward_mode.is_extend()
+        or batch.forward_mode.is_target_verify()
+    ):
+        return mode
+    return _DUMPER.capture_full
+
+
+# ---- result processing (scheduler thread) --------------------------------------------
+@dataclass
+class _ReqDump:
+    pending: Any = None  # writer.PendingDump while rows arrive
+    done: bool = False  # file queued (or error recorded): later prefills are ignored
+
+
+def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[List[int]]) -> None:
+    """Hand this extend batch's rows to the writer, request by request.
+
+    ``logits_output.hidden_states``: ``[sum(extend lens), num_layers * hidden_size]``,
+    the packed aux hidden states of the dump layers, requests in ``batch.reqs`` order.
+    Chunked prefill: each chunk's rows land in their slice of the request's buffer;
+    the file is queued when the last prompt row has arrived. Requests that fail here
+    get ``hidden_states_error`` instead of a path; the batch is never interrupted.
+    """
+    d = _DUMPER
+    if d is None or not d.is_writer or not batch.forward_mode.is_extend():
+        return
+    hidden = logits_output.hidden_states
+    lens = extend_input_len_per_req or []
+    decoding = set(map(id, batch.decoding_reqs or []))
+    prefix_lens = batch.prefix_lens or [0] * len(batch.reqs)
+    offset = 0
+    for i, req in enumerate(batch.reqs):
+        n = lens[i] if i < len(lens) else 0
+        start, offset = offset, offset + n
+        if id(req) in decoding or req.is_retracted or n == 0:
+            continue
+        state = getattr(req, _REQ_ATTR, None)
+        if state is None:
+            state = _ReqDump()
+            setattr(req, _REQ_ATTR, state)
+        if state.done:
+            continue
+        if req.finished():  # aborted while its prefill was in flight
+            _drop(d, state)
+            continue
+        try:
+            _take_rows(d, req, state, hidden, start, n, prefix_lens[i])
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
+            logger.error("hidden-state dump for rid %r failed: %s", req.rid, e)
+            _drop(d, state)
+            state.done = True
+            _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
+
+
+def _take_rows(d: _Dumper, req, state: _ReqDump, hidden, start: int, n: int, prefix_len: int):
+    num_tokens = len(req.origin_input_ids)
+    if hidden is None:
+        raise RuntimeError("the forward captured no hidden states for this batch")
+    if prefix_len == 0 and state.pending is not None and state.pending.rows:
+        _drop(d, state)  # retracted mid-prefill and started over
+    done_rows = state.pending.rows if state.pending is not None else 0
+    if prefix_len != done_rows:
+        raise RuntimeError(
+            f"extend starts at token {prefix_len} but {done_rows} rows were dumped "
+            f"(prefix reuse is not supported while dumping)"
+        )
+    if state.pending is None:
+        state.pending = d.writer.start(req.rid, num_tokens, hidden.shape[1], hidden.dtype)
+    rows = hidden[start:start + min(n, num_tokens - done_rows)]
+    d.writer.copy_rows(state.pending, rows)
+    if state.pending.rows == num_tokens:
+        _finish(d, req, state)
+
+
+def _finish(d: _Dumper, req, state: _ReqDump) -> None:
+    reservation = fmt.reserve(d.dir_fd, req.rid)
+    metadata = fmt.build_metadata(
+        rid=req.rid, layer_ids=d.layer_ids, num_layers=d.num_layers, extra=d.metadata
+    )
+    pending, state.pending, state.done = state.pending, None, True
+    d.writer.submit(pending, reservation, req.origin_input_ids, len(d.layer_ids), metadata)
+    _set_info(req, PATH_KEY, os.path.join(d.config.directory, reservation.name))
+
+
+def _drop(d: _Dumper, state: _ReqDump) -> None:
+    if state.pending is not None:
+        d.writer.abandon(state.pending)
+        state.pending = None
+
+
+def _set_info(req, key: str, value: str) -> None:
+    """Record a per-request value where SGLang carries it to ``meta_info``.
+
+    Upstream ships ``req.customized_info[key]`` (a list aligned with output tokens) to
+    the tokenizer manager, which puts it into ``meta_info[key]``;
+    ``finish_response`` turns the list back into the single value.
+    """
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[key] = [value]
+
+
+# ---- tokenizer manager (main process, asyncio) -----------------------------------------
+def _first(value):
+    if isinstance(value, list):
+        return next((v for v in value if v is not None), None)
+    return value
+
+
+async def finish_response(meta_info: dict) -> None:
+    """Before a finished request's response goes out: wait for its file, report it.
+
+    ``meta_info[hidden_states_path]`` becomes the file's absolute path once the writer
+    has released it; if the write failed, the key is replaced by ``hidden_states_error``.
+    """
+    if ERROR_KEY in meta_info:
+        meta_info[ERROR_KEY] = _first(meta_info[ERROR_KEY])
+    if PATH_KEY not in meta_info:
+        return
+    path = _first(meta_info[PATH_KEY])
+    meta_info[PATH_KEY] = path
+    try:
+        error = await fmt.wait_complete_async(path)
+    except TimeoutError as e:
+        error = str(e)
+    if error is not None:
+        del meta_info[PATH_KEY]
+        meta_info[ERROR_KEY] = error

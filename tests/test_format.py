@@ -1,0 +1,229 @@
+"""The file contract: names, atomic write, completion lock, index, reader.
+
+References are independent of the code under test: tensors built by hand, names checked
+against the rules in format.py's docstring, files read back with safetensors directly.
+"""
+
+import json
+import os
+import re
+import threading
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sglang_ext import format as fmt
+
+
+def _tensors(t=5, layers=4, hidden=8, dtype=torch.bfloat16):
+    hs = torch.arange(t * layers * hidden, dtype=torch.float32).reshape(t, layers, hidden)
+    return hs.to(dtype), torch.arange(100, 100 + t, dtype=torch.int64)
+
+
+@pytest.fixture
+def dump_dir(tmp_path):
+    d = tmp_path / "hs"
+    d.mkdir()
+    fd = fmt.open_dump_dir(str(d))
+    yield d, fd
+    os.close(fd)
+
+
+RIDS = [
+    "plain-rid_1.0",
+    "../../etc/passwd",
+    "/abs/path",
+    "a\x00b",
+    "dir/sub\\file",
+    "x" * 5000,
+    "漢字-emoji-😀",
+    "",
+    "..",
+    ".hidden",
+    "\udcff-lone-surrogate",
+]
+
+
+@pytest.mark.parametrize("rid", RIDS)
+def test_safe_stem_never_a_path(rid):
+    stem = fmt.safe_stem(rid)
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", stem), stem
+    assert not stem.startswith(".")
+    assert len((stem + "-99999" + fmt.SUFFIX + fmt.ERROR_SUFFIX).encode()) < 255
+
+
+def test_safe_stem_distinguishes_rids_that_sanitise_alike():
+    assert fmt.safe_stem("a/b") != fmt.safe_stem("a_b")
+    assert fmt.safe_stem("a/b") == fmt.safe_stem("a/b")
+
+
+@pytest.mark.parametrize("rid", RIDS)
+def test_hostile_rids_land_inside_the_directory(dump_dir, rid):
+    d, fd = dump_dir
+    res = fmt.reserve(fd, rid)
+    hs, ids = _tensors()
+    fmt.write_reserved(res, hs, ids, fmt.build_metadata(rid=rid, layer_ids=[1, 2, 3, 4], num_layers=4))
+    fmt.complete(res)
+    entries = os.listdir(d)
+    assert entries == [res.name]
+    assert os.path.dirname(os.path.realpath(d / res.name)) == os.path.realpath(d)
+    with safe_open(str(d / res.name), framework="pt") as f:
+        meta_rid = f.metadata()["rid"]
+    if "\udcff" in rid:
+        assert meta_rid == rid.replace("\udcff", "\\udcff")
+    else:
+        assert meta_rid == rid
+
+
+def test_round_trip_keys_shapes_dtype_metadata(dump_dir):
+    d, fd = dump_dir
+    hs, ids = _tensors(t=7, layers=3, hidden=16)
+    res = fmt.reserve(fd, "req-1")
+    meta = fmt.build_metadata(rid="req-1", layer_ids=[2, 5, 8], num_layers=8, extra={"model_path": "/m"})
+    size = fmt.write_reserved(res, hs, ids, meta)
+    fmt.complete(res)
+    path = d / res.name
+    assert size == path.stat().st_size
+    # Read back with safetensors itself (the contract speculators relies on).
+    with safe_open(str(path), framework="pt") as f:
+        assert sorted(f.keys()) == ["hidden_states", "token_ids"]
+        got_hs, got_ids, got_meta = f.get_tensor("hidden_states"), f.get_tensor("token_ids"), f.metadata()
+    assert got_hs.dtype == torch.bfloat16 and got_hs.shape == (7, 3, 16)
+    assert torch.equal(got_hs, hs)
+    assert got_ids.dtype == torch.int64 and torch.equal(got_ids, ids)
+    assert json.loads(got_meta["layer_ids"]) == [2, 5, 8]
+    assert got_meta["rid"] == "req-1" and got_meta["model_path"] == "/m"
+    assert got_meta["format"] == fmt.FORMAT_VERSION
+    rec = fmt.load(str(path))
+    assert rec.layer_ids == [2, 5, 8] and torch.equal(rec.hidden_states, hs)
+
+
+def test_same_rid_twice_gets_two_files(dump_dir):
+    d, fd = dump_dir
+    names = []
+    for value in (1.0, 2.0):
+        res = fmt.reserve(fd, "dup")
+        hs = torch.full((2, 1, 4), value)
+        fmt.write_reserved(res, hs, torch.zeros(2, dtype=torch.int64), {"rid": "dup"})
+        fmt.complete(res)
+        names.append(res.name)
+    assert len(set(names)) == 2
+    assert [fmt.load(str(d / n)).hidden_states[0, 0, 0].item() for n in names] == [1.0, 2.0]
+
+
+def test_concurrent_reservations_of_one_rid_are_distinct(dump_dir):
+    _, fd = dump_dir
+    out, lock = [], threading.Lock()
+
+    def take():
+        r = fmt.reserve(fd, "same")
+        with lock:
+            out.append(r)
+
+    threads = [threading.Thread(target=take) for _ in range(16)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len({r.name for r in out}) == 16
+    for r in out:
+        fmt.complete(r)
+
+
+def test_planted_symlink_is_not_followed(dump_dir, tmp_path):
+    d, fd = dump_dir
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    stem = fmt.safe_stem("target")
+    os.symlink(victim, d / f"{stem}{fmt.SUFFIX}")
+    os.symlink(victim, d / f"{stem}-1{fmt.SUFFIX}{fmt.LOCK_SUFFIX}")
+    res = fmt.reserve(fd, "target")
+    assert res.name == f"{stem}-2{fmt.SUFFIX}"
+    fmt.write_reserved(res, *_tensors(), {"rid": "target"})
+    fmt.complete(res)
+    assert victim.read_text() == "keep me"
+
+
+def test_directory_swapped_for_symlink_after_open(tmp_path):
+    d = tmp_path / "hs"
+    d.mkdir()
+    fd = fmt.open_dump_dir(str(d))
+    os.rename(d, tmp_path / "hs-moved")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, d)
+    res = fmt.reserve(fd, "r")
+    fmt.write_reserved(res, *_tensors(), {"rid": "r"})
+    fmt.complete(res)
+    assert os.listdir(elsewhere) == []
+    assert os.listdir(tmp_path / "hs-moved") == [res.name]
+    os.close(fd)
+
+
+def test_failed_write_leaves_no_final_and_no_tmp(dump_dir, monkeypatch):
+    d, fd = dump_dir
+    res = fmt.reserve(fd, "r")
+    import safetensors.torch
+
+    def boom(*a, **k):
+        # A partial file, then the disk fills up.
+        with open(a[1], "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError):
+        fmt.write_reserved(res, *_tensors(), {"rid": "r"})
+    fmt.fail(res, "OSError: No space left on device")
+    assert sorted(os.listdir(d)) == [res.name + fmt.ERROR_SUFFIX]
+    assert fmt.wait_complete(str(d / res.name), timeout=1) == "OSError: No space left on device"
+
+
+def test_shape_mismatch_is_refused(dump_dir):
+    _, fd = dump_dir
+    res = fmt.reserve(fd, "r")
+    hs, _ = _tensors(t=5)
+    with pytest.raises(fmt.DumpFormatError, match="5 rows for 4 token ids"):
+        fmt.write_reserved(res, hs, torch.zeros(4, dtype=torch.int64), {})
+    fmt.fail(res, "x")
+
+
+def test_wait_complete_blocks_until_lock_released(dump_dir):
+    d, fd = dump_dir
+    res = fmt.reserve(fd, "slow")
+    path = str(d / res.name)
+    result = {}
+
+    def waiter():
+        result["err"] = fmt.wait_complete(path, timeout=10)
+        result["exists"] = os.path.exists(path)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive(), "waiter returned while the lock was held"
+    fmt.write_reserved(res, *_tensors(), {"rid": "slow"})
+    fmt.complete(res)
+    t.join(5)
+    assert result == {"err": None, "exists": True}
+
+
+def test_wait_complete_times_out(dump_dir):
+    d, fd = dump_dir
+    res = fmt.reserve(fd, "stuck")
+    with pytest.raises(TimeoutError):
+        fmt.wait_complete(str(d / res.name), timeout=0.1)
+    fmt.fail(res, "x")
+
+
+def test_index_lines_and_clean_stale(dump_dir):
+    d, fd = dump_dir
+    fmt.append_index(fd, {"rid": "a", "file": "a.safetensors", "num_tokens": 3, "bytes": 10})
+    fmt.append_index(fd, {"rid": "b", "file": "b.safetensors", "num_tokens": 4, "bytes": 11})
+    assert [r["rid"] for r in fmt.read_index(str(d))] == ["a", "b"]
+    # Leftovers of a killed run: a tmp file and a lock nobody holds; a held lock stays.
+    (d / f".x{fmt.SUFFIX}{fmt.TMP_SUFFIX}").write_bytes(b"partial")
+    (d / f"x{fmt.SUFFIX}{fmt.LOCK_SUFFIX}").write_bytes(b"")
+    held = fmt.reserve(fd, "held")
+    assert fmt.clean_stale(fd) == {"tmp": 1, "lock": 1}
+    assert sorted(os.listdir(d)) == sorted(["index.jsonl", held.lock_name])
+    fmt.fail(held, "x")

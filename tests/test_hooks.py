@@ -1,0 +1,258 @@
+"""The hooks SGLang's patched files call, driven with stand-ins for SGLang's objects.
+
+The stand-ins carry only the attributes the hooks read (Req: rid, origin_input_ids,
+is_retracted, customized_info, finished(); ScheduleBatch: reqs, forward_mode,
+decoding_reqs, prefix_lens). The reference for every dumped file is a tensor computed
+from (request, token position, layer slot, channel) by a formula, independent of how
+the rows were batched, chunked or copied.
+"""
+
+import asyncio
+import os
+import types
+
+import pytest
+import torch
+
+from sglang_ext import format as fmt
+from sglang_ext import hooks
+from sglang_ext.config import DumpConfigError
+
+HIDDEN = 8
+
+
+class Mode:
+    def __init__(self, extend=True):
+        self.extend = extend
+
+    def is_extend(self):
+        return self.extend
+
+    def is_target_verify(self):
+        return False
+
+
+class Req:
+    def __init__(self, rid, num_tokens, seed):
+        self.rid = rid
+        self.origin_input_ids = [seed * 1000 + t for t in range(num_tokens)]
+        self.seed = seed
+        self.is_retracted = False
+        self.customized_info = None
+        self.aborted = False
+
+    def finished(self):
+        return self.aborted
+
+
+def reference(req, layer_ids, start=0, stop=None):
+    """[T, L, H] float32: value = seed*1e4 + token*100 + slot*10 + channel/10."""
+    stop = len(req.origin_input_ids) if stop is None else stop
+    t = torch.arange(start, stop, dtype=torch.float32)[:, None, None]
+    s = torch.arange(len(layer_ids), dtype=torch.float32)[None, :, None]
+    h = torch.arange(HIDDEN, dtype=torch.float32)[None, None, :]
+    return req.seed * 1e4 + t * 100 + s * 10 + h / 10
+
+
+def run_extend(reqs_and_spans, layer_ids, decoding=(), mode=None):
+    """One extend batch: [(req, start, stop)] token spans; returns what the hook got."""
+    rows, lens, prefix = [], [], []
+    for req, start, stop in reqs_and_spans:
+        if req in decoding:
+            rows.append(torch.zeros(1, len(layer_ids) * HIDDEN))
+            lens.append(1)
+            prefix.append(len(req.origin_input_ids))
+        else:
+            rows.append(reference(req, layer_ids, start, stop).reshape(stop - start, -1))
+            lens.append(stop - start)
+            prefix.append(start)
+    batch = types.SimpleNamespace(
+        reqs=[r for r, _, _ in reqs_and_spans],
+        forward_mode=mode or Mode(),
+        decoding_reqs=list(decoding),
+        prefix_lens=prefix,
+    )
+    out = types.SimpleNamespace(hidden_states=torch.cat(rows).to(torch.float32))
+    hooks.on_prefill_result(batch, out, lens)
+
+
+class Decoder(torch.nn.Module):
+    pass
+
+
+Decoder.__name__ = "LlamaModel"
+
+
+def make_runner(directory, num_layers=8, layers=None, tp_rank=0, max_mb=64):
+    lm = types.SimpleNamespace(capture_aux_hidden_states=False, model=Decoder())
+    lm.model.layers_to_capture = []
+    server_args = types.SimpleNamespace(
+        dump_hidden_states_dir=str(directory),
+        dump_hidden_states_layers=layers,
+        dump_hidden_states_max_host_mb=max_mb,
+        model_path="/models/tiny",
+    )
+    return types.SimpleNamespace(
+        server_args=server_args,
+        is_draft_worker=False,
+        model=lm,
+        model_config=types.SimpleNamespace(num_hidden_layers=num_layers),
+        ps=types.SimpleNamespace(tp_rank=tp_rank, attn_tp_rank=tp_rank),
+        device="cpu",
+        gpu_id=0,
+    )
+
+
+@pytest.fixture
+def dump(tmp_path):
+    d = tmp_path / "hs"
+    d.mkdir()
+    yield d
+    if hooks._DUMPER is not None and hooks._DUMPER.writer is not None:
+        hooks._DUMPER.writer.close(timeout=10)
+        os.close(hooks._DUMPER.dir_fd)
+    hooks._DUMPER = None
+
+
+def finish(req, timeout=10):
+    """What the tokenizer manager does before answering: returns meta_info."""
+    meta = dict(req.customized_info or {})
+    asyncio.run(asyncio.wait_for(hooks.finish_response(meta), timeout))
+    return meta
+
+
+def test_setup_turns_on_default_layers(dump):
+    runner = make_runner(dump, num_layers=32)
+    hooks.setup_model(runner)
+    assert runner.model.capture_aux_hidden_states is True
+    assert runner.model.model.layers_to_capture == [2, 16, 29, 32]
+    assert hooks.is_enabled()
+
+
+def test_setup_finds_language_model_of_a_multimodal_wrapper(dump):
+    inner = make_runner(dump, layers="3,31,59,61", num_layers=61)
+    wrapper = types.SimpleNamespace(language_model=inner.model)
+    inner.model = wrapper
+    hooks.setup_model(inner)
+    assert wrapper.language_model.model.layers_to_capture == [3, 31, 59, 61]
+
+
+def test_setup_refuses_out_of_range_and_unpatched_final_slot(dump):
+    with pytest.raises(DumpConfigError, match="exceed the model's 8 layers"):
+        hooks.setup_model(make_runner(dump, layers="2,9"))
+    runner = make_runner(dump, layers="2,8")
+    runner.model.model = torch.nn.Module()
+    runner.model.model.layers_to_capture = []
+    with pytest.raises(DumpConfigError, match="before the final norm"):
+        hooks.setup_model(runner)
+
+
+def test_one_file_per_request_with_chunked_prefill_and_mixed_batches(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4,8"))
+    ids = [2, 4, 8]
+    a, b, c = Req("a", 10, 1), Req("b", 3, 2), Req("c", 6, 3)
+    # Batch 1: b whole, first chunk of a. Batch 2: a's middle chunk, c whole, b decoding.
+    # Batch 3: a's last chunk.
+    run_extend([(b, 0, 3), (a, 0, 4)], ids)
+    assert a.customized_info is None, "a middle chunk must not finish the request"
+    run_extend([(a, 4, 8), (c, 0, 6), (b, 0, 0)], ids, decoding=(b,))
+    run_extend([(a, 8, 10)], ids)
+    for req in (a, b, c):
+        meta = finish(req)
+        assert "hidden_states_error" not in meta, meta
+        rec = fmt.load(meta["hidden_states_path"])
+        want = reference(req, ids)
+        assert rec.hidden_states.shape == want.shape
+        assert torch.equal(rec.hidden_states, want), (
+            f"{req.rid}: max diff {(rec.hidden_states - want).abs().max()}"
+        )
+        assert rec.token_ids.tolist() == req.origin_input_ids
+        assert rec.layer_ids == ids and rec.metadata["rid"] == req.rid
+    index = fmt.read_index(str(dump))
+    assert sorted(r["rid"] for r in index) == ["a", "b", "c"]
+    assert {r["file"] for r in index} == {n for n in os.listdir(dump) if n.endswith(".safetensors")}
+
+
+def test_same_rid_twice_keeps_both_files(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    first, second = Req("same", 4, 1), Req("same", 5, 2)
+    run_extend([(first, 0, 4), (second, 0, 5)], [2, 4])
+    p1, p2 = finish(first)["hidden_states_path"], finish(second)["hidden_states_path"]
+    assert p1 != p2
+    assert torch.equal(fmt.load(p1).hidden_states, reference(first, [2, 4]))
+    assert torch.equal(fmt.load(p2).hidden_states, reference(second, [2, 4]))
+
+
+def test_other_tp_ranks_copy_and_write_nothing(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4", tp_rank=1))
+    assert hooks._DUMPER.writer is None
+    req = Req("r", 4, 1)
+    run_extend([(req, 0, 4)], [2, 4])
+    assert req.customized_info is None
+    assert os.listdir(dump) == []
+
+
+def test_aborted_request_releases_its_buffer_and_writes_nothing(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("gone", 8, 1)
+    run_extend([(req, 0, 4)], [2, 4])
+    assert hooks._DUMPER.writer.budget.in_use > 0
+    req.aborted = True
+    run_extend([(req, 4, 8)], [2, 4])
+    assert hooks._DUMPER.writer.budget.in_use == 0
+    assert os.listdir(dump) == []
+
+
+def test_prefix_reuse_gives_an_error_not_a_short_file(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("cached", 8, 1)
+    run_extend([(req, 3, 8)], [2, 4])  # a radix-cache hit would start at token 3
+    meta = finish(req)
+    assert "hidden_states_path" not in meta
+    assert "prefix reuse" in meta["hidden_states_error"]
+    assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
+
+
+def test_retracted_mid_prefill_starts_over(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("again", 6, 1)
+    run_extend([(req, 0, 4)], [2, 4])
+    run_extend([(req, 0, 4)], [2, 4])  # scheduled again from scratch
+    run_extend([(req, 4, 6)], [2, 4])
+    assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
+
+
+def test_failed_write_reaches_the_response(dump, monkeypatch):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fmt, "write_reserved", disk_full)
+    req = Req("full", 4, 1)
+    run_extend([(req, 0, 4)], [2, 4])
+    meta = finish(req)
+    assert "No space left on device" in meta["hidden_states_error"]
+    assert "hidden_states_path" not in meta
+    assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
+    assert hooks._DUMPER.writer.snapshot()["failures"] == 1
+
+
+def test_decode_batches_are_ignored_and_capture_mode(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("d", 4, 1)
+    run_extend([(req, 0, 4)], [2, 4], mode=Mode(extend=False))
+    assert req.customized_info is None
+    runner = types.SimpleNamespace(is_draft_worker=False)
+    assert hooks.capture_hidden_mode(types.SimpleNamespace(forward_mode=Mode(True)), runner, 0) is hooks._DUMPER.capture_full
+    assert hooks.capture_hidden_mode(types.SimpleNamespace(forward_mode=Mode(False)), runner, 0) == 0
+
+
+def test_decode_rows_of_a_mixed_batch_are_skipped(dump):
+    # A request decoding inside a mixed (chunked-prefill + decode) batch contributes one
+    # row that is not a prompt row, even if its prefill was never seen by the dumper.
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    running, new = Req("running", 4, 1), Req("new", 3, 2)
+    run_extend([(running, 0, 0), (new, 0, 3)], [2, 4], decoding=(running,))
+    assert running.customized_info is None
+    assert torch.equal(fmt.load(finish(new)["hidden_states_path"]).hidden_states, reference(new, [2, 4]))
