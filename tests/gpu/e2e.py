@@ -1,0 +1,281 @@
+"""GPU end-to-end check: the patched SGLang server dumps hidden states equal to HF's.
+
+Runs on a CUDA host where SGLang 0.5.17 is importable with the kimi-sglang series applied
+(tests/gpu/run_e2e.sh does the staging). For each tiny random model (Llama; DeepseekV3,
+Kimi-K2.5's MLA + MoE architecture) it starts ``python -m sglang.launch_server`` exactly as
+a user would, sends concurrent ``/generate`` requests with ``input_ids``, and compares
+every file with an independent reference: HF transformers' forward pass of the same
+weights in float32, ``output_hidden_states[k]`` for ids k < N and the input of the final
+norm (a forward pre-hook) for id N.
+
+Pass criteria (stated here, checked per case): token_ids and shapes exact; every response
+names a file that exists and loads; index.jsonl has one line per file; bf16 tolerance on
+the relative error ||got - ref|| / ||ref||: <= 2e-2 over each request's (tokens x slot)
+block, and <= 5e-2 for every single token row. Writes a JSON results file and prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+import requests
+import torch
+
+TOL_BLOCK = 2e-2
+TOL_TOKEN = 5e-2
+CHUNK = 256
+PORT = 30011
+
+
+# ---- models ------------------------------------------------------------------------
+def build_llama(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return cfg.num_hidden_layers
+
+
+def build_deepseek(path):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # Every routed expert selected (top-k = all 8): routing cannot flip between bf16 and
+    # the fp32 reference, so differences come from real bugs only (gpu-lab README).
+    cfg = DeepseekV3Config(
+        vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        kv_lora_rank=512, q_lora_rank=384, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, n_routed_experts=8, num_experts_per_tok=8, n_shared_experts=1,
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=4096,
+        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_scaling=None,
+    )
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return cfg.num_hidden_layers
+
+
+# ---- reference -----------------------------------------------------------------------
+class Reference:
+    """HF forward in float32 on the GPU: hidden states at the requested layer ids."""
+
+    def __init__(self, path, arch):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).cuda().eval()
+        self.n = self.model.config.num_hidden_layers
+        self._pre_norm = None
+        self.model.model.norm.register_forward_pre_hook(self._grab)
+
+    def _grab(self, module, args):
+        self._pre_norm = args[0].detach()
+
+    @torch.no_grad()
+    def __call__(self, ids, layer_ids):
+        out = self.model(torch.tensor([ids], device="cuda"), output_hidden_states=True)
+        slots = []
+        for k in layer_ids:
+            slots.append(self._pre_norm[0] if k == self.n else out.hidden_states[k][0])
+        return torch.stack(slots, dim=1).float().cpu()  # [T, L, H]
+
+
+def rel_errors(got, ref):
+    got = got.float()
+    diff = (got - ref).reshape(got.shape[0], got.shape[1], -1)
+    block = ((got - ref).norm() / ref.norm()).item()
+    per_token = (diff.norm(dim=-1) / ref.reshape_as(diff).norm(dim=-1).clamp_min(1e-6)).max().item()
+    return block, per_token
+
+
+# ---- server --------------------------------------------------------------------------
+def start_server(model_path, dump_dir, layers, log_path):
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+           "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+           "--port", str(PORT), "--mem-fraction-static", "0.3", "--chunked-prefill-size", str(CHUNK),
+           "--cuda-graph-max-bs", "8", "--dump-hidden-states-dir", dump_dir]
+    if layers:
+        cmd += ["--dump-hidden-states-layers", layers]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    while time.time() - t0 < 420:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+        try:
+            if requests.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
+                return proc, time.time() - t0
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise RuntimeError("server did not come up in 420 s")
+
+
+def stop_server(proc):
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+    except Exception:
+        os.killpg(proc.pid, 9)
+
+
+def generate(ids, max_new_tokens=1, rid=None):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if rid is not None:
+        body["rid"] = rid
+    r = requests.post(f"http://127.0.0.1:{PORT}/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+# ---- cases ---------------------------------------------------------------------------
+def make_cases(rng):
+    vocab = 1024
+    rand = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    prefix = rand(400)
+    return {
+        "concurrent_32_mixed": [dict(ids=rand(rng.randrange(8, 600))) for _ in range(32)],
+        "longer_than_chunk_700": [dict(ids=rand(700))],
+        "just_over_chunk_257": [dict(ids=rand(CHUNK + 1))],
+        "shared_prefix_pair": [dict(ids=prefix + rand(50)), dict(ids=prefix + rand(70))],
+        "max_new_tokens_8": [dict(ids=rand(120), max_new_tokens=8), dict(ids=rand(300), max_new_tokens=8)],
+        "same_rid_twice": [dict(ids=rand(90), rid="dup-rid"), dict(ids=rand(60), rid="dup-rid")],
+    }
+
+
+def run_case(name, reqs, ref, layer_ids, hidden):
+    sequential = name in ("same_rid_twice", "shared_prefix_pair")
+    results = []
+    if sequential:
+        for q in reqs:
+            results.append(generate(q["ids"], q.get("max_new_tokens", 1), q.get("rid")))
+    else:
+        with cf.ThreadPoolExecutor(len(reqs)) as pool:
+            futs = [pool.submit(generate, q["ids"], q.get("max_new_tokens", 1), q.get("rid")) for q in reqs]
+            results = [f.result() for f in futs]
+    from sglang_ext import format as fmt
+
+    worst_block = worst_token = 0.0
+    problems, paths = [], []
+    for q, res in zip(reqs, results):
+        meta = res["meta_info"]
+        path = meta.get("hidden_states_path")
+        if not path or not os.path.exists(path):
+            problems.append(f"no file: {meta.get('hidden_states_error')}")
+            continue
+        paths.append(path)
+        rec = fmt.load(path)
+        want_shape = (len(q["ids"]), len(layer_ids), hidden)
+        if tuple(rec.hidden_states.shape) != want_shape:
+            problems.append(f"shape {tuple(rec.hidden_states.shape)} != {want_shape}")
+            continue
+        if rec.token_ids.tolist() != q["ids"]:
+            problems.append("token_ids differ")
+        if rec.layer_ids != list(layer_ids):
+            problems.append(f"layer_ids {rec.layer_ids} != {list(layer_ids)}")
+        block, token = rel_errors(rec.hidden_states, ref(q["ids"], layer_ids))
+        worst_block, worst_token = max(worst_block, block), max(worst_token, token)
+    if len(set(paths)) != len(paths):
+        problems.append("two responses name the same file")
+    ok = not problems and worst_block <= TOL_BLOCK and worst_token <= TOL_TOKEN
+    return {"pass": ok, "requests": len(reqs), "max_rel_err": worst_block,
+            "max_rel_err_per_token": worst_token, "problems": problems[:5], "paths": paths}
+
+
+def run_model(name, build, layers_flag, workdir, out_dir, rng):
+    from sglang_ext import format as fmt
+    from sglang_ext.config import default_layer_ids, parse_layer_ids
+
+    model_path = os.path.join(workdir, name)
+    n = build(model_path)
+    layer_ids = parse_layer_ids(layers_flag) or default_layer_ids(n)
+    dump_dir = f"/dev/shm/hs-{name}"
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    os.makedirs(dump_dir)
+    log_path = os.path.join(out_dir, f"server-{name}.log")
+    proc, startup = start_server(model_path, dump_dir, layers_flag, log_path)
+    cases = {}
+    try:
+        ref = Reference(model_path, name)
+        hidden = ref.model.config.hidden_size
+        for case, reqs in make_cases(rng).items():
+            t0 = time.time()
+            try:
+                cases[case] = run_case(case, reqs, ref, layer_ids, hidden)
+            except Exception as e:  # noqa: BLE001
+                cases[case] = {"pass": False, "problems": [f"{type(e).__name__}: {e}"]}
+            cases[case]["seconds"] = round(time.time() - t0, 2)
+        index = fmt.read_index(dump_dir)
+        files = sorted(x for x in os.listdir(dump_dir) if x.endswith(".safetensors"))
+        all_paths = [p for c in cases.values() for p in c.pop("paths", [])]
+        cases["index_one_line_per_file"] = {
+            "pass": sorted(r["file"] for r in index) == files and len(files) == len(all_paths),
+            "files": len(files), "index_lines": len(index), "responses_with_file": len(all_paths),
+        }
+        del ref
+        torch.cuda.empty_cache()
+    finally:
+        stop_server(proc)
+    return {"model": name, "num_layers": n, "layer_ids": list(layer_ids),
+            "layers_flag": layers_flag, "startup_s": round(startup, 1), "cases": cases}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--results", default=None, help="results JSON path (default: OUT/e2e-results.json)")
+    ap.add_argument("--models", default="llama,deepseek")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rng = random.Random(1234)
+    workdir = "/tmp/kimi-e2e-models"
+    os.makedirs(workdir, exist_ok=True)
+    plan = {"llama": (build_llama, None), "deepseek": (build_deepseek, "1,3,4")}
+    import sglang
+    import transformers
+
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "versions": {"sglang": sglang.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": sys.version.split()[0]},
+        "tolerance": {"block_rel_err": TOL_BLOCK, "per_token_rel_err": TOL_TOKEN},
+        "chunked_prefill_size": CHUNK,
+        "models": [],
+    }
+    for name in args.models.split(","):
+        build, layers = plan[name]
+        try:
+            report["models"].append(run_model(name, build, layers, workdir, args.out, rng))
+        except Exception as e:  # noqa: BLE001
+            report["models"].append({"model": name, "error": f"{type(e).__name__}: {e}", "cases": {}})
+    report["pass"] = all(m.get("cases") and all(c["pass"] for c in m["cases"].values()) for m in report["models"])
+    path = args.results or os.path.join(args.out, "e2e-results.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\n{'model':9} {'case':26} {'pass':5} {'reqs':>4} {'max_rel_err':>11} {'per_token':>9}")
+    for m in report["models"]:
+        if "error" in m:
+            print(f"{m['model']:9} ERROR {m['error']}")
+        for case, c in m["cases"].items():
+            print(f"{m['model']:9} {case:26} {str(c['pass']):5} {c.get('requests', c.get('files', '')):>4} "
+                  f"{c.get('max_rel_err', float('nan')):11.2e} {c.get('max_rel_err_per_token', float('nan')):9.2e}"
+                  + (f"  {c['problems']}" if c.get("problems") else ""))
+    print("ALL PASS" if report["pass"] else "SOME FAILED")
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU end-to-end run on the device host (H200 image: Python 3.12, torch 2.11+cu130).
+#
+# Staging (../shared/gpu-lab recipe): make .whl/{a,b,c} here with
+#   ../shared/gpu-lab/stage-wheels.sh .whl
+# then, on the device, one call per folder, back to back (each call carries one folder):
+#   bash tests/gpu/run_e2e.sh install a      (carry .whl/a)
+#   bash tests/gpu/run_e2e.sh install b      (carry .whl/b)
+#   bash tests/gpu/run_e2e.sh run            (carry .whl/c: installs c, applies, runs)
+# `run` applies the series with the project's own tool into the staged site-packages,
+# starts the patched server per model and compares every dumped file with HF's forward.
+# Results: $OUT/e2e-results.json (commit it as tests/gpu/results-<date>-h200.json).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+install_folder() {
+  if [ -f "/tmp/site-$1/.kimi-installed" ]; then echo "site-$1 already installed"; return; fi
+  bash .whl/install.sh .whl "$1"
+  touch "/tmp/site-$1/.kimi-installed"
+}
+case "${1:-run}" in
+  install) install_folder "$2" ;;
+  run)
+    [ -d .whl/c ] && install_folder c
+    export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD"
+    export PYTHONUNBUFFERED=1
+    python3 -m sglang_ext patches apply --series patches/v0.5.17 --site-packages
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python3 tests/gpu/e2e.py --out "${OUT:-/tmp/e2e-out}" "${@:2}"
+    ;;
+  *) echo "usage: $0 install a|b|c | run [--models llama,deepseek]" >&2; exit 2 ;;
+esac
