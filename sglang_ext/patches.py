@@ -1,0 +1,222 @@
+"""``python -m sglang_ext patches <verb>``: the patch series against SGLang.
+
+Verbs: checkout, check, apply, import, export, rebase (see docs/patches.md).
+The work is done in ``sglang_ext.patchtool``; this module parses arguments,
+calls it and prints the results. Every verb returns 0 on success, 1 when the
+series does not fit / git stopped, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from .patchtool.check import SeriesReport, apply_series, check_series
+from .patchtool.git import GitError, is_git_toplevel
+from .patchtool.history import (HistoryError, default_base_ref, export_series,
+                                import_series, rebase_series)
+from .patchtool.report import format_json, format_table
+from .patchtool.series import (SeriesError, load_series, pinned_base_for_version,
+                               resolve_series_dir)
+from .patchtool.tree import Tree, TargetError, installed_tree, tree_for_dir, tree_for_ref
+from .patchtool.wheel import (WheelError, WheelInfo, add_base_to_repo, base_tag,
+                              cached_checkout, create_checkout, fetch_wheel, verify_wheel,
+                              wheel_version)
+
+_VERSION_RE = re.compile(r"^v?\d+\.\d+(\.\d+)?([.\-+]?\w+)*$")
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+
+
+def _wheel_from_args(args: argparse.Namespace) -> WheelInfo:
+    """--wheel PATH | --version V | --base SERIES -> a verified wheel (downloaded if needed)."""
+    if args.wheel:
+        path = Path(args.wheel)
+        if not path.is_file():
+            raise WheelError(f"{path} does not exist")
+        info = verify_wheel(path, pinned_base_for_version(wheel_version(path)))
+    elif args.version:
+        version = args.version.lstrip("v")
+        info = fetch_wheel(version, pinned_base_for_version(version))
+    else:
+        series = load_series(resolve_series_dir(args.base))
+        if series.base is None:
+            raise SeriesError(f"{series.directory} has no base.toml; use --version or --wheel")
+        info = fetch_wheel(series.base.version, series.base)
+    if info.pinned:
+        print(f"{info.path.name}: sha256 {info.sha256} matches base.toml")
+    else:
+        print(f"{info.path.name}: sglang {info.version} is not pinned by any base.toml; "
+              f"sha256 {info.sha256} NOT verified")
+    return info
+
+
+def _cmd_checkout(args: argparse.Namespace) -> int:
+    info = _wheel_from_args(args)
+    dest = Path(args.dir)
+    if dest.is_dir() and is_git_toplevel(dest):
+        commit = add_base_to_repo(info, dest)
+        print(f"added base commit {commit[:12]} as tag {base_tag(info.version)} to {dest} "
+              "(working tree untouched)")
+    else:
+        commit = create_checkout(info, dest)
+        print(f"created {dest}: commit {commit[:12]} \"SGLang v{info.version} (PyPI wheel "
+              f"sources)\", tag {base_tag(info.version)}")
+    return 0
+
+
+def _target(args: argparse.Namespace) -> Tree:
+    if getattr(args, "against", None):
+        return _against_tree(args.against, getattr(args, "repo", None))
+    if args.target:
+        return tree_for_dir(args.target)
+    return installed_tree()
+
+
+def _against_tree(spec: str, repo: str | None) -> Tree:
+    """--against: a git ref (with --repo), a wheel file, a source dir, or a PyPI version."""
+    if repo:
+        return tree_for_ref(repo, spec)
+    path = Path(spec)
+    if path.is_file() and path.suffix == ".whl":
+        info = verify_wheel(path, pinned_base_for_version(wheel_version(path)))
+        return tree_for_dir(cached_checkout(info))
+    if path.is_dir():
+        return tree_for_dir(path)
+    if _VERSION_RE.match(spec):
+        version = spec.lstrip("v")
+        base = pinned_base_for_version(version)
+        info = fetch_wheel(version, base)
+        if not info.pinned:
+            print(f"note: sglang {version} is not pinned by any base.toml; sha256 not verified",
+                  file=sys.stderr)
+        return tree_for_dir(cached_checkout(info))
+    raise TargetError(f"--against {spec!r}: not a wheel, directory or version "
+                      "(for a git ref pass --repo CHECKOUT)")
+
+
+def _print(report: SeriesReport, as_json: bool) -> None:
+    print(format_json(report) if as_json else format_table(report))
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    series = load_series(resolve_series_dir(args.series))
+    report = check_series(series, _target(args))
+    if args.against and report.state in ("partial", "conflict"):
+        report.notes.append("a failing patch is left out; later patches were checked "
+                            "against the tree without it")
+    _print(report, args.json)
+    return 0 if report.ok else 1
+
+
+def _cmd_apply(args: argparse.Namespace) -> int:
+    series = load_series(resolve_series_dir(args.series))
+    report = apply_series(series, _target(args))
+    _print(report, args.json)
+    return 0 if report.ok else 1
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    series = load_series(resolve_series_dir(args.series))
+    commits = import_series(series, Path(args.dir))
+    for patch, commit in zip(series.patches, commits):
+        print(f"{commit[:12]}  {patch.name}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    repo = Path(args.dir)
+    base_ref = args.base_ref or default_base_ref(repo)
+    names = export_series(repo, base_ref, Path(args.out))
+    print(f"wrote {len(names)} patches ({base_ref}..HEAD) and series to {args.out}")
+    for n in names:
+        print(f"  {n}")
+    if not (Path(args.out) / "base.toml").is_file():
+        print(f"note: {args.out}/base.toml missing; add one pinning the base release")
+    return 0
+
+
+def _cmd_rebase(args: argparse.Namespace) -> int:
+    repo = Path(args.dir)
+    base_ref = args.base_ref or default_base_ref(repo)
+    result = rebase_series(repo, args.onto, base_ref)
+    if result.ok:
+        print(f"rebased {base_ref}..HEAD onto {args.onto}; export with:\n"
+              f"  python -m sglang_ext patches export {repo} --base-ref {args.onto} --out patches/vX")
+        return 0
+    print(f"rebase stopped: patch \"{result.conflict_patch}\" conflicts in:")
+    for f in result.conflict_files:
+        print(f"  {f}")
+    if not result.conflict_files:
+        print(result.message)
+    print(f"resolve in {repo} with git (edit, git add, git rebase --continue) "
+          "or give up with git rebase --abort")
+    return 1
+
+
+def _guard(func):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except (SeriesError, TargetError, WheelError, HistoryError, FileExistsError,
+                ValueError) as exc:
+            _err(str(exc))
+            return 2
+        except GitError as exc:
+            _err(str(exc))
+            return 1
+    return run
+
+
+def add_parser(subparsers) -> None:
+    """Add ``patches`` and its verbs to the top-level CLI's subparsers."""
+    p = subparsers.add_parser("patches", help="check/apply/maintain the SGLang patch series",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = p.add_subparsers(dest="verb", required=True)
+
+    co = verbs.add_parser("checkout", help="make a git checkout of a pinned SGLang wheel's sources")
+    src = co.add_mutually_exclusive_group()
+    src.add_argument("--base", help="series folder or vX.Y.Z under patches/ (default: newest)")
+    src.add_argument("--version", help="PyPI version (sha256 checked if a base.toml pins it)")
+    src.add_argument("--wheel", help="a local sglang wheel")
+    co.add_argument("dir", help="new directory; or an existing checkout to add the base as a tag")
+    co.set_defaults(func=_guard(_cmd_checkout))
+
+    for name, helptext, func in (
+        ("check", "check the series against a tree (changes nothing)", _cmd_check),
+        ("apply", "apply the whole series, or nothing", _cmd_apply),
+    ):
+        v = verbs.add_parser(name, help=helptext)
+        v.add_argument("--series", help="series folder or vX.Y.Z (default: newest patches/v*)")
+        where = v.add_mutually_exclusive_group()
+        where.add_argument("--target", help="SGLang checkout, or directory holding sglang/")
+        where.add_argument("--site-packages", action="store_true",
+                           help="the installed sglang package (default)")
+        if name == "check":
+            where.add_argument("--against", help="PyPI version, wheel path, source dir, "
+                               "or git ref (with --repo); base checkouts are cached")
+            v.add_argument("--repo", help="checkout in which --against names a git ref")
+        v.add_argument("--json", action="store_true", help="machine-readable output")
+        v.set_defaults(func=_guard(func), against=None)
+
+    im = verbs.add_parser("import", help="commit the series on a checkout (git am -3)")
+    im.add_argument("--series", help="series folder or vX.Y.Z (default: newest patches/v*)")
+    im.add_argument("dir")
+    im.set_defaults(func=_guard(_cmd_import))
+
+    ex = verbs.add_parser("export", help="write BASE..HEAD as a series (git format-patch)")
+    ex.add_argument("dir")
+    ex.add_argument("--base-ref", help="the base commit (default: nearest sglang-v* tag)")
+    ex.add_argument("--out", required=True, help="series folder to (re)write")
+    ex.set_defaults(func=_guard(_cmd_export))
+
+    rb = verbs.add_parser("rebase", help="rebase the series commits onto a new base (3-way)")
+    rb.add_argument("dir")
+    rb.add_argument("--onto", required=True, help="new base ref (e.g. sglang-v0.5.18)")
+    rb.add_argument("--base-ref", help="current base (default: nearest sglang-v* tag)")
+    rb.set_defaults(func=_guard(_cmd_rebase))

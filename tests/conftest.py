@@ -1,0 +1,44 @@
+"""Session fixtures for the patch tests: the pinned 0.5.17 wheel and one pristine checkout."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.patchtool.series import load_series
+from sglang_ext.patchtool.wheel import create_checkout, fetch_wheel, verify_wheel
+
+REPO = Path(__file__).resolve().parents[1]
+SERIES_DIR = REPO / "patches" / "v0.5.17"
+PRESEEDED = Path("/tmp/wh/sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64.whl")
+
+
+@pytest.fixture(scope="session")
+def series():
+    return load_series(SERIES_DIR)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A private KIMI_SGLANG_CACHE for the whole session (never ~/.cache)."""
+    path = tmp_path_factory.mktemp("cache")
+    os.environ["KIMI_SGLANG_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def wheel(series, cache_dir):
+    """The sha256-verified 0.5.17 wheel: /tmp/wh when present, else downloaded."""
+    if PRESEEDED.is_file():
+        return verify_wheel(PRESEEDED, series.base)
+    return fetch_wheel("0.5.17", series.base, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def pristine(wheel, tmp_path_factory) -> Path:
+    """One checkout built by the tool; tests clone it rather than modify it."""
+    dest = tmp_path_factory.mktemp("pristine") / "sglang"
+    create_checkout(wheel, dest)
+    return dest

@@ -1,0 +1,236 @@
+"""Tests of ``python -m sglang_ext patches`` against the real v0.5.17 series and wheel.
+
+Expectations are computed independently of sglang_ext.patchtool: added lines
+and hunk starts are read straight from the diff text, file lists from the
+wheel's zip, per-patch outcomes from running git apply directly.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.__main__ import main
+
+from conftest import SERIES_DIR
+
+SCHED = "python/sglang/srt/managers/scheduler.py"
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """Run the CLI in-process; return (exit code, stdout + stderr)."""
+    capsys.readouterr()
+    rc = main(["patches", *map(str, args)])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check)
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file under root (except .git)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and ".git" not in p.parts}
+
+
+def diff_sections(diff: Path) -> dict[str, str]:
+    """Map 'python/sglang/...' -> that file's part of a diff (plain regex split)."""
+    parts = re.split(r"^diff --git a/(\S+) b/\S+$", diff.read_text(), flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def added_lines(diff: Path) -> dict[str, list[str]]:
+    return {f: [ln[1:] for ln in body.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+            for f, body in diff_sections(diff).items()}
+
+
+def hunk_starts(diff: Path, file: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^@@ -(\d+)", diff_sections(diff)[file], flags=re.M)]
+
+
+def patch_files() -> list[Path]:
+    return [SERIES_DIR / n for n in (SERIES_DIR / "series").read_text().split()]
+
+
+def assert_series_in(root: Path, strip_python: bool) -> None:
+    """Every line the series adds is present in the patched file."""
+    for diff in patch_files():
+        for file, lines in added_lines(diff).items():
+            rel = file.removeprefix("python/") if strip_python else file
+            text = (root / rel).read_text()
+            for line in lines:
+                assert line in text, f"{diff.name}: {line!r} missing from {rel}"
+
+
+def clone(pristine: Path, dest: Path) -> Path:
+    git(dest.parent, "clone", "-q", str(pristine), str(dest))
+    return dest
+
+
+def site_packages(wheel_path: Path, dest: Path) -> Path:
+    """Fake site-packages: the wheel extracted by `python -m zipfile -e`."""
+    subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel_path), str(dest)], check=True)
+    return dest
+
+
+# ---------------------------------------------------------------- checkout
+
+def test_checkout_is_wheel_sources_in_one_commit(capsys, wheel, tmp_path):
+    dest = tmp_path / "co"
+    rc, out = cli(capsys, "checkout", "--wheel", wheel.path, dest)
+    assert rc == 0, out
+    assert "matches base.toml" in out
+    with zipfile.ZipFile(wheel.path) as zf:
+        want = {"python/" + n for n in zf.namelist()
+                if n.startswith("sglang/") and not n.endswith((".so", "/"))
+                and "__pycache__" not in n}
+        server_args = zf.read("sglang/srt/server_args.py")
+    tracked = set(git(dest, "ls-files", "-z").stdout.split("\0")) - {""}
+    assert tracked == want
+    assert not list(dest.rglob("*.so"))
+    assert (dest / "python/sglang/srt/server_args.py").read_bytes() == server_args
+    log = git(dest, "log", "--format=%s").stdout.splitlines()
+    assert log == ["SGLang v0.5.17 (PyPI wheel sources)"]
+
+
+def test_checkout_refuses_wheel_with_wrong_sha(capsys, wheel, tmp_path):
+    bad = tmp_path / wheel.path.name  # same name, so base.toml's pin applies
+    data = bytearray(wheel.path.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    rc, out = cli(capsys, "checkout", "--wheel", bad, tmp_path / "co")
+    assert rc != 0
+    assert "sha256 mismatch" in out
+    assert not (tmp_path / "co").exists()
+
+
+# ---------------------------------------------------------------- check / apply
+
+def test_series_checks_clean_and_applies_to_checkout(capsys, pristine, tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    rc, out = cli(capsys, "check", "--target", co, "--json")
+    assert rc == 0, out
+    report = json.loads(out)
+    assert report["state"] == "clean"
+    assert [p["status"] for p in report["patches"]] == ["clean"] * 5
+    assert git(co, "status", "--porcelain").stdout == ""  # check changed nothing
+
+    rc, out = cli(capsys, "apply", "--target", co)
+    assert rc == 0, out
+    assert "dump_hidden_states_dir" in (co / "python/sglang/srt/server_args.py").read_text()
+    assert_series_in(co, strip_python=False)
+    changed = set(git(co, "diff", "--name-only").stdout.split())
+    assert changed == {f for d in patch_files() for f in diff_sections(d)}
+
+
+def test_series_applies_to_site_packages_and_twice_is_noop(capsys, wheel, tmp_path):
+    sp = site_packages(wheel.path, tmp_path / "site-packages")
+    rc, out = cli(capsys, "apply", "--target", sp)
+    assert rc == 0, out
+    assert "dump_hidden_states_dir" in (sp / "sglang/srt/server_args.py").read_text()
+    assert_series_in(sp, strip_python=True)
+
+    before = tree_hashes(sp)
+    rc, out = cli(capsys, "apply", "--target", sp)
+    assert rc == 0, out
+    assert "already applied" in out
+    assert tree_hashes(sp) == before
+    rc, out = cli(capsys, "check", "--target", sp, "--json")
+    assert rc == 0 and json.loads(out)["state"] == "applied"
+
+
+def test_broken_tree_names_patch_file_hunk_and_changes_nothing(capsys, wheel, tmp_path):
+    sp = site_packages(wheel.path, tmp_path / "sp")
+    diff = next(d for d in patch_files() if d.name.startswith("0004-"))
+    # Break the line that 0004's second scheduler.py hunk replaces.
+    removed = [ln[1:] for ln in diff_sections(diff)[SCHED].splitlines()
+               if ln.startswith("-") and not ln.startswith("---")]
+    assert removed == ["            if batch.return_logprob or batch.return_hidden_states:"]
+    target = sp / SCHED.removeprefix("python/")
+    text = target.read_text()
+    assert text.count(removed[0]) == 1
+    target.write_text(text.replace(removed[0], removed[0] + "  # edited locally"))
+    before = tree_hashes(sp)
+
+    rc, out = cli(capsys, "check", "--target", sp, "--json")
+    assert rc == 1
+    report = json.loads(out)
+    assert report["state"] == "conflict"
+    statuses = {p["patch"][:4]: p for p in report["patches"]}
+    assert [statuses[k]["status"] for k in ("0001", "0002", "0003", "0005")] == ["clean"] * 4
+    fail = statuses["0004"]
+    assert fail["status"] == "fails"
+    line_of_hunk2 = hunk_starts(diff, SCHED)[1]
+    assert [(f["file"], f["hunk"], f["line"]) for f in fail["failures"]] == [(SCHED, 2, line_of_hunk2)]
+
+    rc, out = cli(capsys, "apply", "--target", sp)
+    assert rc == 1
+    assert "0004" in out and "hunk 2 of " + SCHED in out
+    assert tree_hashes(sp) == before  # not even 0001-0003 went in
+    assert "dump_hidden_states_dir" not in (sp / "sglang/srt/server_args.py").read_text()
+
+
+def test_partially_applied_series_is_reported(capsys, pristine, tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    for d in patch_files()[:2]:
+        git(co, "apply", str(d))
+    before = tree_hashes(co)
+    rc, out = cli(capsys, "apply", "--target", co, "--json")
+    assert rc == 1
+    report = json.loads(out)
+    assert report["state"] == "partial"
+    assert [p["status"] for p in report["patches"]] == ["applied"] * 2 + ["not-applied"] * 3
+    assert tree_hashes(co) == before
+
+
+# ---------------------------------------------------------------- history
+
+def test_import_then_export_is_byte_identical(capsys, pristine, tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    git(co, "fetch", "-q", "--tags")
+    rc, out = cli(capsys, "import", "--series", SERIES_DIR, co)
+    assert rc == 0, out
+    assert len(git(co, "rev-list", "sglang-v0.5.17..HEAD").stdout.split()) == 5
+
+    out_dir = tmp_path / "export"
+    rc, out = cli(capsys, "export", co, "--base-ref", "sglang-v0.5.17", "--out", out_dir)
+    assert rc == 0, out
+    names = sorted(p.name for p in out_dir.iterdir())
+    assert names == sorted(p.name for p in SERIES_DIR.iterdir() if p.name != "base.toml")
+    match, mismatch, errors = filecmp.cmpfiles(SERIES_DIR, out_dir, names, shallow=False)
+    assert (mismatch, errors) == ([], [])
+
+    # The imported commits, read as a git ref, are the whole series: "applied".
+    rc, out = cli(capsys, "check", "--against", "HEAD", "--repo", co, "--json")
+    assert rc == 0 and json.loads(out)["state"] == "applied"
+    rc, out = cli(capsys, "check", "--against", "HEAD~3", "--repo", co, "--json")
+    assert rc == 1
+    assert [p["status"] for p in json.loads(out)["patches"]] == ["applied"] * 2 + ["not-applied"] * 3
+
+
+def test_rebase_onto_identical_base_then_export_unchanged(capsys, pristine, tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    git(co, "fetch", "-q", "--tags")
+    assert cli(capsys, "import", co)[0] == 0
+    # A second base commit with the same tree but no shared history.
+    new = git(co, "-c", "user.name=t", "-c", "user.email=t@t", "commit-tree",
+              "sglang-v0.5.17^{tree}", "-m", "same sources").stdout.strip()
+    git(co, "tag", "newbase", new)
+    rc, out = cli(capsys, "rebase", co, "--onto", "newbase")
+    assert rc == 0, out
+    assert git(co, "rev-list", "--max-parents=0", "HEAD").stdout.strip() == new
+    out_dir = tmp_path / "export"
+    assert cli(capsys, "export", co, "--base-ref", "newbase", "--out", out_dir)[0] == 0
+    names = [n for n in (SERIES_DIR / "series").read_text().split()] + ["series"]
+    assert filecmp.cmpfiles(SERIES_DIR, out_dir, names, shallow=False)[1:] == ([], [])
