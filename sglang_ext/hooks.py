@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 PATH_KEY = "hidden_states_path"
 ERROR_KEY = "hidden_states_error"
 _REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
 FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
@@ -71,7 +72,8 @@ def check_server_args(server_args) -> None:
     dump path does not support (``--enable-return-hidden-states`` /
     ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism,
     PD disaggregation, DP attention). Turns the radix cache off (a request whose prefix
-    is cached would compute, and so dump, only its suffix) and says so in the log.
+    is cached would compute, and so dump, only its suffix) and says so in the log; turns
+    the prefill CUDA graph off (it cannot capture hidden states, so it would never run).
     """
     DumpConfig.from_server_args(server_args)
     refused = {
@@ -90,6 +92,11 @@ def check_server_args(server_args) -> None:
             f"--dump-hidden-states-dir cannot be combined with {', '.join(bad)} "
             f"(not supported by the dump path yet)"
         )
+    if not getattr(server_args, "disable_prefill_cuda_graph", True):
+        # The prefill graphs are captured without hidden-state capture, so every
+        # extend batch would fall back to eager anyway: skip capturing them.
+        logger.info("--dump-hidden-states-dir: prefill CUDA graph off (extend batches run eager)")
+        server_args.disable_prefill_cuda_graph = True
     if not server_args.disable_radix_cache:
         logger.warning(
             "--dump-hidden-states-dir: turning the radix cache off (--disable-radix-cache) "
@@ -223,7 +230,7 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
     for i, req in enumerate(batch.reqs):
         n = lens[i] if i < len(lens) else 0
         start, offset = offset, offset + n
-        if id(req) in decoding or req.is_retracted or n == 0:
+        if id(req) in decoding or req.is_retracted or n == 0 or _is_internal(req.rid):
             continue
         state = getattr(req, _REQ_ATTR, None)
         if state is None:
@@ -241,6 +248,11 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
             _drop(d, state)
             state.done = True
             _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
+
+
+def _is_internal(rid) -> bool:
+    """SGLang's own health-check requests (``/health_generate``) are not dumped."""
+    return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)
 
 
 def _take_rows(d: _Dumper, req, state: _ReqDump, hidden, start: int, n: int, prefix_len: int):

@@ -256,3 +256,11 @@ def test_decode_rows_of_a_mixed_batch_are_skipped(dump):
     run_extend([(running, 0, 0), (new, 0, 3)], [2, 4], decoding=(running,))
     assert running.customized_info is None
     assert torch.equal(fmt.load(finish(new)["hidden_states_path"]).hidden_states, reference(new, [2, 4]))
+
+
+def test_health_check_requests_are_not_dumped(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    probe = Req("HEALTH_CHECK_0123abcd", 1, 1)
+    run_extend([(probe, 0, 1)], [2, 4])
+    assert probe.customized_info is None
+    assert os.listdir(dump) == []
