@@ -11,7 +11,6 @@ import filecmp
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
