@@ -11,7 +11,6 @@ import filecmp
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -32,6 +31,13 @@ def cli(capsys, *args: str) -> tuple[int, str]:
     rc = main(["patches", *map(str, args)])
     out = capsys.readouterr()
     return rc, out.out + out.err
+
+
+def cli_json(capsys, *args: str) -> tuple[int, dict]:
+    """Run the CLI with --json; parse stdout alone (notes go to stderr)."""
+    capsys.readouterr()
+    rc = main(["patches", *map(str, args), "--json"])
+    return rc, json.loads(capsys.readouterr().out)
 
 
 def git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -119,9 +125,8 @@ def test_checkout_refuses_wheel_with_wrong_sha(capsys, wheel, tmp_path):
 
 def test_series_checks_clean_and_applies_to_checkout(capsys, pristine, tmp_path):
     co = clone(pristine, tmp_path / "co")
-    rc, out = cli(capsys, "check", "--target", co, "--json")
-    assert rc == 0, out
-    report = json.loads(out)
+    rc, report = cli_json(capsys, "check", "--target", co)
+    assert rc == 0, report
     assert report["state"] == "clean"
     assert [p["status"] for p in report["patches"]] == ["clean"] * 5
     assert git(co, "status", "--porcelain").stdout == ""  # check changed nothing
@@ -146,8 +151,8 @@ def test_series_applies_to_site_packages_and_twice_is_noop(capsys, wheel, tmp_pa
     assert rc == 0, out
     assert "already applied" in out
     assert tree_hashes(sp) == before
-    rc, out = cli(capsys, "check", "--target", sp, "--json")
-    assert rc == 0 and json.loads(out)["state"] == "applied"
+    rc, report = cli_json(capsys, "check", "--target", sp)
+    assert rc == 0 and report["state"] == "applied"
 
 
 def test_broken_tree_names_patch_file_hunk_and_changes_nothing(capsys, wheel, tmp_path):
@@ -163,9 +168,8 @@ def test_broken_tree_names_patch_file_hunk_and_changes_nothing(capsys, wheel, tm
     target.write_text(text.replace(removed[0], removed[0] + "  # edited locally"))
     before = tree_hashes(sp)
 
-    rc, out = cli(capsys, "check", "--target", sp, "--json")
+    rc, report = cli_json(capsys, "check", "--target", sp)
     assert rc == 1
-    report = json.loads(out)
     assert report["state"] == "conflict"
     statuses = {p["patch"][:4]: p for p in report["patches"]}
     assert [statuses[k]["status"] for k in ("0001", "0002", "0003", "0005")] == ["clean"] * 4
@@ -186,9 +190,8 @@ def test_partially_applied_series_is_reported(capsys, pristine, tmp_path):
     for d in patch_files()[:2]:
         git(co, "apply", str(d))
     before = tree_hashes(co)
-    rc, out = cli(capsys, "apply", "--target", co, "--json")
+    rc, report = cli_json(capsys, "apply", "--target", co)
     assert rc == 1
-    report = json.loads(out)
     assert report["state"] == "partial"
     assert [p["status"] for p in report["patches"]] == ["applied"] * 2 + ["not-applied"] * 3
     assert tree_hashes(co) == before
@@ -212,11 +215,11 @@ def test_import_then_export_is_byte_identical(capsys, pristine, tmp_path):
     assert (mismatch, errors) == ([], [])
 
     # The imported commits, read as a git ref, are the whole series: "applied".
-    rc, out = cli(capsys, "check", "--against", "HEAD", "--repo", co, "--json")
-    assert rc == 0 and json.loads(out)["state"] == "applied"
-    rc, out = cli(capsys, "check", "--against", "HEAD~3", "--repo", co, "--json")
+    rc, report = cli_json(capsys, "check", "--against", "HEAD", "--repo", co)
+    assert rc == 0 and report["state"] == "applied"
+    rc, report = cli_json(capsys, "check", "--against", "HEAD~3", "--repo", co)
     assert rc == 1
-    assert [p["status"] for p in json.loads(out)["patches"]] == ["applied"] * 2 + ["not-applied"] * 3
+    assert [p["status"] for p in report["patches"]] == ["applied"] * 2 + ["not-applied"] * 3
 
 
 def test_rebase_onto_identical_base_then_export_unchanged(capsys, pristine, tmp_path):
@@ -234,3 +237,89 @@ def test_rebase_onto_identical_base_then_export_unchanged(capsys, pristine, tmp_
     assert cli(capsys, "export", co, "--base-ref", "newbase", "--out", out_dir)[0] == 0
     names = [n for n in (SERIES_DIR / "series").read_text().split()] + ["series"]
     assert filecmp.cmpfiles(SERIES_DIR, out_dir, names, shallow=False)[1:] == ([], [])
+
+
+# ---------------------------------------------------------------- neighbouring release (PyPI)
+
+NEIGHBOUR = "0.5.16"
+_OFFLINE_HINTS = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
+                  "Name or service not known", "ConnectTimeout", "timed out", "ProxyError",
+                  "Max retries exceeded", "Could not fetch URL")
+
+
+@pytest.fixture(scope="module")
+def neighbour_wheel(cache_dir):
+    """sglang NEIGHBOUR from PyPI; skips only when the registry cannot be reached."""
+    from sglang_ext.patchtool.wheel import WheelError, fetch_wheel
+    try:
+        return fetch_wheel(NEIGHBOUR, None, cache_dir)
+    except WheelError as exc:
+        if any(h in str(exc) for h in _OFFLINE_HINTS):
+            pytest.skip(f"PyPI unreachable: {exc}")
+        raise
+
+
+def git_apply_series_directly(tree: Path) -> dict[str, tuple[str, set]]:
+    """Per patch, what plain `git apply --check -v` says on `tree` when the patches are
+    applied in order and failing ones left out: (status, {(file, hunk)})."""
+    out = {}
+    for diff in patch_files():
+        proc = git(tree, "apply", "--check", "-v", str(diff), check=False)
+        failed = set()
+        for file, line in re.findall(r"^error: patch failed: (\S+):(\d+)$", proc.stderr, flags=re.M):
+            failed.add((file, hunk_starts(diff, file).index(int(line)) + 1))
+        if proc.returncode == 0:
+            git(tree, "apply", str(diff))
+            status = "offset" if "(offset " in proc.stdout + proc.stderr else "clean"
+        else:
+            status = "fails"
+        out[diff.name] = (status, failed)
+    return out
+
+
+@pytest.mark.network
+def test_check_against_neighbouring_release_matches_git(capsys, neighbour_wheel, tmp_path):
+    rc, report = cli_json(capsys, "check", "--against", NEIGHBOUR)
+    got = {p["patch"]: (p["status"], {(f["file"], f["hunk"]) for f in p["failures"]})
+           for p in report["patches"]}
+
+    tree = tmp_path / "plain"  # the wheel's sources, laid out without the tool
+    with zipfile.ZipFile(neighbour_wheel.path) as zf:
+        for n in zf.namelist():
+            if n.startswith("sglang/") and not n.endswith("/") and not n.endswith(".so"):
+                dest = tree / "python" / n
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(zf.read(n))
+    git(tree, "init", "-q")  # so git apply treats paths relative to this directory
+    want = git_apply_series_directly(tree)
+
+    assert got == want
+    any_fail = any(s == "fails" for s, _ in want.values())
+    assert rc == (1 if any_fail else 0)
+    if any_fail:
+        assert report["state"] in ("conflict", "partial")
+
+
+@pytest.mark.network
+def test_rebase_onto_neighbour_stops_on_conflict(capsys, pristine, neighbour_wheel, tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    git(co, "fetch", "-q", "--tags")
+    assert cli(capsys, "import", co)[0] == 0
+    head = git(co, "rev-parse", "HEAD").stdout
+    rc, out = cli(capsys, "checkout", "--wheel", neighbour_wheel.path, co)
+    assert rc == 0, out
+    assert git(co, "rev-parse", "HEAD").stdout == head  # only a tag was added
+    tag = f"sglang-v{NEIGHBOUR}"
+    rc, out = cli(capsys, "rebase", co, "--onto", tag)
+    # Independent: where does git itself stop? (rebase state files + unmerged paths)
+    unmerged = set(git(co, "diff", "--name-only", "--diff-filter=U").stdout.split())
+    if rc == 0:
+        assert not unmerged
+        return
+    assert rc == 1
+    assert unmerged and all(f in out for f in unmerged)
+    subject = git(co, "log", "-1", "--format=%s", "REBASE_HEAD").stdout.strip()
+    assert f'patch "{subject}"' in out
+    assert "git rebase --continue" in out
+    git(co, "rebase", "--abort")
+    assert git(co, "rev-parse", "HEAD").stdout == head

@@ -109,7 +109,7 @@ def _touched(series: Series) -> list[str]:
     return out
 
 
-def _parse_apply_output(patch: Patch, tree: Tree, output: str) -> tuple[list[HunkFailure], list[HunkOffset]]:
+def _parse_apply_output(patch: Patch, output: str) -> tuple[list[HunkFailure], list[HunkOffset]]:
     """Turn ``git apply --check -v`` output into failures and offsets, naming hunks by
     index from the diff (git prints the failing hunk's old start line)."""
     failures: list[HunkFailure] = []
@@ -176,7 +176,7 @@ def forward_check(series: Series, tree: Tree, patches: list[Patch] | None = None
         tree.copy_into(_touched(series), work)
         for patch in patches:
             proc = _git_apply(tree, work, patch, check=True)
-            failures, offsets = _parse_apply_output(patch, tree, proc.stdout + proc.stderr)
+            failures, offsets = _parse_apply_output(patch, proc.stdout + proc.stderr)
             if proc.returncode != 0:
                 if not failures:
                     failures = [HunkFailure("?", None, None, (proc.stderr or proc.stdout).strip())]

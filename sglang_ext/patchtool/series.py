@@ -111,6 +111,7 @@ class Series:
 
     @property
     def name(self) -> str:
+        """The folder's name, e.g. ``v0.5.17``."""
         return self.directory.name
 
 
@@ -186,8 +187,6 @@ def parse_patch(path: Path) -> Patch:
                 Hunk(len(hunks) + 1, int(m.group(1)), old_len, int(m.group(3)), new_len, line)
             )
             remaining_old, remaining_new = old_len, new_len
-        elif line == "-- " and not in_file:
-            pass
         i += 1
     flush()
     if not files:
