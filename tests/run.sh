@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The test command (README, CI): CPU only; installs what it needs into a cached venv.
+#
+#   bash tests/run.sh [pytest args]
+#
+# Venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of requirements/ci.txt>),
+# reused while requirements/ci.txt is unchanged. It holds the pinned test deps, SGLang's
+# wheel installed --no-deps (plus only what importing its server args needs: see
+# requirements/ci.txt) and this project in editable mode. Downloads are cached by pip.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+py=${PYTHON:-python3}
+req=requirements/ci.txt
+sglang_version=$("$py" -c "import tomllib;print(tomllib.load(open('patches/v0.5.17/base.toml','rb'))['base']['version'])")
+hash=$(cat "$req" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
+venv=${KIMI_SGLANG_VENV:-$HOME/.cache/kimi-sglang/venv-$hash}
+if [ ! -f "$venv/.complete" ]; then
+  echo "== creating test venv $venv (first run: several minutes, torch is large)"
+  rm -rf "$venv"
+  "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r "$req"
+  "$venv/bin/python" -m pip install -q --no-deps "sglang==$sglang_version"
+  touch "$venv/.complete"
+fi
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+export PATH="$venv/bin:$PATH"
+echo "== ruff"
+ruff check sglang_ext tests --select F,E9
+echo "== pytest"
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  # pytest: "no tests were collected". With a filter that can be intended; a full run
+  # that collects nothing is a broken suite.
+  if [ "$#" -gt 0 ]; then echo "no test matched the selection"; exit 0; fi
+  echo "ERROR: pytest collected no tests"; exit 1
+fi
+exit "$rc"

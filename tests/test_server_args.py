@@ -1,0 +1,89 @@
+"""The patched ``sglang.srt.server_args`` imports and parses the new flags.
+
+The series is applied with the project's own tool to the pinned wheel's sources laid out
+as a site-packages folder; SGLang's real argument parser (``prepare_server_args``) runs in
+a subprocess that imports that patched copy first.
+"""
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+import sglang.srt.server_args as sa
+out = {"file": sa.__file__}
+try:
+    a = prepare_server_args(["--model-path", "dummy"] + json.loads(sys.argv[1]))
+    out.update(ok=True, dir=a.dump_hidden_states_dir, layers=a.dump_hidden_states_layers,
+               max_mb=a.dump_hidden_states_max_host_mb, radix_off=a.disable_radix_cache,
+               prefill_graph_off=a.disable_prefill_cuda_graph)
+except Exception as e:
+    out.update(ok=False, error=f"{type(e).__name__}: {e}")
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def patched_site(wheel, tmp_path_factory):
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    subprocess.run(
+        [sys.executable, "-m", "sglang_ext", "patches", "apply", "--series",
+         str(REPO / "patches" / "v0.5.17"), "--target", str(site)],
+        check=True, cwd=REPO, capture_output=True,
+    )
+    return site
+
+
+def parse(site, args):
+    env = {"PYTHONPATH": f"{site}:{REPO}", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, f"probe crashed:\n{proc.stderr[-3000:]}"
+    out = json.loads(line[-1][7:])
+    assert out["file"].startswith(str(site)), "imported an unpatched sglang"
+    return out
+
+
+def test_flags_parse_and_dumping_turns_off_radix_cache(patched_site, tmp_path):
+    out = parse(patched_site, ["--dump-hidden-states-dir", str(tmp_path),
+                               "--dump-hidden-states-layers", "2,16,29,32",
+                               "--dump-hidden-states-max-host-mb", "512"])
+    assert out["ok"], out
+    assert out["dir"] == str(tmp_path) and out["layers"] == "2,16,29,32"
+    assert out["max_mb"] == 512 and out["radix_off"] is True and out["prefill_graph_off"] is True
+
+
+def test_without_the_flag_nothing_changes(patched_site):
+    out = parse(patched_site, [])
+    assert out["ok"], out
+    assert out["dir"] is None and out["radix_off"] is False
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dump-hidden-states-dir", "/nonexistent/hs"], "does not exist; create it first"),
+        (["--dump-hidden-states-layers", "2,2"], "duplicate layer ids [2]"),
+        (["--dump-hidden-states-layers", "-1,3"], "out of range"),
+        (["--dump-hidden-states-layers", "0,3"], "out of range"),
+        (["--dump-hidden-states-layers", "two"], "'two' is not an integer"),
+        (["--dump-hidden-states-max-host-mb", "0"], "must be a positive integer"),
+        (["--enable-return-hidden-states"], "cannot be combined with --enable-return-hidden-states"),
+    ],
+)
+def test_bad_values_give_clear_errors(patched_site, tmp_path, args, message):
+    if "--dump-hidden-states-dir" not in args:
+        args = ["--dump-hidden-states-dir", str(tmp_path)] + args
+    out = parse(patched_site, args)
+    assert not out["ok"] and message in out["error"], out
