@@ -70,10 +70,11 @@ def check_server_args(server_args) -> None:
     Raises ``DumpConfigError`` (a ``ValueError``: SGLang prints it and exits) for a
     missing or unwritable directory, bad layer ids, a bad memory cap, and options the
     dump path does not support (``--enable-return-hidden-states`` /
-    ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism,
-    PD disaggregation, DP attention). Turns the radix cache off (a request whose prefix
-    is cached would compute, and so dump, only its suffix) and says so in the log; turns
-    the prefill CUDA graph off (it cannot capture hidden states, so it would never run).
+    ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
+    disaggregation, DP attention, embedding models). Turns the radix cache off (a
+    request whose prefix is cached would compute, and so dump, only its suffix) and says
+    so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
+    it would never run).
     """
     DumpConfig.from_server_args(server_args)
     refused = {
@@ -85,6 +86,7 @@ def check_server_args(server_args) -> None:
         "--disaggregation-mode": getattr(server_args, "disaggregation_mode", "null")
         not in (None, "null"),
         "--enable-dp-attention": bool(getattr(server_args, "enable_dp_attention", False)),
+        "--is-embedding": bool(getattr(server_args, "is_embedding", False)),
     }
     bad = [name for name, on in refused.items() if on]
     if bad:
