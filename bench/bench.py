@@ -48,7 +48,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO))  # sglang_ext, for the ceilings subprocess
 import report  # noqa: E402
 
-PORT_A, PORT_B = 30031, 30032
 DEFAULT_WRITER_THREADS = 8  # sglang_ext.config.DEFAULT_WRITER_THREADS
 DEFAULT_MAX_HOST_MB = 4096  # sglang_ext.config.DEFAULT_MAX_HOST_MB
 DEFAULT_CHUNK = 8192  # SGLang 0.5.17's chunked prefill size on an H200 (gpu_mem 80-160 GB)
@@ -148,16 +147,16 @@ def model_path(args, name):
     return os.path.join(args.workdir, name)
 
 
-def dump_dir(name):
-    return f"/dev/shm/kimi-bench-{name}"
+def dump_dir(args, name):
+    return os.path.join(args.dump_root, f"kimi-bench-{name}")
 
 
 def server_cmd(args, name, which):
     """The server command line; A and B differ only in the last flags."""
     spec = MODELS[name]
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path(args, name),
+    cmd = [sys.executable, "-m", args.server_module, "--model-path", model_path(args, name),
            "--skip-tokenizer-init", "--attention-backend", "triton",
-           "--sampling-backend", "pytorch", "--port", str(PORT_A if which == "A" else PORT_B),
+           "--sampling-backend", "pytorch", "--port", str(args.ports[0 if which == "A" else 1]),
            "--mem-fraction-static", str(args.mem_fraction_static), "--disable-radix-cache",
            "--cuda-graph-max-bs", "32", "--log-level", "info"]
     if not args.cuda_graph:
@@ -172,7 +171,7 @@ def server_cmd(args, name, which):
         if "json" in args.modes.split(","):
             cmd += ["--enable-return-hidden-states"]
     else:
-        cmd += ["--dump-hidden-states-dir", dump_dir(name)]
+        cmd += ["--dump-hidden-states-dir", dump_dir(args, name)]
         if spec["layers_flag"]:
             cmd += ["--dump-hidden-states-layers", spec["layers_flag"]]
         if args.max_host_mb:
@@ -257,7 +256,7 @@ READY_FOR_NEXT = re.compile(r"KV [Cc]ache (is )?allocated|Memory pool end|Uvicor
 class Server:
     def __init__(self, name, which, cmd, log_path):
         self.name, self.which, self.cmd, self.log_path = name, which, cmd, log_path
-        self.port = PORT_A if which == "A" else PORT_B
+        self.port = int(cmd[cmd.index("--port") + 1])
         self.proc = None
         self.t_start = None
         self.startup_s = None
@@ -533,16 +532,8 @@ def internal_build(name, path):
     print(f"{name}: built on {device} in {time.time() - t0:.1f} s -> {path}")
 
 
-def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_host_mb):
-    """Measure the ceilings; writes a JSON dict to ``part_path``."""
-    import torch
-    from safetensors.torch import save_file
-
-    from sglang_ext import format as fmt
-    from sglang_ext.writer import DumpWriter
-
-    dev = torch.device("cuda", 0)
-    out = {"writer_threads": threads}
+def d2h_ceiling(torch, dev, out):
+    """Pinned device-to-host copy of 1 GiB: best and median of 5, GB/s."""
     # 1. pinned device-to-host copy, 1 GiB
     n = 1 << 29  # bf16 elements = 1 GiB
     src = torch.randn(n, dtype=torch.float32, device=dev).to(torch.bfloat16)
@@ -563,6 +554,23 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
     torch.cuda.empty_cache()
     print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
 
+
+def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_host_mb):
+    """Measure the ceilings; writes a JSON dict to ``part_path``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sglang_ext import format as fmt
+    from sglang_ext.writer import DumpWriter
+
+    cuda = torch.cuda.is_available()
+    # Without CUDA (a CPU check of this code) the copy ceiling is skipped and the writer
+    # gets CPU rows; the numbers then mean nothing.
+    dev = torch.device("cuda", 0) if cuda else None
+    out = {"writer_threads": threads, "cuda": cuda}
+    if cuda:
+        d2h_ceiling(torch, dev, out)
+
     budget = ceiling_mib << 20
     free = shutil.disk_usage("/dev/shm").free
     budget = min(budget, int(free * 0.4))
@@ -579,7 +587,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         if round(rows * layers * hidden / (1 << 18)) in seen:  # same size to 1/4 MiB
             continue
         seen.add(round(rows * layers * hidden / (1 << 18)))
-        t = torch.empty((rows, layers, hidden), dtype=torch.bfloat16, pin_memory=True).normal_()
+        t = torch.empty((rows, layers, hidden), dtype=torch.bfloat16, pin_memory=cuda).normal_()
         ids = torch.arange(rows, dtype=torch.int64)
         size = t.numel() * 2 + rows * 8
         count = max(2 * threads, math.ceil(budget / size))
@@ -609,7 +617,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
     for s in json.loads(sizes_json):
         rows, layers, hidden = s["rows"], s["layers"], s["hidden"]
         width = layers * hidden
-        gpu_rows = torch.randn((rows, width), dtype=torch.float32, device=dev).to(torch.bfloat16)
+        gpu_rows = torch.randn((rows, width), dtype=torch.float32, device=dev or "cpu").to(torch.bfloat16)
         ids = list(range(rows))
         size = rows * width * 2 + rows * 8
         count = max(2 * threads, math.ceil(budget / size))
@@ -644,7 +652,8 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         print(f"writer alone, {s['model']} {s['prompt_len']}-token files x {count}: "
               f"{max(results):.1f} GB/s (reps {[round(x, 1) for x in results]})", flush=True)
         del gpu_rows
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     os.close(fd)
     shutil.rmtree(d, ignore_errors=True)
     with open(part_path, "w") as f:
@@ -683,10 +692,11 @@ def run_model(args, plan, name, clock, results, save, skipped):
     t0 = time.monotonic()
     path = model_path(args, name)
     os.makedirs(args.workdir, exist_ok=True)
-    subprocess.run([sys.executable, __file__, "--internal", "build", "--internal-model", name],
-                   check=True, timeout=300, env=os.environ | {"KIMI_BENCH_MODEL_PATH": path})
+    if not args.no_build:
+        subprocess.run([sys.executable, __file__, "--internal", "build", "--internal-model", name],
+                       check=True, timeout=300, env=os.environ | {"KIMI_BENCH_MODEL_PATH": path})
     results["phases"][f"{name}/build_s"] = round(time.monotonic() - t0, 1)
-    dd = dump_dir(name)
+    dd = dump_dir(args, name)
     shutil.rmtree(dd, ignore_errors=True)
     os.makedirs(dd)
     logs = os.path.join(args.workdir, "logs")
@@ -713,7 +723,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
             except Exception as e:  # noqa: BLE001 - psutil missing: log parse only
                 print(f"  no RSS sampling: {e}")
                 m["host_memory"] = {"cap_bytes": plan["max_host_mb"] << 20}
-        shm_free = shutil.disk_usage("/dev/shm").free
+        shm_free = shutil.disk_usage(args.dump_root).free
         t0 = time.monotonic()
         for cell in mp["cells"]:
             label = f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
@@ -791,6 +801,12 @@ def build_parser():
     ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs on (longer start-up)")
     ap.add_argument("--sleep-on-idle", action="store_true")
     ap.add_argument("--case", default=None, help="results file name part (default: the profile)")
+    ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
+    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[30031, 30032],
+                    help="ports of servers A and B")
+    ap.add_argument("--no-build", action="store_true", help="use the models already in --workdir")
+    # tests/test_bench.py rehearses the orchestration against a fake server
+    ap.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
     ap.add_argument("--internal", choices=["build", "ceilings"], help=argparse.SUPPRESS)
     ap.add_argument("--internal-model", help=argparse.SUPPRESS)
     ap.add_argument("--internal-part", help=argparse.SUPPRESS)

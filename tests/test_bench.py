@@ -210,3 +210,48 @@ def test_short_gpu_name():
     assert bench.short_gpu("NVIDIA H200") == "h200"
     assert bench.short_gpu("NVIDIA H100 80GB HBM3") == "h100"
     assert bench.short_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtxpro6000"
+
+
+def test_rehearsal_against_a_fake_server(tmp_path):
+    """bench.py end to end on a CPU: start two (fake) servers, warm up, every cell, the
+    dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""
+    import os
+    import socket
+
+    pytest.importorskip("requests")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    out, work, shm = tmp_path / "out", tmp_path / "work", tmp_path / "shm"
+    shm.mkdir()
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(BENCH.parent / "tests"), str(BENCH.parent)])}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench.py"), "--quick", "--server-module", "fake_sglang_server",
+         "--no-build", "--skip-ceilings", "--models", "deepseek-tiny", "--prompt-lens", "16,2048",
+         "--concurrency", "1,8", "--cell-tokens", "256", "--json-requests", "2",
+         "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
+         "--ports", f"{ports[0]},{ports[1]}", "--deadline-s", "120", "--case", "rehearsal"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [res_path] = out.glob("*-rehearsal.json")
+    res = json.loads(res_path.read_text())
+    m = res["models"]["deepseek-tiny"]
+    cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in m["cells"]}
+    assert len(cells) == 9 and not any(c.get("error") for c in cells.values()), m["cells"]
+    d = cells[("dump", 2048, 8)]
+    assert d["requests"] == 8 and d["files"] == 8
+    # fake files: 8 x (2048 x 4 x 64 x 2 + 2048 x 8 + header)
+    assert 8 * 2048 * (4 * 64 * 2 + 8) < d["file_bytes"] < 8 * (2048 * (4 * 64 * 2 + 8) + 1024)
+    assert d["file_check"]["hidden_states"]["shape"] == [2048, 4, 64]
+    assert d["file_check"]["layer_ids"] == "[1, 2, 3, 4]"
+    assert cells[("dump", 16, 1)]["requests"] == 16  # 256 tokens / 16
+    j = cells[("json", 2048, 8)]
+    assert j["requests"] == 2 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 2 * 2048 * 8 * 5
+    assert m["host_memory"]["log_host_bytes_peak"] == 2048 * 4 * 64 * 2
+    assert res["headline"]["deepseek-tiny"]["dump_vs_json"] is not None
+    assert list(shm.iterdir()) == []  # dump directory removed
+    assert (out / res_path.name.replace(".json", ".md")).exists()
+    assert (out / "server-deepseek-tiny-B.log").exists()
+    assert "dump/nodump min" in proc.stdout
