@@ -72,7 +72,7 @@ MODELS = {
 PROFILES = {
     # fits one ~9-minute device call with both models (see bench/README.md)
     "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
-              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 450},
+              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420},
     "full": {"cell_tokens": 256 * 1024, "min_rounds": 4, "json_requests": 16,
              "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000},
 }
@@ -111,17 +111,24 @@ def make_plan(args):
     for name in models:
         spec = MODELS[name]
         cells = []
-        for plen in args.prompt_lens:
-            for conc in args.concurrency:
-                n = cell_requests(plen, conc, cell_tokens, min_rounds)
-                for mode in ("nodump", "dump"):
-                    if mode in modes:
-                        cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
-                                      "requests": n, "prompt_tokens": n * plen})
-        if "json" in modes:
-            cells.append({"mode": "json", "prompt_len": report.JSON_PROMPT_LEN,
-                          "concurrency": report.JSON_CONCURRENCY, "requests": json_requests,
-                          "prompt_tokens": json_requests * report.JSON_PROMPT_LEN})
+        # the headline cells (2k, conc 8: nodump, dump, JSON) first, so that a run cut
+        # short by the deadline still has them; then the rest, nodump and dump alternating
+        grid = [(p, c) for p in args.prompt_lens for c in args.concurrency]
+        head = (report.JSON_PROMPT_LEN, report.JSON_CONCURRENCY)
+        grid.sort(key=lambda pc: pc != head)
+        for plen, conc in grid:
+            n = cell_requests(plen, conc, cell_tokens, min_rounds)
+            for mode in ("nodump", "dump"):
+                if mode in modes:
+                    cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
+                                  "requests": n, "prompt_tokens": n * plen})
+            if (plen, conc) == head and "json" in modes:
+                cells.append({"mode": "json", "prompt_len": plen, "concurrency": conc,
+                              "requests": json_requests, "prompt_tokens": json_requests * plen})
+        if "json" in modes and head not in grid:
+            plen, conc = head
+            cells.append({"mode": "json", "prompt_len": plen, "concurrency": conc,
+                          "requests": json_requests, "prompt_tokens": json_requests * plen})
         for c in cells:
             tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
@@ -299,17 +306,26 @@ class Server:
         if self.startup_s is None:
             self.startup_s = round(time.monotonic() - self.t_start, 1)
 
-    def stop(self):
-        if self.proc is None or self.proc.poll() is not None:
-            return
+
+def stop_all(servers, grace=20):
+    """SIGTERM every server's process group at once, SIGKILL what is left after ``grace`` s."""
+    live = [s for s in servers if s.proc is not None and s.proc.poll() is None]
+    for s in live:
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        except Exception:  # noqa: BLE001
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            os.killpg(s.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for s in live:
+        try:
+            s.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)  # stragglers in the group, if any
+        except ProcessLookupError:
+            pass
+        s.proc.wait()
 
 
 def start_pair(servers, timeout):
@@ -476,9 +492,12 @@ def describe_nested(x):
 
 
 def warm_up(server, spec, rng, plens, json_too):
+    """One request, then a burst of 8, at every prompt length: kernels compiled for the
+    shapes, and on the dump server the pinned host buffers of those sizes allocated
+    (torch caches them), before anything is timed."""
     for plen in plens:
         send_batch(server.port, make_prompts(rng, 1, plen, spec["vocab"]), 1)
-    send_batch(server.port, make_prompts(rng, 8, min(plens), spec["vocab"]), 8)
+        send_batch(server.port, make_prompts(rng, 8, plen, spec["vocab"]), 8)
     if json_too:
         send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
 
@@ -768,8 +787,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 hm["rss_delta_bytes"] = max(0, sampler.peak - hm["rss_baseline_bytes"])
     finally:
         t0 = time.monotonic()
-        for s in servers.values():
-            s.stop()
+        stop_all(list(servers.values()))
         results["phases"][f"{name}/stop_s"] = round(time.monotonic() - t0, 1)
         for w, s in servers.items():
             copy_log(s.log_path, os.path.join(args.out, f"server-{name}-{w}.log"))
@@ -856,7 +874,13 @@ def main(argv=None):
         results["phases"]["total_s"] = round(clock.elapsed(), 1)
         save_results(results, args.out, stem)
 
-    print(f"== {gpu}; results -> {os.path.join(args.out, stem)}.json", flush=True)
+    shm_free = shutil.disk_usage(args.dump_root).free
+    results["config"]["dump_root_free_bytes"] = shm_free
+    print(f"== {gpu}; {args.dump_root}: {shm_free / (1 << 30):.1f} GiB free; results -> "
+          f"{os.path.join(args.out, stem)}.json", flush=True)
+    if shm_free < 8 << 30:
+        print(f"WARNING: {args.dump_root} has {shm_free / (1 << 30):.1f} GiB free; dump cells are "
+              f"cut to fit (scaled_for_shm) and may fail; try --dump-root on a larger tmpfs", flush=True)
     if not args.skip_ceilings:
         t0 = time.monotonic()
         part = os.path.join(args.workdir, "ceilings.json")
