@@ -166,8 +166,12 @@ def test_plan_sizes_and_server_flags():
     assert cells[("dump", 8192, 32)]["requests"] == 32  # one per client at least
     # 2048 tokens x (4 x 4096 x 2 + 8) bytes + header
     assert bench.file_bytes(bench.MODELS["llama-mid"], 2048) == 2048 * 32776 + 1024
+    # the headline cells come first: a run cut short by the deadline still has them
+    assert [(c["mode"], c["prompt_len"], c["concurrency"]) for c in llama["cells"][:3]] == [
+        ("nodump", 2048, 8), ("dump", 2048, 8), ("json", 2048, 8)]
     full = bench.make_plan(_args(["--dry-run"]))
-    assert full["models"]["llama-mid"]["cells"][-1]["requests"] == 16
+    [json_cell] = [c for c in full["models"]["llama-mid"]["cells"] if c["mode"] == "json"]
+    assert json_cell["requests"] == 16
 
 
 def _args(argv):
