@@ -73,7 +73,7 @@ PROFILES = {
     # fits one ~9-minute device call with both models (see bench/README.md)
     "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
               "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420},
-    "full": {"cell_tokens": 256 * 1024, "min_rounds": 4, "json_requests": 16,
+    "full": {"cell_tokens": 256 * 1024, "min_rounds": 2, "json_requests": 16,
              "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000},
 }
 
@@ -779,6 +779,9 @@ def run_model(args, plan, name, clock, results, save, skipped):
                   + (f"  ERROR {r['error']}" if r.get("error") else ""), flush=True)
             save()
         results["phases"][f"{name}/cells_s"] = round(time.monotonic() - t0, 1)
+        checked = [c["file_check"] for c in m["cells"] if c.get("file_check")]
+        if checked:
+            m["file_check"] = checked[0]
         if "B" in servers:
             hm = m["host_memory"]
             hm["log_host_bytes_peak"] = writer_log_peak(servers["B"].log_text())
@@ -820,7 +823,7 @@ def build_parser():
     ap.add_argument("--sleep-on-idle", action="store_true")
     ap.add_argument("--case", default=None, help="results file name part (default: the profile)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
-    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[30031, 30032],
+    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000],
                     help="ports of servers A and B")
     ap.add_argument("--no-build", action="store_true", help="use the models already in --workdir")
     # tests/test_bench.py rehearses the orchestration against a fake server
@@ -849,6 +852,9 @@ def main(argv=None):
     for name in args.models.split(","):
         if name and name not in MODELS:
             ap.error(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    for mode in args.modes.split(","):
+        if mode not in ("nodump", "dump", "json"):
+            ap.error(f"unknown mode {mode!r} (known: nodump, dump, json)")
     plan = make_plan(args)
     if args.dry_run:
         print_plan(plan)

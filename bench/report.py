@@ -249,6 +249,12 @@ def render_markdown(results: dict) -> str:
             f"- dump_vs_json (2k, conc 8): {_f(h.get('dump_vs_json'), '{:.1f}')}x",
             f"- writer_vs_ceiling (2k files): {_f(h.get('writer_vs_ceiling'), '{:.2f}')}",
         ]
+        fc = m.get("file_check")
+        if fc:
+            lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, "
+                         f"layer_ids {fc.get('layer_ids')}")
+        if m.get("error"):
+            lines.append(f"- ERROR: {m['error'][:300]}")
         mem = m.get("host_memory", {})
         if mem:
             lines.append(
