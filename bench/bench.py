@@ -72,9 +72,9 @@ MODELS = {
 PROFILES = {
     # fits one ~9-minute device call with both models (see bench/README.md)
     "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
-              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420},
+              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420, "writer_log_wait_s": 0},
     "full": {"cell_tokens": 256 * 1024, "min_rounds": 2, "json_requests": 16,
-             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000},
+             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000, "writer_log_wait_s": 65},
 }
 
 
@@ -407,7 +407,11 @@ class RssSampler:
         import psutil
 
         total = 0
-        for p in [self.root] + self.root.children(recursive=True):
+        try:
+            procs = [self.root] + self.root.children(recursive=True)
+        except psutil.Error:  # the server is gone
+            return 0
+        for p in procs:
             try:
                 total += p.memory_info().rss
             except psutil.Error:
@@ -502,6 +506,19 @@ def warm_up(server, spec, rng, plens, json_too):
         send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
 
 
+def wait_writer_log(server, spec, rng, timeout):
+    """Send a small dump request every 2 s until the writer logs a new snapshot line (it
+    logs after a write at most once a minute), so the log's peak covers every cell."""
+    seen = len(re.findall(r"hidden-state dump: \{", server.log_text()))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        send_batch(server.port, make_prompts(rng, 1, 16, spec["vocab"]), 1)
+        if len(re.findall(r"hidden-state dump: \{", server.log_text())) > seen:
+            return True
+        time.sleep(2)
+    return False
+
+
 def writer_log_peak(text):
     """Max ``host_bytes_peak`` over the writer's 'hidden-state dump: {...}' log lines."""
     peaks = []
@@ -545,7 +562,15 @@ def internal_build(name, path):
         cls = DeepseekV3ForCausalLM
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
+    try:  # random init of 1.9 B parameters: seconds on the GPU, a minute on the CPU
+        with torch.device(device):
+            model = cls(cfg).to(torch.bfloat16)
+    except Exception as e:  # noqa: BLE001
+        if device == "cpu":
+            raise
+        print(f"{name}: init on the GPU failed ({type(e).__name__}: {e}); building on the CPU")
+        device = "cpu"
+        torch.cuda.empty_cache()
         model = cls(cfg).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     print(f"{name}: built on {device} in {time.time() - t0:.1f} s -> {path}")
@@ -729,19 +754,23 @@ def run_model(args, plan, name, clock, results, save, skipped):
         results["phases"][f"{name}/start_s"] = round(time.monotonic() - t0, 1)
         m["startup_s"] = {w: s.startup_s for w, s in servers.items()}
         print(f"[{name}] servers up in {time.monotonic() - t0:.0f} s {m['startup_s']}", flush=True)
+        sampler = None
+        if "B" in servers:
+            # from before the warm-up: that is where server B first allocates its pinned
+            # buffers of every size
+            m["host_memory"] = {"cap_bytes": plan["max_host_mb"] << 20}
+            try:
+                sampler = RssSampler(servers["B"].proc.pid)
+                m["host_memory"]["rss_baseline_bytes"] = sampler.rss()
+                sampler.__enter__()
+            except Exception as e:  # noqa: BLE001 - psutil missing: log parse only
+                print(f"  no RSS sampling: {e}")
+                sampler = None
         t0 = time.monotonic()
         for s in servers.values():
             warm_up(s, spec, rng, args.prompt_lens, json_too=(s.which == "A" and "json" in plan["modes"]))
+        clear_dump_dir(dd)
         results["phases"][f"{name}/warmup_s"] = round(time.monotonic() - t0, 1)
-        sampler = None
-        if "B" in servers:
-            try:
-                sampler = RssSampler(servers["B"].proc.pid)
-                m["host_memory"] = {"cap_bytes": plan["max_host_mb"] << 20,
-                                    "rss_baseline_bytes": sampler.rss()}
-            except Exception as e:  # noqa: BLE001 - psutil missing: log parse only
-                print(f"  no RSS sampling: {e}")
-                m["host_memory"] = {"cap_bytes": plan["max_host_mb"] << 20}
         shm_free = shutil.disk_usage(args.dump_root).free
         t0 = time.monotonic()
         for cell in mp["cells"]:
@@ -758,11 +787,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 cell["scaled_for_shm"] = True
             server = servers["B" if cell["mode"] == "dump" else "A"]
             try:
-                if cell["mode"] == "dump" and sampler:
-                    with sampler:
-                        r = run_cell(server, cell, spec, rng, cell["mode"])
-                else:
-                    r = run_cell(server, cell, spec, rng, cell["mode"])
+                r = run_cell(server, cell, spec, rng, cell["mode"])
             except Exception as e:  # noqa: BLE001
                 r = {"mode": cell["mode"], "prompt_len": cell["prompt_len"],
                      "concurrency": cell["concurrency"], "requests": cell["requests"],
@@ -784,7 +809,12 @@ def run_model(args, plan, name, clock, results, save, skipped):
             m["file_check"] = checked[0]
         if "B" in servers:
             hm = m["host_memory"]
+            if args.writer_log_wait_s and clock.left() > args.writer_log_wait_s + 30:
+                wait_writer_log(servers["B"], spec, rng, args.writer_log_wait_s)
+                clear_dump_dir(dd)
             hm["log_host_bytes_peak"] = writer_log_peak(servers["B"].log_text())
+            if sampler:
+                sampler.__exit__(None, None, None)
             if sampler and sampler.peak:
                 hm["rss_peak_bytes"] = sampler.peak
                 hm["rss_delta_bytes"] = max(0, sampler.peak - hm["rss_baseline_bytes"])
@@ -822,6 +852,9 @@ def build_parser():
     ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs on (longer start-up)")
     ap.add_argument("--sleep-on-idle", action="store_true")
     ap.add_argument("--case", default=None, help="results file name part (default: the profile)")
+    ap.add_argument("--writer-log-wait-s", type=float, default=None,
+                    help="after the cells, wait up to this long for the writer's next snapshot "
+                         "log line (quick: 0, full: 65)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
     ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000],
                     help="ports of servers A and B")
@@ -855,6 +888,8 @@ def main(argv=None):
     for mode in args.modes.split(","):
         if mode not in ("nodump", "dump", "json"):
             ap.error(f"unknown mode {mode!r} (known: nodump, dump, json)")
+    if args.writer_log_wait_s is None:
+        args.writer_log_wait_s = PROFILES[args.profile]["writer_log_wait_s"]
     plan = make_plan(args)
     if args.dry_run:
         print_plan(plan)

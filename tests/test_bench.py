@@ -236,7 +236,8 @@ def test_rehearsal_against_a_fake_server(tmp_path):
          "--no-build", "--skip-ceilings", "--models", "deepseek-tiny", "--prompt-lens", "16,2048",
          "--concurrency", "1,8", "--cell-tokens", "256", "--json-requests", "2",
          "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
-         "--ports", f"{ports[0]},{ports[1]}", "--deadline-s", "120", "--case", "rehearsal"],
+         "--ports", f"{ports[0]},{ports[1]}", "--deadline-s", "120", "--case", "rehearsal",
+         "--writer-log-wait-s", "5"],
         capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [res_path] = out.glob("*-rehearsal.json")
@@ -254,6 +255,7 @@ def test_rehearsal_against_a_fake_server(tmp_path):
     j = cells[("json", 2048, 8)]
     assert j["requests"] == 2 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 2 * 2048 * 8 * 5
     assert m["host_memory"]["log_host_bytes_peak"] == 2048 * 4 * 64 * 2
+    assert m["host_memory"]["rss_peak_bytes"] >= m["host_memory"]["rss_baseline_bytes"] > 0
     assert res["headline"]["deepseek-tiny"]["dump_vs_json"] is not None
     assert list(shm.iterdir()) == []  # dump directory removed
     assert (out / res_path.name.replace(".json", ".md")).exists()
