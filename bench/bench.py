@@ -135,10 +135,8 @@ def make_plan(args):
             if c["mode"] == "dump":
                 c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"])
         servers = {}
-        if {"nodump", "json"} & set(modes):
-            servers["A"] = server_cmd(args, name, "A")
-        if "dump" in modes:
-            servers["B"] = server_cmd(args, name, "B")
+        for which in sorted({server_for(args, c["mode"]) for c in cells}):
+            servers[which] = server_cmd(args, name, which)
         est = spec["est_startup_s"] + 20 + sum(c["est_s"] for c in cells) + 10
         est_total += est
         plan["models"][name] = {"servers": servers, "cells": cells, "est_s": round(est)}
@@ -163,7 +161,7 @@ def server_cmd(args, name, which):
     spec = MODELS[name]
     cmd = [sys.executable, "-m", args.server_module, "--model-path", model_path(args, name),
            "--skip-tokenizer-init", "--attention-backend", "triton",
-           "--sampling-backend", "pytorch", "--port", str(args.ports[0 if which == "A" else 1]),
+           "--sampling-backend", "pytorch", "--port", str(args.ports["ABC".index(which)]),
            "--mem-fraction-static", str(args.mem_fraction_static), "--disable-radix-cache",
            "--cuda-graph-max-bs", "32", "--log-level", "info"]
     if not args.cuda_graph:
@@ -174,16 +172,31 @@ def server_cmd(args, name, which):
         cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     if args.sleep_on_idle:
         cmd += ["--sleep-on-idle"]
-    if which == "A":
-        if "json" in args.modes.split(","):
-            cmd += ["--enable-return-hidden-states"]
-    else:
+    if which == "C" or (which == "A" and server_for(args, "json") == "A"
+                        and "json" in args.modes.split(",")):
+        cmd += ["--enable-return-hidden-states"]
+    elif which == "B":
         cmd += ["--dump-hidden-states-dir", dump_dir(args, name)]
         if spec["layers_flag"]:
             cmd += ["--dump-hidden-states-layers", spec["layers_flag"]]
         if args.max_host_mb:
             cmd += ["--dump-hidden-states-max-host-mb", str(args.max_host_mb)]
     return cmd
+
+
+def server_for(args, mode):
+    """A: nodump (and json unless --json-server separate); B: dump; C: json, separately.
+
+    SGLang 0.5.17 captures hidden states (mode FULL) on every forward of a server started
+    with --enable-return-hidden-states, whether a request asks for them or not
+    (ForwardBatch.init_new: "capture the server's configured maximum"), so a shared A
+    does slightly more than a plain server for (a); --json-server separate measures (a)
+    on a plain server at the cost of a third start-up."""
+    if mode == "dump":
+        return "B"
+    if mode == "json" and args.json_server == "separate":
+        return "C"
+    return "A"
 
 
 def print_plan(plan):
@@ -768,7 +781,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 sampler = None
         t0 = time.monotonic()
         for s in servers.values():
-            warm_up(s, spec, rng, args.prompt_lens, json_too=(s.which == "A" and "json" in plan["modes"]))
+            warm_up(s, spec, rng, args.prompt_lens, json_too="--enable-return-hidden-states" in s.cmd)
         clear_dump_dir(dd)
         results["phases"][f"{name}/warmup_s"] = round(time.monotonic() - t0, 1)
         shm_free = shutil.disk_usage(args.dump_root).free
@@ -785,7 +798,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 per = file_bytes(spec, cell["prompt_len"])
                 cell["requests"] = max(cell["concurrency"], int(0.6 * shm_free // per))
                 cell["scaled_for_shm"] = True
-            server = servers["B" if cell["mode"] == "dump" else "A"]
+            server = servers[server_for(args, cell["mode"])]
             try:
                 r = run_cell(server, cell, spec, rng, cell["mode"])
             except Exception as e:  # noqa: BLE001
@@ -856,8 +869,11 @@ def build_parser():
                     help="after the cells, wait up to this long for the writer's next snapshot "
                          "log line (quick: 0, full: 65)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
-    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000],
-                    help="ports of servers A and B")
+    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000, 33000],
+                    help="ports of servers A, B (and C)")
+    ap.add_argument("--json-server", choices=["shared", "separate"], default="shared",
+                    help="JSON mode on server A (shared) or on a third server C, so that A is "
+                         "a plain server (see server_for)")
     ap.add_argument("--no-build", action="store_true", help="use the models already in --workdir")
     # tests/test_bench.py rehearses the orchestration against a fake server
     ap.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
@@ -906,7 +922,8 @@ def main(argv=None):
         "config": {k: plan[k] for k in ("modes", "cell_tokens", "min_rounds", "writer_threads",
                                         "max_host_mb", "deadline_s", "ceiling_mib")}
         | {"prompt_lens": args.prompt_lens, "concurrency": args.concurrency,
-           "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None},
+           "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None,
+           "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static},
         "ceilings": {}, "models": {}, "phases": {}, "skipped": [],
     }
     skipped = results["skipped"]

@@ -157,6 +157,9 @@ def test_plan_sizes_and_server_flags():
     assert "--enable-return-hidden-states" in a and "--dump-hidden-states-dir" not in a
     assert "--dump-hidden-states-dir" in b and "--enable-return-hidden-states" not in b
     assert "--dump-hidden-states-layers" not in b  # Llama: default 2,4,5,8
+    sep = bench.make_plan(_args(["--quick", "--json-server", "separate"]))["models"]["llama-mid"]["servers"]
+    assert "--enable-return-hidden-states" not in sep["A"] and "--enable-return-hidden-states" in sep["C"]
+    assert sep["A"][: sep["A"].index("--port")] == sep["C"][: sep["C"].index("--port")]
     ds_b = plan["models"]["deepseek-tiny"]["servers"]["B"]
     assert ds_b[ds_b.index("--dump-hidden-states-layers") + 1] == "1,2,3,4"
     cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in llama["cells"]}
@@ -216,7 +219,8 @@ def test_short_gpu_name():
     assert bench.short_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtxpro6000"
 
 
-def test_rehearsal_against_a_fake_server(tmp_path):
+@pytest.mark.parametrize("json_server", ["shared", "separate"])
+def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     """bench.py end to end on a CPU: start two (fake) servers, warm up, every cell, the
     dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""
     import os
@@ -224,7 +228,7 @@ def test_rehearsal_against_a_fake_server(tmp_path):
 
     pytest.importorskip("requests")
     ports = []
-    for _ in range(2):
+    for _ in range(3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
@@ -236,8 +240,8 @@ def test_rehearsal_against_a_fake_server(tmp_path):
          "--no-build", "--skip-ceilings", "--models", "deepseek-tiny", "--prompt-lens", "16,2048",
          "--concurrency", "1,8", "--cell-tokens", "256", "--json-requests", "2",
          "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
-         "--ports", f"{ports[0]},{ports[1]}", "--deadline-s", "120", "--case", "rehearsal",
-         "--writer-log-wait-s", "5"],
+         "--ports", ",".join(map(str, ports)), "--deadline-s", "120", "--case", "rehearsal",
+         "--writer-log-wait-s", "5", "--json-server", json_server],
         capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [res_path] = out.glob("*-rehearsal.json")
@@ -260,4 +264,5 @@ def test_rehearsal_against_a_fake_server(tmp_path):
     assert list(shm.iterdir()) == []  # dump directory removed
     assert (out / res_path.name.replace(".json", ".md")).exists()
     assert (out / "server-deepseek-tiny-B.log").exists()
+    assert (out / "server-deepseek-tiny-C.log").exists() == (json_server == "separate")
     assert "dump/nodump min" in proc.stdout
