@@ -612,8 +612,9 @@ def d2h_ceiling(torch, dev, out):
     print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
 
 
-def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_host_mb):
-    """Measure the ceilings; writes a JSON dict to ``part_path``."""
+def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_host_mb, root):
+    """Measure the ceilings; writes a JSON dict to ``part_path``. Files go to ``root``
+    (--dump-root, /dev/shm by default), where server B's dumps go."""
     import torch
     from safetensors.torch import save_file
 
@@ -629,12 +630,12 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         d2h_ceiling(torch, dev, out)
 
     budget = ceiling_mib << 20
-    free = shutil.disk_usage("/dev/shm").free
+    free = shutil.disk_usage(root).free
     budget = min(budget, int(free * 0.4))
     out["shm_free_bytes"] = free
 
     # 2. /dev/shm write: safetensors save_file from pinned host tensors, `threads` threads
-    d = "/dev/shm/kimi-bench-ceiling"
+    d = os.path.join(root, "kimi-bench-ceiling")
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     out["shm_write_gbps"] = {}
@@ -644,15 +645,18 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         if round(rows * layers * hidden / (1 << 18)) in seen:  # same size to 1/4 MiB
             continue
         seen.add(round(rows * layers * hidden / (1 << 18)))
-        t = torch.empty((rows, layers, hidden), dtype=torch.bfloat16, pin_memory=cuda).normal_()
-        ids = torch.arange(rows, dtype=torch.int64)
-        size = t.numel() * 2 + rows * 8
+        # one source tensor per thread, as the writer's buffers are distinct (one shared
+        # source could be served from the CPU's cache and flatter the ceiling)
+        srcs = [{"hidden_states": torch.empty((rows, layers, hidden), dtype=torch.bfloat16,
+                                              pin_memory=cuda).normal_(),
+                 "token_ids": torch.arange(rows, dtype=torch.int64)} for _ in range(threads)]
+        size = rows * layers * hidden * 2 + rows * 8
         count = max(2 * threads, math.ceil(budget / size))
         count = min(count, max(threads, int(free * 0.4) // size))
 
-        def save(i, tensors={"hidden_states": t, "token_ids": ids}):
+        def save(i, srcs=srcs):
             p = os.path.join(d, f"f{i}.safetensors")
-            save_file(tensors, p, metadata={"i": str(i)})
+            save_file(srcs[i % len(srcs)], p, metadata={"i": str(i)})
             return os.path.getsize(p)
 
         best = 0.0
@@ -666,7 +670,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         out["shm_write_gbps"][str(total // count)] = best
         print(f"/dev/shm write, {total // count / (1 << 20):.1f} MiB files x {count}, "
               f"{threads} threads: {best:.1f} GB/s", flush=True)
-        del t, save
+        del srcs, save
 
     # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it
     out["writer_alone"] = {}
@@ -895,7 +899,7 @@ def main(argv=None):
         prof = PROFILES[args.profile]
         internal_ceilings(args.internal_part, args.internal_sizes, writer_threads(),
                           args.ceiling_mib or prof["ceiling_mib"], prof["writer_reps"],
-                          args.max_host_mb or DEFAULT_MAX_HOST_MB)
+                          args.max_host_mb or DEFAULT_MAX_HOST_MB, args.dump_root)
         return 0
 
     for name in args.models.split(","):
@@ -949,7 +953,8 @@ def main(argv=None):
                  for n in plan["models"] for p in args.prompt_lens]
         try:
             subprocess.run([sys.executable, __file__, "--internal", "ceilings", "--profile", args.profile,
-                            "--internal-part", part, "--internal-sizes", json.dumps(sizes)]
+                            "--internal-part", part, "--internal-sizes", json.dumps(sizes),
+                            "--dump-root", args.dump_root]
                            + (["--ceiling-mib", str(args.ceiling_mib)] if args.ceiling_mib else [])
                            + (["--max-host-mb", str(args.max_host_mb)] if args.max_host_mb else []),
                            check=True, timeout=max(30, min(180, clock.left() - 60)))

@@ -266,3 +266,33 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     assert (out / "server-deepseek-tiny-B.log").exists()
     assert (out / "server-deepseek-tiny-C.log").exists() == (json_server == "separate")
     assert "dump/nodump min" in proc.stdout
+
+
+def test_ceilings_phase_runs_on_cpu(tmp_path):
+    """The ceilings code path (safetensors writes from threads, DumpWriter start/copy_rows/
+    submit) on CPU tensors: without CUDA the copy ceiling is skipped; the numbers mean
+    nothing here, the accounting does."""
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    import os
+
+    sizes = [{"model": "m", "prompt_len": 64, "rows": 64, "layers": 4, "hidden": 32,
+              "layer_ids": [2, 4, 5, 8], "num_layers": 8}]
+    part = tmp_path / "part.json"
+    env = os.environ | {"PYTHONPATH": str(BENCH.parent), "KIMI_SGLANG_WRITER_THREADS": "2",
+                        "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench.py"), "--internal", "ceilings", "--quick",
+         "--ceiling-mib", "1", "--internal-part", str(part), "--internal-sizes", json.dumps(sizes),
+         "--dump-root", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(part.read_text())
+    assert out["cuda"] is False and "d2h_pinned_gbps" not in out and out["writer_threads"] == 2
+    hs = 64 * 4 * 32 * 2
+    [(size, gbps)] = out["shm_write_gbps"].items()
+    assert hs + 64 * 8 < int(size) < hs + 64 * 8 + 1024 and gbps > 0
+    w = out["writer_alone"]["m"]["64"]
+    # ceil(1 MiB / (16384 + 512) bytes) = 63 files per repetition, none failed
+    assert w["files_per_rep"] == 63 and w["failures"] == 0 and len(w["gbps_reps"]) == 2
+    assert hs < w["file_bytes"] < hs + 64 * 8 + 2048
+    assert not (tmp_path / "kimi-bench-ceiling").exists()
