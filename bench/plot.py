@@ -22,6 +22,12 @@ import report  # noqa: E402
 COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "json": "#c44e52"}
 
 
+def _label(prompt_len, concurrency):
+    """'2k/8' for 2048 tokens at concurrency 8, '512/1' below 1k."""
+    p = f"{prompt_len // 1024}k" if prompt_len >= 1024 and prompt_len % 1024 == 0 else str(prompt_len)
+    return f"{p}/{concurrency}"
+
+
 def plot(results: dict, path: str) -> str:
     import matplotlib
 
@@ -51,8 +57,7 @@ def plot(results: dict, path: str) -> str:
             ax.scatter([x[(c["prompt_len"], c["concurrency"])] for c in hc],
                        [c["w_tps"] for c in hc], marker="_", s=400, color="k", label="W/B bound")
         ax.set_yscale("log")
-        ax.set_xticks(range(len(keys)), [f"{p // 1024 if p >= 1024 else p}{'k' if p >= 1024 else ''}/{c}"
-                                          for p, c in keys], rotation=45)
+        ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
         ax.set_xlabel("prompt tokens / concurrency")
         ax.set_ylabel("prefill prompt tokens/s")
         ax.set_title(f"{model}")
@@ -67,7 +72,7 @@ def plot(results: dict, path: str) -> str:
                        color=color, label=label)
         ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
         ax.set_ylim(0, 1.2)
-        ax.set_xticks(range(len(keys)), [f"{p}/{c}" for p, c in keys], rotation=45)
+        ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
         ax.set_ylabel("dump throughput ratio")
         ax.legend(fontsize=8)
     fig.suptitle(f"hidden-state dump, {results.get('gpu', '?')}, {results.get('date', '?')[:10]}, "

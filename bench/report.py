@@ -208,12 +208,12 @@ def render_markdown(results: dict) -> str:
         f"- /dev/shm write, safetensors, {ceil.get('writer_threads', '?')} threads:",
     ]
     for size, gbps in sorted(ceil.get("shm_write_gbps", {}).items(), key=lambda kv: float(kv[0])):
-        lines.append(f"  - files of {float(size) / (1 << 20):.0f} MiB: {gbps:.1f} GB/s")
+        lines.append(f"  - files of {float(size) / (1 << 20):.1f} MiB: {gbps:.1f} GB/s")
     for model, by_len in ceil.get("writer_alone", {}).items():
         for plen, wr in sorted(by_len.items(), key=lambda kv: int(kv[0])):
             lines.append(
                 f"- writer alone, {model}, {plen}-token files "
-                f"({wr['file_bytes'] / (1 << 20):.0f} MiB): {_f(wr.get('gbps'), '{:.1f}')} GB/s"
+                f"({wr['file_bytes'] / (1 << 20):.1f} MiB): {_f(wr.get('gbps'), '{:.1f}')} GB/s"
             )
     for model, m in results.get("models", {}).items():
         h = head.get(model, {})

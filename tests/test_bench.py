@@ -131,7 +131,7 @@ def test_markdown_has_every_cell_and_the_targets():
     assert "ERROR: HTTP 500 boom" in md
     assert "dump_vs_json (2k, conc 8): 48.0x" in md
     assert md.count("PASS") == 4
-    assert "files of 64 MiB: 10.0 GB/s" in md
+    assert "files of 64.0 MiB: 10.0 GB/s" in md
     table = report.summary_table(res)
     assert "0.725" in table and "48.0" in table
 
