@@ -845,6 +845,10 @@ def run_model(args, plan, name, clock, results, save, skipped):
         save()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -915,6 +919,9 @@ def main(argv=None):
         print_plan(plan)
         return 0
 
+    # SIGTERM (a timeout, the device's limit) unwinds like Ctrl-C: the servers (in their
+    # own sessions) are stopped and the results so far written by the finally blocks.
+    signal.signal(signal.SIGTERM, _interrupt)
     clock = Clock(plan["deadline_s"])
     os.makedirs(args.out, exist_ok=True)
     gpu = gpu_name()

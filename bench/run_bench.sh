@@ -28,7 +28,11 @@ case "${1:-run}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     df -h /dev/shm | tail -1
     python3 -c 'import psutil' 2>/dev/null || echo "no psutil: host memory from the writer log only"
-    python3 bench/bench.py --out "${OUT:-/tmp/kimi-bench-out}" "${@:2}"
+    # KIMI_BENCH_TIMEOUT=S: stop bench.py after S seconds (SIGTERM: it stops the servers
+    # and keeps the results so far); bench.py's own deadline normally ends it first.
+    guard=()
+    if [ -n "${KIMI_BENCH_TIMEOUT:-}" ]; then guard=(timeout --kill-after=30 "$KIMI_BENCH_TIMEOUT"); fi
+    "${guard[@]}" python3 bench/bench.py --out "${OUT:-/tmp/kimi-bench-out}" "${@:2}"
     ;;
   *) echo "usage: $0 install a|b|c | run [bench.py args, e.g. --quick]" >&2; exit 2 ;;
 esac
