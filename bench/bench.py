@@ -982,9 +982,9 @@ def main(argv=None):
             results["models"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:2000]
             print(f"[{name}] ERROR {type(e).__name__}: {str(e)[:500]}", flush=True)
     save()
-    print()
+    print(f"\nresults: {os.path.join(args.out, stem)}.json / .md ({clock.elapsed():.0f} s)"
+          + (f"; skipped: {'; '.join(skipped)}" if skipped else ""))
     print(report.summary_table(results))
-    print(f"\nresults: {os.path.join(args.out, stem)}.json / .md ({clock.elapsed():.0f} s)")
     return 0
 
 
