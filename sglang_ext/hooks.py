@@ -77,6 +77,8 @@ def check_server_args(server_args) -> None:
     is cached would compute, and so dump, only its suffix) and says so in the log; turns
     the prefill CUDA graph off (it cannot capture hidden states, so it would never run).
     """
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return  # dumping off (0.5.2x runs this step unconditionally)
     DumpConfig.from_server_args(server_args)
     view = compat.server_args_view(server_args)
     refused = {
