@@ -34,7 +34,7 @@ print("RESULT " + json.dumps(out))
 @pytest.fixture(scope="module")
 def patched_site(wheel, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
-    with zipfile.ZipFile(wheel) as z:
+    with zipfile.ZipFile(wheel.path) as z:
         z.extractall(site)
     subprocess.run(
         [sys.executable, "-m", "sglang_ext", "patches", "apply", "--series",
