@@ -323,6 +323,13 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
     return removed
 
 
+# Lock polling: first check after 0.2 ms, then 1.5x longer each time, at most 5 ms
+# apart, so a finished write is seen within ~5 ms (a 50 ms cap added up to 50 ms to
+# every response, seen at concurrency 1 in bench/results/2026-11-29-h200-quick.json).
+POLL_FIRST_S = 0.0002
+POLL_MAX_S = 0.005
+
+
 def _wait_outcome(path: str) -> Optional[str]:
     """After the lock is gone: ``None`` if the file is there, else the error message."""
     if os.path.lexists(path):
@@ -356,24 +363,24 @@ def wait_complete(path: str, timeout: float = 600.0) -> Optional[str]:
     simplest, but polling with a short back-off lets the same code serve asyncio.
     """
     deadline = time.monotonic() + timeout
-    delay = 0.0005
+    delay = POLL_FIRST_S
     while not _try_lock_released(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"hidden-state file {path} not complete after {timeout}s")
         time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+        delay = min(delay * 1.5, POLL_MAX_S)
     return _wait_outcome(path)
 
 
 async def wait_complete_async(path: str, timeout: float = 600.0) -> Optional[str]:
     """``wait_complete`` for an event loop (never blocks the loop)."""
     deadline = time.monotonic() + timeout
-    delay = 0.0005
+    delay = POLL_FIRST_S
     while not _try_lock_released(path):
         if time.monotonic() > deadline:
             raise TimeoutError(f"hidden-state file {path} not complete after {timeout}s")
         await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.05)
+        delay = min(delay * 1.5, POLL_MAX_S)
     return _wait_outcome(path)
 
 
