@@ -239,6 +239,9 @@ def test_directory_swapped_for_a_symlink_while_running(tmp_path):
         # The file went through the descriptor into the real (moved) directory, never
         # through the symlink. The tokenizer manager (another process) looks the file up
         # by its configured path, which now leads elsewhere: it answers "missing".
+        # The waiter found no lock at the configured path and answered at once; let the
+        # writer finish before looking at the real directory.
+        assert hooks._DUMPER.writer.close(timeout=10)
         assert os.listdir(elsewhere) == []
         [name] = [n for n in os.listdir(tmp_path / "hs-moved") if n.endswith(fmt.SUFFIX)]
         assert torch.equal(fmt.load(str(tmp_path / "hs-moved" / name)).hidden_states, reference(req, IDS))
