@@ -13,19 +13,12 @@
 # .md, and the server logs; make the PNG here with bench/plot.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-install_folder() {
-  if [ -f "/tmp/site-$1/.kimi-installed" ]; then echo "site-$1 already installed"; return; fi
-  bash .whl/install.sh .whl "$1"
-  touch "/tmp/site-$1/.kimi-installed"
-}
+# shellcheck source=tests/gpu/stage.sh
+source tests/gpu/stage.sh
 case "${1:-run}" in
   install) install_folder "$2" ;;
   run)
-    [ -d .whl/c ] && install_folder c
-    export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD"
-    export PYTHONUNBUFFERED=1
-    python3 -m sglang_ext patches apply --series patches/v0.5.17 --site-packages
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    prepare_run
     df -h /dev/shm | tail -1
     python3 -c 'import psutil' 2>/dev/null || echo "no psutil: host memory from the writer log only"
     # KIMI_BENCH_TIMEOUT=S: stop bench.py after S seconds (SIGTERM: it stops the servers

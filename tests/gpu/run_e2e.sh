@@ -12,19 +12,12 @@
 # Results: $OUT/e2e-results.json (commit it as tests/gpu/results-<date>-h200.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-install_folder() {
-  if [ -f "/tmp/site-$1/.kimi-installed" ]; then echo "site-$1 already installed"; return; fi
-  bash .whl/install.sh .whl "$1"
-  touch "/tmp/site-$1/.kimi-installed"
-}
+# shellcheck source=tests/gpu/stage.sh
+source tests/gpu/stage.sh
 case "${1:-run}" in
   install) install_folder "$2" ;;
   run)
-    [ -d .whl/c ] && install_folder c
-    export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD"
-    export PYTHONUNBUFFERED=1
-    python3 -m sglang_ext patches apply --series patches/v0.5.17 --site-packages
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    prepare_run
     python3 tests/gpu/e2e.py --out "${OUT:-/tmp/e2e-out}" "${@:2}"
     ;;
   *) echo "usage: $0 install a|b|c | run [--models llama,deepseek]" >&2; exit 2 ;;

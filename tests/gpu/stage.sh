@@ -1,0 +1,17 @@
+# shellcheck shell=bash
+# Sourced by tests/gpu/run_e2e.sh and bench/run_bench.sh: the staged SGLang 0.5.17 on the
+# device host (../shared/gpu-lab recipe), installed one carried folder per call, then the
+# series applied with the project's own tool.
+install_folder() {  # install .whl/$1 into /tmp/site-$1 once per machine
+  if [ -f "/tmp/site-$1/.kimi-installed" ]; then echo "site-$1 already installed"; return; fi
+  bash .whl/install.sh .whl "$1"
+  touch "/tmp/site-$1/.kimi-installed"
+}
+
+prepare_run() {  # last folder, environment, series; then print the GPU
+  if [ -d .whl/c ]; then install_folder c; fi
+  export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD"
+  export PYTHONUNBUFFERED=1
+  python3 -m sglang_ext patches apply --series patches/v0.5.17 --site-packages
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+}
