@@ -6,14 +6,16 @@
 # Venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of requirements/ci.txt>),
 # reused while requirements/ci.txt is unchanged. It holds the pinned test deps, SGLang's
 # wheel installed --no-deps (plus only what importing its server args needs: see
-# requirements/ci.txt) and this project in editable mode. Downloads are cached by pip.
+# requirements/ci.txt), the trainer packages of requirements/ci-nodeps.txt (--no-deps)
+# and this project in editable mode. Downloads are cached by pip.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
 req=requirements/ci.txt
 sglang_version=$("$py" -c "import tomllib;print(tomllib.load(open('patches/v0.5.17/base.toml','rb'))['base']['version'])")
-hash=$(cat "$req" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
+nodeps=requirements/ci-nodeps.txt
+hash=$(cat "$req" "$nodeps" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
 venv=${KIMI_SGLANG_VENV:-$HOME/.cache/kimi-sglang/venv-$hash}
 if [ ! -f "$venv/.complete" ]; then
   echo "== creating test venv $venv (first run: several minutes, torch is large)"
@@ -22,6 +24,7 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -r "$req"
   "$venv/bin/python" -m pip install -q --no-deps "sglang==$sglang_version"
+  "$venv/bin/python" -m pip install -q --no-deps -r "$nodeps"
   touch "$venv/.complete"
 fi
 "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
