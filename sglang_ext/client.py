@@ -316,6 +316,9 @@ async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
     # and still protects against a server that answers early.
     error = await fmt.wait_complete_async(path, timeout=opts.timeout)
     if error is not None:
+        if not os.path.isdir(os.path.dirname(path)):
+            error += (f" (directory {os.path.dirname(path)} not found here: run extract where "
+                      f"the server's --dump-hidden-states-dir is visible under the same path)")
         raise RequestError(error)
     return path
 

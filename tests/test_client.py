@@ -533,3 +533,9 @@ def test_convert_defaults_and_refusals(tmp_path, capsys):
               str(src / "hs_1.safetensors"), metadata=bad)
     assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "c"), "--no-final-norm"]) == 1
     assert "not the last layer" in capsys.readouterr().err
+
+
+def test_specforge_layout_groups_rows_by_5000():
+    assert convert.specforge_path("/d", 0) == "/d/rows_0-5000/data_0.ckpt"
+    assert convert.specforge_path("/d", 4999) == "/d/rows_0-5000/data_4999.ckpt"
+    assert convert.specforge_path("/d", 5000) == "/d/rows_5000-10000/data_5000.ckpt"
