@@ -539,3 +539,25 @@ def test_specforge_layout_groups_rows_by_5000():
     assert convert.specforge_path("/d", 0) == "/d/rows_0-5000/data_0.ckpt"
     assert convert.specforge_path("/d", 4999) == "/d/rows_0-5000/data_4999.ckpt"
     assert convert.specforge_path("/d", 5000) == "/d/rows_5000-10000/data_5000.ckpt"
+
+
+def test_messages_rows_go_through_the_chat_template(server, tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "user": 1, "assistant": 2, "hi": 3, "hello": 4, "there": 5, "<s>": 6}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>")
+    fast.chat_template = "<s> {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(str(tmp_path / "tok"))
+    path = tmp_path / "m.jsonl"
+    chats = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+             [{"role": "user", "content": "hello"}]]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    out = tmp_path / "out"
+    assert extract(server, path, out, "--tokenizer", tmp_path / "tok") == 0
+    assert_file(out / "hs_0.safetensors", [6, 1, 3, 2, 4, 5])
+    assert_file(out / "hs_1.safetensors", [6, 1, 4])
