@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -71,10 +72,11 @@ def check_server_args(server_args) -> None:
     Raises ``DumpConfigError`` (a ``ValueError``: SGLang prints it and exits) for a
     missing or unwritable directory, bad layer ids, a bad memory cap, and options the
     dump path does not support (``--enable-return-hidden-states`` /
-    ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism,
-    PD disaggregation, DP attention). Turns the radix cache off (a request whose prefix
-    is cached would compute, and so dump, only its suffix) and says so in the log; turns
-    the prefill CUDA graph off (it cannot capture hidden states, so it would never run).
+    ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
+    disaggregation, DP attention, embedding models). Turns the radix cache off (a
+    request whose prefix is cached would compute, and so dump, only its suffix) and says
+    so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
+    it would never run).
     """
     DumpConfig.from_server_args(server_args)
     refused = {
@@ -86,6 +88,7 @@ def check_server_args(server_args) -> None:
         "--disaggregation-mode": getattr(server_args, "disaggregation_mode", "null")
         not in (None, "null"),
         "--enable-dp-attention": bool(getattr(server_args, "enable_dp_attention", False)),
+        "--is-embedding": bool(getattr(server_args, "is_embedding", False)),
     }
     bad = [name for name, on in refused.items() if on]
     if bad:
@@ -169,6 +172,7 @@ def setup_model(model_runner) -> None:
     if is_writer:
         import torch
 
+        from sglang_ext import metrics
         from sglang_ext.writer import DumpWriter
 
         dumper.dir_fd = fmt.open_dump_dir(config.directory)
@@ -183,6 +187,7 @@ def setup_model(model_runner) -> None:
             max_host_bytes=config.max_host_bytes,
             threads=config.writer_threads,
             device=device,
+            metrics=metrics.from_server_args(server_args),
         )
     _DUMPER = dumper
     logger.info(
@@ -208,6 +213,7 @@ def capture_hidden_mode(batch, model_runner, mode):
 @dataclass
 class _ReqDump:
     pending: Any = None  # writer.PendingDump while rows arrive
+    release: Any = None  # weakref.finalize giving the buffer back if the Req is dropped
     done: bool = False  # file queued (or error recorded): later prefills are ignored
 
 
@@ -270,6 +276,10 @@ def _take_rows(d: _Dumper, req, state: _ReqDump, hidden, start: int, n: int, pre
         )
     if state.pending is None:
         state.pending = d.writer.start(req.rid, num_tokens, hidden.shape[1], hidden.dtype)
+        # A request dropped between chunks (aborted while waiting or retracted) never
+        # reaches this hook again: give its buffer back when SGLang lets go of the Req.
+        state.release = weakref.finalize(req, d.writer.abandon, state.pending)
+        state.release.atexit = False
     rows = hidden[start:start + min(n, num_tokens - done_rows)]
     d.writer.copy_rows(state.pending, rows)
     if state.pending.rows == num_tokens:
@@ -282,14 +292,22 @@ def _finish(d: _Dumper, req, state: _ReqDump) -> None:
         rid=req.rid, layer_ids=d.layer_ids, num_layers=d.num_layers, extra=d.metadata
     )
     pending, state.pending, state.done = state.pending, None, True
+    _detach(state)
     d.writer.submit(pending, reservation, req.origin_input_ids, len(d.layer_ids), metadata)
     _set_info(req, PATH_KEY, os.path.join(d.config.directory, reservation.name))
 
 
 def _drop(d: _Dumper, state: _ReqDump) -> None:
+    _detach(state)
     if state.pending is not None:
         d.writer.abandon(state.pending)
         state.pending = None
+
+
+def _detach(state: _ReqDump) -> None:
+    if state.release is not None:
+        state.release.detach()
+        state.release = None
 
 
 def _set_info(req, key: str, value: str) -> None:

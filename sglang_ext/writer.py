@@ -13,10 +13,12 @@ the index line and releases the lock and the budget.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -25,6 +27,31 @@ import torch
 from sglang_ext import format as fmt
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_STATS_INTERVAL_S = 60.0
+SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+
+
+def drain_timeout_s() -> float:
+    """``KIMI_SGLANG_DRAIN_TIMEOUT_S`` (default 30): how long shutdown waits for writes."""
+    return _env_seconds("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S)
+
+
+def stats_interval_s() -> float:
+    """``KIMI_SGLANG_STATS_INTERVAL_S`` (default 60): seconds between counter log lines;
+    0 or less logs only at shutdown."""
+    return _env_seconds("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S)
 
 
 class HostBudget:
@@ -101,7 +128,17 @@ class DumpWriter:
     """Copies rows off the GPU and writes files, never on the caller's thread.
 
     ``dir_fd``: the dump directory (``format.open_dump_dir``). ``device``: the CUDA
-    device the rows live on, or ``None`` for CPU tensors (tests).
+    device the rows live on, or ``None`` for CPU tensors (tests). ``metrics``: an
+    optional ``sglang_ext.metrics.DumpMetrics`` (Prometheus counters and gauges).
+
+    Shutdown: ``close(timeout)`` waits for queued writes up to a deadline. It is also
+    registered with ``atexit``: SGLang 0.5.17 stops a scheduler process by a
+    ``ShutdownReq`` (the tokenizer manager's SIGTERM watchdog sends it after draining
+    requests), ``run_scheduler_process`` returns and the spawned process leaves through
+    ``sys.exit``, which runs ``atexit``. The writer threads are daemon threads, so neither
+    ``threading._shutdown`` nor the interpreter waits for them beyond that deadline; a
+    write cut off there (or by SIGKILL) leaves only its temporary file and lock, which
+    ``format.clean_stale`` removes at the next start. Never a truncated final file.
     """
 
     def __init__(
@@ -111,17 +148,31 @@ class DumpWriter:
         max_host_bytes: int,
         threads: int,
         device: Optional[torch.device] = None,
-        log_every_s: float = 60.0,
+        log_every_s: Optional[float] = None,
+        metrics: Any = None,
+        register_atexit: bool = True,
     ):
         self.dir_fd = dir_fd
         self.budget = HostBudget(max_host_bytes)
         self.stats = WriterStats()
+        self.metrics = metrics
         self._stats_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hs-writer")
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._closed = False  # no new writes accepted
+        self._abort = False  # deadline passed: fail what has not started
         self._cuda = device is not None and torch.device(device).type == "cuda"
         self._stream = torch.cuda.Stream(device=device) if self._cuda else None
-        self._log_every_s = log_every_s
+        self._log_every_s = stats_interval_s() if log_every_s is None else log_every_s
         self._last_log = time.monotonic()
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"hs-writer-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+        self._atexit = register_atexit
+        if register_atexit:
+            atexit.register(self._close_at_exit)
 
     # ---- scheduler thread -------------------------------------------------------
     def start(self, rid: str, num_tokens: int, row_width: int, dtype: torch.dtype) -> PendingDump:
@@ -136,6 +187,7 @@ class DumpWriter:
         except BaseException:
             self.budget.release(nbytes)
             raise
+        self._publish()
         return PendingDump(rid=rid, num_tokens=num_tokens, host=host, nbytes=nbytes)
 
     def copy_rows(self, pending: PendingDump, rows: torch.Tensor) -> None:
@@ -173,87 +225,167 @@ class DumpWriter:
         num_slots: int,
         metadata: Mapping[str, str],
     ) -> None:
-        """Queue the file write; the reservation's lock is released when it is done."""
+        """Queue the file write; the reservation's lock is released when it is done.
+
+        After ``close`` the write is not queued: the reservation fails at once (the
+        response carries the error) and the buffer is released.
+        """
         with self._stats_lock:
             self.stats.queued += 1
-        self._pool.submit(self._write, pending, reservation, token_ids, num_slots, metadata)
+            closed = self._closed
+        item = (pending, reservation, token_ids, num_slots, metadata)
+        if closed:
+            self._run(item, SHUTDOWN_MESSAGE)
+        else:
+            self._queue.put(item)
+            self._publish()
 
     def abandon(self, pending: PendingDump) -> None:
         """Give back a request's budget without writing (aborted request)."""
+        if pending.host is None:
+            return  # already given back
         for event in pending.events:
             event.synchronize()
         pending.events.clear()
         pending.host = None
         self.budget.release(pending.nbytes)
+        self._publish()
 
     # ---- writer threads -----------------------------------------------------------
-    def _write(self, pending, reservation, token_ids, num_slots, metadata) -> None:
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._run(item, SHUTDOWN_MESSAGE if self._abort else None)
+
+    def _run(self, item, refuse: Optional[str]) -> None:
+        """Write one file (or, with ``refuse``, fail it with that message)."""
+        pending, reservation, token_ids, num_slots, metadata = item
         try:
-            for event in pending.events:
-                event.synchronize()
-            if pending.rows != pending.num_tokens:
-                raise fmt.DumpFormatError(
-                    f"rid {pending.rid!r}: {pending.rows} of {pending.num_tokens} rows captured"
-                )
-            width = pending.host.shape[1]
-            if width % num_slots:
-                raise fmt.DumpFormatError(
-                    f"rid {pending.rid!r}: row width {width} is not {num_slots} layer slots"
-                )
-            hidden = pending.host.view(pending.num_tokens, num_slots, width // num_slots)
-            ids = torch.tensor(list(token_ids), dtype=torch.int64)
-            size = fmt.write_reserved(reservation, hidden, ids, metadata)
-            fmt.append_index(
-                reservation.dir_fd,
-                {
-                    "rid": pending.rid,
-                    "file": reservation.name,
-                    "num_tokens": pending.num_tokens,
-                    "bytes": size,
-                    "layer_ids": metadata.get("layer_ids"),
-                },
-            )
-            fmt.complete(reservation)
+            if refuse is not None:
+                raise RuntimeError(refuse)
+            size = self._write(pending, reservation, token_ids, num_slots, metadata)
             with self._stats_lock:
                 self.stats.files += 1
                 self.stats.bytes += size
+            if self.metrics is not None:
+                self.metrics.written(size)
         except BaseException as e:  # noqa: BLE001 - a failed write must never kill the thread
             message = f"{type(e).__name__}: {e}"
             logger.error("hidden-state dump for rid %r failed: %s", pending.rid, message)
             fmt.fail(reservation, message)
             with self._stats_lock:
                 self.stats.failures += 1
+            if self.metrics is not None:
+                self.metrics.failed()
         finally:
             pending.events.clear()
-            pending.host = None
-            self.budget.release(pending.nbytes)
+            if pending.host is not None:
+                pending.host = None
+                self.budget.release(pending.nbytes)
             with self._stats_lock:
                 self.stats.queued -= 1
+            self._publish()
             self._maybe_log()
 
+    def _write(self, pending, reservation, token_ids, num_slots, metadata) -> int:
+        for event in pending.events:
+            event.synchronize()
+        if pending.rows != pending.num_tokens:
+            raise fmt.DumpFormatError(
+                f"rid {pending.rid!r}: {pending.rows} of {pending.num_tokens} rows captured"
+            )
+        width = pending.host.shape[1]
+        if width % num_slots:
+            raise fmt.DumpFormatError(
+                f"rid {pending.rid!r}: row width {width} is not {num_slots} layer slots"
+            )
+        hidden = pending.host.view(pending.num_tokens, num_slots, width // num_slots)
+        ids = torch.tensor(list(token_ids), dtype=torch.int64)
+        size = fmt.write_reserved(reservation, hidden, ids, metadata)
+        fmt.append_index(
+            reservation.dir_fd,
+            {
+                "rid": pending.rid,
+                "file": reservation.name,
+                "num_tokens": pending.num_tokens,
+                "bytes": size,
+                "layer_ids": metadata.get("layer_ids"),
+            },
+        )
+        fmt.complete(reservation)
+        return size
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            with self._stats_lock:
+                queued = self.stats.queued
+            self.metrics.levels(queue_depth=queued, host_bytes_in_use=self.budget.in_use)
+
     def _maybe_log(self) -> None:
+        if self._log_every_s <= 0:
+            return
         now = time.monotonic()
         if now - self._last_log >= self._log_every_s:
             self._last_log = now
-            logger.info("hidden-state dump: %s", self.stats.as_dict(self.budget))
+            logger.info("hidden-state dump: %s", self.snapshot())
 
     def snapshot(self) -> Dict[str, int]:
         """Counters: files and bytes written, failures, queue depth, host bytes in use."""
         with self._stats_lock:
             return self.stats.as_dict(self.budget)
 
-    def close(self, timeout: float = 60.0) -> bool:
-        """Wait up to ``timeout`` s for queued writes; True if all finished.
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Stop taking writes; wait up to ``timeout`` s (default: ``drain_timeout_s()``)
+        for queued ones; True if all finished.
 
-        Writes still running after the deadline leave only temporary files and locks,
-        which ``format.clean_stale`` removes at the next start.
+        At the deadline, writes that have not started fail with an ``.error`` file (their
+        waiters get the message); writes already running go on in their daemon threads
+        until the process exits, which leaves at most their temporary files and locks
+        (``format.clean_stale`` removes them at the next start). Logs the counters.
         """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        if timeout is None:
+            timeout = drain_timeout_s()
+        with self._stats_lock:
+            already = self._closed
+            self._closed = True
+        if self._atexit:
+            atexit.unregister(self._close_at_exit)
+            self._atexit = False
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
             with self._stats_lock:
                 if self.stats.queued == 0:
                     break
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.01)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._stats_lock:
-            return self.stats.queued == 0
+        self._abort = True
+        while True:  # fail what no thread has taken yet
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._run(item, SHUTDOWN_MESSAGE)
+        if not already:
+            for _ in self._threads:
+                self._queue.put(None)
+        snap = self.snapshot()
+        drained = snap["queue_depth"] == 0
+        if drained:
+            logger.info("hidden-state dump: writer closed: %s", snap)
+        else:
+            logger.warning(
+                "hidden-state dump: %d writes still running after %.1fs at shutdown; they "
+                "leave only temporary files, removed at the next start: %s",
+                snap["queue_depth"], timeout, snap,
+            )
+        return drained
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - never fail interpreter shutdown
+            logger.error("hidden-state dump: closing the writer failed: %s", e)

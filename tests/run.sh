@@ -17,17 +17,23 @@ sglang_version=$("$py" -c "import tomllib;print(tomllib.load(open('patches/v0.5.
 nodeps=requirements/ci-nodeps.txt
 hash=$(cat "$req" "$nodeps" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
 venv=${KIMI_SGLANG_VENV:-$HOME/.cache/kimi-sglang/venv-$hash}
+quiet() {  # run a pip command; show its output only if it fails
+  local log
+  log=$(mktemp)
+  if ! "$@" >"$log" 2>&1; then grep -v "^WARNING: Location" "$log" >&2; rm -f "$log"; return 1; fi
+  rm -f "$log"
+}
 if [ ! -f "$venv/.complete" ]; then
   echo "== creating test venv $venv (first run: several minutes, torch is large)"
   rm -rf "$venv"
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -r "$req"
-  "$venv/bin/python" -m pip install -q --no-deps "sglang==$sglang_version"
-  "$venv/bin/python" -m pip install -q --no-deps -r "$nodeps"
+  quiet "$venv/bin/python" -m pip install --upgrade pip
+  quiet "$venv/bin/python" -m pip install -r "$req"
+  quiet "$venv/bin/python" -m pip install --no-deps "sglang==$sglang_version"
+  quiet "$venv/bin/python" -m pip install --no-deps -r "$nodeps"
   touch "$venv/.complete"
 fi
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+quiet "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e .
 export PATH="$venv/bin:$PATH"
 echo "== ruff"
 ruff check sglang_ext tests --select F,E9

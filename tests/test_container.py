@@ -307,12 +307,17 @@ def test_build_rehearsal_apply_series(sglang_wheel, tmp_path, layout):
 
 
 def test_apply_series_fails_clearly_without_sglang(tmp_path):
-    if importlib.util.find_spec("sglang") is not None:
-        pytest.skip("sglang is installed in this interpreter")
+    # An interpreter that cannot see any site-packages (python -S), so no sglang,
+    # whatever this test process has installed.
     empty = tmp_path / "empty"
     empty.mkdir()
+    shim = tmp_path / "python-no-site"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    shim.chmod(0o755)
+    env = script_env(empty)
+    env["PYTHON"] = str(shim)
     r = subprocess.run(
         ["bash", str(REPO / "docker" / "apply-series.sh"), f"patches/{SERIES}"],
-        cwd=REPO, env=script_env(empty), capture_output=True, text=True,
+        cwd=REPO, env=env, capture_output=True, text=True,
     )
     assert r.returncode != 0 and "sglang is not importable" in r.stderr

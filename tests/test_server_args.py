@@ -19,22 +19,25 @@ PROBE = r"""
 import json, sys
 from sglang.srt.server_args import prepare_server_args
 import sglang.srt.server_args as sa
-out = {"file": sa.__file__}
-try:
-    a = prepare_server_args(["--model-path", "dummy"] + json.loads(sys.argv[1]))
-    out.update(ok=True, dir=a.dump_hidden_states_dir, layers=a.dump_hidden_states_layers,
-               max_mb=a.dump_hidden_states_max_host_mb, radix_off=a.disable_radix_cache,
-               prefill_graph_off=a.disable_prefill_cuda_graph)
-except Exception as e:
-    out.update(ok=False, error=f"{type(e).__name__}: {e}")
-print("RESULT " + json.dumps(out))
+results = []
+for args in json.loads(sys.argv[1]):
+    out = {"file": sa.__file__}
+    try:
+        a = prepare_server_args(["--model-path", "dummy"] + args)
+        out.update(ok=True, dir=a.dump_hidden_states_dir, layers=a.dump_hidden_states_layers,
+                   max_mb=a.dump_hidden_states_max_host_mb, radix_off=a.disable_radix_cache,
+                   prefill_graph_off=a.disable_prefill_cuda_graph)
+    except (Exception, SystemExit) as e:
+        out.update(ok=False, error=f"{type(e).__name__}: {e}")
+    results.append(out)
+print("RESULT " + json.dumps(results))
 """
 
 
 @pytest.fixture(scope="module")
 def patched_site(wheel, tmp_path_factory):
     site = tmp_path_factory.mktemp("site")
-    with zipfile.ZipFile(wheel) as z:
+    with zipfile.ZipFile(wheel.path) as z:
         z.extractall(site)
     subprocess.run(
         [sys.executable, "-m", "sglang_ext", "patches", "apply", "--series",
@@ -44,46 +47,61 @@ def patched_site(wheel, tmp_path_factory):
     return site
 
 
-def parse(site, args):
+def parse_many(site, arg_lists):
+    """Run SGLang's parser on each argument list in one subprocess (imports are slow)."""
     env = {"PYTHONPATH": f"{site}:{REPO}", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(arg_lists)], env=env,
+                          capture_output=True, text=True, timeout=900)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, f"probe crashed:\n{proc.stderr[-3000:]}"
-    out = json.loads(line[-1][7:])
-    assert out["file"].startswith(str(site)), "imported an unpatched sglang"
-    return out
+    results = json.loads(line[-1][7:])
+    for out in results:
+        assert out["file"].startswith(str(site)), "imported an unpatched sglang"
+    return results
 
 
-def test_flags_parse_and_dumping_turns_off_radix_cache(patched_site, tmp_path):
-    out = parse(patched_site, ["--dump-hidden-states-dir", str(tmp_path),
-                               "--dump-hidden-states-layers", "2,16,29,32",
-                               "--dump-hidden-states-max-host-mb", "512"])
+@pytest.fixture(scope="module")
+def parsed(patched_site, tmp_path_factory):
+    """{case name: parse result} for every case below, from one subprocess."""
+    good = tmp_path_factory.mktemp("hs")
+    cases = {
+        "good": ["--dump-hidden-states-dir", str(good), "--dump-hidden-states-layers", "2,16,29,32",
+                 "--dump-hidden-states-max-host-mb", "512"],
+        "off": [],
+    }
+    for i, (args, _) in enumerate(BAD):
+        if "--dump-hidden-states-dir" not in args:
+            args = ["--dump-hidden-states-dir", str(good)] + args
+        cases[f"bad{i}"] = args
+    results = parse_many(patched_site, list(cases.values()))
+    return {"dir": str(good), **dict(zip(cases, results))}
+
+
+BAD = [
+    (["--dump-hidden-states-dir", "/nonexistent/hs"], "does not exist; create it first"),
+    (["--dump-hidden-states-layers", "2,2"], "duplicate layer ids [2]"),
+    (["--dump-hidden-states-layers=-1,3"], "out of range"),
+    (["--dump-hidden-states-layers", "0,3"], "out of range"),
+    (["--dump-hidden-states-layers", "two"], "'two' is not an integer"),
+    (["--dump-hidden-states-max-host-mb", "0"], "must be a positive integer"),
+    (["--enable-return-hidden-states"], "cannot be combined with --enable-return-hidden-states"),
+]
+
+
+def test_flags_parse_and_dumping_turns_off_radix_cache(parsed):
+    out = parsed["good"]
     assert out["ok"], out
-    assert out["dir"] == str(tmp_path) and out["layers"] == "2,16,29,32"
+    assert out["dir"] == parsed["dir"] and out["layers"] == "2,16,29,32"
     assert out["max_mb"] == 512 and out["radix_off"] is True and out["prefill_graph_off"] is True
 
 
-def test_without_the_flag_nothing_changes(patched_site):
-    out = parse(patched_site, [])
+def test_without_the_flag_nothing_changes(parsed):
+    out = parsed["off"]
     assert out["ok"], out
     assert out["dir"] is None and out["radix_off"] is False
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--dump-hidden-states-dir", "/nonexistent/hs"], "does not exist; create it first"),
-        (["--dump-hidden-states-layers", "2,2"], "duplicate layer ids [2]"),
-        (["--dump-hidden-states-layers", "-1,3"], "out of range"),
-        (["--dump-hidden-states-layers", "0,3"], "out of range"),
-        (["--dump-hidden-states-layers", "two"], "'two' is not an integer"),
-        (["--dump-hidden-states-max-host-mb", "0"], "must be a positive integer"),
-        (["--enable-return-hidden-states"], "cannot be combined with --enable-return-hidden-states"),
-    ],
-)
-def test_bad_values_give_clear_errors(patched_site, tmp_path, args, message):
-    if "--dump-hidden-states-dir" not in args:
-        args = ["--dump-hidden-states-dir", str(tmp_path)] + args
-    out = parse(patched_site, args)
+@pytest.mark.parametrize("i", range(len(BAD)))
+def test_bad_values_give_clear_errors(parsed, i):
+    out, message = parsed[f"bad{i}"], BAD[i][1]
     assert not out["ok"] and message in out["error"], out

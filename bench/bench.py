@@ -1,0 +1,992 @@
+"""Benchmark of the hidden-state dump (issue #7): dump overhead, the JSON path, ceilings.
+
+Runs on a CUDA host where SGLang 0.5.17 with the kimi-sglang series is importable
+(``bench/run_bench.sh run`` does the staging, as tests/gpu/run_e2e.sh). Phases:
+
+1. ``ceilings`` (a subprocess, so its CUDA context and pinned memory go away after):
+   pinned device-to-host copy GB/s; /dev/shm write GB/s with safetensors ``save_file``
+   from the writer's thread count, for files of each dump size of the plan; and the
+   writer alone (``sglang_ext.writer.DumpWriter`` with CUDA rows: start / copy_rows /
+   submit), GB/s of files.
+2. per model (random weights, built by a subprocess): two servers with the same flags,
+   started together (the second once the first has sized its KV cache): server A without
+   the dump (``--enable-return-hidden-states``) serves mode ``nodump`` (requests without
+   the field) and mode ``json`` (``return_hidden_states: true``); server B with
+   ``--dump-hidden-states-dir /dev/shm/...`` serves mode ``dump``. Every cell is a batch of
+   requests with ``max_new_tokens=1`` sent by ``concurrency`` client threads (closed
+   loop); nodump and dump cells alternate so drift hits both alike.
+3. headline ratios and targets (``report.py``), a JSON file and a Markdown table in
+   ``--out``, and a short table printed last.
+
+``--dry-run`` prints the plan and needs neither torch nor a GPU. Results are written
+after every phase, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures as cf
+import datetime
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(REPO))  # sglang_ext, for the ceilings subprocess
+import report  # noqa: E402
+
+DEFAULT_WRITER_THREADS = 8  # sglang_ext.config.DEFAULT_WRITER_THREADS
+DEFAULT_MAX_HOST_MB = 4096  # sglang_ext.config.DEFAULT_MAX_HOST_MB
+DEFAULT_CHUNK = 8192  # SGLang 0.5.17's chunked prefill size on an H200 (gpu_mem 80-160 GB)
+
+# The two workloads. Llama: Llama-2-7B's widths, 8 layers, default dump layers
+# [2, N//2, N-3, N] = 2,4,5,8. DeepseekV3: tests/gpu/e2e.py's tiny MLA + MoE model,
+# with max_position_embeddings raised to 16384 for the 8k prompts, all 4 layers dumped.
+MODELS = {
+    "llama-mid": {
+        "arch": "llama", "hidden_size": 4096, "num_layers": 8, "vocab": 32000,
+        "layers_flag": None, "layer_ids": [2, 4, 5, 8],
+        # assumptions for --dry-run time estimates only
+        "est_tps": 80_000, "est_json_tps": 1_300, "est_startup_s": 150,
+    },
+    "deepseek-tiny": {
+        "arch": "deepseek", "hidden_size": 1024, "num_layers": 4, "vocab": 1024,
+        "layers_flag": "1,2,3,4", "layer_ids": [1, 2, 3, 4],
+        "est_tps": 150_000, "est_json_tps": 5_000, "est_startup_s": 130,
+    },
+}
+
+PROFILES = {
+    # fits one ~9-minute device call with both models (see bench/README.md)
+    "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
+              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420, "writer_log_wait_s": 0},
+    "full": {"cell_tokens": 256 * 1024, "min_rounds": 2, "json_requests": 16,
+             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000, "writer_log_wait_s": 65},
+}
+
+
+# ---- plan ------------------------------------------------------------------------------
+def file_bytes(spec, prompt_len):
+    """Size of one dump file: hidden_states bf16 [T, L, H] + token_ids int64 [T] + header."""
+    return prompt_len * (len(spec["layer_ids"]) * spec["hidden_size"] * 2 + 8) + 1024
+
+
+def cell_requests(prompt_len, concurrency, cell_tokens, min_rounds):
+    """Requests of one cell: about ``cell_tokens`` prompt tokens, at least ``min_rounds``
+    requests per client thread."""
+    return max(math.ceil(cell_tokens / prompt_len), concurrency * min_rounds, 1)
+
+
+def make_plan(args):
+    prof = PROFILES[args.profile]
+    cell_tokens = args.cell_tokens or prof["cell_tokens"]
+    min_rounds = args.min_rounds or prof["min_rounds"]
+    json_requests = args.json_requests or prof["json_requests"]
+    modes = args.modes.split(",")
+    models = [m for m in args.models.split(",") if m]
+    plan = {"profile": args.profile, "modes": modes, "phases": [], "models": {},
+            "cell_tokens": cell_tokens, "min_rounds": min_rounds,
+            "deadline_s": args.deadline_s or prof["deadline_s"],
+            "ceiling_mib": args.ceiling_mib or prof["ceiling_mib"],
+            "writer_reps": prof["writer_reps"], "writer_threads": writer_threads(),
+            "max_host_mb": args.max_host_mb or DEFAULT_MAX_HOST_MB}
+    est_total = 0.0
+    if not args.skip_ceilings:
+        sizes = sorted({file_bytes(MODELS[m], p) for m in models for p in args.prompt_lens})
+        plan["phases"].append({"phase": "ceilings", "file_sizes": sizes, "est_s": 25})
+        est_total += 25
+    for name in models:
+        spec = MODELS[name]
+        cells = []
+        # the headline cells (2k, conc 8: nodump, dump, JSON) first, so that a run cut
+        # short by the deadline still has them; then the rest, nodump and dump alternating
+        grid = [(p, c) for p in args.prompt_lens for c in args.concurrency]
+        head = (report.JSON_PROMPT_LEN, report.JSON_CONCURRENCY)
+        grid.sort(key=lambda pc: pc != head)
+        for plen, conc in grid:
+            n = cell_requests(plen, conc, cell_tokens, min_rounds)
+            for mode in ("nodump", "dump"):
+                if mode in modes:
+                    cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
+                                  "requests": n, "prompt_tokens": n * plen})
+            if (plen, conc) == head and "json" in modes:
+                cells.append({"mode": "json", "prompt_len": plen, "concurrency": conc,
+                              "requests": json_requests, "prompt_tokens": json_requests * plen})
+        if "json" in modes and head not in grid:
+            plen, conc = head
+            cells.append({"mode": "json", "prompt_len": plen, "concurrency": conc,
+                          "requests": json_requests, "prompt_tokens": json_requests * plen})
+        for c in cells:
+            tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
+            c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
+            if c["mode"] == "dump":
+                c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"])
+        servers = {}
+        for which in sorted({server_for(args, c["mode"]) for c in cells}):
+            servers[which] = server_cmd(args, name, which)
+        est = spec["est_startup_s"] + 20 + sum(c["est_s"] for c in cells) + 10
+        est_total += est
+        plan["models"][name] = {"servers": servers, "cells": cells, "est_s": round(est)}
+    plan["est_total_s"] = round(est_total)
+    return plan
+
+
+def writer_threads():
+    return int(os.environ.get("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS))
+
+
+def model_path(args, name):
+    return os.path.join(args.workdir, name)
+
+
+def dump_dir(args, name):
+    return os.path.join(args.dump_root, f"kimi-bench-{name}")
+
+
+def server_cmd(args, name, which):
+    """The server command line; A and B differ only in the last flags."""
+    spec = MODELS[name]
+    cmd = [sys.executable, "-m", args.server_module, "--model-path", model_path(args, name),
+           "--skip-tokenizer-init", "--attention-backend", "triton",
+           "--sampling-backend", "pytorch", "--port", str(args.ports["ABC".index(which)]),
+           "--mem-fraction-static", str(args.mem_fraction_static), "--disable-radix-cache",
+           "--cuda-graph-max-bs", "32", "--log-level", "info"]
+    if not args.cuda_graph:
+        # max_new_tokens=1: no decode step runs, and the dump turns the prefill graph off
+        # anyway; skipping capture saves start-up time and keeps A and B alike.
+        cmd += ["--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]
+    if args.chunked_prefill_size:
+        cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    if args.sleep_on_idle:
+        cmd += ["--sleep-on-idle"]
+    if which == "C" or (which == "A" and server_for(args, "json") == "A"
+                        and "json" in args.modes.split(",")):
+        cmd += ["--enable-return-hidden-states"]
+    elif which == "B":
+        cmd += ["--dump-hidden-states-dir", dump_dir(args, name)]
+        if spec["layers_flag"]:
+            cmd += ["--dump-hidden-states-layers", spec["layers_flag"]]
+        if args.max_host_mb:
+            cmd += ["--dump-hidden-states-max-host-mb", str(args.max_host_mb)]
+    return cmd
+
+
+def server_for(args, mode):
+    """A: nodump (and json unless --json-server separate); B: dump; C: json, separately.
+
+    SGLang 0.5.17 captures hidden states (mode FULL) on every forward of a server started
+    with --enable-return-hidden-states, whether a request asks for them or not
+    (ForwardBatch.init_new: "capture the server's configured maximum"), so a shared A
+    does slightly more than a plain server for (a); --json-server separate measures (a)
+    on a plain server at the cost of a third start-up."""
+    if mode == "dump":
+        return "B"
+    if mode == "json" and args.json_server == "separate":
+        return "C"
+    return "A"
+
+
+def print_plan(plan):
+    print(f"profile {plan['profile']}: modes {plan['modes']}, ~{plan['cell_tokens']} prompt tokens "
+          f"per cell, >= {plan['min_rounds']} request(s) per client; writer threads "
+          f"{plan['writer_threads']}; deadline {plan['deadline_s']} s")
+    for ph in plan["phases"]:
+        print(f"\n[ceilings] ~{ph['est_s']} s: pinned D2H 1 GiB; /dev/shm safetensors writes and "
+              f"the writer alone, {plan['ceiling_mib']} MiB per size, sizes "
+              f"{[f'{s / (1 << 20):.1f} MiB' for s in ph['file_sizes']]}")
+    for name, m in plan["models"].items():
+        print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s)")
+        for which, cmd in m["servers"].items():
+            print(f"  server {which}: {' '.join(cmd)}")
+        print(f"  {'mode':7} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
+        for c in m["cells"]:
+            gib = f"{c['dump_bytes'] / (1 << 30):.1f}" if "dump_bytes" in c else ""
+            print(f"  {c['mode']:7} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
+                  f"{c['prompt_tokens']:8} {gib:>8} {c['est_s']:6}")
+    print(f"\nestimated total: ~{plan['est_total_s']} s (throughputs and start-up times are "
+          f"assumptions; the deadline skips what does not fit)")
+
+
+# ---- helpers ---------------------------------------------------------------------------
+class Clock:
+    def __init__(self, deadline_s):
+        self.t0 = time.monotonic()
+        self.deadline_s = deadline_s
+
+    def left(self):
+        return self.deadline_s - (time.monotonic() - self.t0)
+
+    def elapsed(self):
+        return time.monotonic() - self.t0
+
+
+def safetensors_header(path):
+    """(tensor shapes/dtypes, metadata) of a safetensors file, read without torch."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", {})
+    return {k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items()}, meta
+
+
+def gpu_name():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return out.splitlines()[0] if out else "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def short_gpu(name):
+    """'NVIDIA H200' -> 'h200' (for file names)."""
+    m = re.search(r"GB200|B200|H200|H100|H20|A100|L40S?|RTX PRO 6000", name)
+    return re.sub(r"[^a-z0-9]+", "", (m.group(0) if m else name).lower()) or "gpu"
+
+
+def versions():
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("sglang", "torch", "transformers", "safetensors", "sglang-ext"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+# ---- servers -----------------------------------------------------------------------------
+READY_FOR_NEXT = re.compile(r"KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up")
+
+
+class Server:
+    def __init__(self, name, which, cmd, log_path):
+        self.name, self.which, self.cmd, self.log_path = name, which, cmd, log_path
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.proc = None
+        self.t_start = None
+        self.startup_s = None
+
+    def start(self):
+        self.log = open(self.log_path, "w")
+        self.t_start = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log_text(self):
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def healthy(self):
+        import requests
+
+        try:
+            return requests.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait(self, until, timeout):
+        """Wait for ``until()``; raises if the process exits or time runs out."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                tail = self.log_text()[-1500:]
+                raise RuntimeError(f"server {self.which} exited with {self.proc.returncode}: ...{tail}")
+            if until():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"server {self.which} not ready after {timeout:.0f} s")
+
+    def wait_healthy(self, timeout):
+        self.wait(self.healthy, timeout)
+        if self.startup_s is None:
+            self.startup_s = round(time.monotonic() - self.t_start, 1)
+
+
+def stop_all(servers, grace=20):
+    """SIGTERM every server's process group at once, SIGKILL what is left after ``grace`` s."""
+    live = [s for s in servers if s.proc is not None and s.proc.poll() is None]
+    for s in live:
+        try:
+            os.killpg(s.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for s in live:
+        try:
+            s.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)  # stragglers in the group, if any
+        except ProcessLookupError:
+            pass
+        s.proc.wait()
+
+
+def start_pair(servers, timeout):
+    """Start the servers one after another, each once the one before has sized its KV
+    cache (its log says so, or it answers /health), so their memory profiling does not
+    race; then wait for all. A server that dies while another starts is retried once
+    alone."""
+    for i, s in enumerate(servers):
+        s.start()
+        if i + 1 < len(servers):
+            s.wait(lambda s=s: READY_FOR_NEXT.search(s.log_text()) or s.healthy(), timeout)
+    for s in servers:
+        try:
+            s.wait_healthy(timeout)
+        except RuntimeError as e:
+            print(f"  server {s.which} failed ({str(e)[:200]}); retrying it alone", flush=True)
+            for other in servers:
+                if other is not s and other.proc.poll() is None:
+                    other.wait_healthy(timeout)
+            s.startup_s = None
+            s.start()
+            s.wait_healthy(timeout)
+
+
+# ---- client ---------------------------------------------------------------------------------
+_local = threading.local()
+
+
+def _session():
+    import requests
+
+    if not hasattr(_local, "s"):
+        _local.s = requests.Session()
+    return _local.s
+
+
+def make_prompts(rng, n, length, vocab):
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def send_batch(port, prompts, concurrency, return_hidden_states=False, timeout=600):
+    """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
+    results per request: (latency_s, status, response bytes, content or None)."""
+    bodies = []
+    for ids in prompts:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        if return_hidden_states:
+            body["return_hidden_states"] = True
+        bodies.append(json.dumps(body).encode())
+
+    def one(i):
+        t = time.perf_counter()
+        r = _session().post(f"http://127.0.0.1:{port}/generate", data=bodies[i], timeout=timeout,
+                            headers={"Content-Type": "application/json"})
+        content = r.content
+        lat = time.perf_counter() - t
+        # JSON responses run to 100s of MB: keep the first (and failures) only
+        keep = not return_hidden_states or i == 0 or r.status_code != 200
+        return lat, r.status_code, len(content), content if keep else None
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, range(len(bodies))))
+    return time.perf_counter() - t0, results
+
+
+class RssSampler:
+    """Peak resident memory (bytes) of a process and its children, sampled every 0.2 s."""
+
+    def __init__(self, pid):
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def rss(self):
+        import psutil
+
+        total = 0
+        try:
+            procs = [self.root] + self.root.children(recursive=True)
+        except psutil.Error:  # the server is gone
+            return 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def __enter__(self):
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(0.2)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def clear_dump_dir(path):
+    for entry in os.listdir(path):
+        if entry.endswith(".safetensors") or entry == "index.jsonl":
+            try:
+                os.unlink(os.path.join(path, entry))
+            except FileNotFoundError:
+                pass
+
+
+def run_cell(server, cell, spec, rng, mode):
+    prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
+    wall, results = send_batch(server.port, prompts, cell["concurrency"],
+                               return_hidden_states=(mode == "json"))
+    lat = [r[0] for r in results]
+    bad = [r for r in results if r[1] != 200]
+    out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
+           "requests": len(prompts)}
+    out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
+    if bad:
+        out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
+    if mode == "dump" and not bad:
+        paths, errors = [], []
+        for r in results:
+            meta = json.loads(r[3])["meta_info"]
+            if meta.get("hidden_states_path"):
+                paths.append(meta["hidden_states_path"])
+            else:
+                errors.append(meta.get("hidden_states_error", "no hidden_states_path"))
+        sizes = [os.stat(p).st_size for p in paths]
+        out["file_bytes"] = sum(sizes)
+        out["write_gbps"] = sum(sizes) / wall / 1e9
+        out["files"] = len(paths)
+        if errors:
+            out["error"] = f"{len(errors)} requests without a file: {errors[0][:200]}"
+        if paths:
+            tensors, meta = safetensors_header(paths[0])
+            out["file_check"] = {"hidden_states": tensors.get("hidden_states"),
+                                 "layer_ids": meta.get("layer_ids")}
+    if mode == "json" and not bad:
+        out["response_bytes"] = sum(r[2] for r in results)
+        first = json.loads(results[0][3])
+        hs = first["meta_info"].get("hidden_states")
+        out["json_check"] = describe_nested(hs)
+        if hs is None:
+            out["error"] = "response carries no meta_info.hidden_states"
+    return out
+
+
+def describe_nested(x):
+    """Shape of a nested list (first elements), e.g. [2048, 4096]; None when absent."""
+    if x is None:
+        return None
+    shape = []
+    while isinstance(x, list):
+        shape.append(len(x))
+        if not x:
+            break
+        x = x[0]
+    return shape
+
+
+def warm_up(server, spec, rng, plens, json_too):
+    """One request, then a burst of 8, at every prompt length: kernels compiled for the
+    shapes, and on the dump server the pinned host buffers of those sizes allocated
+    (torch caches them), before anything is timed."""
+    for plen in plens:
+        send_batch(server.port, make_prompts(rng, 1, plen, spec["vocab"]), 1)
+        send_batch(server.port, make_prompts(rng, 8, plen, spec["vocab"]), 8)
+    if json_too:
+        send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
+
+
+def wait_writer_log(server, spec, rng, timeout):
+    """Send a small dump request every 2 s until the writer logs a new snapshot line (it
+    logs after a write at most once a minute), so the log's peak covers every cell."""
+    seen = len(re.findall(r"hidden-state dump: \{", server.log_text()))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        send_batch(server.port, make_prompts(rng, 1, 16, spec["vocab"]), 1)
+        if len(re.findall(r"hidden-state dump: \{", server.log_text())) > seen:
+            return True
+        time.sleep(2)
+    return False
+
+
+def writer_log_peak(text):
+    """Max ``host_bytes_peak`` over the writer's 'hidden-state dump: {...}' log lines."""
+    peaks = []
+    for m in re.finditer(r"hidden-state dump: (\{[^}\n]*\})", text):
+        try:
+            peaks.append(int(ast.literal_eval(m.group(1))["host_bytes_peak"]))
+        except (ValueError, SyntaxError, KeyError):
+            pass
+    return max(peaks) if peaks else None
+
+
+# ---- subprocess phases (torch) ---------------------------------------------------------------
+def internal_build(name, path):
+    import torch
+
+    spec = MODELS[name]
+    if os.path.exists(os.path.join(path, "model.safetensors.index.json")) or os.path.exists(
+        os.path.join(path, "model.safetensors")
+    ):
+        print(f"{name}: reusing {path}")
+        return
+    t0 = time.time()
+    if spec["arch"] == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                          num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32,
+                          max_position_embeddings=16384)
+        cls = LlamaForCausalLM
+    else:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        cfg = DeepseekV3Config(
+            vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+            kv_lora_rank=512, q_lora_rank=384, qk_rope_head_dim=64, qk_nope_head_dim=128,
+            v_head_dim=128, n_routed_experts=8, num_experts_per_tok=8, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=16384,
+            moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", rope_scaling=None,
+        )
+        cls = DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:  # random init of 1.9 B parameters: seconds on the GPU, a minute on the CPU
+        with torch.device(device):
+            model = cls(cfg).to(torch.bfloat16)
+    except Exception as e:  # noqa: BLE001
+        if device == "cpu":
+            raise
+        print(f"{name}: init on the GPU failed ({type(e).__name__}: {e}); building on the CPU")
+        device = "cpu"
+        torch.cuda.empty_cache()
+        model = cls(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    print(f"{name}: built on {device} in {time.time() - t0:.1f} s -> {path}")
+
+
+def d2h_ceiling(torch, dev, out):
+    """Pinned device-to-host copy of 1 GiB: best and median of 5, GB/s."""
+    # 1. pinned device-to-host copy, 1 GiB
+    n = 1 << 29  # bf16 elements = 1 GiB
+    src = torch.randn(n, dtype=torch.float32, device=dev).to(torch.bfloat16)
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    host.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        host.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    out["d2h_pinned_gbps"] = (n * 2) / min(times) / 1e9
+    out["d2h_pinned_gbps_median"] = (n * 2) / sorted(times)[len(times) // 2] / 1e9
+    del src, host
+    torch.cuda.empty_cache()
+    print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
+
+
+def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_host_mb, root):
+    """Measure the ceilings; writes a JSON dict to ``part_path``. Files go to ``root``
+    (--dump-root, /dev/shm by default), where server B's dumps go."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sglang_ext import format as fmt
+    from sglang_ext.writer import DumpWriter
+
+    cuda = torch.cuda.is_available()
+    # Without CUDA (a CPU check of this code) the copy ceiling is skipped and the writer
+    # gets CPU rows; the numbers then mean nothing.
+    dev = torch.device("cuda", 0) if cuda else None
+    out = {"writer_threads": threads, "cuda": cuda}
+    if cuda:
+        d2h_ceiling(torch, dev, out)
+
+    budget = ceiling_mib << 20
+    free = shutil.disk_usage(root).free
+    budget = min(budget, int(free * 0.4))
+    out["shm_free_bytes"] = free
+
+    # 2. /dev/shm write: safetensors save_file from pinned host tensors, `threads` threads
+    d = os.path.join(root, "kimi-bench-ceiling")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    out["shm_write_gbps"] = {}
+    seen = set()
+    for s in json.loads(sizes_json):
+        rows, layers, hidden = s["rows"], s["layers"], s["hidden"]
+        if round(rows * layers * hidden / (1 << 18)) in seen:  # same size to 1/4 MiB
+            continue
+        seen.add(round(rows * layers * hidden / (1 << 18)))
+        # one source tensor per thread, as the writer's buffers are distinct (one shared
+        # source could be served from the CPU's cache and flatter the ceiling)
+        srcs = [{"hidden_states": torch.empty((rows, layers, hidden), dtype=torch.bfloat16,
+                                              pin_memory=cuda).normal_(),
+                 "token_ids": torch.arange(rows, dtype=torch.int64)} for _ in range(threads)]
+        size = rows * layers * hidden * 2 + rows * 8
+        count = max(2 * threads, math.ceil(budget / size))
+        count = min(count, max(threads, int(free * 0.4) // size))
+
+        def save(i, srcs=srcs):
+            p = os.path.join(d, f"f{i}.safetensors")
+            save_file(srcs[i % len(srcs)], p, metadata={"i": str(i)})
+            return os.path.getsize(p)
+
+        best = 0.0
+        for _ in range(2):
+            t0 = time.perf_counter()
+            with cf.ThreadPoolExecutor(threads) as pool:
+                total = sum(pool.map(save, range(count)))
+            best = max(best, total / (time.perf_counter() - t0) / 1e9)
+            for e in os.listdir(d):
+                os.unlink(os.path.join(d, e))
+        out["shm_write_gbps"][str(total // count)] = best
+        print(f"/dev/shm write, {total // count / (1 << 20):.1f} MiB files x {count}, "
+              f"{threads} threads: {best:.1f} GB/s", flush=True)
+        del srcs, save
+
+    # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it
+    out["writer_alone"] = {}
+    fd = fmt.open_dump_dir(d)
+    for s in json.loads(sizes_json):
+        rows, layers, hidden = s["rows"], s["layers"], s["hidden"]
+        width = layers * hidden
+        gpu_rows = torch.randn((rows, width), dtype=torch.float32, device=dev or "cpu").to(torch.bfloat16)
+        ids = list(range(rows))
+        size = rows * width * 2 + rows * 8
+        count = max(2 * threads, math.ceil(budget / size))
+        count = min(count, max(threads, int(free * 0.4) // size))
+        writer = DumpWriter(fd, max_host_bytes=max_host_mb << 20, threads=threads, device=dev,
+                            log_every_s=1e9)
+        results = []
+        for rep in range(reps):
+            before = writer.snapshot()["bytes_written"]
+            t0 = time.perf_counter()
+            for i in range(count):
+                rid = f"w{rep}-{i}"
+                p = writer.start(rid, rows, width, torch.bfloat16)
+                for c0 in range(0, rows, DEFAULT_CHUNK):  # one copy per prefill chunk
+                    writer.copy_rows(p, gpu_rows[c0:c0 + DEFAULT_CHUNK])
+                meta = fmt.build_metadata(rid=rid, layer_ids=s["layer_ids"],
+                                          num_layers=s["num_layers"])
+                writer.submit(p, fmt.reserve(fd, rid), ids, layers, meta)
+            while writer.snapshot()["queue_depth"]:
+                time.sleep(0.001)
+            wall = time.perf_counter() - t0
+            snap = writer.snapshot()
+            results.append((snap["bytes_written"] - before) / wall / 1e9)
+            clear_dump_dir(d)
+        writer.close()
+        snap = writer.snapshot()
+        out["writer_alone"].setdefault(s["model"], {})[str(s["prompt_len"])] = {
+            "gbps": max(results), "gbps_reps": results, "file_bytes": snap["bytes_written"] // max(snap["files_written"], 1),
+            "files_per_rep": count, "failures": snap["failures"],
+            "host_bytes_peak": snap["host_bytes_peak"], "backpressure_waits": snap["backpressure_waits"],
+        }
+        print(f"writer alone, {s['model']} {s['prompt_len']}-token files x {count}: "
+              f"{max(results):.1f} GB/s (reps {[round(x, 1) for x in results]})", flush=True)
+        del gpu_rows
+        if cuda:
+            torch.cuda.empty_cache()
+    os.close(fd)
+    shutil.rmtree(d, ignore_errors=True)
+    with open(part_path, "w") as f:
+        json.dump(out, f)
+
+
+# ---- orchestration -----------------------------------------------------------------------------
+def save_results(results, out_dir, stem):
+    results["headline"] = report.headline(results)
+    results["targets"] = report.targets(results, results["headline"])
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write(report.render_markdown(results))
+
+
+def copy_log(src, dst, head=400, tail=4000):
+    """Server log into --out, cut to its first ``head`` and last ``tail`` lines."""
+    try:
+        lines = open(src, errors="replace").read().splitlines()
+    except OSError:
+        return
+    if len(lines) > head + tail:
+        lines = lines[:head] + [f"... {len(lines) - head - tail} lines cut ..."] + lines[-tail:]
+    with open(dst, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def run_model(args, plan, name, clock, results, save, skipped):
+    spec = MODELS[name]
+    mp = plan["models"][name]
+    m = results["models"].setdefault(name, {
+        "hidden_size": spec["hidden_size"], "num_layers": spec["num_layers"],
+        "layer_ids": spec["layer_ids"], "servers": mp["servers"], "cells": [], "startup_s": {},
+    })
+    t0 = time.monotonic()
+    path = model_path(args, name)
+    os.makedirs(args.workdir, exist_ok=True)
+    if not args.no_build:
+        subprocess.run([sys.executable, __file__, "--internal", "build", "--internal-model", name],
+                       check=True, timeout=300, env=os.environ | {"KIMI_BENCH_MODEL_PATH": path})
+    results["phases"][f"{name}/build_s"] = round(time.monotonic() - t0, 1)
+    dd = dump_dir(args, name)
+    shutil.rmtree(dd, ignore_errors=True)
+    os.makedirs(dd)
+    logs = os.path.join(args.workdir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    servers = {w: Server(name, w, cmd, os.path.join(logs, f"server-{name}-{w}.log"))
+               for w, cmd in mp["servers"].items()}
+    t0 = time.monotonic()
+    rng = random.Random(f"{name}-bench")
+    try:
+        start_pair(list(servers.values()), timeout=max(60, min(420, clock.left() - 40)))
+        results["phases"][f"{name}/start_s"] = round(time.monotonic() - t0, 1)
+        m["startup_s"] = {w: s.startup_s for w, s in servers.items()}
+        print(f"[{name}] servers up in {time.monotonic() - t0:.0f} s {m['startup_s']}", flush=True)
+        sampler = None
+        if "B" in servers:
+            # from before the warm-up: that is where server B first allocates its pinned
+            # buffers of every size
+            m["host_memory"] = {"cap_bytes": plan["max_host_mb"] << 20}
+            try:
+                sampler = RssSampler(servers["B"].proc.pid)
+                m["host_memory"]["rss_baseline_bytes"] = sampler.rss()
+                sampler.__enter__()
+            except Exception as e:  # noqa: BLE001 - psutil missing: log parse only
+                print(f"  no RSS sampling: {e}")
+                sampler = None
+        t0 = time.monotonic()
+        for s in servers.values():
+            warm_up(s, spec, rng, args.prompt_lens, json_too="--enable-return-hidden-states" in s.cmd)
+        clear_dump_dir(dd)
+        results["phases"][f"{name}/warmup_s"] = round(time.monotonic() - t0, 1)
+        shm_free = shutil.disk_usage(args.dump_root).free
+        t0 = time.monotonic()
+        for cell in mp["cells"]:
+            label = f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
+            need = cell["est_s"] * 2 + 15
+            if clock.left() < need:
+                skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
+                print(f"  skip {label}: deadline", flush=True)
+                continue
+            cell = dict(cell)
+            if cell["mode"] == "dump" and cell["dump_bytes"] > 0.6 * shm_free:
+                per = file_bytes(spec, cell["prompt_len"])
+                cell["requests"] = max(cell["concurrency"], int(0.6 * shm_free // per))
+                cell["scaled_for_shm"] = True
+            server = servers[server_for(args, cell["mode"])]
+            try:
+                r = run_cell(server, cell, spec, rng, cell["mode"])
+            except Exception as e:  # noqa: BLE001
+                r = {"mode": cell["mode"], "prompt_len": cell["prompt_len"],
+                     "concurrency": cell["concurrency"], "requests": cell["requests"],
+                     "error": f"{type(e).__name__}: {e}"[:500]}
+            if cell.get("scaled_for_shm"):
+                r["scaled_for_shm"] = True
+            if cell["mode"] == "dump":
+                clear_dump_dir(dd)
+            m["cells"].append(r)
+            extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
+                f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
+            print(f"  {label}: {r.get('prefill_tps', float('nan')):.0f} tok/s, p50 "
+                  f"{r.get('p50_s', float('nan')):.3f} s, p99 {r.get('p99_s', float('nan')):.3f} s{extra}"
+                  + (f"  ERROR {r['error']}" if r.get("error") else ""), flush=True)
+            save()
+        results["phases"][f"{name}/cells_s"] = round(time.monotonic() - t0, 1)
+        checked = [c["file_check"] for c in m["cells"] if c.get("file_check")]
+        if checked:
+            m["file_check"] = checked[0]
+        if "B" in servers:
+            hm = m["host_memory"]
+            if args.writer_log_wait_s and clock.left() > args.writer_log_wait_s + 30:
+                wait_writer_log(servers["B"], spec, rng, args.writer_log_wait_s)
+                clear_dump_dir(dd)
+            hm["log_host_bytes_peak"] = writer_log_peak(servers["B"].log_text())
+            if sampler:
+                sampler.__exit__(None, None, None)
+            if sampler and sampler.peak:
+                hm["rss_peak_bytes"] = sampler.peak
+                hm["rss_delta_bytes"] = max(0, sampler.peak - hm["rss_baseline_bytes"])
+    finally:
+        t0 = time.monotonic()
+        stop_all(list(servers.values()))
+        results["phases"][f"{name}/stop_s"] = round(time.monotonic() - t0, 1)
+        for w, s in servers.items():
+            copy_log(s.log_path, os.path.join(args.out, f"server-{name}-{w}.log"))
+        shutil.rmtree(dd, ignore_errors=True)
+        save()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
+    ap.add_argument("--quick", dest="profile", action="store_const", const="quick",
+                    help="the ~8-minute profile (same as --profile quick)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kimi-bench-out"))
+    ap.add_argument("--workdir", default="/tmp/kimi-bench", help="models and raw logs")
+    ap.add_argument("--models", default="llama-mid,deepseek-tiny")
+    ap.add_argument("--modes", default="nodump,dump,json")
+    ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192])
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    ap.add_argument("--cell-tokens", type=int, default=0, help="prompt tokens per cell (profile's if 0)")
+    ap.add_argument("--min-rounds", type=int, default=0, help="requests per client thread, at least")
+    ap.add_argument("--json-requests", type=int, default=0, help="requests of the JSON cell")
+    ap.add_argument("--ceiling-mib", type=int, default=0, help="MiB written per ceiling measurement")
+    ap.add_argument("--skip-ceilings", action="store_true")
+    ap.add_argument("--deadline-s", type=float, default=0, help="skip what would end later (profile's if 0)")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.3)
+    ap.add_argument("--max-host-mb", type=int, default=0, help="--dump-hidden-states-max-host-mb (default: the server's 4096)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=0, help="(default: SGLang's, 8192 on an H200)")
+    ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs on (longer start-up)")
+    ap.add_argument("--sleep-on-idle", action="store_true")
+    ap.add_argument("--case", default=None, help="results file name part (default: the profile)")
+    ap.add_argument("--writer-log-wait-s", type=float, default=None,
+                    help="after the cells, wait up to this long for the writer's next snapshot "
+                         "log line (quick: 0, full: 65)")
+    ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
+    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000, 33000],
+                    help="ports of servers A, B (and C)")
+    ap.add_argument("--json-server", choices=["shared", "separate"], default="shared",
+                    help="JSON mode on server A (shared) or on a third server C, so that A is "
+                         "a plain server (see server_for)")
+    ap.add_argument("--no-build", action="store_true", help="use the models already in --workdir")
+    # tests/test_bench.py rehearses the orchestration against a fake server
+    ap.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
+    ap.add_argument("--internal", choices=["build", "ceilings"], help=argparse.SUPPRESS)
+    ap.add_argument("--internal-model", help=argparse.SUPPRESS)
+    ap.add_argument("--internal-part", help=argparse.SUPPRESS)
+    ap.add_argument("--internal-sizes", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
+
+    if args.internal == "build":
+        internal_build(args.internal_model, os.environ["KIMI_BENCH_MODEL_PATH"])
+        return 0
+    if args.internal == "ceilings":
+        prof = PROFILES[args.profile]
+        internal_ceilings(args.internal_part, args.internal_sizes, writer_threads(),
+                          args.ceiling_mib or prof["ceiling_mib"], prof["writer_reps"],
+                          args.max_host_mb or DEFAULT_MAX_HOST_MB, args.dump_root)
+        return 0
+
+    for name in args.models.split(","):
+        if name and name not in MODELS:
+            ap.error(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    for mode in args.modes.split(","):
+        if mode not in ("nodump", "dump", "json"):
+            ap.error(f"unknown mode {mode!r} (known: nodump, dump, json)")
+    if args.writer_log_wait_s is None:
+        args.writer_log_wait_s = PROFILES[args.profile]["writer_log_wait_s"]
+    plan = make_plan(args)
+    if args.dry_run:
+        print_plan(plan)
+        return 0
+
+    # SIGTERM (a timeout, the device's limit) unwinds like Ctrl-C: the servers (in their
+    # own sessions) are stopped and the results so far written by the finally blocks.
+    signal.signal(signal.SIGTERM, _interrupt)
+    clock = Clock(plan["deadline_s"])
+    os.makedirs(args.out, exist_ok=True)
+    gpu = gpu_name()
+    date = datetime.datetime.now(datetime.timezone.utc)
+    stem = f"{date:%Y-%m-%d}-{short_gpu(gpu)}-{args.case or args.profile}"
+    results = {
+        "date": date.isoformat(timespec="seconds"), "gpu": gpu, "profile": args.profile,
+        "versions": versions(), "argv": sys.argv[1:],
+        "config": {k: plan[k] for k in ("modes", "cell_tokens", "min_rounds", "writer_threads",
+                                        "max_host_mb", "deadline_s", "ceiling_mib")}
+        | {"prompt_lens": args.prompt_lens, "concurrency": args.concurrency,
+           "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None,
+           "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static},
+        "ceilings": {}, "models": {}, "phases": {}, "skipped": [],
+    }
+    skipped = results["skipped"]
+
+    def save():
+        results["phases"]["total_s"] = round(clock.elapsed(), 1)
+        save_results(results, args.out, stem)
+
+    shm_free = shutil.disk_usage(args.dump_root).free
+    results["config"]["dump_root_free_bytes"] = shm_free
+    print(f"== {gpu}; {args.dump_root}: {shm_free / (1 << 30):.1f} GiB free; results -> "
+          f"{os.path.join(args.out, stem)}.json", flush=True)
+    if shm_free < 8 << 30:
+        print(f"WARNING: {args.dump_root} has {shm_free / (1 << 30):.1f} GiB free; dump cells are "
+              f"cut to fit (scaled_for_shm) and may fail; try --dump-root on a larger tmpfs", flush=True)
+    if not args.skip_ceilings:
+        t0 = time.monotonic()
+        part = os.path.join(args.workdir, "ceilings.json")
+        os.makedirs(args.workdir, exist_ok=True)
+        sizes = [{"model": n, "prompt_len": p, "rows": p, "layers": len(MODELS[n]["layer_ids"]),
+                  "hidden": MODELS[n]["hidden_size"], "layer_ids": MODELS[n]["layer_ids"],
+                  "num_layers": MODELS[n]["num_layers"]}
+                 for n in plan["models"] for p in args.prompt_lens]
+        try:
+            subprocess.run([sys.executable, __file__, "--internal", "ceilings", "--profile", args.profile,
+                            "--internal-part", part, "--internal-sizes", json.dumps(sizes),
+                            "--dump-root", args.dump_root]
+                           + (["--ceiling-mib", str(args.ceiling_mib)] if args.ceiling_mib else [])
+                           + (["--max-host-mb", str(args.max_host_mb)] if args.max_host_mb else []),
+                           check=True, timeout=max(30, min(180, clock.left() - 60)))
+            with open(part) as f:
+                results["ceilings"] = json.load(f)
+        except Exception as e:  # noqa: BLE001
+            results["ceilings"] = {"error": f"{type(e).__name__}: {e}"}
+            skipped.append("ceilings failed")
+        results["phases"]["ceilings_s"] = round(time.monotonic() - t0, 1)
+        save()
+    for name in plan["models"]:
+        if clock.left() < 90:
+            skipped.append(f"{name} (deadline: {clock.left():.0f} s left)")
+            continue
+        try:
+            run_model(args, plan, name, clock, results, save, skipped)
+        except Exception as e:  # noqa: BLE001
+            results["models"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"[{name}] ERROR {type(e).__name__}: {str(e)[:500]}", flush=True)
+    save()
+    print(f"\nresults: {os.path.join(args.out, stem)}.json / .md ({clock.elapsed():.0f} s)"
+          + (f"; skipped: {'; '.join(skipped)}" if skipped else ""))
+    print(report.summary_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

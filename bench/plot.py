@@ -1,0 +1,106 @@
+"""Plot a benchmark results JSON (bench.py's output) to a PNG, on any machine.
+
+    python bench/plot.py bench/results/2026-11-29-h200-quick.json [-o out.png]
+
+Top row, per model: prefill tokens/s of every (prompt length, concurrency) cell for
+nodump (a), dump (b) and JSON (c), log scale, with the hardware bound W/B of each cell
+(W = min(pinned D2H, /dev/shm write), B = dump bytes per prompt token) as a marker.
+Bottom row: (b)/(a) and (b)/min((a), W/B) per cell against the 0.95 target.
+The GPU host has no matplotlib; run this where it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
+
+COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "json": "#c44e52"}
+
+
+def _label(prompt_len, concurrency):
+    """'2k/8' for 2048 tokens at concurrency 8, '512/1' below 1k."""
+    p = f"{prompt_len // 1024}k" if prompt_len >= 1024 and prompt_len % 1024 == 0 else str(prompt_len)
+    return f"{p}/{concurrency}"
+
+
+def plot(results: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    head = results.get("headline") or report.headline(results)
+    models = [m for m, v in results.get("models", {}).items() if v.get("cells")]
+    if not models:
+        raise ValueError("no model with measured cells in these results")
+    fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
+    for j, model in enumerate(models):
+        cells = [c for c in results["models"][model]["cells"] if not c.get("error")]
+        keys = sorted({(c["prompt_len"], c["concurrency"]) for c in cells})
+        x = {k: i for i, k in enumerate(keys)}
+        ax = axes[0][j]
+        width = 0.27
+        for k, mode in enumerate(("nodump", "dump", "json")):
+            pts = [(x[(c["prompt_len"], c["concurrency"])], c["prefill_tps"])
+                   for c in cells if c["mode"] == mode]
+            if pts:
+                ax.bar([p[0] + (k - 1) * width for p in pts], [p[1] for p in pts], width,
+                       label={"nodump": "(a) no dump", "dump": "(b) dump",
+                              "json": "(c) JSON"}[mode], color=COLORS[mode])
+        hc = [c for c in head.get(model, {}).get("cells", []) if c.get("w_tps")]
+        if hc:
+            ax.scatter([x[(c["prompt_len"], c["concurrency"])] for c in hc],
+                       [c["w_tps"] for c in hc], marker="_", s=400, color="k", label="W/B bound")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
+        ax.set_xlabel("prompt tokens / concurrency")
+        ax.set_ylabel("prefill prompt tokens/s")
+        ax.set_title(f"{model}")
+        ax.legend(fontsize=8)
+        ax = axes[1][j]
+        for k, (key, label, color) in enumerate((("dump_vs_nodump", "(b)/(a)", COLORS["nodump"]),
+                                                  ("dump_vs_bound", "(b)/min((a), W/B)", COLORS["dump"]))):
+            r = [(x[(c["prompt_len"], c["concurrency"])], c[key])
+                 for c in head.get(model, {}).get("cells", []) if c.get(key) is not None]
+            if r:
+                ax.bar([p[0] + (k - 0.5) * 0.4 for p in r], [p[1] for p in r], 0.4,
+                       color=color, label=label)
+        ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
+        ax.set_ylim(0, 1.2)
+        ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
+        ax.set_ylabel("dump throughput ratio")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"hidden-state dump, {results.get('gpu', '?')}, {results.get('date', '?')[:10]}, "
+                 f"profile {results.get('profile', '?')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results")
+    ap.add_argument("-o", "--output", help="PNG path (default: the JSON's, .png)")
+    ap.add_argument("--markdown", action="store_true",
+                    help="also (re)write the Markdown table next to the JSON")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
+        results = json.load(f)
+    out = args.output or os.path.splitext(args.results)[0] + ".png"
+    print(plot(results, out))
+    if args.markdown:
+        md = os.path.splitext(args.results)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(report.render_markdown(results))
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Pure functions of the benchmark: statistics, headline ratios, targets, Markdown.
+
+No torch, no CUDA, no server: ``bench.py`` feeds them measured numbers and
+``tests/test_bench.py`` feeds them hand-made ones. Units are in the names
+(``_s`` seconds, ``_tps`` prompt tokens per second, ``_gbps`` 1e9 bytes per second).
+
+Results layout (what ``bench.py`` writes, what ``render_markdown`` and ``plot.py`` read)::
+
+    {"date", "gpu", "profile", "versions", "config": {...},
+     "ceilings": {"d2h_pinned_gbps", "writer_threads",
+                  "shm_write_gbps": {"<file bytes>": gbps, ...},
+                  "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
+     "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
+                            "cells": [{"mode": "nodump"|"dump"|"json", "prompt_len",
+                                       "concurrency", "requests", "prompt_tokens", "wall_s",
+                                       "prefill_tps", "p50_s", "p99_s",
+                                       "file_bytes" (dump), "write_gbps" (dump),
+                                       "response_bytes" (json), ...}],
+                            "host_memory": {...}}},
+     "headline": {"<model>": {...}}, "targets": [...], "phases": {...}}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional
+
+# Targets of issue #7.
+TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
+TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
+TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
+JSON_PROMPT_LEN = 2048
+JSON_CONCURRENCY = 8
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear interpolation between ranks (numpy's
+    default). NaN for no values."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(xs) - 1)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def cell_stats(latencies_s: List[float], prompt_tokens: int, wall_s: float) -> Dict[str, float]:
+    """Prefill throughput and latency percentiles of one batch of requests.
+
+    ``prefill_tps`` = prompt tokens / wall time of the whole batch (first send to last
+    response), with ``max_new_tokens=1`` so the time is prefill (plus, for a dump, the
+    file write the response waits for).
+    """
+    return {
+        "prompt_tokens": int(prompt_tokens),
+        "wall_s": float(wall_s),
+        "prefill_tps": prompt_tokens / wall_s if wall_s > 0 else float("nan"),
+        "p50_s": percentile(latencies_s, 50),
+        "p99_s": percentile(latencies_s, 99),
+    }
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    if num is None or den is None or not den or math.isnan(num) or math.isnan(den):
+        return None
+    return num / den
+
+
+def ceiling_w(d2h_gbps: Optional[float], shm_gbps: Optional[float]) -> Optional[float]:
+    """W: the hardware ceiling of a dump, min(pinned device-to-host, /dev/shm write)."""
+    vals = [v for v in (d2h_gbps, shm_gbps) if v is not None and not math.isnan(v)]
+    return min(vals) if vals else None
+
+
+def nearest(table: Dict[str, float], size: float) -> Optional[float]:
+    """The value of ``table`` (keys: file sizes in bytes, as JSON strings) whose key is
+    closest to ``size`` in log scale; None for an empty table."""
+    if not table:
+        return None
+    key = min(table, key=lambda k: abs(math.log(float(k)) - math.log(max(size, 1.0))))
+    return table[key]
+
+
+def _cell(cells, mode, prompt_len, concurrency):
+    for c in cells:
+        if (c.get("mode"), c.get("prompt_len"), c.get("concurrency")) == (
+            mode, prompt_len, concurrency
+        ) and not c.get("error"):
+            return c
+    return None
+
+
+def headline(results: dict) -> Dict[str, dict]:
+    """Per model: ``dump_vs_nodump`` (per cell, plus min and geometric mean),
+    ``dump_vs_json`` at 2k/conc 8, ``writer_vs_ceiling`` (per prompt length, and at 2k),
+    and per dump cell the bound ``min((a), W/B)`` the target compares (b) with."""
+    ceil = results.get("ceilings", {})
+    d2h = ceil.get("d2h_pinned_gbps")
+    shm = ceil.get("shm_write_gbps", {})
+    out = {}
+    for model, m in results.get("models", {}).items():
+        cells = m.get("cells", [])
+        per_cell = []
+        for b in (c for c in cells if c.get("mode") == "dump" and not c.get("error")):
+            a = _cell(cells, "nodump", b["prompt_len"], b["concurrency"])
+            bytes_per_token = (
+                b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
+            )
+            file_bytes = b["file_bytes"] / b["requests"] if b.get("file_bytes") else None
+            w = ceiling_w(d2h, nearest(shm, file_bytes) if file_bytes else None)
+            w_tps = w * 1e9 / bytes_per_token if (w and bytes_per_token) else None
+            a_tps = a["prefill_tps"] if a else None
+            bound = min(v for v in (a_tps, w_tps) if v is not None) if (a_tps or w_tps) else None
+            per_cell.append({
+                "prompt_len": b["prompt_len"],
+                "concurrency": b["concurrency"],
+                "dump_vs_nodump": ratio(b["prefill_tps"], a_tps),
+                "bytes_per_token": bytes_per_token,
+                "w_gbps": w,
+                "w_tps": w_tps,
+                "bound_tps": bound,
+                "dump_vs_bound": ratio(b["prefill_tps"], bound),
+            })
+        r = [x["dump_vs_nodump"] for x in per_cell if x["dump_vs_nodump"] is not None]
+        b_json = _cell(cells, "dump", JSON_PROMPT_LEN, JSON_CONCURRENCY)
+        c_json = _cell(cells, "json", JSON_PROMPT_LEN, JSON_CONCURRENCY)
+        writer = ceil.get("writer_alone", {}).get(model, {})
+        wvc = {}
+        for plen, wr in writer.items():
+            w = ceiling_w(d2h, nearest(shm, wr["file_bytes"]))
+            wvc[plen] = ratio(wr.get("gbps"), w)
+        out[model] = {
+            "cells": per_cell,
+            "dump_vs_nodump_min": min(r) if r else None,
+            "dump_vs_nodump_geomean": math.exp(sum(map(math.log, r)) / len(r)) if r else None,
+            "dump_vs_json": ratio(
+                b_json["prefill_tps"] if b_json else None, c_json["prefill_tps"] if c_json else None
+            ),
+            "writer_vs_ceiling": wvc.get(str(JSON_PROMPT_LEN)),
+            "writer_vs_ceiling_by_len": wvc,
+        }
+    return out
+
+
+def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
+    """Pass/fail of each target: ``{"model", "target", "value", "threshold", "pass"}``;
+    ``pass`` is None where the inputs were not measured (skipped or failed)."""
+    rows = []
+
+    def add(model, name, value, threshold, ok=None, note=""):
+        if ok is None:
+            ok = None if value is None else value >= threshold
+        rows.append({"model": model, "target": name, "value": value, "threshold": threshold,
+                     "pass": ok, "note": note})
+
+    for model, h in head.items():
+        worst = min((c["dump_vs_bound"] for c in h["cells"] if c["dump_vs_bound"] is not None),
+                    default=None)
+        add(model, "(b) >= 0.95 x min((a), W/B), worst cell", worst, TARGET_DUMP_VS_BOUND)
+        add(model, "(b) >= 30 x (c) at 2k/conc 8", h["dump_vs_json"], TARGET_DUMP_VS_JSON)
+        add(model, "writer alone >= 0.70 W (2k files)", h["writer_vs_ceiling"],
+            TARGET_WRITER_VS_CEILING)
+        mem = results.get("models", {}).get(model, {}).get("host_memory", {})
+        cap = mem.get("cap_bytes")
+        peak = mem.get("log_host_bytes_peak")
+        rss = mem.get("rss_delta_bytes")
+        if cap is None or (peak is None and rss is None):
+            add(model, "host memory under the cap", None, cap)
+            continue
+        checks = []
+        if peak is not None:
+            checks.append(peak <= cap)
+        if rss is not None:
+            # RSS of the server's process tree also holds what SGLang allocates for the
+            # batch; allow 512 MiB above the cap for that.
+            checks.append(rss <= cap + (512 << 20))
+        note = f"writer log peak {_mib(peak)}, RSS growth {_mib(rss)}, cap {_mib(cap)}"
+        add(model, "host memory under the cap", peak if peak is not None else rss, cap,
+            ok=all(checks), note=note)
+    return rows
+
+
+def _mib(x):
+    return "n/a" if x is None else f"{x / (1 << 20):.0f} MiB"
+
+
+def _f(x, fmt="{:.0f}"):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return fmt.format(x)
+
+
+def render_markdown(results: dict) -> str:
+    """The results as Markdown: ceilings, one table per model, ratios, targets."""
+    head = results.get("headline") or headline(results)
+    tgt = results.get("targets") or targets(results, head)
+    ceil = results.get("ceilings", {})
+    lines = [
+        f"# Hidden-state dump benchmark: {results.get('gpu', '?')}, {results.get('date', '?')}"
+        f" (profile {results.get('profile', '?')})",
+        "",
+        "## Ceilings",
+        "",
+        f"- pinned device-to-host copy: {_f(ceil.get('d2h_pinned_gbps'), '{:.1f}')} GB/s",
+        f"- /dev/shm write, safetensors, {ceil.get('writer_threads', '?')} threads:",
+    ]
+    for size, gbps in sorted(ceil.get("shm_write_gbps", {}).items(), key=lambda kv: float(kv[0])):
+        lines.append(f"  - files of {float(size) / (1 << 20):.1f} MiB: {gbps:.1f} GB/s")
+    for model, by_len in ceil.get("writer_alone", {}).items():
+        for plen, wr in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"- writer alone, {model}, {plen}-token files "
+                f"({wr['file_bytes'] / (1 << 20):.1f} MiB): {_f(wr.get('gbps'), '{:.1f}')} GB/s"
+            )
+    for model, m in results.get("models", {}).items():
+        h = head.get(model, {})
+        by_cell = {(c["prompt_len"], c["concurrency"]): c for c in h.get("cells", [])}
+        lines += [
+            "",
+            f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})",
+            "",
+            "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | GB/s written |"
+            " JSON MB/resp | (b)/(a) | (b)/bound |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        order = {"nodump": 0, "dump": 1, "json": 2}
+        for c in sorted(m.get("cells", []),
+                        key=lambda c: (c["prompt_len"], c["concurrency"], order.get(c["mode"], 9))):
+            if c.get("error"):
+                lines.append(f"| {c['prompt_len']} | {c['concurrency']} | {c['mode']} | "
+                             f"ERROR: {c['error'][:80]} |||||||||")
+                continue
+            hc = by_cell.get((c["prompt_len"], c["concurrency"]), {}) if c["mode"] == "dump" else {}
+            json_mb = (c["response_bytes"] / c["requests"] / 1e6) if c.get("response_bytes") else None
+            lines.append(
+                f"| {c['prompt_len']} | {c['concurrency']} | {c['mode']} | {c['requests']} | "
+                f"{_f(c.get('prefill_tps'))} | {_f(c.get('p50_s'), '{:.3f}')} | "
+                f"{_f(c.get('p99_s'), '{:.3f}')} | {_f(c.get('write_gbps'), '{:.2f}')} | "
+                f"{_f(json_mb, '{:.1f}')} | {_f(hc.get('dump_vs_nodump'), '{:.3f}')} | "
+                f"{_f(hc.get('dump_vs_bound'), '{:.3f}')} |"
+            )
+        lines += [
+            "",
+            f"- dump_vs_nodump: min {_f(h.get('dump_vs_nodump_min'), '{:.3f}')}, geometric mean "
+            f"{_f(h.get('dump_vs_nodump_geomean'), '{:.3f}')}",
+            f"- dump_vs_json (2k, conc 8): {_f(h.get('dump_vs_json'), '{:.1f}')}x",
+            f"- writer_vs_ceiling (2k files): {_f(h.get('writer_vs_ceiling'), '{:.2f}')}",
+        ]
+        fc = m.get("file_check")
+        if fc:
+            lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, "
+                         f"layer_ids {fc.get('layer_ids')}")
+        if m.get("error"):
+            lines.append(f"- ERROR: {m['error'][:300]}")
+        mem = m.get("host_memory", {})
+        if mem:
+            lines.append(
+                f"- host memory: writer log peak {_mib(mem.get('log_host_bytes_peak'))}, "
+                f"server RSS growth {_mib(mem.get('rss_delta_bytes'))}, cap {_mib(mem.get('cap_bytes'))}"
+            )
+    lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
+    for t in tgt:
+        v = t["value"]
+        shown = _mib(v) if "memory" in t["target"] else _f(v, "{:.3f}")
+        ok = {True: "PASS", False: "FAIL", None: "not measured"}[t["pass"]]
+        lines.append(f"| {t['model']} | {t['target']} | {shown} | {ok} |")
+    skipped = results.get("skipped") or []
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(skipped)]
+    return "\n".join(lines) + "\n"
+
+
+def summary_table(results: dict) -> str:
+    """The short plain-text table printed last by ``bench.py``."""
+    head = results.get("headline") or headline(results)
+    tgt = results.get("targets") or targets(results, head)
+    out = [f"{'model':14} {'dump/nodump min':>15} {'dump/json':>9} {'writer/W':>8}"]
+    for model, h in head.items():
+        out.append(f"{model:14} {_f(h.get('dump_vs_nodump_min'), '{:.3f}'):>15} "
+                   f"{_f(h.get('dump_vs_json'), '{:.1f}'):>9} "
+                   f"{_f(h.get('writer_vs_ceiling'), '{:.2f}'):>8}")
+    for t in tgt:
+        ok = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
+        out.append(f"  {ok} {t['model']}: {t['target']}")
+    return "\n".join(out)

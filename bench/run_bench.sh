@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The benchmark of issue #7 on the device host (H200 image: Python 3.12, torch 2.11+cu130).
+#
+# Staging: the same as tests/gpu/run_e2e.sh (../shared/gpu-lab recipe). Make .whl/{a,b,c}
+# here with  ../shared/gpu-lab/stage-wheels.sh .whl  then, on the device, one call per
+# folder, back to back on the same warm host (each call carries one folder):
+#   bash bench/run_bench.sh install a      (carry .whl/a)
+#   bash bench/run_bench.sh install b      (carry .whl/b)
+#   bash bench/run_bench.sh run --quick    (carry .whl/c: installs c, applies, runs)
+# A host that already ran tests/gpu/run_e2e.sh has a, b and c installed (same /tmp/site-*).
+# `run` applies the series into the staged site-packages and runs bench/bench.py with the
+# remaining arguments (see bench/README.md). Results: $OUT/<date>-<gpu>-<profile>.json and
+# .md, and the server logs; make the PNG here with bench/plot.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+install_folder() {
+  if [ -f "/tmp/site-$1/.kimi-installed" ]; then echo "site-$1 already installed"; return; fi
+  bash .whl/install.sh .whl "$1"
+  touch "/tmp/site-$1/.kimi-installed"
+}
+case "${1:-run}" in
+  install) install_folder "$2" ;;
+  run)
+    [ -d .whl/c ] && install_folder c
+    export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD"
+    export PYTHONUNBUFFERED=1
+    python3 -m sglang_ext patches apply --series patches/v0.5.17 --site-packages
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    df -h /dev/shm | tail -1
+    python3 -c 'import psutil' 2>/dev/null || echo "no psutil: host memory from the writer log only"
+    # KIMI_BENCH_TIMEOUT=S: stop bench.py after S seconds (SIGTERM: it stops the servers
+    # and keeps the results so far); bench.py's own deadline normally ends it first.
+    guard=()
+    if [ -n "${KIMI_BENCH_TIMEOUT:-}" ]; then guard=(timeout --kill-after=30 "$KIMI_BENCH_TIMEOUT"); fi
+    "${guard[@]}" python3 bench/bench.py --out "${OUT:-/tmp/kimi-bench-out}" "${@:2}"
+    ;;
+  *) echo "usage: $0 install a|b|c | run [bench.py args, e.g. --quick]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,72 @@
+"""Prometheus counters and gauges of the dump writer, on SGLang's ``/metrics``.
+
+SGLang 0.5.17 with ``--enable-metrics`` sets ``PROMETHEUS_MULTIPROC_DIR`` in the main
+process before it spawns the schedulers (``engine._set_envs_and_config`` ->
+``set_prometheus_multiproc_dir``) and serves ``/metrics`` from a registry with a
+``MultiProcessCollector`` over that directory. A metric created in a scheduler process
+(which inherits the variable) therefore writes its values to that directory and shows
+up on ``/metrics`` without being registered anywhere in the main process. That is
+what SGLang's own scheduler metrics do (``observability/metrics_collector.py``); we do
+the same from ``hooks.setup_model`` on the writing rank, so no patch hunk is needed.
+
+Names (``kimi_sglang:`` prefix, like SGLang's ``sglang:``), label ``model_name``:
+
+- ``kimi_sglang:dump_files_written_total``, ``kimi_sglang:dump_bytes_written_total``,
+  ``kimi_sglang:dump_failures_total`` (counters)
+- ``kimi_sglang:dump_queue_depth`` (writes queued or running),
+  ``kimi_sglang:dump_host_bytes_in_use`` (pinned host bytes held) (gauges, most recent
+  value in multiprocess mode)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+PREFIX = "kimi_sglang:"
+
+
+class DumpMetrics:
+    """The writer's Prometheus metrics; ``registry`` defaults to prometheus_client's."""
+
+    def __init__(self, model_name: str, registry: Any = None):
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        registry = REGISTRY if registry is None else registry
+        labels = {"model_name": str(model_name)}
+        names = list(labels)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labelnames=names, registry=registry).labels(**labels)
+
+        def gauge(name, doc):
+            return Gauge(
+                PREFIX + name, doc, labelnames=names, registry=registry,
+                multiprocess_mode="mostrecent",
+            ).labels(**labels)
+
+        self.files = counter("dump_files_written", "Hidden-state files written.")
+        self.bytes = counter("dump_bytes_written", "Bytes of hidden-state files written.")
+        self.failures = counter("dump_failures", "Hidden-state writes that failed.")
+        self.queue_depth = gauge("dump_queue_depth", "Hidden-state writes queued or running.")
+        self.host_bytes = gauge(
+            "dump_host_bytes_in_use", "Pinned host bytes held by rows waiting to be written."
+        )
+
+    def written(self, nbytes: int) -> None:
+        self.files.inc()
+        self.bytes.inc(nbytes)
+
+    def failed(self) -> None:
+        self.failures.inc()
+
+    def levels(self, *, queue_depth: int, host_bytes_in_use: int) -> None:
+        self.queue_depth.set(queue_depth)
+        self.host_bytes.set(host_bytes_in_use)
+
+
+def from_server_args(server_args, registry: Any = None) -> Optional[DumpMetrics]:
+    """``DumpMetrics`` when ``--enable-metrics`` is on, else ``None``."""
+    if not getattr(server_args, "enable_metrics", False):
+        return None
+    name = getattr(server_args, "served_model_name", None) or server_args.model_path
+    return DumpMetrics(name, registry=registry)

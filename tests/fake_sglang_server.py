@@ -1,0 +1,103 @@
+"""A stand-in for ``python -m sglang.launch_server`` that lets tests/test_bench.py rehearse
+bench/bench.py's orchestration on a CPU: the same flags, /health and /generate with
+``input_ids``, and for the modes the benchmark uses:
+
+- ``--dump-hidden-states-dir DIR``: writes one safetensors file per request by hand (an
+  8-byte header length, the JSON header, zero bytes), hidden_states BF16
+  ``[T, len(layers), 64]``, and answers ``meta_info.hidden_states_path``; logs a
+  'hidden-state dump: {...}' snapshot line as sglang_ext's writer does.
+- ``--enable-return-hidden-states`` and ``return_hidden_states: true``: answers
+  ``meta_info.hidden_states`` as a ``[T, 8]`` nested list.
+
+It checks nothing about models; it is not SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+HIDDEN = 64
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--dump-hidden-states-dir")
+    ap.add_argument("--dump-hidden-states-layers", default="2,4,5,8")
+    ap.add_argument("--dump-hidden-states-max-host-mb", type=int, default=4096)
+    ap.add_argument("--enable-return-hidden-states", action="store_true")
+    args, _ = ap.parse_known_args()
+    layers = [int(x) for x in args.dump_hidden_states_layers.split(",")]
+    lock = threading.Lock()
+    state = {"n": 0, "bytes": 0, "peak": 0}
+
+    def dump(ids):
+        with lock:
+            state["n"] += 1
+            name = f"req-{state['n']}.safetensors"
+        t = len(ids)
+        hs = t * len(layers) * HIDDEN * 2
+        header = json.dumps({
+            "__metadata__": {"layer_ids": json.dumps(layers)},
+            "hidden_states": {"dtype": "BF16", "shape": [t, len(layers), HIDDEN],
+                              "data_offsets": [0, hs]},
+            "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [hs, hs + 8 * t]},
+        }).encode()
+        path = os.path.join(args.dump_hidden_states_dir, name)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header + bytes(hs) + struct.pack(f"<{t}q", *ids))
+        with lock:
+            state["bytes"] += os.path.getsize(path)
+            state["peak"] = max(state["peak"], hs)
+        print("hidden-state dump: " + repr({"files_written": state["n"], "bytes_written": state["bytes"],
+                                            "host_bytes_peak": state["peak"]}), flush=True)
+        return path
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self):
+            super().setup()
+            # headers and body go out as two writes: without this, Nagle + delayed ACK
+            # add ~40 ms to every response
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def log_message(self, *a):
+            pass
+
+        def reply(self, code, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self.reply(200 if self.path == "/health" else 404, {})
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = req["input_ids"]
+            meta = {"prompt_tokens": len(ids), "completion_tokens": 1}
+            if req.get("return_hidden_states"):
+                if not args.enable_return_hidden_states:
+                    return self.reply(400, {"error": "return_hidden_states is off"})
+                meta["hidden_states"] = [[[0.125] * 8 for _ in ids]]
+            if args.dump_hidden_states_dir:
+                meta["hidden_states_path"] = dump(ids)
+            self.reply(200, {"output_ids": [1], "meta_info": meta})
+
+    print("Memory pool end. avail mem=1.00 GB", flush=True)
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The benchmark's CPU parts (bench/): ratio math, targets, Markdown, plot, the plan.
+
+The numbers below are hand-made, with the expected ratios worked out by hand in the
+comments, not replayed from the code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+import bench  # noqa: E402
+import report  # noqa: E402
+
+MiB = 1 << 20
+
+
+def cell(mode, plen, conc, tps, reqs=4, **kw):
+    tokens = plen * reqs
+    c = {"mode": mode, "prompt_len": plen, "concurrency": conc, "requests": reqs,
+         "prompt_tokens": tokens, "wall_s": tokens / tps, "prefill_tps": tps,
+         "p50_s": 0.1, "p99_s": 0.2}
+    c.update(kw)
+    return c
+
+
+def sample():
+    # One model, B = 32 KiB per prompt token (4 layers x 4096 x bf16, rounded: token ids
+    # and header ignored here); W = min(50, 10) = 10 GB/s at 64 MiB files, so
+    # W/B = 10e9 / 32768 = 305_175.78 tokens/s.
+    b = 32768
+    return {
+        "date": "2026-11-29T12:00:00+00:00", "gpu": "NVIDIA H200", "profile": "quick",
+        "ceilings": {
+            "d2h_pinned_gbps": 50.0, "writer_threads": 8,
+            "shm_write_gbps": {str(64 * MiB): 10.0, str(256 * MiB): 20.0},
+            "writer_alone": {"m": {"2048": {"gbps": 8.0, "file_bytes": 64 * MiB}}},
+        },
+        "models": {"m": {
+            "hidden_size": 4096, "layer_ids": [2, 4, 5, 8],
+            "cells": [
+                cell("nodump", 2048, 8, 100_000.0),
+                cell("dump", 2048, 8, 96_000.0, file_bytes=4 * 2048 * b, write_gbps=3.1),
+                cell("json", 2048, 8, 2_000.0, response_bytes=4 * 160_000_000),
+                # at 512/1, (a) = 400k is above W/B = 305k: the bound is W/B
+                cell("nodump", 512, 1, 400_000.0),
+                cell("dump", 512, 1, 290_000.0, file_bytes=4 * 512 * b),
+            ],
+            "host_memory": {"cap_bytes": 4096 * MiB, "log_host_bytes_peak": 1024 * MiB,
+                            "rss_delta_bytes": 1500 * MiB},
+        }},
+    }
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = [0.4, 0.1, 0.3, 0.2]
+    assert report.percentile(xs, 50) == pytest.approx(0.25)
+    assert report.percentile(xs, 99) == pytest.approx(0.3 + 0.1 * 0.97)
+    assert report.percentile([7.0], 99) == 7.0
+    assert math.isnan(report.percentile([], 50))
+
+
+def test_cell_stats_throughput_is_tokens_over_wall():
+    s = report.cell_stats([1.0, 2.0, 3.0], prompt_tokens=6144, wall_s=2.0)
+    assert s["prefill_tps"] == 3072.0
+    assert s["p50_s"] == 2.0
+
+
+def test_headline_ratios():
+    h = report.headline(sample())["m"]
+    # (b)/(a) at 2k/8: 96k / 100k; at 512/1: 290k / 400k
+    by = {(c["prompt_len"], c["concurrency"]): c for c in h["cells"]}
+    assert by[(2048, 8)]["dump_vs_nodump"] == pytest.approx(0.96)
+    assert by[(512, 1)]["dump_vs_nodump"] == pytest.approx(0.725)
+    assert h["dump_vs_nodump_min"] == pytest.approx(0.725)
+    assert h["dump_vs_nodump_geomean"] == pytest.approx(math.sqrt(0.96 * 0.725))
+    # W at 64 MiB files = min(50, 10) = 10 GB/s; B = 32768 B/token -> 305_175.78 tok/s
+    assert by[(2048, 8)]["w_gbps"] == 10.0
+    assert by[(2048, 8)]["w_tps"] == pytest.approx(10e9 / 32768)
+    # 512-token files (16 MiB) are nearest to the 64 MiB measurement (log scale)
+    assert by[(512, 1)]["w_gbps"] == 10.0
+    # bound at 2k/8 = min(100k, 305k) = 100k; at 512/1 = min(400k, 305k) = 305k
+    assert by[(2048, 8)]["dump_vs_bound"] == pytest.approx(0.96)
+    assert by[(512, 1)]["dump_vs_bound"] == pytest.approx(290_000 / (10e9 / 32768))
+    assert h["dump_vs_json"] == pytest.approx(48.0)  # 96k / 2k
+    assert h["writer_vs_ceiling"] == pytest.approx(0.8)  # 8 / min(50, 10)
+
+
+def test_targets_pass_and_fail():
+    res = sample()
+    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    bound = rows["(b) >= 0.95 x min((a), W/B), worst cell"]
+    assert bound["value"] == pytest.approx(290_000 / (10e9 / 32768))  # 0.950272
+    assert bound["pass"] is True
+    assert rows["(b) >= 30 x (c) at 2k/conc 8"]["pass"] is True
+    assert rows["writer alone >= 0.70 W (2k files)"]["pass"] is True
+    assert rows["host memory under the cap"]["pass"] is True
+    # 5 GiB of RSS growth is over the 4 GiB cap + 512 MiB allowance
+    res["models"]["m"]["host_memory"]["rss_delta_bytes"] = 5 * 1024 * MiB
+    res["models"]["m"]["cells"][4]["prefill_tps"] = 200_000.0
+    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    assert rows["host memory under the cap"]["pass"] is False
+    assert rows["(b) >= 0.95 x min((a), W/B), worst cell"]["pass"] is False
+
+
+def test_targets_not_measured_when_missing():
+    res = sample()
+    res["models"]["m"]["cells"] = [c for c in res["models"]["m"]["cells"] if c["mode"] != "json"]
+    res["models"]["m"]["host_memory"] = {}
+    res["ceilings"]["writer_alone"] = {}
+    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    assert rows["(b) >= 30 x (c) at 2k/conc 8"]["pass"] is None
+    assert rows["writer alone >= 0.70 W (2k files)"]["pass"] is None
+    assert rows["host memory under the cap"]["pass"] is None
+
+
+def test_markdown_has_every_cell_and_the_targets():
+    res = sample()
+    res["models"]["m"]["cells"].append({"mode": "dump", "prompt_len": 8192, "concurrency": 32,
+                                        "requests": 32, "error": "HTTP 500 boom"})
+    md = report.render_markdown(res)
+    assert "| 2048 | 8 | dump | 4 | 96000 |" in md
+    assert "| 2048 | 8 | json | 4 | 2000 |" in md and "| 160.0 |" in md
+    assert "ERROR: HTTP 500 boom" in md
+    assert "dump_vs_json (2k, conc 8): 48.0x" in md
+    assert md.count("PASS") == 4
+    assert "files of 64.0 MiB: 10.0 GB/s" in md
+    table = report.summary_table(res)
+    assert "0.725" in table and "48.0" in table
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plot
+
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(sample()))
+    assert plot.main([str(src), "--markdown"]) == 0
+    png = tmp_path / "r.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "r.md").read_text().startswith("# Hidden-state dump benchmark")
+
+
+def test_plan_sizes_and_server_flags():
+    plan = bench.make_plan(_args(["--quick", "--dry-run"]))
+    llama = plan["models"]["llama-mid"]
+    a, b = llama["servers"]["A"], llama["servers"]["B"]
+    # same flags, A adds the JSON switch, B the dump
+    assert a[: a.index("--port")] == b[: b.index("--port")]
+    assert "--enable-return-hidden-states" in a and "--dump-hidden-states-dir" not in a
+    assert "--dump-hidden-states-dir" in b and "--enable-return-hidden-states" not in b
+    assert "--dump-hidden-states-layers" not in b  # Llama: default 2,4,5,8
+    sep = bench.make_plan(_args(["--quick", "--json-server", "separate"]))["models"]["llama-mid"]["servers"]
+    assert "--enable-return-hidden-states" not in sep["A"] and "--enable-return-hidden-states" in sep["C"]
+    assert sep["A"][: sep["A"].index("--port")] == sep["C"][: sep["C"].index("--port")]
+    ds_b = plan["models"]["deepseek-tiny"]["servers"]["B"]
+    assert ds_b[ds_b.index("--dump-hidden-states-layers") + 1] == "1,2,3,4"
+    cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in llama["cells"]}
+    assert len(cells) == 19  # 3 lengths x 3 concurrencies x 2 modes + JSON
+    assert cells[("json", 2048, 8)]["requests"] == 8
+    assert cells[("dump", 512, 1)]["requests"] == 128  # 64k tokens / 512
+    assert cells[("dump", 8192, 32)]["requests"] == 32  # one per client at least
+    # 2048 tokens x (4 x 4096 x 2 + 8) bytes + header
+    assert bench.file_bytes(bench.MODELS["llama-mid"], 2048) == 2048 * 32776 + 1024
+    # the headline cells come first: a run cut short by the deadline still has them
+    assert [(c["mode"], c["prompt_len"], c["concurrency"]) for c in llama["cells"][:3]] == [
+        ("nodump", 2048, 8), ("dump", 2048, 8), ("json", 2048, 8)]
+    full = bench.make_plan(_args(["--dry-run"]))
+    [json_cell] = [c for c in full["models"]["llama-mid"]["cells"] if c["mode"] == "json"]
+    assert json_cell["requests"] == 16
+
+
+def _args(argv):
+    return bench.build_parser().parse_args(argv)
+
+
+def test_dry_run_prints_the_plan_without_torch():
+    out = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--dry-run", "--quick"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "server B:" in out and "--dump-hidden-states-dir /dev/shm/kimi-bench-llama-mid" in out
+    assert "estimated total" in out
+
+
+def test_writer_log_peak_parses_the_snapshot_lines():
+    log = (
+        "[2026-11-29 12:00:00] hidden-state dump: {'files_written': 3, 'bytes_written': 10, "
+        "'failures': 0, 'queue_depth': 0, 'host_bytes_in_use': 0, 'host_bytes_peak': 1048576, "
+        "'backpressure_waits': 0}\nother line\n"
+        "hidden-state dump: {'files_written': 9, 'host_bytes_peak': 4194304}\n"
+        "hidden-state dump: layers [2, 4, 5, 8] of 8 into /dev/shm/x (writer rank: True)\n"
+    )
+    assert bench.writer_log_peak(log) == 4194304
+    assert bench.writer_log_peak("nothing") is None
+
+
+def test_safetensors_header_reader(tmp_path):
+    # a hand-built file: 8-byte little-endian header length, JSON header, data
+    header = {"__metadata__": {"layer_ids": "[2, 4]"},
+              "hidden_states": {"dtype": "BF16", "shape": [3, 2, 4], "data_offsets": [0, 48]},
+              "token_ids": {"dtype": "I64", "shape": [3], "data_offsets": [48, 72]}}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(72))
+    tensors, meta = bench.safetensors_header(str(path))
+    assert tensors["hidden_states"]["shape"] == [3, 2, 4]
+    assert meta == {"layer_ids": "[2, 4]"}
+
+
+def test_short_gpu_name():
+    assert bench.short_gpu("NVIDIA H200") == "h200"
+    assert bench.short_gpu("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench.short_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtxpro6000"
+
+
+@pytest.mark.parametrize("json_server", ["shared", "separate"])
+def test_rehearsal_against_a_fake_server(tmp_path, json_server):
+    """bench.py end to end on a CPU: start two (fake) servers, warm up, every cell, the
+    dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""
+    import os
+    import socket
+
+    pytest.importorskip("requests")
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    out, work, shm = tmp_path / "out", tmp_path / "work", tmp_path / "shm"
+    shm.mkdir()
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(BENCH.parent / "tests"), str(BENCH.parent)])}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench.py"), "--quick", "--server-module", "fake_sglang_server",
+         "--no-build", "--skip-ceilings", "--models", "deepseek-tiny", "--prompt-lens", "16,2048",
+         "--concurrency", "1,8", "--cell-tokens", "256", "--json-requests", "2",
+         "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
+         "--ports", ",".join(map(str, ports)), "--deadline-s", "120", "--case", "rehearsal",
+         "--writer-log-wait-s", "5", "--json-server", json_server],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [res_path] = out.glob("*-rehearsal.json")
+    res = json.loads(res_path.read_text())
+    m = res["models"]["deepseek-tiny"]
+    cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in m["cells"]}
+    assert len(cells) == 9 and not any(c.get("error") for c in cells.values()), m["cells"]
+    d = cells[("dump", 2048, 8)]
+    assert d["requests"] == 8 and d["files"] == 8
+    # fake files: 8 x (2048 x 4 x 64 x 2 + 2048 x 8 + header)
+    assert 8 * 2048 * (4 * 64 * 2 + 8) < d["file_bytes"] < 8 * (2048 * (4 * 64 * 2 + 8) + 1024)
+    assert d["file_check"]["hidden_states"]["shape"] == [2048, 4, 64]
+    assert d["file_check"]["layer_ids"] == "[1, 2, 3, 4]"
+    assert cells[("dump", 16, 1)]["requests"] == 16  # 256 tokens / 16
+    j = cells[("json", 2048, 8)]
+    assert j["requests"] == 2 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 2 * 2048 * 8 * 5
+    assert m["host_memory"]["log_host_bytes_peak"] == 2048 * 4 * 64 * 2
+    assert m["host_memory"]["rss_peak_bytes"] >= m["host_memory"]["rss_baseline_bytes"] > 0
+    assert res["headline"]["deepseek-tiny"]["dump_vs_json"] is not None
+    assert list(shm.iterdir()) == []  # dump directory removed
+    assert (out / res_path.name.replace(".json", ".md")).exists()
+    assert (out / "server-deepseek-tiny-B.log").exists()
+    assert (out / "server-deepseek-tiny-C.log").exists() == (json_server == "separate")
+    assert "dump/nodump min" in proc.stdout
+
+
+def test_ceilings_phase_runs_on_cpu(tmp_path):
+    """The ceilings code path (safetensors writes from threads, DumpWriter start/copy_rows/
+    submit) on CPU tensors: without CUDA the copy ceiling is skipped; the numbers mean
+    nothing here, the accounting does."""
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    import os
+
+    sizes = [{"model": "m", "prompt_len": 64, "rows": 64, "layers": 4, "hidden": 32,
+              "layer_ids": [2, 4, 5, 8], "num_layers": 8}]
+    part = tmp_path / "part.json"
+    env = os.environ | {"PYTHONPATH": str(BENCH.parent), "KIMI_SGLANG_WRITER_THREADS": "2",
+                        "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench.py"), "--internal", "ceilings", "--quick",
+         "--ceiling-mib", "1", "--internal-part", str(part), "--internal-sizes", json.dumps(sizes),
+         "--dump-root", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(part.read_text())
+    assert out["cuda"] is False and "d2h_pinned_gbps" not in out and out["writer_threads"] == 2
+    hs = 64 * 4 * 32 * 2
+    [(size, gbps)] = out["shm_write_gbps"].items()
+    assert hs + 64 * 8 < int(size) < hs + 64 * 8 + 1024 and gbps > 0
+    w = out["writer_alone"]["m"]["64"]
+    # ceil(1 MiB / (16384 + 512) bytes) = 63 files per repetition, none failed
+    assert w["files_per_rep"] == 63 and w["failures"] == 0 and len(w["gbps_reps"]) == 2
+    assert hs < w["file_bytes"] < hs + 64 * 8 + 2048
+    assert not (tmp_path / "kimi-bench-ceiling").exists()

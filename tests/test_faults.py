@@ -1,0 +1,603 @@
+"""Faults and bad input (issue 8): the dump path loses nothing and lets nothing out of DIR.
+
+Every test drives the real code (format, writer, hooks) with stand-ins for SGLang's
+batch and request objects (tests/test_hooks.py's); the outcome of every request is
+checked against the contract: a complete file (it loads, equals the reference) or an
+error in its response, never a partial file under a final name and never an entry
+outside the dump directory. docs/faults.md maps each fault to its test here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_ext import format as fmt
+from sglang_ext import hooks
+from sglang_ext import metrics as dump_metrics
+from sglang_ext import writer as writer_mod
+from sglang_ext.config import DumpConfigError, check_directory
+from test_format import RIDS
+from test_hooks import Req, finish, make_runner, reference, run_extend
+
+IDS = [2, 4]
+
+
+@pytest.fixture
+def dump(tmp_path):
+    d = tmp_path / "hs"
+    d.mkdir()
+    yield d
+    _teardown()
+
+
+def _teardown():
+    if hooks._DUMPER is not None and hooks._DUMPER.writer is not None:
+        hooks._DUMPER.writer.close(timeout=10)
+        os.close(hooks._DUMPER.dir_fd)
+    hooks._DUMPER = None
+
+
+def leftovers(d):
+    """Entries that must never outlive a request: temporaries and locks."""
+    return sorted(
+        n for n in os.listdir(d)
+        if n.endswith(fmt.TMP_SUFFIX) or n.endswith(fmt.LOCK_SUFFIX) or n.startswith(".tmp")
+    )
+
+
+def assert_complete_or_error(req, meta, d):
+    """The contract for one finished request."""
+    if "hidden_states_path" in meta:
+        path = meta["hidden_states_path"]
+        assert os.path.dirname(os.path.realpath(path)) == os.path.realpath(d)
+        rec = fmt.load(path)
+        assert torch.equal(rec.hidden_states, reference(req, IDS))
+        assert rec.token_ids.tolist() == req.origin_input_ids
+        return True
+    assert meta.get("hidden_states_error"), meta
+    return False
+
+
+def mount_tmpfs(path, options):
+    """Mount a tmpfs at ``path`` (root in a sandbox that allows it); False if refused."""
+    path.mkdir(exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    return r.returncode == 0
+
+
+def umount(path):
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+# ---- rids that try to escape or collide, through the hooks -------------------------------
+@pytest.mark.parametrize("rid", RIDS)
+def test_hostile_rids_through_the_hooks(dump, rid):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req(rid, 5, 1)
+    run_extend([(req, 0, 3)], IDS)  # two chunks
+    run_extend([(req, 3, 5)], IDS)
+    meta = finish(req)
+    assert assert_complete_or_error(req, meta, dump)
+    assert fmt.load(meta["hidden_states_path"]).metadata["rid"] == fmt.printable_rid(rid)
+    assert all("/" not in n and not n.startswith("..") for n in os.listdir(dump))
+    assert sorted(os.listdir(dump)) == sorted([os.path.basename(meta["hidden_states_path"]), fmt.INDEX_NAME])
+
+
+@pytest.mark.parametrize("rid", [123, ["a", "b"], None, b"bytes"])
+def test_rid_that_is_not_a_string_gets_an_error_not_a_file(dump, rid):
+    # SGLang refuses a non-string rid with HTTP 400 (see test_malformed_*); a list rid on
+    # a single prompt passes its normalization, so the dump path must cope by itself.
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req(rid, 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    meta = finish(req)
+    assert "rid must be str" in meta["hidden_states_error"]
+    assert os.listdir(dump) == []
+    assert hooks._DUMPER.writer.budget.in_use == 0
+
+
+def test_same_rid_many_times_at_once_and_alike_rids_keep_every_file(dump, monkeypatch):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    slow_writes(monkeypatch, 0.02)
+    same = [Req("dup", 3 + i, i + 1) for i in range(8)]
+    alike = [Req(r, 4, 20 + i) for i, r in enumerate(["a/b", "a_b", "a\x00b", "a\\b", "a:b"])]
+    run_extend([(r, 0, len(r.origin_input_ids)) for r in same[:4] + alike], IDS)
+    run_extend([(r, 0, len(r.origin_input_ids)) for r in same[4:]], IDS)
+    paths = [finish(r)["hidden_states_path"] for r in same + alike]
+    assert len(set(paths)) == len(paths)
+    for r, p in zip(same + alike, paths):
+        assert torch.equal(fmt.load(p).hidden_states, reference(r, IDS))
+    assert leftovers(dump) == []
+
+
+# ---- the dump directory ------------------------------------------------------------------
+def test_missing_directory_refuses_start_and_vanishing_directory_fails_requests(tmp_path):
+    with pytest.raises(DumpConfigError, match="does not exist"):
+        hooks.setup_model(make_runner(tmp_path / "nope"))
+    d = tmp_path / "hs"
+    d.mkdir()
+    try:
+        hooks.setup_model(make_runner(d, layers="2,4"))
+        os.rmdir(d)  # removed while the server runs
+        req = Req("r", 4, 1)
+        run_extend([(req, 0, 4)], IDS)
+        meta = finish(req)
+        assert "hidden_states_path" not in meta and "FileNotFoundError" in meta["hidden_states_error"]
+        assert hooks._DUMPER.writer.budget.in_use == 0
+        assert not d.exists()
+    finally:
+        _teardown()
+
+
+def test_unwritable_directory(tmp_path):
+    d = tmp_path / "ro"
+    if not mount_tmpfs(d, "size=1m"):
+        pytest.skip("cannot mount tmpfs here (test_config covers the refusal by monkeypatch)")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+        with pytest.raises(DumpConfigError, match="cannot write in .*Read-only file system"):
+            check_directory(str(d))
+        with pytest.raises(DumpConfigError):
+            hooks.setup_model(make_runner(d))
+        # Writable at start, read-only later: every request gets an error, nothing partial.
+        subprocess.run(["mount", "-o", "remount,rw", str(d)], check=True)
+        hooks.setup_model(make_runner(d, layers="2,4"))
+        subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+        req = Req("r", 4, 1)
+        run_extend([(req, 0, 4)], IDS)
+        meta = finish(req)
+        assert "Read-only file system" in meta["hidden_states_error"]
+        assert os.listdir(d) == []
+    finally:
+        _teardown()
+        umount(d)
+
+
+def _fill_up(d):
+    """Requests of ~64 KiB each until the 1 MiB filesystem is full, then a few more."""
+    hooks.setup_model(make_runner(d, layers="2,4"))
+    reqs = []
+    for i in range(24):
+        req = Req(f"big-{i}", 1024, i + 1)  # 1024 tokens x 2 slots x 8 x fp32 = 64 KiB
+        run_extend([(req, 0, 1024)], IDS)
+        reqs.append((req, finish(req)))
+    return reqs
+
+
+def _check_full(d, reqs):
+    ok = [assert_complete_or_error(r, m, d) for r, m in reqs]
+    assert any(ok) and not all(ok), "the filesystem should fill up part-way"
+    errors = [m["hidden_states_error"] for r, m in reqs if "hidden_states_error" in m]
+    assert any("No space left on device" in e for e in errors), errors
+    assert leftovers(d) == []
+    assert hooks._DUMPER.writer.budget.in_use == 0
+    snap = hooks._DUMPER.writer.snapshot()
+    assert snap["files_written"] == sum(ok) and snap["failures"] == len(reqs) - sum(ok)
+    # Space freed: the next request is written again.
+    for r, m in reqs:
+        if "hidden_states_path" in m:
+            os.unlink(m["hidden_states_path"])
+    again = Req("after", 16, 99)
+    run_extend([(again, 0, 16)], IDS)
+    assert assert_complete_or_error(again, finish(again), d)
+
+
+def test_full_filesystem_real_tmpfs(tmp_path):
+    d = tmp_path / "full"
+    if not mount_tmpfs(d, "size=1m"):
+        pytest.skip("cannot mount tmpfs here: test_full_filesystem_injected_enospc covers it")
+    try:
+        _check_full(d, _fill_up(d))
+    finally:
+        _teardown()
+        umount(d)
+
+
+def test_full_filesystem_injected_enospc(dump, monkeypatch):
+    import safetensors.torch
+
+    real, budget = safetensors.torch.save_file, {"left": 1 << 20}
+
+    def save_until_full(tensors, path, metadata=None):
+        size = sum(t.numel() * t.element_size() for t in tensors.values()) + 1024
+        if size > budget["left"]:
+            with open(path, "wb") as f:  # a partial temporary file, then ENOSPC
+                f.write(b"\0" * 4096)
+            raise OSError(28, "No space left on device")
+        budget["left"] -= size
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_until_full)
+    reqs = _fill_up(dump)
+    budget["left"] = 1 << 20
+    _check_full(dump, reqs)
+
+
+def test_directory_swapped_for_a_symlink_while_running(tmp_path):
+    d, elsewhere = tmp_path / "hs", tmp_path / "elsewhere"
+    d.mkdir()
+    elsewhere.mkdir()
+    try:
+        hooks.setup_model(make_runner(d, layers="2,4"))
+        os.rename(d, tmp_path / "hs-moved")
+        os.symlink(elsewhere, d)
+        req = Req("r", 4, 1)
+        run_extend([(req, 0, 4)], IDS)
+        meta = finish(req)
+        # The file went through the descriptor into the real (moved) directory, never
+        # through the symlink. The tokenizer manager (another process) looks the file up
+        # by its configured path, which now leads elsewhere: it answers "missing".
+        assert os.listdir(elsewhere) == []
+        [name] = [n for n in os.listdir(tmp_path / "hs-moved") if n.endswith(fmt.SUFFIX)]
+        assert torch.equal(fmt.load(str(tmp_path / "hs-moved" / name)).hidden_states, reference(req, IDS))
+        assert "hidden_states_path" not in meta and "is missing" in meta["hidden_states_error"]
+    finally:
+        _teardown()
+
+
+def test_symlinks_planted_at_every_name_are_never_followed(dump, tmp_path):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    stem = fmt.safe_stem("t")
+    for name in (f"{stem}{fmt.SUFFIX}", f"{stem}{fmt.SUFFIX}{fmt.LOCK_SUFFIX}",
+                 f".{stem}-1{fmt.SUFFIX}{fmt.TMP_SUFFIX}", f"{stem}-1{fmt.SUFFIX}{fmt.ERROR_SUFFIX}",
+                 f".{stem}-2{fmt.SUFFIX}{fmt.TMP_SUFFIX}"):
+        os.symlink(victim, dump / name)
+    req = Req("t", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    meta = finish(req)
+    assert os.path.basename(meta["hidden_states_path"]) == f"{stem}-2{fmt.SUFFIX}"
+    assert assert_complete_or_error(req, meta, dump)
+    assert not os.path.islink(meta["hidden_states_path"])
+    assert victim.read_text() == "keep me"
+    # A symlink planted at index.jsonl is not followed either (O_NOFOLLOW).
+    os.unlink(dump / fmt.INDEX_NAME)
+    os.symlink(victim, dump / fmt.INDEX_NAME)
+    req2 = Req("t2", 4, 2)
+    run_extend([(req2, 0, 4)], IDS)
+    meta2 = finish(req2)
+    assert victim.read_text() == "keep me"
+    # The file itself is complete; the refused index line is logged and counted.
+    assert torch.equal(fmt.load(meta2["hidden_states_path"]).hidden_states, reference(req2, IDS))
+    assert hooks._DUMPER.writer.snapshot()["failures"] == 1
+    assert [n for n in leftovers(dump) if not os.path.islink(dump / n)] == []
+
+
+# ---- clients that leave; aborted requests ------------------------------------------------
+def test_request_dropped_between_chunks_gives_its_buffer_back(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("left", 8, 1)
+    run_extend([(req, 0, 4)], IDS)  # first chunk, then SGLang drops the request
+    assert hooks._DUMPER.writer.budget.in_use > 0
+    del req
+    gc.collect()
+    assert hooks._DUMPER.writer.budget.in_use == 0
+    assert os.listdir(dump) == []
+
+
+def test_aborted_mid_prefill_in_a_mixed_batch(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    gone, stays = Req("gone", 8, 1), Req("stays", 8, 2)
+    run_extend([(gone, 0, 4), (stays, 0, 4)], IDS)
+    gone.aborted = True
+    run_extend([(gone, 4, 8), (stays, 4, 8)], IDS)
+    assert gone.customized_info is None
+    assert assert_complete_or_error(stays, finish(stays), dump)
+    assert hooks._DUMPER.writer.budget.in_use == 0
+    assert [n for n in os.listdir(dump) if n.endswith(fmt.SUFFIX)] == [f"{fmt.safe_stem('stays')}{fmt.SUFFIX}"]
+
+
+def test_finished_request_whose_client_left_gets_a_complete_file(dump, monkeypatch):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    slow_writes(monkeypatch, 0.2)
+    req = Req("orphan", 6, 1)
+    run_extend([(req, 0, 6)], IDS)
+    req.aborted = True  # the client disconnects while the file is being written
+    del req.customized_info  # nobody waits for the response
+    assert hooks._DUMPER.writer.close(timeout=10)
+    names = os.listdir(dump)
+    assert leftovers(dump) == []
+    [name] = [n for n in names if n.endswith(fmt.SUFFIX)]
+    rec = fmt.load(str(dump / name))
+    assert rec.hidden_states.shape == (6, 2, 8)
+    assert [r["file"] for r in fmt.read_index(str(dump))] == [name]
+
+
+# ---- a burst under backpressure ----------------------------------------------------------
+def slow_writes(monkeypatch, seconds, fail_every=0):
+    real, count = fmt.write_reserved, {"n": 0}
+    lock = threading.Lock()
+
+    def slow(res, hs, ids, meta):
+        time.sleep(seconds)
+        with lock:
+            count["n"] += 1
+            n = count["n"]
+        if fail_every and n % fail_every == 0:
+            raise OSError(28, "No space left on device")
+        return real(res, hs, ids, meta)
+
+    monkeypatch.setattr(fmt, "write_reserved", slow)
+
+
+def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch):
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "4")
+    hooks.setup_model(make_runner(dump, layers="2,4", max_mb=1))
+    slow_writes(monkeypatch, 0.01, fail_every=97)
+    rng = random.Random(8)
+    reqs = [Req(f"burst-{i}", rng.randrange(16, 256), i + 1) for i in range(1000)]
+    pending, done = list(reqs), []
+    while pending:  # batches of up to 40 requests; long prompts in two chunks
+        batch, pending = pending[:40], pending[40:]
+        spans = []
+        for r in batch:
+            n = len(r.origin_input_ids)
+            spans.append((r, 0, n // 2) if n > 128 else (r, 0, n))
+        run_extend(spans, IDS)
+        rest = [(r, n0, len(r.origin_input_ids)) for r, _, n0 in spans if n0 < len(r.origin_input_ids)]
+        if rest:
+            run_extend(rest, IDS)
+        done += batch
+    writer = hooks._DUMPER.writer
+    assert writer.budget.peak <= writer.budget.cap == 1 << 20
+    assert writer.budget.waits > 0, "the burst should have hit the cap"
+    outcomes = [assert_complete_or_error(r, finish(r), dump) for r in done]
+    assert len(outcomes) == 1000 and sum(outcomes) == 1000 - 1000 // 97
+    snap = writer.snapshot()
+    assert snap["files_written"] == sum(outcomes) and snap["failures"] == 1000 // 97
+    assert snap["queue_depth"] == 0 and snap["host_bytes_in_use"] == 0
+    assert len(fmt.read_index(str(dump))) == sum(outcomes)
+    assert leftovers(dump) == []
+
+
+# ---- shutdown: SIGTERM / SIGKILL with writes in flight -----------------------------------
+CHILD = textwrap.dedent(r"""
+    import os, sys, time, torch
+    import safetensors.torch
+    from sglang_ext import format as fmt
+    from sglang_ext.writer import DumpWriter
+
+    d, n, write_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    real = safetensors.torch.save_file
+
+    def slow_save(tensors, path, metadata=None):
+        with open(path, "wb") as f:  # a partial temporary file for a while
+            f.write(b"\0" * 1000)
+        time.sleep(write_s)
+        real(tensors, path, metadata=metadata)
+
+    safetensors.torch.save_file = slow_save
+    fd = fmt.open_dump_dir(d)
+    fmt.clean_stale(fd)
+    w = DumpWriter(fd, max_host_bytes=1 << 30, threads=2)
+    for i in range(n):
+        p = w.start(f"r{i}", 4, 8, torch.float32)
+        w.copy_rows(p, torch.full((4, 8), float(i)))
+        w.submit(p, fmt.reserve(fd, f"r{i}"), [1, 2, 3, 4], 2, {"rid": f"r{i}"})
+    print("READY", flush=True)
+    # The scheduler's event loop: it ends on ShutdownReq (here: a line on stdin), after
+    # which run_scheduler_process returns and the process exits through sys.exit.
+    sys.stdin.readline()
+    print("SHUTDOWN", flush=True)
+""")
+
+
+def run_child(d, n, write_s, drain_s):
+    env = dict(os.environ, KIMI_SGLANG_DRAIN_TIMEOUT_S=str(drain_s))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(d), str(n), str(write_s)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    assert proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+def check_dir_after_exit(d):
+    """Only complete files under final names; returns (files, errors, leftovers)."""
+    files = sorted(n for n in os.listdir(d) if n.endswith(fmt.SUFFIX))
+    for n in files:
+        assert fmt.load(str(d / n)).hidden_states.shape == (4, 2, 4)
+    errors = sorted(n for n in os.listdir(d) if n.endswith(fmt.ERROR_SUFFIX))
+    assert sorted(r["file"] for r in fmt.read_index(str(d))) == files
+    return files, errors, leftovers(d)
+
+
+def test_shutdown_drains_queued_writes_within_the_deadline(dump):
+    proc = run_child(dump, n=6, write_s=0.3, drain_s=30)
+    t0 = time.monotonic()
+    proc.communicate("shutdown\n", timeout=60)
+    assert proc.returncode == 0
+    assert time.monotonic() - t0 < 10
+    files, errors, left = check_dir_after_exit(dump)
+    assert len(files) == 6 and errors == [] and left == []
+
+
+def test_shutdown_past_the_deadline_leaves_only_temporaries_cleaned_at_restart(dump):
+    proc = run_child(dump, n=6, write_s=30, drain_s=0.5)
+    t0 = time.monotonic()
+    _, err = proc.communicate("shutdown\n", timeout=60)
+    assert proc.returncode == 0
+    assert time.monotonic() - t0 < 10, "exit must not wait for writes past the deadline"
+    assert "still running after" in err
+    files, errors, left = check_dir_after_exit(dump)
+    # 2 writer threads were mid-write: their temporaries and locks remain; the 4 queued
+    # writes were failed with an .error file (their waiters get the message).
+    assert files == [] and len(errors) == 4
+    assert len([n for n in left if n.endswith(fmt.LOCK_SUFFIX)]) == 2
+    assert any(n.endswith(fmt.TMP_SUFFIX) for n in left)
+    fd = fmt.open_dump_dir(str(dump))
+    try:
+        removed = fmt.clean_stale(fd)
+    finally:
+        os.close(fd)
+    assert removed["lock"] == 2 and removed["tmp"] >= 1
+    assert leftovers(dump) == []
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_signal_to_the_writing_process_mid_write(dump, sig):
+    # SGLang's scheduler keeps the default SIGTERM action (it is stopped by ShutdownReq,
+    # and SIGKILLed by kill_process_tree or PR_SET_PDEATHSIG): either signal ends it
+    # at once. Only temporaries and locks may remain; the next start removes them.
+    import signal
+
+    proc = run_child(dump, n=4, write_s=0.4, drain_s=30)
+    time.sleep(0.6)  # the first two writes are done, the next two are running
+    proc.send_signal(getattr(signal, sig))
+    proc.communicate(timeout=30)
+    files, errors, left = check_dir_after_exit(dump)
+    assert errors == [] and len(files) + len([n for n in left if n.endswith(fmt.LOCK_SUFFIX)]) == 4
+    proc = run_child(dump, n=0, write_s=0, drain_s=1)  # the restart: clean_stale at start-up
+    proc.communicate("shutdown\n", timeout=60)
+    assert leftovers(dump) == []
+    assert all(fmt.load(str(dump / n)) for n in files)
+
+
+def test_submit_after_close_fails_the_request_cleanly(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    hooks._DUMPER.writer.close(timeout=1)
+    req = Req("late", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    meta = finish(req)
+    assert writer_mod.SHUTDOWN_MESSAGE in meta["hidden_states_error"]
+    assert leftovers(dump) == [] and hooks._DUMPER.writer.budget.in_use == 0
+
+
+def test_drain_and_stats_intervals_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KIMI_SGLANG_DRAIN_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("KIMI_SGLANG_STATS_INTERVAL_S", "0")
+    assert writer_mod.drain_timeout_s() == 2.5 and writer_mod.stats_interval_s() == 0
+    monkeypatch.setenv("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="KIMI_SGLANG_DRAIN_TIMEOUT_S"):
+        writer_mod.drain_timeout_s()
+    monkeypatch.delenv("KIMI_SGLANG_DRAIN_TIMEOUT_S")
+    monkeypatch.delenv("KIMI_SGLANG_STATS_INTERVAL_S")
+    assert writer_mod.drain_timeout_s() == 30 and writer_mod.stats_interval_s() == 60
+
+
+# ---- malformed request fields --------------------------------------------------------------
+def _sglang_request(body):
+    """What SGLang's /generate does with a JSON body before the scheduler sees it:
+    FastAPI validates it into GenerateReqInput (pydantic; a failure is a
+    RequestValidationError, which http_server's handler answers with 400), then the
+    tokenizer manager normalizes it (a ValueError is answered with 400 too)."""
+    pydantic = pytest.importorskip("pydantic")
+    io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
+    obj = pydantic.TypeAdapter(io_struct.GenerateReqInput).validate_python(body)
+    obj.normalize_batch_and_arguments()
+    return obj
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"rid": 123, "input_ids": [1, 2]}, "valid string"),
+    ({"rid": {"a": 1}, "input_ids": [1, 2]}, "valid string"),
+    ({"input_ids": []}, "input_ids cannot be empty"),
+    ({"input_ids": "1,2"}, "must be list"),
+    ({"input_ids": [1.5, 2]}, "must be int"),
+    ({"rid": ["a", "a"], "input_ids": [[1], [2]]}, "Duplicate request IDs"),
+    ({"rid": ["a"], "input_ids": [[1], [2]]}, "rids length mismatch"),
+])
+def test_malformed_dump_inputs_are_refused_by_sglang_validation(body, message):
+    with pytest.raises(Exception, match=message) as info:
+        _sglang_request(body)
+    assert type(info.value).__name__ in ("ValidationError", "ValueError")
+
+
+def test_hostile_but_wellformed_rids_pass_validation_unchanged():
+    for rid in RIDS:
+        if "\udcff" in rid:
+            continue  # JSON cannot carry a lone surrogate as UTF-8 bytes; \\udcff escapes can
+        assert _sglang_request({"rid": rid, "input_ids": [1, 2]}).rid == rid
+
+
+# ---- observability -------------------------------------------------------------------------
+def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, caplog):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    m = dump_metrics.DumpMetrics("tiny", registry=registry)
+    monkeypatch.setattr(dump_metrics, "from_server_args", lambda sa: m)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    slow_writes(monkeypatch, 0.3, fail_every=3)
+    reqs = [Req(f"m{i}", 4, i + 1) for i in range(3)]
+    run_extend([(r, 0, 4) for r in reqs], IDS)
+
+    def value(name):
+        return registry.get_sample_value(f"kimi_sglang:{name}", {"model_name": "tiny"})
+
+    assert value("dump_queue_depth") == 3 and value("dump_host_bytes_in_use") == 3 * 4 * 16 * 4
+    metas = [finish(r) for r in reqs]
+    sizes = [os.path.getsize(x["hidden_states_path"]) for x in metas if "hidden_states_path" in x]
+    assert value("dump_files_written_total") == 2 and value("dump_failures_total") == 1
+    assert value("dump_bytes_written_total") == sum(sizes)
+    assert value("dump_queue_depth") == 0 and value("dump_host_bytes_in_use") == 0
+    with caplog.at_level("INFO", logger="sglang_ext.writer"):
+        hooks._DUMPER.writer.close(timeout=5)
+    [line] = [r.getMessage() for r in caplog.records if "writer closed" in r.getMessage()]
+    assert "'files_written': 2" in line and "'failures': 1" in line and "'bytes_written'" in line
+
+
+def test_metrics_only_with_enable_metrics():
+    import types
+
+    sa = types.SimpleNamespace(enable_metrics=False, model_path="/m", served_model_name=None)
+    assert dump_metrics.from_server_args(sa) is None
+
+
+def test_periodic_counter_log_interval(dump, monkeypatch, caplog):
+    monkeypatch.setenv("KIMI_SGLANG_STATS_INTERVAL_S", "0.000001")
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    with caplog.at_level("INFO", logger="sglang_ext.writer"):
+        req = Req("log", 4, 1)
+        run_extend([(req, 0, 4)], IDS)
+        finish(req)
+        time.sleep(0.05)
+    assert any("'files_written': 1" in r.getMessage() for r in caplog.records)
+
+
+MULTIPROC_SCHEDULER = textwrap.dedent(r"""
+    import os, sys, types, torch
+    from sglang_ext import format as fmt, metrics
+    from sglang_ext.writer import DumpWriter
+    sa = types.SimpleNamespace(enable_metrics=True, model_path="/models/tiny", served_model_name=None)
+    fd = fmt.open_dump_dir(sys.argv[1])
+    w = DumpWriter(fd, max_host_bytes=1 << 20, threads=1, metrics=metrics.from_server_args(sa))
+    p = w.start("r", 4, 8, torch.float32)
+    w.copy_rows(p, torch.zeros(4, 8))
+    w.submit(p, fmt.reserve(fd, "r"), [1, 2, 3, 4], 2, {"rid": "r"})
+    assert w.close(10)
+""")
+
+MULTIPROC_HTTP = textwrap.dedent(r"""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    registry = CollectorRegistry()  # what sglang.srt.utils.add_prometheus_middleware serves
+    multiprocess.MultiProcessCollector(registry)
+    print(generate_latest(registry).decode())
+""")
+
+
+def test_metrics_from_the_scheduler_process_reach_sglangs_multiprocess_registry(dump, tmp_path):
+    pytest.importorskip("prometheus_client")
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom))
+    subprocess.run([sys.executable, "-c", MULTIPROC_SCHEDULER, str(dump)], env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", MULTIPROC_HTTP], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    size = os.path.getsize(dump / f"{fmt.safe_stem('r')}{fmt.SUFFIX}")
+    assert 'kimi_sglang:dump_files_written_total{model_name="/models/tiny"} 1.0' in out
+    assert f'kimi_sglang:dump_bytes_written_total{{model_name="/models/tiny"}} {float(size)}' in out
+    assert 'kimi_sglang:dump_queue_depth{model_name="/models/tiny"} 0.0' in out
+    assert 'kimi_sglang:dump_host_bytes_in_use{model_name="/models/tiny"} 0.0' in out
+    assert json.dumps("kimi_sglang:dump_failures_total")[1:-1] in out
