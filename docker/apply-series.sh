@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Apply a kimi-sglang patch series to the SGLang that `python3` imports.
 #
-#   docker/apply-series.sh SERIES_DIR      e.g. docker/apply-series.sh patches/v0.5.17
+#   docker/apply-series.sh SERIES_DIR      e.g. docker/apply-series.sh patches/v0.5.23
 #
 # Env: PYTHON (default python3). Run from the repository root (or anywhere
 # `python -m sglang_ext` resolves). Used by the Dockerfile and by the build
@@ -50,9 +50,10 @@ case "$pkg_dir" in
         ;;
 esac
 
-# Cheap sanity check that patch 0001 landed where the server will read it.
-if ! grep -q "dump_hidden_states_dir" "$pkg_dir/srt/server_args.py"; then
-    echo "apply-series: $pkg_dir/srt/server_args.py lacks dump_hidden_states_dir after applying $series" >&2
+# Cheap sanity check that patch 0001 landed where the server will read it:
+# server_args.py (0.5.17) or the field declarations under arg_groups/ (0.5.2x).
+if ! grep -rqs --include='*.py' "dump_hidden_states_dir" "$pkg_dir/srt/server_args.py" "$pkg_dir/srt/arg_groups"; then
+    echo "apply-series: neither $pkg_dir/srt/server_args.py nor $pkg_dir/srt/arg_groups declares dump_hidden_states_dir after applying $series" >&2
     exit 1
 fi
 echo "apply-series: $series applied to $pkg_dir"

@@ -4,6 +4,7 @@
 patched file (v0.5.17)       call
 ===========================  ====================================================
 server_args.py               ``check_server_args(server_args)`` from __post_init__
+  (v0.5.23: arg_groups/pipeline.py, a resolution step after the aux-capture one)
 model_runner.py              ``setup_model(model_runner)`` before CUDA-graph capture
 forward_batch_info.py        ``capture_hidden_mode(batch, model_runner, mode)``
 scheduler.py                 ``is_enabled()``: keep per-request extend lengths
@@ -28,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from sglang_ext import __version__
+from sglang_ext import __version__, compat
 from sglang_ext import format as fmt
 from sglang_ext.config import DumpConfig, DumpConfigError, resolve_layer_ids
 
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 PATH_KEY = "hidden_states_path"
 ERROR_KEY = "hidden_states_error"
 _REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
+_SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
@@ -78,17 +80,23 @@ def check_server_args(server_args) -> None:
     so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
     it would never run).
     """
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return  # dumping off (0.5.2x runs this step unconditionally)
     DumpConfig.from_server_args(server_args)
+    view = compat.server_args_view(server_args)
     refused = {
         "--enable-return-hidden-states / --return-hidden-states-mode": bool(
-            server_args.enable_return_hidden_states or server_args.return_hidden_states_mode
+            view.enable_return_hidden_states or view.return_hidden_states_mode
         ),
-        "--speculative-algorithm": bool(getattr(server_args, "speculative_algorithm", None)),
-        "--pp-size > 1": int(getattr(server_args, "pp_size", 1) or 1) > 1,
-        "--disaggregation-mode": getattr(server_args, "disaggregation_mode", "null")
+        "--enable-return-aux-hidden-states": bool(
+            getattr(view, "enable_return_aux_hidden_states", False)
+        ),
+        "--speculative-algorithm": bool(getattr(view, "speculative_algorithm", None)),
+        "--pp-size > 1": int(getattr(view, "pp_size", 1) or 1) > 1,
+        "--disaggregation-mode": getattr(view, "disaggregation_mode", "null")
         not in (None, "null"),
-        "--enable-dp-attention": bool(getattr(server_args, "enable_dp_attention", False)),
-        "--is-embedding": bool(getattr(server_args, "is_embedding", False)),
+        "--enable-dp-attention": bool(getattr(view, "enable_dp_attention", False)),
+        "--is-embedding": bool(getattr(view, "is_embedding", False)),
     }
     bad = [name for name, on in refused.items() if on]
     if bad:
@@ -96,17 +104,17 @@ def check_server_args(server_args) -> None:
             f"--dump-hidden-states-dir cannot be combined with {', '.join(bad)} "
             f"(not supported by the dump path yet)"
         )
-    if not getattr(server_args, "disable_prefill_cuda_graph", True):
+    if not getattr(view, "disable_prefill_cuda_graph", True):
         # The prefill graphs are captured without hidden-state capture, so every
         # extend batch would fall back to eager anyway: skip capturing them.
         logger.info("--dump-hidden-states-dir: prefill CUDA graph off (extend batches run eager)")
-        server_args.disable_prefill_cuda_graph = True
-    if not server_args.disable_radix_cache:
+        compat.adjust_server_args(server_args, _SOURCE, disable_prefill_cuda_graph=True)
+    if not view.disable_radix_cache:
         logger.warning(
             "--dump-hidden-states-dir: turning the radix cache off (--disable-radix-cache) "
             "so every prompt token is computed and dumped"
         )
-        server_args.disable_radix_cache = True
+        compat.adjust_server_args(server_args, _SOURCE, disable_radix_cache=True)
 
 
 def _find_decoder(model) -> Tuple[Any, Any]:
@@ -154,8 +162,7 @@ def setup_model(model_runner) -> None:
     lm.capture_aux_hidden_states = True
     decoder.layers_to_capture = list(layer_ids)
 
-    ps = model_runner.ps
-    is_writer = int(getattr(ps, "attn_tp_rank", ps.tp_rank)) == 0
+    is_writer = compat.attn_tp_rank(model_runner) == 0
     dumper = _Dumper(
         config=config,
         layer_ids=layer_ids,

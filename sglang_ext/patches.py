@@ -1,6 +1,6 @@
 """``python -m sglang_ext patches <verb>``: the patch series against SGLang.
 
-Verbs: checkout, check, apply, import, export, rebase (see docs/patches.md).
+Verbs: checkout, check, apply, import, export, rebase, summary (see docs/patches.md).
 The work is done in ``sglang_ext.patchtool``; this module parses arguments,
 calls it and prints the results. Every verb returns 0 on success, 1 when the
 series does not fit / git stopped, 2 on bad input.
@@ -17,7 +17,7 @@ from .patchtool.check import SeriesReport, apply_series, check_series
 from .patchtool.git import GitError, is_git_toplevel
 from .patchtool.history import (HistoryError, default_base_ref, export_series,
                                 import_series, rebase_series)
-from .patchtool.report import format_json, format_table
+from .patchtool.report import format_json, format_markdown, format_table
 from .patchtool.series import (SeriesError, load_series, pinned_base_for_version,
                                resolve_series_dir)
 from .patchtool.tree import Tree, TargetError, installed_tree, tree_for_dir, tree_for_ref
@@ -158,6 +158,19 @@ def _cmd_rebase(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_summary(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        data = json.loads(Path(args.report).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SeriesError(f"cannot read report {args.report}: {exc}") from exc
+    if not isinstance(data, dict) or "state" not in data:
+        raise SeriesError(f"{args.report} is not a `patches check --json` report")
+    print(format_markdown(data), end="")
+    return 0 if data["state"] in ("clean", "applied") else 1
+
+
 def _guard(func):
     def run(args: argparse.Namespace) -> int:
         try:
@@ -214,6 +227,11 @@ def add_parser(subparsers) -> None:
     ex.add_argument("--base-ref", help="the base commit (default: nearest sglang-v* tag)")
     ex.add_argument("--out", required=True, help="series folder to (re)write")
     ex.set_defaults(func=_guard(_cmd_export))
+
+    sm = verbs.add_parser("summary", help="markdown summary of a `check --json` report "
+                          "(exit 1 unless it is clean/applied)")
+    sm.add_argument("report", help="JSON file written by check --json")
+    sm.set_defaults(func=_guard(_cmd_summary))
 
     rb = verbs.add_parser("rebase", help="rebase the series commits onto a new base (3-way)")
     rb.add_argument("dir")

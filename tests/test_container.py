@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SERIES = "v0.5.17"
+SERIES = "v0.5.17"  # the rehearsals apply this series to its wheel; the default is newest_series()
 WHEEL_DIR = Path(os.environ.get("KIMI_SGLANG_WHEEL_DIR", "/tmp/wh"))
 
 
@@ -152,15 +152,17 @@ def test_build_sh_buildx_argv(fake_docker):
     argv = calls[-1]
     assert argv[:2] == ["buildx", "build"]
     assert build_argv_pairs(argv, "--platform") == ["linux/amd64"]
-    meta = base_toml(SERIES)
+    default = newest_series()  # what build.sh picks without --base
+    assert default == "v0.5.23"
+    meta = base_toml(default)
     args = dict(a.split("=", 1) for a in build_argv_pairs(argv, "--build-arg"))
-    assert args["BASE_IMAGE"] == meta["base"]["image"] == "lmsysorg/sglang:v0.5.17-cu130"
+    assert args["BASE_IMAGE"] == meta["base"]["image"] == "lmsysorg/sglang:v0.5.23-cu130"
     assert args["SGLANG_VERSION"] == meta["base"]["version"]
     assert args["BASE_GIT_TAG"] == meta["base"]["git_tag"]
     assert args["SERIES_VERSION"] == str(meta["series"]["version"])
     commit_time = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert args["SOURCE_DATE_EPOCH"] == commit_time
-    assert build_argv_pairs(argv, "--tag") == ["kimi-sglang:latest", f"kimi-sglang:{SERIES}-s{meta['series']['version']}"]
+    assert build_argv_pairs(argv, "--tag") == ["kimi-sglang:latest", f"kimi-sglang:{default}-s{meta['series']['version']}"]
     assert "--load" in argv and "--push" not in argv
     assert argv[-1] == "."
 
@@ -170,6 +172,7 @@ def test_build_sh_push_extra_tags_and_base(fake_docker):
     r = run_build(["--base", "0.5.17", "--push", "--tag", "reg.example/kimi:dev", "--tag=reg.example/kimi:x"], bin_dir)
     assert r.returncode == 0, r.stderr
     argv = docker_calls(log)[-1]
+    assert "BASE_IMAGE=lmsysorg/sglang:v0.5.17-cu130" in argv  # an older series on request
     assert "--push" in argv and "--load" not in argv
     assert build_argv_pairs(argv, "--tag")[2:] == ["reg.example/kimi:dev", "reg.example/kimi:x"]
     r = run_build(["--base", "v9.9.9"], bin_dir)

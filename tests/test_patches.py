@@ -125,13 +125,13 @@ def test_checkout_refuses_wheel_with_wrong_sha(capsys, wheel, tmp_path):
 
 def test_series_checks_clean_and_applies_to_checkout(capsys, pristine, tmp_path):
     co = clone(pristine, tmp_path / "co")
-    rc, report = cli_json(capsys, "check", "--target", co)
+    rc, report = cli_json(capsys, "check", "--series", SERIES_DIR, "--target", co)
     assert rc == 0, report
     assert report["state"] == "clean"
     assert [p["status"] for p in report["patches"]] == ["clean"] * len(patch_files())
     assert git(co, "status", "--porcelain").stdout == ""  # check changed nothing
 
-    rc, out = cli(capsys, "apply", "--target", co)
+    rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", co)
     assert rc == 0, out
     assert "dump_hidden_states_dir" in (co / "python/sglang/srt/server_args.py").read_text()
     assert_series_in(co, strip_python=False)
@@ -141,17 +141,17 @@ def test_series_checks_clean_and_applies_to_checkout(capsys, pristine, tmp_path)
 
 def test_series_applies_to_site_packages_and_twice_is_noop(capsys, wheel, tmp_path):
     sp = site_packages(wheel.path, tmp_path / "site-packages")
-    rc, out = cli(capsys, "apply", "--target", sp)
+    rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", sp)
     assert rc == 0, out
     assert "dump_hidden_states_dir" in (sp / "sglang/srt/server_args.py").read_text()
     assert_series_in(sp, strip_python=True)
 
     before = tree_hashes(sp)
-    rc, out = cli(capsys, "apply", "--target", sp)
+    rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", sp)
     assert rc == 0, out
     assert "already applied" in out
     assert tree_hashes(sp) == before
-    rc, report = cli_json(capsys, "check", "--target", sp)
+    rc, report = cli_json(capsys, "check", "--series", SERIES_DIR, "--target", sp)
     assert rc == 0 and report["state"] == "applied"
 
 
@@ -168,7 +168,7 @@ def test_broken_tree_names_patch_file_hunk_and_changes_nothing(capsys, wheel, tm
     target.write_text(text.replace(removed[0], removed[0] + "  # edited locally"))
     before = tree_hashes(sp)
 
-    rc, report = cli_json(capsys, "check", "--target", sp)
+    rc, report = cli_json(capsys, "check", "--series", SERIES_DIR, "--target", sp)
     assert rc == 1
     assert report["state"] == "conflict"
     statuses = {p["patch"][:4]: p for p in report["patches"]}
@@ -180,7 +180,7 @@ def test_broken_tree_names_patch_file_hunk_and_changes_nothing(capsys, wheel, tm
     line_of_hunk2 = hunk_starts(diff, SCHED)[1]
     assert [(f["file"], f["hunk"], f["line"]) for f in fail["failures"]] == [(SCHED, 2, line_of_hunk2)]
 
-    rc, out = cli(capsys, "apply", "--target", sp)
+    rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", sp)
     assert rc == 1
     assert "0004" in out and "hunk 2 of " + SCHED in out
     assert tree_hashes(sp) == before  # not even 0001-0003 went in
@@ -192,7 +192,7 @@ def test_partially_applied_series_is_reported(capsys, pristine, tmp_path):
     for d in patch_files()[:2]:
         git(co, "apply", str(d))
     before = tree_hashes(co)
-    rc, report = cli_json(capsys, "apply", "--target", co)
+    rc, report = cli_json(capsys, "apply", "--series", SERIES_DIR, "--target", co)
     assert rc == 1
     assert report["state"] == "partial"
     n = len(patch_files())
@@ -218,9 +218,9 @@ def test_import_then_export_is_byte_identical(capsys, pristine, tmp_path):
     assert (mismatch, errors) == ([], [])
 
     # The imported commits, read as a git ref, are the whole series: "applied".
-    rc, report = cli_json(capsys, "check", "--against", "HEAD", "--repo", co)
+    rc, report = cli_json(capsys, "check", "--series", SERIES_DIR, "--against", "HEAD", "--repo", co)
     assert rc == 0 and report["state"] == "applied"
-    rc, report = cli_json(capsys, "check", "--against", "HEAD~3", "--repo", co)
+    rc, report = cli_json(capsys, "check", "--series", SERIES_DIR, "--against", "HEAD~3", "--repo", co)
     assert rc == 1
     n = len(patch_files())
     assert [p["status"] for p in report["patches"]] == ["applied"] * (n - 3) + ["not-applied"] * 3
@@ -229,7 +229,7 @@ def test_import_then_export_is_byte_identical(capsys, pristine, tmp_path):
 def test_rebase_onto_identical_base_then_export_unchanged(capsys, pristine, tmp_path):
     co = clone(pristine, tmp_path / "co")
     git(co, "fetch", "-q", "--tags")
-    assert cli(capsys, "import", co)[0] == 0
+    assert cli(capsys, "import", "--series", SERIES_DIR, co)[0] == 0
     # A second base commit with the same tree but no shared history.
     new = git(co, "-c", "user.name=t", "-c", "user.email=t@t", "commit-tree",
               "sglang-v0.5.17^{tree}", "-m", "same sources").stdout.strip()
@@ -283,7 +283,7 @@ def git_apply_series_directly(tree: Path) -> dict[str, tuple[str, set]]:
 
 @pytest.mark.network
 def test_check_against_neighbouring_release_matches_git(capsys, neighbour_wheel, tmp_path):
-    rc, report = cli_json(capsys, "check", "--against", NEIGHBOUR)
+    rc, report = cli_json(capsys, "check", "--series", SERIES_DIR, "--against", NEIGHBOUR)
     got = {p["patch"]: (p["status"], {(f["file"], f["hunk"]) for f in p["failures"]})
            for p in report["patches"]}
 
@@ -308,7 +308,7 @@ def test_check_against_neighbouring_release_matches_git(capsys, neighbour_wheel,
 def test_rebase_onto_neighbour_stops_on_conflict(capsys, pristine, neighbour_wheel, tmp_path):
     co = clone(pristine, tmp_path / "co")
     git(co, "fetch", "-q", "--tags")
-    assert cli(capsys, "import", co)[0] == 0
+    assert cli(capsys, "import", "--series", SERIES_DIR, co)[0] == 0
     head = git(co, "rev-parse", "HEAD").stdout
     rc, out = cli(capsys, "checkout", "--wheel", neighbour_wheel.path, co)
     assert rc == 0, out

@@ -26,3 +26,39 @@ def format_json(reports: Iterable[SeriesReport] | SeriesReport) -> str:
     if isinstance(reports, SeriesReport):
         return json.dumps(reports.to_dict(), indent=2)
     return json.dumps([r.to_dict() for r in reports], indent=2)
+
+
+def format_markdown(data: dict) -> str:
+    """Markdown for a CI step summary from a report's JSON form (``check --json``).
+
+    A heading with the state, one table row per patch naming the failing file and
+    hunk (or the offsets), then the notes. Used by ``patches summary`` in
+    .github/workflows/nightly-patch-check.yml.
+    """
+    state = str(data.get("state", "?"))
+    ok = state in ("clean", "applied")
+    mark = "OK" if ok else "FAILED"
+    lines = [f"## Patch series {data.get('series', '?')}: {state.upper()} ({mark})", "",
+             f"Target: `{data.get('target', '?')}`", "",
+             "| patch | status | file | hunk | line | details |",
+             "|---|---|---|---|---|---|"]
+    for p in data.get("patches", []):
+        name, status, note = p.get("patch", "?"), p.get("status", "?"), p.get("note", "")
+        rows = 0
+        for f in p.get("failures", []):
+            hunk = f.get("hunk")
+            lines.append(f"| {name} | **{status}** | `{f.get('file')}` | "
+                         f"{hunk if hunk is not None else '-'} | {f.get('line') or '-'} | "
+                         f"{(f.get('message') or '')}{'; ' + note if note else ''} |")
+            rows += 1
+        for o in p.get("offsets", []):
+            lines.append(f"| {name} | {status} | `{o.get('file')}` | {o.get('hunk')} | "
+                         f"{o.get('line')} | offset {o.get('offset'):+d}{'; ' + note if note else ''} |")
+            rows += 1
+        if rows == 0:
+            lines.append(f"| {name} | {status} | | | | {note} |")
+    notes = data.get("notes", [])
+    if notes:
+        lines.append("")
+        lines += [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
