@@ -10,7 +10,7 @@ FROM ${BASE_IMAGE}
 # base.toml [base] version / git_tag and [series] version.
 ARG SGLANG_VERSION=0.5.23
 ARG BASE_GIT_TAG=v0.5.23
-ARG SERIES_VERSION=1
+ARG SERIES_VERSION=2
 # Re-declared without a value: the stage then sees the global value (ARGs
 # declared before FROM are otherwise out of scope here).
 ARG BASE_IMAGE

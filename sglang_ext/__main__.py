@@ -14,6 +14,8 @@ import sys
 # Modules that provide a subcommand, in the order `--help` lists them.
 COMMAND_MODULES = [
     "sglang_ext.patches",
+    "sglang_ext.client",
+    "sglang_ext.convert",
 ]
 
 

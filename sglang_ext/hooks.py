@@ -10,6 +10,7 @@ forward_batch_info.py        ``capture_hidden_mode(batch, model_runner, mode)``
 scheduler.py                 ``is_enabled()``: keep per-request extend lengths
 batch_result_processor.py    ``on_prefill_result(batch, logits_output, lens)``
 tokenizer_manager.py         ``await finish_response(meta_info)``
+serving_completions.py       ``openai_completion_extras(response, ret)``
 ===========================  ====================================================
 
 Every function returns at once when dumping is off. SGLang is imported lazily so this
@@ -26,7 +27,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from sglang_ext import __version__, compat
 from sglang_ext import format as fmt
@@ -354,3 +355,63 @@ async def finish_response(meta_info: dict) -> None:
     if error is not None:
         del meta_info[PATH_KEY]
         meta_info[ERROR_KEY] = error
+
+
+# ---- OpenAI-compatible /v1/completions (main process) ---------------------------------
+class HiddenStatesDumpError(RuntimeError):
+    """The dump of a request failed; SGLang's OpenAI layer answers HTTP 500 (retryable)."""
+
+
+_KV_RESPONSE_CLASSES: dict = {}
+
+
+def _with_kv_transfer_params(cls):
+    """``cls`` (a pydantic response model) plus a ``kv_transfer_params`` field, cached."""
+    sub = _KV_RESPONSE_CLASSES.get(cls)
+    if sub is None:
+        import pydantic
+
+        sub = pydantic.create_model(
+            cls.__name__,
+            __base__=cls,
+            kv_transfer_params=(Optional[Dict[str, Any]], None),
+        )
+        _KV_RESPONSE_CLASSES[cls] = sub
+    return sub
+
+
+def openai_completion_extras(response, ret):
+    """Make a non-streaming ``/v1/completions`` response look like vLLM's with its
+    hidden-states connector, so speculators' offline client works unchanged.
+
+    ``ret``: the generate results the response was built from (their ``meta_info`` holds
+    ``hidden_states_path`` after ``finish_response``). Adds top-level
+    ``kv_transfer_params = {"hidden_states_path": <first choice's file>}`` (plus
+    ``hidden_states_paths``, one per choice, when there are several). The file is complete
+    and its ``.lock`` already gone when this runs (``finish_response`` waited), which
+    speculators reads as "done". ``prompt_token_ids`` per choice needs nothing here:
+    SGLang 0.5.17 already returns it when the request says ``return_token_ids``.
+
+    A failed dump raises ``HiddenStatesDumpError``: SGLang answers HTTP 500, which
+    speculators' client retries. Without dump keys in ``meta_info`` (dumping off) the
+    response is returned unchanged.
+    """
+    items = ret if isinstance(ret, list) else [ret]
+    metas = [(item or {}).get("meta_info") or {} for item in items]
+    errors = [str(m[ERROR_KEY]) for m in metas if m.get(ERROR_KEY)]
+    if errors:
+        raise HiddenStatesDumpError(f"hidden-state dump failed: {errors[0]}")
+    paths = [m.get(PATH_KEY) for m in metas]
+    if not any(paths):
+        return response
+    params = {PATH_KEY: paths[0]}
+    if len(paths) > 1:
+        params[PATH_KEY + "s"] = paths
+    cls = type(response)
+    sub = _with_kv_transfer_params(cls)
+    fields = {name: getattr(response, name) for name in cls.model_fields}
+    return sub.model_construct(
+        _fields_set=set(response.model_fields_set) | {"kv_transfer_params"},
+        kv_transfer_params=params,
+        **fields,
+    )

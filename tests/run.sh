@@ -6,14 +6,16 @@
 # Venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of requirements/ci.txt>),
 # reused while requirements/ci.txt is unchanged. It holds the pinned test deps, SGLang's
 # wheel installed --no-deps (plus only what importing its server args needs: see
-# requirements/ci.txt) and this project in editable mode. Downloads are cached by pip.
+# requirements/ci.txt), the trainer packages of requirements/ci-nodeps.txt (--no-deps)
+# and this project in editable mode. Downloads are cached by pip.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
 req=requirements/ci.txt
 sglang_version=$("$py" -c "import tomllib;print(tomllib.load(open('patches/v0.5.17/base.toml','rb'))['base']['version'])")
-hash=$(cat "$req" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
+nodeps=requirements/ci-nodeps.txt
+hash=$(cat "$req" "$nodeps" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
 venv=${KIMI_SGLANG_VENV:-$HOME/.cache/kimi-sglang/venv-$hash}
 quiet() {  # run a pip command; show its output only if it fails
   local log
@@ -28,6 +30,7 @@ if [ ! -f "$venv/.complete" ]; then
   quiet "$venv/bin/python" -m pip install --upgrade pip
   quiet "$venv/bin/python" -m pip install -r "$req"
   quiet "$venv/bin/python" -m pip install --no-deps "sglang==$sglang_version"
+  quiet "$venv/bin/python" -m pip install --no-deps -r "$nodeps"
   touch "$venv/.complete"
 fi
 quiet "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e .

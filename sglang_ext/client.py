@@ -1,0 +1,528 @@
+"""``sglang-ext extract``: send a dataset to a dumping server, collect ``hs_<i>.safetensors``.
+
+For every row ``i`` of DATA that belongs to this rank (``i % world_size == rank``) the
+client POSTs ``/generate`` with the row's token ids, takes the file named by
+``meta_info.hidden_states_path`` (complete when the response arrives: the server waits
+for its ``.lock``), checks it and moves it to ``OUT/hs_<i>.safetensors``, the layout
+speculators' training reader loads. One line per sample goes to ``OUT/manifest.jsonl``.
+
+Guarantees:
+
+- ``hs_<i>.safetensors`` only ever appears complete and checked: the server's file is
+  first moved to ``OUT/.hs_<i>.safetensors.tmp`` (``os.rename`` on the same filesystem,
+  else copy + unlink), checked there, then renamed onto the final name.
+- Resume: an index whose ``hs_<i>.safetensors`` exists and passes the check is skipped
+  (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files are removed
+  at start. A file that fails the check is extracted again and replaced atomically.
+- Retries: a failed request (connection error, HTTP error, ``hidden_states_error``, a file
+  that fails the check) is retried ``--max-retries`` times with exponential backoff
+  (``--backoff * 2**attempt`` seconds, capped at ``--max-backoff``, with jitter). After
+  ``--max-consecutive-failures`` samples in a row failed all their tries, the run aborts.
+
+Checks: always token ids equal the request's and ``hidden_states`` has one row per token
+(read from the file without loading the hidden states); with ``--validate`` also the
+whole file is loaded through ``sglang_ext.format.load`` and must be finite.
+Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from sglang_ext import format as fmt
+
+MANIFEST_NAME = "manifest.jsonl"
+_FINAL = re.compile(r"hs_(\d+)\.safetensors")
+_TMP = re.compile(r"\.hs_\d+\.safetensors\.tmp(\.[0-9a-f]+)?")
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
+
+
+def final_name(index: int) -> str:
+    return f"hs_{index}.safetensors"
+
+
+# ---- data -----------------------------------------------------------------------------
+class DataError(ValueError):
+    """DATA cannot be read (bad row, messages without --tokenizer, ...)."""
+
+
+@dataclass
+class Row:
+    index: int
+    input_ids: List[int]
+
+
+def _ids_from_row(row: Dict[str, Any], index: int, tokenizer) -> List[int]:
+    if row.get("input_ids") is not None:
+        ids = row["input_ids"]
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        ids = [int(t) for t in ids]
+    elif row.get("messages") is not None:
+        if tokenizer is None:
+            raise DataError(f"row {index} has messages but no --tokenizer was given")
+        text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    else:
+        raise DataError(f"row {index} has neither input_ids nor messages")
+    if not ids:
+        raise DataError(f"row {index} has no tokens")
+    return ids
+
+
+def iter_rows(path: str, tokenizer=None) -> Iterator[Tuple[int, Dict[str, Any]]]:
+    """``(index, row)`` for every row of DATA, in order.
+
+    DATA is a JSONL file (one JSON object per line, blank lines skipped and not counted)
+    or a directory written by ``datasets.Dataset.save_to_disk`` (speculators'
+    ``prepare-data`` output: columns ``input_ids``, ``loss_mask``, ...).
+    """
+    if os.path.isdir(path):
+        try:
+            from datasets import load_from_disk
+        except ImportError:
+            raise DataError(f"{path} is a directory: reading it needs `pip install datasets`") from None
+        dataset = load_from_disk(path)
+        for index in range(len(dataset)):
+            yield index, dataset[index]
+        return
+    index = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: a row must be a JSON object")
+            yield index, row
+            index += 1
+
+
+def count_rows(path: str) -> int:
+    if os.path.isdir(path):
+        from datasets import load_from_disk
+
+        return len(load_from_disk(path))
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def load_tokenizer(path: Optional[str]):
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+
+
+# ---- files ----------------------------------------------------------------------------
+class CheckError(ValueError):
+    """A hidden-state file does not match its request."""
+
+
+def check_file(path: str, input_ids: List[int], full: bool) -> int:
+    """Check a file against the request's token ids; returns its number of tokens.
+
+    Cheap check (always): keys, ``token_ids == input_ids``, ``hidden_states`` is
+    ``[len(input_ids), L, H]`` (shape from the header, tensor not loaded).
+    ``full``: also load everything through ``format.load`` and require finite values.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            missing = {fmt.KEY_HIDDEN_STATES, fmt.KEY_TOKEN_IDS} - keys
+            if missing:
+                raise CheckError(f"{path}: missing keys {sorted(missing)}")
+            ids = f.get_tensor(fmt.KEY_TOKEN_IDS)
+            shape = list(f.get_slice(fmt.KEY_HIDDEN_STATES).get_shape())
+    except CheckError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise CheckError(f"{path}: unreadable: {e}") from None
+    if ids.tolist() != list(input_ids):
+        raise CheckError(f"{path}: token ids differ from the request's")
+    if len(shape) != 3 or shape[0] != len(input_ids):
+        raise CheckError(f"{path}: hidden_states shape {shape} for {len(input_ids)} tokens")
+    if full:
+        import torch
+
+        try:
+            record = fmt.load(path)
+        except Exception as e:  # noqa: BLE001
+            raise CheckError(f"{path}: {e}") from None
+        if not bool(torch.isfinite(record.hidden_states).all()):
+            raise CheckError(f"{path}: hidden_states hold non-finite values")
+    return len(input_ids)
+
+
+def move_into_place(src: str, out_dir: str, index: int, input_ids: List[int], full: bool) -> int:
+    """Move the server's file to ``out_dir/hs_<index>.safetensors``; returns its size.
+
+    ``src`` goes to a temporary name in ``out_dir`` first (rename, or copy + unlink across
+    filesystems), is checked there, and only then renamed onto the final name, so the
+    final name never holds a partial or unchecked file. On a failed check the temporary
+    file is removed and ``CheckError`` raised.
+    """
+    tmp = os.path.join(out_dir, f".{final_name(index)}.tmp.{uuid.uuid4().hex[:8]}")
+    try:
+        try:
+            os.rename(src, tmp)
+        except OSError as e:
+            if e.errno != errno.EXDEV:  # another filesystem
+                raise
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.unlink(src)
+        check_file(tmp, input_ids, full)
+        size = os.stat(tmp).st_size
+        os.rename(tmp, os.path.join(out_dir, final_name(index)))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return size
+
+
+def clean_tmp(out_dir: str) -> int:
+    """Remove ``.hs_<i>.safetensors.tmp*`` left by a killed run; returns how many."""
+    n = 0
+    for name in os.listdir(out_dir):
+        if _TMP.fullmatch(name):
+            try:
+                os.unlink(os.path.join(out_dir, name))
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
+def existing_indices(out_dir: str) -> set:
+    return {int(m.group(1)) for m in map(_FINAL.fullmatch, os.listdir(out_dir)) if m}
+
+
+def read_manifest(out_dir: str) -> Dict[int, Dict[str, Any]]:
+    """``index -> last record`` of ``manifest.jsonl`` (a torn last line is ignored)."""
+    path = os.path.join(out_dir, MANIFEST_NAME)
+    records: Dict[int, Dict[str, Any]] = {}
+    if not os.path.exists(path):
+        return records
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("index"), int):
+                records[rec["index"]] = rec
+    return records
+
+
+def append_manifest(out_dir: str, record: Dict[str, Any]) -> None:
+    """One ``write`` with ``O_APPEND``: lines from concurrent writers never interleave."""
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
+    fd = os.open(os.path.join(out_dir, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+# ---- requests -------------------------------------------------------------------------
+class RequestError(RuntimeError):
+    """One try failed (HTTP, connection, server-side dump error, bad file)."""
+
+
+@dataclass
+class Options:
+    endpoint: str
+    out_dir: str
+    concurrency: int = 32
+    max_retries: int = 5
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+    max_consecutive_failures: int = 32
+    timeout: float = 600.0
+    validate: bool = False
+    rid_prefix: str = "extract"
+
+
+@dataclass
+class Stats:
+    total: int = 0
+    done: int = 0
+    resumed: int = 0
+    failed: int = 0
+    retries: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    failed_indices: List[int] = field(default_factory=list)
+    aborted: Optional[str] = None
+
+
+def backoff_delay(attempt: int, base: float, cap: float) -> float:
+    """Seconds before retry ``attempt`` (1, 2, ...): ``base * 2**(attempt-1)``, capped,
+    with up to 25% random jitter so that many workers do not retry in lockstep."""
+    delay = min(cap, base * (2 ** (attempt - 1)))
+    return delay * (1 + random.random() * 0.25)
+
+
+async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
+    """POST /generate for one row; returns the server's complete file path."""
+    import aiohttp
+
+    payload = {
+        "input_ids": row.input_ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "rid": f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}",
+    }
+    try:
+        async with session.post(opts.endpoint.rstrip("/") + "/generate", json=payload) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise RequestError(f"HTTP {resp.status}: {text[:300]}")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise RequestError(f"{type(e).__name__}: {e}") from None
+    try:
+        meta = json.loads(text)["meta_info"]
+    except (ValueError, KeyError, TypeError):
+        raise RequestError(f"response without meta_info: {text[:300]}") from None
+    if meta.get("hidden_states_error"):
+        raise RequestError(f"hidden_states_error: {meta['hidden_states_error']}")
+    path = meta.get("hidden_states_path")
+    if not path:
+        raise RequestError("response names no hidden_states_path (server not dumping?)")
+    # The server answers only once the file is complete; this returns at once then,
+    # and still protects against a server that answers early.
+    error = await fmt.wait_complete_async(path, timeout=opts.timeout)
+    if error is not None:
+        if not os.path.isdir(os.path.dirname(path)):
+            error += (f" (directory {os.path.dirname(path)} not found here: run extract where "
+                      f"the server's --dump-hidden-states-dir is visible under the same path)")
+        raise RequestError(error)
+    return path
+
+
+async def extract_one(session, opts: Options, row: Row, stats: Stats) -> Dict[str, Any]:
+    """All tries for one row; returns its manifest record or raises the last error."""
+    last: Optional[Exception] = None
+    for attempt in range(opts.max_retries + 1):
+        if attempt:
+            stats.retries += 1
+            await asyncio.sleep(backoff_delay(attempt, opts.backoff, opts.max_backoff))
+        try:
+            src = await request_once(session, opts, row, attempt)
+            size = await asyncio.to_thread(
+                move_into_place, src, opts.out_dir, row.index, row.input_ids, opts.validate
+            )
+            return {
+                "index": row.index,
+                "num_tokens": len(row.input_ids),
+                "source": src,
+                "file": final_name(row.index),
+                "bytes": size,
+            }
+        except (RequestError, CheckError, OSError) as e:
+            last = e
+    raise RequestError(f"row {row.index}: {opts.max_retries + 1} tries failed; last: {last}")
+
+
+# ---- the run --------------------------------------------------------------------------
+def _progress(total: int, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sample", dynamic_ncols=True, disable=disable,
+                file=sys.stderr, smoothing=0.1)
+
+
+async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats) -> None:
+    import aiohttp
+
+    stats.total = total
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * opts.concurrency)
+    abort = asyncio.Event()
+    consecutive = 0
+    manifest = read_manifest(opts.out_dir)
+    start = time.monotonic()
+    bar = _progress(total, args.no_progress)
+
+    def tick():
+        elapsed = max(time.monotonic() - start, 1e-9)
+        bar.set_postfix_str(
+            f"{stats.tokens / elapsed:,.0f} tok/s, {stats.bytes / 1e9:.2f} GB, "
+            f"{stats.failed} failed", refresh=False)
+        bar.update(1)
+
+    async def worker(session):
+        nonlocal consecutive
+        while True:
+            row = await queue.get()
+            try:
+                if row is None:
+                    return
+                if abort.is_set():
+                    continue
+                target = os.path.join(opts.out_dir, final_name(row.index))
+                if os.path.exists(target):
+                    try:
+                        n = await asyncio.to_thread(check_file, target, row.input_ids, opts.validate)
+                    except CheckError as e:
+                        print(f"re-extracting {final_name(row.index)}: {e}", file=sys.stderr)
+                    else:
+                        stats.resumed += 1
+                        if row.index not in manifest:
+                            rec = {"index": row.index, "num_tokens": n, "source": None,
+                                   "file": final_name(row.index),
+                                   "bytes": os.stat(target).st_size}
+                            append_manifest(opts.out_dir, rec)
+                            manifest[row.index] = rec
+                        tick()
+                        continue
+                try:
+                    rec = await extract_one(session, opts, row, stats)
+                except RequestError as e:
+                    stats.failed += 1
+                    stats.failed_indices.append(row.index)
+                    consecutive += 1
+                    print(str(e), file=sys.stderr)
+                    if consecutive >= opts.max_consecutive_failures and not abort.is_set():
+                        stats.aborted = (f"{consecutive} consecutive samples failed "
+                                         f"(--max-consecutive-failures); last: {e}")
+                        abort.set()
+                else:
+                    consecutive = 0
+                    append_manifest(opts.out_dir, rec)
+                    manifest[row.index] = rec
+                    stats.done += 1
+                    stats.tokens += rec["num_tokens"]
+                    stats.bytes += rec["bytes"]
+                tick()
+            finally:
+                queue.task_done()
+
+    timeout = aiohttp.ClientTimeout(total=opts.timeout)
+    connector = aiohttp.TCPConnector(limit=opts.concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        workers = [asyncio.create_task(worker(session)) for _ in range(opts.concurrency)]
+        try:
+            for row in rows:
+                if abort.is_set():
+                    break
+                await queue.put(row)
+        finally:
+            for _ in workers:
+                await queue.put(None)
+            await asyncio.gather(*workers)
+            bar.close()
+
+
+def rank_rows(data: str, tokenizer, world_size: int, rank: int) -> Iterator[Row]:
+    for index, row in iter_rows(data, tokenizer):
+        if index % world_size == rank:
+            yield Row(index=index, input_ids=_ids_from_row(row, index, tokenizer))
+
+
+def main(args) -> int:
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        print("error: need --world-size >= 1 and 0 <= --rank < --world-size", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.concurrency < 1 or args.max_retries < 0 or args.max_consecutive_failures < 1:
+        print("error: --concurrency and --max-consecutive-failures must be >= 1, "
+              "--max-retries >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not os.path.exists(args.data):
+        print(f"error: --data {args.data} does not exist", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    os.makedirs(args.out, exist_ok=True)
+    removed = clean_tmp(args.out)
+    if removed:
+        print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
+    opts = Options(
+        endpoint=args.endpoint, out_dir=args.out, concurrency=args.concurrency,
+        max_retries=args.max_retries, backoff=args.backoff, max_backoff=args.max_backoff,
+        max_consecutive_failures=args.max_consecutive_failures, timeout=args.timeout,
+        validate=args.validate, rid_prefix=args.rid_prefix,
+    )
+    stats = Stats()
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        n_rows = count_rows(args.data)
+        total = len(range(args.rank, n_rows, args.world_size))
+        rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
+        t0 = time.monotonic()
+        asyncio.run(run(args, opts, rows, total, stats))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    elapsed = time.monotonic() - t0
+    summary = {
+        "rank": args.rank, "world_size": args.world_size, "rows_for_rank": stats.total,
+        "extracted": stats.done, "resumed": stats.resumed, "failed": stats.failed,
+        "retries": stats.retries, "tokens": stats.tokens, "gb_written": round(stats.bytes / 1e9, 3),
+        "seconds": round(elapsed, 1), "tokens_per_s": round(stats.tokens / elapsed, 1) if elapsed else 0,
+        "out": os.path.abspath(args.out),
+    }
+    if stats.failed_indices:
+        summary["failed_indices"] = sorted(stats.failed_indices)[:100]
+    if stats.aborted:
+        summary["aborted"] = stats.aborted
+    print("extract summary: " + json.dumps(summary))
+    if stats.aborted:
+        return EXIT_ABORTED
+    return EXIT_FAILED if stats.failed else EXIT_OK
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "extract",
+        help="send a dataset to a dumping server; collect hs_<i>.safetensors",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--data", required=True,
+                   help="JSONL with input_ids (or messages + --tokenizer), or a "
+                        "datasets.save_to_disk directory (speculators prepare-data output)")
+    p.add_argument("--out", required=True, help="output directory (hs_<i>.safetensors, manifest.jsonl)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path for rows with messages (apply_chat_template)")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    p.add_argument("--max-retries", type=int, default=5, help="retries per sample after its first try")
+    p.add_argument("--backoff", type=float, default=1.0, help="first retry delay (s); doubles per retry")
+    p.add_argument("--max-backoff", type=float, default=30.0, help="retry delay cap (s)")
+    p.add_argument("--max-consecutive-failures", type=int, default=32,
+                   help="abort after this many samples in a row failed all their tries")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--world-size", type=int, default=1, help="number of extract processes sharing DATA")
+    p.add_argument("--rank", type=int, default=0, help="this process: rows with index %% world_size == rank")
+    p.add_argument("--validate", action="store_true",
+                   help="also load every file fully and require finite hidden states")
+    p.add_argument("--rid-prefix", default="extract", help="prefix of the request ids sent")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=main)
+
+
+def cli(argv: Optional[List[str]] = None) -> int:
+    """The ``sglang-ext-extract`` console script (same as ``sglang-ext extract``)."""
+    from sglang_ext.__main__ import main as ext_main
+
+    return ext_main(["extract", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,221 @@
+"""``sglang-ext convert --to specforge SRC DST``: hs_<i>.safetensors -> SpecForge EAGLE-3 records.
+
+SpecForge's offline EAGLE-3 trainer (``OfflineEagle3Dataset``, ``build_offline_eagle3_dataset``
+in ``specforge/data/preprocessing.py``) reads every ``*.ckpt`` under a directory, each a
+``torch.save``d dict written by its ``scripts/prepare_hidden_states.py``:
+
+==================  ======================  =============================================
+key                 shape                   content
+==================  ======================  =============================================
+``input_ids``       ``[T]`` int64           the prompt's token ids
+``loss_mask``       ``[T]`` int64           1 where the drafter is trained
+``aux_hidden_state`` ``[1, T, k*H]``         the aux layers, concatenated in layer order
+``hidden_state``    ``[1, T, H]``           the last layer's output **after** the final
+                                            norm (what SGLang hands its logits processor;
+                                            SpecForge feeds it to the bare ``lm_head``)
+==================  ======================  =============================================
+
+Our files hold the aux layers plus the last layer's output **before** the final norm (id
+N, for speculators, which applies the norm itself). So the converter needs the model's
+final RMSNorm (``--model DIR``: ``config.json``'s ``rms_norm_eps`` and the norm weight
+from the checkpoint's safetensors), or ``--no-final-norm`` to write the pre-norm stream
+as is (wrong for SpecForge's stock trainer; only for a trainer that norms itself).
+The norm is computed in float32 as HF's ``LlamaRMSNorm``/``DeepseekV3RMSNorm`` do.
+
+Slots: ``aux_hidden_state`` is every slot but the last, in file order (ascending layer
+ids; the default ``[2, N//2, N-3]`` is SpecForge's default aux set), ``hidden_state``
+the last slot, which must be id N (``metadata.layer_ids[-1] == num_layers``; files
+without our metadata, e.g. vLLM's, are taken to follow the same convention).
+
+``loss_mask``: from ``--loss-mask-from DATA`` (the JSONL / datasets directory given to
+``extract``, row i -> hs_<i>; its ``loss_mask`` must have T entries), else all ones
+(every position trained; SpecForge itself zeroes the last one when it loads a record).
+
+Layout: ``DST/rows_<g>-<g+5000>/data_<i>.ckpt`` as SpecForge writes it. Each record is
+written to a temporary name and renamed; existing records are skipped (resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Dict, Optional, Tuple
+
+from sglang_ext import format as fmt
+
+GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
+NORM_KEYS = (
+    "model.norm.weight",
+    "language_model.model.norm.weight",
+    "model.language_model.norm.weight",
+)
+_SRC = re.compile(r"hs_(\d+)\.safetensors")
+
+
+class ConvertError(ValueError):
+    pass
+
+
+def specforge_path(dst: str, index: int) -> str:
+    start = (index // GROUP_SIZE) * GROUP_SIZE
+    return os.path.join(dst, f"rows_{start}-{start + GROUP_SIZE}", f"data_{index}.ckpt")
+
+
+def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object", float]:
+    """``(weight [H] float32, eps)`` of the model's final RMSNorm from a HF checkpoint dir."""
+    from safetensors import safe_open
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    eps = config.get("rms_norm_eps")
+    if eps is None:
+        eps = (config.get("text_config") or {}).get("rms_norm_eps")
+    if eps is None:
+        raise ConvertError(f"{model_dir}/config.json has no rms_norm_eps")
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        single = os.path.join(model_dir, "model.safetensors")
+        if not os.path.exists(single):
+            raise ConvertError(f"{model_dir}: no model.safetensors(.index.json)")
+        with safe_open(single, framework="pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    candidates = [key] if key else [k for k in NORM_KEYS if k in weight_map]
+    if not candidates or candidates[0] not in weight_map:
+        raise ConvertError(
+            f"{model_dir}: final norm weight not found (tried {list(NORM_KEYS) if not key else key}); "
+            f"pass --norm-key"
+        )
+    name = candidates[0]
+    with safe_open(os.path.join(model_dir, weight_map[name]), framework="pt") as f:
+        weight = f.get_tensor(name).float()
+    return weight, float(eps)
+
+
+def rms_norm(x, weight, eps: float):
+    """HF LlamaRMSNorm: float32 math, result cast back to ``x``'s dtype."""
+    import torch
+
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+def load_loss_masks(data: str) -> Dict[int, list]:
+    from sglang_ext.client import iter_rows
+
+    masks = {}
+    for index, row in iter_rows(data):
+        mask = row.get("loss_mask")
+        if mask is not None:
+            masks[index] = list(mask.tolist() if hasattr(mask, "tolist") else mask)
+    return masks
+
+
+def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str, object]:
+    import torch
+
+    rec = fmt.load(path)
+    hs, ids = rec.hidden_states, rec.token_ids
+    if hs.shape[1] < 2:
+        raise ConvertError(f"{path}: {hs.shape[1]} layer slot(s); need aux layers plus the last")
+    if "layer_ids" in rec.metadata and "num_layers" in rec.metadata:
+        if rec.layer_ids[-1] != int(rec.metadata["num_layers"]):
+            raise ConvertError(
+                f"{path}: last slot is layer id {rec.layer_ids[-1]}, not the last layer "
+                f"({rec.metadata['num_layers']}); dump with id N in --dump-hidden-states-layers"
+            )
+    t = ids.shape[0]
+    last = hs[:, -1, :]
+    if norm is not None:
+        weight, eps = norm
+        if weight.shape[0] != last.shape[-1]:
+            raise ConvertError(f"{path}: norm weight has {weight.shape[0]} entries, hidden size {last.shape[-1]}")
+        last = rms_norm(last, weight, eps)
+    if loss_mask is None:
+        mask = torch.ones(t, dtype=torch.long)
+    else:
+        if len(loss_mask) != t:
+            raise ConvertError(f"{path}: loss_mask has {len(loss_mask)} entries for {t} tokens")
+        mask = torch.tensor(loss_mask, dtype=torch.long)
+    return {
+        "input_ids": ids.to(torch.long).clone(),
+        "loss_mask": mask,
+        "hidden_state": last.contiguous().unsqueeze(0).clone(),
+        "aux_hidden_state": hs[:, :-1, :].reshape(t, -1).contiguous().unsqueeze(0).clone(),
+    }
+
+
+def save_atomic(obj, path: str) -> None:
+    import torch
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
+    try:
+        torch.save(obj, tmp)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def main(args) -> int:
+    if args.to != "specforge":
+        print(f"error: unknown --to {args.to!r}", file=sys.stderr)
+        return 2
+    if bool(args.model) == bool(args.no_final_norm):
+        print("error: pass --model DIR (to apply the final norm SpecForge expects) "
+              "or --no-final-norm", file=sys.stderr)
+        return 2
+    try:
+        norm = load_final_norm(args.model, args.norm_key) if args.model else None
+        masks = load_loss_masks(args.loss_mask_from) if args.loss_mask_from else None
+        indices = sorted(int(m.group(1)) for m in map(_SRC.fullmatch, os.listdir(args.src)) if m)
+        written = skipped = 0
+        for index in indices:
+            dst = specforge_path(args.dst, index)
+            if os.path.exists(dst):
+                skipped += 1
+                continue
+            mask = None
+            if masks is not None:
+                if index not in masks:
+                    raise ConvertError(f"{args.loss_mask_from}: row {index} has no loss_mask")
+                mask = masks[index]
+            record = to_specforge_record(os.path.join(args.src, f"hs_{index}.safetensors"), norm, mask)
+            save_atomic(record, dst)
+            written += 1
+    except (ConvertError, fmt.DumpFormatError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"written": written, "skipped_existing": skipped, "dst": os.path.abspath(args.dst),
+                      "loss_mask": "from " + args.loss_mask_from if args.loss_mask_from else "all ones",
+                      "final_norm": "applied" if norm is not None else "not applied"}))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert",
+        help="convert hs_<i>.safetensors to another trainer's format (SpecForge)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--to", required=True, choices=["specforge"], help="target format")
+    p.add_argument("src", help="directory with hs_<i>.safetensors (extract --out)")
+    p.add_argument("dst", help="output directory (rows_<g>-<g+5000>/data_<i>.ckpt)")
+    p.add_argument("--model", default=None, help="HF checkpoint dir: final norm weight + rms_norm_eps")
+    p.add_argument("--norm-key", default=None, help="tensor name of the final norm weight in --model")
+    p.add_argument("--no-final-norm", action="store_true",
+                   help="write the pre-norm last layer as hidden_state (not what stock SpecForge expects)")
+    p.add_argument("--loss-mask-from", default=None,
+                   help="DATA given to extract, with loss_mask per row (default: all ones)")
+    p.set_defaults(func=main)

@@ -1,0 +1,563 @@
+"""extract / convert / the vLLM-compatible completions hook, against a local fake server.
+
+The fake server (a ``ThreadingHTTPServer`` on 127.0.0.1) answers ``/generate`` as the
+patched SGLang does: it writes each request's file through ``sglang_ext.format``'s real
+writer path (reserve -> write_reserved -> complete, so the ``.lock`` is gone before the
+answer) and names it in ``meta_info.hidden_states_path``. Its ``/v1/completions`` builds
+SGLang 0.5.17's own ``CompletionResponse`` (with ``prompt_token_ids`` as SGLang returns
+them for ``return_token_ids``) and passes it through ``hooks.openai_completion_extras``,
+as patch 0006 does.
+
+Expected tensors never come from the code under test: ``reference(ids)`` computes every
+value from (token id, position, layer slot, channel).
+
+The trainer readers are the real packages, installed --no-deps (requirements/ci-nodeps.txt):
+speculators 0.9.0 (``speculators.train.data.ArrowDataset`` with ``hs_connectors.FileTransfer``;
+its offline generator ``speculators.cli.generate_offline_data``) and specforge 0.2.0
+(``specforge.data.preprocessing.build_offline_eagle3_dataset``). A test whose package does
+not import is skipped, saying so; it never falls back to a re-implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sglang_ext import client, convert, hooks
+from sglang_ext import format as fmt
+
+LAYERS = [2, 4, 5, 8]  # N = 8: aux [2, N//2, N-3] plus N
+NUM_LAYERS = 8
+HIDDEN = 8
+REPO = Path(__file__).resolve().parents[1]
+
+
+def reference(ids) -> torch.Tensor:
+    """[T, L, H] float32: id*0.5 + position*0.01 + slot*10 + channel*0.1 (exact in f32)."""
+    ids_t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+    t = torch.arange(len(ids), dtype=torch.float32)[:, None, None]
+    s = torch.arange(len(LAYERS), dtype=torch.float32)[None, :, None]
+    h = torch.arange(HIDDEN, dtype=torch.float32)[None, None, :]
+    return ids_t * 0.5 + t * 0.01 + s * 10 + h * 0.1
+
+
+def rows(n, seed=0):
+    """n rows of 3..10 token ids; row i starts with 1000 + i (identifies it)."""
+    return [[1000 + i] + [(seed + i * 7 + k * 3) % 97 for k in range(2 + i % 8)] for i in range(n)]
+
+
+def write_jsonl(path, data, masks=None):
+    with open(path, "w") as f:
+        for i, ids in enumerate(data):
+            row = {"input_ids": ids}
+            if masks is not None:
+                row["loss_mask"] = masks[i]
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+# ---- the fake server ---------------------------------------------------------------------
+class FakeServer:
+    def __init__(self, dump_dir):
+        self.dump_dir = str(dump_dir)
+        os.makedirs(self.dump_dir, exist_ok=True)
+        self.dir_fd = fmt.open_dump_dir(self.dump_dir)
+        self.fail_first = 0  # fail the first k tries of every input (500, then dump error)
+        self.always_fail = False
+        self.nan_for = set()  # first token ids whose file holds a NaN
+        self.wrong_ids_for = set()  # first token ids whose file has other token ids
+        self.delay = 0.0
+        self.counts = {}
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [
+                        {"id": "fake-model", "object": "model", "created": 0, "owned_by": "t"}]})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/generate":
+                    code, obj = server.generate(body["input_ids"], body.get("rid", "r"))
+                elif self.path == "/v1/completions":
+                    code, obj = server.completions(body)
+                else:
+                    code, obj = 404, {"error": "not found"}
+                self._send(code, obj)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        os.close(self.dir_fd)
+
+    def dump(self, ids, rid):
+        """Write the file as the patched server does; returns meta_info."""
+        hs = reference(ids)
+        token_ids = torch.tensor(ids, dtype=torch.int64)
+        if ids[0] in self.nan_for:
+            hs[len(ids) // 2, 1, 3] = float("nan")
+        if ids[0] in self.wrong_ids_for:
+            token_ids = token_ids + 1
+        res = fmt.reserve(self.dir_fd, rid)
+        meta = fmt.build_metadata(rid=rid, layer_ids=LAYERS, num_layers=NUM_LAYERS)
+        fmt.write_reserved(res, hs, token_ids, meta)
+        fmt.complete(res)
+        return {"id": rid, "hidden_states_path": os.path.join(self.dump_dir, res.name)}
+
+    def generate(self, ids, rid):
+        with self.lock:
+            key = tuple(ids)
+            n = self.counts[key] = self.counts.get(key, 0) + 1
+        if self.delay:
+            time.sleep(self.delay)
+        if self.always_fail or n <= self.fail_first:
+            if n % 2 == 1:
+                return 500, {"error": "injected"}
+            return 200, {"text": "", "meta_info": {"id": rid, "hidden_states_error": "injected"}}
+        return 200, {"text": "x", "meta_info": self.dump(ids, rid)}
+
+    def completions(self, body):
+        from sglang.srt.entrypoints.openai.protocol import (
+            CompletionResponse,
+            CompletionResponseChoice,
+            UsageInfo,
+        )
+
+        ids = body["prompt"]
+        with self.lock:
+            self.counts[tuple(ids)] = self.counts.get(tuple(ids), 0) + 1
+        ret = {"text": "x", "output_ids": [5], "meta_info": self.dump(ids, f"cmpl-{ids[0]}")}
+        if body.get("return_token_ids"):
+            ret["prompt_token_ids"] = list(ids)  # what tokenizer_manager adds (0.5.17)
+        # As serving_completions._build_completion_response builds it:
+        response = CompletionResponse(
+            id="cmpl-1", model=body.get("model", "m"),
+            choices=[CompletionResponseChoice(
+                index=0, text=ret["text"], finish_reason="length",
+                token_ids=ret["output_ids"] if body.get("return_token_ids") else None,
+                prompt_token_ids=ret.get("prompt_token_ids") if body.get("return_token_ids") else None,
+            )],
+            usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=1, total_tokens=len(ids) + 1),
+        )
+        response = hooks.openai_completion_extras(response, [ret])  # patch 0006
+        return 200, response.model_dump(mode="json")
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = FakeServer(tmp_path / "server")
+    yield s
+    s.close()
+
+
+def extract(server, data, out, *extra):
+    args = ["extract", "--endpoint", server.url, "--data", str(data), "--out", str(out),
+            "--no-progress", "--backoff", "0.01", "--max-backoff", "0.05", *map(str, extra)]
+    from sglang_ext.__main__ import main
+
+    return main(args)
+
+
+def assert_file(path, ids):
+    rec = fmt.load(str(path))
+    assert rec.token_ids.tolist() == ids
+    assert torch.equal(rec.hidden_states, reference(ids))
+
+
+def manifest_indices(out):
+    with open(os.path.join(out, client.MANIFEST_NAME)) as f:
+        return [json.loads(line)["index"] for line in f]
+
+
+# ---- extract ---------------------------------------------------------------------------------
+def test_extract_writes_every_row_moves_files_and_records_a_manifest(server, tmp_path, capsys):
+    data = rows(12)
+    out = tmp_path / "out"
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--concurrency", 4) == 0
+    for i, ids in enumerate(data):
+        assert_file(out / f"hs_{i}.safetensors", ids)
+    # moved (renamed), not copied: the server's directory keeps no safetensors file
+    assert not [n for n in os.listdir(server.dump_dir) if n.endswith(".safetensors")]
+    assert sorted(manifest_indices(out)) == list(range(12))
+    rec = {r["index"]: r for r in map(json.loads, open(out / client.MANIFEST_NAME))}
+    assert rec[3]["num_tokens"] == len(data[3])
+    assert rec[3]["source"].startswith(server.dump_dir)
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+    summary = json.loads(capsys.readouterr().out.split("extract summary: ")[1])
+    assert summary["extracted"] == 12 and summary["failed"] == 0
+    assert summary["tokens"] == sum(map(len, data))
+
+
+def test_retries_with_backoff_then_succeed(server, tmp_path, capsys):
+    server.fail_first = 2  # an HTTP 500, then a hidden_states_error, then success
+    data = rows(5)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    rc = extract(server, write_jsonl(tmp_path / "d.jsonl", data), out,
+                 "--max-retries", 2, "--backoff", 0.2, "--max-backoff", 1)
+    assert rc == 0
+    assert time.monotonic() - t0 >= 0.2 + 0.4  # two back-offs: 0.2 s then 0.4 s
+    assert set(server.counts.values()) == {3}
+    for i, ids in enumerate(data):
+        assert_file(out / f"hs_{i}.safetensors", ids)
+    assert json.loads(capsys.readouterr().out.split("extract summary: ")[1])["retries"] == 10
+
+
+def test_backoff_delay_doubles_and_caps():
+    for attempt, base in [(1, 1.0), (2, 2.0), (3, 4.0), (6, 10.0), (9, 10.0)]:
+        d = client.backoff_delay(attempt, 1.0, 10.0)
+        assert base <= d <= base * 1.25
+
+
+def test_too_few_retries_fail_the_samples(server, tmp_path):
+    server.fail_first = 2
+    out = tmp_path / "out"
+    rc = extract(server, write_jsonl(tmp_path / "d.jsonl", rows(3)), out, "--max-retries", 1,
+                 "--concurrency", 1)
+    assert rc == client.EXIT_FAILED
+    assert not [n for n in os.listdir(out) if n.startswith("hs_")]
+
+
+def test_abort_after_consecutive_failures(server, tmp_path, capsys):
+    server.always_fail = True
+    out = tmp_path / "out"
+    rc = extract(server, write_jsonl(tmp_path / "d.jsonl", rows(50)), out, "--max-retries", 1,
+                 "--concurrency", 1, "--max-consecutive-failures", 3)
+    assert rc == client.EXIT_ABORTED
+    summary = json.loads(capsys.readouterr().out.split("extract summary: ")[1])
+    assert summary["failed"] == 3 and "aborted" in summary
+    assert sum(server.counts.values()) == 3 * 2  # 3 samples x (1 try + 1 retry), then stop
+
+
+def test_sharding_by_index_modulo_world_size(server, tmp_path):
+    data = rows(11)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+    assert extract(server, path, out, "--world-size", 3, "--rank", 1) == 0
+    assert sorted(client.existing_indices(str(out))) == [1, 4, 7, 10]
+    assert extract(server, path, out, "--world-size", 3, "--rank", 0) == 0
+    assert extract(server, path, out, "--world-size", 3, "--rank", 2) == 0
+    assert sorted(client.existing_indices(str(out))) == list(range(11))
+    assert sorted(manifest_indices(out)) == list(range(11))
+    assert set(server.counts.values()) == {1}  # no row sent twice across ranks
+
+
+def test_resume_skips_valid_files_and_redoes_a_wrong_one(server, tmp_path):
+    data = rows(6)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+    assert extract(server, path, out) == 0
+    # hs_2 replaced by another row's file: token ids differ from row 2's
+    os.replace(out / "hs_3.safetensors", out / "hs_2.safetensors")
+    (out / ".hs_4.safetensors.tmp.deadbeef").write_bytes(b"partial")  # a killed run's leftover
+    server.counts.clear()
+    assert extract(server, path, out) == 0
+    assert server.counts == {tuple(data[2]): 1, tuple(data[3]): 1}
+    for i, ids in enumerate(data):
+        assert_file(out / f"hs_{i}.safetensors", ids)
+    assert not (out / ".hs_4.safetensors.tmp.deadbeef").exists()
+
+
+def test_validate_catches_non_finite_and_wrong_ids(server, tmp_path):
+    data = rows(4)
+    server.nan_for = {data[1][0]}
+    server.wrong_ids_for = {data[2][0]}
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+    # without --validate, wrong token ids are still caught (cheap check), a NaN is not
+    assert extract(server, path, out, "--max-retries", 0) == client.EXIT_FAILED
+    assert sorted(client.existing_indices(str(out))) == [0, 1, 3]
+    os.unlink(out / "hs_1.safetensors")
+    rc = extract(server, path, out, "--max-retries", 1, "--validate")
+    assert rc == client.EXIT_FAILED
+    assert sorted(client.existing_indices(str(out))) == [0, 3]
+    assert server.counts[tuple(data[1])] == 3  # 1 (first run) + 2 tries with --validate
+    with pytest.raises(client.CheckError, match="non-finite"):
+        p = tmp_path / "nan.safetensors"
+        hs = reference(data[1])
+        hs[0, 0, 0] = float("inf")
+        save_file({"hidden_states": hs, "token_ids": torch.tensor(data[1])}, str(p))
+        client.check_file(str(p), data[1], full=True)
+
+
+def test_move_across_filesystems_copies_then_unlinks(tmp_path, monkeypatch):
+    ids = [1, 2, 3]
+    src = tmp_path / "src.safetensors"
+    save_file({"hidden_states": reference(ids), "token_ids": torch.tensor(ids)}, str(src))
+    out = tmp_path / "out"
+    out.mkdir()
+    real_rename = os.rename
+
+    def rename(a, b, *args, **kw):
+        if str(a) == str(src):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_rename(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+    client.move_into_place(str(src), str(out), 7, ids, full=True)
+    assert not src.exists()
+    assert_file(out / "hs_7.safetensors", ids)
+    assert os.listdir(out) == ["hs_7.safetensors"]
+
+
+def test_messages_need_a_tokenizer(server, tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert extract(server, path, tmp_path / "out") == client.EXIT_BAD_INPUT
+    assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_killed_half_way_then_rerun_writes_every_index_once(server, tmp_path):
+    data = rows(40)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+    server.delay = 0.03
+    cmd = [sys.executable, "-m", "sglang_ext", "extract", "--endpoint", server.url, "--data",
+           path, "--out", str(out), "--concurrency", "3", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if out.exists() and len(client.existing_indices(str(out))) >= 10:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_at_kill = client.existing_indices(str(out))
+    assert 10 <= len(done_at_kill) < 40, "kill came too late to test anything"
+    for i in done_at_kill:  # whatever has a final name is complete and right
+        assert_file(out / f"hs_{i}.safetensors", data[i])
+
+    server.delay = 0.0
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.split("extract summary: ")[1])
+    assert summary["resumed"] == len(done_at_kill)
+    assert summary["resumed"] + summary["extracted"] == 40
+    for i, ids in enumerate(data):
+        assert_file(out / f"hs_{i}.safetensors", ids)
+    assert sorted(manifest_indices(out)) == list(range(40))  # one line per index
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+    for i in done_at_kill:  # finished before the kill: never requested again
+        assert server.counts[tuple(data[i])] == 1
+
+
+# ---- speculators (its own reader and its own offline generator) -----------------------------
+def _speculators():
+    try:
+        from datasets import Dataset
+        from hs_connectors import FileTransfer
+        from speculators.train.data import ArrowDataset
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"speculators' reader does not import here ({type(e).__name__}: {e})")
+    return Dataset, FileTransfer, ArrowDataset
+
+
+def _arrow_dataset(Dataset, path, data, masks):
+    Dataset.from_dict({
+        "input_ids": data, "loss_mask": masks, "seq_len": [len(d) for d in data],
+    }).with_format("torch").save_to_disk(str(path))
+    return str(path)
+
+
+def test_speculators_reader_loads_what_extract_wrote(server, tmp_path):
+    Dataset, FileTransfer, ArrowDataset = _speculators()
+    data = rows(7)
+    masks = [[k % 2 for k in range(len(d))] for d in data]
+    ds_path = _arrow_dataset(Dataset, tmp_path / "prepared", data, masks)
+    out = tmp_path / "hs"
+    # extract reads the speculators prepared dataset directly
+    assert extract(server, ds_path, out, "--validate") == 0
+    ds = ArrowDataset(max_len=64, datapath=ds_path, transfer=FileTransfer(Path(out)),
+                      on_missing="raise")
+    assert len(ds) == 7
+    for i, ids in enumerate(data):
+        item = ds[i]
+        ref = reference(ids)
+        assert item["input_ids"].tolist() == ids
+        assert torch.equal(item["hidden_states"], ref[:, :3, :].reshape(len(ids), 3 * HIDDEN))
+        assert torch.equal(item["verifier_last_hidden_states"], ref[:, 3, :])
+        assert item["loss_mask"].tolist() == masks[i]
+        assert item["lengths"].tolist() == [len(ids)]
+
+
+def test_speculators_offline_generator_runs_unchanged_against_the_completions_hook(server, tmp_path):
+    Dataset, FileTransfer, ArrowDataset = _speculators()
+    try:
+        from speculators.cli.generate_offline_data import _generate_and_save_hidden_states
+        from speculators.data_generation.vllm_client import extract_output
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"speculators' generator does not import here ({type(e).__name__}: {e})")
+    data = rows(5)
+    masks = [[1] * len(d) for d in data]
+    ds_path = _arrow_dataset(Dataset, tmp_path / "prepared", data, masks)
+    asyncio.run(_generate_and_save_hidden_states(
+        model=None, endpoint=server.url + "/v1", preprocessed_data=ds_path, output=None,
+        max_samples=None, concurrency=2, validate_outputs=True, request_timeout=30,
+        max_retries=0, fail_on_error=True, max_consecutive_errors=None, world_size=1, rank=0))
+    hs_dir = Path(ds_path) / "hidden_states"
+    for i, ids in enumerate(data):
+        assert_file(hs_dir / f"hs_{i}.safetensors", ids)
+    ds = ArrowDataset(max_len=64, datapath=ds_path, on_missing="raise")
+    assert torch.equal(ds[2]["verifier_last_hidden_states"], reference(data[2])[:, 3, :])
+    # What its parser takes from our response: the path of a complete file, lock gone.
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as oc:
+        res = oc.completions.create(model="fake-model", prompt=[1, 2, 3], max_tokens=1,
+                                    extra_body={"return_token_ids": True})
+    handle, params = extract_output(res, [1, 2, 3])
+    assert params == {"hidden_states_path": handle}
+    assert os.path.exists(handle) and not os.path.exists(handle + ".lock")
+
+
+def test_completions_hook_passes_through_and_reports_errors():
+    from sglang.srt.entrypoints.openai.protocol import (
+        CompletionResponse,
+        CompletionResponseChoice,
+        UsageInfo,
+    )
+
+    r = CompletionResponse(id="c", model="m", choices=[CompletionResponseChoice(index=0, text="")],
+                           usage=UsageInfo(prompt_tokens=1, total_tokens=1))
+    assert hooks.openai_completion_extras(r, [{"meta_info": {}}]) is r  # dumping off
+    with pytest.raises(hooks.HiddenStatesDumpError, match="disk full"):
+        hooks.openai_completion_extras(r, [{"meta_info": {"hidden_states_error": "disk full"}}])
+    two = hooks.openai_completion_extras(
+        r, [{"meta_info": {"hidden_states_path": "/a"}}, {"meta_info": {"hidden_states_path": "/b"}}])
+    assert two.model_dump(mode="json")["kv_transfer_params"] == {
+        "hidden_states_path": "/a", "hidden_states_paths": ["/a", "/b"]}
+    assert "kv_transfer_params" not in r.model_dump(mode="json")
+
+
+# ---- SpecForge ----------------------------------------------------------------------------------
+def _tiny_model(path, eps=1e-5):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": NUM_LAYERS, "rms_norm_eps": eps}))
+    weight = torch.linspace(0.5, 2.0, HIDDEN).to(torch.float32)
+    save_file({"model.norm.weight": weight, "lm_head.weight": torch.zeros(4, HIDDEN)},
+              str(path / "model.safetensors"))
+    return weight
+
+
+def test_convert_to_specforge_loads_in_its_own_reader(server, tmp_path):
+    try:
+        from specforge.data.preprocessing import build_offline_eagle3_dataset
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"specforge's reader does not import here ({type(e).__name__}: {e})")
+    data = rows(6)
+    masks = [[0] + [1] * (len(d) - 1) for d in data]
+    path = write_jsonl(tmp_path / "d.jsonl", data, masks)
+    out = tmp_path / "hs"
+    assert extract(server, path, out) == 0
+    weight = _tiny_model(tmp_path / "model", eps=1e-5)
+    dst = tmp_path / "specforge"
+    from sglang_ext.__main__ import main
+
+    assert main(["convert", "--to", "specforge", str(out), str(dst), "--model",
+                 str(tmp_path / "model"), "--loss-mask-from", path]) == 0
+    assert (dst / "rows_0-5000" / "data_3.ckpt").exists()
+    ds = build_offline_eagle3_dataset(str(dst), max_len=64)
+    assert len(ds) == 6
+    seen = set()
+    for k in range(len(ds)):
+        item = ds[k]
+        ids = item["input_ids"][0].tolist()
+        i = ids[0] - 1000
+        seen.add(i)
+        assert ids == data[i]
+        ref = reference(ids).double()
+        aux = torch.cat([ref[:, 0], ref[:, 1], ref[:, 2]], dim=-1)  # layers 2, 4, 5
+        assert torch.equal(item["hidden_state"][0], aux.float())
+        last = ref[:, 3]
+        normed = last / torch.sqrt((last ** 2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+        assert torch.allclose(item["target"][0].double(), normed, rtol=1e-5, atol=1e-6)
+        want_mask = list(masks[i])
+        want_mask[-1] = 0  # SpecForge zeroes the last position itself
+        assert item["loss_mask"][0].tolist() == want_mask
+    assert seen == set(range(6))
+    # resume: nothing rewritten
+    assert main(["convert", "--to", "specforge", str(out), str(dst), "--no-final-norm"]) == 0
+
+
+def test_convert_defaults_and_refusals(tmp_path, capsys):
+    ids = [4, 5, 6]
+    src = tmp_path / "hs"
+    src.mkdir()
+    meta = fmt.build_metadata(rid="r", layer_ids=LAYERS, num_layers=NUM_LAYERS)
+    save_file({"hidden_states": reference(ids), "token_ids": torch.tensor(ids)},
+              str(src / "hs_0.safetensors"), metadata=meta)
+    from sglang_ext.__main__ import main
+
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "a")]) == 2  # norm choice
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "b"), "--no-final-norm"]) == 0
+    rec = torch.load(tmp_path / "b" / "rows_0-5000" / "data_0.ckpt", weights_only=True)
+    assert rec["loss_mask"].tolist() == [1, 1, 1] and rec["loss_mask"].dtype == torch.int64
+    assert rec["hidden_state"].shape == (1, 3, HIDDEN)
+    assert torch.equal(rec["hidden_state"][0], reference(ids)[:, 3])
+    assert rec["aux_hidden_state"].shape == (1, 3, 3 * HIDDEN)
+    bad = fmt.build_metadata(rid="r", layer_ids=[1, 2, 3, 7], num_layers=NUM_LAYERS)
+    save_file({"hidden_states": reference(ids), "token_ids": torch.tensor(ids)},
+              str(src / "hs_1.safetensors"), metadata=bad)
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "c"), "--no-final-norm"]) == 1
+    assert "not the last layer" in capsys.readouterr().err
+
+
+def test_specforge_layout_groups_rows_by_5000():
+    assert convert.specforge_path("/d", 0) == "/d/rows_0-5000/data_0.ckpt"
+    assert convert.specforge_path("/d", 4999) == "/d/rows_0-5000/data_4999.ckpt"
+    assert convert.specforge_path("/d", 5000) == "/d/rows_5000-10000/data_5000.ckpt"
+
+
+def test_messages_rows_go_through_the_chat_template(server, tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "user": 1, "assistant": 2, "hi": 3, "hello": 4, "there": 5, "<s>": 6}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>")
+    fast.chat_template = "<s> {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(str(tmp_path / "tok"))
+    path = tmp_path / "m.jsonl"
+    chats = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}],
+             [{"role": "user", "content": "hello"}]]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    out = tmp_path / "out"
+    assert extract(server, path, out, "--tokenizer", tmp_path / "tok") == 0
+    assert_file(out / "hs_0.safetensors", [6, 1, 3, 2, 4, 5])
+    assert_file(out / "hs_1.safetensors", [6, 1, 4])
