@@ -361,6 +361,73 @@ def case_metrics(dump_dir, rng, problems, info):
         problems.append(f"files_written {written} < {files} files in the directory")
 
 
+# ---- clients (issue 6; docs/client.md) -------------------------------------------------
+def case_openai_completions(ref, layer_ids, hidden, rng, model_path):
+    """vLLM's hidden-states protocol on /v1/completions (patch 0006), as speculators'
+    offline generator uses it: prompt = token ids, max_tokens = 1, return_token_ids;
+    reads choices[0].prompt_token_ids and kv_transfer_params.hidden_states_path."""
+    from sglang_ext import format as fmt
+
+    problems, worst = [], 0.0
+    for n in (17, 300, 701):
+        ids = [rng.randrange(3, 1024) for _ in range(n)]
+        r = requests.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=300, json={
+            "model": model_path, "prompt": ids, "max_tokens": 1, "temperature": 0,
+            "return_token_ids": True})
+        if r.status_code != 200:
+            problems.append(f"{r.status_code} {r.text[:200]}")
+            continue
+        j = r.json()
+        if j["choices"][0].get("prompt_token_ids") != ids:
+            problems.append("choices[0].prompt_token_ids differ from the prompt")
+        path = (j.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path or not os.path.exists(path) or os.path.exists(path + ".lock"):
+            problems.append(f"kv_transfer_params: {j.get('kv_transfer_params')}")
+            continue
+        rec = fmt.load(path)
+        if rec.token_ids.tolist() != ids or tuple(rec.hidden_states.shape) != (n, len(layer_ids), hidden):
+            problems.append(f"file {path}: shape {tuple(rec.hidden_states.shape)}")
+            continue
+        worst = max(worst, rel_errors(rec.hidden_states, ref(ids, layer_ids))[0])
+    return {"pass": not problems and worst <= TOL_BLOCK, "requests": 3, "max_rel_err": worst,
+            "problems": problems[:5]}
+
+
+def case_extract_cli(ref, layer_ids, hidden, rng, out_dir):
+    """`python -m sglang_ext extract --validate` over 200 prompts against this server."""
+    from sglang_ext import format as fmt
+
+    data = os.path.join(out_dir, "extract-data.jsonl")
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randrange(16, 400))] for _ in range(200)]
+    with open(data, "w") as f:
+        for ids in prompts:
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    out = "/dev/shm/extract-e2e"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext", "extract", "--endpoint",
+                           f"http://127.0.0.1:{PORT}", "--data", data, "--out", out, "--validate",
+                           "--concurrency", "32", "--no-progress"],
+                          capture_output=True, text=True, timeout=600)
+    seconds = time.time() - t0
+    problems = [] if proc.returncode == 0 else [f"rc {proc.returncode}: {proc.stderr[-400:]}"]
+    files = sorted(n for n in os.listdir(out) if n.startswith("hs_")) if os.path.isdir(out) else []
+    if len(files) != 200:
+        problems.append(f"{len(files)} hs_ files for 200 prompts")
+    worst = 0.0
+    for i in rng.sample(range(200), 8):
+        path = os.path.join(out, f"hs_{i}.safetensors")
+        if not os.path.exists(path):
+            continue
+        rec = fmt.load(path)
+        if rec.token_ids.tolist() != prompts[i]:
+            problems.append(f"hs_{i}: token ids differ")
+        worst = max(worst, rel_errors(rec.hidden_states, ref(prompts[i], layer_ids))[0])
+    return {"pass": not problems and worst <= TOL_BLOCK, "requests": 200, "max_rel_err": worst,
+            "seconds_extract": round(seconds, 1), "problems": problems[:5],
+            "summary_tail": proc.stdout[-600:]}
+
+
 def sigterm_with_writes_in_flight(proc, dump_dir, rng):
     """SIGTERM to the server (main process only, as docker stop does) while long
     requests run: after exit every final file is complete; temporaries are counted."""
@@ -420,6 +487,10 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng):
             "files": len(files), "index_lines": len(index), "responses_with_file": len(answered),
             "warmup_files": len(warmup),
         }
+        if name == "llama":
+            cases["openai_v1_completions_vllm_protocol"] = case_openai_completions(
+                ref, layer_ids, hidden, rng, model_path)
+            cases["extract_cli_200_validate"] = case_extract_cli(ref, layer_ids, hidden, rng, out_dir)
         del ref
         torch.cuda.empty_cache()
         for case, fn in (("fault_client_disconnect", case_client_disconnect),
@@ -472,10 +543,12 @@ def main():
             report["models"].append(run_model(name, build, layers, launcher, workdir, args.out, rng))
         except Exception as e:  # noqa: BLE001
             report["models"].append({"model": name, "error": f"{type(e).__name__}: {e}", "cases": {}})
-    report["pass"] = all(m.get("cases") and all(c["pass"] for c in m["cases"].values()) for m in report["models"])
-    path = args.results or os.path.join(args.out, "e2e-results.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+        # Written after each model, so a run cut off by a time limit keeps what it saw.
+        report["pass"] = all(m.get("cases") and all(c["pass"] for c in m["cases"].values())
+                             for m in report["models"]) and len(report["models"]) == len(args.models.split(","))
+        path = args.results or os.path.join(args.out, "e2e-results.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
     print(f"\n{'model':9} {'case':26} {'pass':5} {'reqs':>4} {'max_rel_err':>11} {'per_token':>9}")
     for m in report["models"]:
         if "error" in m:
