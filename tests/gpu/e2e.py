@@ -221,7 +221,7 @@ def run_case(name, reqs, ref, layer_ids, hidden):
             "max_rel_err_per_token": worst_token, "problems": problems[:5], "paths": paths}
 
 
-# ---- fault cases (issue 8; docs/faults.md) ----------------------------------------------
+# ---- fault cases (issue 8; README "Faults and bad input") ---------------------------------------
 def leftovers(dump_dir):
     return sorted(n for n in os.listdir(dump_dir)
                   if n.endswith(".tmp") or n.endswith(".lock") or n.startswith(".tmp"))
