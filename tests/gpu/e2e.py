@@ -116,7 +116,7 @@ def rel_errors(got, ref):
 
 
 # ---- server --------------------------------------------------------------------------
-def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=True):
+def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=True, tp=1):
     """``launcher``: "direct" (python -m sglang.launch_server, as upstream) or
     "entrypoint" (the container's ``kimi-sglang`` entrypoint, profiles applied). A model
     directory without a tokenizer is served with --skip-tokenizer-init."""
@@ -129,6 +129,8 @@ def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=Tr
         cmd.append("--skip-tokenizer-init")
     if not cuda_graph:
         cmd.append("--disable-cuda-graph")
+    if tp > 1:
+        cmd += ["--tp-size", str(tp)]
     if layers:
         cmd += ["--dump-hidden-states-layers", layers]
     printed = None
@@ -498,10 +500,23 @@ def run_core_cases(cases, ref, layer_ids, hidden, dump_dir, rng):
     }
 
 
+def one_writer_rank(log_path, tp):
+    """Issue 9: with --tp-size N, exactly one rank opens the writer; the others log
+    "writer rank: False" and so never copy rows off their GPU (hooks.on_prefill_result
+    returns before any device-to-host copy on them). Files vs HF are the core cases."""
+    with open(log_path, errors="replace") as f:
+        lines = [ln for ln in f if "hidden-state dump: layers" in ln]
+    writers = sum("writer rank: True" in ln for ln in lines)
+    others = sum("writer rank: False" in ln for ln in lines)
+    return {"pass": writers == 1 and others == tp - 1, "writer_ranks": writers,
+            "non_writer_ranks": others}
+
+
 GROUPS = ("core", "clients", "faults")
 
 
-def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=GROUPS, cuda_graph=True):
+def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=GROUPS, cuda_graph=True,
+              tp=1):
     from sglang_ext.config import default_layer_ids, parse_layer_ids
 
     model_path = os.path.join(workdir, name)
@@ -511,13 +526,16 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
     shutil.rmtree(dump_dir, ignore_errors=True)
     os.makedirs(dump_dir)
     log_path = os.path.join(out_dir, f"server-{name}.log")
-    proc, startup, printed = start_server(model_path, dump_dir, layers_flag, log_path, launcher, cuda_graph)
+    proc, startup, printed = start_server(model_path, dump_dir, layers_flag, log_path, launcher,
+                                          cuda_graph, tp)
     cases = {}
     try:
         ref = Reference(model_path, name)
         hidden = ref.model.config.hidden_size
         if "core" in groups:
             run_core_cases(cases, ref, layer_ids, hidden, dump_dir, rng)
+        if tp > 1:
+            cases["tp_one_writer"] = one_writer_rank(log_path, tp)
         if name == "llama" and "clients" in groups:
             cases["openai_v1_completions_vllm_protocol"] = case_openai_completions(
                 ref, layer_ids, hidden, rng, model_path)
@@ -551,6 +569,7 @@ def main():
     ap.add_argument("--models", default="llama,deepseek")
     ap.add_argument("--groups", default=",".join(GROUPS), help="case groups: core,clients,faults")
     ap.add_argument("--no-cuda-graph", action="store_true", help="faster start-up (decode runs eager)")
+    ap.add_argument("--tp", type=int, default=1, help="--tp-size of the servers (issue 9: needs that many GPUs)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rng = random.Random(1234)
@@ -569,6 +588,7 @@ def main():
                      "transformers": transformers.__version__, "python": sys.version.split()[0]},
         "tolerance": {"block_rel_err": TOL_BLOCK, "per_token_rel_err": TOL_TOKEN},
         "chunked_prefill_size": CHUNK,
+        "tp": args.tp,
         "models": [],
     }
     for name in args.models.split(","):
@@ -576,7 +596,7 @@ def main():
         try:
             report["models"].append(run_model(name, build, layers, launcher, workdir, args.out, rng,
                                               groups=args.groups.split(","),
-                                              cuda_graph=not args.no_cuda_graph))
+                                              cuda_graph=not args.no_cuda_graph, tp=args.tp))
         except Exception as e:  # noqa: BLE001
             report["models"].append({"model": name, "error": f"{type(e).__name__}: {e}", "cases": {}})
         # Written after each model, so a run cut off by a time limit keeps what it saw.

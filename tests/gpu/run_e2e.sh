@@ -20,5 +20,5 @@ case "${1:-run}" in
     prepare_run
     python3 tests/gpu/e2e.py --out "${OUT:-/tmp/e2e-out}" "${@:2}"
     ;;
-  *) echo "usage: $0 install a|b|c | run [--models llama,deepseek]" >&2; exit 2 ;;
+  *) echo "usage: $0 install a|b|c | run [--models llama,deepseek] [--groups core,clients,faults] [--tp N] [--no-cuda-graph]" >&2; exit 2 ;;
 esac
