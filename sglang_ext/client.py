@@ -453,6 +453,9 @@ def main(args) -> int:
     if not os.path.exists(args.data):
         print(f"error: --data {args.data} does not exist", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
     os.makedirs(args.out, exist_ok=True)
     removed = clean_tmp(args.out)
     if removed:

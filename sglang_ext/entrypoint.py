@@ -220,12 +220,18 @@ def make_context(environ: Mapping[str, str], compute_caps: Sequence[str] | None 
     caps = tuple(compute_caps) if compute_caps is not None else detect_compute_caps(environ, runner)
     count: int | None = len(caps) or None
     if environ.get("KIMI_SGLANG_GPU_COUNT", "").strip():
-        count = int(environ["KIMI_SGLANG_GPU_COUNT"])
+        raw = environ["KIMI_SGLANG_GPU_COUNT"].strip()
+        if not raw.isdigit() or int(raw) < 1:
+            raise SystemExit(f"kimi-sglang: KIMI_SGLANG_GPU_COUNT must be a positive integer, got {raw!r}")
+        count = int(raw)
+    port = (environ.get("KIMI_SGLANG_PORT") or "").strip()
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise SystemExit(f"kimi-sglang: KIMI_SGLANG_PORT must be a TCP port number, got {port!r}")
     return Context(
         compute_caps=caps,
         gpu_count=count,
         model=environ.get("KIMI_SGLANG_MODEL") or DEFAULT_MODEL,
-        port=environ.get("KIMI_SGLANG_PORT") or DEFAULT_PORT,
+        port=port or DEFAULT_PORT,
     )
 
 

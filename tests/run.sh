@@ -7,7 +7,7 @@
 # reused while requirements/ci.txt is unchanged. It holds the pinned test deps, SGLang's
 # wheel installed --no-deps (plus only what importing its server args needs: see
 # requirements/ci.txt), the trainer packages of requirements/ci-nodeps.txt (--no-deps)
-# and this project in editable mode. Downloads are cached by pip.
+# (the project itself is put on PYTHONPATH). Downloads are cached by pip.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -33,7 +33,12 @@ if [ ! -f "$venv/.complete" ]; then
   quiet "$venv/bin/python" -m pip install --no-deps -r "$nodeps"
   touch "$venv/.complete"
 fi
-quiet "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e .
+# The project itself comes from this checkout through PYTHONPATH, not an install into the
+# shared venv (an editable install there would point every other checkout at this one).
+if [ -n "$(ls "$venv"/lib/python*/site-packages/__editable__*sglang_ext* 2>/dev/null)" ]; then
+  quiet "$venv/bin/python" -m pip uninstall -y sglang-ext
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$venv/bin:$PATH"
 echo "== ruff"
 ruff check sglang_ext tests --select F,E9

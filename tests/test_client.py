@@ -561,3 +561,15 @@ def test_messages_rows_go_through_the_chat_template(server, tmp_path):
     assert extract(server, path, out, "--tokenizer", tmp_path / "tok") == 0
     assert_file(out / "hs_0.safetensors", [6, 1, 3, 2, 4, 5])
     assert_file(out / "hs_1.safetensors", [6, 1, 4])
+
+
+def test_out_that_is_a_file_is_bad_input(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"input_ids": [1, 2]}\n')
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "sglang_ext", "extract", "--endpoint", "http://127.0.0.1:9",
+                        "--data", str(data), "--out", str(not_a_dir), "--no-progress"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr
+    assert not_a_dir.read_text() == "x"

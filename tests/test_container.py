@@ -75,6 +75,7 @@ def test_dockerfile_defaults_match_base_toml():
     assert f"ARG SGLANG_VERSION={meta['base']['version']}" in text
     assert f"ARG BASE_GIT_TAG={meta['base']['git_tag']}" in text
     assert f"ARG SERIES_VERSION={meta['series']['version']}" in text
+    assert f"ARG IMAGE_VERSION=v{meta['base']['version']}-s{meta['series']['version']}" in text
     assert 'ENTRYPOINT ["kimi-sglang"]' in text
     assert "HEALTHCHECK" in text and "/health" in text and "KIMI_SGLANG_PORT" in text
     assert 'docker/check-sglang-version.sh "${SGLANG_VERSION}"' in text

@@ -239,3 +239,10 @@ def test_console_script_declared():
 
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert meta["project"]["scripts"]["kimi-sglang"] == "sglang_ext.entrypoint:main"
+
+
+@pytest.mark.parametrize("env", [{"KIMI_SGLANG_GPU_COUNT": "abc"}, {"KIMI_SGLANG_GPU_COUNT": "0"},
+                                 {"KIMI_SGLANG_PORT": "abc"}, {"KIMI_SGLANG_PORT": "70000"}])
+def test_bad_environment_values_are_refused_with_a_message(env):
+    with pytest.raises(SystemExit, match="must be a"):
+        ep.make_context({"KIMI_SGLANG_COMPUTE_CAP": "9.0", **env})
