@@ -398,7 +398,10 @@ class DumpRecord:
 
 
 def load(path: str) -> DumpRecord:
-    """Read one dump file; raises ``DumpFormatError`` if it breaks the contract."""
+    """Read one dump file; raises ``DumpFormatError`` if it breaks the contract: missing
+    keys, shapes or dtypes (``check_tensors``), or ``layer_ids`` metadata that is not a
+    sorted list of distinct ids, one per layer slot. Files without our metadata (e.g.
+    vLLM's) load with ``metadata == {}``."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
@@ -410,10 +413,21 @@ def load(path: str) -> DumpRecord:
         hs = f.get_tensor(KEY_HIDDEN_STATES)
         ids = f.get_tensor(KEY_TOKEN_IDS)
     check_tensors(hs, ids)
-    if "layer_ids" in meta and len(json.loads(meta["layer_ids"])) != hs.shape[1]:
-        raise DumpFormatError(
-            f"{path}: {hs.shape[1]} layer slots but metadata names {meta['layer_ids']}"
-        )
+    if "layer_ids" in meta:
+        try:
+            layer_ids = json.loads(meta["layer_ids"])
+        except ValueError:
+            layer_ids = None
+        if (
+            not isinstance(layer_ids, list)
+            or not all(isinstance(k, int) for k in layer_ids)
+            or layer_ids != sorted(set(layer_ids))
+            or len(layer_ids) != hs.shape[1]
+        ):
+            raise DumpFormatError(
+                f"{path}: metadata layer_ids {meta['layer_ids']!r} is not a sorted list of "
+                f"{hs.shape[1]} distinct layer ids (one per slot)"
+            )
     return DumpRecord(hidden_states=hs, token_ids=ids, metadata=dict(meta))
 
 

@@ -80,6 +80,8 @@ def _target(args: argparse.Namespace) -> Tree:
 def _against_tree(spec: str, repo: str | None) -> Tree:
     """--against: a git ref (with --repo), a wheel file, a source dir, or a PyPI version."""
     if repo:
+        if not Path(repo, ".git").exists():
+            raise SeriesError(f"--repo {repo}: not a git checkout")
         return tree_for_ref(repo, spec)
     path = Path(spec)
     if path.is_file() and path.suffix == ".whl":

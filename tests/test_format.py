@@ -227,3 +227,14 @@ def test_index_lines_and_clean_stale(dump_dir):
     assert fmt.clean_stale(fd) == {"tmp": 1, "lock": 1}
     assert sorted(os.listdir(d)) == sorted(["index.jsonl", held.lock_name])
     fmt.fail(held, "x")
+
+
+@pytest.mark.parametrize("layer_ids", ["[5, 1, 2]", "{\"a\": 1}", "not json", "[1, 2]", "[1, 1, 2]"])
+def test_load_refuses_bad_layer_ids_metadata(tmp_path, layer_ids):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "x.safetensors"
+    hs, ids = _tensors(t=3, layers=3)
+    save_file({"hidden_states": hs, "token_ids": ids}, str(path), metadata={"layer_ids": layer_ids})
+    with pytest.raises(fmt.DumpFormatError, match="layer_ids"):
+        fmt.load(str(path))

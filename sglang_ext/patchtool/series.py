@@ -259,10 +259,13 @@ def resolve_series_dir(spec: str | None) -> Path:
     p = Path(spec)
     if p.is_dir():
         return p
+    if "/" in spec:  # a path that is not there
+        raise SeriesError(f"series folder {spec!r} not found")
     name = spec if spec.startswith("v") else f"v{spec}"
     if (root / name).is_dir():
         return root / name
-    raise SeriesError(f"series {spec!r} not found (looked for {p} and {root / name})")
+    known = ", ".join(sorted(d.name for d in root.glob("v*") if (d / "series").is_file()))
+    raise SeriesError(f"series {spec!r} not found under {root} (known: {known})")
 
 
 def pinned_base_for_version(version: str) -> Base | None:
