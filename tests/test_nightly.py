@@ -28,7 +28,9 @@ import pytest
 
 from sglang_ext.__main__ import main
 from sglang_ext.patchtool.series import load_series
-from sglang_ext.patchtool.wheel import WheelError, fetch_wheel, sha256_of
+from sglang_ext.patchtool.wheel import sha256_of
+
+from conftest import fetch_wheel_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 # Read at import time: conftest's session fixture points KIMI_SGLANG_CACHE at a
@@ -44,9 +46,6 @@ NEIGHBOUR_SHA256 = {
     "sglang-0.5.22-cp312-cp312-manylinux_2_34_x86_64.whl":
         "3505e3744366201296f94d244b3e7d3b0bb91b69726dc15e994070adb338ea2f",
 }
-_OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
-            "Name or service not known", "ConnectTimeout", "timed out", "ProxyError",
-            "Max retries exceeded", "Could not fetch URL")
 
 
 @pytest.fixture
@@ -56,12 +55,7 @@ def persistent_cache(monkeypatch):
 
 
 def get_wheel(version, base):
-    try:
-        return fetch_wheel(version, base, CACHE)
-    except WheelError as exc:
-        if any(h in str(exc) for h in _OFFLINE):
-            pytest.skip(f"PyPI unreachable: {exc}")
-        raise
+    return fetch_wheel_or_skip(version, base, CACHE)
 
 
 def cli_json(capsys, *args) -> tuple[int, dict]:

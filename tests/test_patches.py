@@ -20,7 +20,7 @@ import pytest
 
 from sglang_ext.__main__ import main
 
-from conftest import SERIES_DIR
+from conftest import SERIES_DIR, fetch_wheel_or_skip
 
 SCHED = "python/sglang/srt/managers/scheduler.py"
 
@@ -246,21 +246,12 @@ def test_rebase_onto_identical_base_then_export_unchanged(capsys, pristine, tmp_
 # ---------------------------------------------------------------- neighbouring release (PyPI)
 
 NEIGHBOUR = "0.5.16"
-_OFFLINE_HINTS = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
-                  "Name or service not known", "ConnectTimeout", "timed out", "ProxyError",
-                  "Max retries exceeded", "Could not fetch URL")
 
 
 @pytest.fixture(scope="module")
 def neighbour_wheel(cache_dir):
     """sglang NEIGHBOUR from PyPI; skips only when the registry cannot be reached."""
-    from sglang_ext.patchtool.wheel import WheelError, fetch_wheel
-    try:
-        return fetch_wheel(NEIGHBOUR, None, cache_dir)
-    except WheelError as exc:
-        if any(h in str(exc) for h in _OFFLINE_HINTS):
-            pytest.skip(f"PyPI unreachable: {exc}")
-        raise
+    return fetch_wheel_or_skip(NEIGHBOUR, None, cache_dir)
 
 
 def git_apply_series_directly(tree: Path) -> dict[str, tuple[str, set]]:
