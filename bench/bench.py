@@ -274,8 +274,9 @@ READY_FOR_NEXT = re.compile(r"KV [Cc]ache (is )?allocated|Memory pool end|Uvicor
 
 
 class Server:
-    def __init__(self, name, which, cmd, log_path):
+    def __init__(self, name, which, cmd, log_path, env=None):
         self.name, self.which, self.cmd, self.log_path = name, which, cmd, log_path
+        self.env = env
         self.port = int(cmd[cmd.index("--port") + 1])
         self.proc = None
         self.t_start = None
@@ -285,7 +286,8 @@ class Server:
         self.log = open(self.log_path, "w")
         self.t_start = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     env=None if self.env is None else os.environ | self.env)
 
     def log_text(self):
         try:
@@ -456,8 +458,27 @@ def clear_dump_dir(path):
                 pass
 
 
-def run_cell(server, cell, spec, rng, mode):
+def read_trace(path, offset):
+    """KIMI_SGLANG_TRACE lines appended to ``path`` after byte ``offset``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(x) for x in data.decode(errors="replace").splitlines() if x.strip()]
+
+
+def trace_size(path):
+    try:
+        return os.path.getsize(path)
+    except (OSError, TypeError):
+        return 0
+
+
+def run_cell(server, cell, spec, rng, mode, trace_path=None):
     prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
+    offset = trace_size(trace_path)
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"))
     lat = [r[0] for r in results]
@@ -485,6 +506,9 @@ def run_cell(server, cell, spec, rng, mode):
             tensors, meta = safetensors_header(paths[0])
             out["file_check"] = {"hidden_states": tensors.get("hidden_states"),
                                  "layer_ids": meta.get("layer_ids")}
+        if trace_path:
+            time.sleep(0.3)  # the writer's trace line follows its lock release
+            out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
     if mode == "json" and not bad:
         out["response_bytes"] = sum(r[2] for r in results)
         first = json.loads(results[0][3])
@@ -492,6 +516,81 @@ def run_cell(server, cell, spec, rng, mode):
         out["json_check"] = describe_nested(hs)
         if hs is None:
             out["error"] = "response carries no meta_info.hidden_states"
+    return out
+
+
+def scheduler_pid(server):
+    """The scheduler process of a server (SGLang names it ``sglang::scheduler``)."""
+    import psutil
+
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if "scheduler" in (p.name() + " ".join(p.cmdline())).lower():
+                return p.pid
+        except psutil.Error:
+            pass
+    raise RuntimeError("no scheduler process found")
+
+
+def summarize_py_spy(raw_text, top=15):
+    """py-spy ``--format raw --threads`` output (``thread;frame;...;leaf count`` lines) ->
+    ``{"samples", "threads": {thread: share}, "top": [[leaf frame, share], ...],
+    "inclusive": [[frame, share], ...]}`` (shares of all samples)."""
+    threads, leaves, incl, total = {}, {}, {}, 0
+    for line in raw_text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        threads[frames[0]] = threads.get(frames[0], 0) + n
+        leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
+        for f in set(frames[1:]):
+            incl[f] = incl.get(f, 0) + n
+    if not total:
+        return {"samples": 0, "threads": {}, "top": [], "inclusive": []}
+
+    def ranked(d):
+        return [[k, v / total] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"samples": total, "threads": dict(ranked(threads)), "top": ranked(leaves),
+            "inclusive": ranked(incl)}
+
+
+def profile_cell(args, server, cell, spec, rng, out_stem):
+    """Run ``cell`` again while py-spy samples the server's scheduler process (all
+    threads, 100 Hz, without pausing it); returns ``summarize_py_spy`` of the samples,
+    or ``{"error": ...}`` when py-spy is missing or may not attach."""
+    exe = shutil.which("py-spy")
+    if not exe:
+        return {"error": "py-spy not on PATH"}
+    try:
+        pid = scheduler_pid(server)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    raw = out_stem + ".txt"
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", "100", "--format", "raw",
+                             "--threads", "--nonblocking", "--output", raw],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)  # attach before the load starts
+    if proc.poll() is not None:
+        return {"error": f"py-spy exited {proc.returncode}: {proc.stdout.read()[-400:]}"}
+    try:
+        r = run_cell(server, cell, spec, rng, "dump")
+    finally:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
+        try:
+            log = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()[0]
+    if not os.path.exists(raw):
+        return {"error": f"py-spy wrote nothing: {log[-400:]}"}
+    with open(raw) as f:
+        out = summarize_py_spy(f.read())
+    out["cell_prefill_tps_sampled"] = r.get("prefill_tps")
+    out["raw"] = os.path.basename(raw)
     return out
 
 
@@ -762,7 +861,11 @@ def run_model(args, plan, name, clock, results, save, skipped):
     os.makedirs(dd)
     logs = os.path.join(args.workdir, "logs")
     os.makedirs(logs, exist_ok=True)
-    servers = {w: Server(name, w, cmd, os.path.join(logs, f"server-{name}-{w}.log"))
+    trace_path = None if args.no_trace else os.path.join(logs, f"trace-{name}.jsonl")
+    if trace_path and os.path.exists(trace_path):
+        os.unlink(trace_path)
+    servers = {w: Server(name, w, cmd, os.path.join(logs, f"server-{name}-{w}.log"),
+                         env={"KIMI_SGLANG_TRACE": trace_path} if w == "B" and trace_path else None)
                for w, cmd in mp["servers"].items()}
     t0 = time.monotonic()
     rng = random.Random(f"{name}-bench")
@@ -804,7 +907,8 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 cell["scaled_for_shm"] = True
             server = servers[server_for(args, cell["mode"])]
             try:
-                r = run_cell(server, cell, spec, rng, cell["mode"])
+                r = run_cell(server, cell, spec, rng, cell["mode"],
+                             trace_path=trace_path if cell["mode"] == "dump" else None)
             except Exception as e:  # noqa: BLE001
                 r = {"mode": cell["mode"], "prompt_len": cell["prompt_len"],
                      "concurrency": cell["concurrency"], "requests": cell["requests"],
@@ -814,6 +918,13 @@ def run_model(args, plan, name, clock, results, save, skipped):
             if cell["mode"] == "dump":
                 clear_dump_dir(dd)
             m["cells"].append(r)
+            spy_label = f"{cell['prompt_len']}x{cell['concurrency']}"
+            if (cell["mode"] == "dump" and spy_label in args.py_spy and not r.get("error")
+                    and clock.left() > 2 * r.get("wall_s", 60) + 60):
+                # the same cell again, sampled (the measured run above was not)
+                results.setdefault("py_spy", {})[f"{name} dump {spy_label}"] = profile_cell(
+                    args, server, cell, spec, rng, os.path.join(args.out, f"py-spy-{name}-{spy_label}"))
+                clear_dump_dir(dd)
             extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
                 f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
             print(f"  {label}: {r.get('prefill_tps', float('nan')):.0f} tok/s, p50 "
@@ -876,6 +987,10 @@ def build_parser():
     ap.add_argument("--writer-log-wait-s", type=float, default=None,
                     help="after the cells, wait up to this long for the writer's next snapshot "
                          "log line (quick: 0, full: 65)")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="run server B without KIMI_SGLANG_TRACE (no per-stage times)")
+    ap.add_argument("--py-spy", type=lambda s: [x for x in s.split(",") if x], default=["512x1", "2048x32"],
+                    help="dump cells (PROMPTxCONC) to run again under py-spy; '' for none")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
     ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000, 33000],
                     help="ports of servers A, B (and C)")

@@ -15,15 +15,17 @@ Results layout (what ``bench.py`` writes, what ``render_markdown`` and ``plot.py
                                        "concurrency", "requests", "prompt_tokens", "wall_s",
                                        "prefill_tps", "p50_s", "p99_s",
                                        "file_bytes" (dump), "write_gbps" (dump),
-                                       "response_bytes" (json), ...}],
+                                       "response_bytes" (json),
+                                       "stages" (dump, ``stage_stats``), ...}],
                             "host_memory": {...}}},
-     "headline": {"<model>": {...}}, "targets": [...], "phases": {...}}
+     "headline": {"<model>": {...}}, "targets": [...], "phases": {...},
+     "py_spy": {"<label>": {"samples", "threads", "top"} or {"error"}}, "notes": [...]}
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 # Targets of issue #7.
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
@@ -61,6 +63,52 @@ def cell_stats(latencies_s: List[float], prompt_tokens: int, wall_s: float) -> D
         "p50_s": percentile(latencies_s, 50),
         "p99_s": percentile(latencies_s, 99),
     }
+
+
+# Stages of one file, from sglang_ext/trace.py's timestamps: (name, start key, end key).
+STAGES = (
+    ("queue", "t_submit", "t_picked"),  # waiting for a writer thread
+    ("d2h", "t_picked", "t_copied"),  # waiting for the device-to-host copies
+    ("write", "t_copied", "t_written"),  # safetensors file written and renamed
+    ("release", "t_written", "t_released"),  # index line, lock released
+    ("file", "t_submit", "t_released"),  # last rows seen -> file complete
+)
+
+
+def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str, Any]:
+    """Where a dump cell's time went, from ``KIMI_SGLANG_TRACE`` lines (trace.py).
+
+    Returns milliseconds ``{stage: {"p50": .., "p99": ..}}`` for the writer stages above,
+    ``response_wait`` (the finished request waiting for its file in the tokenizer
+    manager), ``poll_lag`` (file released -> response goes out), ``hook`` (scheduler
+    thread time per extend batch in ``on_prefill_result``), plus ``files``,
+    ``ready_before_response`` (share of files complete before their request finished)
+    and, with ``wall_s``, ``hook_share`` (hook time / wall time). Empty dict without
+    file events.
+    """
+    files = {e["name"]: e for e in events if e.get("event") == "file"}
+    if not files:
+        return {}
+    resp = {e["name"]: e for e in events if e.get("event") == "response"}
+    hooks = [e["t1"] - e["t0"] for e in events if e.get("event") == "hook"]
+
+    def ms(values):
+        values = [v * 1000 for v in values]
+        return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+
+    out: Dict[str, Any] = {"files": len(files)}
+    for name, a, b in STAGES:
+        out[name] = ms([f[b] - f[a] for f in files.values() if a in f and b in f])
+    joined = [(files[n], r) for n, r in resp.items() if n in files]
+    out["response_wait"] = ms([r["t_done"] - r["t_meta"] for _, r in joined])
+    out["poll_lag"] = ms([r["t_done"] - f["t_released"] for f, r in joined])
+    out["ready_before_response"] = (
+        sum(f["t_released"] <= r["t_meta"] for f, r in joined) / len(joined) if joined else None
+    )
+    out["hook"] = ms(hooks)
+    if wall_s:
+        out["hook_share"] = sum(hooks) / wall_s
+    return out
 
 
 def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
@@ -261,12 +309,45 @@ def render_markdown(results: dict) -> str:
                 f"- host memory: writer log peak {_mib(mem.get('log_host_bytes_peak'))}, "
                 f"server RSS growth {_mib(mem.get('rss_delta_bytes'))}, cap {_mib(mem.get('cap_bytes'))}"
             )
+    stage_rows = []
+    for model, m in results.get("models", {}).items():
+        for c in m.get("cells", []):
+            st = c.get("stages")
+            if c.get("mode") != "dump" or not st:
+                continue
+            cells = [_f(st.get(k, {}).get("p50"), "{:.1f}") + " / " + _f(st.get(k, {}).get("p99"), "{:.1f}")
+                     for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
+            stage_rows.append(
+                f"| {model} | {c['prompt_len']} | {c['concurrency']} | " + " | ".join(cells)
+                + f" | {_f(st.get('hook_share'), '{:.2f}')} | {_f(st.get('ready_before_response'), '{:.2f}')} |")
+    if stage_rows:
+        lines += ["", "## Where the time goes (dump cells, KIMI_SGLANG_TRACE; ms p50 / p99)", "",
+                  "| model | prompt | conc | hook (per batch) | queue | d2h | write | release |"
+                  " response wait | poll lag | hook share | file ready first |",
+                  "|---|---:|---:|---|---|---|---|---|---|---|---:|---:|"] + stage_rows
+    profiles = results.get("py_spy") or {}
+    for label, prof in profiles.items():
+        lines += ["", f"## py-spy: {label}", ""]
+        if prof.get("error"):
+            lines.append(f"- not taken: {prof['error'][:300]}")
+            continue
+        lines.append(f"- {prof.get('samples', 0)} samples; active share per thread: "
+                     + ", ".join(f"{t} {v:.2f}" for t, v in prof.get("threads", {}).items()))
+        lines += ["", "| share | function (file:line) |", "|---:|---|"]
+        for fn, share in prof.get("top", []):
+            lines.append(f"| {share:.3f} | `{fn}` |")
+        if prof.get("inclusive"):
+            lines += ["", "| share, inclusive | function (file:line) |", "|---:|---|"]
+            for fn, share in prof["inclusive"][:10]:
+                lines.append(f"| {share:.3f} | `{fn}` |")
     lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
     for t in tgt:
         v = t["value"]
         shown = _mib(v) if "memory" in t["target"] else _f(v, "{:.3f}")
         ok = {True: "PASS", False: "FAIL", None: "not measured"}[t["pass"]]
         lines.append(f"| {t['model']} | {t['target']} | {shown} | {ok} |")
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
     skipped = results.get("skipped") or []
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang_ext import __version__, compat
 from sglang_ext import format as fmt
+from sglang_ext import trace
 from sglang_ext.config import DumpConfig, DumpConfigError, resolve_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -236,6 +237,8 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
     d = _DUMPER
     if d is None or not d.is_writer or not batch.forward_mode.is_extend():
         return
+    t0 = trace.now() if trace.enabled() else None
+    taken = 0
     hidden = logits_output.hidden_states
     lens = extend_input_len_per_req or []
     decoding = set(map(id, batch.decoding_reqs or []))
@@ -257,11 +260,14 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
             continue
         try:
             _take_rows(d, req, state, hidden, start, n, prefix_lens[i])
+            taken += 1
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
             logger.error("hidden-state dump for rid %r failed: %s", req.rid, e)
             _drop(d, state)
             state.done = True
             _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
+    if t0 is not None:
+        trace.record("hook", reqs=taken, t0=t0, t1=trace.now())
 
 
 def _is_internal(rid) -> bool:
@@ -288,7 +294,11 @@ def _take_rows(d: _Dumper, req, state: _ReqDump, hidden, start: int, n: int, pre
         state.release = weakref.finalize(req, d.writer.abandon, state.pending)
         state.release.atexit = False
     rows = hidden[start:start + min(n, num_tokens - done_rows)]
-    d.writer.copy_rows(state.pending, rows)
+    # ready=True: process_batch_result_prefill has synchronized result.copy_done (recorded
+    # after the forward that produced these rows) before calling this hook (0.5.17 and
+    # 0.5.23, checked by tests/test_patches.py), so the copy need not queue behind what
+    # the scheduler stream holds now: under overlap scheduling, the next batch's forward.
+    d.writer.copy_rows(state.pending, rows, ready=True)
     if state.pending.rows == num_tokens:
         _finish(d, req, state)
 
@@ -348,10 +358,14 @@ async def finish_response(meta_info: dict) -> None:
         return
     path = _first(meta_info[PATH_KEY])
     meta_info[PATH_KEY] = path
+    t_meta = trace.now()
     try:
         error = await fmt.wait_complete_async(path)
     except TimeoutError as e:
         error = str(e)
+    if trace.enabled():
+        trace.record("response", name=os.path.basename(path), t_meta=t_meta, t_done=trace.now(),
+                     error=error)
     if error is not None:
         del meta_info[PATH_KEY]
         meta_info[ERROR_KEY] = error

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from sglang_ext import format as fmt
+from sglang_ext import trace
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class PendingDump:
     nbytes: int
     rows: int = 0
     events: List[Any] = field(default_factory=list)
+    times: Optional[Dict[str, float]] = None  # stage timestamps while tracing (trace.py)
 
 
 @dataclass
@@ -188,14 +190,22 @@ class DumpWriter:
             self.budget.release(nbytes)
             raise
         self._publish()
-        return PendingDump(rid=rid, num_tokens=num_tokens, host=host, nbytes=nbytes)
+        pending = PendingDump(rid=rid, num_tokens=num_tokens, host=host, nbytes=nbytes)
+        if trace.enabled():
+            pending.times = {"t_start": trace.now()}
+        return pending
 
-    def copy_rows(self, pending: PendingDump, rows: torch.Tensor) -> None:
+    def copy_rows(self, pending: PendingDump, rows: torch.Tensor, *, ready: bool = False) -> None:
         """Copy ``rows`` (``[n, row_width]``, on the GPU) into the next ``n`` host rows.
 
-        The copy runs on the side stream after everything already queued on the
-        current stream (the forward that produced ``rows``); ``rows`` is kept alive for
-        it with ``record_stream``. Raises ``ValueError`` if the rows overflow the buffer.
+        The copy runs on the side stream; ``rows`` is kept alive for it with
+        ``record_stream``. ``ready=False``: the copy is ordered after everything already
+        queued on the caller's current stream (the forward that produced ``rows``).
+        ``ready=True``: the caller guarantees the kernels that produced ``rows`` have
+        finished (SGLang synchronizes ``result.copy_done`` before processing a batch
+        result), so the copy starts at once instead of waiting behind work the
+        scheduler queued since, e.g. the next batch's forward under overlap scheduling.
+        Raises ``ValueError`` if the rows overflow the buffer.
         """
         n = rows.shape[0]
         end = pending.rows + n
@@ -206,7 +216,8 @@ class DumpWriter:
             )
         dst = pending.host[pending.rows:end]
         if self._cuda and rows.is_cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(rows.device))
+            if not ready:
+                self._stream.wait_stream(torch.cuda.current_stream(rows.device))
             with torch.cuda.stream(self._stream):
                 dst.copy_(rows, non_blocking=True)
                 event = torch.cuda.Event()
@@ -230,6 +241,8 @@ class DumpWriter:
         After ``close`` the write is not queued: the reservation fails at once (the
         response carries the error) and the buffer is released.
         """
+        if pending.times is not None:
+            pending.times["t_submit"] = trace.now()
         with self._stats_lock:
             self.stats.queued += 1
             closed = self._closed
@@ -265,12 +278,17 @@ class DumpWriter:
         try:
             if refuse is not None:
                 raise RuntimeError(refuse)
+            if pending.times is not None:
+                pending.times["t_picked"] = trace.now()
             size = self._write(pending, reservation, token_ids, num_slots, metadata)
             with self._stats_lock:
                 self.stats.files += 1
                 self.stats.bytes += size
             if self.metrics is not None:
                 self.metrics.written(size)
+            if pending.times is not None:
+                trace.record("file", name=reservation.name, bytes=size, rows=pending.num_tokens,
+                             **pending.times)
         except BaseException as e:  # noqa: BLE001 - a failed write must never kill the thread
             message = f"{type(e).__name__}: {e}"
             logger.error("hidden-state dump for rid %r failed: %s", pending.rid, message)
@@ -292,6 +310,8 @@ class DumpWriter:
     def _write(self, pending, reservation, token_ids, num_slots, metadata) -> int:
         for event in pending.events:
             event.synchronize()
+        times = pending.times if pending.times is not None else {}
+        times["t_copied"] = trace.now()
         if pending.rows != pending.num_tokens:
             raise fmt.DumpFormatError(
                 f"rid {pending.rid!r}: {pending.rows} of {pending.num_tokens} rows captured"
@@ -304,6 +324,7 @@ class DumpWriter:
         hidden = pending.host.view(pending.num_tokens, num_slots, width // num_slots)
         ids = torch.tensor(list(token_ids), dtype=torch.int64)
         size = fmt.write_reserved(reservation, hidden, ids, metadata)
+        times["t_written"] = trace.now()
         fmt.append_index(
             reservation.dir_fd,
             {
@@ -315,6 +336,7 @@ class DumpWriter:
             },
         )
         fmt.complete(reservation)
+        times["t_released"] = trace.now()
         return size
 
     def _publish(self) -> None:

@@ -58,3 +58,18 @@ def pristine(wheel, tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("pristine") / "sglang"
     create_checkout(wheel, dest)
     return dest
+
+
+def assert_rows_ready_at_hook(batch_result_processor: Path) -> None:
+    """The invariant behind ``copy_rows(..., ready=True)`` in ``hooks._take_rows``: in the
+    patched ``process_batch_result_prefill``, ``result.copy_done.synchronize()`` (the
+    event SGLang records after the forward, before its own device-to-host copies) runs
+    before our hook, so the rows the hook copies are complete on the GPU."""
+    text = batch_result_processor.read_text()
+    start = text.index("    def process_batch_result_prefill(")
+    end = text.find("\n    def ", start + 1)
+    body = text[start:end if end > 0 else len(text)]
+    sync = body.find("result.copy_done.synchronize()")
+    hook = body.find("dump_hooks.on_prefill_result(")
+    assert hook > 0, "the hook call is not in process_batch_result_prefill"
+    assert 0 < sync < hook, "copy_done is no longer synchronized before the hook"

@@ -296,3 +296,42 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     assert w["files_per_rep"] == 63 and w["failures"] == 0 and len(w["gbps_reps"]) == 2
     assert hs < w["file_bytes"] < hs + 64 * 8 + 2048
     assert not (tmp_path / "kimi-bench-ceiling").exists()
+
+
+def test_stage_stats_joins_file_and_response_events():
+    """Two files (hand-made trace lines): per-stage medians in ms, the response wait,
+    the poll lag, the share of files complete before their request finished."""
+    ev = [
+        {"event": "hook", "reqs": 2, "t0": 0.0, "t1": 0.002},
+        {"event": "file", "name": "a.safetensors", "t_start": 0.0, "t_submit": 0.001, "t_picked": 0.002,
+         "t_copied": 0.004, "t_written": 0.014, "t_released": 0.015},
+        {"event": "file", "name": "b.safetensors", "t_start": 0.0, "t_submit": 0.001, "t_picked": 0.011,
+         "t_copied": 0.013, "t_written": 0.043, "t_released": 0.044},
+        {"event": "response", "name": "a.safetensors", "t_meta": 0.020, "t_done": 0.021},
+        {"event": "response", "name": "b.safetensors", "t_meta": 0.020, "t_done": 0.046},
+    ]
+    st = report.stage_stats(ev, wall_s=0.1)
+    assert st["files"] == 2
+    assert st["queue"]["p50"] == pytest.approx(5.5) and st["write"]["p50"] == pytest.approx(20.0)
+    assert st["d2h"]["p50"] == pytest.approx(2.0) and st["file"]["p99"] == pytest.approx(42.71, abs=0.01)
+    assert st["response_wait"]["p50"] == pytest.approx(13.5)
+    assert st["poll_lag"]["p50"] == pytest.approx(4.0)
+    assert st["ready_before_response"] == 0.5
+    assert st["hook"]["p50"] == pytest.approx(2.0) and st["hook_share"] == pytest.approx(0.02)
+    assert report.stage_stats([{"event": "hook", "t0": 0, "t1": 1}]) == {}
+
+
+def test_py_spy_raw_summary():
+    raw = "\n".join([
+        "thread (0x1);loop (s.py:1);hook (h.py:2);copy (w.py:3) 6",
+        "thread (0x1);loop (s.py:1);forward (m.py:9) 2",
+        "thread (0x2);run (w.py:7);save (f.py:5) 2",
+        "garbage line",
+    ])
+    s = bench.summarize_py_spy(raw)
+    assert s["samples"] == 10
+    assert s["threads"] == {"thread (0x1)": 0.8, "thread (0x2)": 0.2}
+    assert s["top"][0] == ["copy (w.py:3)", 0.6]
+    assert dict(s["inclusive"])["loop (s.py:1)"] == pytest.approx(0.8)
+    md = report.render_markdown({"models": {}, "py_spy": {"m dump 512x1": s, "x": {"error": "no ptrace"}}})
+    assert "copy (w.py:3)" in md and "not taken: no ptrace" in md

@@ -8,6 +8,7 @@ the rows were batched, chunked or copied.
 """
 
 import asyncio
+import json
 import os
 import types
 
@@ -264,3 +265,35 @@ def test_health_check_requests_are_not_dumped(dump):
     run_extend([(probe, 0, 1)], [2, 4])
     assert probe.customized_info is None
     assert os.listdir(dump) == []
+
+
+def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch):
+    """KIMI_SGLANG_TRACE: one hook line per extend batch, one file line and one response
+    line per request, stage times in pipeline order, bytes equal to the file's size."""
+    from sglang_ext import trace
+
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(trace.ENV, str(path))
+    hooks.setup_model(make_runner(dump, layers="2,4,8"))
+    a, b = Req("a", 10, 1), Req("b", 3, 2)
+    run_extend([(b, 0, 3), (a, 0, 4)], [2, 4, 8])
+    run_extend([(a, 4, 10)], [2, 4, 8])
+    metas = {r.rid: finish(r) for r in (a, b)}
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["reqs"] for x in lines if x["event"] == "hook"] == [2, 1]
+    files = {x["name"]: x for x in lines if x["event"] == "file"}
+    responses = {x["name"]: x for x in lines if x["event"] == "response"}
+    for rid, meta in metas.items():
+        name = os.path.basename(meta["hidden_states_path"])
+        f, r = files[name], responses[name]
+        stages = [f[k] for k in ("t_start", "t_submit", "t_picked", "t_copied", "t_written", "t_released")]
+        assert stages == sorted(stages), f
+        assert f["bytes"] == os.path.getsize(meta["hidden_states_path"])
+        assert f["rows"] == (10 if rid == "a" else 3)
+        assert r["error"] is None and r["t_meta"] <= r["t_done"]
+        assert f["t_released"] <= r["t_done"]  # the response waited for the file
+    monkeypatch.delenv(trace.ENV)
+    c = Req("c", 2, 3)
+    run_extend([(c, 0, 2)], [2, 4, 8])
+    finish(c)
+    assert len(path.read_text().splitlines()) == len(lines), "tracing off: nothing recorded"

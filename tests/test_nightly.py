@@ -30,7 +30,7 @@ from sglang_ext.__main__ import main
 from sglang_ext.patchtool.series import load_series
 from sglang_ext.patchtool.wheel import sha256_of
 
-from conftest import fetch_wheel_or_skip
+from conftest import assert_rows_ready_at_hook, fetch_wheel_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 # Read at import time: conftest's session fixture points KIMI_SGLANG_CACHE at a
@@ -194,6 +194,11 @@ def parse23(site, args):
     out = json.loads(line[-1][7:])
     assert out["file"].startswith(str(site)), "imported another sglang"
     return out
+
+
+@pytest.mark.network
+def test_v0523_hook_sees_finished_rows(site23):
+    assert_rows_ready_at_hook(site23 / "sglang/srt/managers/scheduler_components/batch_result_processor.py")
 
 
 @pytest.mark.network

@@ -20,7 +20,7 @@ import pytest
 
 from sglang_ext.__main__ import main
 
-from conftest import SERIES_DIR, fetch_wheel_or_skip
+from conftest import SERIES_DIR, assert_rows_ready_at_hook, fetch_wheel_or_skip
 
 SCHED = "python/sglang/srt/managers/scheduler.py"
 
@@ -145,6 +145,7 @@ def test_series_applies_to_site_packages_and_twice_is_noop(capsys, wheel, tmp_pa
     assert rc == 0, out
     assert "dump_hidden_states_dir" in (sp / "sglang/srt/server_args.py").read_text()
     assert_series_in(sp, strip_python=True)
+    assert_rows_ready_at_hook(sp / "sglang/srt/managers/scheduler_components/batch_result_processor.py")
 
     before = tree_hashes(sp)
     rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", sp)

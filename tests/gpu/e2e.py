@@ -451,6 +451,71 @@ def case_extract_cli(ref, layer_ids, hidden, rng, out_dir):
             "summary_tail": proc.stdout[-600:]}
 
 
+def case_speculators_generator(ref, layer_ids, hidden, rng, model_path):
+    """speculators 0.9.0's own offline generator, unchanged, against this server's /v1:
+    ``generate_offline_data``'s loop (its vLLM client ``generate_hidden_states_async``,
+    its lock check, its move and ``check_hidden_states``) over a preprocessed dataset;
+    then its trainer's ``ArrowDataset`` reads the files. Plus one call of its synchronous
+    ``generate_hidden_states``. Our server answers after the file is complete and its lock
+    gone, so speculators' ``wait_for_lock_async`` (called only while a lock exists) finds
+    nothing to wait for."""
+    import asyncio
+
+    try:
+        import openai
+        from datasets import Dataset
+        from speculators.cli.generate_offline_data import _generate_and_save_hidden_states
+        from speculators.data_generation.vllm_client import generate_hidden_states
+        from speculators.train.data import ArrowDataset
+    except Exception as e:  # noqa: BLE001
+        return {"pass": False, "problems": [f"speculators does not import: {type(e).__name__}: {e}"]}
+    from sglang_ext import format as fmt
+
+    problems, worst = [], 0.0
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randrange(16, 600))] for _ in range(24)]
+    ds_path = "/dev/shm/speculators-prepared"
+    shutil.rmtree(ds_path, ignore_errors=True)
+    Dataset.from_dict({"input_ids": prompts, "loss_mask": [[1] * len(p) for p in prompts],
+                       "seq_len": [len(p) for p in prompts]}).with_format("torch").save_to_disk(ds_path)
+    t0 = time.time()
+    asyncio.run(_generate_and_save_hidden_states(
+        model=None, endpoint=f"http://127.0.0.1:{PORT}/v1", preprocessed_data=ds_path, output=None,
+        max_samples=None, concurrency=8, validate_outputs=True, request_timeout=300, max_retries=2,
+        fail_on_error=False, max_consecutive_errors=5, world_size=1, rank=0))
+    seconds = time.time() - t0
+    hs_dir = os.path.join(ds_path, "hidden_states")
+    missing = [i for i in range(len(prompts)) if not os.path.exists(f"{hs_dir}/hs_{i}.safetensors")]
+    if missing:
+        problems.append(f"no hs_ file for samples {missing[:10]}")
+    ds = ArrowDataset(max_len=1024, datapath=ds_path, on_missing="raise") if not missing else None
+    for i in rng.sample(range(len(prompts)), 6):
+        if i in missing:
+            continue
+        rec = fmt.load(f"{hs_dir}/hs_{i}.safetensors")
+        if rec.token_ids.tolist() != prompts[i]:
+            problems.append(f"hs_{i}: token ids differ")
+            continue
+        item = ds[i]
+        n = len(prompts[i])
+        if not (torch.equal(item["hidden_states"], rec.hidden_states[:, :-1, :].reshape(n, -1))
+                and torch.equal(item["verifier_last_hidden_states"], rec.hidden_states[:, -1, :])
+                and item["input_ids"].tolist() == prompts[i]):
+            problems.append(f"ArrowDataset item {i} differs from hs_{i}.safetensors")
+        worst = max(worst, rel_errors(rec.hidden_states, ref(prompts[i], layer_ids))[0])
+    ids = [rng.randrange(3, 1024) for _ in range(123)]
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none", max_retries=0) as client:
+        path, params = generate_hidden_states(client, model_path, {"input_ids": ids}, timeout=300)
+    if params.get("hidden_states_path") != path or os.path.exists(path + ".lock"):
+        problems.append(f"generate_hidden_states: {path} {params}")
+    else:
+        rec = fmt.load(path)
+        if rec.token_ids.tolist() != ids:
+            problems.append("generate_hidden_states: token ids differ")
+        worst = max(worst, rel_errors(rec.hidden_states, ref(ids, layer_ids))[0])
+    return {"pass": not problems and worst <= TOL_BLOCK, "requests": len(prompts) + 1,
+            "max_rel_err": worst, "seconds_generate": round(seconds, 1), "problems": problems[:5]}
+
+
 def sigterm_with_writes_in_flight(proc, dump_dir, rng):
     """SIGTERM to the server (main process only, as docker stop does) while long
     requests run: after exit every final file is complete; temporaries are counted."""
@@ -540,6 +605,8 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
             cases["openai_v1_completions_vllm_protocol"] = case_openai_completions(
                 ref, layer_ids, hidden, rng, model_path)
             cases["extract_cli_200_validate"] = case_extract_cli(ref, layer_ids, hidden, rng, out_dir)
+            cases["speculators_own_generator"] = case_speculators_generator(
+                ref, layer_ids, hidden, rng, model_path)
         del ref
         torch.cuda.empty_cache()
         if "faults" in groups:

@@ -10,7 +10,10 @@ install_folder() {  # install .whl/$1 into /tmp/site-$1 once per machine
 
 prepare_run() {  # last folder, environment, series; then print the GPU
   if [ -d .whl/c ]; then install_folder c; fi
-  export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD"
+  # d (optional, carried with c): speculators, hs-connectors, datasets, multiprocess, py-spy
+  if [ -d .whl/d ]; then install_folder d; fi
+  export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD:/tmp/site-d"
+  export PATH="$PATH:/tmp/site-d/bin"
   export PYTHONUNBUFFERED=1
   python3 -m sglang_ext patches apply --series patches/v0.5.17 --site-packages
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -1,0 +1,59 @@
+"""Stage timestamps of the dump path, for profiling (off unless ``KIMI_SGLANG_TRACE`` is set).
+
+``KIMI_SGLANG_TRACE=/path/trace.jsonl`` in the server's environment makes every process
+of the dump path append one JSON line per event to that file (``O_APPEND``, one
+``write`` per line, so the scheduler and the tokenizer manager can share it). Times are
+``time.monotonic()`` seconds: CLOCK_MONOTONIC, one clock for all processes of a host.
+
+Events (``"event"`` key):
+
+- ``hook``: one extend batch in ``hooks.on_prefill_result`` on the scheduler thread:
+  ``reqs`` (requests given rows), ``t0``, ``t1``.
+- ``file``: one file by the writer: ``name``, ``bytes``, ``rows``, and ``t_start``
+  (first rows seen), ``t_submit`` (last rows seen, write queued), ``t_picked`` (a writer
+  thread took it), ``t_copied`` (device-to-host copies done), ``t_written`` (renamed to
+  its final name), ``t_released`` (index line written, lock released).
+- ``response``: ``hooks.finish_response`` in the tokenizer manager: ``name``, ``t_meta``
+  (the finished request reached it), ``t_done`` (the file was seen complete).
+
+``bench/report.py`` joins them by ``name`` into per-stage latencies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Optional
+
+ENV = "KIMI_SGLANG_TRACE"
+
+_lock = threading.Lock()
+_fd: Optional[int] = None
+_path: Optional[str] = None
+
+
+def enabled() -> bool:
+    """True when ``KIMI_SGLANG_TRACE`` names a file (read on every call: cheap)."""
+    return bool(os.environ.get(ENV))
+
+
+now = time.monotonic
+
+
+def record(event: str, **fields: Any) -> None:
+    """Append ``{"event": event, "pid": ..., **fields}`` as one line; never raises."""
+    global _fd, _path
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    line = (json.dumps({"event": event, "pid": os.getpid(), **fields}, default=str) + "\n").encode()
+    try:
+        with _lock:
+            if _fd is None or _path != path:
+                _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                _path = path
+            os.write(_fd, line)
+    except OSError:
+        pass
