@@ -184,6 +184,18 @@ def server_cmd(args, name, which):
     return cmd
 
 
+def server_env(which, trace_path):
+    """Extra environment of a server: B logs the writer's counters every 5 s (so the log
+    holds its host-memory peaks without waiting a minute) and, with ``trace_path``,
+    writes stage timestamps there (sglang_ext/trace.py)."""
+    if which != "B":
+        return None
+    env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
+    if trace_path:
+        env["KIMI_SGLANG_TRACE"] = trace_path
+    return env
+
+
 def server_for(args, mode):
     """A: nodump (and json unless --json-server separate); B: dump; C: json, separately.
 
@@ -631,12 +643,13 @@ def wait_writer_log(server, spec, rng, timeout):
     return False
 
 
-def writer_log_peak(text):
-    """Max ``host_bytes_peak`` over the writer's 'hidden-state dump: {...}' log lines."""
+def writer_log_peak(text, key="host_bytes_peak"):
+    """Max ``key`` over the writer's 'hidden-state dump: {...}' log lines (the budget's
+    ``host_bytes_peak``, or ``pinned_pool_peak``: the process's pinned pool)."""
     peaks = []
     for m in re.finditer(r"hidden-state dump: (\{[^}\n]*\})", text):
         try:
-            peaks.append(int(ast.literal_eval(m.group(1))["host_bytes_peak"]))
+            peaks.append(int(ast.literal_eval(m.group(1))[key]))
         except (ValueError, SyntaxError, KeyError):
             pass
     return max(peaks) if peaks else None
@@ -711,6 +724,42 @@ def d2h_ceiling(torch, dev, out):
     print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
 
 
+def one_file_rates(d, tensor, threads, files=4):
+    """GB/s of writing one file at a time (what a request at concurrency 1 waits for):
+    ``"save_file"`` with one thread, and ``"pwrite_<threads>"``, the same bytes written by
+    ``threads`` threads with ``os.pwrite`` at disjoint offsets of one file (does the file
+    system let several threads fill one file at once?)."""
+    import torch
+    from safetensors.torch import save_file
+
+    data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    n = len(data)
+    rates = {}
+    t0 = time.perf_counter()
+    for i in range(files):
+        save_file({"hidden_states": tensor}, os.path.join(d, f"one{i}.safetensors"))
+    rates["save_file"] = files * n / (time.perf_counter() - t0) / 1e9
+    piece = -(-n // threads)
+
+    def put(fd, off):
+        end = min(off + piece, n)
+        while off < end:
+            off += os.pwrite(fd, data[off:end], off)
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as pool:
+        for i in range(files):
+            fd = os.open(os.path.join(d, f"par{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            list(pool.map(lambda off, fd=fd: put(fd, off), range(0, n, piece)))
+            os.close(fd)
+    rates[f"pwrite_{threads}"] = files * n / (time.perf_counter() - t0) / 1e9
+    for e in os.listdir(d):
+        os.unlink(os.path.join(d, e))
+    print(f"one file at a time, {n / (1 << 20):.1f} MiB: "
+          + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()), flush=True)
+    return rates
+
+
 def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_host_mb, root):
     """Measure the ceilings; writes a JSON dict to ``part_path``. Files go to ``root``
     (--dump-root, /dev/shm by default), where server B's dumps go."""
@@ -769,6 +818,8 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         out["shm_write_gbps"][str(total // count)] = best
         print(f"/dev/shm write, {total // count / (1 << 20):.1f} MiB files x {count}, "
               f"{threads} threads: {best:.1f} GB/s", flush=True)
+        out.setdefault("shm_one_file_gbps", {})[str(total // count)] = one_file_rates(
+            d, srcs[0]["hidden_states"], threads)
         del srcs, save
 
     # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it
@@ -865,7 +916,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
     if trace_path and os.path.exists(trace_path):
         os.unlink(trace_path)
     servers = {w: Server(name, w, cmd, os.path.join(logs, f"server-{name}-{w}.log"),
-                         env={"KIMI_SGLANG_TRACE": trace_path} if w == "B" and trace_path else None)
+                         env=server_env(w, trace_path))
                for w, cmd in mp["servers"].items()}
     t0 = time.monotonic()
     rng = random.Random(f"{name}-bench")
@@ -874,18 +925,23 @@ def run_model(args, plan, name, clock, results, save, skipped):
         results["phases"][f"{name}/start_s"] = round(time.monotonic() - t0, 1)
         m["startup_s"] = {w: s.startup_s for w, s in servers.items()}
         print(f"[{name}] servers up in {time.monotonic() - t0:.0f} s {m['startup_s']}", flush=True)
-        sampler = None
+        sampler = sampler_a = None
         if "B" in servers:
             # from before the warm-up: that is where server B first allocates its pinned
-            # buffers of every size
+            # buffers of every size. Server A (same model and warm-up, no dump) is sampled
+            # alike: the RSS a server grows by without dumping (SGLang's, Triton's).
             m["host_memory"] = {"cap_bytes": plan["max_host_mb"] << 20}
             try:
                 sampler = RssSampler(servers["B"].proc.pid)
                 m["host_memory"]["rss_baseline_bytes"] = sampler.rss()
                 sampler.__enter__()
+                if "A" in servers:
+                    sampler_a = RssSampler(servers["A"].proc.pid)
+                    m["host_memory"]["rss_baseline_bytes_nodump"] = sampler_a.rss()
+                    sampler_a.__enter__()
             except Exception as e:  # noqa: BLE001 - psutil missing: log parse only
                 print(f"  no RSS sampling: {e}")
-                sampler = None
+                sampler = sampler_a = None
         t0 = time.monotonic()
         for s in servers.values():
             warm_up(s, spec, rng, args.prompt_lens, json_too="--enable-return-hidden-states" in s.cmd)
@@ -941,6 +997,11 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 wait_writer_log(servers["B"], spec, rng, args.writer_log_wait_s)
                 clear_dump_dir(dd)
             hm["log_host_bytes_peak"] = writer_log_peak(servers["B"].log_text())
+            hm["log_pinned_pool_peak"] = writer_log_peak(servers["B"].log_text(), "pinned_pool_peak")
+            if sampler_a:
+                sampler_a.__exit__(None, None, None)
+                if sampler_a.peak:
+                    hm["rss_delta_bytes_nodump"] = max(0, sampler_a.peak - hm["rss_baseline_bytes_nodump"])
             if sampler:
                 sampler.__exit__(None, None, None)
             if sampler and sampler.peak:

@@ -9,6 +9,7 @@ Results layout (what ``bench.py`` writes, what ``render_markdown`` and ``plot.py
     {"date", "gpu", "profile", "versions", "config": {...},
      "ceilings": {"d2h_pinned_gbps", "writer_threads",
                   "shm_write_gbps": {"<file bytes>": gbps, ...},
+                  "shm_one_file_gbps": {"<file bytes>": {"save_file": gbps, "pwrite_<n>": gbps}},
                   "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
      "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
                             "cells": [{"mode": "nodump"|"dump"|"json", "prompt_len",
@@ -214,20 +215,22 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
         mem = results.get("models", {}).get(model, {}).get("host_memory", {})
         cap = mem.get("cap_bytes")
         peak = mem.get("log_host_bytes_peak")
+        pool = mem.get("log_pinned_pool_peak")
         rss = mem.get("rss_delta_bytes")
-        if cap is None or (peak is None and rss is None):
+        rss_a = mem.get("rss_delta_bytes_nodump")
+        note = (f"writer budget peak {_mib(peak)}, pinned pool peak {_mib(pool)}, cap {_mib(cap)}; "
+                f"RSS growth {_mib(rss)} (server without dump: {_mib(rss_a)})")
+        if cap is not None and (peak is not None or pool is not None):
+            # What the dump path holds: the budget (live buffers) and the process's pinned
+            # pool (live + torch's cache). The server's RSS also holds SGLang's and
+            # Triton's own growth (deepseek-tiny: 6.7 GB with a 128 MiB budget peak), so
+            # it is reported, not checked; server A shows that growth without a dump.
+            held = max(x for x in (peak, pool) if x is not None)
+            add(model, "host memory under the cap", held, cap, ok=held <= cap, note=note)
+        elif cap is not None and rss is not None:
+            add(model, "host memory under the cap", rss, cap, ok=rss <= cap + (512 << 20), note=note)
+        else:
             add(model, "host memory under the cap", None, cap)
-            continue
-        checks = []
-        if peak is not None:
-            checks.append(peak <= cap)
-        if rss is not None:
-            # RSS of the server's process tree also holds what SGLang allocates for the
-            # batch; allow 512 MiB above the cap for that.
-            checks.append(rss <= cap + (512 << 20))
-        note = f"writer log peak {_mib(peak)}, RSS growth {_mib(rss)}, cap {_mib(cap)}"
-        add(model, "host memory under the cap", peak if peak is not None else rss, cap,
-            ok=all(checks), note=note)
     return rows
 
 
@@ -257,6 +260,9 @@ def render_markdown(results: dict) -> str:
     ]
     for size, gbps in sorted(ceil.get("shm_write_gbps", {}).items(), key=lambda kv: float(kv[0])):
         lines.append(f"  - files of {float(size) / (1 << 20):.1f} MiB: {gbps:.1f} GB/s")
+    for size, rates in sorted(ceil.get("shm_one_file_gbps", {}).items(), key=lambda kv: float(kv[0])):
+        lines.append(f"- one file at a time, {float(size) / (1 << 20):.1f} MiB: "
+                     + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()))
     for model, by_len in ceil.get("writer_alone", {}).items():
         for plen, wr in sorted(by_len.items(), key=lambda kv: int(kv[0])):
             lines.append(
@@ -306,8 +312,10 @@ def render_markdown(results: dict) -> str:
         mem = m.get("host_memory", {})
         if mem:
             lines.append(
-                f"- host memory: writer log peak {_mib(mem.get('log_host_bytes_peak'))}, "
-                f"server RSS growth {_mib(mem.get('rss_delta_bytes'))}, cap {_mib(mem.get('cap_bytes'))}"
+                f"- host memory: writer budget peak {_mib(mem.get('log_host_bytes_peak'))}, "
+                f"pinned pool peak {_mib(mem.get('log_pinned_pool_peak'))}, "
+                f"server RSS growth {_mib(mem.get('rss_delta_bytes'))} (without dump: "
+                f"{_mib(mem.get('rss_delta_bytes_nodump'))}), cap {_mib(mem.get('cap_bytes'))}"
             )
     stage_rows = []
     for model, m in results.get("models", {}).items():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -181,7 +182,13 @@ def setup_model(model_runner) -> None:
         import torch
 
         from sglang_ext import metrics
-        from sglang_ext.writer import DumpWriter
+        from sglang_ext.writer import DumpWriter, switch_interval_s
+
+        interval = switch_interval_s()
+        if interval is not None:
+            logger.info("hidden-state dump: GIL switch interval %.2f ms (was %.2f ms; "
+                        "KIMI_SGLANG_SWITCH_INTERVAL_MS)", interval * 1e3, sys.getswitchinterval() * 1e3)
+            sys.setswitchinterval(interval)
 
         dumper.dir_fd = fmt.open_dump_dir(config.directory)
         removed = fmt.clean_stale(dumper.dir_fd)

@@ -30,6 +30,7 @@ from sglang_ext import trace
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_SWITCH_INTERVAL_MS = 0.2
 DEFAULT_STATS_INTERVAL_S = 60.0
 SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
 
@@ -49,10 +50,50 @@ def drain_timeout_s() -> float:
     return _env_seconds("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S)
 
 
+def switch_interval_s() -> Optional[float]:
+    """``KIMI_SGLANG_SWITCH_INTERVAL_MS`` (default 0.2): the GIL switch interval the writing
+    scheduler process runs with (``sys.setswitchinterval``); 0 keeps Python's (5 ms).
+
+    Why: each system call of a writer thread releases the GIL; taking it back, while the
+    scheduler's busy event loop holds it, waits for the switch interval. A file costs
+    about ten such calls (write, rename, index line, lock), so with 5 ms a 16 MiB file
+    that takes 11 ms to write reached its response after ~56 ms on the H200
+    (bench/results/2026-11-29-h200-quick-trace.md, llama-mid 512x1); the scheduler thread
+    waits the same way behind the writers in ``on_prefill_result``.
+    """
+    ms = _env_seconds("KIMI_SGLANG_SWITCH_INTERVAL_MS", DEFAULT_SWITCH_INTERVAL_MS)
+    if ms < 0:
+        raise ValueError(f"KIMI_SGLANG_SWITCH_INTERVAL_MS must be >= 0, got {ms}")
+    return ms / 1000.0 if ms > 0 else None
+
+
 def stats_interval_s() -> float:
     """``KIMI_SGLANG_STATS_INTERVAL_S`` (default 60): seconds between counter log lines;
     0 or less logs only at shutdown."""
     return _env_seconds("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S)
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """Bytes torch's pinned allocator (CachingHostAllocator) takes for ``nbytes``: it
+    rounds every block up to a power of two (torch.cuda.memory.host_memory_stats docs),
+    so the host budget counts that, not the tensor's size."""
+    return 1 << max(0, int(nbytes) - 1).bit_length()
+
+
+def pinned_pool() -> Optional[Dict[str, int]]:
+    """The pinned pool of this process: ``bytes`` (blocks held, in use or cached),
+    ``peak`` and ``alloc_ms`` (time spent in cudaHostAlloc), from
+    ``torch.cuda.host_memory_stats()``; None where torch does not report it. The key
+    names changed across torch releases ("reserved_bytes" then "allocated_bytes" for the
+    pool), so the larger of the two is taken."""
+    try:
+        st = torch.cuda.host_memory_stats()
+    except Exception:  # noqa: BLE001 - older torch, or no CUDA
+        return None
+    pool = max(st.get("reserved_bytes.current", 0), st.get("allocated_bytes.current", 0))
+    peak = max(st.get("reserved_bytes.peak", 0), st.get("allocated_bytes.peak", 0))
+    return {"bytes": int(pool), "peak": int(peak),
+            "alloc_ms": int(st.get("host_alloc_time.total", 0)) // 1000}
 
 
 class HostBudget:
@@ -113,6 +154,7 @@ class WriterStats:
     bytes: int = 0
     failures: int = 0
     queued: int = 0
+    pool_trims: int = 0
 
     def as_dict(self, budget: HostBudget) -> Dict[str, int]:
         return {
@@ -123,6 +165,7 @@ class WriterStats:
             "host_bytes_in_use": budget.in_use,
             "host_bytes_peak": budget.peak,
             "backpressure_waits": budget.waits,
+            "pinned_pool_trims": self.pool_trims,
         }
 
 
@@ -180,9 +223,12 @@ class DumpWriter:
     def start(self, rid: str, num_tokens: int, row_width: int, dtype: torch.dtype) -> PendingDump:
         """Reserve budget and a host buffer for ``num_tokens`` rows of ``row_width``.
 
-        Blocks while the host budget is exhausted (backpressure).
+        Blocks while the host budget is exhausted (backpressure). A pinned buffer counts
+        ``pinned_block_bytes`` of its size (what the allocator really takes).
         """
         nbytes = int(num_tokens) * int(row_width) * torch.empty((), dtype=dtype).element_size()
+        if self._cuda:
+            nbytes = pinned_block_bytes(nbytes)
         self.budget.acquire(nbytes)
         try:
             host = torch.empty((num_tokens, row_width), dtype=dtype, pin_memory=self._cuda)
@@ -302,10 +348,25 @@ class DumpWriter:
             if pending.host is not None:
                 pending.host = None
                 self.budget.release(pending.nbytes)
+                self._trim_pinned_pool()
             with self._stats_lock:
                 self.stats.queued -= 1
             self._publish()
             self._maybe_log()
+
+    def _trim_pinned_pool(self) -> None:
+        """Keep the pinned pool within the host cap: torch caches freed pinned blocks per
+        power-of-two size and never gives them back by itself, so prompts of many sizes
+        would grow the process past ``--dump-hidden-states-max-host-mb``. When the pool
+        (in use + cached) exceeds the cap, the cached blocks are returned to CUDA."""
+        if not self._cuda:
+            return
+        pool = pinned_pool()
+        empty_cache = getattr(torch._C, "_host_emptyCache", None)  # torch.cuda.graphs uses it
+        if pool is not None and pool["bytes"] > self.budget.cap and empty_cache is not None:
+            empty_cache()
+            with self._stats_lock:
+                self.stats.pool_trims += 1
 
     def _write(self, pending, reservation, token_ids, num_slots, metadata) -> int:
         for event in pending.events:
@@ -354,9 +415,16 @@ class DumpWriter:
             logger.info("hidden-state dump: %s", self.snapshot())
 
     def snapshot(self) -> Dict[str, int]:
-        """Counters: files and bytes written, failures, queue depth, host bytes in use."""
+        """Counters: files and bytes written, failures, queue depth, host bytes in use
+        and peak (the budget), and on CUDA the process's pinned pool (``pinned_pool_*``:
+        bytes held now, peak, ms spent in cudaHostAlloc)."""
         with self._stats_lock:
-            return self.stats.as_dict(self.budget)
+            snap = self.stats.as_dict(self.budget)
+        pool = pinned_pool() if self._cuda else None
+        if pool is not None:
+            snap.update({"pinned_pool_bytes": pool["bytes"], "pinned_pool_peak": pool["peak"],
+                         "pinned_alloc_ms": pool["alloc_ms"]})
+        return snap
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Stop taking writes; wait up to ``timeout`` s (default: ``drain_timeout_s()``)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,12 @@ def assert_rows_ready_at_hook(batch_result_processor: Path) -> None:
     hook = body.find("dump_hooks.on_prefill_result(")
     assert hook > 0, "the hook call is not in process_batch_result_prefill"
     assert 0 < sync < hook, "copy_done is no longer synchronized before the hook"
+
+
+@pytest.fixture(autouse=True)
+def _restore_switch_interval():
+    """hooks.setup_model lowers the GIL switch interval of the process (writer rank):
+    give every test Python's own again."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)

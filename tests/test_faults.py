@@ -490,6 +490,27 @@ def test_drain_and_stats_intervals_come_from_the_environment(monkeypatch):
     assert writer_mod.drain_timeout_s() == 30 and writer_mod.stats_interval_s() == 60
 
 
+def test_gil_switch_interval_is_set_on_the_writing_rank_only(dump, monkeypatch):
+    sys.setswitchinterval(0.005)  # Python's default
+    before = sys.getswitchinterval()
+    try:
+        hooks.setup_model(make_runner(dump, tp_rank=1))
+        assert sys.getswitchinterval() == pytest.approx(before)  # no writer threads here
+        _teardown()
+        hooks.setup_model(make_runner(dump))
+        assert sys.getswitchinterval() == pytest.approx(0.0002, rel=0.01)
+        _teardown()
+        sys.setswitchinterval(before)
+        monkeypatch.setenv("KIMI_SGLANG_SWITCH_INTERVAL_MS", "0")
+        hooks.setup_model(make_runner(dump))
+        assert sys.getswitchinterval() == pytest.approx(before)
+        monkeypatch.setenv("KIMI_SGLANG_SWITCH_INTERVAL_MS", "-1")
+        with pytest.raises(ValueError, match="KIMI_SGLANG_SWITCH_INTERVAL_MS"):
+            writer_mod.switch_interval_s()
+    finally:
+        sys.setswitchinterval(before)
+
+
 # ---- malformed request fields --------------------------------------------------------------
 def _sglang_request(body):
     """What SGLang's /generate does with a JSON body before the scheduler sees it:
@@ -604,3 +625,11 @@ def test_metrics_from_the_scheduler_process_reach_sglangs_multiprocess_registry(
     assert 'kimi_sglang:dump_queue_depth{model_name="/models/tiny"} 0.0' in out
     assert 'kimi_sglang:dump_host_bytes_in_use{model_name="/models/tiny"} 0.0' in out
     assert json.dumps("kimi_sglang:dump_failures_total")[1:-1] in out
+
+
+def test_pinned_block_bytes_is_the_next_power_of_two():
+    assert [writer_mod.pinned_block_bytes(n) for n in (1, 2, 3, 4096, 4097)] == [1, 2, 4, 4096, 8192]
+    mib = 1 << 20
+    assert writer_mod.pinned_block_bytes(96 * mib) == 128 * mib  # a 3k-token llama-mid file
+    assert writer_mod.pinned_block_bytes(256 * mib) == 256 * mib
+    assert writer_mod.pinned_pool() is None or "bytes" in writer_mod.pinned_pool()
