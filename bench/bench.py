@@ -822,7 +822,14 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
             d, srcs[0]["hidden_states"], threads)
         del srcs, save
 
-    # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it
+    # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it, with the
+    # GIL switch interval hooks.setup_model gives the server's writing process
+    from sglang_ext.writer import switch_interval_s
+
+    interval = switch_interval_s()
+    if interval is not None:
+        sys.setswitchinterval(interval)
+    out["writer_switch_interval_s"] = sys.getswitchinterval()
     out["writer_alone"] = {}
     fd = fmt.open_dump_dir(d)
     for s in json.loads(sizes_json):

@@ -206,6 +206,9 @@ class DumpWriter:
         self._closed = False  # no new writes accepted
         self._abort = False  # deadline passed: fail what has not started
         self._cuda = device is not None and torch.device(device).type == "cuda"
+        # Pinned memory the process held before this writer: not ours to trim against.
+        pool = pinned_pool() if self._cuda else None
+        self._pool_baseline = pool["bytes"] if pool is not None else 0
         self._stream = torch.cuda.Stream(device=device) if self._cuda else None
         self._log_every_s = stats_interval_s() if log_every_s is None else log_every_s
         self._last_log = time.monotonic()
@@ -358,12 +361,14 @@ class DumpWriter:
         """Keep the pinned pool within the host cap: torch caches freed pinned blocks per
         power-of-two size and never gives them back by itself, so prompts of many sizes
         would grow the process past ``--dump-hidden-states-max-host-mb``. When the pool
-        (in use + cached) exceeds the cap, the cached blocks are returned to CUDA."""
+        (in use + cached) exceeds the cap beyond what the process held before the writer
+        started, the cached blocks are returned to CUDA."""
         if not self._cuda:
             return
         pool = pinned_pool()
         empty_cache = getattr(torch._C, "_host_emptyCache", None)  # torch.cuda.graphs uses it
-        if pool is not None and pool["bytes"] > self.budget.cap and empty_cache is not None:
+        if (pool is not None and empty_cache is not None
+                and pool["bytes"] - self._pool_baseline > self.budget.cap):
             empty_cache()
             with self._stats_lock:
                 self.stats.pool_trims += 1
