@@ -6,7 +6,8 @@
 # folder, back to back on the same warm host (each call carries one folder):
 #   bash bench/run_bench.sh install a      (carry .whl/a)
 #   bash bench/run_bench.sh install b      (carry .whl/b)
-#   bash bench/run_bench.sh run --quick    (carry .whl/c: installs c, applies, runs)
+#   bash bench/run_bench.sh run --quick    (carry .whl/c and .whl/d: installs, applies, runs)
+# .whl/d (py-spy for the profiles): bash tests/gpu/stage-extras.sh
 # A host that already ran tests/gpu/run_e2e.sh has a, b and c installed (same /tmp/site-*).
 # `run` applies the series into the staged site-packages and runs bench/bench.py with the
 # remaining arguments (see bench/README.md). Results: $OUT/<date>-<gpu>-<profile>.json and

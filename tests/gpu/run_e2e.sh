@@ -6,7 +6,8 @@
 # then, on the device, one call per folder, back to back (each call carries one folder):
 #   bash tests/gpu/run_e2e.sh install a      (carry .whl/a)
 #   bash tests/gpu/run_e2e.sh install b      (carry .whl/b)
-#   bash tests/gpu/run_e2e.sh run            (carry .whl/c: installs c, applies, runs)
+#   bash tests/gpu/run_e2e.sh run            (carry .whl/c and .whl/d: installs them, applies, runs)
+# .whl/d (speculators for the clients group, py-spy for bench/): bash tests/gpu/stage-extras.sh
 # `run` applies the series with the project's own tool into the staged site-packages,
 # starts the patched server per model and compares every dumped file with HF's forward.
 # Results: $OUT/e2e-results.json (commit it as tests/gpu/results-<date>-h200.json).
