@@ -478,7 +478,13 @@ def read_trace(path, offset):
             data = f.read()
     except FileNotFoundError:
         return []
-    return [json.loads(x) for x in data.decode(errors="replace").splitlines() if x.strip()]
+    out = []
+    for x in data.decode(errors="replace").splitlines():
+        try:
+            out.append(json.loads(x))
+        except ValueError:  # a line still being written
+            pass
+    return out
 
 
 def trace_size(path):
@@ -547,33 +553,38 @@ def scheduler_pid(server):
 def summarize_py_spy(raw_text, top=15):
     """py-spy ``--format raw --threads`` output (``thread;frame;...;leaf count`` lines) ->
     ``{"samples", "threads": {thread: share}, "top": [[leaf frame, share], ...],
-    "inclusive": [[frame, share], ...]}`` (shares of all samples)."""
-    threads, leaves, incl, total = {}, {}, {}, 0
+    "ours": {thread: share}}``. Shares are of all samples (py-spy records a thread only
+    while it runs, so ``threads`` says which threads were busy, not for how long); ``ours``
+    is, per thread, the share of samples with a frame in ``sglang_ext/`` on the stack."""
+    threads, leaves, ours, total = {}, {}, {}, 0
     for line in raw_text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        n = int(count)
         frames = stack.split(";")
+        if len(frames) < 2:  # a thread with no Python frame
+            continue
+        n = int(count)
         total += n
         threads[frames[0]] = threads.get(frames[0], 0) + n
         leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
-        for f in set(frames[1:]):
-            incl[f] = incl.get(f, 0) + n
+        if any("sglang_ext/" in f for f in frames[1:]):
+            ours[frames[0]] = ours.get(frames[0], 0) + n
     if not total:
-        return {"samples": 0, "threads": {}, "top": [], "inclusive": []}
+        return {"samples": 0, "threads": {}, "top": [], "ours": {}}
 
     def ranked(d):
         return [[k, v / total] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
 
     return {"samples": total, "threads": dict(ranked(threads)), "top": ranked(leaves),
-            "inclusive": ranked(incl)}
+            "ours": dict(ranked(ours))}
 
 
 def profile_cell(args, server, cell, spec, rng, out_stem):
     """Run ``cell`` again while py-spy samples the server's scheduler process (all
-    threads, 100 Hz, without pausing it); returns ``summarize_py_spy`` of the samples,
-    or ``{"error": ...}`` when py-spy is missing or may not attach."""
+    threads, 100 Hz, without pausing it; the window also holds ~1 s before the load, to
+    attach, and the time to stop); returns ``summarize_py_spy`` of the samples, or
+    ``{"error": ...}`` when py-spy is missing or may not attach."""
     exe = shutil.which("py-spy")
     if not exe:
         return {"error": "py-spy not on PATH"}
@@ -588,8 +599,11 @@ def profile_cell(args, server, cell, spec, rng, out_stem):
     time.sleep(1.0)  # attach before the load starts
     if proc.poll() is not None:
         return {"error": f"py-spy exited {proc.returncode}: {proc.stdout.read()[-400:]}"}
+    r = {}
     try:
         r = run_cell(server, cell, spec, rng, "dump")
+    except Exception as e:  # noqa: BLE001 - a failed profile must not end the model's cells
+        r = {"error": f"{type(e).__name__}: {e}"[:300]}
     finally:
         proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
         try:
@@ -602,6 +616,8 @@ def profile_cell(args, server, cell, spec, rng, out_stem):
     with open(raw) as f:
         out = summarize_py_spy(f.read())
     out["cell_prefill_tps_sampled"] = r.get("prefill_tps")
+    if r.get("error"):
+        out["cell_error"] = r["error"]
     out["raw"] = os.path.basename(raw)
     return out
 
@@ -854,7 +870,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
                 meta = fmt.build_metadata(rid=rid, layer_ids=s["layer_ids"],
                                           num_layers=s["num_layers"])
                 writer.submit(p, fmt.reserve(fd, rid), ids, layers, meta)
-            while writer.snapshot()["queue_depth"]:
+            while writer.queue_depth():  # (snapshot() would read torch's pool stats)
                 time.sleep(0.001)
             wall = time.perf_counter() - t0
             snap = writer.snapshot()
@@ -866,6 +882,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
             "gbps": max(results), "gbps_reps": results, "file_bytes": snap["bytes_written"] // max(snap["files_written"], 1),
             "files_per_rep": count, "failures": snap["failures"],
             "host_bytes_peak": snap["host_bytes_peak"], "backpressure_waits": snap["backpressure_waits"],
+            "pinned_pool_trims": snap.get("pinned_pool_trims"), "pinned_alloc_ms": snap.get("pinned_alloc_ms"),
         }
         print(f"writer alone, {s['model']} {s['prompt_len']}-token files x {count}: "
               f"{max(results):.1f} GB/s (reps {[round(x, 1) for x in results]})", flush=True)
@@ -935,8 +952,9 @@ def run_model(args, plan, name, clock, results, save, skipped):
         sampler = sampler_a = None
         if "B" in servers:
             # from before the warm-up: that is where server B first allocates its pinned
-            # buffers of every size. Server A (same model and warm-up, no dump) is sampled
-            # alike: the RSS a server grows by without dumping (SGLang's, Triton's).
+            # buffers of every size. Server A (same model, no dump) is sampled alike; it
+            # also serves the JSON cells, so its growth is an upper bound for a plain
+            # server's, not a control.
             m["host_memory"] = {"cap_bytes": plan["max_host_mb"] << 20}
             try:
                 sampler = RssSampler(servers["B"].proc.pid)

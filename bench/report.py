@@ -81,7 +81,8 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
 
     Returns milliseconds ``{stage: {"p50": .., "p99": ..}}`` for the writer stages above,
     ``response_wait`` (the finished request waiting for its file in the tokenizer
-    manager), ``poll_lag`` (file released -> response goes out), ``hook`` (scheduler
+    manager), ``poll_lag`` (file released -> the tokenizer manager sees it complete; slightly
+    negative when the writer stamps ``t_released`` after the waiter saw the lock go), ``hook`` (scheduler
     thread time per extend batch in ``on_prefill_result``), plus ``files``,
     ``ready_before_response`` (share of files complete before their request finished)
     and, with ``wall_s``, ``hook_share`` (hook time / wall time). Empty dict without
@@ -91,7 +92,7 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     if not files:
         return {}
     resp = {e["name"]: e for e in events if e.get("event") == "response"}
-    hooks = [e["t1"] - e["t0"] for e in events if e.get("event") == "hook"]
+    hooks = [e["t1"] - e["t0"] for e in events if e.get("event") == "hook" and "t0" in e and "t1" in e]
 
     def ms(values):
         values = [v * 1000 for v in values]
@@ -100,7 +101,8 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     out: Dict[str, Any] = {"files": len(files)}
     for name, a, b in STAGES:
         out[name] = ms([f[b] - f[a] for f in files.values() if a in f and b in f])
-    joined = [(files[n], r) for n, r in resp.items() if n in files]
+    joined = [(files[n], r) for n, r in resp.items()
+              if n in files and "t_released" in files[n] and "t_meta" in r and "t_done" in r]
     out["response_wait"] = ms([r["t_done"] - r["t_meta"] for _, r in joined])
     out["poll_lag"] = ms([r["t_done"] - f["t_released"] for f, r in joined])
     out["ready_before_response"] = (
@@ -222,9 +224,10 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
                 f"RSS growth {_mib(rss)} (server without dump: {_mib(rss_a)})")
         if cap is not None and (peak is not None or pool is not None):
             # What the dump path holds: the budget (live buffers) and the process's pinned
-            # pool (live + torch's cache). The server's RSS also holds SGLang's and
-            # Triton's own growth (deepseek-tiny: 6.7 GB with a 128 MiB budget peak), so
-            # it is reported, not checked; server A shows that growth without a dump.
+            # pool (live + torch's cache, including what the process held before). The
+            # server's RSS also holds SGLang's and Triton's own growth, so it is reported,
+            # not checked (deepseek-tiny grew 6.3 GiB with a 128-192 MiB budget peak: not
+            # attributed yet); server A's growth (no dump, but the JSON cells) beside it.
             held = max(x for x in (peak, pool) if x is not None)
             add(model, "host memory under the cap", held, cap, ok=held <= cap, note=note)
         elif cap is not None and rss is not None:
@@ -344,10 +347,9 @@ def render_markdown(results: dict) -> str:
         lines += ["", "| share | function (file:line) |", "|---:|---|"]
         for fn, share in prof.get("top", []):
             lines.append(f"| {share:.3f} | `{fn}` |")
-        if prof.get("inclusive"):
-            lines += ["", "| share, inclusive | function (file:line) |", "|---:|---|"]
-            for fn, share in prof["inclusive"][:10]:
-                lines.append(f"| {share:.3f} | `{fn}` |")
+        if prof.get("ours"):
+            lines += ["", "- samples with sglang_ext code on the stack: "
+                      + ", ".join(f"{t} {v:.2f}" for t, v in prof["ours"].items())]
     lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
     for t in tgt:
         v = t["value"]

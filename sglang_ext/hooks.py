@@ -301,10 +301,13 @@ def _take_rows(d: _Dumper, req, state: _ReqDump, hidden, start: int, n: int, pre
         state.release = weakref.finalize(req, d.writer.abandon, state.pending)
         state.release.atexit = False
     rows = hidden[start:start + min(n, num_tokens - done_rows)]
-    # ready=True: process_batch_result_prefill has synchronized result.copy_done (recorded
-    # after the forward that produced these rows) before calling this hook (0.5.17 and
-    # 0.5.23, checked by tests/test_patches.py), so the copy need not queue behind what
-    # the scheduler stream holds now: under overlap scheduling, the next batch's forward.
+    # ready=True: the forward that produced these rows has finished when this hook runs.
+    # Under overlap scheduling, process_batch_result_prefill first synchronizes
+    # result.copy_done, recorded on the copy stream after it waited for the forward stream;
+    # without overlap (copy_done None) its next_token_ids.tolist() has synchronized the
+    # stream the forward ran on. (0.5.17 and 0.5.23; tests/test_patches.py and
+    # tests/test_nightly.py check that the sync precedes the hook.) So the copy need not
+    # queue behind what the scheduler stream holds now, e.g. the next batch's forward.
     d.writer.copy_rows(state.pending, rows, ready=True)
     if state.pending.rows == num_tokens:
         _finish(d, req, state)

@@ -43,17 +43,24 @@ now = time.monotonic
 
 
 def record(event: str, **fields: Any) -> None:
-    """Append ``{"event": event, "pid": ..., **fields}`` as one line; never raises."""
+    """Append ``{"event": event, "pid": ..., **fields}`` as one line; never raises (a file
+    that cannot be opened is not retried until the variable names another)."""
     global _fd, _path
     path = os.environ.get(ENV)
     if not path:
         return
     line = (json.dumps({"event": event, "pid": os.getpid(), **fields}, default=str) + "\n").encode()
-    try:
-        with _lock:
-            if _fd is None or _path != path:
+    with _lock:
+        if _path != path:  # first use, or the variable changed: (re)open
+            if _fd is not None:
+                os.close(_fd)
+            _fd, _path = None, path
+            try:
                 _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-                _path = path
-            os.write(_fd, line)
-    except OSError:
-        pass
+            except OSError:
+                pass  # _fd stays None: this path is not tried again
+        if _fd is not None:
+            try:
+                os.write(_fd, line)
+            except OSError:
+                pass

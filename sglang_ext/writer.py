@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_SWITCH_INTERVAL_MS = 0.2
 DEFAULT_STATS_INTERVAL_S = 60.0
+POOL_CHECK_INTERVAL_S = 0.5  # pinned-pool statistics are not free: see pinned_pool()
 SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
 
 
@@ -53,17 +54,25 @@ def drain_timeout_s() -> float:
 def switch_interval_s() -> Optional[float]:
     """``KIMI_SGLANG_SWITCH_INTERVAL_MS`` (default 0.2): the GIL switch interval the writing
     scheduler process runs with (``sys.setswitchinterval``); 0 keeps Python's (5 ms).
+    Raises ``ValueError`` for a value that is not a number >= 0.
 
     Why: each system call of a writer thread releases the GIL; taking it back, while the
     scheduler's busy event loop holds it, waits for the switch interval. A file costs
-    about ten such calls (write, rename, index line, lock), so with 5 ms a 16 MiB file
-    that takes 11 ms to write reached its response after ~56 ms on the H200
-    (bench/results/2026-11-29-h200-quick-trace.md, llama-mid 512x1); the scheduler thread
-    waits the same way behind the writers in ``on_prefill_result``.
+    about ten such calls (write, rename, index line, lock): with 5 ms, a 16 MiB file that
+    one thread writes in ~7 ms (2.3 GB/s on the H200 host) reached its response after
+    56 ms (bench/results/2026-11-29-h200-quick-trace.md, llama-mid 512x1: write 28 ms,
+    index line + lock 16 ms); the scheduler thread waits the same way behind the writers
+    in ``on_prefill_result``.
     """
-    ms = _env_seconds("KIMI_SGLANG_SWITCH_INTERVAL_MS", DEFAULT_SWITCH_INTERVAL_MS)
-    if ms < 0:
-        raise ValueError(f"KIMI_SGLANG_SWITCH_INTERVAL_MS must be >= 0, got {ms}")
+    value = os.environ.get("KIMI_SGLANG_SWITCH_INTERVAL_MS", "").strip()
+    try:
+        ms = float(value) if value else DEFAULT_SWITCH_INTERVAL_MS
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:  # also NaN
+        raise ValueError(
+            f"KIMI_SGLANG_SWITCH_INTERVAL_MS must be a number of milliseconds >= 0, got {value!r}"
+        )
     return ms / 1000.0 if ms > 0 else None
 
 
@@ -83,9 +92,10 @@ def pinned_block_bytes(nbytes: int) -> int:
 def pinned_pool() -> Optional[Dict[str, int]]:
     """The pinned pool of this process: ``bytes`` (blocks held, in use or cached),
     ``peak`` and ``alloc_ms`` (time spent in cudaHostAlloc), from
-    ``torch.cuda.host_memory_stats()``; None where torch does not report it. The key
-    names changed across torch releases ("reserved_bytes" then "allocated_bytes" for the
-    pool), so the larger of the two is taken."""
+    ``torch.cuda.host_memory_stats()``; None where torch lacks the function (zeros where it
+    has nothing to report yet, e.g. before CUDA starts). The key names changed across
+    torch releases ("reserved_bytes" then "allocated_bytes" for the pool), so the larger of
+    the two is taken. Costs a dictionary of ~40 entries built in C++: not per request."""
     try:
         st = torch.cuda.host_memory_stats()
     except Exception:  # noqa: BLE001 - older torch, or no CUDA
@@ -209,6 +219,7 @@ class DumpWriter:
         # Pinned memory the process held before this writer: not ours to trim against.
         pool = pinned_pool() if self._cuda else None
         self._pool_baseline = pool["bytes"] if pool is not None else 0
+        self._pool_checked = 0.0  # monotonic time of the last pool check (trim)
         self._stream = torch.cuda.Stream(device=device) if self._cuda else None
         self._log_every_s = stats_interval_s() if log_every_s is None else log_every_s
         self._last_log = time.monotonic()
@@ -362,9 +373,17 @@ class DumpWriter:
         power-of-two size and never gives them back by itself, so prompts of many sizes
         would grow the process past ``--dump-hidden-states-max-host-mb``. When the pool
         (in use + cached) exceeds the cap beyond what the process held before the writer
-        started, the cached blocks are returned to CUDA."""
+        started, the cached blocks are returned to CUDA (all of them, SGLang's own small
+        ones too: torch has no finer call). Checked at most every
+        ``POOL_CHECK_INTERVAL_S`` after a buffer is released, so the pool may pass the cap
+        for that long."""
         if not self._cuda:
             return
+        now = time.monotonic()
+        with self._stats_lock:
+            if now - self._pool_checked < POOL_CHECK_INTERVAL_S:
+                return
+            self._pool_checked = now
         pool = pinned_pool()
         empty_cache = getattr(torch._C, "_host_emptyCache", None)  # torch.cuda.graphs uses it
         if (pool is not None and empty_cache is not None
@@ -418,6 +437,11 @@ class DumpWriter:
         if now - self._last_log >= self._log_every_s:
             self._last_log = now
             logger.info("hidden-state dump: %s", self.snapshot())
+
+    def queue_depth(self) -> int:
+        """Writes queued or running (cheap: no pinned-pool statistics)."""
+        with self._stats_lock:
+            return self.stats.queued
 
     def snapshot(self) -> Dict[str, int]:
         """Counters: files and bytes written, failures, queue depth, host bytes in use

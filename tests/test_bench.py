@@ -344,6 +344,8 @@ def test_py_spy_raw_summary():
     assert s["samples"] == 10
     assert s["threads"] == {"thread (0x1)": 0.8, "thread (0x2)": 0.2}
     assert s["top"][0] == ["copy (w.py:3)", 0.6]
-    assert dict(s["inclusive"])["loop (s.py:1)"] == pytest.approx(0.8)
+    assert s["ours"] == {}
+    s2 = bench.summarize_py_spy(raw + "\nthread (0x3);run (sglang_ext/writer.py:9);save (f.py:5) 10\nthread (0x4) 5")
+    assert s2["samples"] == 20 and s2["ours"] == {"thread (0x3)": 0.5}  # the frameless line is left out
     md = report.render_markdown({"models": {}, "py_spy": {"m dump 512x1": s, "x": {"error": "no ptrace"}}})
     assert "copy (w.py:3)" in md and "not taken: no ptrace" in md

@@ -297,3 +297,16 @@ def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch):
     run_extend([(c, 0, 2)], [2, 4, 8])
     finish(c)
     assert len(path.read_text().splitlines()) == len(lines), "tracing off: nothing recorded"
+
+
+def test_trace_to_a_path_that_cannot_be_opened_is_silent(tmp_path, monkeypatch):
+    from sglang_ext import trace
+
+    monkeypatch.setenv(trace.ENV, str(tmp_path / "missing-dir" / "t.jsonl"))
+    trace.record("file", name="x")  # no error, nothing written
+    trace.record("file", name="y")
+    good = tmp_path / "t.jsonl"
+    monkeypatch.setenv(trace.ENV, str(good))
+    trace.record("hook", reqs=1, t0=0.0, t1=1.0)
+    assert [json.loads(x)["event"] for x in good.read_text().splitlines()] == ["hook"]
+    assert not (tmp_path / "missing-dir").exists()
