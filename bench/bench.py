@@ -580,7 +580,7 @@ def summarize_py_spy(raw_text, top=15):
             "ours": dict(ranked(ours))}
 
 
-def profile_cell(args, server, cell, spec, rng, out_stem):
+def profile_cell(server, cell, spec, rng, out_stem):
     """Run ``cell`` again while py-spy samples the server's scheduler process (all
     threads, 100 Hz, without pausing it; the window also holds ~1 s before the load, to
     attach, and the time to stop); returns ``summarize_py_spy`` of the samples, or
@@ -840,11 +840,9 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
 
     # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it, with the
     # GIL switch interval hooks.setup_model gives the server's writing process
-    from sglang_ext.writer import switch_interval_s
+    from sglang_ext.writer import apply_switch_interval
 
-    interval = switch_interval_s()
-    if interval is not None:
-        sys.setswitchinterval(interval)
+    apply_switch_interval()
     out["writer_switch_interval_s"] = sys.getswitchinterval()
     out["writer_alone"] = {}
     fd = fmt.open_dump_dir(d)
@@ -1004,7 +1002,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                     and clock.left() > 2 * r.get("wall_s", 60) + 60):
                 # the same cell again, sampled (the measured run above was not)
                 results.setdefault("py_spy", {})[f"{name} dump {spy_label}"] = profile_cell(
-                    args, server, cell, spec, rng, os.path.join(args.out, f"py-spy-{name}-{spy_label}"))
+                    server, cell, spec, rng, os.path.join(args.out, f"py-spy-{name}-{spy_label}"))
                 clear_dump_dir(dd)
             extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
                 f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
@@ -1021,8 +1019,9 @@ def run_model(args, plan, name, clock, results, save, skipped):
             if args.writer_log_wait_s and clock.left() > args.writer_log_wait_s + 30:
                 wait_writer_log(servers["B"], spec, rng, args.writer_log_wait_s)
                 clear_dump_dir(dd)
-            hm["log_host_bytes_peak"] = writer_log_peak(servers["B"].log_text())
-            hm["log_pinned_pool_peak"] = writer_log_peak(servers["B"].log_text(), "pinned_pool_peak")
+            log_b = servers["B"].log_text()
+            hm["log_host_bytes_peak"] = writer_log_peak(log_b)
+            hm["log_pinned_pool_peak"] = writer_log_peak(log_b, "pinned_pool_peak")
             if sampler_a:
                 sampler_a.__exit__(None, None, None)
                 if sampler_a.peak:

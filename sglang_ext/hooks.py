@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -182,13 +181,12 @@ def setup_model(model_runner) -> None:
         import torch
 
         from sglang_ext import metrics
-        from sglang_ext.writer import DumpWriter, switch_interval_s
+        from sglang_ext.writer import DumpWriter, apply_switch_interval
 
-        interval = switch_interval_s()
-        if interval is not None:
+        changed = apply_switch_interval()
+        if changed is not None:
             logger.info("hidden-state dump: GIL switch interval %.2f ms (was %.2f ms; "
-                        "KIMI_SGLANG_SWITCH_INTERVAL_MS)", interval * 1e3, sys.getswitchinterval() * 1e3)
-            sys.setswitchinterval(interval)
+                        "KIMI_SGLANG_SWITCH_INTERVAL_MS)", changed[1] * 1e3, changed[0] * 1e3)
 
         dumper.dir_fd = fmt.open_dump_dir(config.directory)
         removed = fmt.clean_stale(dumper.dir_fd)

@@ -17,10 +17,11 @@ import atexit
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,19 +37,21 @@ POOL_CHECK_INTERVAL_S = 0.5  # pinned-pool statistics are not free: see pinned_p
 SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
 
 
-def _env_seconds(name: str, default: float) -> float:
+def _env_number(name: str, default: float, unit: str = "seconds") -> float:
+    """``float`` of environment variable ``name`` (``default`` when unset or blank);
+    raises ``ValueError`` naming the variable and ``unit`` for anything else."""
     value = os.environ.get(name, "")
     if not value.strip():
         return default
     try:
         return float(value)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
+        raise ValueError(f"{name} must be a number of {unit}, got {value!r}") from None
 
 
 def drain_timeout_s() -> float:
     """``KIMI_SGLANG_DRAIN_TIMEOUT_S`` (default 30): how long shutdown waits for writes."""
-    return _env_seconds("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S)
+    return _env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S)
 
 
 def switch_interval_s() -> Optional[float]:
@@ -64,22 +67,27 @@ def switch_interval_s() -> Optional[float]:
     index line + lock 16 ms); the scheduler thread waits the same way behind the writers
     in ``on_prefill_result``.
     """
-    value = os.environ.get("KIMI_SGLANG_SWITCH_INTERVAL_MS", "").strip()
-    try:
-        ms = float(value) if value else DEFAULT_SWITCH_INTERVAL_MS
-    except ValueError:
-        ms = -1.0
+    ms = _env_number("KIMI_SGLANG_SWITCH_INTERVAL_MS", DEFAULT_SWITCH_INTERVAL_MS, "milliseconds")
     if not ms >= 0:  # also NaN
-        raise ValueError(
-            f"KIMI_SGLANG_SWITCH_INTERVAL_MS must be a number of milliseconds >= 0, got {value!r}"
-        )
+        raise ValueError(f"KIMI_SGLANG_SWITCH_INTERVAL_MS must be >= 0 milliseconds, got {ms}")
     return ms / 1000.0 if ms > 0 else None
 
 
 def stats_interval_s() -> float:
     """``KIMI_SGLANG_STATS_INTERVAL_S`` (default 60): seconds between counter log lines;
     0 or less logs only at shutdown."""
-    return _env_seconds("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S)
+    return _env_number("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S)
+
+
+def apply_switch_interval() -> Optional[Tuple[float, float]]:
+    """Set this process's GIL switch interval to ``switch_interval_s()``; returns
+    ``(before, after)`` in seconds, or None when the variable says to keep Python's."""
+    interval = switch_interval_s()
+    if interval is None:
+        return None
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    return before, sys.getswitchinterval()
 
 
 def pinned_block_bytes(nbytes: int) -> int:

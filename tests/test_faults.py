@@ -507,6 +507,9 @@ def test_gil_switch_interval_is_set_on_the_writing_rank_only(dump, monkeypatch):
         monkeypatch.setenv("KIMI_SGLANG_SWITCH_INTERVAL_MS", "-1")
         with pytest.raises(ValueError, match="KIMI_SGLANG_SWITCH_INTERVAL_MS"):
             writer_mod.switch_interval_s()
+        monkeypatch.setenv("KIMI_SGLANG_SWITCH_INTERVAL_MS", "soon")
+        with pytest.raises(ValueError, match="number of milliseconds"):
+            writer_mod.switch_interval_s()
     finally:
         sys.setswitchinterval(before)
 
