@@ -12,9 +12,11 @@ Runs on a CUDA host where SGLang 0.5.17 with the kimi-sglang series is importabl
    started together (the second once the first has sized its KV cache): server A without
    the dump (``--enable-return-hidden-states``) serves mode ``nodump`` (requests without
    the field) and mode ``json`` (``return_hidden_states: true``); server B with
-   ``--dump-hidden-states-dir /dev/shm/...`` serves mode ``dump``. Every cell is a batch of
-   requests with ``max_new_tokens=1`` sent by ``concurrency`` client threads (closed
-   loop); nodump and dump cells alternate so drift hits both alike.
+   ``--dump-hidden-states-dir /dev/shm/...`` serves mode ``dump`` (each response waits for
+   its file) and mode ``dump_early`` (answered once the file's name is reserved; the
+   client waits on the lock while its next prompt runs, as ``sglang-ext extract`` does).
+   Every cell is a batch of requests with ``max_new_tokens=1`` sent by ``concurrency``
+   client threads (closed loop); nodump and dump cells alternate so drift hits both alike.
 3. headline ratios and targets (``report.py``), a JSON file and a Markdown table in
    ``--out``, and a short table printed last.
 
@@ -118,7 +120,7 @@ def make_plan(args):
         grid.sort(key=lambda pc: pc != head)
         for plen, conc in grid:
             n = cell_requests(plen, conc, cell_tokens, min_rounds)
-            for mode in ("nodump", "dump"):
+            for mode in ("nodump", "dump", "dump_early"):
                 if mode in modes:
                     cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
                                   "requests": n, "prompt_tokens": n * plen})
@@ -132,7 +134,7 @@ def make_plan(args):
         for c in cells:
             tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
-            if c["mode"] == "dump":
+            if c["mode"] in report.DUMP_MODES:
                 c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"])
         servers = {}
         for which in sorted({server_for(args, c["mode"]) for c in cells}):
@@ -204,7 +206,7 @@ def server_for(args, mode):
     (ForwardBatch.init_new: "capture the server's configured maximum"), so a shared A
     does slightly more than a plain server for (a); --json-server separate measures (a)
     on a plain server at the cost of a third start-up."""
-    if mode == "dump":
+    if mode in report.DUMP_MODES:
         return "B"
     if mode == "json" and args.json_server == "separate":
         return "C"
@@ -393,15 +395,26 @@ def make_prompts(rng, n, length, vocab):
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def send_batch(port, prompts, concurrency, return_hidden_states=False, timeout=600):
+def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
-    results per request: (latency_s, status, response bytes, content or None)."""
+    results per request: (latency_s, status, response bytes, content or None).
+
+    ``early`` (mode dump_early): each request asks to be answered before its file is
+    complete (``format.WAIT_PARAM``), as ``sglang_ext.client`` does; a thread waits for
+    its previous file's lock after sending its next prompt (one file pending per
+    thread), and the wall time ends when every file is complete."""
+    from sglang_ext import format as fmt
+
     bodies = []
     for ids in prompts:
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if return_hidden_states:
             body["return_hidden_states"] = True
+        if early:
+            body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
         bodies.append(json.dumps(body).encode())
+    slot = threading.local()
+    pending = []
 
     def one(i):
         t = time.perf_counter()
@@ -409,6 +422,13 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, timeout=6
                             headers={"Content-Type": "application/json"})
         content = r.content
         lat = time.perf_counter() - t
+        if early and r.status_code == 200:
+            path = json.loads(content)["meta_info"].get("hidden_states_path")
+            prev, slot.prev = getattr(slot, "prev", None), path
+            if prev:
+                fmt.wait_complete(prev, timeout=timeout)
+            if path:
+                pending.append(path)
         # JSON responses run to 100s of MB: keep the first (and failures) only
         keep = not return_hidden_states or i == 0 or r.status_code != 200
         return lat, r.status_code, len(content), content if keep else None
@@ -416,6 +436,8 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, timeout=6
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(len(bodies))))
+    for path in pending:  # the last file of each thread (the rest return at once)
+        fmt.wait_complete(path, timeout=timeout)
     return time.perf_counter() - t0, results
 
 
@@ -498,7 +520,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
     prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
     offset = trace_size(trace_path)
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
-                               return_hidden_states=(mode == "json"))
+                               return_hidden_states=(mode == "json"), early=(mode == "dump_early"))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
@@ -506,7 +528,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
     out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
-    if mode == "dump" and not bad:
+    if mode in report.DUMP_MODES and not bad:
         paths, errors = [], []
         for r in results:
             meta = json.loads(r[3])["meta_info"]
@@ -980,21 +1002,21 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 print(f"  skip {label}: deadline", flush=True)
                 continue
             cell = dict(cell)
-            if cell["mode"] == "dump" and cell["dump_bytes"] > 0.6 * shm_free:
+            if cell["mode"] in report.DUMP_MODES and cell["dump_bytes"] > 0.6 * shm_free:
                 per = file_bytes(spec, cell["prompt_len"])
                 cell["requests"] = max(cell["concurrency"], int(0.6 * shm_free // per))
                 cell["scaled_for_shm"] = True
             server = servers[server_for(args, cell["mode"])]
             try:
                 r = run_cell(server, cell, spec, rng, cell["mode"],
-                             trace_path=trace_path if cell["mode"] == "dump" else None)
+                             trace_path=trace_path if cell["mode"] in report.DUMP_MODES else None)
             except Exception as e:  # noqa: BLE001
                 r = {"mode": cell["mode"], "prompt_len": cell["prompt_len"],
                      "concurrency": cell["concurrency"], "requests": cell["requests"],
                      "error": f"{type(e).__name__}: {e}"[:500]}
             if cell.get("scaled_for_shm"):
                 r["scaled_for_shm"] = True
-            if cell["mode"] == "dump":
+            if cell["mode"] in report.DUMP_MODES:
                 clear_dump_dir(dd)
             m["cells"].append(r)
             spy_label = f"{cell['prompt_len']}x{cell['concurrency']}"
@@ -1054,7 +1076,7 @@ def build_parser():
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kimi-bench-out"))
     ap.add_argument("--workdir", default="/tmp/kimi-bench", help="models and raw logs")
     ap.add_argument("--models", default="llama-mid,deepseek-tiny")
-    ap.add_argument("--modes", default="nodump,dump,json")
+    ap.add_argument("--modes", default="nodump,dump,dump_early,json")
     ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--cell-tokens", type=int, default=0, help="prompt tokens per cell (profile's if 0)")
@@ -1110,8 +1132,8 @@ def main(argv=None):
         if name and name not in MODELS:
             ap.error(f"unknown model {name!r} (known: {', '.join(MODELS)})")
     for mode in args.modes.split(","):
-        if mode not in ("nodump", "dump", "json"):
-            ap.error(f"unknown mode {mode!r} (known: nodump, dump, json)")
+        if mode not in ("nodump", "json") + report.DUMP_MODES:
+            ap.error(f"unknown mode {mode!r} (known: nodump, dump, dump_early, json)")
     if args.writer_log_wait_s is None:
         args.writer_log_wait_s = PROFILES[args.profile]["writer_log_wait_s"]
     plan = make_plan(args)

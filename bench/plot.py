@@ -19,7 +19,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402
 
-COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "json": "#c44e52"}
+COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "dump_early": "#55a868", "json": "#c44e52"}
+MODES = ("nodump", "dump", "dump_early", "json")
+LABELS = {"nodump": "(a) no dump", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
+          "json": "(c) JSON"}
 
 
 def _label(prompt_len, concurrency):
@@ -44,15 +47,15 @@ def plot(results: dict, path: str) -> str:
         keys = sorted({(c["prompt_len"], c["concurrency"]) for c in cells})
         x = {k: i for i, k in enumerate(keys)}
         ax = axes[0][j]
-        width = 0.27
-        for k, mode in enumerate(("nodump", "dump", "json")):
+        shown = [mode for mode in MODES if any(c["mode"] == mode for c in cells)]
+        width = 0.8 / max(len(shown), 1)
+        for k, mode in enumerate(shown):
             pts = [(x[(c["prompt_len"], c["concurrency"])], c["prefill_tps"])
                    for c in cells if c["mode"] == mode]
-            if pts:
-                ax.bar([p[0] + (k - 1) * width for p in pts], [p[1] for p in pts], width,
-                       label={"nodump": "(a) no dump", "dump": "(b) dump",
-                              "json": "(c) JSON"}[mode], color=COLORS[mode])
-        hc = [c for c in head.get(model, {}).get("cells", []) if c.get("w_tps")]
+            ax.bar([p[0] + (k - (len(shown) - 1) / 2) * width for p in pts], [p[1] for p in pts],
+                   width, label=LABELS[mode], color=COLORS[mode])
+        hc = [c for c in head.get(model, {}).get("cells", [])
+              if c.get("w_tps") and c.get("mode", "dump") == "dump"]
         if hc:
             ax.scatter([x[(c["prompt_len"], c["concurrency"])] for c in hc],
                        [c["w_tps"] for c in hc], marker="_", s=400, color="k", label="W/B bound")
@@ -63,13 +66,14 @@ def plot(results: dict, path: str) -> str:
         ax.set_title(f"{model}")
         ax.legend(fontsize=8)
         ax = axes[1][j]
-        for k, (key, label, color) in enumerate((("dump_vs_nodump", "(b)/(a)", COLORS["nodump"]),
-                                                  ("dump_vs_bound", "(b)/min((a), W/B)", COLORS["dump"]))):
-            r = [(x[(c["prompt_len"], c["concurrency"])], c[key])
-                 for c in head.get(model, {}).get("cells", []) if c.get(key) is not None]
+        for k, (mode, label) in enumerate((("dump", "(b)/min((a), W/B)"),
+                                           ("dump_early", "(b')/min((a), W/B)"))):
+            r = [(x[(c["prompt_len"], c["concurrency"])], c["dump_vs_bound"])
+                 for c in head.get(model, {}).get("cells", [])
+                 if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None]
             if r:
                 ax.bar([p[0] + (k - 0.5) * 0.4 for p in r], [p[1] for p in r], 0.4,
-                       color=color, label=label)
+                       color=COLORS[mode], label=label)
         ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
         ax.set_ylim(0, 1.2)
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)

@@ -293,7 +293,10 @@ async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
 
     payload = {
         "input_ids": row.input_ids,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        # Answer once the file's name is reserved (format.WAIT_PARAM); the wait below
+        # covers the write, so this worker's HTTP slot is free for the next prompt.
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0,
+                            "custom_params": {fmt.WAIT_PARAM: False}},
         "rid": f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}",
     }
     try:
@@ -312,8 +315,7 @@ async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
     path = meta.get("hidden_states_path")
     if not path:
         raise RequestError("response names no hidden_states_path (server not dumping?)")
-    # The server answers only once the file is complete; this returns at once then,
-    # and still protects against a server that answers early.
+    # Complete once <path>.lock is gone (at once from a server that waited itself).
     error = await fmt.wait_complete_async(path, timeout=opts.timeout)
     if error is not None:
         if not os.path.isdir(os.path.dirname(path)):
@@ -423,7 +425,9 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     timeout = aiohttp.ClientTimeout(total=opts.timeout)
     connector = aiohttp.TCPConnector(limit=opts.concurrency)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        workers = [asyncio.create_task(worker(session)) for _ in range(opts.concurrency)]
+        # Twice as many workers as HTTP connections: while one waits for its file
+        # (answered early, see request_once) another's prompt is already prefilling.
+        workers = [asyncio.create_task(worker(session)) for _ in range(2 * opts.concurrency)]
         try:
             for row in rows:
                 if abort.is_set():
@@ -508,7 +512,9 @@ def add_parser(subparsers) -> None:
                         "datasets.save_to_disk directory (speculators prepare-data output)")
     p.add_argument("--out", required=True, help="output directory (hs_<i>.safetensors, manifest.jsonl)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path for rows with messages (apply_chat_template)")
-    p.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    p.add_argument("--concurrency", type=int, default=32,
+                   help="HTTP requests in flight; up to as many more files may be waited on "
+                        "while the server writes them")
     p.add_argument("--max-retries", type=int, default=5, help="retries per sample after its first try")
     p.add_argument("--backoff", type=float, default=1.0, help="first retry delay (s); doubles per retry")
     p.add_argument("--max-backoff", type=float, default=30.0, help="retry delay cap (s)")

@@ -31,6 +31,12 @@ planted at a name or swapped in for the directory after start-up):
 
 A client waits for a file by waiting on its lock (``wait_complete``): this is the
 completion protocol of vLLM's hidden-states connector, which speculators' client uses.
+
+The server answers a request once its file is complete, unless the request's
+``sampling_params.custom_params`` holds ``{"hidden_states_wait": false}`` (``WAIT_PARAM``):
+then it answers as soon as the name is reserved, with ``hidden_states_pending: true``
+(``PENDING_KEY``), and the client waits on the lock itself, as ``sglang_ext.client`` does,
+sending its next prompt meanwhile.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 FORMAT_VERSION = "kimi-sglang/1"
+WAIT_PARAM = "hidden_states_wait"  # request: custom_params key; false = answer early
+PENDING_KEY = "hidden_states_pending"  # response meta_info: true = wait on <path>.lock
 KEY_HIDDEN_STATES = "hidden_states"
 KEY_TOKEN_IDS = "token_ids"
 SUFFIX = ".safetensors"

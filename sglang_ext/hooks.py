@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 PATH_KEY = "hidden_states_path"
 ERROR_KEY = "hidden_states_error"
+WAIT_PARAM, PENDING_KEY = fmt.WAIT_PARAM, fmt.PENDING_KEY  # answer before the write
+ALLOW_DP_ATTENTION_ENV = "KIMI_SGLANG_ALLOW_DP_ATTENTION"  # "1": unverified, see check_server_args
 _REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
 _SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
@@ -76,7 +78,8 @@ def check_server_args(server_args) -> None:
     missing or unwritable directory, bad layer ids, a bad memory cap, and options the
     dump path does not support (``--enable-return-hidden-states`` /
     ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
-    disaggregation, DP attention, embedding models). Turns the radix cache off (a
+    disaggregation, DP attention unless ``KIMI_SGLANG_ALLOW_DP_ATTENTION=1`` (experimental:
+    every DP rank writes its own requests), embedding models). Turns the radix cache off (a
     request whose prefix is cached would compute, and so dump, only its suffix) and says
     so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
     it would never run).
@@ -96,7 +99,8 @@ def check_server_args(server_args) -> None:
         "--pp-size > 1": int(getattr(view, "pp_size", 1) or 1) > 1,
         "--disaggregation-mode": getattr(view, "disaggregation_mode", "null")
         not in (None, "null"),
-        "--enable-dp-attention": bool(getattr(view, "enable_dp_attention", False)),
+        "--enable-dp-attention": bool(getattr(view, "enable_dp_attention", False))
+        and os.environ.get(ALLOW_DP_ATTENTION_ENV) != "1",
         "--is-embedding": bool(getattr(view, "is_embedding", False)),
     }
     bad = [name for name, on in refused.items() if on]
@@ -320,6 +324,14 @@ def _finish(d: _Dumper, req, state: _ReqDump) -> None:
     _detach(state)
     d.writer.submit(pending, reservation, req.origin_input_ids, len(d.layer_ids), metadata)
     _set_info(req, PATH_KEY, os.path.join(d.config.directory, reservation.name))
+    if not _wants_wait(req):
+        _set_info(req, PENDING_KEY, True)
+
+
+def _wants_wait(req) -> bool:
+    """False when the request asked to be answered before its file is complete."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return not (isinstance(params, dict) and params.get(WAIT_PARAM) is False)
 
 
 def _drop(d: _Dumper, state: _ReqDump) -> None:
@@ -335,7 +347,7 @@ def _detach(state: _ReqDump) -> None:
         state.release = None
 
 
-def _set_info(req, key: str, value: str) -> None:
+def _set_info(req, key: str, value) -> None:
     """Record a per-request value where SGLang carries it to ``meta_info``.
 
     Upstream ships ``req.customized_info[key]`` (a list aligned with output tokens) to
@@ -359,13 +371,22 @@ async def finish_response(meta_info: dict) -> None:
 
     ``meta_info[hidden_states_path]`` becomes the file's absolute path once the writer
     has released it; if the write failed, the key is replaced by ``hidden_states_error``.
+    A request that asked not to wait (``custom_params`` ``hidden_states_wait: false``)
+    is answered at once with the path and ``hidden_states_pending: true``; a failed write
+    then shows as ``<path>.error`` when the lock goes (``format.wait_complete``).
     """
-    if ERROR_KEY in meta_info:
-        meta_info[ERROR_KEY] = _first(meta_info[ERROR_KEY])
-    if PATH_KEY not in meta_info:
+    # Upstream pads a key that another request of the same output batch has with None
+    # (output_streamer): [None] means "not set for this request".
+    for key in (ERROR_KEY, PATH_KEY, PENDING_KEY):
+        if key in meta_info:
+            value = _first(meta_info[key])
+            if value is None:
+                del meta_info[key]
+            else:
+                meta_info[key] = value
+    if PATH_KEY not in meta_info or meta_info.get(PENDING_KEY):
         return
-    path = _first(meta_info[PATH_KEY])
-    meta_info[PATH_KEY] = path
+    path = meta_info[PATH_KEY]
     t_meta = trace.now()
     try:
         error = await fmt.wait_complete_async(path)
@@ -411,7 +432,9 @@ def openai_completion_extras(response, ret):
     ``kv_transfer_params = {"hidden_states_path": <first choice's file>}`` (plus
     ``hidden_states_paths``, one per choice, when there are several). The file is complete
     and its ``.lock`` already gone when this runs (``finish_response`` waited), which
-    speculators reads as "done". ``prompt_token_ids`` per choice needs nothing here:
+    speculators reads as "done"; a request with ``custom_params``
+    ``{"hidden_states_wait": false}`` gets the path while the ``.lock`` still exists,
+    and speculators waits on it. ``prompt_token_ids`` per choice needs nothing here:
     SGLang 0.5.17 already returns it when the request says ``return_token_ids``.
 
     A failed dump raises ``HiddenStatesDumpError``: SGLang answers HTTP 500, which

@@ -5,7 +5,10 @@ bench/bench.py's orchestration on a CPU: the same flags, /health and /generate w
 - ``--dump-hidden-states-dir DIR``: writes one safetensors file per request by hand (an
   8-byte header length, the JSON header, zero bytes), hidden_states BF16
   ``[T, len(layers), 64]``, and answers ``meta_info.hidden_states_path``; logs a
-  'hidden-state dump: {...}' snapshot line as sglang_ext's writer does.
+  'hidden-state dump: {...}' snapshot line as sglang_ext's writer does. A request with
+  ``custom_params {"hidden_states_wait": false}`` is answered at once with
+  ``hidden_states_pending: true`` while ``<path>.lock`` is held (flock); the file follows
+  50 ms later, then the lock goes, as sglang_ext.format's protocol says.
 - ``--enable-return-hidden-states`` and ``return_hidden_states: true``: answers
   ``meta_info.hidden_states`` as a ``[T, 8]`` nested list.
 
@@ -15,12 +18,14 @@ It checks nothing about models; it is not SGLang.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import socket
 import struct
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 HIDDEN = 64
@@ -38,10 +43,26 @@ def main():
     lock = threading.Lock()
     state = {"n": 0, "bytes": 0, "peak": 0}
 
-    def dump(ids):
+    def dump(ids, early=False):
         with lock:
             state["n"] += 1
             name = f"req-{state['n']}.safetensors"
+        path = os.path.join(args.dump_hidden_states_dir, name)
+        if early:
+            fd = os.open(path + ".lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+
+            def later():
+                time.sleep(0.05)
+                write(ids, path)
+                os.unlink(path + ".lock")
+                os.close(fd)
+
+            threading.Thread(target=later, daemon=True).start()
+            return path
+        return write(ids, path)
+
+    def write(ids, path):
         t = len(ids)
         hs = t * len(layers) * HIDDEN * 2
         header = json.dumps({
@@ -50,7 +71,6 @@ def main():
                               "data_offsets": [0, hs]},
             "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [hs, hs + 8 * t]},
         }).encode()
-        path = os.path.join(args.dump_hidden_states_dir, name)
         with open(path, "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header + bytes(hs) + struct.pack(f"<{t}q", *ids))
         with lock:
@@ -92,7 +112,11 @@ def main():
                     return self.reply(400, {"error": "return_hidden_states is off"})
                 meta["hidden_states"] = [[[0.125] * 8 for _ in ids]]
             if args.dump_hidden_states_dir:
-                meta["hidden_states_path"] = dump(ids)
+                params = (req.get("sampling_params") or {}).get("custom_params") or {}
+                early = params.get("hidden_states_wait") is False
+                meta["hidden_states_path"] = dump(ids, early)
+                if early:
+                    meta["hidden_states_pending"] = True
             self.reply(200, {"output_ids": [1], "meta_info": meta})
 
     print("Memory pool end. avail mem=1.00 GB", flush=True)

@@ -174,15 +174,15 @@ def test_plan_sizes_and_server_flags():
     ds_b = plan["models"]["deepseek-tiny"]["servers"]["B"]
     assert ds_b[ds_b.index("--dump-hidden-states-layers") + 1] == "1,2,3,4"
     cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in llama["cells"]}
-    assert len(cells) == 19  # 3 lengths x 3 concurrencies x 2 modes + JSON
+    assert len(cells) == 28  # 3 lengths x 3 concurrencies x 3 modes (nodump, dump, dump_early) + JSON
     assert cells[("json", 2048, 8)]["requests"] == 8
     assert cells[("dump", 512, 1)]["requests"] == 128  # 64k tokens / 512
     assert cells[("dump", 8192, 32)]["requests"] == 32  # one per client at least
     # 2048 tokens x (4 x 4096 x 2 + 8) bytes + header
     assert bench.file_bytes(bench.MODELS["llama-mid"], 2048) == 2048 * 32776 + 1024
     # the headline cells come first: a run cut short by the deadline still has them
-    assert [(c["mode"], c["prompt_len"], c["concurrency"]) for c in llama["cells"][:3]] == [
-        ("nodump", 2048, 8), ("dump", 2048, 8), ("json", 2048, 8)]
+    assert [(c["mode"], c["prompt_len"], c["concurrency"]) for c in llama["cells"][:4]] == [
+        ("nodump", 2048, 8), ("dump", 2048, 8), ("dump_early", 2048, 8), ("json", 2048, 8)]
     full = bench.make_plan(_args(["--dry-run"]))
     [json_cell] = [c for c in full["models"]["llama-mid"]["cells"] if c["mode"] == "json"]
     assert json_cell["requests"] == 16
@@ -260,7 +260,7 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     res = json.loads(res_path.read_text())
     m = res["models"]["deepseek-tiny"]
     cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in m["cells"]}
-    assert len(cells) == 9 and not any(c.get("error") for c in cells.values()), m["cells"]
+    assert len(cells) == 13 and not any(c.get("error") for c in cells.values()), m["cells"]
     d = cells[("dump", 2048, 8)]
     assert d["requests"] == 8 and d["files"] == 8
     # fake files: 8 x (2048 x 4 x 64 x 2 + 2048 x 8 + header)
@@ -268,6 +268,11 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     assert d["file_check"]["hidden_states"]["shape"] == [2048, 4, 64]
     assert d["file_check"]["layer_ids"] == "[1, 2, 3, 4]"
     assert cells[("dump", 16, 1)]["requests"] == 16  # 256 tokens / 16
+    # early answers: the fake writes each file 50 ms after answering; the cell's wall time
+    # ends when every file is complete, so all 16 are there and counted
+    e = cells[("dump_early", 16, 1)]
+    assert e["files"] == 16 and e["wall_s"] >= 0.05
+    assert e["file_bytes"] == cells[("dump", 16, 1)]["file_bytes"]
     j = cells[("json", 2048, 8)]
     assert j["requests"] == 2 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 2 * 2048 * 8 * 5
     assert m["host_memory"]["log_host_bytes_peak"] == 2048 * 4 * 64 * 2

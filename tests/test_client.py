@@ -80,6 +80,9 @@ class FakeServer:
         self.nan_for = set()  # first token ids whose file holds a NaN
         self.wrong_ids_for = set()  # first token ids whose file has other token ids
         self.delay = 0.0
+        self.early_write_s = None  # honor hidden_states_wait=false: answer, write this much later
+        self.asked_early = 0
+        self.pending = self.max_pending = 0
         self.counts = {}
         self.lock = threading.Lock()
         server = self
@@ -106,7 +109,9 @@ class FakeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/generate":
-                    code, obj = server.generate(body["input_ids"], body.get("rid", "r"))
+                    params = (body.get("sampling_params") or {}).get("custom_params") or {}
+                    code, obj = server.generate(body["input_ids"], body.get("rid", "r"),
+                                                early=params.get(fmt.WAIT_PARAM) is False)
                 elif self.path == "/v1/completions":
                     code, obj = server.completions(body)
                 else:
@@ -123,8 +128,9 @@ class FakeServer:
         self.httpd.server_close()
         os.close(self.dir_fd)
 
-    def dump(self, ids, rid):
-        """Write the file as the patched server does; returns meta_info."""
+    def dump(self, ids, rid, early=False):
+        """Write the file as the patched server does; returns meta_info. ``early`` (and
+        ``early_write_s`` set): answer with the name reserved, write in a thread later."""
         hs = reference(ids)
         token_ids = torch.tensor(ids, dtype=torch.int64)
         if ids[0] in self.nan_for:
@@ -133,11 +139,30 @@ class FakeServer:
             token_ids = token_ids + 1
         res = fmt.reserve(self.dir_fd, rid)
         meta = fmt.build_metadata(rid=rid, layer_ids=LAYERS, num_layers=NUM_LAYERS)
-        fmt.write_reserved(res, hs, token_ids, meta)
-        fmt.complete(res)
-        return {"id": rid, "hidden_states_path": os.path.join(self.dump_dir, res.name)}
+        info = {"id": rid, "hidden_states_path": os.path.join(self.dump_dir, res.name)}
 
-    def generate(self, ids, rid):
+        def write():
+            fmt.write_reserved(res, hs, token_ids, meta)
+            fmt.complete(res)
+
+        if early and self.early_write_s is not None:
+            with self.lock:
+                self.asked_early += 1
+                self.pending += 1
+                self.max_pending = max(self.max_pending, self.pending)
+
+            def later():
+                time.sleep(self.early_write_s)
+                with self.lock:
+                    self.pending -= 1
+                write()
+
+            threading.Thread(target=later, daemon=True).start()
+            return info | {fmt.PENDING_KEY: True}
+        write()
+        return info
+
+    def generate(self, ids, rid, early=False):
         with self.lock:
             key = tuple(ids)
             n = self.counts[key] = self.counts.get(key, 0) + 1
@@ -147,7 +172,7 @@ class FakeServer:
             if n % 2 == 1:
                 return 500, {"error": "injected"}
             return 200, {"text": "", "meta_info": {"id": rid, "hidden_states_error": "injected"}}
-        return 200, {"text": "x", "meta_info": self.dump(ids, rid)}
+        return 200, {"text": "x", "meta_info": self.dump(ids, rid, early)}
 
     def completions(self, body):
         from sglang.srt.entrypoints.openai.protocol import (
@@ -221,6 +246,20 @@ def test_extract_writes_every_row_moves_files_and_records_a_manifest(server, tmp
     assert summary["tokens"] == sum(map(len, data))
 
 
+def test_early_answers_let_the_next_prompt_go_while_files_are_written(server, tmp_path):
+    """extract asks for early answers (custom_params hidden_states_wait=false) and waits on
+    each file's lock itself: with --concurrency 1, a second prompt is sent while the first
+    file is still being written (two files pending at once), and every file is right."""
+    server.early_write_s = 0.3
+    data = rows(6)
+    write_jsonl(tmp_path / "d.jsonl", data)
+    assert extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", 1) == 0
+    assert server.asked_early == 6
+    assert server.max_pending >= 2
+    for i, ids in enumerate(data):
+        assert_file(tmp_path / "out" / f"hs_{i}.safetensors", ids)
+
+
 def test_retries_with_backoff_then_succeed(server, tmp_path, capsys):
     server.fail_first = 2  # an HTTP 500, then a hidden_states_error, then success
     data = rows(5)
@@ -258,8 +297,10 @@ def test_abort_after_consecutive_failures(server, tmp_path, capsys):
                  "--concurrency", 1, "--max-consecutive-failures", 3)
     assert rc == client.EXIT_ABORTED
     summary = json.loads(capsys.readouterr().out.split("extract summary: ")[1])
-    assert summary["failed"] == 3 and "aborted" in summary
-    assert sum(server.counts.values()) == 3 * 2  # 3 samples x (1 try + 1 retry), then stop
+    # --concurrency 1 runs two workers (one may wait on a file): the sample the other one
+    # holds when the third failure aborts still finishes its tries; nothing new starts.
+    assert summary["failed"] in (3, 4) and "aborted" in summary
+    assert sum(server.counts.values()) == summary["failed"] * 2  # 1 try + 1 retry each
 
 
 def test_sharding_by_index_modulo_world_size(server, tmp_path):

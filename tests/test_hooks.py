@@ -10,6 +10,7 @@ the rows were batched, chunked or copied.
 import asyncio
 import json
 import os
+import threading
 import types
 
 import pytest
@@ -310,3 +311,74 @@ def test_trace_to_a_path_that_cannot_be_opened_is_silent(tmp_path, monkeypatch):
     trace.record("hook", reqs=1, t0=0.0, t1=1.0)
     assert [json.loads(x)["event"] for x in good.read_text().splitlines()] == ["hook"]
     assert not (tmp_path / "missing-dir").exists()
+
+
+def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeypatch):
+    """custom_params hidden_states_wait=false: the response comes while the writer still
+    holds <path>.lock, says hidden_states_pending, and the file is complete once the lock
+    is gone (format.wait_complete). Default requests still wait."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    gate = threading.Event()
+    real = fmt.write_reserved
+
+    def slow(*a, **k):
+        gate.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fmt, "write_reserved", slow)
+    early, normal = Req("early", 5, 1), Req("normal", 3, 2)
+    early.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
+    normal.sampling_params = types.SimpleNamespace(custom_params={"other": 1})
+    run_extend([(early, 0, 5), (normal, 0, 3)], [2, 4])
+    meta = finish(early, timeout=2)  # would time out if it waited for the gated write
+    path = meta["hidden_states_path"]
+    assert meta["hidden_states_pending"] is True
+    assert os.path.exists(path + fmt.LOCK_SUFFIX) and not os.path.exists(path)
+    gate.set()
+    assert fmt.wait_complete(path, timeout=10) is None
+    assert torch.equal(fmt.load(path).hidden_states, reference(early, [2, 4]))
+    meta_n = finish(normal)
+    assert "hidden_states_pending" not in meta_n
+    assert torch.equal(fmt.load(meta_n["hidden_states_path"]).hidden_states, reference(normal, [2, 4]))
+
+
+def test_early_answer_then_failed_write_leaves_an_error_file(dump, monkeypatch):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fmt, "write_reserved", disk_full)
+    req = Req("early-full", 4, 1)
+    req.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
+    run_extend([(req, 0, 4)], [2, 4])
+    meta = finish(req)
+    assert meta["hidden_states_pending"] is True
+    assert "No space left on device" in fmt.wait_complete(meta["hidden_states_path"], timeout=10)
+    assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
+
+
+def test_dp_attention_is_refused_unless_allowed(tmp_path, monkeypatch):
+    args = types.SimpleNamespace(
+        dump_hidden_states_dir=str(tmp_path), dump_hidden_states_layers=None,
+        dump_hidden_states_max_host_mb=64, enable_return_hidden_states=False,
+        return_hidden_states_mode=None, enable_dp_attention=True, disable_radix_cache=True,
+        disable_prefill_cuda_graph=True)
+    monkeypatch.delenv(hooks.ALLOW_DP_ATTENTION_ENV, raising=False)
+    with pytest.raises(DumpConfigError, match="--enable-dp-attention"):
+        hooks.check_server_args(args)
+    monkeypatch.setenv(hooks.ALLOW_DP_ATTENTION_ENV, "1")
+    hooks.check_server_args(args)
+
+
+def test_finish_response_drops_keys_padded_for_other_requests():
+    """SGLang's output streamer pads a customized_info key that only some requests of an
+    output batch carry with [None] for the others (scheduler_components/output_streamer.py):
+    such a request gets neither a path nor an error nor a pending flag, and no wait."""
+    meta = {"hidden_states_path": [None], "hidden_states_error": [None],
+            "hidden_states_pending": [None], "id": "x"}
+    asyncio.run(asyncio.wait_for(hooks.finish_response(meta), 2))
+    assert meta == {"id": "x"}
+    failed = {"hidden_states_path": [None], "hidden_states_error": ["boom"]}
+    asyncio.run(asyncio.wait_for(hooks.finish_response(failed), 2))
+    assert failed == {"hidden_states_error": "boom"}

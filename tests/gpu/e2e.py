@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime
+import gzip
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -116,7 +118,8 @@ def rel_errors(got, ref):
 
 
 # ---- server --------------------------------------------------------------------------
-def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=True, tp=1):
+def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=True, tp=1,
+                 dp_attention=False):
     """``launcher``: "direct" (python -m sglang.launch_server, as upstream) or
     "entrypoint" (the container's ``kimi-sglang`` entrypoint, profiles applied). A model
     directory without a tokenizer is served with --skip-tokenizer-init."""
@@ -131,6 +134,10 @@ def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=Tr
         cmd.append("--disable-cuda-graph")
     if tp > 1:
         cmd += ["--tp-size", str(tp)]
+    env = None
+    if dp_attention:  # experimental: the dump path refuses it unless told (hooks.check_server_args)
+        cmd += ["--dp-size", str(tp), "--enable-dp-attention"]
+        env = dict(os.environ, KIMI_SGLANG_ALLOW_DP_ATTENTION="1")
     if layers:
         cmd += ["--dump-hidden-states-layers", layers]
     printed = None
@@ -138,7 +145,8 @@ def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=Tr
         printed = subprocess.run(cmd + ["--print-command"], capture_output=True, text=True,
                                  check=True).stdout
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
     t0 = time.time()
     while time.time() - t0 < 420:
         if proc.poll() is not None:
@@ -160,8 +168,10 @@ def stop_server(proc):
         os.killpg(proc.pid, 9)
 
 
-def generate(ids, max_new_tokens=1, rid=None):
+def generate(ids, max_new_tokens=1, rid=None, early=False):
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if early:  # answered once the name is reserved (sglang_ext.format.WAIT_PARAM)
+        body["sampling_params"]["custom_params"] = {"hidden_states_wait": False}
     if rid is not None:
         body["rid"] = rid
     r = requests.post(f"http://127.0.0.1:{PORT}/generate", json=body, timeout=300)
@@ -181,6 +191,10 @@ def make_cases(rng):
         "shared_prefix_pair": [dict(ids=prefix + rand(50)), dict(ids=prefix + rand(70))],
         "max_new_tokens_8": [dict(ids=rand(120), max_new_tokens=8), dict(ids=rand(300), max_new_tokens=8)],
         "same_rid_twice": [dict(ids=rand(90), rid="dup-rid"), dict(ids=rand(60), rid="dup-rid")],
+        # answered before the write (hidden_states_pending), mixed with plain requests in
+        # the same batches: the plain ones carry no pending flag and wait as before
+        "early_answers_mixed_16": [dict(ids=rand(rng.randrange(8, 900)), early=i % 2 == 0)
+                                   for i in range(16)],
     }
 
 
@@ -192,7 +206,8 @@ def run_case(name, reqs, ref, layer_ids, hidden):
             results.append(generate(q["ids"], q.get("max_new_tokens", 1), q.get("rid")))
     else:
         with cf.ThreadPoolExecutor(len(reqs)) as pool:
-            futs = [pool.submit(generate, q["ids"], q.get("max_new_tokens", 1), q.get("rid")) for q in reqs]
+            futs = [pool.submit(generate, q["ids"], q.get("max_new_tokens", 1), q.get("rid"),
+                                q.get("early", False)) for q in reqs]
             results = [f.result() for f in futs]
     from sglang_ext import format as fmt
 
@@ -201,6 +216,13 @@ def run_case(name, reqs, ref, layer_ids, hidden):
     for q, res in zip(reqs, results):
         meta = res["meta_info"]
         path = meta.get("hidden_states_path")
+        if meta.get("hidden_states_pending", False) != q.get("early", False):
+            problems.append(f"hidden_states_pending {meta.get('hidden_states_pending')!r}, "
+                            f"early {q.get('early', False)}")
+        if path and q.get("early"):
+            err = fmt.wait_complete(path, timeout=60)
+            if err:
+                problems.append(f"early file: {err}")
         if not path or not os.path.exists(path):
             problems.append(f"no file: {meta.get('hidden_states_error')}")
             continue
@@ -577,11 +599,155 @@ def one_writer_rank(log_path, tp):
             "non_writer_ranks": others}
 
 
+# ---- issue 9: TP=N against TP=1, and which rank copies --------------------------------
+def make_tp_prompts(rng):
+    """Fixed prompts (with rids) sent to the TP=N server, the TP=1 server and, with
+    --dp-attention, the DP-attention server: short, chunked (> CHUNK) and long ones."""
+    lens = [5, 33, 64, 200, CHUNK + 1, 480, 700, 1000]
+    return [(f"tp-check-{i}", [rng.randrange(3, 1024) for _ in range(n)]) for i, n in enumerate(lens)]
+
+
+def send_prompts(prompts, conc=4):
+    with cf.ThreadPoolExecutor(conc) as pool:
+        return list(pool.map(lambda p: generate(p[1], rid=p[0]), prompts))
+
+
+def dtoh_bytes_per_rank(trace_dir):
+    """{tp_rank: device-to-host bytes and copies} from SGLang's torch-profiler traces
+    (``<profile_id>-TP-<rank>[-DP-<rank>].trace.json.gz``, profile_utils._ProfilerTorch):
+    CUPTI's memcpy activity records (``cat == "gpu_memcpy"``, name ``Memcpy DtoH ...``,
+    ``args.bytes``), whatever code issued them: SGLang's own copies count too."""
+    out = {}
+    for name in sorted(os.listdir(trace_dir)):
+        m = re.search(r"-TP-(\d+)", name)
+        if not m or not name.endswith(".trace.json.gz"):
+            continue
+        with gzip.open(os.path.join(trace_dir, name), "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        copies = [ev for ev in events
+                  if ev.get("cat") == "gpu_memcpy" and "DtoH" in str(ev.get("name", ""))]
+        out[int(m.group(1))] = {"dtoh_bytes": sum(int((ev.get("args") or {}).get("bytes", 0))
+                                                  for ev in copies),
+                                "dtoh_copies": len(copies), "trace": name}
+    return out
+
+
+def profiled_prompts(prompts, tag, keep_dir, trace_dir, ranks):
+    """Send ``prompts`` under SGLang's /start_profile ... /stop_profile (GPU activity on
+    every TP rank); copy each answered file to keep_dir/<rid>.safetensors. Returns
+    (problems, {rid: kept path}, per-rank DtoH bytes)."""
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    os.makedirs(keep_dir, exist_ok=True)
+    base = f"http://127.0.0.1:{PORT}"
+    requests.post(f"{base}/start_profile", timeout=120, json={
+        "output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": False,
+        "record_shapes": False, "profile_id": tag}).raise_for_status()
+    try:
+        results = send_prompts(prompts)
+    finally:
+        requests.post(f"{base}/stop_profile", timeout=300).raise_for_status()
+    problems, kept = [], {}
+    for (rid, ids), res in zip(prompts, results):
+        path = res["meta_info"].get("hidden_states_path")
+        if not path or not os.path.exists(path):
+            problems.append(f"{rid}: no file ({res['meta_info'].get('hidden_states_error')})")
+            continue
+        kept[rid] = os.path.join(keep_dir, f"{rid}.safetensors")
+        shutil.copyfile(path, kept[rid])
+    t0 = time.time()  # every rank exports before a barrier; wait for the files anyway
+    per_rank = {}
+    while time.time() - t0 < 120:
+        per_rank = dtoh_bytes_per_rank(trace_dir) if os.path.isdir(trace_dir) else {}
+        if len(per_rank) >= ranks:
+            break
+        time.sleep(1)
+    return problems, kept, per_rank
+
+
+def case_tp_copies(prompts, ref, layer_ids, hidden, tp, keep_dir, trace_dir):
+    """At --tp-size N: one file per request; exactly one rank copies the hidden states off
+    its GPU (its DtoH bytes >= the files' hidden_states bytes), every other rank copies
+    less than 1% of that (SGLang's own small copies: next token ids). Measured with
+    SGLang's profiler, not our counters. Also each file vs HF."""
+    problems, kept, per_rank = profiled_prompts(prompts, "tp", keep_dir, trace_dir, tp)
+    hs_bytes = sum(len(ids) for _, ids in prompts) * len(layer_ids) * hidden * 2  # bf16
+    from sglang_ext import format as fmt
+
+    worst = [0.0, 0.0]
+    for rid, ids in prompts:
+        if rid in kept:
+            rec = fmt.load(kept[rid])
+            if rec.token_ids.tolist() != ids:
+                problems.append(f"{rid}: token_ids differ")
+            worst = [max(a, b) for a, b in zip(worst, rel_errors(rec.hidden_states, ref(ids, layer_ids)))]
+    copiers = [r for r, v in per_rank.items() if v["dtoh_bytes"] >= hs_bytes]
+    quiet = [r for r, v in per_rank.items() if v["dtoh_bytes"] < hs_bytes / 100]
+    if len(per_rank) != tp:
+        problems.append(f"traces for ranks {sorted(per_rank)}, want {tp}")
+    ok = (not problems and copiers == [0] and len(quiet) == tp - 1
+          and worst[0] <= TOL_BLOCK and worst[1] <= TOL_TOKEN)
+    return {"pass": ok, "requests": len(prompts), "files": len(kept), "hidden_states_bytes": hs_bytes,
+            "dtoh_per_rank": per_rank, "copying_ranks": copiers, "max_rel_err": worst[0],
+            "max_rel_err_per_token": worst[1], "problems": problems[:5]}
+
+
+def compare_kept(prompts, got_kept, want_kept):
+    """Files of one server against another's (same rids): token ids exact, hidden states
+    within the bf16 tolerance (``want`` as the reference)."""
+    from sglang_ext import format as fmt
+
+    problems, worst = [], [0.0, 0.0]
+    for rid, ids in prompts:
+        if rid not in got_kept or rid not in want_kept:
+            problems.append(f"{rid}: missing on one side")
+            continue
+        got, want = fmt.load(got_kept[rid]), fmt.load(want_kept[rid])
+        if got.token_ids.tolist() != want.token_ids.tolist() or got.layer_ids != want.layer_ids:
+            problems.append(f"{rid}: token_ids or layer_ids differ")
+            continue
+        if got.hidden_states.shape != want.hidden_states.shape:
+            problems.append(f"{rid}: shape {tuple(got.hidden_states.shape)} != {tuple(want.hidden_states.shape)}")
+            continue
+        worst = [max(a, b) for a, b in zip(worst, rel_errors(got.hidden_states, want.hidden_states.float()))]
+    return problems, worst
+
+
+def case_other_server_equal(prompts, tp_kept, model_path, layers_flag, out_dir, name, tag, cuda_graph,
+                            tp=1, dp_attention=False):
+    """Start a second server on the same weights (TP=1, or TP=N with DP attention), send the
+    same prompts, compare its files with the TP=N files. With DP attention also per-rank
+    DtoH: each DP rank copies its own requests (together >= the files' bytes)."""
+    dump_dir = f"/dev/shm/hs-{name}-{tag}"
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    os.makedirs(dump_dir)
+    log_path = os.path.join(out_dir, f"server-{name}-{tag}.log")
+    proc, startup, _ = start_server(model_path, dump_dir, layers_flag, log_path, "direct", cuda_graph,
+                                    tp=tp, dp_attention=dp_attention)
+    try:
+        keep = f"/tmp/kimi-tp/{name}-{tag}"
+        problems, kept, per_rank = profiled_prompts(prompts, tag, keep, f"/tmp/kimi-tp/{name}-{tag}-traces", tp)
+        more, worst = compare_kept(prompts, kept, tp_kept)
+        problems += more
+        files = len([n for n in os.listdir(dump_dir) if n.endswith(".safetensors")])
+    finally:
+        stop_server(proc)
+    ok = not problems and worst[0] <= TOL_BLOCK and worst[1] <= TOL_TOKEN
+    out = {"pass": ok, "requests": len(prompts), "files": files, "startup_s": round(startup, 1),
+           "max_rel_err": worst[0], "max_rel_err_per_token": worst[1], "dtoh_per_rank": per_rank,
+           "problems": problems[:5]}
+    if dp_attention:
+        hs = sum(os.path.getsize(p) for p in kept.values())
+        out["writer_ranks_logged"] = one_writer_rank(log_path, tp)
+        out["dtoh_sum_ge_files"] = sum(v["dtoh_bytes"] for v in per_rank.values()) >= hs * 0.9
+        out["pass"] = ok and out["dtoh_sum_ge_files"] and files >= len(prompts)
+    return out
+
+
 GROUPS = ("core", "clients", "faults")
 
 
 def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=GROUPS, cuda_graph=True,
-              tp=1):
+              tp=1, dp_attention=False):
     from sglang_ext.config import default_layer_ids, parse_layer_ids
 
     model_path = os.path.join(workdir, name)
@@ -601,6 +767,10 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
             run_core_cases(cases, ref, layer_ids, hidden, dump_dir, rng)
         if tp > 1:
             cases["tp_one_writer"] = one_writer_rank(log_path, tp)
+            tp_prompts = make_tp_prompts(rng)
+            tp_keep = f"/tmp/kimi-tp/{name}-tp{tp}"
+            cases[f"tp{tp}_one_rank_copies"] = case_tp_copies(
+                tp_prompts, ref, layer_ids, hidden, tp, tp_keep, f"{tp_keep}-traces")
         if name == "llama" and "clients" in groups:
             cases["openai_v1_completions_vllm_protocol"] = case_openai_completions(
                 ref, layer_ids, hidden, rng, model_path)
@@ -625,6 +795,15 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
                 os.killpg(proc.pid, 9)  # schedulers the main process left behind, if any
             except ProcessLookupError:
                 pass
+    if tp > 1 and cases.get(f"tp{tp}_one_rank_copies", {}).get("files"):
+        tp_kept = {rid: os.path.join(tp_keep, f"{rid}.safetensors") for rid, _ in tp_prompts}
+        tp_kept = {rid: p for rid, p in tp_kept.items() if os.path.exists(p)}
+        cases[f"tp{tp}_equals_tp1"] = case_other_server_equal(
+            tp_prompts, tp_kept, model_path, layers_flag, out_dir, name, "tp1", cuda_graph)
+        if dp_attention and name == "deepseek":  # SGLang's DP attention targets MLA models
+            cases[f"tp{tp}_dp_attention_equals"] = case_other_server_equal(
+                tp_prompts, tp_kept, model_path, layers_flag, out_dir, name, "dpattn", cuda_graph,
+                tp=tp, dp_attention=True)
     return {"model": name, "num_layers": n, "layer_ids": list(layer_ids),
             "layers_flag": layers_flag, "launcher": launcher, "entrypoint_command": printed, "startup_s": round(startup, 1), "cases": cases}
 
@@ -636,7 +815,11 @@ def main():
     ap.add_argument("--models", default="llama,deepseek")
     ap.add_argument("--groups", default=",".join(GROUPS), help="case groups: core,clients,faults")
     ap.add_argument("--no-cuda-graph", action="store_true", help="faster start-up (decode runs eager)")
-    ap.add_argument("--tp", type=int, default=1, help="--tp-size of the servers (issue 9: needs that many GPUs)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="--tp-size of the servers (issue 9: needs that many GPUs); > 1 adds the "
+                         "per-rank copy measurement and a TP=1 server to compare with")
+    ap.add_argument("--dp-attention", action="store_true",
+                    help="with --tp N: also a --dp-size N --enable-dp-attention server (experimental)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rng = random.Random(1234)
@@ -656,6 +839,8 @@ def main():
         "tolerance": {"block_rel_err": TOL_BLOCK, "per_token_rel_err": TOL_TOKEN},
         "chunked_prefill_size": CHUNK,
         "tp": args.tp,
+        "dp_attention": args.dp_attention,
+        "gpus": torch.cuda.device_count(),
         "models": [],
     }
     for name in args.models.split(","):
@@ -663,7 +848,8 @@ def main():
         try:
             report["models"].append(run_model(name, build, layers, launcher, workdir, args.out, rng,
                                               groups=args.groups.split(","),
-                                              cuda_graph=not args.no_cuda_graph, tp=args.tp))
+                                              cuda_graph=not args.no_cuda_graph, tp=args.tp,
+                                              dp_attention=args.dp_attention))
         except Exception as e:  # noqa: BLE001
             report["models"].append({"model": name, "error": f"{type(e).__name__}: {e}", "cases": {}})
         # Written after each model, so a run cut off by a time limit keeps what it saw.
