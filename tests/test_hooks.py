@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 import types
 
 import pytest
@@ -280,7 +281,14 @@ def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch):
     run_extend([(b, 0, 3), (a, 0, 4)], [2, 4, 8])
     run_extend([(a, 4, 10)], [2, 4, 8])
     metas = {r.rid: finish(r) for r in (a, b)}
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    # A file's trace line is written just after its lock is released (which the response
+    # waits for), so it may land a moment after finish() returns.
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        if sum(x["event"] == "file" for x in lines) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert [x["reqs"] for x in lines if x["event"] == "hook"] == [2, 1]
     files = {x["name"]: x for x in lines if x["event"] == "file"}
     responses = {x["name"]: x for x in lines if x["event"] == "response"}
