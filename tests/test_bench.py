@@ -178,6 +178,8 @@ def test_plan_sizes_and_server_flags():
     assert cells[("json", 2048, 8)]["requests"] == 8
     assert cells[("dump", 512, 1)]["requests"] == 128  # 64k tokens / 512
     assert cells[("dump", 8192, 32)]["requests"] == 32  # one per client at least
+    ds = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in plan["models"]["deepseek-tiny"]["cells"]}
+    assert ds[("dump", 2048, 8)]["requests"] == 256  # cell_scale 8: 8 x 64k tokens / 2048
     # 2048 tokens x (4 x 4096 x 2 + 8) bytes + header
     assert bench.file_bytes(bench.MODELS["llama-mid"], 2048) == 2048 * 32776 + 1024
     # the headline cells come first: a run cut short by the deadline still has them

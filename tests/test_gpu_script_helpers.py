@@ -1,0 +1,74 @@
+"""The CPU-checkable parts of tests/gpu/e2e.py's TP checks (issue 9), so that the one
+two-GPU run is not lost to a parsing bug: per-rank device-to-host bytes read from torch
+profiler chrome traces as SGLang's /stop_profile exports them, and the file-against-file
+comparison of two servers' dumps."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("requests")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+import e2e  # noqa: E402
+
+from sglang_ext import format as fmt  # noqa: E402
+
+
+def _trace(path, events):
+    with gzip.open(path, "wt") as f:
+        json.dump({"schemaVersion": 1, "traceEvents": events}, f)
+
+
+def test_dtoh_bytes_per_rank_counts_only_device_to_host_copies(tmp_path):
+    """A real torch profiler trace of this process (CPU only: no memcpy events) plus
+    hand-made CUPTI memcpy records, named as SGLang's profile_utils names them."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with prof:
+        torch.ones(64).sum()
+    prof.export_chrome_trace(str(tmp_path / "real.json"))
+    real = json.loads((tmp_path / "real.json").read_text())["traceEvents"]
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 1, "dur": 2}
+    _trace(tmp_path / "tp-TP-0.trace.json.gz", real + [
+        dict(copy, args={"bytes": 3 << 20}), dict(copy, args={"bytes": 1 << 20}),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"bytes": 9 << 20}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "args": {}},
+    ])
+    _trace(tmp_path / "tp-TP-1-DP-1.trace.json.gz", real + [dict(copy, args={"bytes": 8})])
+    (tmp_path / "cuda_graph_capture-x-TP-0.json.gz").write_bytes(b"not read")
+    got = e2e.dtoh_bytes_per_rank(str(tmp_path))
+    assert {r: (v["dtoh_bytes"], v["dtoh_copies"]) for r, v in got.items()} == {
+        0: (4 << 20, 2), 1: (8, 1)}
+
+
+def _write(d, rid, hs, ids):
+    res = fmt.reserve(fmt.open_dump_dir(str(d)), rid)
+    fmt.write_reserved(res, hs, torch.tensor(ids), fmt.build_metadata(rid=rid, layer_ids=[1, 2], num_layers=4))
+    fmt.complete(res)
+    return os.path.join(str(d), res.name)
+
+
+def test_compare_kept_finds_value_id_and_missing_differences(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(5, 2, 8, generator=g).to(torch.bfloat16)
+    near = (hs.float() * (1 + 1e-3)).to(torch.bfloat16)
+    far = (hs.float() + 0.5 * torch.randn(5, 2, 8, generator=g)).to(torch.bfloat16)
+    ids = [3, 4, 5, 6, 7]
+    prompts = [("same", ids), ("far", ids), ("ids", ids), ("gone", ids)]
+    want = {rid: _write(a, rid, hs, ids) for rid, _ in prompts}
+    got = {"same": _write(b, "same", near, ids), "far": _write(b, "far", far, ids),
+           "ids": _write(b, "ids", hs, [3, 4, 5, 6, 8])}
+    problems, worst = e2e.compare_kept(prompts[:1], got, want)
+    assert problems == [] and worst[0] < e2e.TOL_BLOCK
+    problems, worst = e2e.compare_kept(prompts[1:2], got, want)
+    assert problems == [] and worst[0] > e2e.TOL_BLOCK  # the caller fails it on the tolerance
+    problems, _ = e2e.compare_kept(prompts[2:], got, want)
+    assert problems == ["ids: token_ids or layer_ids differ", "gone: missing on one side"]
