@@ -68,8 +68,9 @@ MODELS = {
         "arch": "deepseek", "hidden_size": 1024, "num_layers": 4, "vocab": 1024,
         "layers_flag": "1,2,3,4", "layer_ids": [1, 2, 3, 4],
         "est_tps": 150_000, "est_json_tps": 5_000, "est_startup_s": 130,
-        # its cells hold 8x the profile's tokens: at 64k tokens (0.1-0.6 s a cell) single
-        # stalls dominated and halved its ratios (bench/README.md, Findings)
+        # its cells at concurrency >= 8 hold 8x the profile's tokens: at 64k tokens (0.1-0.6 s
+        # a cell) single stalls dominated them (bench/README.md, Findings); its
+        # concurrency-1 cells already last seconds
         "cell_scale": 8,
     },
 }
@@ -122,7 +123,7 @@ def make_plan(args):
         head = (report.JSON_PROMPT_LEN, report.JSON_CONCURRENCY)
         grid.sort(key=lambda pc: pc != head)
         for plen, conc in grid:
-            scale = 1 if args.cell_tokens else spec.get("cell_scale", 1)  # explicit: as given
+            scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for mode in ("nodump", "dump", "dump_early"):
                 if mode in modes:
@@ -1083,7 +1084,7 @@ def build_parser():
     ap.add_argument("--modes", default="nodump,dump,dump_early,json")
     ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    ap.add_argument("--cell-tokens", type=int, default=0, help="prompt tokens per cell (if 0: the profile's, times the model's cell_scale)")
+    ap.add_argument("--cell-tokens", type=int, default=0, help="prompt tokens per cell (if 0: the profile's, times the model's cell_scale at concurrency >= 8)")
     ap.add_argument("--min-rounds", type=int, default=0, help="requests per client thread, at least")
     ap.add_argument("--json-requests", type=int, default=0, help="requests of the JSON cell")
     ap.add_argument("--ceiling-mib", type=int, default=0, help="MiB written per ceiling measurement")

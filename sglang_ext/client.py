@@ -265,6 +265,7 @@ class Options:
     timeout: float = 600.0
     validate: bool = False
     rid_prefix: str = "extract"
+    early_answers: bool = True
 
 
 @dataclass
@@ -291,12 +292,14 @@ async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
     """POST /generate for one row; returns the server's complete file path."""
     import aiohttp
 
-    payload = {
-        "input_ids": row.input_ids,
+    sampling = {"max_new_tokens": 1, "temperature": 0}
+    if opts.early_answers:
         # Answer once the file's name is reserved (format.WAIT_PARAM); the wait below
         # covers the write, so this worker's HTTP slot is free for the next prompt.
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0,
-                            "custom_params": {fmt.WAIT_PARAM: False}},
+        sampling["custom_params"] = {fmt.WAIT_PARAM: False}
+    payload = {
+        "input_ids": row.input_ids,
+        "sampling_params": sampling,
         "rid": f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}",
     }
     try:
@@ -427,7 +430,8 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         # Twice as many workers as HTTP connections: while one waits for its file
         # (answered early, see request_once) another's prompt is already prefilling.
-        workers = [asyncio.create_task(worker(session)) for _ in range(2 * opts.concurrency)]
+        n_workers = 2 * opts.concurrency if opts.early_answers else opts.concurrency
+        workers = [asyncio.create_task(worker(session)) for _ in range(n_workers)]
         try:
             for row in rows:
                 if abort.is_set():
@@ -468,7 +472,7 @@ def main(args) -> int:
         endpoint=args.endpoint, out_dir=args.out, concurrency=args.concurrency,
         max_retries=args.max_retries, backoff=args.backoff, max_backoff=args.max_backoff,
         max_consecutive_failures=args.max_consecutive_failures, timeout=args.timeout,
-        validate=args.validate, rid_prefix=args.rid_prefix,
+        validate=args.validate, rid_prefix=args.rid_prefix, early_answers=not args.no_early_answers,
     )
     stats = Stats()
     try:
@@ -526,6 +530,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--validate", action="store_true",
                    help="also load every file fully and require finite hidden states")
     p.add_argument("--rid-prefix", default="extract", help="prefix of the request ids sent")
+    p.add_argument("--no-early-answers", action="store_true",
+                   help="let the server answer only once each file is complete (needed where "
+                        "this host does not share the dump directory's file locks with the "
+                        "server, e.g. NFS without locking); by default the server answers when "
+                        "the name is reserved and this client waits on <path>.lock")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
 

@@ -432,9 +432,9 @@ def openai_completion_extras(response, ret):
     ``kv_transfer_params = {"hidden_states_path": <first choice's file>}`` (plus
     ``hidden_states_paths``, one per choice, when there are several). The file is complete
     and its ``.lock`` already gone when this runs (``finish_response`` waited), which
-    speculators reads as "done"; a request with ``custom_params``
-    ``{"hidden_states_wait": false}`` gets the path while the ``.lock`` still exists,
-    and speculators waits on it. ``prompt_token_ids`` per choice needs nothing here:
+    speculators reads as "done". (A request with ``custom_params``
+    ``{"hidden_states_wait": false}`` gets the path while the ``.lock`` still exists;
+    speculators' client cannot use that: its lock wait removes the lock file itself.) ``prompt_token_ids`` per choice needs nothing here:
     SGLang 0.5.17 already returns it when the request says ``return_token_ids``.
 
     A failed dump raises ``HiddenStatesDumpError``: SGLang answers HTTP 500, which

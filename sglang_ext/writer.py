@@ -14,6 +14,7 @@ the index line and releases the lock and the budget.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import queue
@@ -143,6 +144,11 @@ class HostBudget:
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``acquire(nbytes)`` would return at once now."""
+        with self._cond:
+            return self._fits(nbytes)
+
     def release(self, nbytes: int) -> None:
         with self._cond:
             self.in_use -= nbytes
@@ -251,6 +257,13 @@ class DumpWriter:
         nbytes = int(num_tokens) * int(row_width) * torch.empty((), dtype=dtype).element_size()
         if self._cuda:
             nbytes = pinned_block_bytes(nbytes)
+        if not self.budget.fits(nbytes):
+            # Buffers of requests SGLang dropped between prefill chunks come back when their
+            # Req is freed (hooks: weakref.finalize -> abandon). A Req in a reference cycle
+            # (SGLang's Req.__init__ puts the Req into its own custom_params["__req__"], so
+            # every request with custom_params) is freed only by the cycle collector: run it
+            # once before waiting, or the scheduler could wait for memory nobody releases.
+            gc.collect()
         self.budget.acquire(nbytes)
         try:
             host = torch.empty((num_tokens, row_width), dtype=dtype, pin_memory=self._cuda)

@@ -258,6 +258,10 @@ def test_early_answers_let_the_next_prompt_go_while_files_are_written(server, tm
     assert server.max_pending >= 2
     for i, ids in enumerate(data):
         assert_file(tmp_path / "out" / f"hs_{i}.safetensors", ids)
+    # --no-early-answers: the requests do not ask, so the server answers after each write
+    write_jsonl(tmp_path / "e.jsonl", rows(3, seed=7))
+    assert extract(server, tmp_path / "e.jsonl", tmp_path / "out2", "--no-early-answers") == 0
+    assert server.asked_early == 6
 
 
 def test_retries_with_backoff_then_succeed(server, tmp_path, capsys):

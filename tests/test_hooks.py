@@ -8,6 +8,7 @@ the rows were batched, chunked or copied.
 """
 
 import asyncio
+import gc
 import json
 import os
 import threading
@@ -390,3 +391,52 @@ def test_finish_response_drops_keys_padded_for_other_requests():
     failed = {"hidden_states_path": [None], "hidden_states_error": ["boom"]}
     asyncio.run(asyncio.wait_for(hooks.finish_response(failed), 2))
     assert failed == {"hidden_states_error": "boom"}
+
+
+def test_plain_request_padded_with_pending_none_still_waits_for_its_file(dump):
+    """A plain request in the same output batch as an early one gets
+    hidden_states_pending [None]: it must still wait for its file (held here by the lock)."""
+    fd = fmt.open_dump_dir(str(dump))
+    res = fmt.reserve(fd, "plain")
+    path = os.path.join(str(dump), res.name)
+    meta = {"hidden_states_path": [path], "hidden_states_pending": [None]}
+    task_done = threading.Event()
+
+    def answer():
+        asyncio.run(hooks.finish_response(meta))
+        task_done.set()
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    assert not task_done.wait(0.3), "answered while the file was still being written"
+    fmt.write_reserved(res, torch.zeros(2, 1, 4), torch.tensor([1, 2]),
+                       fmt.build_metadata(rid="plain", layer_ids=[1], num_layers=2))
+    fmt.complete(res)
+    assert task_done.wait(5)
+    assert meta == {"hidden_states_path": path}
+    os.close(fd)
+
+
+def test_dropped_request_in_a_reference_cycle_gives_its_buffer_back_under_backpressure(dump):
+    """SGLang's Req.__init__ stores the Req in its own custom_params["__req__"] (every early
+    request has custom_params), so a request dropped between prefill chunks is freed only by
+    the cycle collector. With the budget exhausted by such a buffer, the next request must
+    not block the scheduler thread for good: the writer collects before it waits."""
+    hooks.setup_model(make_runner(dump, layers="2,4", max_mb=1))
+    n = (1 << 20) // (2 * HIDDEN * 4) * 3 // 4  # float32 rows: 3/4 of the 1 MiB budget
+    gc.disable()
+    try:
+        a = Req("cyclic", n, 1)
+        a.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
+        a.sampling_params.custom_params["__req__"] = a
+        run_extend([(a, 0, n // 2)], [2, 4])  # its first chunk; then SGLang drops it
+        assert hooks._DUMPER.writer.budget.in_use > 0
+        del a
+        b = Req("next", n, 2)
+        t = threading.Thread(target=run_extend, args=([(b, 0, n)], [2, 4]), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the scheduler thread stayed blocked on the host budget"
+    finally:
+        gc.enable()
+    assert torch.equal(fmt.load(finish(b)["hidden_states_path"]).hidden_states, reference(b, [2, 4]))

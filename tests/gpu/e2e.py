@@ -148,16 +148,23 @@ def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=Tr
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=env)
     t0 = time.time()
-    while time.time() - t0 < 420:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-        try:
-            if requests.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
-                return proc, time.time() - t0, printed
-        except requests.RequestException:
+    try:
+        while time.time() - t0 < 420:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
+            try:
+                if requests.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
+                    return proc, time.time() - t0, printed
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise RuntimeError("server did not come up in 420 s")
+    except BaseException:
+        try:  # the port and GPU memory must be free for the next server
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
             pass
-        time.sleep(1)
-    raise RuntimeError("server did not come up in 420 s")
+        raise
 
 
 def stop_server(proc):
@@ -600,6 +607,14 @@ def one_writer_rank(log_path, tp):
 
 
 # ---- issue 9: TP=N against TP=1, and which rank copies --------------------------------
+def guarded(fn, *args, **kwargs):
+    """Run one case; an exception fails that case only (the model's other results stay)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        return {"pass": False, "problems": [f"{type(e).__name__}: {e}"[:500]]}
+
+
 def make_tp_prompts(rng):
     """Fixed prompts (with rids) sent to the TP=N server, the TP=1 server and, with
     --dp-attention, the DP-attention server: short, chunked (> CHUNK) and long ones."""
@@ -737,7 +752,8 @@ def case_other_server_equal(prompts, tp_kept, model_path, layers_flag, out_dir, 
            "problems": problems[:5]}
     if dp_attention:
         hs = sum(os.path.getsize(p) for p in kept.values())
-        out["writer_ranks_logged"] = one_writer_rank(log_path, tp)
+        # informational: under DP attention every DP rank writes its own requests
+        out["writer_ranks_in_log"] = {k: v for k, v in one_writer_rank(log_path, tp).items() if k != "pass"}
         out["dtoh_sum_ge_files"] = sum(v["dtoh_bytes"] for v in per_rank.values()) >= hs * 0.9
         out["pass"] = ok and out["dtoh_sum_ge_files"] and files >= len(prompts)
     return out
@@ -769,8 +785,8 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
             cases["tp_one_writer"] = one_writer_rank(log_path, tp)
             tp_prompts = make_tp_prompts(rng)
             tp_keep = f"/tmp/kimi-tp/{name}-tp{tp}"
-            cases[f"tp{tp}_one_rank_copies"] = case_tp_copies(
-                tp_prompts, ref, layer_ids, hidden, tp, tp_keep, f"{tp_keep}-traces")
+            cases[f"tp{tp}_one_rank_copies"] = guarded(
+                case_tp_copies, tp_prompts, ref, layer_ids, hidden, tp, tp_keep, f"{tp_keep}-traces")
         if name == "llama" and "clients" in groups:
             cases["openai_v1_completions_vllm_protocol"] = case_openai_completions(
                 ref, layer_ids, hidden, rng, model_path)
@@ -798,10 +814,11 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
     if tp > 1 and cases.get(f"tp{tp}_one_rank_copies", {}).get("files"):
         tp_kept = {rid: os.path.join(tp_keep, f"{rid}.safetensors") for rid, _ in tp_prompts}
         tp_kept = {rid: p for rid, p in tp_kept.items() if os.path.exists(p)}
-        cases[f"tp{tp}_equals_tp1"] = case_other_server_equal(
-            tp_prompts, tp_kept, model_path, layers_flag, out_dir, name, "tp1", cuda_graph)
+        cases[f"tp{tp}_equals_tp1"] = guarded(
+            case_other_server_equal, tp_prompts, tp_kept, model_path, layers_flag, out_dir, name,
+            "tp1", cuda_graph)
         if dp_attention and name == "deepseek":  # SGLang's DP attention targets MLA models
-            cases[f"tp{tp}_dp_attention_equals"] = case_other_server_equal(
+            cases[f"tp{tp}_dp_attention_equals"] = guarded(case_other_server_equal,
                 tp_prompts, tp_kept, model_path, layers_flag, out_dir, name, "dpattn", cuda_graph,
                 tp=tp, dp_attention=True)
     return {"model": name, "num_layers": n, "layer_ids": list(layer_ids),
