@@ -230,10 +230,10 @@ def print_plan(plan):
         print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s)")
         for which, cmd in m["servers"].items():
             print(f"  server {which}: {' '.join(cmd)}")
-        print(f"  {'mode':7} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
+        print(f"  {'mode':10} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
         for c in m["cells"]:
             gib = f"{c['dump_bytes'] / (1 << 30):.1f}" if "dump_bytes" in c else ""
-            print(f"  {c['mode']:7} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
+            print(f"  {c['mode']:10} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
                   f"{c['prompt_tokens']:8} {gib:>8} {c['est_s']:6}")
     print(f"\nestimated total: ~{plan['est_total_s']} s (throughputs and start-up times are "
           f"assumptions; the deadline skips what does not fit)")

@@ -1,10 +1,10 @@
 """``sglang-ext extract``: send a dataset to a dumping server, collect ``hs_<i>.safetensors``.
 
 For every row ``i`` of DATA that belongs to this rank (``i % world_size == rank``) the
-client POSTs ``/generate`` with the row's token ids, takes the file named by
-``meta_info.hidden_states_path`` (complete when the response arrives: the server waits
-for its ``.lock``), checks it and moves it to ``OUT/hs_<i>.safetensors``, the layout
-speculators' training reader loads. One line per sample goes to ``OUT/manifest.jsonl``.
+client POSTs ``/generate`` with the row's token ids, asking to be answered before the
+write (``format.WAIT_PARAM``; ``--no-early-answers`` does not ask), waits until the file
+named by ``meta_info.hidden_states_path`` is complete (its ``.lock`` released), checks it
+and moves it to ``OUT/hs_<i>.safetensors``, the layout speculators' training reader loads. One line per sample goes to ``OUT/manifest.jsonl``.
 
 Guarantees:
 
@@ -16,7 +16,7 @@ Guarantees:
   at start. A file that fails the check is extracted again and replaced atomically.
 - Retries: a failed request (connection error, HTTP error, ``hidden_states_error``, a file
   that fails the check) is retried ``--max-retries`` times with exponential backoff
-  (``--backoff * 2**attempt`` seconds, capped at ``--max-backoff``, with jitter). After
+  (``--backoff * 2**(attempt-1)`` seconds, capped at ``--max-backoff``, with jitter). After
   ``--max-consecutive-failures`` samples in a row failed all their tries, the run aborts.
 
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
@@ -70,7 +70,10 @@ def _ids_from_row(row: Dict[str, Any], index: int, tokenizer) -> List[int]:
         ids = row["input_ids"]
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
-        ids = [int(t) for t in ids]
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise DataError(f"row {index}: input_ids must be a list of non-negative integers")
     elif row.get("messages") is not None:
         if tokenizer is None:
             raise DataError(f"row {index} has messages but no --tokenizer was given")
@@ -288,8 +291,13 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
     return delay * (1 + random.random() * 0.25)
 
 
-async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
-    """POST /generate for one row; returns the server's complete file path."""
+async def request_once(session, opts: Options, row: Row, attempt: int,
+                       http_slots: Optional[asyncio.Semaphore] = None) -> str:
+    """POST /generate for one row; returns the server's complete file path.
+
+    ``http_slots`` bounds the requests in flight (``--concurrency``); the wait for a slot
+    is outside ``--timeout``, which bounds the HTTP request and then, separately, the
+    wait for the file's lock. Raises ``RequestError``."""
     import aiohttp
 
     sampling = {"max_new_tokens": 1, "temperature": 0}
@@ -302,22 +310,27 @@ async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
         "sampling_params": sampling,
         "rid": f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}",
     }
-    try:
-        async with session.post(opts.endpoint.rstrip("/") + "/generate", json=payload) as resp:
-            text = await resp.text()
-            if resp.status != 200:
-                raise RequestError(f"HTTP {resp.status}: {text[:300]}")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise RequestError(f"{type(e).__name__}: {e}") from None
+    async with (http_slots or _NO_LIMIT):
+        try:
+            async with session.post(opts.endpoint.rstrip("/") + "/generate", json=payload) as resp:
+                body = await resp.read()
+                text = body.decode("utf-8", errors="replace")
+                if resp.status != 200:
+                    raise RequestError(f"HTTP {resp.status}: {text[:300]}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise RequestError(f"{type(e).__name__}: {e}") from None
     try:
         meta = json.loads(text)["meta_info"]
     except (ValueError, KeyError, TypeError):
         raise RequestError(f"response without meta_info: {text[:300]}") from None
+    if not isinstance(meta, dict):
+        raise RequestError(f"meta_info is not an object: {text[:300]}")
     if meta.get("hidden_states_error"):
         raise RequestError(f"hidden_states_error: {meta['hidden_states_error']}")
     path = meta.get("hidden_states_path")
-    if not path:
-        raise RequestError("response names no hidden_states_path (server not dumping?)")
+    if not path or not isinstance(path, str):
+        raise RequestError(f"response names no hidden_states_path (server not dumping?): "
+                           f"{text[:300]}")
     # Complete once <path>.lock is gone (at once from a server that waited itself).
     error = await fmt.wait_complete_async(path, timeout=opts.timeout)
     if error is not None:
@@ -328,7 +341,19 @@ async def request_once(session, opts: Options, row: Row, attempt: int) -> str:
     return path
 
 
-async def extract_one(session, opts: Options, row: Row, stats: Stats) -> Dict[str, Any]:
+class _NoLimit:
+    async def __aenter__(self):
+        return None
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+_NO_LIMIT = _NoLimit()
+
+
+async def extract_one(session, opts: Options, row: Row, stats: Stats,
+                      http_slots: Optional[asyncio.Semaphore] = None) -> Dict[str, Any]:
     """All tries for one row; returns its manifest record or raises the last error."""
     last: Optional[Exception] = None
     for attempt in range(opts.max_retries + 1):
@@ -336,7 +361,7 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats) -> Dict[st
             stats.retries += 1
             await asyncio.sleep(backoff_delay(attempt, opts.backoff, opts.max_backoff))
         try:
-            src = await request_once(session, opts, row, attempt)
+            src = await request_once(session, opts, row, attempt, http_slots)
             size = await asyncio.to_thread(
                 move_into_place, src, opts.out_dir, row.index, row.input_ids, opts.validate
             )
@@ -404,8 +429,10 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                         tick()
                         continue
                 try:
-                    rec = await extract_one(session, opts, row, stats)
-                except RequestError as e:
+                    rec = await extract_one(session, opts, row, stats, http_slots)
+                except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
+                    if not isinstance(e, RequestError):
+                        e = RequestError(f"row {row.index}: {type(e).__name__}: {e}")
                     stats.failed += 1
                     stats.failed_indices.append(row.index)
                     consecutive += 1
@@ -426,11 +453,12 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 queue.task_done()
 
     timeout = aiohttp.ClientTimeout(total=opts.timeout)
-    connector = aiohttp.TCPConnector(limit=opts.concurrency)
+    # Twice as many workers as HTTP requests in flight: while one waits for its file
+    # (answered early, see request_once) another's prompt is already prefilling.
+    n_workers = 2 * opts.concurrency if opts.early_answers else opts.concurrency
+    http_slots = asyncio.Semaphore(opts.concurrency)
+    connector = aiohttp.TCPConnector(limit=n_workers)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        # Twice as many workers as HTTP connections: while one waits for its file
-        # (answered early, see request_once) another's prompt is already prefilling.
-        n_workers = 2 * opts.concurrency if opts.early_answers else opts.concurrency
         workers = [asyncio.create_task(worker(session)) for _ in range(n_workers)]
         try:
             for row in rows:
@@ -524,7 +552,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-backoff", type=float, default=30.0, help="retry delay cap (s)")
     p.add_argument("--max-consecutive-failures", type=int, default=32,
                    help="abort after this many samples in a row failed all their tries")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="per try (s): bounds the HTTP request, then separately the wait for the "
+                        "file's lock")
     p.add_argument("--world-size", type=int, default=1, help="number of extract processes sharing DATA")
     p.add_argument("--rank", type=int, default=0, help="this process: rows with index %% world_size == rank")
     p.add_argument("--validate", action="store_true",

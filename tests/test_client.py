@@ -618,3 +618,34 @@ def test_out_that_is_a_file_is_bad_input(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr
     assert not_a_dir.read_text() == "x"
+
+
+def test_malformed_answers_fail_the_sample_without_hanging_the_run(server, tmp_path, monkeypatch):
+    """Answers of the wrong shape (meta_info not an object, a path that is not a string)
+    fail their samples with a message; the run ends (exit 1), no worker dies silently."""
+    shapes = iter([{"meta_info": "oops"}, {"meta_info": {"hidden_states_path": 5}}] * 50)
+
+    def odd(ids, rid, early=False):
+        return 200, next(shapes)
+
+    monkeypatch.setattr(server, "generate", odd)
+    write_jsonl(tmp_path / "d.jsonl", rows(40))
+    rc = extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", 2,
+                 "--max-retries", 0, "--max-consecutive-failures", 100)
+    assert rc == client.EXIT_FAILED
+
+
+def test_input_ids_must_be_non_negative_integers(server, tmp_path, capsys):
+    for bad in ("abc", 5, [1.7, 2.2], [True, False], [-1, 2]):
+        (tmp_path / "d.jsonl").write_text(json.dumps({"input_ids": bad}) + "\n")
+        assert extract(server, tmp_path / "d.jsonl", tmp_path / "out") == client.EXIT_BAD_INPUT, bad
+        assert "input_ids must be a list of non-negative integers" in capsys.readouterr().err
+
+
+def test_waiting_for_a_request_slot_does_not_count_against_the_timeout(server, tmp_path):
+    """--concurrency 1 with early answers runs two workers: the second waits for the slot
+    while the first request takes 0.6 s; with --timeout 1 both must succeed."""
+    server.delay = 0.6
+    write_jsonl(tmp_path / "d.jsonl", rows(4))
+    assert extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", 1,
+                   "--timeout", 1, "--max-retries", 0) == 0
