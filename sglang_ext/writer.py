@@ -115,6 +115,9 @@ def pinned_pool() -> Optional[Dict[str, int]]:
             "alloc_ms": int(st.get("host_alloc_time.total", 0)) // 1000}
 
 
+GC_AFTER_WAIT_S = 0.5  # DumpWriter.start: collect cycles once a budget wait lasts this long
+
+
 class HostBudget:
     """A byte counter with a cap; ``acquire`` blocks until the bytes fit.
 
@@ -143,11 +146,6 @@ class HostBudget:
                     )
             self.in_use += nbytes
             self.peak = max(self.peak, self.in_use)
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``acquire(nbytes)`` would return at once now."""
-        with self._cond:
-            return self._fits(nbytes)
 
     def release(self, nbytes: int) -> None:
         with self._cond:
@@ -257,14 +255,17 @@ class DumpWriter:
         nbytes = int(num_tokens) * int(row_width) * torch.empty((), dtype=dtype).element_size()
         if self._cuda:
             nbytes = pinned_block_bytes(nbytes)
-        if not self.budget.fits(nbytes):
+        try:
+            self.budget.acquire(nbytes, timeout=GC_AFTER_WAIT_S)
+        except TimeoutError:
             # Buffers of requests SGLang dropped between prefill chunks come back when their
             # Req is freed (hooks: weakref.finalize -> abandon). A Req in a reference cycle
             # (SGLang's Req.__init__ puts the Req into its own custom_params["__req__"], so
-            # every request with custom_params) is freed only by the cycle collector: run it
-            # once before waiting, or the scheduler could wait for memory nobody releases.
+            # every request with custom_params) is freed only by the cycle collector: after
+            # a long wait run it once, or the scheduler could wait for memory nobody
+            # releases. (Not before every wait: a full collection costs ~0.1 s in a server.)
             gc.collect()
-        self.budget.acquire(nbytes)
+            self.budget.acquire(nbytes)
         try:
             host = torch.empty((num_tokens, row_width), dtype=dtype, pin_memory=self._cuda)
         except BaseException:
