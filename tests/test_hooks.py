@@ -226,7 +226,11 @@ def test_retracted_mid_prefill_starts_over(dump):
     assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
 
 
-def test_failed_write_reaches_the_response(dump, monkeypatch):
+@pytest.mark.parametrize("early", [False, True])
+def test_failed_write_reaches_the_response(dump, monkeypatch, early):
+    """Waiting: the response carries hidden_states_error and no path. Answered early
+    (custom_params hidden_states_wait=false): the path with hidden_states_pending, and the
+    error reaches the client through <path>.error when the lock goes (format.wait_complete)."""
     hooks.setup_model(make_runner(dump, layers="2,4"))
 
     def disk_full(*a, **k):
@@ -234,10 +238,16 @@ def test_failed_write_reaches_the_response(dump, monkeypatch):
 
     monkeypatch.setattr(fmt, "write_reserved", disk_full)
     req = Req("full", 4, 1)
+    if early:
+        req.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
     run_extend([(req, 0, 4)], [2, 4])
     meta = finish(req)
-    assert "No space left on device" in meta["hidden_states_error"]
-    assert "hidden_states_path" not in meta
+    if early:
+        assert meta["hidden_states_pending"] is True
+        assert "No space left on device" in fmt.wait_complete(meta["hidden_states_path"], timeout=10)
+    else:
+        assert "No space left on device" in meta["hidden_states_error"]
+        assert "hidden_states_path" not in meta
     assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
     assert hooks._DUMPER.writer.snapshot()["failures"] == 1
 
@@ -349,22 +359,6 @@ def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeyp
     meta_n = finish(normal)
     assert "hidden_states_pending" not in meta_n
     assert torch.equal(fmt.load(meta_n["hidden_states_path"]).hidden_states, reference(normal, [2, 4]))
-
-
-def test_early_answer_then_failed_write_leaves_an_error_file(dump, monkeypatch):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-
-    def disk_full(*a, **k):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(fmt, "write_reserved", disk_full)
-    req = Req("early-full", 4, 1)
-    req.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
-    run_extend([(req, 0, 4)], [2, 4])
-    meta = finish(req)
-    assert meta["hidden_states_pending"] is True
-    assert "No space left on device" in fmt.wait_complete(meta["hidden_states_path"], timeout=10)
-    assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
 
 
 def test_dp_attention_is_refused_unless_allowed(tmp_path, monkeypatch):
