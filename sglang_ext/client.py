@@ -292,7 +292,7 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 
 
 async def request_once(session, opts: Options, row: Row, attempt: int,
-                       http_slots: Optional[asyncio.Semaphore] = None) -> str:
+                       http_slots: asyncio.Semaphore) -> str:
     """POST /generate for one row; returns the server's complete file path.
 
     ``http_slots`` bounds the requests in flight (``--concurrency``); the wait for a slot
@@ -310,7 +310,7 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
         "sampling_params": sampling,
         "rid": f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}",
     }
-    async with (http_slots or _NO_LIMIT):
+    async with http_slots:
         try:
             async with session.post(opts.endpoint.rstrip("/") + "/generate", json=payload) as resp:
                 body = await resp.read()
@@ -341,19 +341,8 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     return path
 
 
-class _NoLimit:
-    async def __aenter__(self):
-        return None
-
-    async def __aexit__(self, *exc):
-        return False
-
-
-_NO_LIMIT = _NoLimit()
-
-
 async def extract_one(session, opts: Options, row: Row, stats: Stats,
-                      http_slots: Optional[asyncio.Semaphore] = None) -> Dict[str, Any]:
+                      http_slots: asyncio.Semaphore) -> Dict[str, Any]:
     """All tries for one row; returns its manifest record or raises the last error."""
     last: Optional[Exception] = None
     for attempt in range(opts.max_retries + 1):
