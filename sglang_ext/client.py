@@ -363,6 +363,8 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             }
         except (RequestError, CheckError, OSError) as e:
             last = e
+            if attempt < opts.max_retries:  # the last try's error is reported by the caller
+                print(f"row {row.index}: try {attempt + 1} failed, retrying: {e}", file=sys.stderr)
     raise RequestError(f"row {row.index}: {opts.max_retries + 1} tries failed; last: {last}")
 
 
@@ -474,6 +476,10 @@ def main(args) -> int:
     if args.concurrency < 1 or args.max_retries < 0 or args.max_consecutive_failures < 1:
         print("error: --concurrency and --max-consecutive-failures must be >= 1, "
               "--max-retries >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not args.endpoint.startswith(("http://", "https://")):
+        print(f"error: --endpoint {args.endpoint} must start with http:// or https://",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     if not os.path.exists(args.data):
         print(f"error: --data {args.data} does not exist", file=sys.stderr)

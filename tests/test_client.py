@@ -276,7 +276,11 @@ def test_retries_with_backoff_then_succeed(server, tmp_path, capsys):
     assert set(server.counts.values()) == {3}
     for i, ids in enumerate(data):
         assert_file(out / f"hs_{i}.safetensors", ids)
-    assert json.loads(capsys.readouterr().out.split("extract summary: ")[1])["retries"] == 10
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.split("extract summary: ")[1])["retries"] == 10
+    # each failed try that is retried is reported as it happens
+    assert captured.err.count("failed, retrying: HTTP 500") == 5
+    assert captured.err.count("failed, retrying: hidden_states_error: injected") == 5
 
 
 def test_backoff_delay_doubles_and_caps():
@@ -633,6 +637,16 @@ def test_malformed_answers_fail_the_sample_without_hanging_the_run(server, tmp_p
     rc = extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", 2,
                  "--max-retries", 0, "--max-consecutive-failures", 100)
     assert rc == client.EXIT_FAILED
+
+
+def test_endpoint_without_a_scheme_is_bad_input(tmp_path, capsys):
+    write_jsonl(tmp_path / "d.jsonl", rows(1))
+    from sglang_ext.__main__ import main
+
+    rc = main(["extract", "--endpoint", "127.0.0.1:30000", "--data", str(tmp_path / "d.jsonl"),
+               "--out", str(tmp_path / "out"), "--no-progress"])
+    assert rc == client.EXIT_BAD_INPUT
+    assert "must start with http:// or https://" in capsys.readouterr().err
 
 
 def test_input_ids_must_be_non_negative_integers(server, tmp_path, capsys):
