@@ -4,7 +4,8 @@ For every row ``i`` of DATA that belongs to this rank (``i % world_size == rank`
 client POSTs ``/generate`` with the row's token ids, asking to be answered before the
 write (``format.WAIT_PARAM``; ``--no-early-answers`` does not ask), waits until the file
 named by ``meta_info.hidden_states_path`` is complete (its ``.lock`` released), checks it
-and moves it to ``OUT/hs_<i>.safetensors``, the layout speculators' training reader loads. One line per sample goes to ``OUT/manifest.jsonl``.
+and moves it to ``OUT/hs_<i>.safetensors``, the layout speculators' training reader loads.
+One line per sample goes to ``OUT/manifest.jsonl``.
 
 Guarantees:
 

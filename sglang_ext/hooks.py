@@ -434,8 +434,9 @@ def openai_completion_extras(response, ret):
     and its ``.lock`` already gone when this runs (``finish_response`` waited), which
     speculators reads as "done". (A request with ``custom_params``
     ``{"hidden_states_wait": false}`` gets the path while the ``.lock`` still exists;
-    speculators' client cannot use that: its lock wait removes the lock file itself.) ``prompt_token_ids`` per choice needs nothing here:
-    SGLang 0.5.17 already returns it when the request says ``return_token_ids``.
+    speculators' client cannot use that: its lock wait removes the lock file itself.)
+    ``prompt_token_ids`` per choice needs nothing here: SGLang 0.5.17 already returns it
+    when the request says ``return_token_ids``.
 
     A failed dump raises ``HiddenStatesDumpError``: SGLang answers HTTP 500, which
     speculators' client retries. Without dump keys in ``meta_info`` (dumping off) the

@@ -627,23 +627,27 @@ def send_prompts(prompts, conc=4):
         return list(pool.map(lambda p: generate(p[1], rid=p[0]), prompts))
 
 
+def trace_files(trace_dir):
+    """[(tp_rank, file name)] of the profiler traces in ``trace_dir`` (none if missing)."""
+    if not os.path.isdir(trace_dir):
+        return []
+    found = [(re.search(r"-TP-(\d+)", n), n) for n in sorted(os.listdir(trace_dir))]
+    return [(int(m.group(1)), n) for m, n in found if m and n.endswith(".trace.json.gz")]
+
+
 def dtoh_bytes_per_rank(trace_dir):
     """{tp_rank: device-to-host bytes and copies} from SGLang's torch-profiler traces
     (``<profile_id>-TP-<rank>[-DP-<rank>].trace.json.gz``, profile_utils._ProfilerTorch):
     CUPTI's memcpy activity records (``cat == "gpu_memcpy"``, name ``Memcpy DtoH ...``,
     ``args.bytes``), whatever code issued them: SGLang's own copies count too."""
     out = {}
-    for name in sorted(os.listdir(trace_dir)):
-        m = re.search(r"-TP-(\d+)", name)
-        if not m or not name.endswith(".trace.json.gz"):
-            continue
+    for rank, name in trace_files(trace_dir):
         with gzip.open(os.path.join(trace_dir, name), "rt") as f:
             events = json.load(f).get("traceEvents", [])
         copies = [ev for ev in events
                   if ev.get("cat") == "gpu_memcpy" and "DtoH" in str(ev.get("name", ""))]
-        out[int(m.group(1))] = {"dtoh_bytes": sum(int((ev.get("args") or {}).get("bytes", 0))
-                                                  for ev in copies),
-                                "dtoh_copies": len(copies), "trace": name}
+        out[rank] = {"dtoh_bytes": sum(int((ev.get("args") or {}).get("bytes", 0)) for ev in copies),
+                     "dtoh_copies": len(copies), "trace": name}
     return out
 
 
@@ -670,13 +674,9 @@ def profiled_prompts(prompts, tag, keep_dir, trace_dir, ranks):
         kept[rid] = os.path.join(keep_dir, f"{rid}.safetensors")
         shutil.copyfile(path, kept[rid])
     t0 = time.time()  # every rank exports before a barrier; wait for the files anyway
-    per_rank = {}
-    while time.time() - t0 < 120:
-        per_rank = dtoh_bytes_per_rank(trace_dir) if os.path.isdir(trace_dir) else {}
-        if len(per_rank) >= ranks:
-            break
+    while time.time() - t0 < 120 and len(trace_files(trace_dir)) < ranks:
         time.sleep(1)
-    return problems, kept, per_rank
+    return problems, kept, dtoh_bytes_per_rank(trace_dir)
 
 
 def case_tp_copies(prompts, ref, layer_ids, hidden, tp, keep_dir, trace_dir):
