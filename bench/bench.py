@@ -607,11 +607,26 @@ def summarize_py_spy(raw_text, top=15):
             "ours": dict(ranked(ours))}
 
 
+PY_SPY_RATE = 100  # samples per second
+
+
+def gil_window_share(summary, window_s, rate=PY_SPY_RATE):
+    """Per thread of a ``--gil`` profile's ``summarize_py_spy`` summary: its samples /
+    (rate x window), the share of the sampled window in which it held the GIL."""
+    return {t: share * summary["samples"] / (rate * window_s)
+            for t, share in summary["threads"].items()}
+
+
 def profile_cell(server, cell, spec, rng, out_stem):
     """Run ``cell`` again while py-spy samples the server's scheduler process (all
-    threads, 100 Hz, without pausing it; the window also holds ~1 s before the load, to
-    attach, and the time to stop); returns ``summarize_py_spy`` of the samples, or
-    ``{"error": ...}`` when py-spy is missing or may not attach."""
+    threads, ``PY_SPY_RATE`` Hz, without pausing it, ``--gil``: only the thread holding
+    the GIL is recorded; the window also holds ~1 s before the load, to attach, and the
+    time to stop); returns ``summarize_py_spy`` of the samples plus ``window_s`` and
+    ``gil_window_share`` (per thread: samples / (rate x window), the share of the window
+    in which that thread held the GIL), or ``{"error": ...}`` when py-spy is missing or
+    may not attach. Why the GIL: every thread of the scheduler process (SGLang's event
+    loop, which also launches the forward's kernels, and the writer threads) runs Python
+    under one GIL, so what the writer holds the scheduler waits for."""
     exe = shutil.which("py-spy")
     if not exe:
         return {"error": "py-spy not on PATH"}
@@ -620,8 +635,10 @@ def profile_cell(server, cell, spec, rng, out_stem):
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}
     raw = out_stem + ".txt"
-    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", "100", "--format", "raw",
-                             "--threads", "--nonblocking", "--output", raw],
+    t0 = time.monotonic()
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(PY_SPY_RATE),
+                             "--format", "raw", "--threads", "--gil", "--nonblocking",
+                             "--output", raw],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(1.0)  # attach before the load starts
     if proc.poll() is not None:
@@ -632,6 +649,7 @@ def profile_cell(server, cell, spec, rng, out_stem):
     except Exception as e:  # noqa: BLE001 - a failed profile must not end the model's cells
         r = {"error": f"{type(e).__name__}: {e}"[:300]}
     finally:
+        window = time.monotonic() - t0
         proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
         try:
             log = proc.communicate(timeout=60)[0]
@@ -642,6 +660,8 @@ def profile_cell(server, cell, spec, rng, out_stem):
         return {"error": f"py-spy wrote nothing: {log[-400:]}"}
     with open(raw) as f:
         out = summarize_py_spy(f.read())
+    out["window_s"] = window
+    out["gil_window_share"] = gil_window_share(out, window)
     out["cell_prefill_tps_sampled"] = r.get("prefill_tps")
     if r.get("error"):
         out["cell_error"] = r["error"]
@@ -767,13 +787,18 @@ def d2h_ceiling(torch, dev, out):
     print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
 
 
-def one_file_rates(d, tensor, threads, files=4):
+def one_file_rates(d, tensor, ids, threads, files=4):
     """GB/s of writing one file at a time (what a request at concurrency 1 waits for):
-    ``"save_file"`` with one thread, and ``"pwrite_<threads>"``, the same bytes written by
+    ``"save_file"`` with one thread; ``"pwrite_<threads>"``, the same bytes written by
     ``threads`` threads with ``os.pwrite`` at disjoint offsets of one file (does the file
-    system let several threads fill one file at once?)."""
+    system let several threads fill one file at once?); the writer's own way
+    (``format.create_tmp`` ahead of time, then ``format.write_reserved`` into it):
+    ``"fallocate"`` (the preparation, off the critical path) and ``"prealloc_write"`` (the
+    write into the prepared file, header and rename included)."""
     import torch
     from safetensors.torch import save_file
+
+    from sglang_ext import format as fmt
 
     data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
     n = len(data)
@@ -796,6 +821,23 @@ def one_file_rates(d, tensor, threads, files=4):
             list(pool.map(lambda off, fd=fd: put(fd, off), range(0, n, piece)))
             os.close(fd)
     rates[f"pwrite_{threads}"] = files * n / (time.perf_counter() - t0) / 1e9
+    dir_fd = fmt.open_dump_dir(d)
+    try:
+        prep = write = 0.0
+        for i in range(files):
+            t0 = time.perf_counter()
+            tmp = fmt.create_tmp(dir_fd, fmt.file_bytes_estimate(ids.numel(), n // ids.numel()))
+            t1 = time.perf_counter()
+            res = fmt.reserve(dir_fd, f"prealloc{i}")
+            t2 = time.perf_counter()
+            fmt.write_reserved(res, tensor, ids, {"i": str(i)}, tmp)
+            t3 = time.perf_counter()
+            fmt.complete(res)
+            prep, write = prep + (t1 - t0), write + (t3 - t2)
+    finally:
+        os.close(dir_fd)
+    rates["fallocate"] = files * n / prep / 1e9
+    rates["prealloc_write"] = files * n / write / 1e9
     for e in os.listdir(d):
         os.unlink(os.path.join(d, e))
     print(f"one file at a time, {n / (1 << 20):.1f} MiB: "
@@ -862,7 +904,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         print(f"/dev/shm write, {total // count / (1 << 20):.1f} MiB files x {count}, "
               f"{threads} threads: {best:.1f} GB/s", flush=True)
         out.setdefault("shm_one_file_gbps", {})[str(total // count)] = one_file_rates(
-            d, srcs[0]["hidden_states"], threads)
+            d, srcs[0]["hidden_states"], srcs[0]["token_ids"], threads)
         del srcs, save
 
     # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it, with the

@@ -9,7 +9,8 @@ Results layout (what ``bench.py`` writes, what ``render_markdown`` and ``plot.py
     {"date", "gpu", "profile", "versions", "config": {...},
      "ceilings": {"d2h_pinned_gbps", "writer_threads",
                   "shm_write_gbps": {"<file bytes>": gbps, ...},
-                  "shm_one_file_gbps": {"<file bytes>": {"save_file": gbps, "pwrite_<n>": gbps}},
+                  "shm_one_file_gbps": {"<file bytes>": {"save_file": gbps, "pwrite_<n>": gbps,
+                                                         "fallocate": gbps, "prealloc_write": gbps}},
                   "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
      "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
                             "cells": [{"mode": "nodump"|"dump"|"json", "prompt_len",
@@ -361,8 +362,14 @@ def render_markdown(results: dict) -> str:
         if prof.get("error"):
             lines.append(f"- not taken: {prof['error'][:300]}")
             continue
-        lines.append(f"- {prof.get('samples', 0)} samples; active share per thread: "
-                     + ", ".join(f"{t} {v:.2f}" for t, v in prof.get("threads", {}).items()))
+        if prof.get("gil_window_share"):  # sampled with --gil (bench.profile_cell)
+            lines.append(f"- {prof.get('samples', 0)} samples with the GIL held, in "
+                         f"{prof.get('window_s', 0):.1f} s; share of the window each thread "
+                         "held the GIL: " + ", ".join(
+                             f"{t} {v:.2f}" for t, v in prof["gil_window_share"].items()))
+        else:
+            lines.append(f"- {prof.get('samples', 0)} samples; active share per thread: "
+                         + ", ".join(f"{t} {v:.2f}" for t, v in prof.get("threads", {}).items()))
         lines += ["", "| share | function (file:line) |", "|---:|---|"]
         for fn, share in prof.get("top", []):
             lines.append(f"| {share:.3f} | `{fn}` |")

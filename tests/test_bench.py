@@ -310,6 +310,9 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     hs = 64 * 4 * 32 * 2
     [(size, gbps)] = out["shm_write_gbps"].items()
     assert hs + 64 * 8 < int(size) < hs + 64 * 8 + 1024 and gbps > 0
+    one = out["shm_one_file_gbps"][size]
+    assert set(one) == {"save_file", "pwrite_2", "fallocate", "prealloc_write"}
+    assert all(v > 0 for v in one.values())
     w = out["writer_alone"]["m"]["64"]
     # ceil(1 MiB / (16384 + 512) bytes) = 63 files per repetition, none failed
     assert w["files_per_rep"] == 63 and w["failures"] == 0 and len(w["gbps_reps"]) == 2
@@ -356,3 +359,8 @@ def test_py_spy_raw_summary():
     assert s2["samples"] == 20 and s2["ours"] == {"thread (0x3)": 0.5}  # the frameless line is left out
     md = report.render_markdown({"models": {}, "py_spy": {"m dump 512x1": s, "x": {"error": "no ptrace"}}})
     assert "copy (w.py:3)" in md and "not taken: no ptrace" in md
+    # --gil: 10 samples at 100 Hz in a 0.5 s window -> thread 1 held the GIL 16% of it
+    gil = dict(s, window_s=0.5, gil_window_share=bench.gil_window_share(s, 0.5))
+    assert gil["gil_window_share"] == pytest.approx({"thread (0x1)": 0.16, "thread (0x2)": 0.04})
+    md = report.render_markdown({"models": {}, "py_spy": {"m dump 2048x32": gil}})
+    assert "share of the window each thread held the GIL: thread (0x1) 0.16, thread (0x2) 0.04" in md

@@ -206,20 +206,17 @@ def test_full_filesystem_real_tmpfs(tmp_path):
 
 
 def test_full_filesystem_injected_enospc(dump, monkeypatch):
-    import safetensors.torch
+    """As a 1 MiB tmpfs answers: preallocating the temporary file fails with ENOSPC once
+    the space is gone (the writer preallocates every file: format.create_tmp)."""
+    real, budget = os.posix_fallocate, {"left": 1 << 20}
 
-    real, budget = safetensors.torch.save_file, {"left": 1 << 20}
-
-    def save_until_full(tensors, path, metadata=None):
-        size = sum(t.numel() * t.element_size() for t in tensors.values()) + 1024
-        if size > budget["left"]:
-            with open(path, "wb") as f:  # a partial temporary file, then ENOSPC
-                f.write(b"\0" * 4096)
+    def fallocate_until_full(fd, offset, length):
+        if length > budget["left"]:
             raise OSError(28, "No space left on device")
-        budget["left"] -= size
-        real(tensors, path, metadata=metadata)
+        budget["left"] -= length
+        real(fd, offset, length)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_until_full)
+    monkeypatch.setattr(os, "posix_fallocate", fallocate_until_full)
     reqs = _fill_up(dump)
     budget["left"] = 1 << 20
     _check_full(dump, reqs)
@@ -324,14 +321,16 @@ def slow_writes(monkeypatch, seconds, fail_every=0):
     real, count = fmt.write_reserved, {"n": 0}
     lock = threading.Lock()
 
-    def slow(res, hs, ids, meta):
+    def slow(res, hs, ids, meta, tmp=None):
         time.sleep(seconds)
         with lock:
             count["n"] += 1
             n = count["n"]
         if fail_every and n % fail_every == 0:
+            if tmp is not None:
+                fmt.discard_tmp(tmp)  # write_reserved takes the file over, even to fail
             raise OSError(28, "No space left on device")
-        return real(res, hs, ids, meta)
+        return real(res, hs, ids, meta, tmp)
 
     monkeypatch.setattr(fmt, "write_reserved", slow)
 
@@ -369,20 +368,19 @@ def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch):
 # ---- shutdown: SIGTERM / SIGKILL with writes in flight -----------------------------------
 CHILD = textwrap.dedent(r"""
     import os, sys, time, torch
-    import safetensors.torch
     from sglang_ext import format as fmt
     from sglang_ext.writer import DumpWriter
 
     d, n, write_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    real = safetensors.torch.save_file
+    real = fmt.write_reserved
 
-    def slow_save(tensors, path, metadata=None):
-        with open(path, "wb") as f:  # a partial temporary file for a while
-            f.write(b"\0" * 1000)
+    def slow_write(res, hs, ids, meta, tmp=None):
+        if tmp is not None:  # a partial temporary file for a while
+            os.pwrite(tmp.fd, b"\0" * 1000, 0)
         time.sleep(write_s)
-        real(tensors, path, metadata=metadata)
+        return real(res, hs, ids, meta, tmp)
 
-    safetensors.torch.save_file = slow_save
+    fmt.write_reserved = slow_write
     fd = fmt.open_dump_dir(d)
     fmt.clean_stale(fd)
     w = DumpWriter(fd, max_host_bytes=1 << 30, threads=2)
