@@ -205,13 +205,16 @@ HEADER_ALLOWANCE = 4096
 _tmp_counter = itertools.count()
 
 
-def encode_header(tensors: Sequence[Tuple[str, Any]], metadata: Mapping[str, str]) -> bytes:
+def encode_header(tensors: Sequence[Tuple[str, Any]], metadata: Mapping[str, str],
+                  size: int = 0) -> bytes:
     """The safetensors header for ``tensors`` (name, CPU tensor), data in the order given.
 
     Returns the 8-byte little-endian header length followed by the JSON header
     (``__metadata__`` first, then each tensor's ``dtype``, ``shape`` and ``data_offsets``
-    relative to the end of the header), padded with spaces to a multiple of 8 bytes, as
-    safetensors' own writer does (its Rust ``serialize``), so data stays 8-byte aligned.
+    relative to the end of the header), padded with spaces (0x20, which the safetensors
+    format allows after the JSON) to ``size`` bytes in all when ``size`` is a multiple
+    of 8 that holds it, else to a multiple of 8, as safetensors' own writer (its Rust
+    ``serialize``) does, so data stays 8-byte aligned.
     Raises ``DumpFormatError`` for a dtype safetensors has no name for.
     """
     header: Dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
@@ -225,7 +228,10 @@ def encode_header(tensors: Sequence[Tuple[str, Any]], metadata: Mapping[str, str
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
+    if size % 8 == 0 and size >= 8 + len(text):
+        text += b" " * (size - 8 - len(text))
+    else:
+        text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
@@ -294,13 +300,23 @@ def discard_tmp(tmp: TmpFile) -> None:
         pass
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> int:
-    """Write all of ``data`` at ``offset`` (``pwrite`` may write less, e.g. past 2 GiB);
-    returns the offset after it. The GIL is released while the kernel copies."""
-    done, n = 0, len(data)
-    while done < n:
-        done += os.pwrite(fd, data[done:], offset + done)
-    return offset + n
+def _pwrite_all(fd: int, parts: Sequence[memoryview]) -> int:
+    """Write ``parts`` back to back from offset 0 with ``pwritev`` (one system call for a
+    whole file unless the kernel writes less, e.g. past 2 GiB: then the rest follows);
+    returns the bytes written. The GIL is released while the kernel copies."""
+    parts = [p.cast("B") for p in parts if len(p)]
+    offset = 0
+    while parts:
+        n = os.pwritev(fd, parts, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
+    return offset
 
 
 def _raw_bytes(t: Any) -> memoryview:
@@ -329,8 +345,9 @@ def write_reserved(
     ``complete`` / ``fail``).
 
     The file is what ``safetensors.torch.save_file`` would write (same header fields, data
-    order ``token_ids`` then ``hidden_states``, as its writer orders by alignment; only
-    the order of the metadata keys, unordered in its writer, may differ); it is written
+    order ``token_ids`` then ``hidden_states``, as its writer orders by alignment), but
+    for the order of the metadata keys (unordered in its writer) and, in a prepared file,
+    the header's padding (up to ``HEADER_ALLOWANCE``, see ``encode_header``); it is written
     here because ``save_file`` (>= 0.8) always creates its own temporary file, so it
     cannot fill one whose pages were allocated ahead (see ``create_tmp``). The temporary
     file is renamed within the directory descriptor, so a symlink planted at the final
@@ -339,21 +356,24 @@ def write_reserved(
     try:
         check_tensors(hidden_states, token_ids)
         parts = [(KEY_TOKEN_IDS, token_ids), (KEY_HIDDEN_STATES, hidden_states)]
-        header = encode_header(parts, metadata)
         views = [_raw_bytes(t) for _, t in parts]
+        data = sum(len(v) for v in views)
+        # A prepared file's header allowance is filled with the header's padding, so the
+        # file ends where its preallocation does (no truncation) and the data starts on
+        # a page boundary; a header that does not fit is padded as safetensors pads it.
+        room = tmp.allocated - data if tmp is not None else 0
+        header = encode_header(parts, metadata, room if room <= HEADER_ALLOWANCE else 0)
     except BaseException:
         if tmp is not None:
             discard_tmp(tmp)
         raise
-    size = len(header) + sum(len(v) for v in views)
+    size = len(header) + data
     if tmp is None:
         tmp = create_tmp(res.dir_fd, size)
     try:
-        offset = _pwrite_all(tmp.fd, memoryview(header), 0)
-        for view in views:
-            offset = _pwrite_all(tmp.fd, view, offset)
+        _pwrite_all(tmp.fd, [memoryview(header)] + views)
         if tmp.allocated > size:
-            os.ftruncate(tmp.fd, size)  # give back what the estimate allocated beyond it
+            os.ftruncate(tmp.fd, size)  # give back what was allocated beyond the file
         os.close(tmp.fd)
         tmp.fd = -1
         os.rename(tmp.name, res.name, src_dir_fd=tmp.dir_fd, dst_dir_fd=res.dir_fd)

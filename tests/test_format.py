@@ -164,21 +164,21 @@ def test_failed_write_leaves_no_final_and_no_tmp(dump_dir, monkeypatch, prepared
     d, fd = dump_dir
     res = fmt.reserve(fd, "r")
     tmp = fmt.create_tmp(fd, 1 << 16) if prepared else None
-    real_pwrite = os.pwrite
+    real_pwritev = os.pwritev
     calls = []
 
-    def boom(wfd, data, offset):
-        # The header lands, then the disk fills up.
+    def boom(wfd, buffers, offset):
+        # The kernel takes the first buffer (the header) only, then the disk fills up.
         calls.append(offset)
         if len(calls) > 1:
             raise OSError(28, "No space left on device")
-        return real_pwrite(wfd, data, offset)
+        return real_pwritev(wfd, buffers[:1], offset)
 
-    monkeypatch.setattr(os, "pwrite", boom)
+    monkeypatch.setattr(os, "pwritev", boom)
     with pytest.raises(OSError, match="No space"):
         fmt.write_reserved(res, *_tensors(), {"rid": "r"}, tmp)
     monkeypatch.undo()
-    assert len(calls) == 2
+    assert len(calls) == 2 and calls[1] > 0  # the second call went on after the header
     fmt.fail(res, "OSError: No space left on device")
     assert sorted(os.listdir(d)) == [res.name + fmt.ERROR_SUFFIX]
     assert fmt.wait_complete(str(d / res.name), timeout=1) == "OSError: No space left on device"
@@ -210,6 +210,31 @@ def test_file_is_what_safetensors_save_file_writes(dump_dir, tmp_path, dtype):
     assert data1 == data2
 
 
+def test_prepared_file_ends_at_its_preallocation_with_page_aligned_data(dump_dir, tmp_path):
+    """The writer prepares file_bytes_estimate() bytes: the header's padding fills the
+    allowance, so the file is exactly that long and the data starts at HEADER_ALLOWANCE;
+    safetensors reads it, and its header says what save_file's says."""
+    from safetensors.torch import save_file
+
+    d, fd = dump_dir
+    hs, ids = _tensors(t=6, layers=4, hidden=8)
+    est = fmt.file_bytes_estimate(6, 4 * 8 * 2)
+    tmp = fmt.create_tmp(fd, est)
+    res = fmt.reserve(fd, "aligned")
+    meta = fmt.build_metadata(rid="aligned", layer_ids=[1, 2, 3, 4], num_layers=4)
+    size = fmt.write_reserved(res, hs, ids, meta, tmp)
+    fmt.complete(res)
+    raw = (d / res.name).read_bytes()
+    assert size == est == len(raw)
+    header, data, n = _split(raw)
+    assert 8 + n == fmt.HEADER_ALLOWANCE and raw[8:8 + n].rstrip(b" ").endswith(b"}")
+    save_file({"hidden_states": hs, "token_ids": ids}, str(tmp_path / "ref"), metadata=meta)
+    ref_header, ref_data, _ = _split((tmp_path / "ref").read_bytes())
+    assert header == ref_header and data == ref_data
+    rec = fmt.load(str(d / res.name))
+    assert torch.equal(rec.hidden_states, hs) and torch.equal(rec.token_ids, ids)
+
+
 def test_prepared_tmp_is_trimmed_and_long_headers_fit(dump_dir):
     d, fd = dump_dir
     hs, ids = _tensors(t=4, layers=2, hidden=8)
@@ -231,6 +256,30 @@ def test_prepared_tmp_is_trimmed_and_long_headers_fit(dump_dir):
     rec = fmt.load(str(d / res2.name))
     assert torch.equal(rec.hidden_states, hs) and rec.metadata["note"] == long_meta["note"]
     assert sorted(os.listdir(d)) == sorted([res.name, res2.name])
+
+
+def test_short_writes_are_continued(dump_dir, monkeypatch):
+    """pwritev may write less than asked (the kernel caps one call near 2 GiB): the rest
+    follows from where it stopped, also mid-buffer."""
+    d, fd = dump_dir
+    real_pwritev = os.pwritev
+    sizes = []
+
+    def short(wfd, buffers, offset):
+        first = memoryview(buffers[0])
+        n = real_pwritev(wfd, [first[:max(1, len(first) // 3)]], offset)
+        sizes.append(n)
+        return n
+
+    monkeypatch.setattr(os, "pwritev", short)
+    hs, ids = _tensors(t=16, layers=2, hidden=8)
+    res = fmt.reserve(fd, "short")
+    size = fmt.write_reserved(res, hs, ids, {"rid": "short"})
+    monkeypatch.undo()
+    fmt.complete(res)
+    assert len(sizes) > 3 and sum(sizes) == size
+    rec = fmt.load(str(d / res.name))
+    assert torch.equal(rec.hidden_states, hs) and torch.equal(rec.token_ids, ids)
 
 
 def test_create_tmp_refuses_what_does_not_fit_and_leaves_nothing(dump_dir, monkeypatch):
