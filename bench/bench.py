@@ -787,18 +787,16 @@ def d2h_ceiling(torch, dev, out):
     print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
 
 
-def one_file_rates(d, tensor, ids, threads, files=4):
+def one_file_rates(d, tensor, threads, files=4):
     """GB/s of writing one file at a time (what a request at concurrency 1 waits for):
     ``"save_file"`` with one thread; ``"pwrite_<threads>"``, the same bytes written by
     ``threads`` threads with ``os.pwrite`` at disjoint offsets of one file (does the file
-    system let several threads fill one file at once?); the writer's own way
-    (``format.create_tmp`` ahead of time, then ``format.write_reserved`` into it):
-    ``"fallocate"`` (the preparation, off the critical path) and ``"prealloc_write"`` (the
-    write into the prepared file, header and rename included)."""
+    system let several threads fill one file at once?); ``"fallocate"``, allocating a
+    file's pages ahead (``posix_fallocate``), and ``"prealloc_write"``, one thread's
+    ``os.pwrite`` into such a file (what preallocating ahead would leave for the critical
+    path; the writer tried it on 2026-12-01, see bench/README.md)."""
     import torch
     from safetensors.torch import save_file
-
-    from sglang_ext import format as fmt
 
     data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
     n = len(data)
@@ -809,8 +807,7 @@ def one_file_rates(d, tensor, ids, threads, files=4):
     rates["save_file"] = files * n / (time.perf_counter() - t0) / 1e9
     piece = -(-n // threads)
 
-    def put(fd, off):
-        end = min(off + piece, n)
+    def put(fd, off, end):
         while off < end:
             off += os.pwrite(fd, data[off:end], off)
 
@@ -818,24 +815,18 @@ def one_file_rates(d, tensor, ids, threads, files=4):
     with cf.ThreadPoolExecutor(threads) as pool:
         for i in range(files):
             fd = os.open(os.path.join(d, f"par{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            list(pool.map(lambda off, fd=fd: put(fd, off), range(0, n, piece)))
+            list(pool.map(lambda off, fd=fd: put(fd, off, min(off + piece, n)), range(0, n, piece)))
             os.close(fd)
     rates[f"pwrite_{threads}"] = files * n / (time.perf_counter() - t0) / 1e9
-    dir_fd = fmt.open_dump_dir(d)
-    try:
-        prep = write = 0.0
-        for i in range(files):
-            t0 = time.perf_counter()
-            tmp = fmt.create_tmp(dir_fd, fmt.file_bytes_estimate(ids.numel(), n // ids.numel()))
-            t1 = time.perf_counter()
-            res = fmt.reserve(dir_fd, f"prealloc{i}")
-            t2 = time.perf_counter()
-            fmt.write_reserved(res, tensor, ids, {"i": str(i)}, tmp)
-            t3 = time.perf_counter()
-            fmt.complete(res)
-            prep, write = prep + (t1 - t0), write + (t3 - t2)
-    finally:
-        os.close(dir_fd)
+    prep = write = 0.0
+    for i in range(files):
+        fd = os.open(os.path.join(d, f"pre{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        t0 = time.perf_counter()
+        os.posix_fallocate(fd, 0, n)
+        t1 = time.perf_counter()
+        put(fd, 0, n)
+        write, prep = write + time.perf_counter() - t1, prep + t1 - t0
+        os.close(fd)
     rates["fallocate"] = files * n / prep / 1e9
     rates["prealloc_write"] = files * n / write / 1e9
     for e in os.listdir(d):
@@ -904,7 +895,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         print(f"/dev/shm write, {total // count / (1 << 20):.1f} MiB files x {count}, "
               f"{threads} threads: {best:.1f} GB/s", flush=True)
         out.setdefault("shm_one_file_gbps", {})[str(total // count)] = one_file_rates(
-            d, srcs[0]["hidden_states"], srcs[0]["token_ids"], threads)
+            d, srcs[0]["hidden_states"], threads)
         del srcs, save
 
     # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it, with the

@@ -22,8 +22,7 @@ planted at a name or swapped in for the directory after start-up):
 1. ``reserve()`` picks a name from the rid (``safe_stem``) that neither a finished file
    nor a write in flight holds, by creating ``<name>.safetensors.lock`` with
    ``O_CREAT|O_EXCL|O_NOFOLLOW`` and holding an exclusive ``flock`` on it.
-2. ``write_reserved()`` writes a temporary file ``.~<pid>-<n>.safetensors.tmp`` (made
-   by ``create_tmp``, ideally ahead of time, with its pages already allocated) and
+2. ``write_reserved()`` writes ``.<name>.safetensors.tmp`` and
    renames it to ``<name>.safetensors``: a reader never sees a partial file under the
    final name. Then one line goes to ``index.jsonl`` (``rid``, ``file``, ``num_tokens``,
    ``bytes``, ``layer_ids``).
@@ -46,15 +45,13 @@ import asyncio
 import errno
 import fcntl
 import hashlib
-import itertools
 import json
 import os
 import re
-import struct
 import time
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 FORMAT_VERSION = "kimi-sglang/1"
 WAIT_PARAM = "hidden_states_wait"  # request: custom_params key; false = answer early
@@ -108,6 +105,10 @@ class Reservation:
     @property
     def lock_name(self) -> str:
         return self.name + LOCK_SUFFIX
+
+    @property
+    def tmp_name(self) -> str:
+        return TMP_PREFIX + self.name + TMP_SUFFIX
 
 
 def open_dump_dir(path: str) -> int:
@@ -190,195 +191,36 @@ def build_metadata(
     return meta
 
 
-# safetensors' dtype names (https://github.com/huggingface/safetensors, "Format"; the
-# library's own table is safetensors.torch._TYPES) for the dtypes a dump can hold.
-SAFETENSORS_DTYPES = {
-    "torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32",
-    "torch.float64": "F64", "torch.float8_e4m3fn": "F8_E4M3", "torch.float8_e5m2": "F8_E5M2",
-    "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
-    "torch.uint8": "U8", "torch.bool": "BOOL",
-}
-# Bytes create_tmp reserves for the header beyond the tensors' data (a dump's header,
-# metadata included, is well under 1 KiB; a longer one is still written, only the bytes
-# past the allowance are allocated by the write itself).
-HEADER_ALLOWANCE = 4096
-_tmp_counter = itertools.count()
-
-
-def encode_header(tensors: Sequence[Tuple[str, Any]], metadata: Mapping[str, str],
-                  size: int = 0) -> bytes:
-    """The safetensors header for ``tensors`` (name, CPU tensor), data in the order given.
-
-    Returns the 8-byte little-endian header length followed by the JSON header
-    (``__metadata__`` first, then each tensor's ``dtype``, ``shape`` and ``data_offsets``
-    relative to the end of the header), padded with spaces (0x20, which the safetensors
-    format allows after the JSON) to ``size`` bytes in all when ``size`` is a multiple
-    of 8 that holds it, else to a multiple of 8, as safetensors' own writer (its Rust
-    ``serialize``) does, so data stays 8-byte aligned.
-    Raises ``DumpFormatError`` for a dtype safetensors has no name for.
-    """
-    header: Dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
-    offset = 0
-    for name, t in tensors:
-        dtype = SAFETENSORS_DTYPES.get(str(t.dtype))
-        if dtype is None:
-            raise DumpFormatError(f"{name}: dtype {t.dtype} has no safetensors name")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": dtype, "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    if size % 8 == 0 and size >= 8 + len(text):
-        text += b" " * (size - 8 - len(text))
-    else:
-        text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-@dataclass
-class TmpFile:
-    """A temporary file in the dump directory, open for writing, its first ``allocated``
-    bytes already backed by pages (0 where the file system cannot preallocate)."""
-
-    dir_fd: int
-    name: str
-    fd: int
-    allocated: int
-
-
-def file_bytes_estimate(num_tokens: int, row_bytes: int) -> int:
-    """Bytes ``create_tmp`` should preallocate for a dump of ``num_tokens`` rows of
-    ``row_bytes`` hidden-state bytes each (plus int64 token ids and ``HEADER_ALLOWANCE``)."""
-    return int(num_tokens) * (int(row_bytes) + 8) + HEADER_ALLOWANCE
-
-
-def create_tmp(dir_fd: int, nbytes: int) -> TmpFile:
-    """Create a fresh temporary file in the dump directory and preallocate ``nbytes``.
-
-    Why ahead of time: filling pages that already exist is the only part of a write left
-    for when the rows are on the host. Measured on the H200 host's ``/dev/shm`` (tmpfs,
-    2026-12-01, one thread, 64 MiB): writing a new file 2.6 GB/s, ``posix_fallocate``
-    10.9 GB/s, writing into the preallocated file 4.1 GB/s (16 MiB: 3.8, 11.6, 5.7).
-    The name ``.~<pid>-<n>.safetensors.tmp`` cannot collide with a dump's (``safe_stem``
-    never yields ``~``), and ``clean_stale`` removes it after a crash. Raises ``OSError``
-    (e.g. ``ENOSPC`` when the file system cannot hold ``nbytes``); nothing is left then.
-    """
-    for _ in range(1000):
-        name = f"{TMP_PREFIX}~{os.getpid()}-{next(_tmp_counter)}{SUFFIX}{TMP_SUFFIX}"
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o644, dir_fd=dir_fd)
-            break
-        except FileExistsError:  # left by an earlier process with this pid
-            continue
-    else:
-        raise OSError(errno.EEXIST, "no free temporary file name in the dump directory")
-    tmp = TmpFile(dir_fd=dir_fd, name=name, fd=fd, allocated=0)
-    try:
-        if nbytes > 0:
-            os.posix_fallocate(fd, 0, nbytes)
-            tmp.allocated = nbytes
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            discard_tmp(tmp)
-            raise
-    except BaseException:
-        discard_tmp(tmp)
-        raise
-    return tmp
-
-
-def discard_tmp(tmp: TmpFile) -> None:
-    """Close and remove a temporary file that will not become a dump; never raises."""
-    try:
-        os.close(tmp.fd)
-    except OSError:
-        pass
-    try:
-        os.unlink(tmp.name, dir_fd=tmp.dir_fd)
-    except OSError:
-        pass
-
-
-def _pwrite_all(fd: int, parts: Sequence[memoryview]) -> int:
-    """Write ``parts`` back to back from offset 0 with ``pwritev`` (one system call for a
-    whole file unless the kernel writes less, e.g. past 2 GiB: then the rest follows);
-    returns the bytes written. The GIL is released while the kernel copies."""
-    parts = [p.cast("B") for p in parts if len(p)]
-    offset = 0
-    while parts:
-        n = os.pwritev(fd, parts, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += n
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
-    return offset
-
-
-def _raw_bytes(t: Any) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    import torch
-
-    if not t.is_contiguous():
-        raise DumpFormatError(f"tensor of shape {tuple(t.shape)} is not contiguous")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
 def write_reserved(
     res: Reservation,
     hidden_states: Any,
     token_ids: Any,
     metadata: Mapping[str, str],
-    tmp: Optional[TmpFile] = None,
 ) -> int:
     """Write the file for a reservation atomically; returns its size in bytes.
 
     ``hidden_states``: torch ``[T, L, H]`` (CPU, contiguous); ``token_ids``: torch int64
-    ``[T]``. ``tmp``: a ``create_tmp`` file to write into (taken over: closed, and renamed
-    or removed); without one, one is made here. Raises ``DumpFormatError`` on inconsistent
-    shapes and ``OSError`` on I/O failure; in both cases nothing is left under the final
-    name and the temporary file is removed. Does not release the reservation (see
-    ``complete`` / ``fail``).
-
-    The file is what ``safetensors.torch.save_file`` would write (same header fields, data
-    order ``token_ids`` then ``hidden_states``, as its writer orders by alignment), but
-    for the order of the metadata keys (unordered in its writer) and, in a prepared file,
-    the header's padding (up to ``HEADER_ALLOWANCE``, see ``encode_header``); it is written
-    here because ``save_file`` (>= 0.8) always creates its own temporary file, so it
-    cannot fill one whose pages were allocated ahead (see ``create_tmp``). The temporary
-    file is renamed within the directory descriptor, so a symlink planted at the final
-    name or swapped in for the directory is never followed.
+    ``[T]``. Raises ``DumpFormatError`` on inconsistent shapes and ``OSError`` on I/O
+    failure; in both cases nothing is left under the final name and the temporary file
+    is removed. Does not release the reservation (see ``complete`` / ``fail``).
     """
+    check_tensors(hidden_states, token_ids)
+    from safetensors.torch import save_file
+
+    # safetensors writes by path. This path reaches the dump directory through its open
+    # descriptor, so a symlink swapped in for the directory is never followed; an entry
+    # planted at the temporary name is replaced by rename, not followed (safetensors
+    # >= 0.8 itself writes a hidden temporary file and renames it onto this name).
     try:
-        check_tensors(hidden_states, token_ids)
-        parts = [(KEY_TOKEN_IDS, token_ids), (KEY_HIDDEN_STATES, hidden_states)]
-        views = [_raw_bytes(t) for _, t in parts]
-        data = sum(len(v) for v in views)
-        # A prepared file's header allowance is filled with the header's padding, so the
-        # file ends where its preallocation does (no truncation) and the data starts on
-        # a page boundary; a header that does not fit is padded as safetensors pads it.
-        room = tmp.allocated - data if tmp is not None else 0
-        header = encode_header(parts, metadata, room if room <= HEADER_ALLOWANCE else 0)
+        save_file(
+            {KEY_HIDDEN_STATES: hidden_states, KEY_TOKEN_IDS: token_ids},
+            f"/proc/self/fd/{res.dir_fd}/{res.tmp_name}",
+            metadata=dict(metadata),
+        )
+        size = os.stat(res.tmp_name, dir_fd=res.dir_fd, follow_symlinks=False).st_size
+        os.rename(res.tmp_name, res.name, src_dir_fd=res.dir_fd, dst_dir_fd=res.dir_fd)
     except BaseException:
-        if tmp is not None:
-            discard_tmp(tmp)
-        raise
-    size = len(header) + data
-    if tmp is None:
-        tmp = create_tmp(res.dir_fd, size)
-    try:
-        _pwrite_all(tmp.fd, [memoryview(header)] + views)
-        if tmp.allocated > size:
-            os.ftruncate(tmp.fd, size)  # give back what was allocated beyond the file
-        os.close(tmp.fd)
-        tmp.fd = -1
-        os.rename(tmp.name, res.name, src_dir_fd=tmp.dir_fd, dst_dir_fd=res.dir_fd)
-    except BaseException:
-        discard_tmp(tmp)
+        _unlink_quiet(res.dir_fd, res.tmp_name)
         raise
     return size
 
@@ -442,6 +284,7 @@ def fail(res: Reservation, message: str) -> None:
             os.close(fd)
     except OSError:
         pass
+    _unlink_quiet(res.dir_fd, res.tmp_name)
     _unlink_quiet(res.dir_fd, res.lock_name)
     try:
         os.close(res.lock_fd)
@@ -459,9 +302,8 @@ def _unlink_quiet(dir_fd: int, name: str) -> None:
 def clean_stale(dir_fd: int) -> Dict[str, int]:
     """Remove what an interrupted run left: temporary files and locks nobody holds.
 
-    Temporary files are ours (``.~<pid>-<n>.safetensors.tmp``; ``.<name>.safetensors.tmp``
-    before 2026-12) and safetensors' own (``.tmpXXXXXX``, from ``save_file``, which wrote
-    dumps before then); only the writing rank of one server may use a dump directory.
+    Temporary files are ours (``.<name>.safetensors.tmp``) and safetensors' own
+    (``.tmpXXXXXX``); only the writing rank of one server may use a dump directory.
 
     Called once at start-up by the writing rank. A lock is stale when an exclusive
     non-blocking ``flock`` on it succeeds. Returns counts ``{"tmp": n, "lock": m}``.

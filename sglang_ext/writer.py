@@ -3,10 +3,8 @@
 Nothing here blocks the scheduler except ``HostBudget.acquire`` when the configured
 host-memory cap is reached (that is the backpressure: prefill waits for the disk).
 
-Per request: ``start()`` reserves ``num_tokens x row_bytes`` of the budget, allocates
-one pinned host buffer ``[num_tokens, row_width]`` and asks a preparation thread for the
-file's temporary file with its pages allocated (``format.create_tmp``), so that while the
-forward runs the disk is made ready and the write later only fills pages; each prefill chunk's rows are copied
+Per request: ``start()`` reserves ``num_tokens x row_bytes`` of the budget and allocates
+one pinned host buffer ``[num_tokens, row_width]``; each prefill chunk's rows are copied
 into their slice by ``copy_rows()`` (asynchronously, on the side stream, ordered after
 the forward that produced them); ``submit()`` hands the buffer to a writer thread,
 which waits for the copies' events, writes the file (``format.write_reserved``), appends
@@ -16,7 +14,6 @@ the index line and releases the lock and the budget.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
 import gc
 import logging
 import os
@@ -35,7 +32,6 @@ from sglang_ext import trace
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-PREP_THREADS = 2  # threads that create and preallocate temporary files (format.create_tmp)
 DEFAULT_SWITCH_INTERVAL_MS = 0.2
 DEFAULT_STATS_INTERVAL_S = 60.0
 POOL_CHECK_INTERVAL_S = 0.5  # pinned-pool statistics are not free: see pinned_pool()
@@ -171,7 +167,6 @@ class PendingDump:
     nbytes: int
     rows: int = 0
     events: List[Any] = field(default_factory=list)
-    tmp: Optional["cf.Future"] = None  # -> format.TmpFile, made by a preparation thread
     times: Optional[Dict[str, float]] = None  # stage timestamps while tracing (trace.py)
 
 
@@ -194,18 +189,6 @@ class WriterStats:
             "backpressure_waits": budget.waits,
             "pinned_pool_trims": self.pool_trims,
         }
-
-
-def _discard_prepared(pending: PendingDump) -> None:
-    """Remove the temporary file prepared for a dump that will not use it."""
-    future, pending.tmp = pending.tmp, None
-    if future is None:
-        return
-    try:
-        tmp = future.result()
-    except BaseException:  # noqa: BLE001 - creating it failed: nothing to remove
-        return
-    fmt.discard_tmp(tmp)
 
 
 class DumpWriter:
@@ -252,7 +235,6 @@ class DumpWriter:
         self._stream = torch.cuda.Stream(device=device) if self._cuda else None
         self._log_every_s = stats_interval_s() if log_every_s is None else log_every_s
         self._last_log = time.monotonic()
-        self._prep = cf.ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="hs-prep")
         self._threads = [
             threading.Thread(target=self._worker, name=f"hs-writer-{i}", daemon=True)
             for i in range(threads)
@@ -291,12 +273,6 @@ class DumpWriter:
             raise
         self._publish()
         pending = PendingDump(rid=rid, num_tokens=num_tokens, host=host, nbytes=nbytes)
-        try:
-            pending.tmp = self._prep.submit(
-                fmt.create_tmp, self.dir_fd,
-                fmt.file_bytes_estimate(num_tokens, row_width * host.element_size()))
-        except RuntimeError:  # the pool is shut down (closing): the write makes its own
-            pending.tmp = None
         if trace.enabled():
             pending.times = {"t_start": trace.now()}
         return pending
@@ -368,7 +344,6 @@ class DumpWriter:
         pending.events.clear()
         pending.host = None
         self.budget.release(pending.nbytes)
-        _discard_prepared(pending)
         self._publish()
 
     # ---- writer threads -----------------------------------------------------------
@@ -406,7 +381,6 @@ class DumpWriter:
                 self.metrics.failed()
         finally:
             pending.events.clear()
-            _discard_prepared(pending)  # a write that failed before it took the file
             if pending.host is not None:
                 pending.host = None
                 self.budget.release(pending.nbytes)
@@ -456,9 +430,7 @@ class DumpWriter:
             )
         hidden = pending.host.view(pending.num_tokens, num_slots, width // num_slots)
         ids = torch.tensor(list(token_ids), dtype=torch.int64)
-        future, pending.tmp = pending.tmp, None
-        tmp = future.result() if future is not None else None  # raises what create_tmp did
-        size = fmt.write_reserved(reservation, hidden, ids, metadata, tmp)
+        size = fmt.write_reserved(reservation, hidden, ids, metadata)
         times["t_written"] = trace.now()
         fmt.append_index(
             reservation.dir_fd,
@@ -541,7 +513,6 @@ class DumpWriter:
         if not already:
             for _ in self._threads:
                 self._queue.put(None)
-            self._prep.shutdown(wait=False)
         snap = self.snapshot()
         drained = snap["queue_depth"] == 0
         if drained:

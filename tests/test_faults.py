@@ -206,17 +206,20 @@ def test_full_filesystem_real_tmpfs(tmp_path):
 
 
 def test_full_filesystem_injected_enospc(dump, monkeypatch):
-    """As a 1 MiB tmpfs answers: preallocating the temporary file fails with ENOSPC once
-    the space is gone (the writer preallocates every file: format.create_tmp)."""
-    real, budget = os.posix_fallocate, {"left": 1 << 20}
+    import safetensors.torch
 
-    def fallocate_until_full(fd, offset, length):
-        if length > budget["left"]:
+    real, budget = safetensors.torch.save_file, {"left": 1 << 20}
+
+    def save_until_full(tensors, path, metadata=None):
+        size = sum(t.numel() * t.element_size() for t in tensors.values()) + 1024
+        if size > budget["left"]:
+            with open(path, "wb") as f:  # a partial temporary file, then ENOSPC
+                f.write(b"\0" * 4096)
             raise OSError(28, "No space left on device")
-        budget["left"] -= length
-        real(fd, offset, length)
+        budget["left"] -= size
+        real(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(os, "posix_fallocate", fallocate_until_full)
+    monkeypatch.setattr(safetensors.torch, "save_file", save_until_full)
     reqs = _fill_up(dump)
     budget["left"] = 1 << 20
     _check_full(dump, reqs)
@@ -321,16 +324,14 @@ def slow_writes(monkeypatch, seconds, fail_every=0):
     real, count = fmt.write_reserved, {"n": 0}
     lock = threading.Lock()
 
-    def slow(res, hs, ids, meta, tmp=None):
+    def slow(res, hs, ids, meta):
         time.sleep(seconds)
         with lock:
             count["n"] += 1
             n = count["n"]
         if fail_every and n % fail_every == 0:
-            if tmp is not None:
-                fmt.discard_tmp(tmp)  # write_reserved takes the file over, even to fail
             raise OSError(28, "No space left on device")
-        return real(res, hs, ids, meta, tmp)
+        return real(res, hs, ids, meta)
 
     monkeypatch.setattr(fmt, "write_reserved", slow)
 
@@ -368,19 +369,20 @@ def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch):
 # ---- shutdown: SIGTERM / SIGKILL with writes in flight -----------------------------------
 CHILD = textwrap.dedent(r"""
     import os, sys, time, torch
+    import safetensors.torch
     from sglang_ext import format as fmt
     from sglang_ext.writer import DumpWriter
 
     d, n, write_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    real = fmt.write_reserved
+    real = safetensors.torch.save_file
 
-    def slow_write(res, hs, ids, meta, tmp=None):
-        if tmp is not None:  # a partial temporary file for a while
-            os.pwrite(tmp.fd, b"\0" * 1000, 0)
+    def slow_save(tensors, path, metadata=None):
+        with open(path, "wb") as f:  # a partial temporary file for a while
+            f.write(b"\0" * 1000)
         time.sleep(write_s)
-        return real(res, hs, ids, meta, tmp)
+        real(tensors, path, metadata=metadata)
 
-    fmt.write_reserved = slow_write
+    safetensors.torch.save_file = slow_save
     fd = fmt.open_dump_dir(d)
     fmt.clean_stale(fd)
     w = DumpWriter(fd, max_host_bytes=1 << 30, threads=2)

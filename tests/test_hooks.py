@@ -225,7 +225,6 @@ def test_retracted_mid_prefill_starts_over(dump):
     run_extend([(req, 4, 6)], [2, 4])
     path = finish(req)["hidden_states_path"]
     assert torch.equal(fmt.load(path).hidden_states, reference(req, [2, 4]))
-    # the first attempt's buffer and prepared temporary file are gone
     assert sorted(os.listdir(dump)) == sorted([os.path.basename(path), fmt.INDEX_NAME])
 
 
