@@ -566,6 +566,11 @@ def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, caplog):
     assert value("dump_queue_depth") == 3 and value("dump_host_bytes_in_use") == 3 * 4 * 16 * 4
     metas = [finish(r) for r in reqs]
     sizes = [os.path.getsize(x["hidden_states_path"]) for x in metas if "hidden_states_path" in x]
+    # The counters move just after the lock is released (the writer thread's last steps,
+    # the queue depth last), so a waiter can see the file a moment before them.
+    deadline = time.monotonic() + 5
+    while value("dump_queue_depth") and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert value("dump_files_written_total") == 2 and value("dump_failures_total") == 1
     assert value("dump_bytes_written_total") == sum(sizes)
     assert value("dump_queue_depth") == 0 and value("dump_host_bytes_in_use") == 0

@@ -20,6 +20,7 @@ import torch
 
 from sglang_ext import format as fmt
 from sglang_ext import hooks
+from sglang_ext import writer as writer_mod
 from sglang_ext.config import DumpConfigError
 
 HIDDEN = 8
@@ -436,3 +437,17 @@ def test_dropped_request_in_a_reference_cycle_gives_its_buffer_back_under_backpr
     finally:
         gc.enable()
     assert torch.equal(fmt.load(finish(b)["hidden_states_path"]).hidden_states, reference(b, [2, 4]))
+
+
+@pytest.mark.parametrize("ids", [[5], [0, 1, 2**40, 2**63 - 1, 151643], list(range(9000)), []])
+def test_token_ids_tensor_is_int64_of_the_same_values(ids):
+    t = writer_mod.token_ids_tensor(ids)
+    assert t.dtype == torch.int64 and t.shape == (len(ids),)
+    assert t.tolist() == ids
+
+
+def test_token_ids_tensor_refuses_what_is_not_an_int64():
+    with pytest.raises(OverflowError):
+        writer_mod.token_ids_tensor([2**63])
+    with pytest.raises(TypeError):
+        writer_mod.token_ids_tensor([1.5])
