@@ -335,6 +335,12 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     # Complete once <path>.lock is gone (at once from a server that waited itself).
     error = await fmt.wait_complete_async(path, timeout=opts.timeout)
     if error is not None:
+        # The message is in hand and the row is tried again under a new rid: remove the
+        # server's <path>.error so failed tries do not pile up in the dump directory.
+        try:
+            os.unlink(path + fmt.ERROR_SUFFIX)
+        except OSError:
+            pass
         if not os.path.isdir(os.path.dirname(path)):
             error += (f" (directory {os.path.dirname(path)} not found here: run extract where "
                       f"the server's --dump-hidden-states-dir is visible under the same path)")

@@ -147,11 +147,14 @@ class HostBudget:
         self.waits = 0
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, timeout: Optional[float] = None) -> None:
-        """Take ``nbytes``; raises ``TimeoutError`` if they do not fit within ``timeout`` s."""
+    def acquire(self, nbytes: int, timeout: Optional[float] = None, *,
+                resumed: bool = False) -> None:
+        """Take ``nbytes``; raises ``TimeoutError`` if they do not fit within ``timeout`` s.
+        ``waits`` counts each wait once: ``resumed=True`` continues a wait that an earlier
+        call, ended by its timeout, already counted."""
         with self._cond:
             if not self._fits(nbytes):
-                self.waits += 1
+                self.waits += 0 if resumed else 1
                 if not self._cond.wait_for(lambda: self._fits(nbytes), timeout=timeout):
                     raise TimeoutError(
                         f"host budget: {nbytes} bytes did not fit in {timeout}s "
@@ -278,7 +281,7 @@ class DumpWriter:
             # a long wait run it once, or the scheduler could wait for memory nobody
             # releases. (Not before every wait: a full collection costs ~0.1 s in a server.)
             gc.collect()
-            self.budget.acquire(nbytes)
+            self.budget.acquire(nbytes, resumed=True)
         try:
             host = torch.empty((num_tokens, row_width), dtype=dtype, pin_memory=self._cuda)
         except BaseException:

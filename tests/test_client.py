@@ -81,6 +81,7 @@ class FakeServer:
         self.wrong_ids_for = set()  # first token ids whose file has other token ids
         self.delay = 0.0
         self.early_write_s = None  # honor hidden_states_wait=false: answer, write this much later
+        self.fail_write_once = set()  # first token ids whose first write fails (<path>.error)
         self.asked_early = 0
         self.pending = self.max_pending = 0
         self.counts = {}
@@ -141,7 +142,14 @@ class FakeServer:
         meta = fmt.build_metadata(rid=rid, layer_ids=LAYERS, num_layers=NUM_LAYERS)
         info = {"id": rid, "hidden_states_path": os.path.join(self.dump_dir, res.name)}
 
+        with self.lock:
+            fail = ids[0] in self.fail_write_once
+            self.fail_write_once.discard(ids[0])
+
         def write():
+            if fail:  # as the writer does when a write fails after an early answer
+                fmt.fail(res, "OSError: [Errno 28] No space left on device")
+                return
             fmt.write_reserved(res, hs, token_ids, meta)
             fmt.complete(res)
 
@@ -262,6 +270,23 @@ def test_early_answers_let_the_next_prompt_go_while_files_are_written(server, tm
     write_jsonl(tmp_path / "e.jsonl", rows(3, seed=7))
     assert extract(server, tmp_path / "e.jsonl", tmp_path / "out2", "--no-early-answers") == 0
     assert server.asked_early == 6
+
+
+def test_write_failed_after_an_early_answer_is_retried_and_its_error_file_removed(
+        server, tmp_path, capsys):
+    """The server answered early, then the write failed (<path>.error): the try fails with
+    the server's message, the row is extracted on the next try, and the consumed .error
+    file is gone from the dump directory."""
+    server.early_write_s = 0.05
+    data = rows(4)
+    server.fail_write_once = {data[1][0], data[3][0]}
+    write_jsonl(tmp_path / "d.jsonl", data)
+    assert extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--backoff", "0.01") == 0
+    for i, ids in enumerate(data):
+        assert_file(tmp_path / "out" / f"hs_{i}.safetensors", ids)
+    err = capsys.readouterr().err
+    assert err.count("No space left on device") == 2, err
+    assert not [n for n in os.listdir(server.dump_dir) if n.endswith(fmt.ERROR_SUFFIX)]
 
 
 def test_retries_with_backoff_then_succeed(server, tmp_path, capsys):

@@ -451,3 +451,24 @@ def test_token_ids_tensor_refuses_what_is_not_an_int64():
         writer_mod.token_ids_tensor([2**63])
     with pytest.raises(TypeError):
         writer_mod.token_ids_tensor([1.5])
+
+
+def test_a_long_budget_wait_counts_once(tmp_path):
+    """A wait that outlasts GC_AFTER_WAIT_S (collect cycles, then wait on) is one
+    backpressure wait in the counters, not two."""
+    fd = fmt.open_dump_dir(str(tmp_path))
+    w = writer_mod.DumpWriter(fd, max_host_bytes=1000, threads=1, register_atexit=False)
+    try:
+        first = w.start("a", 100, 2, torch.float32)  # 800 of 1000 bytes
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (w.start("b", 100, 2, torch.float32), done.set()))
+        t.start()
+        time.sleep(writer_mod.GC_AFTER_WAIT_S + 0.3)
+        assert not done.is_set(), "the second buffer must wait for the first"
+        w.abandon(first)
+        t.join(5)
+        assert done.is_set() and w.budget.waits == 1
+        assert w.snapshot()["backpressure_waits"] == 1
+    finally:
+        w.close(timeout=1)
+        os.close(fd)
