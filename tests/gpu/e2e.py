@@ -133,7 +133,10 @@ def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=Tr
     if not cuda_graph:
         cmd.append("--disable-cuda-graph")
     if tp > 1:
-        cmd += ["--tp-size", str(tp)]
+        # SGLang 0.5.17 auto-enables FlashInfer's trtllm allreduce fusion on SM90 for
+        # DeepseekV3; its workspace set-up took 264 s of JIT on the first start (H200 x2,
+        # 2026-12-01), the whole start-up budget. SM120 boxes never get it (SM90/SM10X only).
+        cmd += ["--tp-size", str(tp), "--enforce-disable-flashinfer-allreduce-fusion"]
     env = None
     if dp_attention:  # experimental: the dump path refuses it unless told (hooks.check_server_args)
         cmd += ["--dp-size", str(tp), "--enable-dp-attention"]
@@ -763,7 +766,9 @@ GROUPS = ("core", "clients", "faults")
 
 
 def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=GROUPS, cuda_graph=True,
-              tp=1, dp_attention=False):
+              tp=1, dp_attention=False, save=lambda cases: None):
+    """``save(cases)`` is called after each slow step, so a run cut off by its time limit
+    keeps the cases it finished."""
     from sglang_ext.config import default_layer_ids, parse_layer_ids
 
     model_path = os.path.join(workdir, name)
@@ -787,6 +792,7 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
             tp_keep = f"/tmp/kimi-tp/{name}-tp{tp}"
             cases[f"tp{tp}_one_rank_copies"] = guarded(
                 case_tp_copies, tp_prompts, ref, layer_ids, hidden, tp, tp_keep, f"{tp_keep}-traces")
+        save(cases)
         if name == "llama" and "clients" in groups:
             cases["openai_v1_completions_vllm_protocol"] = case_openai_completions(
                 ref, layer_ids, hidden, rng, model_path)
@@ -817,6 +823,7 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
         cases[f"tp{tp}_equals_tp1"] = guarded(
             case_other_server_equal, tp_prompts, tp_kept, model_path, layers_flag, out_dir, name,
             "tp1", cuda_graph)
+        save(cases)
         if dp_attention and name == "deepseek":  # SGLang's DP attention targets MLA models
             cases[f"tp{tp}_dp_attention_equals"] = guarded(case_other_server_equal,
                 tp_prompts, tp_kept, model_path, layers_flag, out_dir, name, "dpattn", cuda_graph,
@@ -860,19 +867,27 @@ def main():
         "gpus": torch.cuda.device_count(),
         "models": [],
     }
+    path = args.results or os.path.join(args.out, "e2e-results.json")
+
+    def save(name, cases):  # partial results of the model in progress, marked as such
+        partial = dict(report, models=report["models"] + [{"model": name, "partial": True, "cases": cases}],
+                       **{"pass": False})
+        with open(path, "w") as f:
+            json.dump(partial, f, indent=2)
+
     for name in args.models.split(","):
         build, layers, launcher = plan[name]
         try:
             report["models"].append(run_model(name, build, layers, launcher, workdir, args.out, rng,
                                               groups=args.groups.split(","),
                                               cuda_graph=not args.no_cuda_graph, tp=args.tp,
-                                              dp_attention=args.dp_attention))
+                                              dp_attention=args.dp_attention,
+                                              save=lambda cases, name=name: save(name, cases)))
         except Exception as e:  # noqa: BLE001
             report["models"].append({"model": name, "error": f"{type(e).__name__}: {e}", "cases": {}})
         # Written after each model, so a run cut off by a time limit keeps what it saw.
         report["pass"] = all(m.get("cases") and all(c["pass"] for c in m["cases"].values())
                              for m in report["models"]) and len(report["models"]) == len(args.models.split(","))
-        path = args.results or os.path.join(args.out, "e2e-results.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
     print(f"\n{'model':9} {'case':26} {'pass':5} {'reqs':>4} {'max_rel_err':>11} {'per_token':>9}")
