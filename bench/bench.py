@@ -617,7 +617,54 @@ def gil_window_share(summary, window_s, rate=PY_SPY_RATE):
             for t, share in summary["threads"].items()}
 
 
-def profile_cell(server, cell, spec, rng, out_stem):
+# Native frames (py-spy --native) of a thread waiting to (re)take the GIL, CPython 3.12
+# (Python/ceval_gil.c): take_gil is static and may be stripped; the exported callers
+# show whichever path the wait came through: a forced switch (the eval breaker's
+# _Py_HandlePending), the return from a call that released the GIL (PyEval_RestoreThread,
+# i.e. Py_END_ALLOW_THREADS), or a foreign-thread entry (PyGILState_Ensure).
+GIL_WAIT_FRAMES = ("take_gil", "_Py_HandlePending", "PyEval_RestoreThread",
+                   "PyEval_AcquireThread", "PyGILState_Ensure")
+
+
+def summarize_gil_wait(raw_text, top=10):
+    """py-spy ``--idle --native --threads --format raw`` output -> per thread its
+    samples and ``gil_wait``: the share of them with a GIL-wait frame
+    (``GIL_WAIT_FRAMES``) on the stack. With ``--idle`` every thread is sampled whether it
+    runs or not, so a thread's shares are of wall time. The scheduler thread is the one
+    whose stacks hold ``event_loop`` (SGLang's ``Scheduler.event_loop_*``);
+    ``scheduler_wait_top``: the Python frames it waited for the GIL from (innermost
+    Python frame of each waiting sample, share of the scheduler's samples)."""
+    per, waited_at = {}, {}
+    for line in raw_text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        n = int(count)
+        t = per.setdefault(frames[0], {"samples": 0, "wait": 0, "loop": 0})
+        t["samples"] += n
+        names = [f.split(" (", 1)[0] for f in frames[1:]]
+        if any(name in GIL_WAIT_FRAMES for name in names):
+            t["wait"] += n
+            py = [f for f in frames[1:] if ".py:" in f]
+            key = (frames[0], py[-1] if py else "(no Python frame)")
+            waited_at[key] = waited_at.get(key, 0) + n
+        if any(name.startswith("event_loop") for name in names):
+            t["loop"] += n
+    threads = {k: {"samples": v["samples"], "gil_wait": v["wait"] / v["samples"]}
+               for k, v in per.items() if v["samples"]}
+    out = {"samples": sum(v["samples"] for v in per.values()), "threads": threads}
+    sched = max(per, key=lambda k: per[k]["loop"], default=None)
+    if sched is not None and per[sched]["loop"]:
+        n = per[sched]["samples"]
+        out["scheduler_thread"] = sched
+        out["scheduler_gil_wait"] = per[sched]["wait"] / n
+        out["scheduler_wait_top"] = [[fr, c / n] for (t, fr), c in sorted(
+            waited_at.items(), key=lambda kv: -kv[1]) if t == sched][:top]
+    return out
+
+
+def profile_cell(server, cell, spec, rng, out_stem, kind="gil"):
     """Run ``cell`` again while py-spy samples the server's scheduler process (all
     threads, ``PY_SPY_RATE`` Hz, without pausing it, ``--gil``: only the thread holding
     the GIL is recorded; the window also holds ~1 s before the load, to attach, and the
@@ -626,7 +673,13 @@ def profile_cell(server, cell, spec, rng, out_stem):
     in which that thread held the GIL), or ``{"error": ...}`` when py-spy is missing or
     may not attach. Why the GIL: every thread of the scheduler process (SGLang's event
     loop, which also launches the forward's kernels, and the writer threads) runs Python
-    under one GIL, so what the writer holds the scheduler waits for."""
+    under one GIL, so what the writer holds the scheduler waits for.
+
+    ``kind="wait"`` samples instead with ``--idle --native`` (blocking: py-spy pauses
+    the process for each sample, so the cell runs slower; compare servers A and B under
+    the same sampling) and returns ``summarize_gil_wait``: how much of its wall time
+    each thread, the scheduler above all, spent waiting for the GIL, which ``--gil``
+    cannot see."""
     exe = shutil.which("py-spy")
     if not exe:
         return {"error": "py-spy not on PATH"}
@@ -636,16 +689,16 @@ def profile_cell(server, cell, spec, rng, out_stem):
         return {"error": f"{type(e).__name__}: {e}"}
     raw = out_stem + ".txt"
     t0 = time.monotonic()
+    how = ["--idle", "--native"] if kind == "wait" else ["--gil", "--nonblocking"]
     proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(PY_SPY_RATE),
-                             "--format", "raw", "--threads", "--gil", "--nonblocking",
-                             "--output", raw],
+                             "--format", "raw", "--threads", *how, "--output", raw],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(1.0)  # attach before the load starts
     if proc.poll() is not None:
         return {"error": f"py-spy exited {proc.returncode}: {proc.stdout.read()[-400:]}"}
     r = {}
     try:
-        r = run_cell(server, cell, spec, rng, "dump")
+        r = run_cell(server, cell, spec, rng, cell["mode"])
     except Exception as e:  # noqa: BLE001 - a failed profile must not end the model's cells
         r = {"error": f"{type(e).__name__}: {e}"[:300]}
     finally:
@@ -659,9 +712,12 @@ def profile_cell(server, cell, spec, rng, out_stem):
     if not os.path.exists(raw):
         return {"error": f"py-spy wrote nothing: {log[-400:]}"}
     with open(raw) as f:
-        out = summarize_py_spy(f.read())
+        text = f.read()
+    out = summarize_gil_wait(text) if kind == "wait" else summarize_py_spy(text)
     out["window_s"] = window
-    out["gil_window_share"] = gil_window_share(out, window)
+    out["kind"] = kind
+    if kind != "wait":
+        out["gil_window_share"] = gil_window_share(out, window)
     out["cell_prefill_tps_sampled"] = r.get("prefill_tps")
     if r.get("error"):
         out["cell_error"] = r["error"]
@@ -1058,12 +1114,15 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 clear_dump_dir(dd)
             m["cells"].append(r)
             spy_label = f"{cell['prompt_len']}x{cell['concurrency']}"
-            if (cell["mode"] == "dump" and spy_label in args.py_spy and not r.get("error")
-                    and clock.left() > 2 * r.get("wall_s", 60) + 60):
+            sampled = ("dump", "nodump") if args.py_spy_kind == "wait" else ("dump",)
+            if (cell["mode"] in sampled and spy_label in args.py_spy and not r.get("error")
+                    and clock.left() > 3 * r.get("wall_s", 60) + 60):
                 # the same cell again, sampled (the measured run above was not)
-                results.setdefault("py_spy", {})[f"{name} dump {spy_label}"] = profile_cell(
-                    server, cell, spec, rng, os.path.join(args.out, f"py-spy-{name}-{spy_label}"))
-                clear_dump_dir(dd)
+                results.setdefault("py_spy", {})[f"{name} {cell['mode']} {spy_label}"] = profile_cell(
+                    server, cell, spec, rng,
+                    os.path.join(args.out, f"py-spy-{name}-{cell['mode']}-{spy_label}"), args.py_spy_kind)
+                if cell["mode"] in report.DUMP_MODES:
+                    clear_dump_dir(dd)
             extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
                 f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
             print(f"  {label}: {r.get('prefill_tps', float('nan')):.0f} tok/s, p50 "
@@ -1136,6 +1195,9 @@ def build_parser():
                     help="run server B without KIMI_SGLANG_TRACE (no per-stage times)")
     ap.add_argument("--py-spy", type=lambda s: [x for x in s.split(",") if x], default=["512x1", "2048x32"],
                     help="dump cells (PROMPTxCONC) to run again under py-spy; '' for none")
+    ap.add_argument("--py-spy-kind", choices=["gil", "wait"], default="gil",
+                    help="gil: who holds the GIL (--gil, dump cells); wait: how long each thread "
+                         "waits for it (--idle --native, no-dump and dump cells)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
     ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000, 33000],
                     help="ports of servers A, B (and C)")

@@ -362,6 +362,17 @@ def render_markdown(results: dict) -> str:
         if prof.get("error"):
             lines.append(f"- not taken: {prof['error'][:300]}")
             continue
+        if prof.get("kind") == "wait":  # --idle --native (bench.profile_cell)
+            lines.append(f"- {prof.get('samples', 0)} samples (--idle --native) in "
+                         f"{prof.get('window_s', 0):.1f} s; scheduler thread waiting for the GIL: "
+                         f"{_f(prof.get('scheduler_gil_wait'), '{:.3f}')} of its samples")
+            lines += ["", "| thread | samples | waiting for the GIL |", "|---|---:|---:|"]
+            for t, v in sorted(prof["threads"].items(), key=lambda kv: -kv[1]["samples"]):
+                lines.append(f"| {t} | {v['samples']} | {v['gil_wait']:.3f} |")
+            if prof.get("scheduler_wait_top"):
+                lines += ["", "| share of the scheduler's samples | waiting from (file:line) |", "|---:|---|"]
+                lines += [f"| {sh:.3f} | `{fr}` |" for fr, sh in prof["scheduler_wait_top"]]
+            continue
         if prof.get("gil_window_share"):  # sampled with --gil (bench.profile_cell)
             lines.append(f"- {prof.get('samples', 0)} samples with the GIL held, in "
                          f"{prof.get('window_s', 0):.1f} s; share of the window each thread "

@@ -114,9 +114,23 @@ def check_directory(path: Optional[str]) -> str:
     return real
 
 
+def writer_ranks(server_args) -> int:
+    """How many processes of one server write dump files: 1, or ``--dp-size`` under
+    ``--enable-dp-attention`` (each DP rank's attention-TP rank 0 writes the requests that
+    DP rank served; SGLang's ``dp_attention.compute_dp_attention_world_info``)."""
+    if not getattr(server_args, "enable_dp_attention", False):
+        return 1
+    return max(1, int(getattr(server_args, "dp_size", 1) or 1))
+
+
 @dataclass(frozen=True)
 class DumpConfig:
-    """Validated dump options. ``layer_ids`` is ``None`` until the model's N is known."""
+    """Validated dump options. ``layer_ids`` is ``None`` until the model's N is known.
+
+    ``max_host_bytes`` is one writer process's budget: ``--dump-hidden-states-max-host-mb``
+    (the server's cap, MiB) divided by ``writer_ranks`` so that all writers together stay
+    under it.
+    """
 
     directory: str
     layer_ids: Optional[Tuple[int, ...]]
@@ -125,7 +139,8 @@ class DumpConfig:
 
     @classmethod
     def from_server_args(cls, server_args) -> "DumpConfig":
-        """Build from SGLang's ``ServerArgs``; raises ``DumpConfigError``."""
+        """Build from SGLang's ``ServerArgs``; raises ``DumpConfigError`` (also when the
+        cap leaves a writer rank less than 1 MiB)."""
         directory = check_directory(server_args.dump_hidden_states_dir)
         layer_ids = parse_layer_ids(getattr(server_args, "dump_hidden_states_layers", None))
         max_mb = getattr(server_args, "dump_hidden_states_max_host_mb", DEFAULT_MAX_HOST_MB)
@@ -133,12 +148,18 @@ class DumpConfig:
             raise DumpConfigError(
                 f"--dump-hidden-states-max-host-mb: must be a positive integer, got {max_mb!r}"
             )
+        writers = writer_ranks(server_args)
+        if max_mb < writers:
+            raise DumpConfigError(
+                f"--dump-hidden-states-max-host-mb: {max_mb} MiB shared by {writers} writer "
+                f"ranks (--dp-size under --enable-dp-attention) leaves less than 1 MiB each"
+            )
         threads = int(os.environ.get("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS))
         if threads < 1:
             raise DumpConfigError("KIMI_SGLANG_WRITER_THREADS must be >= 1")
         return cls(
             directory=directory,
             layer_ids=layer_ids,
-            max_host_bytes=max_mb * (1 << 20),
+            max_host_bytes=max_mb * (1 << 20) // writers,
             writer_threads=threads,
         )

@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 PATH_KEY = "hidden_states_path"
 ERROR_KEY = "hidden_states_error"
 WAIT_PARAM, PENDING_KEY = fmt.WAIT_PARAM, fmt.PENDING_KEY  # answer before the write
-ALLOW_DP_ATTENTION_ENV = "KIMI_SGLANG_ALLOW_DP_ATTENTION"  # "1": unverified, see check_server_args
 _REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
 _SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
@@ -78,8 +77,11 @@ def check_server_args(server_args) -> None:
     missing or unwritable directory, bad layer ids, a bad memory cap, and options the
     dump path does not support (``--enable-return-hidden-states`` /
     ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
-    disaggregation, DP attention unless ``KIMI_SGLANG_ALLOW_DP_ATTENTION=1`` (experimental:
-    every DP rank writes its own requests), embedding models). Turns the radix cache off (a
+    disaggregation, embedding models). DP attention is accepted: every DP rank's attention-TP
+    rank 0 writes the requests it served into the same directory (names are reserved
+    through the file system, ``format.reserve``), each within its share of the host cap
+    (``DumpConfig``); verified on two H200s at --tp 2 --dp 2 against TP=1
+    (tests/gpu/results-2026-12-01-h200x2-tp2-deepseek.json). Turns the radix cache off (a
     request whose prefix is cached would compute, and so dump, only its suffix) and says
     so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
     it would never run).
@@ -99,8 +101,6 @@ def check_server_args(server_args) -> None:
         "--pp-size > 1": int(getattr(view, "pp_size", 1) or 1) > 1,
         "--disaggregation-mode": getattr(view, "disaggregation_mode", "null")
         not in (None, "null"),
-        "--enable-dp-attention": bool(getattr(view, "enable_dp_attention", False))
-        and os.environ.get(ALLOW_DP_ATTENTION_ENV) != "1",
         "--is-embedding": bool(getattr(view, "is_embedding", False)),
     }
     bad = [name for name, on in refused.items() if on]

@@ -364,3 +364,28 @@ def test_py_spy_raw_summary():
     assert gil["gil_window_share"] == pytest.approx({"thread (0x1)": 0.16, "thread (0x2)": 0.04})
     md = report.render_markdown({"models": {}, "py_spy": {"m dump 2048x32": gil}})
     assert "share of the window each thread held the GIL: thread (0x1) 0.16, thread (0x2) 0.04" in md
+
+
+def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
+    """--idle --native raw lines: the thread with event_loop frames is the scheduler;
+    samples with a GIL-wait native frame count as waiting, wherever it sits."""
+    raw = "\n".join([
+        "thread (0x1);event_loop_overlap (scheduler.py:10);recv (zmq.py:5);"
+        "PyEval_RestoreThread (libpython3.12.so);pthread_cond_timedwait (libc.so.6) 3",
+        "thread (0x1);event_loop_overlap (scheduler.py:10);forward (m.py:9);"
+        "_Py_HandlePending (libpython3.12.so);take_gil (libpython3.12.so) 1",
+        "thread (0x1);event_loop_overlap (scheduler.py:10);poll (zmq.py:7);epoll_wait (libc.so.6) 6",
+        "thread (0x2);run (sglang_ext/writer.py:9);save_file (f.py:5);write (libc.so.6) 4",
+        "thread (0x2);run (sglang_ext/writer.py:9);PyEval_RestoreThread (libpython3.12.so) 4",
+        "not a sample",
+    ])
+    s = bench.summarize_gil_wait(raw)
+    assert s["samples"] == 18 and s["scheduler_thread"] == "thread (0x1)"
+    assert s["scheduler_gil_wait"] == pytest.approx(0.4)
+    assert s["threads"]["thread (0x2)"] == {"samples": 8, "gil_wait": 0.5}
+    assert s["scheduler_wait_top"] == [["recv (zmq.py:5)", pytest.approx(0.3)],
+                                       ["forward (m.py:9)", pytest.approx(0.1)]]
+    assert "scheduler_thread" not in bench.summarize_gil_wait(raw.split("\n", 3)[3])
+    md = report.render_markdown({"models": {}, "py_spy": {"m nodump 2048x32": dict(s, kind="wait", window_s=2.0)}})
+    assert "scheduler thread waiting for the GIL: 0.400 of its samples" in md
+    assert "| thread (0x2) | 8 | 0.500 |" in md and "| 0.300 | `recv (zmq.py:5)` |" in md

@@ -21,7 +21,7 @@ import torch
 from sglang_ext import format as fmt
 from sglang_ext import hooks
 from sglang_ext import writer as writer_mod
-from sglang_ext.config import DumpConfigError
+from sglang_ext.config import DumpConfig, DumpConfigError
 
 HIDDEN = 8
 
@@ -364,17 +364,22 @@ def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeyp
     assert torch.equal(fmt.load(meta_n["hidden_states_path"]).hidden_states, reference(normal, [2, 4]))
 
 
-def test_dp_attention_is_refused_unless_allowed(tmp_path, monkeypatch):
+def test_dp_attention_is_accepted_and_splits_the_host_cap(tmp_path):
+    """Under DP attention each DP rank writes its own requests (verified on two H200s,
+    tests/gpu/results-2026-12-01-h200x2-tp2-deepseek.json); the server's host cap is
+    shared among those writer ranks, and a cap too small to share is refused."""
     args = types.SimpleNamespace(
         dump_hidden_states_dir=str(tmp_path), dump_hidden_states_layers=None,
         dump_hidden_states_max_host_mb=64, enable_return_hidden_states=False,
-        return_hidden_states_mode=None, enable_dp_attention=True, disable_radix_cache=True,
-        disable_prefill_cuda_graph=True)
-    monkeypatch.delenv(hooks.ALLOW_DP_ATTENTION_ENV, raising=False)
-    with pytest.raises(DumpConfigError, match="--enable-dp-attention"):
-        hooks.check_server_args(args)
-    monkeypatch.setenv(hooks.ALLOW_DP_ATTENTION_ENV, "1")
+        return_hidden_states_mode=None, enable_dp_attention=True, dp_size=4,
+        disable_radix_cache=True, disable_prefill_cuda_graph=True)
     hooks.check_server_args(args)
+    assert DumpConfig.from_server_args(args).max_host_bytes == 16 << 20
+    args.enable_dp_attention = False  # --dp-size without DP attention: one writer rank
+    assert DumpConfig.from_server_args(args).max_host_bytes == 64 << 20
+    args.enable_dp_attention, args.dump_hidden_states_max_host_mb = True, 3
+    with pytest.raises(DumpConfigError, match="less than 1 MiB each"):
+        hooks.check_server_args(args)
 
 
 def test_finish_response_drops_keys_padded_for_other_requests():

@@ -137,10 +137,8 @@ def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=Tr
         # DeepseekV3; its workspace set-up took 264 s of JIT on the first start (H200 x2,
         # 2026-12-01), the whole start-up budget. SM120 boxes never get it (SM90/SM10X only).
         cmd += ["--tp-size", str(tp), "--enforce-disable-flashinfer-allreduce-fusion"]
-    env = None
-    if dp_attention:  # experimental: the dump path refuses it unless told (hooks.check_server_args)
+    if dp_attention:
         cmd += ["--dp-size", str(tp), "--enable-dp-attention"]
-        env = dict(os.environ, KIMI_SGLANG_ALLOW_DP_ATTENTION="1")
     if layers:
         cmd += ["--dump-hidden-states-layers", layers]
     printed = None
@@ -148,8 +146,7 @@ def start_server(model_path, dump_dir, layers, log_path, launcher, cuda_graph=Tr
         printed = subprocess.run(cmd + ["--print-command"], capture_output=True, text=True,
                                  check=True).stdout
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()
     try:
         while time.time() - t0 < 420:
@@ -843,7 +840,7 @@ def main():
                     help="--tp-size of the servers (issue 9: needs that many GPUs); > 1 adds the "
                          "per-rank copy measurement and a TP=1 server to compare with")
     ap.add_argument("--dp-attention", action="store_true",
-                    help="with --tp N: also a --dp-size N --enable-dp-attention server (experimental)")
+                    help="with --tp N: also a --dp-size N --enable-dp-attention server, compared with the TP=N files")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rng = random.Random(1234)
