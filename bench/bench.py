@@ -617,12 +617,15 @@ def gil_window_share(summary, window_s, rate=PY_SPY_RATE):
             for t, share in summary["threads"].items()}
 
 
-# Native frames (py-spy --native) of a thread waiting to (re)take the GIL, CPython 3.12
-# (Python/ceval_gil.c): take_gil is static and may be stripped; the exported callers
-# show whichever path the wait came through: a forced switch (the eval breaker's
-# _Py_HandlePending), the return from a call that released the GIL (PyEval_RestoreThread,
-# i.e. Py_END_ALLOW_THREADS), or a foreign-thread entry (PyGILState_Ensure).
-GIL_WAIT_FRAMES = ("take_gil", "_Py_HandlePending", "PyEval_RestoreThread",
+# A thread waiting to (re)take the GIL, as py-spy --idle --native shows it on the device
+# image's Python 3.12: the interpreter's own frames (take_gil, PyEval_RestoreThread,
+# Python/ceval_gil.c) are not shown (py-spy folds the python binary's frames into the
+# Python ones), but take_gil's wait is: it waits on a condition variable with a timeout
+# (PyCOND_TIMEDWAIT -> pthread_cond_timedwait, Python/condvar.h). Python's own locks
+# (threading, queue) wait on semaphores instead (sem_clockwait), so this frame means
+# the GIL; pybind11's gil_scoped_acquire (torch's C++ code coming back) waits there too.
+# Seen on 2026-12-01 (bench/results/2026-12-01-h200-gilwait-si5ms-deepseek.json).
+GIL_WAIT_FRAMES = ("pthread_cond_timedwait", "take_gil", "PyEval_RestoreThread",
                    "PyEval_AcquireThread", "PyGILState_Ensure")
 
 
@@ -649,7 +652,7 @@ def summarize_gil_wait(raw_text, top=10):
             py = [f for f in frames[1:] if ".py:" in f]
             key = (frames[0], py[-1] if py else "(no Python frame)")
             waited_at[key] = waited_at.get(key, 0) + n
-        if any(name.startswith("event_loop") for name in names):
+        if any("event_loop" in name for name in names):  # Scheduler.event_loop_overlap
             t["loop"] += n
     threads = {k: {"samples": v["samples"], "gil_wait": v["wait"] / v["samples"]}
                for k, v in per.items() if v["samples"]}
@@ -1120,7 +1123,8 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 # the same cell again, sampled (the measured run above was not)
                 results.setdefault("py_spy", {})[f"{name} {cell['mode']} {spy_label}"] = profile_cell(
                     server, cell, spec, rng,
-                    os.path.join(args.out, f"py-spy-{name}-{cell['mode']}-{spy_label}"), args.py_spy_kind)
+                    os.path.join(args.out, f"py-spy-{args.case or args.profile}-{name}-{cell['mode']}-{spy_label}"),
+                    args.py_spy_kind)
                 if cell["mode"] in report.DUMP_MODES:
                     clear_dump_dir(dd)
             extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (

@@ -21,7 +21,9 @@ Results layout (what ``bench.py`` writes, what ``render_markdown`` and ``plot.py
                                        "stages" (dump, ``stage_stats``), ...}],
                             "host_memory": {...}}},
      "headline": {"<model>": {...}}, "targets": [...], "phases": {...},
-     "py_spy": {"<label>": {"samples", "threads", "top"} or {"error"}}, "notes": [...]}
+     "py_spy": {"<label>": {"samples", "threads", "top"} (kind "gil") or {"kind": "wait",
+                "samples", "threads": {t: {"samples", "gil_wait"}}, "scheduler_gil_wait",
+                "scheduler_wait_top"} or {"error"}}, "notes": [...]}
 """
 
 from __future__ import annotations

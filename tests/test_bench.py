@@ -372,8 +372,8 @@ def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
     raw = "\n".join([
         "thread (0x1);event_loop_overlap (scheduler.py:10);recv (zmq.py:5);"
         "PyEval_RestoreThread (libpython3.12.so);pthread_cond_timedwait (libc.so.6) 3",
-        "thread (0x1);event_loop_overlap (scheduler.py:10);forward (m.py:9);"
-        "_Py_HandlePending (libpython3.12.so);take_gil (libpython3.12.so) 1",
+        "thread (0x1);Scheduler.event_loop_overlap (scheduler.py:10);forward (m.py:9);"
+        "THCPEvent_record (libtorch_python.so);pthread_cond_timedwait (libc.so.6);0x7f01 (libc.so.6) 1",
         "thread (0x1);event_loop_overlap (scheduler.py:10);poll (zmq.py:7);epoll_wait (libc.so.6) 6",
         "thread (0x2);run (sglang_ext/writer.py:9);save_file (f.py:5);write (libc.so.6) 4",
         "thread (0x2);run (sglang_ext/writer.py:9);PyEval_RestoreThread (libpython3.12.so) 4",
