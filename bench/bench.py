@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(REPO))  # sglang_ext, for the ceilings subprocess
+sys.path.insert(2, str(REPO / "tests" / "gpu"))  # tiny_models, shared with tests/gpu/e2e.py
 import report  # noqa: E402
 
 DEFAULT_WRITER_THREADS = 8  # sglang_ext.config.DEFAULT_WRITER_THREADS
@@ -798,14 +799,9 @@ def internal_build(name, path):
     else:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-        cfg = DeepseekV3Config(
-            vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
-            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-            kv_lora_rank=512, q_lora_rank=384, qk_rope_head_dim=64, qk_nope_head_dim=128,
-            v_head_dim=128, n_routed_experts=8, num_experts_per_tok=8, n_shared_experts=1,
-            n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=16384,
-            moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", rope_scaling=None,
-        )
+        from tiny_models import deepseek_tiny_config  # tests/gpu: e2e.py's model
+
+        cfg = DeepseekV3Config(**deepseek_tiny_config(max_position_embeddings=16384))
         cls = DeepseekV3ForCausalLM
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

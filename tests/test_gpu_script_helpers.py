@@ -72,3 +72,22 @@ def test_compare_kept_finds_value_id_and_missing_differences(tmp_path):
     assert problems == [] and worst[0] > e2e.TOL_BLOCK  # the caller fails it on the tolerance
     problems, _ = e2e.compare_kept(prompts[2:], got, want)
     assert problems == ["ids: token_ids or layer_ids differ", "gone: missing on one side"]
+
+
+def test_e2e_and_bench_build_the_same_tiny_deepseek(tmp_path, monkeypatch):
+    """tests/gpu/e2e.py and bench/bench.py build the one DeepseekV3 of tests/gpu/tiny_models
+    (the benchmark measures the model the GPU checks verified): both saved configs agree
+    but for the context length, and every routed expert is selected (what makes e2e's fp32
+    reference exact, see tiny_models). Built for real, on the CPU (~40 M parameters)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import bench
+
+    e2e.build_deepseek(str(tmp_path / "e2e"))
+    bench.internal_build("deepseek-tiny", str(tmp_path / "bench"))
+    got = [json.load(open(tmp_path / d / "config.json")) for d in ("e2e", "bench")]
+    assert got[0]["max_position_embeddings"] == 4096 and got[1]["max_position_embeddings"] == 16384
+    skip = {"max_position_embeddings", "transformers_version"}
+    assert {k: v for k, v in got[0].items() if k not in skip} == {
+        k: v for k, v in got[1].items() if k not in skip}
+    assert got[0]["num_experts_per_tok"] == got[0]["n_routed_experts"] == 8
+    assert got[0]["moe_layer_freq"] == 1 and got[0]["kv_lora_rank"] == 512

@@ -69,17 +69,9 @@ def save_word_tokenizer(path, vocab_size):
 def build_deepseek(path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    # Every routed expert selected (top-k = all 8): routing cannot flip between bf16 and
-    # the fp32 reference, so differences come from real bugs only (gpu-lab README).
-    cfg = DeepseekV3Config(
-        vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
-        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-        kv_lora_rank=512, q_lora_rank=384, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, n_routed_experts=8, num_experts_per_tok=8, n_shared_experts=1,
-        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=4096,
-        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid",
-        rope_scaling=None,
-    )
+    from tiny_models import deepseek_tiny_config
+
+    cfg = DeepseekV3Config(**deepseek_tiny_config(max_position_embeddings=4096))
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     return cfg.num_hidden_layers
