@@ -625,7 +625,10 @@ def gil_window_share(summary, window_s, rate=PY_SPY_RATE):
 # (PyCOND_TIMEDWAIT -> pthread_cond_timedwait, Python/condvar.h). Python's own locks
 # (threading, queue) wait on semaphores instead (sem_clockwait), so this frame means
 # the GIL; pybind11's gil_scoped_acquire (torch's C++ code coming back) waits there too.
-# Seen on 2026-12-01 (bench/results/2026-12-01-h200-gilwait-si5ms-deepseek.json).
+# Seen on 2026-12-01 at TP=1 (bench/results/2026-12-01-h200-gilwait-si5ms-deepseek.json):
+# all 346 such samples sat where a thread takes the GIL back (pybind11 acquire/release,
+# THCPEvent_*, Python-level system calls, queue waits). Not checked at TP > 1, where
+# c10d/gloo condition-variable waits might be counted too.
 GIL_WAIT_FRAMES = ("pthread_cond_timedwait", "take_gil", "PyEval_RestoreThread",
                    "PyEval_AcquireThread", "PyGILState_Ensure")
 

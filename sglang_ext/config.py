@@ -115,11 +115,11 @@ def check_directory(path: Optional[str]) -> str:
 
 
 def writer_ranks(server_args) -> int:
-    """How many processes of one server write dump files: 1, or ``--dp-size`` under
-    ``--enable-dp-attention`` (each DP rank's attention-TP rank 0 writes the requests that
-    DP rank served; SGLang's ``dp_attention.compute_dp_attention_world_info``)."""
-    if not getattr(server_args, "enable_dp_attention", False):
-        return 1
+    """How many processes of one server write dump files: ``--dp-size``. Each DP rank is a
+    scheduler of its own whose attention-TP rank 0 writes the requests that DP rank served:
+    under ``--enable-dp-attention`` one attention group per DP rank, without it one full TP
+    group per DP rank (SGLang's ``data_parallel_controller.launch_dp_schedulers``; the
+    rank layout is ``dp_attention.compute_dp_attention_world_info``)."""
     return max(1, int(getattr(server_args, "dp_size", 1) or 1))
 
 
@@ -128,8 +128,9 @@ class DumpConfig:
     """Validated dump options. ``layer_ids`` is ``None`` until the model's N is known.
 
     ``max_host_bytes`` is one writer process's budget: ``--dump-hidden-states-max-host-mb``
-    (the server's cap, MiB) divided by ``writer_ranks`` so that all writers together stay
-    under it.
+    (the server's cap, MiB) divided by ``writer_ranks``, so that the writers together stay
+    under the cap; as with one writer, a single request larger than its rank's budget is
+    still admitted when that rank holds nothing else (``writer.HostBudget``).
     """
 
     directory: str
@@ -152,7 +153,7 @@ class DumpConfig:
         if max_mb < writers:
             raise DumpConfigError(
                 f"--dump-hidden-states-max-host-mb: {max_mb} MiB shared by {writers} writer "
-                f"ranks (--dp-size under --enable-dp-attention) leaves less than 1 MiB each"
+                f"ranks (--dp-size) leaves less than 1 MiB each"
             )
         threads = int(os.environ.get("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS))
         if threads < 1:

@@ -77,11 +77,12 @@ def check_server_args(server_args) -> None:
     missing or unwritable directory, bad layer ids, a bad memory cap, and options the
     dump path does not support (``--enable-return-hidden-states`` /
     ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
-    disaggregation, embedding models). DP attention is accepted: every DP rank's attention-TP
-    rank 0 writes the requests it served into the same directory (names are reserved
-    through the file system, ``format.reserve``), each within its share of the host cap
-    (``DumpConfig``); verified on two H200s at --tp 2 --dp 2 against TP=1
-    (tests/gpu/results-2026-12-01-h200x2-tp2-deepseek.json). Turns the radix cache off (a
+    disaggregation, attention context parallelism (``--attn-cp-size > 1``), embedding
+    models). Data parallelism, with or without DP attention, is accepted: every DP rank's
+    attention-TP rank 0 writes the requests it served into the same directory (names are
+    reserved through the file system, ``format.reserve``), each within its share of the
+    host cap (``DumpConfig``); DP attention verified on two H200s at --tp 2 --dp 2 against
+    TP=1 (tests/gpu/results-2026-12-01-h200x2-tp2-deepseek.json). Turns the radix cache off (a
     request whose prefix is cached would compute, and so dump, only its suffix) and says
     so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
     it would never run).
@@ -101,6 +102,10 @@ def check_server_args(server_args) -> None:
         "--pp-size > 1": int(getattr(view, "pp_size", 1) or 1) > 1,
         "--disaggregation-mode": getattr(view, "disaggregation_mode", "null")
         not in (None, "null"),
+        # each context-parallel rank is an attention-TP rank 0 too (dp_attention.py:
+        # tp_rank = (dp * cp + cp_rank) * attn_tp + attn_tp_rank): one request, many
+        # writers; not supported until verified
+        "--attn-cp-size > 1": int(getattr(view, "attn_cp_size", 1) or 1) > 1,
         "--is-embedding": bool(getattr(view, "is_embedding", False)),
     }
     bad = [name for name, on in refused.items() if on]

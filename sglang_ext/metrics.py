@@ -41,7 +41,9 @@ class DumpMetrics:
         def gauge(name, doc):
             return Gauge(
                 PREFIX + name, doc, labelnames=names, registry=registry,
-                multiprocess_mode="mostrecent",
+                # one writer per DP rank, each its own process: the server's level is
+                # the sum over the live ones (prometheus_client multiprocess mode)
+                multiprocess_mode="livesum",
             ).labels(**labels)
 
         self.files = counter("dump_files_written", "Hidden-state files written.")

@@ -641,3 +641,28 @@ def test_pinned_block_bytes_is_the_next_power_of_two():
     assert writer_mod.pinned_block_bytes(96 * mib) == 128 * mib  # a 3k-token llama-mid file
     assert writer_mod.pinned_block_bytes(256 * mib) == 256 * mib
     assert writer_mod.pinned_pool() is None or "bytes" in writer_mod.pinned_pool()
+
+
+MULTIPROC_LEVELS = textwrap.dedent(r"""
+    import sys, types
+    from sglang_ext import metrics
+    sa = types.SimpleNamespace(enable_metrics=True, model_path="/models/tiny", served_model_name=None)
+    metrics.from_server_args(sa).levels(queue_depth=int(sys.argv[1]), host_bytes_in_use=int(sys.argv[2]))
+""")
+
+
+def test_metrics_levels_add_up_over_writer_processes(tmp_path):
+    """One writer per DP rank, each its own process: the server's queue depth and pinned
+    bytes in use are the sum of theirs (a gauge of one process would hide the others)."""
+    pytest.importorskip("prometheus_client")
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom))
+    for depth, held in ((5, 1 << 20), (3, 2 << 20)):
+        subprocess.run([sys.executable, "-c", MULTIPROC_LEVELS, str(depth), str(held)], env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", MULTIPROC_HTTP], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    values = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in out.splitlines()
+              if ln.startswith("kimi_sglang:")}
+    assert values['kimi_sglang:dump_queue_depth{model_name="/models/tiny"}'] == 8
+    assert values['kimi_sglang:dump_host_bytes_in_use{model_name="/models/tiny"}'] == 3 << 20

@@ -364,10 +364,11 @@ def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeyp
     assert torch.equal(fmt.load(meta_n["hidden_states_path"]).hidden_states, reference(normal, [2, 4]))
 
 
-def test_dp_attention_is_accepted_and_splits_the_host_cap(tmp_path):
-    """Under DP attention each DP rank writes its own requests (verified on two H200s,
+def test_data_parallel_is_accepted_and_splits_the_host_cap(tmp_path):
+    """Each DP rank writes its own requests (DP attention verified on two H200s,
     tests/gpu/results-2026-12-01-h200x2-tp2-deepseek.json); the server's host cap is
-    shared among those writer ranks, and a cap too small to share is refused."""
+    shared among those writer ranks, a cap too small to share is refused, and so is
+    attention context parallelism."""
     args = types.SimpleNamespace(
         dump_hidden_states_dir=str(tmp_path), dump_hidden_states_layers=None,
         dump_hidden_states_max_host_mb=64, enable_return_hidden_states=False,
@@ -375,10 +376,15 @@ def test_dp_attention_is_accepted_and_splits_the_host_cap(tmp_path):
         disable_radix_cache=True, disable_prefill_cuda_graph=True)
     hooks.check_server_args(args)
     assert DumpConfig.from_server_args(args).max_host_bytes == 16 << 20
-    args.enable_dp_attention = False  # --dp-size without DP attention: one writer rank
+    args.enable_dp_attention = False  # plain DP: one full TP group, so one writer, per DP rank
+    assert DumpConfig.from_server_args(args).max_host_bytes == 16 << 20
+    args.dp_size = 1
     assert DumpConfig.from_server_args(args).max_host_bytes == 64 << 20
-    args.enable_dp_attention, args.dump_hidden_states_max_host_mb = True, 3
+    args.dp_size, args.dump_hidden_states_max_host_mb = 4, 3
     with pytest.raises(DumpConfigError, match="less than 1 MiB each"):
+        hooks.check_server_args(args)
+    args.dump_hidden_states_max_host_mb, args.attn_cp_size = 64, 2  # CP ranks: many writers per request
+    with pytest.raises(DumpConfigError, match="--attn-cp-size > 1"):
         hooks.check_server_args(args)
 
 

@@ -775,6 +775,7 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
         hidden = ref.model.config.hidden_size
         if "core" in groups:
             run_core_cases(cases, ref, layer_ids, hidden, dump_dir, rng)
+            save(cases)
         if tp > 1:
             cases["tp_one_writer"] = one_writer_rank(log_path, tp)
             tp_prompts = make_tp_prompts(rng)
@@ -858,7 +859,10 @@ def main():
     }
     path = args.results or os.path.join(args.out, "e2e-results.json")
 
+    progress = {}  # model -> its cases so far (the dict run_model fills)
+
     def save(name, cases):  # partial results of the model in progress, marked as such
+        progress[name] = cases
         partial = dict(report, models=report["models"] + [{"model": name, "partial": True, "cases": cases}],
                        **{"pass": False})
         with open(path, "w") as f:
@@ -873,9 +877,12 @@ def main():
                                               dp_attention=args.dp_attention,
                                               save=lambda cases, name=name: save(name, cases)))
         except Exception as e:  # noqa: BLE001
-            report["models"].append({"model": name, "error": f"{type(e).__name__}: {e}", "cases": {}})
+            # keep the cases that finished before the error (they failed nothing)
+            report["models"].append({"model": name, "error": f"{type(e).__name__}: {e}",
+                                     "cases": dict(progress.get(name, {}))})
         # Written after each model, so a run cut off by a time limit keeps what it saw.
-        report["pass"] = all(m.get("cases") and all(c["pass"] for c in m["cases"].values())
+        report["pass"] = all("error" not in m and m.get("cases")
+                             and all(c["pass"] for c in m["cases"].values())
                              for m in report["models"]) and len(report["models"]) == len(args.models.split(","))
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
