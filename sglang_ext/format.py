@@ -303,8 +303,8 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
     """Remove what an interrupted run left: temporary files and locks nobody holds.
 
     Temporary files are ours (``.<name>.safetensors.tmp``) and safetensors' own
-    (``.tmpXXXXXX``); only the writing ranks of one server may use a dump directory (one,
-    or one per DP rank under DP attention: they all start before the server takes requests).
+    (``.tmpXXXXXX``); only the writing ranks of one server may use a dump directory (one
+    per DP rank: they all start before the server takes requests).
 
     Called once at start-up by each writing rank. A lock is stale when an exclusive
     non-blocking ``flock`` on it succeeds. Returns counts ``{"tmp": n, "lock": m}``.
