@@ -578,6 +578,15 @@ def scheduler_pid(server):
     raise RuntimeError("no scheduler process found")
 
 
+def raw_samples(raw_text):
+    """py-spy ``--format raw`` lines (``thread;frame;...;frame count``) -> ``(frames, count)``
+    pairs, ``frames[0]`` being the thread; lines of another shape are skipped."""
+    for line in raw_text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
 def summarize_py_spy(raw_text, top=15):
     """py-spy ``--format raw --threads`` output (``thread;frame;...;leaf count`` lines) ->
     ``{"samples", "threads": {thread: share}, "top": [[leaf frame, share], ...],
@@ -585,14 +594,9 @@ def summarize_py_spy(raw_text, top=15):
     while it runs, so ``threads`` says which threads were busy, not for how long); ``ours``
     is, per thread, the share of samples with a frame in ``sglang_ext/`` on the stack."""
     threads, leaves, ours, total = {}, {}, {}, 0
-    for line in raw_text.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, n in raw_samples(raw_text):
         if len(frames) < 2:  # a thread with no Python frame
             continue
-        n = int(count)
         total += n
         threads[frames[0]] = threads.get(frames[0], 0) + n
         leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
@@ -642,12 +646,7 @@ def summarize_gil_wait(raw_text, top=10):
     ``scheduler_wait_top``: the Python frames it waited for the GIL from (innermost
     Python frame of each waiting sample, share of the scheduler's samples)."""
     per, waited_at = {}, {}
-    for line in raw_text.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
-        n = int(count)
+    for frames, n in raw_samples(raw_text):
         t = per.setdefault(frames[0], {"samples": 0, "wait": 0, "loop": 0})
         t["samples"] += n
         names = [f.split(" (", 1)[0] for f in frames[1:]]
