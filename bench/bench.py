@@ -126,10 +126,12 @@ def make_plan(args):
         for plen, conc in grid:
             scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
-            for mode in ("nodump", "dump", "dump_early"):
-                if mode in modes:
-                    cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
-                                  "requests": n, "prompt_tokens": n * plen})
+            for rep in range(args.repeat):
+                for mode in ("nodump", "dump", "dump_early", "nodump_noise"):
+                    if mode in modes:
+                        cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
+                                      "requests": n, "prompt_tokens": n * plen}
+                                     | ({"rep": rep} if args.repeat > 1 else {}))
             if (plen, conc) == head and "json" in modes:
                 cells.append({"mode": "json", "prompt_len": plen, "concurrency": conc,
                               "requests": json_requests, "prompt_tokens": json_requests * plen})
@@ -150,6 +152,16 @@ def make_plan(args):
         plan["models"][name] = {"servers": servers, "cells": cells, "est_s": round(est)}
     plan["est_total_s"] = round(est_total)
     return plan
+
+
+def noise_rate(cells, cell, args):
+    """Bytes/s the noise process of a ``nodump_noise`` cell aims at: ``--noise-gbps`` if
+    given, else what the dump cell of the same shape (and repetition) just wrote; 0 (as
+    fast as it can) when there is none."""
+    if args.noise_gbps:
+        return args.noise_gbps * 1e9
+    b = report.find_cell(cells, "dump", cell["prompt_len"], cell["concurrency"], cell.get("rep"))
+    return b["write_gbps"] * 1e9 if b and b.get("write_gbps") else 0.0
 
 
 def writer_threads():
@@ -231,10 +243,11 @@ def print_plan(plan):
         print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s)")
         for which, cmd in m["servers"].items():
             print(f"  server {which}: {' '.join(cmd)}")
-        print(f"  {'mode':10} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
+        print(f"  {'mode':16} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
         for c in m["cells"]:
             gib = f"{c['dump_bytes'] / (1 << 30):.1f}" if "dump_bytes" in c else ""
-            print(f"  {c['mode']:10} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
+            mode = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
+            print(f"  {mode:16} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
                   f"{c['prompt_tokens']:8} {gib:>8} {c['est_s']:6}")
     print(f"\nestimated total: ~{plan['est_total_s']} s (throughputs and start-up times are "
           f"assumptions; the deadline skips what does not fit)")
@@ -1010,6 +1023,125 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         json.dump(out, f)
 
 
+def parse_cpus(text):
+    """``"8-15,20"`` -> {8, ..., 15, 20} (the ``taskset -c`` list syntax); raises ValueError."""
+    cpus = set()
+    for part in (p for p in text.split(",") if p):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus:
+        raise ValueError(f"empty CPU list {text!r}")
+    return cpus
+
+
+def internal_noise(spec_json):
+    """Mode ``nodump_noise``'s load: another process writing dump-sized files, so that a
+    no-dump cell runs beside the page-cache copies of a dump without anything of the dump
+    inside the server (no hook, no writer threads in its process, no GIL shared).
+
+    ``spec_json``: {"dir", "rows", "width", "threads", "rate_bps", "cpus", "keep_bytes"}.
+    ``threads`` threads each write safetensors files (``save_file``, as the writer does) of
+    ``hidden_states`` bf16 [rows, width] and ``token_ids`` int64 [rows] into ``dir``, paced to
+    ``rate_bps`` bytes/s together (0: as fast as they can), keeping at most ``keep_bytes``
+    of files (the oldest are unlinked), on ``cpus`` if given (a ``taskset -c`` list).
+    Prints ``ready`` once the first file is written; on SIGTERM it stops and prints one
+    JSON line {"bytes", "files", "seconds", "gbps"}."""
+    import collections
+
+    import torch
+    from safetensors.torch import save_file
+
+    sp = json.loads(spec_json)
+    if sp.get("cpus"):
+        os.sched_setaffinity(0, parse_cpus(sp["cpus"]))  # the threads below inherit it
+    stop, first = threading.Event(), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threads, rows, width = sp["threads"], sp["rows"], sp["width"]
+    srcs = [{"hidden_states": torch.empty((rows, width), dtype=torch.bfloat16).normal_(),
+             "token_ids": torch.arange(rows, dtype=torch.int64)} for _ in range(threads)]
+    interval = threads * (rows * width * 2 + rows * 8) / sp["rate_bps"] if sp["rate_bps"] else 0.0
+    lock, kept = threading.Lock(), collections.deque()
+    totals = {"bytes": 0, "files": 0, "kept": 0}
+
+    def run(k):
+        t_next = time.perf_counter() + k * interval / threads  # staggered, not in bursts
+        i = 0
+        while not stop.is_set():
+            path = os.path.join(sp["dir"], f"noise-{k}-{i}.safetensors")
+            i += 1
+            save_file(srcs[k], path)
+            size = os.path.getsize(path)
+            with lock:
+                kept.append((path, size))
+                totals["bytes"] += size
+                totals["files"] += 1
+                totals["kept"] += size
+                while totals["kept"] > sp["keep_bytes"] and len(kept) > 1:
+                    old, n = kept.popleft()
+                    os.unlink(old)
+                    totals["kept"] -= n
+            first.set()
+            if interval:
+                t_next += interval
+                stop.wait(max(0.0, t_next - time.perf_counter()))
+
+    t0 = time.perf_counter()
+    pool = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(threads)]
+    for t in pool:
+        t.start()
+    while not first.wait(0.1):
+        if stop.is_set():
+            break
+    print("ready", flush=True)
+    while not stop.wait(0.1):
+        pass
+    for t in pool:
+        t.join()
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"bytes": totals["bytes"], "files": totals["files"], "seconds": seconds,
+                      "gbps": totals["bytes"] / seconds / 1e9}), flush=True)
+
+
+class Noise:
+    """Context manager around ``internal_noise`` in a subprocess: ``__enter__`` returns once
+    it writes; ``result`` after ``__exit__``: its JSON line plus the settings."""
+
+    def __init__(self, directory, rows, width, threads, rate_bps, cpus=None, keep_bytes=1 << 30):
+        self.dir = directory
+        self.spec = {"dir": directory, "rows": rows, "width": width, "threads": threads,
+                     "rate_bps": rate_bps, "cpus": cpus, "keep_bytes": keep_bytes}
+        self.proc, self.result = None, {}
+
+    def __enter__(self):
+        import select
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.makedirs(self.dir)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--internal", "noise", "--internal-sizes", json.dumps(self.spec)],
+            stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        line = self.proc.stdout.readline().strip() if ready else ""
+        if line != "ready":
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"noise process did not start writing (got {line!r})")
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            out, _ = self.proc.communicate(timeout=60)
+            lines = out.strip().splitlines()
+            self.result = json.loads(lines[-1]) if lines else {"error": "no result line"}
+        except Exception as e:  # noqa: BLE001
+            self.proc.kill()
+            self.result = {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.result |= {"target_gbps": self.spec["rate_bps"] / 1e9, "threads": self.spec["threads"],
+                        "cpus": self.spec["cpus"]}
+
+
 # ---- orchestration -----------------------------------------------------------------------------
 def save_results(results, out_dir, stem):
     results["headline"] = report.headline(results)
@@ -1090,7 +1222,8 @@ def run_model(args, plan, name, clock, results, save, skipped):
         shm_free = shutil.disk_usage(args.dump_root).free
         t0 = time.monotonic()
         for cell in mp["cells"]:
-            label = f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
+            label = (f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
+                     + (f" #{cell['rep']}" if "rep" in cell else ""))
             need = cell["est_s"] * 2 + 15
             if clock.left() < need:
                 skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
@@ -1103,14 +1236,25 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 cell["scaled_for_shm"] = True
             server = servers[server_for(args, cell["mode"])]
             try:
-                r = run_cell(server, cell, spec, rng, cell["mode"],
-                             trace_path=trace_path if cell["mode"] in report.DUMP_MODES else None)
+                if cell["mode"] == "nodump_noise":
+                    noise = Noise(os.path.join(args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
+                                  len(spec["layer_ids"]) * spec["hidden_size"], writer_threads(),
+                                  noise_rate(m["cells"], cell, args), args.noise_cpus,
+                                  keep_bytes=int(0.3 * shm_free))
+                    with noise:
+                        r = run_cell(server, cell, spec, rng, cell["mode"])
+                    r["noise"] = noise.result
+                else:
+                    r = run_cell(server, cell, spec, rng, cell["mode"],
+                                 trace_path=trace_path if cell["mode"] in report.DUMP_MODES else None)
             except Exception as e:  # noqa: BLE001
                 r = {"mode": cell["mode"], "prompt_len": cell["prompt_len"],
                      "concurrency": cell["concurrency"], "requests": cell["requests"],
                      "error": f"{type(e).__name__}: {e}"[:500]}
             if cell.get("scaled_for_shm"):
                 r["scaled_for_shm"] = True
+            if "rep" in cell:
+                r["rep"] = cell["rep"]
             if cell["mode"] in report.DUMP_MODES:
                 clear_dump_dir(dd)
             m["cells"].append(r)
@@ -1127,6 +1271,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 if cell["mode"] in report.DUMP_MODES:
                     clear_dump_dir(dd)
             extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
+                f" beside {r['noise'].get('gbps', 0):.2f} GB/s of noise" if r.get("noise") else "") + (
                 f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
             print(f"  {label}: {r.get('prefill_tps', float('nan')):.0f} tok/s, p50 "
                   f"{r.get('p50_s', float('nan')):.3f} s, p99 {r.get('p99_s', float('nan')):.3f} s{extra}"
@@ -1176,7 +1321,18 @@ def build_parser():
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kimi-bench-out"))
     ap.add_argument("--workdir", default="/tmp/kimi-bench", help="models and raw logs")
     ap.add_argument("--models", default="llama-mid,deepseek-tiny")
-    ap.add_argument("--modes", default="nodump,dump,dump_early,json")
+    ap.add_argument("--modes", default="nodump,dump,dump_early,json",
+                    help="nodump (a), dump (b), dump_early (b'), json (c); also nodump_noise: "
+                         "(a) while another process writes dump-sized files at the rate the "
+                         "dump cell of that shape wrote (--noise-gbps), into --dump-root")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every cell of the grid this many times, interleaved (cells carry "
+                         "'rep'; ratios pair cells of one repetition)")
+    ap.add_argument("--noise-gbps", type=float, default=0,
+                    help="nodump_noise's write rate in GB/s (0: what the dump cell of that shape "
+                         "wrote; as fast as possible if there is none)")
+    ap.add_argument("--noise-cpus", default=None,
+                    help="CPUs of the noise process, as for taskset -c (default: any)")
     ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192])
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--cell-tokens", type=int, default=0, help="prompt tokens per cell (if 0: the profile's, times the model's cell_scale at concurrency >= 8)")
@@ -1210,7 +1366,7 @@ def build_parser():
     ap.add_argument("--no-build", action="store_true", help="use the models already in --workdir")
     # tests/test_bench.py rehearses the orchestration against a fake server
     ap.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
-    ap.add_argument("--internal", choices=["build", "ceilings"], help=argparse.SUPPRESS)
+    ap.add_argument("--internal", choices=["build", "ceilings", "noise"], help=argparse.SUPPRESS)
     ap.add_argument("--internal-model", help=argparse.SUPPRESS)
     ap.add_argument("--internal-part", help=argparse.SUPPRESS)
     ap.add_argument("--internal-sizes", help=argparse.SUPPRESS)
@@ -1224,6 +1380,9 @@ def main(argv=None):
     if args.internal == "build":
         internal_build(args.internal_model, os.environ["KIMI_BENCH_MODEL_PATH"])
         return 0
+    if args.internal == "noise":
+        internal_noise(args.internal_sizes)
+        return 0
     if args.internal == "ceilings":
         prof = PROFILES[args.profile]
         internal_ceilings(args.internal_part, args.internal_sizes, writer_threads(),
@@ -1235,8 +1394,15 @@ def main(argv=None):
         if name and name not in MODELS:
             ap.error(f"unknown model {name!r} (known: {', '.join(MODELS)})")
     for mode in args.modes.split(","):
-        if mode not in ("nodump", "json") + report.DUMP_MODES:
-            ap.error(f"unknown mode {mode!r} (known: nodump, dump, dump_early, json)")
+        if mode not in ("nodump", "json", "nodump_noise") + report.DUMP_MODES:
+            ap.error(f"unknown mode {mode!r} (known: nodump, dump, dump_early, nodump_noise, json)")
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.noise_cpus:
+        try:
+            parse_cpus(args.noise_cpus)
+        except ValueError as e:
+            ap.error(f"--noise-cpus: {e}")
     if args.writer_log_wait_s is None:
         args.writer_log_wait_s = PROFILES[args.profile]["writer_log_wait_s"]
     plan = make_plan(args)
@@ -1259,7 +1425,8 @@ def main(argv=None):
                                         "max_host_mb", "deadline_s", "ceiling_mib")}
         | {"prompt_lens": args.prompt_lens, "concurrency": args.concurrency,
            "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None,
-           "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static},
+           "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static,
+           "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus},
         "ceilings": {}, "models": {}, "phases": {}, "skipped": [],
     }
     skipped = results["skipped"]

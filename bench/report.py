@@ -13,10 +13,13 @@ Results layout (what ``bench.py`` writes, what ``render_markdown`` and ``plot.py
                                                          "fallocate": gbps, "prealloc_write": gbps}},
                   "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
      "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
-                            "cells": [{"mode": "nodump"|"dump"|"json", "prompt_len",
-                                       "concurrency", "requests", "prompt_tokens", "wall_s",
+                            "cells": [{"mode": "nodump"|"dump"|"dump_early"|"nodump_noise"
+                                               |"json", "prompt_len",
+                                       "concurrency", "rep" (--repeat > 1), "requests",
+                                       "prompt_tokens", "wall_s",
                                        "prefill_tps", "p50_s", "p99_s",
                                        "file_bytes" (dump), "write_gbps" (dump),
+                                       "noise" (nodump_noise: ``bench.Noise.result``),
                                        "response_bytes" (json),
                                        "stages" (dump, ``stage_stats``), ...}],
                             "host_memory": {...}}},
@@ -139,11 +142,16 @@ def nearest(table: Dict[str, float], size: float) -> Optional[float]:
     return table[key]
 
 
-def _cell(cells, mode, prompt_len, concurrency):
+ANY_REP = object()
+
+
+def find_cell(cells, mode, prompt_len, concurrency, rep=ANY_REP):
+    """The first error-free cell of that mode and shape; with ``rep``, of that repetition
+    (``--repeat``: cells carry ``rep`` 0..N-1; without it they carry none, i.e. None)."""
     for c in cells:
         if (c.get("mode"), c.get("prompt_len"), c.get("concurrency")) == (
             mode, prompt_len, concurrency
-        ) and not c.get("error"):
+        ) and not c.get("error") and (rep is ANY_REP or c.get("rep") == rep):
             return c
     return None
 
@@ -160,7 +168,7 @@ def headline(results: dict) -> Dict[str, dict]:
         cells = m.get("cells", [])
         per_cell = []
         for b in (c for c in cells if c.get("mode") in DUMP_MODES and not c.get("error")):
-            a = _cell(cells, "nodump", b["prompt_len"], b["concurrency"])
+            a = find_cell(cells, "nodump", b["prompt_len"], b["concurrency"], b.get("rep"))
             bytes_per_token = (
                 b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
             )
@@ -173,6 +181,7 @@ def headline(results: dict) -> Dict[str, dict]:
                 "mode": b["mode"],
                 "prompt_len": b["prompt_len"],
                 "concurrency": b["concurrency"],
+                **({"rep": b["rep"]} if "rep" in b else {}),
                 "dump_vs_nodump": ratio(b["prefill_tps"], a_tps),
                 "bytes_per_token": bytes_per_token,
                 "w_gbps": w,
@@ -185,15 +194,28 @@ def headline(results: dict) -> Dict[str, dict]:
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
         r, r_early = ratios("dump"), ratios("dump_early")
-        b_json = _cell(cells, "dump", JSON_PROMPT_LEN, JSON_CONCURRENCY)
-        c_json = _cell(cells, "json", JSON_PROMPT_LEN, JSON_CONCURRENCY)
+        b_json = find_cell(cells, "dump", JSON_PROMPT_LEN, JSON_CONCURRENCY)
+        c_json = find_cell(cells, "json", JSON_PROMPT_LEN, JSON_CONCURRENCY)
         writer = ceil.get("writer_alone", {}).get(model, {})
         wvc = {}
         for plen, wr in writer.items():
             w = ceiling_w(d2h, nearest(shm, wr["file_bytes"]))
             wvc[plen] = ratio(wr.get("gbps"), w)
+        noise = []
+        for n in (c for c in cells if c.get("mode") == "nodump_noise" and not c.get("error")):
+            shape = (n["prompt_len"], n["concurrency"], n.get("rep"))
+            a, b = find_cell(cells, "nodump", *shape), find_cell(cells, "dump", *shape)
+            noise.append({
+                "prompt_len": n["prompt_len"], "concurrency": n["concurrency"],
+                **({"rep": n["rep"]} if "rep" in n else {}),
+                "noise_vs_nodump": ratio(n["prefill_tps"], a["prefill_tps"] if a else None),
+                "dump_vs_nodump": ratio(b["prefill_tps"] if b else None, a["prefill_tps"] if a else None),
+                "noise_gbps": n.get("noise", {}).get("gbps"),
+                "dump_write_gbps": b.get("write_gbps") if b else None,
+            })
         out[model] = {
             "cells": per_cell,
+            **({"noise": noise} if noise else {}),
             "dump_vs_nodump_min": min(r) if r else None,
             "dump_vs_nodump_geomean": math.exp(sum(map(math.log, r)) / len(r)) if r else None,
             "dump_early_vs_nodump_min": min(r_early) if r_early else None,
@@ -291,7 +313,7 @@ def render_markdown(results: dict) -> str:
             )
     for model, m in results.get("models", {}).items():
         h = head.get(model, {})
-        by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"]): c
+        by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"], c.get("rep")): c
                    for c in h.get("cells", [])}
         lines += [
             "",
@@ -301,19 +323,23 @@ def render_markdown(results: dict) -> str:
             " JSON MB/resp | (b)/(a) | (b)/bound |",
             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        order = {"nodump": 0, "dump": 1, "dump_early": 2, "json": 3}
+        order = {"nodump": 0, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4}
         for c in sorted(m.get("cells", []),
-                        key=lambda c: (c["prompt_len"], c["concurrency"], order.get(c["mode"], 9))):
+                        key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
+                                       order.get(c["mode"], 9))):
+            label = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
             if c.get("error"):
-                lines.append(f"| {c['prompt_len']} | {c['concurrency']} | {c['mode']} | "
+                lines.append(f"| {c['prompt_len']} | {c['concurrency']} | {label} | "
                              f"ERROR: {c['error'][:80]} |||||||||")
                 continue
-            hc = by_cell.get((c["mode"], c["prompt_len"], c["concurrency"]), {})
+            hc = by_cell.get((c["mode"], c["prompt_len"], c["concurrency"], c.get("rep")), {})
             json_mb = (c["response_bytes"] / c["requests"] / 1e6) if c.get("response_bytes") else None
+            written = (_f(c.get("write_gbps"), "{:.2f}") if "noise" not in c
+                       else f"{_f(c['noise'].get('gbps'), '{:.2f}')} (noise)")
             lines.append(
-                f"| {c['prompt_len']} | {c['concurrency']} | {c['mode']} | {c['requests']} | "
+                f"| {c['prompt_len']} | {c['concurrency']} | {label} | {c['requests']} | "
                 f"{_f(c.get('prefill_tps'))} | {_f(c.get('p50_s'), '{:.3f}')} | "
-                f"{_f(c.get('p99_s'), '{:.3f}')} | {_f(c.get('write_gbps'), '{:.2f}')} | "
+                f"{_f(c.get('p99_s'), '{:.3f}')} | {written} | "
                 f"{_f(json_mb, '{:.1f}')} | {_f(hc.get('dump_vs_nodump'), '{:.3f}')} | "
                 f"{_f(hc.get('dump_vs_bound'), '{:.3f}')} |"
             )
@@ -327,6 +353,14 @@ def render_markdown(results: dict) -> str:
             f"- dump_vs_json (2k, conc 8): {_f(h.get('dump_vs_json'), '{:.1f}')}x",
             f"- writer_vs_ceiling (2k files): {_f(h.get('writer_vs_ceiling'), '{:.2f}')}",
         ]
+        for n in h.get("noise", []):
+            lines.append(
+                f"- nodump_noise {n['prompt_len']}x{n['concurrency']}"
+                + (f" #{n['rep']}" if "rep" in n else "")
+                + f": no dump while another process writes {_f(n['noise_gbps'], '{:.2f}')} GB/s "
+                f"(the dump cell wrote {_f(n['dump_write_gbps'], '{:.2f}')}): "
+                f"{_f(n['noise_vs_nodump'], '{:.3f}')} of no-dump (the dump: "
+                f"{_f(n['dump_vs_nodump'], '{:.3f}')})")
         fc = m.get("file_check")
         if fc:
             lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, "

@@ -93,6 +93,59 @@ def test_headline_ratios():
     assert h["writer_vs_ceiling"] == pytest.approx(0.8)  # 8 / min(50, 10)
 
 
+def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
+    res = sample()
+    res["models"]["m"]["cells"] = [
+        cell("nodump", 2048, 32, 100_000.0, rep=0),
+        cell("dump", 2048, 32, 50_000.0, rep=0, file_bytes=1, write_gbps=3.0),
+        cell("nodump_noise", 2048, 32, 80_000.0, rep=0, noise={"gbps": 2.9}),
+        cell("nodump", 2048, 32, 200_000.0, rep=1),
+        cell("dump", 2048, 32, 150_000.0, rep=1, file_bytes=1, write_gbps=4.0),
+        cell("nodump_noise", 2048, 32, 190_000.0, rep=1, noise={"gbps": 3.9}),
+    ]
+    h = report.headline(res)["m"]
+    # rep 0: 50k / 100k; rep 1: 150k / 200k (never 50k / 200k)
+    assert sorted((c["rep"], c["dump_vs_nodump"]) for c in h["cells"]) == [(0, 0.5), (1, 0.75)]
+    assert h["dump_vs_nodump_min"] == pytest.approx(0.5)
+    # noise: rep 0 80k / 100k beside 2.9 GB/s (the dump wrote 3.0); rep 1 190k / 200k
+    n = {x["rep"]: x for x in h["noise"]}
+    assert n[0]["noise_vs_nodump"] == pytest.approx(0.8) and n[0]["noise_gbps"] == 2.9
+    assert n[0]["dump_vs_nodump"] == pytest.approx(0.5) and n[0]["dump_write_gbps"] == 3.0
+    assert n[1]["noise_vs_nodump"] == pytest.approx(0.95)
+    md = report.render_markdown(res | {"headline": report.headline(res), "targets": []})
+    assert "| 2048 | 32 | nodump_noise #1 |" in md and "3.90 (noise)" in md
+    assert "nodump_noise 2048x32 #0: no dump while another process writes 2.90 GB/s" in md
+    # the noise rate follows the dump cell of the same repetition unless --noise-gbps is given
+    args = bench.build_parser().parse_args([])
+    assert bench.noise_rate(res["models"]["m"]["cells"], {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 4e9
+    args = bench.build_parser().parse_args(["--noise-gbps", "1.5"])
+    assert bench.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
+
+
+def test_noise_process_writes_at_its_pace_and_cleans_up(tmp_path):
+    """mode nodump_noise's load on the CPU: paced to 20 MB/s, files bounded, dir removed."""
+    import time
+
+    pytest.importorskip("safetensors")
+    d = tmp_path / "noise"
+    size = 256 * 64 * 2 + 256 * 8  # one file's tensor bytes (the header adds a little)
+    noise = bench.Noise(str(d), rows=256, width=64, threads=2, rate_bps=20e6, keep_bytes=4 * size)
+    with noise:
+        time.sleep(1.0)
+        files = list(d.iterdir())
+        assert 1 <= len(files) <= 5  # keep_bytes: 4 files, plus one written before the unlink
+    r = noise.result
+    assert "error" not in r, r
+    assert r["threads"] == 2 and r["target_gbps"] == pytest.approx(0.02)
+    # ~1.2 s at 20 MB/s: paced, not as fast as the disk (which is GB/s)
+    assert 0.4 * 20e6 < r["bytes"] / r["seconds"] < 1.6 * 20e6, r
+    assert r["files"] * size <= r["bytes"] < r["files"] * (size + 1024)
+    assert not d.exists()
+    with pytest.raises(ValueError):
+        bench.parse_cpus(",")
+    assert bench.parse_cpus("0-2,5") == {0, 1, 2, 5}
+
+
 def test_targets_pass_and_fail():
     res = sample()
     rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
@@ -233,10 +286,9 @@ def test_short_gpu_name():
     assert bench.short_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtxpro6000"
 
 
-@pytest.mark.parametrize("json_server", ["shared", "separate"])
-def test_rehearsal_against_a_fake_server(tmp_path, json_server):
-    """bench.py end to end on a CPU: start two (fake) servers, warm up, every cell, the
-    dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""
+def rehearse(tmp_path, *extra):
+    """bench.py --quick on deepseek-tiny against tests/fake_sglang_server.py; returns
+    (process, out dir, dump root, results JSON path)."""
     import os
     import socket
 
@@ -251,14 +303,44 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(BENCH.parent / "tests"), str(BENCH.parent)])}
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench.py"), "--quick", "--server-module", "fake_sglang_server",
-         "--no-build", "--skip-ceilings", "--models", "deepseek-tiny", "--prompt-lens", "16,2048",
-         "--concurrency", "1,8", "--cell-tokens", "256", "--json-requests", "2",
+         "--no-build", "--skip-ceilings", "--models", "deepseek-tiny",
          "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
-         "--ports", ",".join(map(str, ports)), "--deadline-s", "120", "--case", "rehearsal",
-         "--writer-log-wait-s", "5", "--json-server", json_server],
+         "--ports", ",".join(map(str, ports)), "--deadline-s", "120", "--case", "rehearsal", *extra],
         capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [res_path] = out.glob("*-rehearsal.json")
+    return proc, out, shm, res_path
+
+
+def test_rehearsal_noise_cells_and_repetitions(tmp_path):
+    """nodump_noise runs on server A beside a noise process paced to the dump cell's rate;
+    --repeat 2 interleaves two rounds and the headline pairs each round's cells."""
+    proc, out, shm, res_path = rehearse(
+        tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
+        "--modes", "nodump,dump,nodump_noise", "--repeat", "2", "--py-spy", "")
+    res = json.loads(res_path.read_text())
+    cells = res["models"]["deepseek-tiny"]["cells"]
+    assert [(c["mode"], c.get("rep")) for c in cells] == [
+        (m, r) for r in (0, 1) for m in ("nodump", "dump", "nodump_noise")]
+    assert not any(c.get("error") for c in cells), cells
+    for r in (0, 1):
+        dump = next(c for c in cells if c["mode"] == "dump" and c["rep"] == r)
+        noise = next(c for c in cells if c["mode"] == "nodump_noise" and c["rep"] == r)["noise"]
+        assert "error" not in noise and noise["files"] >= 1, noise
+        assert noise["target_gbps"] == pytest.approx(dump["write_gbps"])
+        assert noise["threads"] == 8
+    assert sorted(x["rep"] for x in res["headline"]["deepseek-tiny"]["noise"]) == [0, 1]
+    assert list(shm.iterdir()) == []  # noise and dump directories removed
+    assert "nodump_noise 2048x8 #1" in (out / res_path.name.replace(".json", ".md")).read_text()
+
+
+@pytest.mark.parametrize("json_server", ["shared", "separate"])
+def test_rehearsal_against_a_fake_server(tmp_path, json_server):
+    """bench.py end to end on a CPU: start two (fake) servers, warm up, every cell, the
+    dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""
+    proc, out, shm, res_path = rehearse(
+        tmp_path, "--prompt-lens", "16,2048", "--concurrency", "1,8", "--cell-tokens", "256",
+        "--json-requests", "2", "--writer-log-wait-s", "5", "--json-server", json_server)
     res = json.loads(res_path.read_text())
     m = res["models"]["deepseek-tiny"]
     cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in m["cells"]}
