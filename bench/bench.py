@@ -744,6 +744,52 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil"):
     return out
 
 
+def torch_profile_cell(server, cell, spec, rng, trace_dir, tag, max_requests):
+    """Run ``cell`` again (at most ``max_requests`` requests) between SGLang's
+    ``/start_profile`` and ``/stop_profile`` (torch profiler, CPU and GPU activity, no
+    stacks), then summarize the trace (``torchprof.summarize``: per 1M prompt tokens, the
+    scheduler thread's time in and between ATen ops, CUDA API calls, GPU busy time).
+    Returns that dict plus ``trace`` (the file) and ``cell_prefill_tps_profiled``, or
+    ``{"error": ...}``; a failed profile does not end the model's cells."""
+    import gzip
+
+    import requests
+    import torchprof
+
+    small = dict(cell, requests=min(cell["requests"], max_requests))
+    small["prompt_tokens"] = small["requests"] * cell["prompt_len"]
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        requests.post(f"{base}/start_profile", timeout=120, json={
+            "output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": False,
+            "record_shapes": False, "profile_id": tag}).raise_for_status()
+        try:
+            r = run_cell(server, small, spec, rng, cell["mode"])
+        finally:
+            requests.post(f"{base}/stop_profile", timeout=300).raise_for_status()
+        t0 = time.monotonic()
+        found = []
+        while time.monotonic() - t0 < 120 and not found:
+            found = sorted(n for n in (os.listdir(trace_dir) if os.path.isdir(trace_dir) else [])
+                           if n.endswith(".trace.json.gz"))
+            if not found:
+                time.sleep(0.5)
+        if not found:
+            return {"error": f"no trace in {trace_dir} after 120 s"}
+        with gzip.open(os.path.join(trace_dir, found[0]), "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        out = torchprof.summarize(events, small["prompt_tokens"])
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    out["trace"] = found[0]
+    out["requests"] = small["requests"]
+    out["cell_prefill_tps_profiled"] = r.get("prefill_tps")
+    if r.get("error"):
+        out["cell_error"] = r["error"]
+    return out
+
+
 def describe_nested(x):
     """Shape of a nested list (first elements), e.g. [2048, 4096]; None when absent."""
     if x is None:
@@ -1270,6 +1316,23 @@ def run_model(args, plan, name, clock, results, save, skipped):
                     args.py_spy_kind)
                 if cell["mode"] in report.DUMP_MODES:
                     clear_dump_dir(dd)
+            if (cell["mode"] in ("nodump", "dump") and spy_label in args.torch_profile
+                    and not r.get("error") and clock.left() > 3 * r.get("wall_s", 60) + 90):
+                key = f"{name} {cell['mode']} {spy_label}" + (f" #{cell['rep']}" if "rep" in cell else "")
+                tag = f"{args.case or args.profile}-{name}-{cell['mode']}-{spy_label}" + (
+                    f"-{cell['rep']}" if "rep" in cell else "")
+                trace_dir = os.path.join(args.workdir, "torch-profile", tag)
+                results.setdefault("torch_profile", {})[key] = tp = torch_profile_cell(
+                    server, cell, spec, rng, trace_dir, tag, args.torch_profile_requests)
+                if cell["mode"] in report.DUMP_MODES:
+                    clear_dump_dir(dd)
+                if tp.get("trace"):  # keep the trace beside the results (gzip, a few MB)
+                    shutil.copyfile(os.path.join(trace_dir, tp["trace"]),
+                                    os.path.join(args.out, f"torch-{tag}.trace.json.gz"))
+                print(f"  torch profile {key}: " + (tp.get("error") or (
+                    f"window {tp['window_ms_per_mtok']:.0f} ms/Mtok, in ops {tp['ops_ms_per_mtok']:.0f}, "
+                    f"between {tp['between_ops_ms_per_mtok']:.0f}, launch {tp['launch_us_mean'] or 0:.1f} us, "
+                    f"GPU busy {tp['gpu_busy_ms_per_mtok']:.0f}")), flush=True)
             extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
                 f" beside {r['noise'].get('gbps', 0):.2f} GB/s of noise" if r.get("noise") else "") + (
                 f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
@@ -1357,6 +1420,11 @@ def build_parser():
     ap.add_argument("--py-spy-kind", choices=["gil", "wait"], default="gil",
                     help="gil: who holds the GIL (--gil, dump cells); wait: how long each thread "
                          "waits for it (--idle --native, no-dump and dump cells)")
+    ap.add_argument("--torch-profile", type=lambda s: [x for x in s.split(",") if x], default=[],
+                    help="cells (PROMPTxCONC) whose nodump and dump runs are repeated under "
+                         "SGLang's torch profiler (/start_profile), summarized by bench/torchprof.py")
+    ap.add_argument("--torch-profile-requests", type=int, default=96,
+                    help="requests of each torch-profiled run (traces grow with them)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
     ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000, 33000],
                     help="ports of servers A, B (and C)")

@@ -26,7 +26,9 @@ Results layout (what ``bench.py`` writes, what ``render_markdown`` and ``plot.py
      "headline": {"<model>": {...}}, "targets": [...], "phases": {...},
      "py_spy": {"<label>": {"samples", "threads", "top"} (kind "gil") or {"kind": "wait",
                 "samples", "threads": {t: {"samples", "gil_wait"}}, "scheduler_gil_wait",
-                "scheduler_wait_top"} or {"error"}}, "notes": [...]}
+                "scheduler_wait_top"} or {"error"}},
+     "torch_profile": {"<model> <mode> <PROMPTxCONC>": ``torchprof.summarize`` or {"error"}},
+     "notes": [...]}
 """
 
 from __future__ import annotations
@@ -423,6 +425,37 @@ def render_markdown(results: dict) -> str:
         if prof.get("ours"):
             lines += ["", "- samples with sglang_ext code on the stack: "
                       + ", ".join(f"{t} {v:.2f}" for t, v in prof["ours"].items())]
+    tprof = results.get("torch_profile") or {}
+    if tprof:
+        ok = {k: v for k, v in tprof.items() if not v.get("error")}
+        lines += ["", "## Torch profiler (scheduler thread; ms per 1M prompt tokens)", ""]
+        lines += [f"- {k}: not taken: {v['error'][:300]}" for k, v in tprof.items() if v.get("error")]
+        if ok:
+            keys = list(ok)
+            rows = [("requests profiled", "requests", "{:.0f}"),
+                    ("prefill tok/s under the profiler", "cell_prefill_tps_profiled", "{:.0f}"),
+                    ("window", "window_ms_per_mtok", "{:.0f}"),
+                    ("in top-level ATen ops", "ops_ms_per_mtok", "{:.0f}"),
+                    ("between ops (Python, GIL waits)", "between_ops_ms_per_mtok", "{:.0f}"),
+                    ("top-level ops per 1M tokens", "ops_per_mtok", "{:.0f}"),
+                    ("cudaLaunchKernel mean (us)", "launch_us_mean", "{:.2f}"),
+                    ("launches per 1M tokens", "launches_per_mtok", "{:.0f}"),
+                    ("GPU busy", "gpu_busy_ms_per_mtok", "{:.0f}")]
+            lines += ["| | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+            lines += [f"| {label} | " + " | ".join(_f(ok[k].get(field), fmt) for k in keys) + " |"
+                      for label, field, fmt in rows]
+            for field, title in (("top_ops_ms_per_mtok", "top-level ATen ops"),
+                                 ("api_ms_per_mtok", "CUDA API calls")):
+                names = []
+                for k in keys:
+                    names += [n for n in ok[k].get(field, {}) if n not in names]
+                lines += ["", f"| {title} | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+                lines += [f"| `{n}` | " + " | ".join(_f(ok[k].get(field, {}).get(n), "{:.1f}") for k in keys)
+                          + " |" for n in names[:16]]
+            for k in keys:
+                if ok[k].get("other_threads"):
+                    lines.append(f"- {k}, other threads' top-level ops (ms per 1M tokens): " + ", ".join(
+                        f"{t} {v['ops_ms_per_mtok']:.1f}" for t, v in ok[k]["other_threads"].items()))
     lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
     for t in tgt:
         v = t["value"]

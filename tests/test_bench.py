@@ -122,6 +122,43 @@ def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
     assert bench.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
 
 
+def test_torch_trace_summary_splits_the_scheduler_thread_time():
+    import torchprof
+
+    def x(cat, name, ts, dur, tid=1, pid=9):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+
+    events = [
+        # scheduler thread (tid 1, most ops): two top-level ops, 0..400 us and 600..1000 us,
+        # one with a nested op that must not count twice
+        x("cpu_op", "aten::linear", 0, 400), x("cpu_op", "aten::mm", 50, 300),
+        x("cpu_op", "aten::copy_", 600, 400),
+        x("cuda_runtime", "cudaLaunchKernel", 100, 4), x("cuda_runtime", "cudaLaunchKernel", 700, 8),
+        x("cuda_runtime", "cudaEventRecord", 800, 2),
+        # a writer thread: one op of 50 us
+        x("cpu_op", "aten::empty", 200, 50, tid=2),
+        # the GPU: kernels 100..300 and 250..450 overlap (busy 350), a copy 700..800 (100)
+        x("kernel", "gemm", 100, 200, tid=7, pid=0), x("kernel", "gemm", 250, 200, tid=8, pid=0),
+        x("gpu_memcpy", "Memcpy DtoH", 700, 100, tid=9, pid=0),
+        {"ph": "i", "name": "marker", "ts": 5},
+    ]
+    r = torchprof.summarize(events, prompt_tokens=2_000_000)
+    # per 1M tokens = halves: window 1000 us -> 0.5 ms; in ops 800 us -> 0.4; between 0.1
+    assert r["main_thread"] == "1"
+    assert r["window_ms"] == pytest.approx(1.0)
+    assert r["window_ms_per_mtok"] == pytest.approx(0.5)
+    assert r["ops_ms_per_mtok"] == pytest.approx(0.4)
+    assert r["between_ops_ms_per_mtok"] == pytest.approx(0.1)
+    assert r["ops_per_mtok"] == pytest.approx(1.0)  # 2 ops / 2M tokens
+    assert r["launch_us_mean"] == pytest.approx(6.0) and r["launches_per_mtok"] == pytest.approx(1.0)
+    assert r["api_ms_per_mtok"] == {"cudaLaunchKernel": 0.006, "cudaEventRecord": 0.001}
+    assert r["top_ops_ms_per_mtok"] == {"aten::linear": 0.2, "aten::copy_": 0.2}
+    assert r["gpu_busy_ms_per_mtok"] == pytest.approx(0.225)  # (350 + 100) us / 2
+    assert r["other_threads"] == {"2": {"ops": 1, "ops_ms_per_mtok": pytest.approx(0.025)}}
+    with pytest.raises(ValueError, match="no cpu_op"):
+        torchprof.summarize([x("kernel", "k", 0, 1)], 10)
+
+
 def test_noise_process_writes_at_its_pace_and_cleans_up(tmp_path):
     """mode nodump_noise's load on the CPU: paced to 20 MB/s, files bounded, dir removed."""
     import time
@@ -317,7 +354,8 @@ def test_rehearsal_noise_cells_and_repetitions(tmp_path):
     --repeat 2 interleaves two rounds and the headline pairs each round's cells."""
     proc, out, shm, res_path = rehearse(
         tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
-        "--modes", "nodump,dump,nodump_noise", "--repeat", "2", "--py-spy", "")
+        "--modes", "nodump,dump,nodump_noise", "--repeat", "2", "--py-spy", "",
+        "--torch-profile", "2048x8", "--torch-profile-requests", "4")
     res = json.loads(res_path.read_text())
     cells = res["models"]["deepseek-tiny"]["cells"]
     assert [(c["mode"], c.get("rep")) for c in cells] == [
@@ -331,7 +369,20 @@ def test_rehearsal_noise_cells_and_repetitions(tmp_path):
         assert noise["threads"] == 8
     assert sorted(x["rep"] for x in res["headline"]["deepseek-tiny"]["noise"]) == [0, 1]
     assert list(shm.iterdir()) == []  # noise and dump directories removed
-    assert "nodump_noise 2048x8 #1" in (out / res_path.name.replace(".json", ".md")).read_text()
+    md = (out / res_path.name.replace(".json", ".md")).read_text()
+    assert "nodump_noise 2048x8 #1" in md
+    # torch profiles of the nodump and dump runs of both rounds: the fake's trace holds one
+    # 1 ms op per request served, 0.5 ms apart, and one 0.2 ms kernel; 4 requests of 2048
+    # tokens: window 5.5 ms, ops 4 ms -> x 1e6 / 8192 per 1M tokens
+    tp = res["torch_profile"]
+    assert sorted(tp) == [f"deepseek-tiny {m} 2048x8 #{r}" for m in ("dump", "nodump") for r in (0, 1)]
+    one = tp["deepseek-tiny dump 2048x8 #1"]
+    assert one["requests"] == 4 and one["launch_us_mean"] == 5.0
+    assert one["window_ms_per_mtok"] == pytest.approx(5.5 * 1e6 / 8192)
+    assert one["between_ops_ms_per_mtok"] == pytest.approx(1.5 * 1e6 / 8192)
+    assert one["gpu_busy_ms_per_mtok"] == pytest.approx(0.8 * 1e6 / 8192)
+    assert (out / "torch-rehearsal-deepseek-tiny-dump-2048x8-1.trace.json.gz").exists()
+    assert "## Torch profiler" in md and "| cudaLaunchKernel mean (us) | 5.00 |" in md
 
 
 @pytest.mark.parametrize("json_server", ["shared", "separate"])

@@ -1,0 +1,104 @@
+"""Summary of a torch-profiler trace of a server's scheduler process (``--torch-profile``).
+
+SGLang's ``/start_profile`` ... ``/stop_profile`` (``activities: ["CPU", "GPU"]``) writes a
+Chrome trace (Kineto's JSON: ``traceEvents`` with ``ph: "X"``, ``ts``/``dur`` in
+microseconds; ``cat`` ``cpu_op`` for ATen ops, ``cuda_runtime``/``cuda_driver`` for CUDA API
+calls, ``kernel``/``gpu_memcpy``/``gpu_memset`` for the device). No torch needed here:
+``tests/test_bench.py`` feeds it hand-made events.
+
+What it answers: per 1M prompt tokens, how long the scheduler thread (the thread with
+the most ``cpu_op`` events: SGLang's event loop, which launches the forward) spent inside
+top-level ATen ops (C++ work, the GIL released) and between them (its own Python and any
+wait for the GIL), how long its CUDA API calls took (``cudaLaunchKernel``'s mean: a slower
+launch in one server points at the CPU or the driver, not at Python), how busy the GPU
+was, and what other threads (the dump's writer threads) did in torch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List
+
+CPU_CATS = ("cpu_op",)
+API_CATS = ("cuda_runtime", "cuda_driver")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _top_level(events: List[dict]) -> List[dict]:
+    """Events not nested in an earlier one of the same list (sorted by start)."""
+    out, end = [], float("-inf")
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end:  # ops of one thread nest properly: anything else is inside
+            out.append(e)
+            end = e["ts"] + e["dur"]
+    return out
+
+
+def _union_us(intervals: Iterable[tuple]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def summarize(events: List[dict], prompt_tokens: int, top: int = 12) -> Dict:
+    """``events``: a trace's ``traceEvents``; ``prompt_tokens``: tokens prefilled in the
+    profiled window. Returns milliseconds per 1M prompt tokens (``*_ms_per_mtok``) and
+    counts; raises ValueError if the trace has no ATen ops."""
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    ops = [e for e in xs if e.get("cat") in CPU_CATS]
+    if not ops:
+        raise ValueError("no cpu_op events in the trace (was the CPU activity recorded?)")
+    per_tid = defaultdict(list)
+    for e in ops:
+        per_tid[(e.get("pid"), e.get("tid"))].append(e)
+    main = max(per_tid, key=lambda k: len(per_tid[k]))
+    top_ops = _top_level(per_tid[main])
+    start = top_ops[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in top_ops)
+    window = end - start
+    in_ops = sum(e["dur"] for e in top_ops)
+    scale = 1e6 / prompt_tokens / 1e3 if prompt_tokens else float("nan")  # us -> ms per 1M tokens
+
+    by_name = defaultdict(lambda: [0, 0.0])
+    for e in top_ops:
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += e["dur"]
+    api = defaultdict(lambda: [0, 0.0])
+    for e in xs:
+        if e.get("cat") in API_CATS and (e.get("pid"), e.get("tid")) == main:
+            api[e["name"]][0] += 1
+            api[e["name"]][1] += e["dur"]
+    launches = api.get("cudaLaunchKernel") or api.get("cuLaunchKernel") or [0, 0.0]
+    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in xs if e.get("cat") in GPU_CATS
+           and start <= e["ts"] <= end]
+    others = {}
+    for k, evs in per_tid.items():
+        if k == main:
+            continue
+        t = _top_level(evs)
+        others[str(k[1])] = {"ops": len(t), "ops_ms_per_mtok": sum(e["dur"] for e in t) * scale}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "window_ms": window / 1e3,
+        "main_thread": str(main[1]),
+        "window_ms_per_mtok": window * scale,
+        "ops_ms_per_mtok": in_ops * scale,
+        "between_ops_ms_per_mtok": (window - in_ops) * scale,
+        "ops_per_mtok": len(top_ops) * 1e6 / prompt_tokens if prompt_tokens else None,
+        "launch_us_mean": launches[1] / launches[0] if launches[0] else None,
+        "launches_per_mtok": launches[0] * 1e6 / prompt_tokens if prompt_tokens else None,
+        "api_ms_per_mtok": {n: round(v[1] * scale, 3) for n, v in
+                            sorted(api.items(), key=lambda kv: -kv[1][1])[:top]},
+        "top_ops_ms_per_mtok": {n: round(v[1] * scale, 3) for n, v in
+                                sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]},
+        "gpu_busy_ms_per_mtok": _union_us(gpu) * scale,
+        "other_threads": dict(sorted(others.items(), key=lambda kv: -kv[1]["ops_ms_per_mtok"])[:8]),
+    }
