@@ -1316,14 +1316,23 @@ def run_model(args, plan, name, clock, results, save, skipped):
                     args.py_spy_kind)
                 if cell["mode"] in report.DUMP_MODES:
                     clear_dump_dir(dd)
-            if (cell["mode"] in ("nodump", "dump") and spy_label in args.torch_profile
+            if (cell["mode"] in ("nodump", "dump", "nodump_noise") and spy_label in args.torch_profile
                     and not r.get("error") and clock.left() > 3 * r.get("wall_s", 60) + 90):
                 key = f"{name} {cell['mode']} {spy_label}" + (f" #{cell['rep']}" if "rep" in cell else "")
                 tag = f"{args.case or args.profile}-{name}-{cell['mode']}-{spy_label}" + (
                     f"-{cell['rep']}" if "rep" in cell else "")
                 trace_dir = os.path.join(args.workdir, "torch-profile", tag)
-                results.setdefault("torch_profile", {})[key] = tp = torch_profile_cell(
-                    server, cell, spec, rng, trace_dir, tag, args.torch_profile_requests)
+                if cell["mode"] == "nodump_noise":  # the same noise again, while profiled
+                    with Noise(os.path.join(args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
+                               len(spec["layer_ids"]) * spec["hidden_size"], writer_threads(),
+                               r["noise"]["target_gbps"] * 1e9, args.noise_cpus,
+                               keep_bytes=int(0.3 * shm_free)):
+                        tp = torch_profile_cell(server, cell, spec, rng, trace_dir, tag,
+                                                args.torch_profile_requests)
+                else:
+                    tp = torch_profile_cell(server, cell, spec, rng, trace_dir, tag,
+                                            args.torch_profile_requests)
+                results.setdefault("torch_profile", {})[key] = tp
                 if cell["mode"] in report.DUMP_MODES:
                     clear_dump_dir(dd)
                 if tp.get("trace"):  # keep the trace beside the results (gzip, a few MB)
@@ -1421,7 +1430,7 @@ def build_parser():
                     help="gil: who holds the GIL (--gil, dump cells); wait: how long each thread "
                          "waits for it (--idle --native, no-dump and dump cells)")
     ap.add_argument("--torch-profile", type=lambda s: [x for x in s.split(",") if x], default=[],
-                    help="cells (PROMPTxCONC) whose nodump and dump runs are repeated under "
+                    help="cells (PROMPTxCONC) whose nodump, dump and nodump_noise runs are repeated under "
                          "SGLang's torch profiler (/start_profile), summarized by bench/torchprof.py")
     ap.add_argument("--torch-profile-requests", type=int, default=96,
                     help="requests of each torch-profiled run (traces grow with them)")

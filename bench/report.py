@@ -441,6 +441,10 @@ def render_markdown(results: dict) -> str:
                     ("cudaLaunchKernel mean (us)", "launch_us_mean", "{:.2f}"),
                     ("launches per 1M tokens", "launches_per_mtok", "{:.0f}"),
                     ("GPU busy", "gpu_busy_ms_per_mtok", "{:.0f}")]
+            for k in keys:
+                ok[k] = dict(ok[k], longest_op_ms=(ok[k].get("longest_op") or {}).get("ms"),
+                             longest_op_name=(ok[k].get("longest_op") or {}).get("name"))
+            rows.append(("longest single op (ms)", "longest_op_ms", "{:.1f}"))
             lines += ["| | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
             lines += [f"| {label} | " + " | ".join(_f(ok[k].get(field), fmt) for k in keys) + " |"
                       for label, field, fmt in rows]

@@ -100,5 +100,9 @@ def summarize(events: List[dict], prompt_tokens: int, top: int = 12) -> Dict:
         "top_ops_ms_per_mtok": {n: round(v[1] * scale, 3) for n, v in
                                 sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]},
         "gpu_busy_ms_per_mtok": _union_us(gpu) * scale,
+        # one op far longer than the rest (a Triton JIT compile for a new batch shape, a
+        # synchronization) distorts "in ops": shown so that a reader can tell
+        "longest_op": {"name": max(top_ops, key=lambda e: e["dur"])["name"],
+                       "ms": max(e["dur"] for e in top_ops) / 1e3},
         "other_threads": dict(sorted(others.items(), key=lambda kv: -kv[1]["ops_ms_per_mtok"])[:8]),
     }

@@ -155,6 +155,7 @@ def test_torch_trace_summary_splits_the_scheduler_thread_time():
     assert r["top_ops_ms_per_mtok"] == {"aten::linear": 0.2, "aten::copy_": 0.2}
     assert r["gpu_busy_ms_per_mtok"] == pytest.approx(0.225)  # (350 + 100) us / 2
     assert r["other_threads"] == {"2": {"ops": 1, "ops_ms_per_mtok": pytest.approx(0.025)}}
+    assert r["longest_op"] == {"name": "aten::linear", "ms": 0.4}
     with pytest.raises(ValueError, match="no cpu_op"):
         torchprof.summarize([x("kernel", "k", 0, 1)], 10)
 
@@ -375,7 +376,8 @@ def test_rehearsal_noise_cells_and_repetitions(tmp_path):
     # 1 ms op per request served, 0.5 ms apart, and one 0.2 ms kernel; 4 requests of 2048
     # tokens: window 5.5 ms, ops 4 ms -> x 1e6 / 8192 per 1M tokens
     tp = res["torch_profile"]
-    assert sorted(tp) == [f"deepseek-tiny {m} 2048x8 #{r}" for m in ("dump", "nodump") for r in (0, 1)]
+    assert sorted(tp) == [f"deepseek-tiny {m} 2048x8 #{r}" for m in ("dump", "nodump", "nodump_noise")
+                          for r in (0, 1)]
     one = tp["deepseek-tiny dump 2048x8 #1"]
     assert one["requests"] == 4 and one["launch_us_mean"] == 5.0
     assert one["window_ms_per_mtok"] == pytest.approx(5.5 * 1e6 / 8192)
