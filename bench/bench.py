@@ -156,12 +156,18 @@ def make_plan(args):
 
 def noise_rate(cells, cell, args):
     """Bytes/s the noise process of a ``nodump_noise`` cell aims at: ``--noise-gbps`` if
-    given, else what the dump cell of the same shape (and repetition) just wrote; 0 (as
-    fast as it can) when there is none."""
+    given; else what a dump running at no-dump speed would write: the dump cell's file
+    bytes per prompt token (same shape and round) x the no-dump cell's prompt tokens/s.
+    (The dump cell's own GB/s would be lower by its slowdown: at that rate the noise would
+    write fewer bytes per token than the dump.) 0 (as fast as it can) when either cell is
+    missing."""
     if args.noise_gbps:
         return args.noise_gbps * 1e9
-    b = report.find_cell(cells, "dump", cell["prompt_len"], cell["concurrency"], cell.get("rep"))
-    return b["write_gbps"] * 1e9 if b and b.get("write_gbps") else 0.0
+    shape = (cell["prompt_len"], cell["concurrency"], cell.get("rep"))
+    b, a = report.find_cell(cells, "dump", *shape), report.find_cell(cells, "nodump", *shape)
+    if not (b and a and b.get("file_bytes") and b.get("prompt_tokens") and a.get("prefill_tps")):
+        return 0.0
+    return b["file_bytes"] / b["prompt_tokens"] * a["prefill_tps"]
 
 
 def writer_threads():
@@ -1111,6 +1117,7 @@ def internal_noise(spec_json):
 
     def run(k):
         t_next = time.perf_counter() + k * interval / threads  # staggered, not in bursts
+        stop.wait(max(0.0, t_next - time.perf_counter()))
         i = 0
         while not stop.is_set():
             path = os.path.join(sp["dir"], f"noise-{k}-{i}.safetensors")
@@ -1139,13 +1146,16 @@ def internal_noise(spec_json):
         if stop.is_set():
             break
     print("ready", flush=True)
+    parent = os.getppid()
     while not stop.wait(0.1):
-        pass
+        if os.getppid() != parent:  # bench.py died without stopping us
+            stop.set()
     for t in pool:
         t.join()
     seconds = time.perf_counter() - t0
     print(json.dumps({"bytes": totals["bytes"], "files": totals["files"], "seconds": seconds,
-                      "gbps": totals["bytes"] / seconds / 1e9}), flush=True)
+                      "gbps": totals["bytes"] / seconds / 1e9,
+                      "threads_alive": sum(t.is_alive() for t in pool)}), flush=True)
 
 
 class Noise:
@@ -1166,8 +1176,12 @@ class Noise:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--internal", "noise", "--internal-sizes", json.dumps(self.spec)],
             stdout=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
-        line = self.proc.stdout.readline().strip() if ready else ""
+        try:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+            line = self.proc.stdout.readline().strip() if ready else ""
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         if line != "ready":
             self.__exit__(None, None, None)
             raise RuntimeError(f"noise process did not start writing (got {line!r})")
@@ -1181,6 +1195,7 @@ class Noise:
             self.result = json.loads(lines[-1]) if lines else {"error": "no result line"}
         except Exception as e:  # noqa: BLE001
             self.proc.kill()
+            self.proc.wait()
             self.result = {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -1290,6 +1305,12 @@ def run_model(args, plan, name, clock, results, save, skipped):
                     with noise:
                         r = run_cell(server, cell, spec, rng, cell["mode"])
                     r["noise"] = noise.result
+                    if noise.result.get("bytes") is not None and r.get("prompt_tokens"):
+                        r["noise"]["bytes_per_token"] = noise.result["bytes"] / r["prompt_tokens"]
+                    if noise.result.get("error") or not noise.result.get("files"):
+                        r["error"] = f"noise process: {noise.result.get('error', 'wrote no file')}"
+                    elif not noise.result["target_gbps"]:
+                        r["error"] = "noise unpaced: no dump and no-dump cell of this shape and round to pace it by"
                 else:
                     r = run_cell(server, cell, spec, rng, cell["mode"],
                                  trace_path=trace_path if cell["mode"] in report.DUMP_MODES else None)
@@ -1322,16 +1343,19 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 tag = f"{args.case or args.profile}-{name}-{cell['mode']}-{spy_label}" + (
                     f"-{cell['rep']}" if "rep" in cell else "")
                 trace_dir = os.path.join(args.workdir, "torch-profile", tag)
-                if cell["mode"] == "nodump_noise":  # the same noise again, while profiled
-                    with Noise(os.path.join(args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
-                               len(spec["layer_ids"]) * spec["hidden_size"], writer_threads(),
-                               r["noise"]["target_gbps"] * 1e9, args.noise_cpus,
-                               keep_bytes=int(0.3 * shm_free)):
+                try:
+                    if cell["mode"] == "nodump_noise":  # the same noise again, while profiled
+                        with Noise(os.path.join(args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
+                                   len(spec["layer_ids"]) * spec["hidden_size"], writer_threads(),
+                                   r["noise"]["target_gbps"] * 1e9, args.noise_cpus,
+                                   keep_bytes=int(0.3 * shm_free)):
+                            tp = torch_profile_cell(server, cell, spec, rng, trace_dir, tag,
+                                                    args.torch_profile_requests)
+                    else:
                         tp = torch_profile_cell(server, cell, spec, rng, trace_dir, tag,
                                                 args.torch_profile_requests)
-                else:
-                    tp = torch_profile_cell(server, cell, spec, rng, trace_dir, tag,
-                                            args.torch_profile_requests)
+                except Exception as e:  # noqa: BLE001 - a failed profile must not end the model
+                    tp = {"error": f"{type(e).__name__}: {e}"[:500]}
                 results.setdefault("torch_profile", {})[key] = tp
                 if cell["mode"] in report.DUMP_MODES:
                     clear_dump_dir(dd)
@@ -1398,11 +1422,11 @@ def build_parser():
                          "(a) while another process writes dump-sized files at the rate the "
                          "dump cell of that shape wrote (--noise-gbps), into --dump-root")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="run every cell of the grid this many times, interleaved (cells carry "
-                         "'rep'; ratios pair cells of one repetition)")
+                    help="run every cell of the grid (not the JSON cell) this many times, "
+                         "interleaved (cells carry 'rep'; ratios pair cells of one repetition)")
     ap.add_argument("--noise-gbps", type=float, default=0,
-                    help="nodump_noise's write rate in GB/s (0: what the dump cell of that shape "
-                         "wrote; as fast as possible if there is none)")
+                    help="nodump_noise's write rate in GB/s (0: the dump cell's bytes per prompt "
+                         "token x the no-dump cell's tokens/s, same shape and round)")
     ap.add_argument("--noise-cpus", default=None,
                     help="CPUs of the noise process, as for taskset -c (default: any)")
     ap.add_argument("--prompt-lens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048, 8192])

@@ -213,7 +213,10 @@ def headline(results: dict) -> Dict[str, dict]:
                 "noise_vs_nodump": ratio(n["prefill_tps"], a["prefill_tps"] if a else None),
                 "dump_vs_nodump": ratio(b["prefill_tps"] if b else None, a["prefill_tps"] if a else None),
                 "noise_gbps": n.get("noise", {}).get("gbps"),
+                "noise_bytes_per_token": n.get("noise", {}).get("bytes_per_token"),
                 "dump_write_gbps": b.get("write_gbps") if b else None,
+                "dump_bytes_per_token": (b["file_bytes"] / b["prompt_tokens"]
+                                         if b and b.get("file_bytes") and b.get("prompt_tokens") else None),
             })
         out[model] = {
             "cells": per_cell,
@@ -359,8 +362,9 @@ def render_markdown(results: dict) -> str:
             lines.append(
                 f"- nodump_noise {n['prompt_len']}x{n['concurrency']}"
                 + (f" #{n['rep']}" if "rep" in n else "")
-                + f": no dump while another process writes {_f(n['noise_gbps'], '{:.2f}')} GB/s "
-                f"(the dump cell wrote {_f(n['dump_write_gbps'], '{:.2f}')}): "
+                + f": no dump while another process writes {_f(n['noise_gbps'], '{:.2f}')} GB/s, "
+                f"{_f(n.get('noise_bytes_per_token'))} bytes per prompt token (the dump cell: "
+                f"{_f(n['dump_write_gbps'], '{:.2f}')} GB/s, {_f(n.get('dump_bytes_per_token'))} B/token): "
                 f"{_f(n['noise_vs_nodump'], '{:.3f}')} of no-dump (the dump: "
                 f"{_f(n['dump_vs_nodump'], '{:.3f}')})")
         fc = m.get("file_check")
@@ -429,7 +433,10 @@ def render_markdown(results: dict) -> str:
     if tprof:
         ok = {k: v for k, v in tprof.items() if not v.get("error")}
         lines += ["", "## Torch profiler (scheduler thread; ms per 1M prompt tokens)", ""]
-        lines += [f"- {k}: not taken: {v['error'][:300]}" for k, v in tprof.items() if v.get("error")]
+        lines += [f"- {k}: not taken: {' '.join(v['error'].split())[:300]}"
+                  for k, v in tprof.items() if v.get("error")]
+        lines += [f"- {k}: requests failed while profiled: {' '.join(v['cell_error'].split())[:200]}"
+                  for k, v in tprof.items() if v.get("cell_error")]
         if ok:
             keys = list(ok)
             rows = [("requests profiled", "requests", "{:.0f}"),

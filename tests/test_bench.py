@@ -97,11 +97,11 @@ def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
     res = sample()
     res["models"]["m"]["cells"] = [
         cell("nodump", 2048, 32, 100_000.0, rep=0),
-        cell("dump", 2048, 32, 50_000.0, rep=0, file_bytes=1, write_gbps=3.0),
+        cell("dump", 2048, 32, 50_000.0, rep=0, file_bytes=4 * 2048 * 16384, write_gbps=3.0),
         cell("nodump_noise", 2048, 32, 80_000.0, rep=0, noise={"gbps": 2.9}),
         cell("nodump", 2048, 32, 200_000.0, rep=1),
-        cell("dump", 2048, 32, 150_000.0, rep=1, file_bytes=1, write_gbps=4.0),
-        cell("nodump_noise", 2048, 32, 190_000.0, rep=1, noise={"gbps": 3.9}),
+        cell("dump", 2048, 32, 150_000.0, rep=1, file_bytes=4 * 2048 * 8192, write_gbps=4.0),
+        cell("nodump_noise", 2048, 32, 190_000.0, rep=1, noise={"gbps": 3.9, "bytes_per_token": 8000.0}),
     ]
     h = report.headline(res)["m"]
     # rep 0: 50k / 100k; rep 1: 150k / 200k (never 50k / 200k)
@@ -112,12 +112,18 @@ def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
     assert n[0]["noise_vs_nodump"] == pytest.approx(0.8) and n[0]["noise_gbps"] == 2.9
     assert n[0]["dump_vs_nodump"] == pytest.approx(0.5) and n[0]["dump_write_gbps"] == 3.0
     assert n[1]["noise_vs_nodump"] == pytest.approx(0.95)
+    assert n[1]["dump_bytes_per_token"] == 8192 and n[1]["noise_bytes_per_token"] == 8000.0
     md = report.render_markdown(res | {"headline": report.headline(res), "targets": []})
     assert "| 2048 | 32 | nodump_noise #1 |" in md and "3.90 (noise)" in md
     assert "nodump_noise 2048x32 #0: no dump while another process writes 2.90 GB/s" in md
-    # the noise rate follows the dump cell of the same repetition unless --noise-gbps is given
+    assert "8000 bytes per prompt token (the dump cell: 4.00 GB/s, 8192 B/token)" in md
+    # the noise rate: the dump's bytes per token (same round) x the no-dump tokens/s (same
+    # round): rep 1: 8192 x 200k = 1.6384e9 B/s; rep 0: 16384 x 100k; no such cells: 0
     args = bench.build_parser().parse_args([])
-    assert bench.noise_rate(res["models"]["m"]["cells"], {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 4e9
+    cells = res["models"]["m"]["cells"]
+    assert bench.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 8192 * 200_000
+    assert bench.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 0}, args) == 16384 * 100_000
+    assert bench.noise_rate(cells, {"prompt_len": 512, "concurrency": 32, "rep": 0}, args) == 0.0
     args = bench.build_parser().parse_args(["--noise-gbps", "1.5"])
     assert bench.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
 
@@ -178,6 +184,11 @@ def test_noise_process_writes_at_its_pace_and_cleans_up(tmp_path):
     # ~1.2 s at 20 MB/s: paced, not as fast as the disk (which is GB/s)
     assert 0.4 * 20e6 < r["bytes"] / r["seconds"] < 1.6 * 20e6, r
     assert r["files"] * size <= r["bytes"] < r["files"] * (size + 1024)
+    assert not d.exists()
+    # a noise process that cannot start (negative rows) is an error, and leaves nothing
+    with pytest.raises(RuntimeError, match="did not start writing"):
+        with bench.Noise(str(d), rows=-1, width=64, threads=1, rate_bps=1e6):
+            pass
     assert not d.exists()
     with pytest.raises(ValueError):
         bench.parse_cpus(",")
@@ -366,7 +377,11 @@ def test_rehearsal_noise_cells_and_repetitions(tmp_path):
         dump = next(c for c in cells if c["mode"] == "dump" and c["rep"] == r)
         noise = next(c for c in cells if c["mode"] == "nodump_noise" and c["rep"] == r)["noise"]
         assert "error" not in noise and noise["files"] >= 1, noise
-        assert noise["target_gbps"] == pytest.approx(dump["write_gbps"])
+        nodump = next(c for c in cells if c["mode"] == "nodump" and c["rep"] == r)
+        # paced to what a dump at no-dump speed writes: the dump's bytes per token x (a)
+        assert noise["target_gbps"] * 1e9 == pytest.approx(
+            dump["file_bytes"] / dump["prompt_tokens"] * nodump["prefill_tps"])
+        assert noise["bytes_per_token"] > 0
         assert noise["threads"] == 8
     assert sorted(x["rep"] for x in res["headline"]["deepseek-tiny"]["noise"]) == [0, 1]
     assert list(shm.iterdir()) == []  # noise and dump directories removed
