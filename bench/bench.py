@@ -1281,6 +1281,12 @@ def run_model(args, plan, name, clock, results, save, skipped):
         clear_dump_dir(dd)
         results["phases"][f"{name}/warmup_s"] = round(time.monotonic() - t0, 1)
         shm_free = shutil.disk_usage(args.dump_root).free
+
+        def noise_for(cell, rate_bps):  # mode nodump_noise's writer process for this cell
+            return Noise(os.path.join(args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
+                         len(spec["layer_ids"]) * spec["hidden_size"], writer_threads(), rate_bps,
+                         args.noise_cpus, keep_bytes=int(0.3 * shm_free))
+
         t0 = time.monotonic()
         for cell in mp["cells"]:
             label = (f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
@@ -1298,10 +1304,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
             server = servers[server_for(args, cell["mode"])]
             try:
                 if cell["mode"] == "nodump_noise":
-                    noise = Noise(os.path.join(args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
-                                  len(spec["layer_ids"]) * spec["hidden_size"], writer_threads(),
-                                  noise_rate(m["cells"], cell, args), args.noise_cpus,
-                                  keep_bytes=int(0.3 * shm_free))
+                    noise = noise_for(cell, noise_rate(m["cells"], cell, args))
                     with noise:
                         r = run_cell(server, cell, spec, rng, cell["mode"])
                     r["noise"] = noise.result
@@ -1345,10 +1348,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 trace_dir = os.path.join(args.workdir, "torch-profile", tag)
                 try:
                     if cell["mode"] == "nodump_noise":  # the same noise again, while profiled
-                        with Noise(os.path.join(args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
-                                   len(spec["layer_ids"]) * spec["hidden_size"], writer_threads(),
-                                   r["noise"]["target_gbps"] * 1e9, args.noise_cpus,
-                                   keep_bytes=int(0.3 * shm_free)):
+                        with noise_for(cell, r["noise"]["target_gbps"] * 1e9):
                             tp = torch_profile_cell(server, cell, spec, rng, trace_dir, tag,
                                                     args.torch_profile_requests)
                     else:
