@@ -76,6 +76,7 @@ def summarize(events: List[dict], prompt_tokens: int, top: int = 12) -> Dict:
         if e.get("cat") in API_CATS and (e.get("pid"), e.get("tid")) == main:
             api[e["name"]][0] += 1
             api[e["name"]][1] += e["dur"]
+    longest = max(top_ops, key=lambda e: e["dur"])
     launches = api.get("cudaLaunchKernel") or api.get("cuLaunchKernel") or [0, 0.0]
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in xs if e.get("cat") in GPU_CATS
            and start <= e["ts"] <= end]
@@ -102,7 +103,6 @@ def summarize(events: List[dict], prompt_tokens: int, top: int = 12) -> Dict:
         "gpu_busy_ms_per_mtok": _union_us(gpu) * scale,
         # one op far longer than the rest (a Triton JIT compile for a new batch shape, a
         # synchronization) distorts "in ops": shown so that a reader can tell
-        "longest_op": {"name": max(top_ops, key=lambda e: e["dur"])["name"],
-                       "ms": max(e["dur"] for e in top_ops) / 1e3},
+        "longest_op": {"name": longest["name"], "ms": longest["dur"] / 1e3},
         "other_threads": dict(sorted(others.items(), key=lambda kv: -kv[1]["ops_ms_per_mtok"])[:8]),
     }
