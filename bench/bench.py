@@ -1096,8 +1096,9 @@ def internal_noise(spec_json):
     ``hidden_states`` bf16 [rows, width] and ``token_ids`` int64 [rows] into ``dir``, paced to
     ``rate_bps`` bytes/s together (0: as fast as they can), keeping at most ``keep_bytes``
     of files (the oldest are unlinked), on ``cpus`` if given (a ``taskset -c`` list).
-    Prints ``ready`` once the first file is written; on SIGTERM it stops and prints one
-    JSON line {"bytes", "files", "seconds", "gbps"}."""
+    Prints ``ready`` once the first file is written; on SIGTERM (or when its parent is
+    gone) it stops and prints one JSON line {"bytes", "files", "seconds", "gbps",
+    "threads_alive"}."""
     import collections
 
     import torch
@@ -1419,8 +1420,8 @@ def build_parser():
     ap.add_argument("--models", default="llama-mid,deepseek-tiny")
     ap.add_argument("--modes", default="nodump,dump,dump_early,json",
                     help="nodump (a), dump (b), dump_early (b'), json (c); also nodump_noise: "
-                         "(a) while another process writes dump-sized files at the rate the "
-                         "dump cell of that shape wrote (--noise-gbps), into --dump-root")
+                         "(a) while another process writes dump-sized files into --dump-root, "
+                         "paced as --noise-gbps says")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell of the grid (not the JSON cell) this many times, "
                          "interleaved (cells carry 'rep'; ratios pair cells of one repetition)")

@@ -449,8 +449,7 @@ def render_markdown(results: dict) -> str:
                     ("launches per 1M tokens", "launches_per_mtok", "{:.0f}"),
                     ("GPU busy", "gpu_busy_ms_per_mtok", "{:.0f}")]
             for k in keys:
-                ok[k] = dict(ok[k], longest_op_ms=(ok[k].get("longest_op") or {}).get("ms"),
-                             longest_op_name=(ok[k].get("longest_op") or {}).get("name"))
+                ok[k] = dict(ok[k], longest_op_ms=(ok[k].get("longest_op") or {}).get("ms"))
             rows.append(("longest single op (ms)", "longest_op_ms", "{:.1f}"))
             lines += ["| | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
             lines += [f"| {label} | " + " | ".join(_f(ok[k].get(field), fmt) for k in keys) + " |"
