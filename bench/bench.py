@@ -55,12 +55,22 @@ DEFAULT_WRITER_THREADS = 8  # sglang_ext.config.DEFAULT_WRITER_THREADS
 DEFAULT_MAX_HOST_MB = 4096  # sglang_ext.config.DEFAULT_MAX_HOST_MB
 DEFAULT_CHUNK = 8192  # SGLang 0.5.17's chunked prefill size on an H200 (gpu_mem 80-160 GB)
 
-# The two workloads. Llama: Llama-2-7B's widths, 8 layers, default dump layers
-# [2, N//2, N-3, N] = 2,4,5,8. DeepseekV3: tests/gpu/e2e.py's tiny MLA + MoE model,
-# with max_position_embeddings raised to 16384 for the 8k prompts, all 4 layers dumped.
+# The workloads (random weights). llama-8b: Llama-3.1-8B's shape, what most drafter
+# trainers extract from, default dump layers [2, N//2, N-3, N] = 2,16,29,32. llama-mid:
+# Llama-2-7B's widths, 8 layers, default layers 2,4,5,8 (a stress case: ~4x 8B's rate).
+# DeepseekV3: tests/gpu's tiny MLA + MoE model, with max_position_embeddings raised to
+# 16384 for the 8k prompts, all 4 layers dumped (the stress case: up to ~640k tok/s).
 MODELS = {
+    "llama-8b": {
+        "arch": "llama", "hidden_size": 4096, "num_layers": 32, "vocab": 128256,
+        "intermediate_size": 14336, "heads": 32, "kv_heads": 8,
+        "layers_flag": None, "layer_ids": [2, 16, 29, 32],
+        # assumptions for --dry-run time estimates only
+        "est_tps": 40_000, "est_json_tps": 700, "est_startup_s": 200,
+    },
     "llama-mid": {
         "arch": "llama", "hidden_size": 4096, "num_layers": 8, "vocab": 32000,
+        "intermediate_size": 11008, "heads": 32, "kv_heads": 32,
         "layers_flag": None, "layer_ids": [2, 4, 5, 8],
         # assumptions for --dry-run time estimates only
         "est_tps": 80_000, "est_json_tps": 1_300, "est_startup_s": 150,
@@ -859,9 +869,10 @@ def internal_build(name, path):
     if spec["arch"] == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                          num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32,
-                          max_position_embeddings=16384)
+        cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden_size"],
+                          intermediate_size=spec["intermediate_size"],
+                          num_hidden_layers=spec["num_layers"], num_attention_heads=spec["heads"],
+                          num_key_value_heads=spec["kv_heads"], max_position_embeddings=16384)
         cls = LlamaForCausalLM
     else:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -1020,12 +1031,8 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
             d, srcs[0]["hidden_states"], threads)
         del srcs, save
 
-    # 3. the writer alone: DumpWriter with CUDA rows, as the scheduler drives it, with the
-    # GIL switch interval hooks.setup_model gives the server's writing process
-    from sglang_ext.writer import apply_switch_interval
-
-    apply_switch_interval()
-    out["writer_switch_interval_s"] = sys.getswitchinterval()
+    # 3. the writer alone: DumpWriter (arena + writer process) with CUDA rows, as the
+    # scheduler drives it, one copy per prefill chunk
     out["writer_alone"] = {}
     fd = fmt.open_dump_dir(d)
     for s in json.loads(sizes_json):
@@ -1036,22 +1043,24 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
         size = rows * width * 2 + rows * 8
         count = max(2 * threads, math.ceil(budget / size))
         count = min(count, max(threads, int(free * 0.4) // size))
-        writer = DumpWriter(fd, max_host_bytes=max_host_mb << 20, threads=threads, device=dev,
-                            log_every_s=1e9)
+        writer = DumpWriter(fd, arena_bytes=max_host_mb << 20, threads=threads, device=dev,
+                            layer_ids=s["layer_ids"], num_layers=s["num_layers"],
+                            stats_interval_s=0, register_atexit=False)
         results = []
         for rep in range(reps):
             before = writer.snapshot()["bytes_written"]
             t0 = time.perf_counter()
             for i in range(count):
                 rid = f"w{rep}-{i}"
-                p = writer.start(rid, rows, width, torch.bfloat16)
+                p = writer.start(rid, ids, width, torch.bfloat16)
                 for c0 in range(0, rows, DEFAULT_CHUNK):  # one copy per prefill chunk
-                    writer.copy_rows(p, gpu_rows[c0:c0 + DEFAULT_CHUNK])
-                meta = fmt.build_metadata(rid=rid, layer_ids=s["layer_ids"],
-                                          num_layers=s["num_layers"])
-                writer.submit(p, fmt.reserve(fd, rid), ids, layers, meta)
-            while writer.queue_depth():  # (snapshot() would read torch's pool stats)
-                time.sleep(0.001)
+                    n = min(DEFAULT_CHUNK, rows - c0)
+                    writer.copy_rows(gpu_rows[c0:c0 + n], [(p, 0, n)], ready=True)
+                    if c0 + n < rows:
+                        writer.flush()
+                writer.finish(p, fmt.reserve(fd, rid))
+                writer.flush()
+            writer.wait_idle(600)
             wall = time.perf_counter() - t0
             snap = writer.snapshot()
             results.append((snap["bytes_written"] - before) / wall / 1e9)
@@ -1062,7 +1071,7 @@ def internal_ceilings(part_path, sizes_json, threads, ceiling_mib, reps, max_hos
             "gbps": max(results), "gbps_reps": results, "file_bytes": snap["bytes_written"] // max(snap["files_written"], 1),
             "files_per_rep": count, "failures": snap["failures"],
             "host_bytes_peak": snap["host_bytes_peak"], "backpressure_waits": snap["backpressure_waits"],
-            "pinned_pool_trims": snap.get("pinned_pool_trims"), "pinned_alloc_ms": snap.get("pinned_alloc_ms"),
+            "arena_pinned": snap["arena_pinned"],
         }
         print(f"writer alone, {s['model']} {s['prompt_len']}-token files x {count}: "
               f"{max(results):.1f} GB/s (reps {[round(x, 1) for x in results]})", flush=True)

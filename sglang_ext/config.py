@@ -20,6 +20,8 @@ from typing import Optional, Sequence, Tuple
 
 DEFAULT_MAX_HOST_MB = 4096
 DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
+DEFAULT_STATS_INTERVAL_S = 60.0
 
 
 class DumpConfigError(ValueError):
@@ -123,25 +125,62 @@ def writer_ranks(server_args) -> int:
     return max(1, int(getattr(server_args, "dp_size", 1) or 1))
 
 
+def env_number(name: str, default: float, unit: str = "seconds", minimum: Optional[float] = None) -> float:
+    """``float`` of environment variable ``name`` (``default`` when unset or blank).
+
+    Raises ``DumpConfigError`` naming the variable and ``unit`` for anything that is not
+    a number, or is below ``minimum``."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise DumpConfigError(f"{name} must be a number of {unit}, got {value!r}") from None
+    if number != number or (minimum is not None and number < minimum):  # NaN or too small
+        raise DumpConfigError(f"{name} must be >= {minimum:g} {unit}, got {value!r}")
+    return number
+
+
+def env_settings() -> dict:
+    """The writer's environment settings, validated: ``writer_threads``
+    (``KIMI_SGLANG_WRITER_THREADS``, threads of the writer process, >= 1),
+    ``drain_timeout_s`` (``KIMI_SGLANG_DRAIN_TIMEOUT_S``, how long shutdown waits for
+    queued writes) and ``stats_interval_s`` (``KIMI_SGLANG_STATS_INTERVAL_S``, seconds
+    between counter log lines; 0 logs only at shutdown). Raises ``DumpConfigError``."""
+    threads = env_number("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS, "threads", 1)
+    if threads != int(threads):
+        raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number, got {threads:g}")
+    return {
+        "writer_threads": int(threads),
+        "drain_timeout_s": env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
+                                      minimum=0),
+        "stats_interval_s": env_number("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S),
+    }
+
+
 @dataclass(frozen=True)
 class DumpConfig:
     """Validated dump options. ``layer_ids`` is ``None`` until the model's N is known.
 
-    ``max_host_bytes`` is one writer process's budget: ``--dump-hidden-states-max-host-mb``
-    (the server's cap, MiB) divided by ``writer_ranks``, so that the writers together stay
-    under the cap; as with one writer, a single request larger than its rank's budget is
-    still admitted when that rank holds nothing else (``writer.HostBudget``).
+    ``max_host_bytes`` is the size of one writing rank's arena (``arena.py``: shared
+    memory between its scheduler and its writer process, pinned, allocated at start-up):
+    ``--dump-hidden-states-max-host-mb`` (the server's cap, MiB) divided by
+    ``writer_ranks``, so that the arenas together stay under the cap. Rows stream through
+    it chunk by chunk, so a prompt larger than the arena still goes through.
     """
 
     directory: str
     layer_ids: Optional[Tuple[int, ...]]
     max_host_bytes: int
     writer_threads: int = DEFAULT_WRITER_THREADS
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
 
     @classmethod
     def from_server_args(cls, server_args) -> "DumpConfig":
-        """Build from SGLang's ``ServerArgs``; raises ``DumpConfigError`` (also when the
-        cap leaves a writer rank less than 1 MiB)."""
+        """Build from SGLang's ``ServerArgs`` and the environment (``env_settings``);
+        raises ``DumpConfigError`` (also when the cap leaves a writer rank less than 1 MiB)."""
         directory = check_directory(server_args.dump_hidden_states_dir)
         layer_ids = parse_layer_ids(getattr(server_args, "dump_hidden_states_layers", None))
         max_mb = getattr(server_args, "dump_hidden_states_max_host_mb", DEFAULT_MAX_HOST_MB)
@@ -155,12 +194,9 @@ class DumpConfig:
                 f"--dump-hidden-states-max-host-mb: {max_mb} MiB shared by {writers} writer "
                 f"ranks (--dp-size) leaves less than 1 MiB each"
             )
-        threads = int(os.environ.get("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS))
-        if threads < 1:
-            raise DumpConfigError("KIMI_SGLANG_WRITER_THREADS must be >= 1")
         return cls(
             directory=directory,
             layer_ids=layer_ids,
             max_host_bytes=max_mb * (1 << 20) // writers,
-            writer_threads=threads,
+            **env_settings(),
         )

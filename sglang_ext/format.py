@@ -48,10 +48,11 @@ import hashlib
 import json
 import os
 import re
+import struct
 import time
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 FORMAT_VERSION = "kimi-sglang/1"
 WAIT_PARAM = "hidden_states_wait"  # request: custom_params key; false = answer early
@@ -150,7 +151,7 @@ def reserve(dir_fd: int, rid: str) -> Reservation:
         except FileExistsError:
             continue
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        if _lexists_at(dir_fd, name) or _lexists_at(dir_fd, name + ERROR_SUFFIX):
+        if lexists_at(dir_fd, name) or lexists_at(dir_fd, name + ERROR_SUFFIX):
             os.unlink(name + LOCK_SUFFIX, dir_fd=dir_fd)
             os.close(lock_fd)
             continue
@@ -158,7 +159,8 @@ def reserve(dir_fd: int, rid: str) -> Reservation:
     raise OSError(errno.EEXIST, f"no free file name for rid {rid!r}")
 
 
-def _lexists_at(dir_fd: int, name: str) -> bool:
+def lexists_at(dir_fd: int, name: str) -> bool:
+    """True when ``name`` exists in the directory (a symlink counts; never followed)."""
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         return True
@@ -191,38 +193,152 @@ def build_metadata(
     return meta
 
 
+# safetensors' dtype codes (its ``Dtype`` enum, as the header names them) and sizes.
+SAFETENSORS_DTYPES = {
+    "bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4),
+    "float64": ("F64", 8), "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2),
+    "int8": ("I8", 1), "uint8": ("U8", 1), "bool": ("BOOL", 1),
+    "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
+}
+# Tensor data starts on a page boundary: rows are written with ``pwrite`` at page-aligned
+# offsets, and a reader that maps the file gets page-aligned tensors. The header's JSON
+# is padded with spaces to get there, as the safetensors format allows.
+DATA_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a file: ``dtype`` is a torch dtype name (``"bfloat16"``), ``shape``
+    its shape. Raises ``DumpFormatError`` for a dtype safetensors cannot hold."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+
+    def __post_init__(self):
+        if self.dtype not in SAFETENSORS_DTYPES:
+            raise DumpFormatError(f"tensor {self.name!r}: dtype {self.dtype} has no safetensors code")
+
+    @property
+    def nbytes(self) -> int:
+        n = SAFETENSORS_DTYPES[self.dtype][1]
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where everything of one safetensors file goes: ``header`` (the 8-byte length, the
+    JSON, padding) at offset 0, tensor ``name``'s data at ``offsets[name]`` (absolute, in
+    bytes), ``size`` bytes in all."""
+
+    header: bytes
+    offsets: Dict[str, int]
+    size: int
+
+
+def file_layout(tensors: Sequence[TensorSpec], metadata: Mapping[str, str]) -> FileLayout:
+    """The layout of a safetensors file holding ``tensors`` in the given order.
+
+    The format (huggingface/safetensors' README): a little-endian u64 N, N bytes of JSON
+    (``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}``,
+    offsets relative to the end of the header), then the tensors' bytes, contiguous.
+    """
+    header: Dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
+    pos = 0
+    for t in tensors:
+        header[t.name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype][0],
+            "shape": [int(d) for d in t.shape],
+            "data_offsets": [pos, pos + t.nbytes],
+        }
+        pos += t.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    data_start = -(-(8 + len(text)) // DATA_ALIGN) * DATA_ALIGN
+    text += b" " * (data_start - 8 - len(text))
+    offsets, pos = {}, data_start
+    for t in tensors:
+        offsets[t.name] = pos
+        pos += t.nbytes
+    return FileLayout(header=struct.pack("<Q", len(text)) + text, offsets=offsets, size=pos)
+
+
+def dump_tensors(num_tokens: int, num_slots: int, hidden_size: int, dtype: str) -> Tuple[TensorSpec, ...]:
+    """The tensors of one dump file: ``hidden_states`` ``[T, L, H]`` of ``dtype`` and
+    ``token_ids`` ``[T]`` int64, in that order."""
+    return (
+        TensorSpec(KEY_HIDDEN_STATES, dtype, (num_tokens, num_slots, hidden_size)),
+        TensorSpec(KEY_TOKEN_IDS, "int64", (num_tokens,)),
+    )
+
+
+def create_tmp(dir_fd: int, tmp_name: str) -> int:
+    """Create ``tmp_name`` in the dump directory for writing; returns its descriptor.
+
+    Exclusive and not following symlinks: an entry already at that name (a planted
+    symlink, a leftover) is unlinked (the link itself, never its target) and the create
+    retried once. Raises ``OSError`` (e.g. ``ENOSPC``).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(tmp_name, flags, 0o644, dir_fd=dir_fd)
+    except FileExistsError:
+        _unlink_quiet(dir_fd, tmp_name)
+        return os.open(tmp_name, flags, 0o644, dir_fd=dir_fd)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (any buffer) at ``offset``; raises ``OSError``."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        view, offset = view[n:], offset + n
+
+
+def publish(dir_fd: int, tmp_name: str, name: str) -> None:
+    """Rename a fully written temporary file to its final name (atomic)."""
+    os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
 def write_reserved(
     res: Reservation,
     hidden_states: Any,
     token_ids: Any,
     metadata: Mapping[str, str],
 ) -> int:
-    """Write the file for a reservation atomically; returns its size in bytes.
+    """Write the whole file for a reservation at once; returns its size in bytes.
 
-    ``hidden_states``: torch ``[T, L, H]`` (CPU, contiguous); ``token_ids``: torch int64
-    ``[T]``. Raises ``DumpFormatError`` on inconsistent shapes and ``OSError`` on I/O
-    failure; in both cases nothing is left under the final name and the temporary file
-    is removed. Does not release the reservation (see ``complete`` / ``fail``).
+    ``hidden_states``: torch ``[T, L, H]`` (CPU); ``token_ids``: torch int64 ``[T]``.
+    The same layout and steps as the writer process (``file_layout``, ``create_tmp``,
+    ``pwrite_all``, ``publish``), for callers that hold the whole tensors. Raises
+    ``DumpFormatError`` on inconsistent shapes and ``OSError`` on I/O failure; in both
+    cases nothing is left under the final name and the temporary file is removed. Does
+    not release the reservation (see ``complete`` / ``fail``).
     """
-    check_tensors(hidden_states, token_ids)
-    from safetensors.torch import save_file
+    import torch
 
-    # safetensors writes by path. This path reaches the dump directory through its open
-    # descriptor, so a symlink swapped in for the directory is never followed; an entry
-    # planted at the temporary name is replaced by rename, not followed (safetensors
-    # >= 0.8 itself writes a hidden temporary file and renames it onto this name).
+    check_tensors(hidden_states, token_ids)
+    specs = dump_tensors(*hidden_states.shape, str(hidden_states.dtype).replace("torch.", ""))
+    layout = file_layout(specs, metadata)
+    fd = None
     try:
-        save_file(
-            {KEY_HIDDEN_STATES: hidden_states, KEY_TOKEN_IDS: token_ids},
-            f"/proc/self/fd/{res.dir_fd}/{res.tmp_name}",
-            metadata=dict(metadata),
-        )
-        size = os.stat(res.tmp_name, dir_fd=res.dir_fd, follow_symlinks=False).st_size
-        os.rename(res.tmp_name, res.name, src_dir_fd=res.dir_fd, dst_dir_fd=res.dir_fd)
+        fd = create_tmp(res.dir_fd, res.tmp_name)
+        pwrite_all(fd, layout.header, 0)
+        for spec, tensor in zip(specs, (hidden_states, token_ids)):
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            pwrite_all(fd, raw, layout.offsets[spec.name])
+        os.close(fd)
+        fd = None
+        publish(res.dir_fd, res.tmp_name, res.name)
     except BaseException:
+        if fd is not None:
+            os.close(fd)
         _unlink_quiet(res.dir_fd, res.tmp_name)
         raise
-    return size
+    return layout.size
 
 
 def check_tensors(hidden_states: Any, token_ids: Any) -> None:

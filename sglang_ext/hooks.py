@@ -189,13 +189,8 @@ def setup_model(model_runner) -> None:
     if is_writer:
         import torch
 
-        from sglang_ext import metrics
-        from sglang_ext.writer import DumpWriter, apply_switch_interval
-
-        changed = apply_switch_interval()
-        if changed is not None:
-            logger.info("hidden-state dump: GIL switch interval %.2f ms (was %.2f ms; "
-                        "KIMI_SGLANG_SWITCH_INTERVAL_MS)", changed[1] * 1e3, changed[0] * 1e3)
+        from sglang_ext.metrics import model_name
+        from sglang_ext.writer import DumpWriter
 
         dumper.dir_fd = fmt.open_dump_dir(config.directory)
         removed = fmt.clean_stale(dumper.dir_fd)
@@ -206,10 +201,15 @@ def setup_model(model_runner) -> None:
         ).startswith("cuda") else None
         dumper.writer = DumpWriter(
             dumper.dir_fd,
-            max_host_bytes=config.max_host_bytes,
+            arena_bytes=config.max_host_bytes,
             threads=config.writer_threads,
+            layer_ids=layer_ids,
+            num_layers=num_layers,
+            metadata=dumper.metadata,
             device=device,
-            metrics=metrics.from_server_args(server_args),
+            metrics_model_name=model_name(server_args),
+            drain_timeout_s=config.drain_timeout_s,
+            stats_interval_s=config.stats_interval_s,
         )
     _DUMPER = dumper
     logger.info(
@@ -235,28 +235,30 @@ def capture_hidden_mode(batch, model_runner, mode):
 @dataclass
 class _ReqDump:
     pending: Any = None  # writer.PendingDump while rows arrive
-    release: Any = None  # weakref.finalize giving the buffer back if the Req is dropped
+    release: Any = None  # weakref.finalize abandoning the request if the Req is dropped
     done: bool = False  # file queued (or error recorded): later prefills are ignored
 
 
 def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[List[int]]) -> None:
-    """Hand this extend batch's rows to the writer, request by request.
+    """Hand this extend batch's rows to the writer.
 
     ``logits_output.hidden_states``: ``[sum(extend lens), num_layers * hidden_size]``,
     the packed aux hidden states of the dump layers, requests in ``batch.reqs`` order.
-    Chunked prefill: each chunk's rows land in their slice of the request's buffer;
-    the file is queued when the last prompt row has arrived. Requests that fail here
-    get ``hidden_states_error`` instead of a path; the batch is never interrupted.
+    The rows of the batch's dumped requests go to the arena in one copy per contiguous
+    run (``DumpWriter.copy_rows``); chunked prefill: each chunk's rows go to their place
+    in the request's file; a request whose last prompt row is in this batch gets its name
+    reserved and its path recorded for the response. Requests that fail here get
+    ``hidden_states_error`` instead of a path; the batch is never interrupted.
     """
     d = _DUMPER
     if d is None or not d.is_writer or not batch.forward_mode.is_extend():
         return
     t0 = trace.now() if trace.enabled() else None
-    taken = 0
     hidden = logits_output.hidden_states
     lens = extend_input_len_per_req or []
     decoding = set(map(id, batch.decoding_reqs or []))
     prefix_lens = batch.prefix_lens or [0] * len(batch.reqs)
+    segments, taken = [], []
     offset = 0
     for i, req in enumerate(batch.reqs):
         n = lens[i] if i < len(lens) else 0
@@ -273,15 +275,36 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
             _drop(d, state)
             continue
         try:
-            _take_rows(d, req, state, hidden, start, n, prefix_lens[i])
-            taken += 1
+            take = _prepare(d, req, state, hidden, n, prefix_lens[i])
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
-            logger.error("hidden-state dump for rid %r failed: %s", req.rid, e)
-            _drop(d, state)
-            state.done = True
-            _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
+            _fail(d, req, state, e)
+            continue
+        segments.append((state.pending, start, take))
+        taken.append((req, state))
+    if segments:
+        try:
+            # ready=True: the forward that produced these rows has finished when this hook
+            # runs. Under overlap scheduling, process_batch_result_prefill first
+            # synchronizes result.copy_done, recorded on the copy stream after it waited
+            # for the forward stream; without overlap (copy_done None) its
+            # next_token_ids.tolist() has synchronized the stream the forward ran on.
+            # (0.5.17 and 0.5.23; tests/test_patches.py and tests/test_nightly.py check
+            # that the sync precedes the hook.) So the copy need not queue behind what the
+            # scheduler stream holds now, e.g. the next batch's forward.
+            d.writer.copy_rows(hidden, segments, ready=True)
+        except Exception as e:  # noqa: BLE001 - the batch's dumped requests fail, it goes on
+            for req, state in taken:
+                _fail(d, req, state, e)
+            taken = []
+        for req, state in taken:
+            if state.pending.rows == state.pending.num_tokens:
+                try:
+                    _finish(d, req, state)
+                except Exception as e:  # noqa: BLE001
+                    _fail(d, req, state, e)
+    d.writer.flush()
     if t0 is not None:
-        trace.record("hook", reqs=taken, t0=t0, t1=trace.now())
+        trace.record("hook", reqs=len(taken), t0=t0, t1=trace.now())
 
 
 def _is_internal(rid) -> bool:
@@ -289,12 +312,16 @@ def _is_internal(rid) -> bool:
     return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)
 
 
-def _take_rows(d: _Dumper, req, state: _ReqDump, hidden, start: int, n: int, prefix_len: int):
+def _prepare(d: _Dumper, req, state: _ReqDump, hidden, n: int, prefix_len: int) -> int:
+    """Check this chunk against what was sent; open the request at its first chunk.
+    Returns how many of its ``n`` rows to take (rows past the prompt are not dumped)."""
     num_tokens = len(req.origin_input_ids)
     if hidden is None:
         raise RuntimeError("the forward captured no hidden states for this batch")
     if prefix_len == 0 and state.pending is not None and state.pending.rows:
         _drop(d, state)  # retracted mid-prefill and started over
+    if state.pending is not None:
+        d.writer.check_current(state.pending)
     done_rows = state.pending.rows if state.pending is not None else 0
     if prefix_len != done_rows:
         raise RuntimeError(
@@ -302,32 +329,26 @@ def _take_rows(d: _Dumper, req, state: _ReqDump, hidden, start: int, n: int, pre
             f"(prefix reuse is not supported while dumping)"
         )
     if state.pending is None:
-        state.pending = d.writer.start(req.rid, num_tokens, hidden.shape[1], hidden.dtype)
+        state.pending = d.writer.start(req.rid, req.origin_input_ids, hidden.shape[1], hidden.dtype)
         # A request dropped between chunks (aborted while waiting or retracted) never
-        # reaches this hook again: give its buffer back when SGLang lets go of the Req.
+        # reaches this hook again: drop its file when SGLang lets go of the Req.
         state.release = weakref.finalize(req, d.writer.abandon, state.pending)
         state.release.atexit = False
-    rows = hidden[start:start + min(n, num_tokens - done_rows)]
-    # ready=True: the forward that produced these rows has finished when this hook runs.
-    # Under overlap scheduling, process_batch_result_prefill first synchronizes
-    # result.copy_done, recorded on the copy stream after it waited for the forward stream;
-    # without overlap (copy_done None) its next_token_ids.tolist() has synchronized the
-    # stream the forward ran on. (0.5.17 and 0.5.23; tests/test_patches.py and
-    # tests/test_nightly.py check that the sync precedes the hook.) So the copy need not
-    # queue behind what the scheduler stream holds now, e.g. the next batch's forward.
-    d.writer.copy_rows(state.pending, rows, ready=True)
-    if state.pending.rows == num_tokens:
-        _finish(d, req, state)
+    return min(n, num_tokens - done_rows)
+
+
+def _fail(d: _Dumper, req, state: _ReqDump, e: BaseException) -> None:
+    logger.error("hidden-state dump for rid %r failed: %s", req.rid, e)
+    _drop(d, state)
+    state.done = True
+    _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
 
 
 def _finish(d: _Dumper, req, state: _ReqDump) -> None:
     reservation = fmt.reserve(d.dir_fd, req.rid)
-    metadata = fmt.build_metadata(
-        rid=req.rid, layer_ids=d.layer_ids, num_layers=d.num_layers, extra=d.metadata
-    )
     pending, state.pending, state.done = state.pending, None, True
     _detach(state)
-    d.writer.submit(pending, reservation, req.origin_input_ids, len(d.layer_ids), metadata)
+    d.writer.finish(pending, reservation)
     _set_info(req, PATH_KEY, os.path.join(d.config.directory, reservation.name))
     if not _wants_wait(req):
         _set_info(req, PENDING_KEY, True)

@@ -7,14 +7,15 @@ process before it spawns the schedulers (``engine._set_envs_and_config`` ->
 (which inherits the variable) therefore writes its values to that directory and shows
 up on ``/metrics`` without being registered anywhere in the main process. That is
 what SGLang's own scheduler metrics do (``observability/metrics_collector.py``); we do
-the same from ``hooks.setup_model`` on the writing rank, so no patch hunk is needed.
+the same from the writer process of each writing rank (``writer_process``, started by
+the scheduler, inherits the variable), so no patch hunk is needed.
 
 Names (``kimi_sglang:`` prefix, like SGLang's ``sglang:``), label ``model_name``:
 
 - ``kimi_sglang:dump_files_written_total``, ``kimi_sglang:dump_bytes_written_total``,
   ``kimi_sglang:dump_failures_total`` (counters)
 - ``kimi_sglang:dump_queue_depth`` (writes queued or running),
-  ``kimi_sglang:dump_host_bytes_in_use`` (pinned host bytes held) (gauges, most recent
+  ``kimi_sglang:dump_host_bytes_in_use`` (bytes of the writer's shared arena in use) (gauges, most recent
   value in multiprocess mode)
 """
 
@@ -51,7 +52,7 @@ class DumpMetrics:
         self.failures = counter("dump_failures", "Hidden-state writes that failed.")
         self.queue_depth = gauge("dump_queue_depth", "Hidden-state writes queued or running.")
         self.host_bytes = gauge(
-            "dump_host_bytes_in_use", "Pinned host bytes held by rows waiting to be written."
+            "dump_host_bytes_in_use", "Bytes of the pinned shared arena held by rows waiting to be written."
         )
 
     def written(self, nbytes: int) -> None:
@@ -66,9 +67,15 @@ class DumpMetrics:
         self.host_bytes.set(host_bytes_in_use)
 
 
-def from_server_args(server_args, registry: Any = None) -> Optional[DumpMetrics]:
-    """``DumpMetrics`` when ``--enable-metrics`` is on, else ``None``."""
+def model_name(server_args) -> Optional[str]:
+    """The ``model_name`` label when ``--enable-metrics`` is on (as SGLang labels its own
+    metrics: ``--served-model-name``, else the model path), else ``None``."""
     if not getattr(server_args, "enable_metrics", False):
         return None
-    name = getattr(server_args, "served_model_name", None) or server_args.model_path
-    return DumpMetrics(name, registry=registry)
+    return getattr(server_args, "served_model_name", None) or server_args.model_path
+
+
+def from_server_args(server_args, registry: Any = None) -> Optional[DumpMetrics]:
+    """``DumpMetrics`` when ``--enable-metrics`` is on, else ``None``."""
+    name = model_name(server_args)
+    return None if name is None else DumpMetrics(name, registry=registry)

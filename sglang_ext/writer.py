@@ -1,188 +1,68 @@
-"""The writer: device-to-host copies on a side CUDA stream, writer threads, backpressure.
+"""The scheduler's side of the dump writer: copy rows into the arena, send ops, read acks.
 
-Nothing here blocks the scheduler except ``HostBudget.acquire`` when the configured
-host-memory cap is reached (that is the backpressure: prefill waits for the disk).
+Everything after the device-to-host copy happens in a separate writer process
+(``writer_process``), which has its own GIL: the scheduler thread keeps only the copy
+(one per contiguous run of a batch's rows, asynchronous on a side CUDA stream into the
+pinned shared arena, ``arena.py``), one message per batch (``wire``) and reading the
+writer's acknowledgements, which give arena ranges back.
 
-Per request: ``start()`` reserves ``num_tokens x row_bytes`` of the budget and allocates
-one pinned host buffer ``[num_tokens, row_width]``; each prefill chunk's rows are copied
-into their slice by ``copy_rows()`` (asynchronously, on the side stream, ordered after
-the forward that produced them); ``submit()`` hands the buffer to a writer thread,
-which waits for the copies' events, writes the file (``format.write_reserved``), appends
-the index line and releases the lock and the budget.
+Backpressure: when the arena has no room for a batch's rows, the scheduler thread waits
+for the writer process to give ranges back (prefill waits for the disk). Rows stream
+through the arena chunk by chunk, so a prompt larger than the arena still goes through.
+
+The writer process is started with the scheduler and ends with it: ``close`` (also run
+by ``atexit`` when SGLang's scheduler process exits) lets it finish queued writes within
+the drain timeout; if the scheduler dies, the writer sees its socket close and does the
+same. If the writer process dies (killed, out of memory), the scheduler notices at its
+next batch: the files it had not finished get ``<name>.error`` (their responses carry
+``hidden_states_error``), requests still in prefill fail at their next chunk, and a new
+writer process is started; the server keeps serving.
 """
 
 from __future__ import annotations
 
 import array
 import atexit
-import gc
+import json
 import logging
 import os
-import queue
+import select
+import socket
+import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang_ext import arena as arena_mod
 from sglang_ext import format as fmt
-from sglang_ext import trace
+from sglang_ext import trace, wire
+from sglang_ext.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_STATS_INTERVAL_S
+from sglang_ext.writer_process import SHUTDOWN_MESSAGE, TMP_PREFIX, mark_dead
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-DEFAULT_SWITCH_INTERVAL_MS = 0.2
-DEFAULT_STATS_INTERVAL_S = 60.0
-POOL_CHECK_INTERVAL_S = 0.5  # pinned-pool statistics are not free: see pinned_pool()
-SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
+DIED_MESSAGE = "the hidden-state writer process died before the file was written"
+START_TIMEOUT_S = 60.0
 
 
-def _env_number(name: str, default: float, unit: str = "seconds") -> float:
-    """``float`` of environment variable ``name`` (``default`` when unset or blank);
-    raises ``ValueError`` naming the variable and ``unit`` for anything else."""
-    value = os.environ.get(name, "")
-    if not value.strip():
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of {unit}, got {value!r}") from None
-
-
-def drain_timeout_s() -> float:
-    """``KIMI_SGLANG_DRAIN_TIMEOUT_S`` (default 30): how long shutdown waits for writes."""
-    return _env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S)
-
-
-def switch_interval_s() -> Optional[float]:
-    """``KIMI_SGLANG_SWITCH_INTERVAL_MS`` (default 0.2): the GIL switch interval the writing
-    scheduler process runs with (``sys.setswitchinterval``); 0 keeps Python's (5 ms).
-    Raises ``ValueError`` for a value that is not a number >= 0.
-
-    Why: each system call of a writer thread releases the GIL; taking it back, while the
-    scheduler's busy event loop holds it, waits for the switch interval. A file costs
-    about ten such calls (write, rename, index line, lock): with 5 ms, a 16 MiB file that
-    one thread writes in ~7 ms (2.3 GB/s on the H200 host) reached its response after
-    56 ms (bench/results/2026-11-29-h200-quick-trace.md, llama-mid 512x1: write 28 ms,
-    index line + lock 16 ms); the scheduler thread waits the same way behind the writers
-    in ``on_prefill_result``.
-    """
-    ms = _env_number("KIMI_SGLANG_SWITCH_INTERVAL_MS", DEFAULT_SWITCH_INTERVAL_MS, "milliseconds")
-    if not ms >= 0:  # also NaN
-        raise ValueError(f"KIMI_SGLANG_SWITCH_INTERVAL_MS must be >= 0 milliseconds, got {ms}")
-    return ms / 1000.0 if ms > 0 else None
-
-
-def stats_interval_s() -> float:
-    """``KIMI_SGLANG_STATS_INTERVAL_S`` (default 60): seconds between counter log lines;
-    0 or less logs only at shutdown."""
-    return _env_number("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S)
-
-
-def apply_switch_interval() -> Optional[Tuple[float, float]]:
-    """Set this process's GIL switch interval to ``switch_interval_s()``; returns
-    ``(before, after)`` in seconds, or None when the variable says to keep Python's."""
-    interval = switch_interval_s()
-    if interval is None:
-        return None
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(interval)
-    return before, sys.getswitchinterval()
-
-
-def pinned_block_bytes(nbytes: int) -> int:
-    """Bytes torch's pinned allocator (CachingHostAllocator) takes for ``nbytes``: it
-    rounds every block up to a power of two (torch.cuda.memory.host_memory_stats docs),
-    so the host budget counts that, not the tensor's size."""
-    return 1 << max(0, int(nbytes) - 1).bit_length()
-
-
-def pinned_pool() -> Optional[Dict[str, int]]:
-    """The pinned pool of this process: ``bytes`` (blocks held, in use or cached),
-    ``peak`` and ``alloc_ms`` (time spent in cudaHostAlloc), from
-    ``torch.cuda.host_memory_stats()``; None where torch lacks the function (zeros where it
-    has nothing to report yet, e.g. before CUDA starts). The key names changed across
-    torch releases ("reserved_bytes" then "allocated_bytes" for the pool), so the larger of
-    the two is taken. Costs a dictionary of ~40 entries built in C++: not per request."""
-    try:
-        st = torch.cuda.host_memory_stats()
-    except Exception:  # noqa: BLE001 - older torch, or no CUDA
-        return None
-    pool = max(st.get("reserved_bytes.current", 0), st.get("allocated_bytes.current", 0))
-    peak = max(st.get("reserved_bytes.peak", 0), st.get("allocated_bytes.peak", 0))
-    return {"bytes": int(pool), "peak": int(peak),
-            "alloc_ms": int(st.get("host_alloc_time.total", 0)) // 1000}
-
-
-GC_AFTER_WAIT_S = 0.5  # DumpWriter.start: collect cycles once a budget wait lasts this long
-
-
-def token_ids_tensor(token_ids: Sequence[int]) -> torch.Tensor:
-    """``token_ids`` (SGLang's ``origin_input_ids``, a list of ints) as an int64 tensor
-    ``[T]``. Through ``array('q')``: the conversion holds the GIL, which the scheduler
-    thread waits for, and ``torch.tensor(list)`` took ~3x longer (py-spy --gil, deepseek-tiny
-    2048x32 on the H200, 2026-12-01: that line was 7 of the writer threads' 16 samples
-    holding the GIL). Raises ``OverflowError`` / ``TypeError`` for ids that are not int64."""
-    buf = array.array("q", token_ids)
-    if not buf:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(buf, dtype=torch.int64)
-
-
-class HostBudget:
-    """A byte counter with a cap; ``acquire`` blocks until the bytes fit.
-
-    A single request larger than the cap is let through when nothing else is held, so
-    one long prompt can never deadlock the server.
-    """
-
-    def __init__(self, cap_bytes: int):
-        if cap_bytes < 1:
-            raise ValueError("cap_bytes must be positive")
-        self.cap = int(cap_bytes)
-        self.in_use = 0
-        self.peak = 0
-        self.waits = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int, timeout: Optional[float] = None, *,
-                resumed: bool = False) -> None:
-        """Take ``nbytes``; raises ``TimeoutError`` if they do not fit within ``timeout`` s.
-        ``waits`` counts each wait once: ``resumed=True`` continues a wait that an earlier
-        call, ended by its timeout, already counted."""
-        with self._cond:
-            if not self._fits(nbytes):
-                self.waits += 0 if resumed else 1
-                if not self._cond.wait_for(lambda: self._fits(nbytes), timeout=timeout):
-                    raise TimeoutError(
-                        f"host budget: {nbytes} bytes did not fit in {timeout}s "
-                        f"({self.in_use}/{self.cap} in use)"
-                    )
-            self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use)
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.in_use -= nbytes
-            assert self.in_use >= 0, "host budget released more than it held"
-            self._cond.notify_all()
-
-    def _fits(self, nbytes: int) -> bool:
-        return self.in_use + nbytes <= self.cap or self.in_use == 0
+class WriterDied(RuntimeError):
+    """The writer process this request's rows went to is gone (a new one serves new requests)."""
 
 
 @dataclass
 class PendingDump:
-    """One request's rows on their way to the host: ``host`` is ``[num_tokens, row_width]``."""
+    """One request on its way to the writer: ``rows`` of ``num_tokens`` sent so far."""
 
+    key: int
     rid: str
     num_tokens: int
-    host: torch.Tensor
-    nbytes: int
+    row_width: int
+    dtype: torch.dtype
+    generation: int
     rows: int = 0
-    events: List[Any] = field(default_factory=list)
     times: Optional[Dict[str, float]] = None  # stage timestamps while tracing (trace.py)
 
 
@@ -191,358 +71,555 @@ class WriterStats:
     files: int = 0
     bytes: int = 0
     failures: int = 0
-    queued: int = 0
-    pool_trims: int = 0
+    waits: int = 0
+    restarts: int = 0
 
-    def as_dict(self, budget: HostBudget) -> Dict[str, int]:
-        return {
-            "files_written": self.files,
-            "bytes_written": self.bytes,
-            "failures": self.failures,
-            "queue_depth": self.queued,
-            "host_bytes_in_use": budget.in_use,
-            "host_bytes_peak": budget.peak,
-            "backpressure_waits": budget.waits,
-            "pinned_pool_trims": self.pool_trims,
-        }
+
+@dataclass
+class _Piece:
+    off: int
+    nbytes: int
+    refs: int = 0
+
+
+@dataclass
+class _Outbox:
+    ops: List[tuple] = field(default_factory=list)
+    fds: List[int] = field(default_factory=list)  # lock descriptors of the FINISH ops
+    copied: bool = False  # ops read arena data copied since the last send
 
 
 class DumpWriter:
-    """Copies rows off the GPU and writes files, never on the caller's thread.
+    """The dump path of one writing rank. ``dir_fd``: the dump directory
+    (``format.open_dump_dir``); ``arena_bytes``: the arena's size (the host cap);
+    ``threads``: writer threads in the writer process; ``layer_ids``/``num_layers``/
+    ``metadata``: what every file's ``__metadata__`` says besides the rid
+    (``format.build_metadata``); ``device``: the CUDA device rows live on, or ``None``
+    for CPU tensors (tests); ``metrics_model_name``: publish Prometheus metrics
+    (``sglang_ext.metrics``, from the writer process) under that name, or ``None``;
+    ``stats_interval_s``: seconds between the writer process's counter log lines.
 
-    ``dir_fd``: the dump directory (``format.open_dump_dir``). ``device``: the CUDA
-    device the rows live on, or ``None`` for CPU tensors (tests). ``metrics``: an
-    optional ``sglang_ext.metrics.DumpMetrics`` (Prometheus counters and gauges).
-
-    Shutdown: ``close(timeout)`` waits for queued writes up to a deadline. It is also
-    registered with ``atexit``: SGLang 0.5.17 stops a scheduler process by a
-    ``ShutdownReq`` (the tokenizer manager's SIGTERM watchdog sends it after draining
-    requests), ``run_scheduler_process`` returns and the spawned process leaves through
-    ``sys.exit``, which runs ``atexit``. The writer threads are daemon threads, so neither
-    ``threading._shutdown`` nor the interpreter waits for them beyond that deadline; a
-    write cut off there (or by SIGKILL) leaves only its temporary file and lock, which
-    ``format.clean_stale`` removes at the next start. Never a truncated final file.
+    Raises ``OSError`` when the arena cannot be made and ``RuntimeError`` when the writer
+    process does not start.
     """
 
     def __init__(
         self,
         dir_fd: int,
         *,
-        max_host_bytes: int,
+        arena_bytes: int,
         threads: int,
+        layer_ids: Sequence[int],
+        num_layers: int,
+        metadata: Optional[Dict[str, str]] = None,
         device: Optional[torch.device] = None,
-        log_every_s: Optional[float] = None,
-        metrics: Any = None,
+        metrics_model_name: Optional[str] = None,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
         register_atexit: bool = True,
     ):
         self.dir_fd = dir_fd
-        self.budget = HostBudget(max_host_bytes)
+        self.threads = int(threads)
+        self.drain_timeout_s = drain_timeout_s
+        self.metrics_model_name = metrics_model_name
+        self.stats_interval_s = stats_interval_s
         self.stats = WriterStats()
-        self.metrics = metrics
-        self._stats_lock = threading.Lock()
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._closed = False  # no new writes accepted
-        self._abort = False  # deadline passed: fail what has not started
+        self._meta = json.dumps({"layer_ids": [int(k) for k in layer_ids],
+                                 "num_layers": int(num_layers), "extra": dict(metadata or {})})
         self._cuda = device is not None and torch.device(device).type == "cuda"
-        # Pinned memory the process held before this writer: not ours to trim against.
-        pool = pinned_pool() if self._cuda else None
-        self._pool_baseline = pool["bytes"] if pool is not None else 0
-        self._pool_checked = 0.0  # monotonic time of the last pool check (trim)
-        self._stream = torch.cuda.Stream(device=device) if self._cuda else None
-        self._log_every_s = stats_interval_s() if log_every_s is None else log_every_s
-        self._last_log = time.monotonic()
-        self._threads = [
-            threading.Thread(target=self._worker, name=f"hs-writer-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
+        self.arena_fd, self._mm = arena_mod.create(arena_bytes)
+        self._arena_size = int(arena_bytes)
+        self._arena = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._view = memoryview(self._mm)
+        self.extents = arena_mod.Extents(arena_mod.HEADER_BYTES, arena_mod.HEADER_BYTES + self._arena_size)
+        self.registered = False
+        self._stream = None
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=device)
+            self._seq_dev = torch.zeros(1, dtype=torch.int64, device=device)
+            self._seq_host = self._arena[arena_mod.SEQ_OFFSET:arena_mod.SEQ_OFFSET + 8].view(torch.int64)
+            self.registered = _cuda_host_register(self._arena)
+        self._pieces: Dict[int, _Piece] = {}
+        self._outstanding: Dict[int, str] = {}  # key -> name: FINISH sent, not acknowledged
+        self._out = _Outbox()
+        self._next_key = 0
+        self._next_piece = 0
+        self._seq = 0
+        self._busy = False  # inside copy_rows/flush: abandon() must not send
+        self._closed = False
+        self.generation = 0
+        self._proc: Optional[subprocess.Popen] = None
+        self._sock: Optional[socket.socket] = None
+        self._spawn()
         self._atexit = register_atexit
         if register_atexit:
             atexit.register(self._close_at_exit)
 
-    # ---- scheduler thread -------------------------------------------------------
-    def start(self, rid: str, num_tokens: int, row_width: int, dtype: torch.dtype) -> PendingDump:
-        """Reserve budget and a host buffer for ``num_tokens`` rows of ``row_width``.
+    # ---- the writer process -----------------------------------------------------------
+    @property
+    def tag(self) -> str:
+        """Names this generation's temporary files (``.kimi-<tag>-<key>...tmp``)."""
+        return f"{os.getpid()}-{self.generation}"
 
-        Blocks while the host budget is exhausted (backpressure). A pinned buffer counts
-        ``pinned_block_bytes`` of its size (what the allocator really takes).
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    def _spawn(self) -> None:
+        mine, theirs = wire.socket_pair()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(fmt.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", "sglang_ext.writer_process",
+               "--sock-fd", str(theirs.fileno()), "--arena-fd", str(self.arena_fd),
+               "--arena-size", str(self._arena_size), "--dir-fd", str(self.dir_fd),
+               "--threads", str(self.threads), "--tag", self.tag, "--meta", self._meta,
+               "--drain-timeout", str(self.drain_timeout_s),
+               "--stats-interval", str(self.stats_interval_s)]
+        if self.metrics_model_name is not None:
+            cmd += ["--metrics-model-name", str(self.metrics_model_name)]
+        try:
+            self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.arena_fd, self.dir_fd),
+                                          env=env, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            mine.close()
+            raise RuntimeError(f"cannot start the hidden-state writer process: {e}") from None
+        finally:
+            theirs.close()
+        self._sock = mine
+        self._sock.setblocking(False)
+
+    def _writer_died(self) -> None:
+        """Fail what the dead writer held, start a new one (see the module docstring)."""
+        proc = self._proc
+        try:
+            code = proc.wait(timeout=5) if proc is not None else None
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        lost = len(self._outstanding)
+        logger.error("hidden-state dump: the writer process (pid %s) ended (%s); %d files in "
+                     "flight fail%s", proc.pid if proc else None, how, lost,
+                     "" if self._closed else "; starting a new one")
+        self._forget_writer(f"{DIED_MESSAGE} ({how})")
+        if self.metrics_model_name is not None and proc is not None:
+            mark_dead(proc.pid)
+        if not self._closed:
+            self.generation += 1
+            self.stats.restarts += 1
+            self._spawn()
+
+    def _forget_writer(self, message: str) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()  # no copy may still land in a range handed out again
+        for name in self._outstanding.values():
+            _fail_orphan(self.dir_fd, name, message)
+        self.stats.failures += len(self._outstanding)
+        self._outstanding.clear()
+        self._pieces.clear()
+        for fd in self._out.fds:
+            os.close(fd)
+        self._out = _Outbox()
+        self.extents.reset()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        prefix = f"{TMP_PREFIX}{self.tag}-"
+        for name in os.listdir(self.dir_fd):
+            if name.startswith(prefix):
+                try:
+                    os.unlink(name, dir_fd=self.dir_fd)
+                except FileNotFoundError:
+                    pass
+
+    # ---- scheduler thread -------------------------------------------------------------
+    def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:
+        """Open a request of ``len(token_ids)`` prompt tokens whose rows are
+        ``row_width`` elements of ``dtype``; its token ids go to the arena now.
+
+        Raises ``TypeError`` for a rid that is not a str and for token ids that are not
+        int64 (``OverflowError`` too), ``ValueError`` when the token ids alone exceed
+        the arena, ``RuntimeError`` after ``close``.
         """
-        nbytes = int(num_tokens) * int(row_width) * dtype.itemsize
-        if self._cuda:
-            nbytes = pinned_block_bytes(nbytes)
-        try:
-            self.budget.acquire(nbytes, timeout=GC_AFTER_WAIT_S)
-        except TimeoutError:
-            # Buffers of requests SGLang dropped between prefill chunks come back when their
-            # Req is freed (hooks: weakref.finalize -> abandon). A Req in a reference cycle
-            # (SGLang's Req.__init__ puts the Req into its own custom_params["__req__"], so
-            # every request with custom_params) is freed only by the cycle collector: after
-            # a long wait run it once, or the scheduler could wait for memory nobody
-            # releases. (Not before every wait: a full collection costs ~0.1 s in a server.)
-            gc.collect()
-            self.budget.acquire(nbytes, resumed=True)
-        try:
-            host = torch.empty((num_tokens, row_width), dtype=dtype, pin_memory=self._cuda)
-        except BaseException:
-            self.budget.release(nbytes)
-            raise
-        self._publish()
-        pending = PendingDump(rid=rid, num_tokens=num_tokens, host=host, nbytes=nbytes)
+        if self._closed:
+            raise RuntimeError(SHUTDOWN_MESSAGE)
+        if not isinstance(rid, str):
+            raise TypeError(f"rid must be str, got {type(rid).__name__}")
+        ids = array.array("q", token_ids)
+        nbytes = len(ids) * 8
+        if nbytes > self.extents.capacity:
+            raise ValueError(f"the token ids of {len(ids)} tokens ({nbytes} bytes) exceed the "
+                             f"{self.extents.capacity}-byte arena (--dump-hidden-states-max-host-mb)")
+        pending = PendingDump(key=self._next_key, rid=rid, num_tokens=len(ids), row_width=int(row_width),
+                              dtype=dtype, generation=self.generation)
+        self._next_key += 1
         if trace.enabled():
             pending.times = {"t_start": trace.now()}
+        off, piece = self._take(max(nbytes, 1), max(nbytes, 1))
+        if nbytes:
+            self._view[off:off + nbytes] = memoryview(ids).cast("B")
+        self._pieces[piece].refs = 1
+        self._out.ops.append((wire.BEGIN, pending.key, rid, pending.num_tokens, pending.row_width,
+                              str(dtype).replace("torch.", ""), piece, off, pending.times))
         return pending
 
-    def copy_rows(self, pending: PendingDump, rows: torch.Tensor, *, ready: bool = False) -> None:
-        """Copy ``rows`` (``[n, row_width]``, on the GPU) into the next ``n`` host rows.
+    def is_current(self, pending: PendingDump) -> bool:
+        """False when the writer process that took this request's first rows died."""
+        return pending.generation == self.generation
 
-        The copy runs on the side stream; ``rows`` is kept alive for it with
-        ``record_stream``. ``ready=False``: the copy is ordered after everything already
-        queued on the caller's current stream (the forward that produced ``rows``).
-        ``ready=True``: the caller guarantees the kernels that produced ``rows`` have
+    def check_current(self, pending: PendingDump) -> None:
+        """Raise ``WriterDied`` unless ``is_current(pending)``."""
+        if pending.generation != self.generation:
+            raise WriterDied(DIED_MESSAGE)
+
+    def copy_rows(self, hidden: torch.Tensor, segments: Sequence[Tuple[PendingDump, int, int]],
+                  *, ready: bool = False) -> None:
+        """Copy rows of ``hidden`` (``[num_rows, row_width]``, on the GPU or the CPU) to the
+        arena and queue them for their requests: ``segments`` are ``(pending, first
+        row in hidden, number of rows)``, each the request's next rows. Segments that
+        follow each other in ``hidden`` go in one copy (one per arena range).
+
+        ``ready=True``: the caller guarantees the kernels that produced ``hidden`` have
         finished (SGLang synchronizes ``result.copy_done`` before processing a batch
-        result), so the copy starts at once instead of waiting behind work the
-        scheduler queued since, e.g. the next batch's forward under overlap scheduling.
-        Raises ``ValueError`` if the rows overflow the buffer.
+        result), so the copy starts at once instead of queueing behind work the
+        scheduler enqueued since; ``False`` orders it after the current stream.
+        Raises ``ValueError`` for rows that overflow a request or do not match its width,
+        ``WriterDied`` when the writer process died meanwhile (the batch's requests fail).
         """
-        n = rows.shape[0]
-        end = pending.rows + n
-        if end > pending.num_tokens or rows.shape[1:] != pending.host.shape[1:]:
-            raise ValueError(
-                f"rid {pending.rid!r}: rows {pending.rows}..{end} of shape "
-                f"{tuple(rows.shape)} do not fit a buffer of {tuple(pending.host.shape)}"
-            )
-        dst = pending.host[pending.rows:end]
-        if self._cuda and rows.is_cuda:
-            if not ready:
-                self._stream.wait_stream(torch.cuda.current_stream(rows.device))
-            with torch.cuda.stream(self._stream):
-                dst.copy_(rows, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            rows.record_stream(self._stream)
-            pending.events.append(event)
-        else:
-            dst.copy_(rows)
-        pending.rows = end
+        for pending, start, n in segments:
+            if pending.rows + n > pending.num_tokens or hidden.shape[1] != pending.row_width:
+                raise ValueError(
+                    f"rid {pending.rid!r}: rows {pending.rows}..{pending.rows + n} of width "
+                    f"{hidden.shape[1]} do not fit {pending.num_tokens} rows of {pending.row_width}")
+            if not self.is_current(pending):
+                raise WriterDied(DIED_MESSAGE)
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        gen = self.generation
+        self._busy = True
+        try:
+            if self._cuda and hidden.is_cuda and not ready:
+                self._stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            for run in _runs(segments):
+                pos, end = run[0][1], run[-1][1] + run[-1][2]
+                i = 0
+                while pos < end:
+                    off, piece = self._take((end - pos) * row_bytes, row_bytes)
+                    if self.generation != gen:
+                        raise WriterDied(DIED_MESSAGE)
+                    n = min(self._pieces[piece].nbytes // row_bytes, end - pos)
+                    self._copy(hidden[pos:pos + n], off, n * row_bytes)
+                    piece_end = pos + n
+                    while i < len(run):  # the requests whose rows this range holds
+                        pending, s, cnt = run[i]
+                        lo, hi = max(s, pos), min(s + cnt, piece_end)
+                        if lo < hi:
+                            self._out.ops.append((wire.ROWS, pending.key, pending.rows, hi - lo, piece,
+                                                  off + (lo - pos) * row_bytes))
+                            self._pieces[piece].refs += 1
+                            pending.rows += hi - lo
+                        if s + cnt > piece_end:
+                            break  # continues in the next range
+                        i += 1
+                    pos = piece_end
+            if self._cuda and hidden.is_cuda:
+                hidden.record_stream(self._stream)
+        finally:
+            self._busy = False
 
-    def submit(
-        self,
-        pending: PendingDump,
-        reservation: fmt.Reservation,
-        token_ids: Sequence[int],
-        num_slots: int,
-        metadata: Mapping[str, str],
-    ) -> None:
-        """Queue the file write; the reservation's lock is released when it is done.
-
-        After ``close`` the write is not queued: the reservation fails at once (the
-        response carries the error) and the buffer is released.
-        """
+    def finish(self, pending: PendingDump, reservation: fmt.Reservation) -> None:
+        """Queue the file write; the writer releases ``reservation``'s lock when the file
+        is in place (or fails it). After ``close``, or when the writer process that had
+        the request's rows died, the reservation fails at once (its response carries the
+        message)."""
+        if self._closed or not self.is_current(pending):
+            fmt.fail(reservation, SHUTDOWN_MESSAGE if self._closed else DIED_MESSAGE)
+            self.stats.failures += 1
+            return
         if pending.times is not None:
             pending.times["t_submit"] = trace.now()
-        with self._stats_lock:
-            self.stats.queued += 1
-            closed = self._closed
-        item = (pending, reservation, token_ids, num_slots, metadata)
-        if closed:
-            self._run(item, SHUTDOWN_MESSAGE)
-        else:
-            self._queue.put(item)
-            self._publish()
+        self._out.ops.append((wire.FINISH, pending.key, reservation.name,
+                              {"t_submit": pending.times["t_submit"]} if pending.times else None))
+        self._out.fds.append(reservation.lock_fd)
+        self._outstanding[pending.key] = reservation.name
 
     def abandon(self, pending: PendingDump) -> None:
-        """Give back a request's budget without writing (aborted request)."""
-        if pending.host is None:
-            return  # already given back
-        for event in pending.events:
-            event.synchronize()
-        pending.events.clear()
-        pending.host = None
-        self.budget.release(pending.nbytes)
-        self._publish()
+        """The request went away before its last row (aborted, retracted, dropped by
+        SGLang): the writer drops its temporary file. Safe from a ``weakref.finalize``
+        callback (it only queues, unless no batch is being handled)."""
+        if self._closed or not self.is_current(pending):
+            return
+        self._out.ops.append((wire.ABANDON, pending.key))
+        if not self._busy:
+            self.flush()
 
-    # ---- writer threads -----------------------------------------------------------
-    def _worker(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._run(item, SHUTDOWN_MESSAGE if self._abort else None)
-
-    def _run(self, item, refuse: Optional[str]) -> None:
-        """Write one file (or, with ``refuse``, fail it with that message)."""
-        pending, reservation, token_ids, num_slots, metadata = item
+    def flush(self) -> None:
+        """Send what this batch queued (one message, or a few for very large batches) and
+        read the writer's acknowledgements that have arrived. Never blocks on the writer
+        unless the socket's buffer is full."""
+        if self._busy and self._out.ops and self._out.ops[-1][0] != wire.ABANDON:
+            return
+        self._busy = True
         try:
-            if refuse is not None:
-                raise RuntimeError(refuse)
-            if pending.times is not None:
-                pending.times["t_picked"] = trace.now()
-            size = self._write(pending, reservation, token_ids, num_slots, metadata)
-            with self._stats_lock:
-                self.stats.files += 1
-                self.stats.bytes += size
-            if self.metrics is not None:
-                self.metrics.written(size)
-            if pending.times is not None:
-                trace.record("file", name=reservation.name, bytes=size, rows=pending.num_tokens,
-                             **pending.times)
-        except BaseException as e:  # noqa: BLE001 - a failed write must never kill the thread
-            message = f"{type(e).__name__}: {e}"
-            logger.error("hidden-state dump for rid %r failed: %s", pending.rid, message)
-            fmt.fail(reservation, message)
-            with self._stats_lock:
-                self.stats.failures += 1
-            if self.metrics is not None:
-                self.metrics.failed()
+            self._send()
+            self._read_acks()
         finally:
-            pending.events.clear()
-            if pending.host is not None:
-                pending.host = None
-                self.budget.release(pending.nbytes)
-                self._trim_pinned_pool()
-            with self._stats_lock:
-                self.stats.queued -= 1
-            self._publish()
-            self._maybe_log()
+            self._busy = False
 
-    def _trim_pinned_pool(self) -> None:
-        """Keep the pinned pool within the host cap: torch caches freed pinned blocks per
-        power-of-two size and never gives them back by itself, so prompts of many sizes
-        would grow the process past ``--dump-hidden-states-max-host-mb``. When the pool
-        (in use + cached) exceeds the cap beyond what the process held before the writer
-        started, the cached blocks are returned to CUDA (all of them, SGLang's own small
-        ones too: torch has no finer call). Checked at most every
-        ``POOL_CHECK_INTERVAL_S`` after a buffer is released, so the pool may pass the cap
-        for that long."""
-        if not self._cuda:
+    # ---- arena ---------------------------------------------------------------------------
+    def _take(self, want: int, minimum: int) -> Tuple[int, int]:
+        """An arena range of ``want`` bytes, or at least ``minimum`` when fragmented; waits
+        for the writer to give ranges back while none is free (backpressure)."""
+        got = self.extents.alloc(want, minimum)
+        if got is None:
+            self.stats.waits += 1
+            gen = self.generation
+            while got is None:
+                self._send()  # the writer can only give back what it was sent
+                self._wait_acks(0.05)
+                if self.generation != gen:
+                    raise WriterDied(DIED_MESSAGE)
+                got = self.extents.alloc(want, minimum)
+        piece = self._next_piece
+        self._next_piece += 1
+        self._pieces[piece] = _Piece(*got)
+        return got[0], piece
+
+    def _copy(self, rows: torch.Tensor, off: int, nbytes: int) -> None:
+        dst = self._arena[off:off + nbytes].view(rows.dtype).view(rows.shape)
+        if self._cuda and rows.is_cuda:
+            with torch.cuda.stream(self._stream):
+                dst.copy_(rows, non_blocking=True)
+        else:
+            dst.copy_(rows)
+        self._out.copied = True
+
+    # ---- messages ------------------------------------------------------------------------
+    def _send(self) -> None:
+        out = self._out
+        if not out.ops:
             return
-        now = time.monotonic()
-        with self._stats_lock:
-            if now - self._pool_checked < POOL_CHECK_INTERVAL_S:
+        self._out = _Outbox()
+        seq = 0
+        if out.copied:
+            self._seq += 1
+            seq = self._seq
+            if self._cuda:  # lands after the batch's copies: the stream runs in order
+                with torch.cuda.stream(self._stream):
+                    self._seq_dev.fill_(seq)
+                    self._seq_host.copy_(self._seq_dev, non_blocking=True)
+            else:
+                arena_mod.write_seq(self._mm, seq)
+        try:
+            for blob, fds in wire.pack(seq, out.ops, out.fds):
+                self._send_blocking(blob, fds)
+        except (OSError, WriterDied) as e:
+            for fd in out.fds:
+                _close_quiet(fd)
+            if not isinstance(e, WriterDied):
+                self._writer_died()
+            return
+        for fd in out.fds:  # the writer holds the locks now
+            os.close(fd)
+
+    def _send_blocking(self, blob: bytes, fds: Sequence[int]) -> None:
+        while True:
+            if self._sock is None:
+                raise WriterDied(DIED_MESSAGE)
+            try:
+                wire.send(self._sock, blob, fds)
                 return
-            self._pool_checked = now
-        pool = pinned_pool()
-        empty_cache = getattr(torch._C, "_host_emptyCache", None)  # torch.cuda.graphs uses it
-        if (pool is not None and empty_cache is not None
-                and pool["bytes"] - self._pool_baseline > self.budget.cap):
-            empty_cache()
-            with self._stats_lock:
-                self.stats.pool_trims += 1
+            except BlockingIOError:  # the writer is behind on reading: wait for it
+                self._wait_acks(0.05, writable=True)
 
-    def _write(self, pending, reservation, token_ids, num_slots, metadata) -> int:
-        for event in pending.events:
-            event.synchronize()
-        times = pending.times if pending.times is not None else {}
-        times["t_copied"] = trace.now()
-        if pending.rows != pending.num_tokens:
-            raise fmt.DumpFormatError(
-                f"rid {pending.rid!r}: {pending.rows} of {pending.num_tokens} rows captured"
-            )
-        width = pending.host.shape[1]
-        if width % num_slots:
-            raise fmt.DumpFormatError(
-                f"rid {pending.rid!r}: row width {width} is not {num_slots} layer slots"
-            )
-        hidden = pending.host.view(pending.num_tokens, num_slots, width // num_slots)
-        ids = token_ids_tensor(token_ids)
-        size = fmt.write_reserved(reservation, hidden, ids, metadata)
-        times["t_written"] = trace.now()
-        fmt.append_index(
-            reservation.dir_fd,
-            {
-                "rid": pending.rid,
-                "file": reservation.name,
-                "num_tokens": pending.num_tokens,
-                "bytes": size,
-                "layer_ids": metadata.get("layer_ids"),
-            },
-        )
-        fmt.complete(reservation)
-        times["t_released"] = trace.now()
-        return size
-
-    def _publish(self) -> None:
-        if self.metrics is not None:
-            with self._stats_lock:
-                queued = self.stats.queued
-            self.metrics.levels(queue_depth=queued, host_bytes_in_use=self.budget.in_use)
-
-    def _maybe_log(self) -> None:
-        if self._log_every_s <= 0:
+    def _wait_acks(self, timeout: float, writable: bool = False) -> None:
+        """Wait up to ``timeout`` s for acknowledgements (or, ``writable``, for room to
+        send), then read them; notices a dead writer."""
+        if self._sock is None:
             return
-        now = time.monotonic()
-        if now - self._last_log >= self._log_every_s:
-            self._last_log = now
-            logger.info("hidden-state dump: %s", self.snapshot())
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN | (select.POLLOUT if writable else 0))
+        poller.poll(timeout * 1000)
+        self._read_acks()
+        if self._sock is not None and self._proc.poll() is not None:
+            self._read_acks()  # what it said before it ended, then its end
+            if self._sock is not None:
+                self._peer_gone()
+
+    def _peer_gone(self) -> None:
+        """The writer's end of the socket closed: expected after ``close``, else it died."""
+        if self._closed:
+            self._sock.close()
+            self._sock = None
+        else:
+            self._writer_died()
+
+    def _read_acks(self) -> None:
+        wrote = failed = nbytes = 0
+        while self._sock is not None:
+            try:
+                events, _ = wire.recv(self._sock, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except OSError:
+                events = None
+            if events is None:  # the writer process is gone
+                self._peer_gone()
+                break
+            for ev in events:
+                kind = ev[0]
+                if kind == wire.DONE_PIECE:
+                    piece = self._pieces.get(ev[1])  # (DONE_PIECE, piece, data bytes)
+                    if piece is not None:
+                        piece.refs -= 1
+                        if piece.refs <= 0:
+                            del self._pieces[ev[1]]
+                            self.extents.free(piece.off, piece.nbytes)
+                elif kind == wire.WROTE:
+                    self._outstanding.pop(ev[1], None)
+                    wrote += 1
+                    nbytes += ev[3]
+                elif kind == wire.FAILED:
+                    self._outstanding.pop(ev[1], None)
+                    failed += 1
+        self.stats.files += wrote
+        self.stats.bytes += nbytes
+        self.stats.failures += failed
+
+    # ---- counters ------------------------------------------------------------------------
+    def wait_idle(self, timeout: float) -> bool:
+        """Send what is queued and wait until the writer process has acknowledged every
+        file and arena range; True if it did within ``timeout`` s (tests, benchmarks)."""
+        self.flush()
+        deadline = time.monotonic() + timeout
+        while (self._outstanding or self._pieces) and self._sock is not None \
+                and time.monotonic() < deadline:
+            self._wait_acks(0.02)
+        return not (self._outstanding or self._pieces)
 
     def queue_depth(self) -> int:
-        """Writes queued or running (cheap: no pinned-pool statistics)."""
-        with self._stats_lock:
-            return self.stats.queued
+        """Files sent to the writer and not yet acknowledged."""
+        return len(self._outstanding)
 
     def snapshot(self) -> Dict[str, int]:
-        """Counters: files and bytes written, failures, queue depth, host bytes in use
-        and peak (the budget), and on CUDA the process's pinned pool (``pinned_pool_*``:
-        bytes held now, peak, ms spent in cudaHostAlloc)."""
-        with self._stats_lock:
-            snap = self.stats.as_dict(self.budget)
-        pool = pinned_pool() if self._cuda else None
-        if pool is not None:
-            snap.update({"pinned_pool_bytes": pool["bytes"], "pinned_pool_peak": pool["peak"],
-                         "pinned_alloc_ms": pool["alloc_ms"]})
-        return snap
+        """Counters: files and bytes written, failures, files in flight (``queue_depth``),
+        arena bytes in use and peak and its size, backpressure waits, writer restarts."""
+        return {
+            "files_written": self.stats.files,
+            "bytes_written": self.stats.bytes,
+            "failures": self.stats.failures,
+            "queue_depth": len(self._outstanding),
+            "host_bytes_in_use": self.extents.in_use,
+            "host_bytes_peak": self.extents.peak,
+            "arena_bytes": self._arena_size,
+            "arena_pinned": int(self.registered),
+            "backpressure_waits": self.stats.waits,
+            "writer_restarts": self.stats.restarts,
+        }
 
+    # ---- shutdown ------------------------------------------------------------------------
     def close(self, timeout: Optional[float] = None) -> bool:
-        """Stop taking writes; wait up to ``timeout`` s (default: ``drain_timeout_s()``)
-        for queued ones; True if all finished.
-
-        At the deadline, writes that have not started fail with an ``.error`` file (their
-        waiters get the message); writes already running go on in their daemon threads
-        until the process exits, which leaves at most their temporary files and locks
-        (``format.clean_stale`` removes them at the next start). Logs the counters.
-        """
+        """Stop taking writes; let the writer process finish what it was sent within
+        ``timeout`` s (default: the drain timeout), then end it. Returns True if every
+        file was written or failed cleanly by then. Files still unfinished after it
+        exits get ``<name>.error`` (``SHUTDOWN_MESSAGE``); a write cut off leaves only its
+        temporary file and lock (``format.clean_stale`` removes them at the next start).
+        Logs the counters."""
         if timeout is None:
-            timeout = drain_timeout_s()
-        with self._stats_lock:
-            already = self._closed
-            self._closed = True
+            timeout = self.drain_timeout_s
         if self._atexit:
             atexit.unregister(self._close_at_exit)
             self._atexit = False
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            with self._stats_lock:
-                if self.stats.queued == 0:
-                    break
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.01)
-        self._abort = True
-        while True:  # fail what no thread has taken yet
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self._run(item, SHUTDOWN_MESSAGE)
-        if not already:
-            for _ in self._threads:
-                self._queue.put(None)
+        if self._closed:
+            return not self._outstanding
+        self._closed = True
+        proc = self._proc
+        if self._sock is not None:
+            self._out.ops.append((wire.CLOSE, float(timeout)))
+            self._send()
+        deadline = time.monotonic() + max(0.0, timeout) + 2.0
+        while self._sock is not None and proc.poll() is None and time.monotonic() < deadline:
+            self._wait_acks(0.05)
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            late = False
+        except subprocess.TimeoutExpired:
+            late = True
+            proc.kill()
+            proc.wait()
+        self._read_acks()
+        drained = not self._outstanding and not late
+        self._forget_writer(SHUTDOWN_MESSAGE)  # what it left: .error files, its temporaries
         snap = self.snapshot()
-        drained = snap["queue_depth"] == 0
         if drained:
             logger.info("hidden-state dump: writer closed: %s", snap)
         else:
-            logger.warning(
-                "hidden-state dump: %d writes still running after %.1fs at shutdown; they "
-                "leave only temporary files, removed at the next start: %s",
-                snap["queue_depth"], timeout, snap,
-            )
+            logger.warning("hidden-state dump: writes still running after %.1fs at shutdown; "
+                           "they leave only temporary files, removed at the next start: %s",
+                           timeout, snap)
+        self._release_arena()
         return drained
+
+    def _release_arena(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            self.registered = False
+        self._seq_host = None
+        self._arena = None
+        self._view.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a tensor view still lives somewhere: the mapping goes with the process
+        os.close(self.arena_fd)
 
     def _close_at_exit(self) -> None:
         try:
             self.close()
         except Exception as e:  # noqa: BLE001 - never fail interpreter shutdown
             logger.error("hidden-state dump: closing the writer failed: %s", e)
+
+
+def _runs(segments):
+    """Split segments into runs that follow each other in the batch."""
+    run: List[tuple] = []
+    for seg in segments:
+        if run and run[-1][1] + run[-1][2] != seg[1]:
+            yield run
+            run = []
+        if seg[2] > 0:
+            run.append(seg)
+    if run:
+        yield run
+
+
+def _cuda_host_register(arena: torch.Tensor) -> bool:
+    """Pin the arena with ``cudaHostRegister`` (portable: every CUDA context sees it as
+    pinned); False, with a warning, where CUDA refuses (copies then run synchronously)."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), 1)  # cudaHostRegisterPortable
+    if int(err) != 0:
+        logger.warning("hidden-state dump: cudaHostRegister of the %d-byte arena failed (%s); "
+                       "device-to-host copies will not be asynchronous", arena.numel(), err)
+        return False
+    return True
+
+
+def _fail_orphan(dir_fd: int, name: str, message: str) -> None:
+    """Fail a file whose writer is gone: its lock is no longer held (the kernel released
+    it with the process); take it, leave ``<name>.error``, remove the lock."""
+    try:
+        fd = os.open(name + fmt.LOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        fd = -1
+    if fd >= 0 and not fmt.lexists_at(dir_fd, name):
+        fmt.fail(fmt.Reservation(dir_fd, name, fd), message)
+    elif fd >= 0:
+        os.close(fd)
+
+
+def _close_quiet(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -10,13 +10,12 @@ outside the dump directory. The README's "Faults and bad input" table maps each 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -25,10 +24,11 @@ import torch
 from sglang_ext import format as fmt
 from sglang_ext import hooks
 from sglang_ext import metrics as dump_metrics
-from sglang_ext import writer as writer_mod
-from sglang_ext.config import DumpConfigError, check_directory
+from sglang_ext import writer_process
+from sglang_ext.config import DumpConfigError, check_directory, env_settings
 from test_format import RIDS
-from test_hooks import Req, finish, make_runner, reference, run_extend
+from test_hooks import (Req, finish, idle, inject_writer, make_runner, reference,
+                        run_extend, wait_for)
 
 IDS = [2, 4]
 
@@ -104,13 +104,13 @@ def test_rid_that_is_not_a_string_gets_an_error_not_a_file(dump, rid):
     run_extend([(req, 0, 4)], IDS)
     meta = finish(req)
     assert "rid must be str" in meta["hidden_states_error"]
+    assert idle()["host_bytes_in_use"] == 0
     assert os.listdir(dump) == []
-    assert hooks._DUMPER.writer.budget.in_use == 0
 
 
-def test_same_rid_many_times_at_once_and_alike_rids_keep_every_file(dump, monkeypatch):
+def test_same_rid_many_times_at_once_and_alike_rids_keep_every_file(dump, monkeypatch, tmp_path):
+    slow_writes(monkeypatch, tmp_path, 0.02)
     hooks.setup_model(make_runner(dump, layers="2,4"))
-    slow_writes(monkeypatch, 0.02)
     same = [Req("dup", 3 + i, i + 1) for i in range(8)]
     alike = [Req(r, 4, 20 + i) for i, r in enumerate(["a/b", "a_b", "a\x00b", "a\\b", "a:b"])]
     run_extend([(r, 0, len(r.origin_input_ids)) for r in same[:4] + alike], IDS)
@@ -135,7 +135,7 @@ def test_missing_directory_refuses_start_and_vanishing_directory_fails_requests(
         run_extend([(req, 0, 4)], IDS)
         meta = finish(req)
         assert "hidden_states_path" not in meta and "FileNotFoundError" in meta["hidden_states_error"]
-        assert hooks._DUMPER.writer.budget.in_use == 0
+        assert idle()["host_bytes_in_use"] == 0
         assert not d.exists()
     finally:
         _teardown()
@@ -181,9 +181,8 @@ def _check_full(d, reqs):
     assert any(ok) and not all(ok), "the filesystem should fill up part-way"
     errors = [m["hidden_states_error"] for r, m in reqs if "hidden_states_error" in m]
     assert any("No space left on device" in e for e in errors), errors
-    assert leftovers(d) == []
-    assert hooks._DUMPER.writer.budget.in_use == 0
-    snap = hooks._DUMPER.writer.snapshot()
+    snap = idle()
+    assert leftovers(d) == [] and snap["host_bytes_in_use"] == 0
     assert snap["files_written"] == sum(ok) and snap["failures"] == len(reqs) - sum(ok)
     # Space freed: the next request is written again.
     for r, m in reqs:
@@ -205,24 +204,33 @@ def test_full_filesystem_real_tmpfs(tmp_path):
         umount(d)
 
 
-def test_full_filesystem_injected_enospc(dump, monkeypatch):
-    import safetensors.torch
+# The writer process's writes fail once the dump directory holds more than $DISK_BYTES (a
+# small disk), after a partial write, as a real full filesystem does.
+SMALL_DISK = """
+    import errno, os
+    from sglang_ext import format as fmt
+    _real, _dir, _cap = fmt.pwrite_all, os.environ["DISK_DIR"], int(os.environ["DISK_BYTES"])
+    def _used():
+        total = 0
+        for n in os.listdir(_dir):
+            try:
+                total += os.lstat(os.path.join(_dir, n)).st_size
+            except FileNotFoundError:
+                pass
+        return total
+    def _pwrite(fd, data, offset):
+        n = memoryview(data).nbytes
+        if _used() + n > _cap:
+            _real(fd, b"\\0" * min(n, 4096), offset)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return _real(fd, data, offset)
+    fmt.pwrite_all = _pwrite
+"""
 
-    real, budget = safetensors.torch.save_file, {"left": 1 << 20}
 
-    def save_until_full(tensors, path, metadata=None):
-        size = sum(t.numel() * t.element_size() for t in tensors.values()) + 1024
-        if size > budget["left"]:
-            with open(path, "wb") as f:  # a partial temporary file, then ENOSPC
-                f.write(b"\0" * 4096)
-            raise OSError(28, "No space left on device")
-        budget["left"] -= size
-        real(tensors, path, metadata=metadata)
-
-    monkeypatch.setattr(safetensors.torch, "save_file", save_until_full)
-    reqs = _fill_up(dump)
-    budget["left"] = 1 << 20
-    _check_full(dump, reqs)
+def test_full_filesystem_injected_enospc(dump, monkeypatch, tmp_path):
+    inject_writer(monkeypatch, tmp_path, SMALL_DISK, DISK_DIR=str(dump), DISK_BYTES=str(1 << 20))
+    _check_full(dump, _fill_up(dump))
 
 
 def test_directory_swapped_for_a_symlink_while_running(tmp_path):
@@ -275,20 +283,19 @@ def test_symlinks_planted_at_every_name_are_never_followed(dump, tmp_path):
     assert victim.read_text() == "keep me"
     # The file itself is complete; the refused index line is logged and counted.
     assert torch.equal(fmt.load(meta2["hidden_states_path"]).hidden_states, reference(req2, IDS))
-    assert hooks._DUMPER.writer.snapshot()["failures"] == 1
+    assert idle()["failures"] == 1
     assert [n for n in leftovers(dump) if not os.path.islink(dump / n)] == []
 
 
 # ---- clients that leave; aborted requests ------------------------------------------------
-def test_request_dropped_between_chunks_gives_its_buffer_back(dump):
+def test_request_dropped_between_chunks_leaves_nothing(dump):
     hooks.setup_model(make_runner(dump, layers="2,4"))
     req = Req("left", 8, 1)
     run_extend([(req, 0, 4)], IDS)  # first chunk, then SGLang drops the request
-    assert hooks._DUMPER.writer.budget.in_use > 0
+    assert idle()["host_bytes_in_use"] == 0
     del req
     gc.collect()
-    assert hooks._DUMPER.writer.budget.in_use == 0
-    assert os.listdir(dump) == []
+    assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
 
 
 def test_aborted_mid_prefill_in_a_mixed_batch(dump):
@@ -299,13 +306,14 @@ def test_aborted_mid_prefill_in_a_mixed_batch(dump):
     run_extend([(gone, 4, 8), (stays, 4, 8)], IDS)
     assert gone.customized_info is None
     assert assert_complete_or_error(stays, finish(stays), dump)
-    assert hooks._DUMPER.writer.budget.in_use == 0
+    assert idle()["host_bytes_in_use"] == 0
+    assert wait_for(lambda: leftovers(dump) == [])
     assert [n for n in os.listdir(dump) if n.endswith(fmt.SUFFIX)] == [f"{fmt.safe_stem('stays')}{fmt.SUFFIX}"]
 
 
-def test_finished_request_whose_client_left_gets_a_complete_file(dump, monkeypatch):
+def test_finished_request_whose_client_left_gets_a_complete_file(dump, monkeypatch, tmp_path):
+    slow_writes(monkeypatch, tmp_path, 0.2)
     hooks.setup_model(make_runner(dump, layers="2,4"))
-    slow_writes(monkeypatch, 0.2)
     req = Req("orphan", 6, 1)
     run_extend([(req, 0, 6)], IDS)
     req.aborted = True  # the client disconnects while the file is being written
@@ -320,26 +328,41 @@ def test_finished_request_whose_client_left_gets_a_complete_file(dump, monkeypat
 
 
 # ---- a burst under backpressure ----------------------------------------------------------
-def slow_writes(monkeypatch, seconds, fail_every=0):
-    real, count = fmt.write_reserved, {"n": 0}
-    lock = threading.Lock()
-
-    def slow(res, hs, ids, meta):
-        time.sleep(seconds)
-        with lock:
-            count["n"] += 1
-            n = count["n"]
-        if fail_every and n % fail_every == 0:
+# The writer process sleeps $SLOW_S in each row write (SLOW_AT=rows) or before each rename
+# (SLOW_AT=publish), and every $FAIL_EVERY-th rename fails as on a full disk.
+SLOW = """
+    import os, threading, time
+    from sglang_ext import format as fmt
+    _s, _at, _every = float(os.environ["SLOW_S"]), os.environ["SLOW_AT"], int(os.environ["FAIL_EVERY"])
+    _lock, _n = threading.Lock(), [0]
+    _pwrite, _publish = fmt.pwrite_all, fmt.publish
+    def pwrite_all(fd, data, offset):
+        if _at == "rows":
+            time.sleep(_s)
+        return _pwrite(fd, data, offset)
+    def publish(*a):
+        if _at == "publish":
+            time.sleep(_s)
+        with _lock:
+            _n[0] += 1
+            n = _n[0]
+        if _every and n % _every == 0:
             raise OSError(28, "No space left on device")
-        return real(res, hs, ids, meta)
+        return _publish(*a)
+    fmt.pwrite_all, fmt.publish = pwrite_all, publish
+"""
 
-    monkeypatch.setattr(fmt, "write_reserved", slow)
+
+def slow_writes(monkeypatch, tmp_path, seconds, fail_every=0, at="publish"):
+    """Make writer processes started from now on slow (and failing every Nth file)."""
+    inject_writer(monkeypatch, tmp_path, SLOW, SLOW_S=str(seconds), SLOW_AT=at,
+                  FAIL_EVERY=str(fail_every))
 
 
-def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch):
+def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch, tmp_path):
     monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "4")
+    slow_writes(monkeypatch, tmp_path, 0.004, fail_every=97, at="rows")
     hooks.setup_model(make_runner(dump, layers="2,4", max_mb=1))
-    slow_writes(monkeypatch, 0.01, fail_every=97)
     rng = random.Random(8)
     reqs = [Req(f"burst-{i}", rng.randrange(16, 256), i + 1) for i in range(1000)]
     pending, done = list(reqs), []
@@ -354,12 +377,11 @@ def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch):
         if rest:
             run_extend(rest, IDS)
         done += batch
-    writer = hooks._DUMPER.writer
-    assert writer.budget.peak <= writer.budget.cap == 1 << 20
-    assert writer.budget.waits > 0, "the burst should have hit the cap"
     outcomes = [assert_complete_or_error(r, finish(r), dump) for r in done]
     assert len(outcomes) == 1000 and sum(outcomes) == 1000 - 1000 // 97
-    snap = writer.snapshot()
+    snap = idle()
+    assert snap["host_bytes_peak"] <= snap["arena_bytes"] == 1 << 20
+    assert snap["backpressure_waits"] > 0, "the burst should have hit the cap"
     assert snap["files_written"] == sum(outcomes) and snap["failures"] == 1000 // 97
     assert snap["queue_depth"] == 0 and snap["host_bytes_in_use"] == 0
     assert len(fmt.read_index(str(dump))) == sum(outcomes)
@@ -368,29 +390,22 @@ def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch):
 
 # ---- shutdown: SIGTERM / SIGKILL with writes in flight -----------------------------------
 CHILD = textwrap.dedent(r"""
-    import os, sys, time, torch
-    import safetensors.torch
+    import os, sys, torch
     from sglang_ext import format as fmt
+    from sglang_ext.config import env_settings
     from sglang_ext.writer import DumpWriter
 
-    d, n, write_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    real = safetensors.torch.save_file
-
-    def slow_save(tensors, path, metadata=None):
-        with open(path, "wb") as f:  # a partial temporary file for a while
-            f.write(b"\0" * 1000)
-        time.sleep(write_s)
-        real(tensors, path, metadata=metadata)
-
-    safetensors.torch.save_file = slow_save
+    d, n = sys.argv[1], int(sys.argv[2])
     fd = fmt.open_dump_dir(d)
     fmt.clean_stale(fd)
-    w = DumpWriter(fd, max_host_bytes=1 << 30, threads=2)
+    w = DumpWriter(fd, arena_bytes=1 << 24, threads=2, layer_ids=[2, 4], num_layers=4,
+                   drain_timeout_s=env_settings()["drain_timeout_s"])
     for i in range(n):
-        p = w.start(f"r{i}", 4, 8, torch.float32)
-        w.copy_rows(p, torch.full((4, 8), float(i)))
-        w.submit(p, fmt.reserve(fd, f"r{i}"), [1, 2, 3, 4], 2, {"rid": f"r{i}"})
-    print("READY", flush=True)
+        p = w.start(f"r{i}", [1, 2, 3, 4], 8, torch.float32)
+        w.copy_rows(torch.full((4, 8), float(i)), [(p, 0, 4)])
+        w.finish(p, fmt.reserve(fd, f"r{i}"))
+    w.flush()
+    print("READY", w.pid, flush=True)
     # The scheduler's event loop: it ends on ShutdownReq (here: a line on stdin), after
     # which run_scheduler_process returns and the process exits through sys.exit.
     sys.stdin.readline()
@@ -398,13 +413,29 @@ CHILD = textwrap.dedent(r"""
 """)
 
 
-def run_child(d, n, write_s, drain_s):
+def run_child(d, n, write_s, drain_s, monkeypatch, tmp_path):
+    """A scheduler stand-in with ``n`` files queued to a writer whose renames take
+    ``write_s`` s; returns (process, writer pid)."""
+    slow_writes(monkeypatch, tmp_path, write_s)
     env = dict(os.environ, KIMI_SGLANG_DRAIN_TIMEOUT_S=str(drain_s))
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(d), str(n), str(write_s)],
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(d), str(n)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
-    assert proc.stdout.readline().strip() == "READY"
-    return proc
+    ready, pid = proc.stdout.readline().split()
+    assert ready == "READY"
+    return proc, int(pid)
+
+
+def gone(pid, timeout=30):
+    """True once process ``pid`` has exited (no orphan left behind)."""
+    def dead():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as f:  # a zombie not yet reaped counts as gone
+            return f.read().split(")")[-1].split()[0] == "Z"
+    return wait_for(dead, timeout)
 
 
 def check_dir_after_exit(d):
@@ -417,55 +448,76 @@ def check_dir_after_exit(d):
     return files, errors, leftovers(d)
 
 
-def test_shutdown_drains_queued_writes_within_the_deadline(dump):
-    proc = run_child(dump, n=6, write_s=0.3, drain_s=30)
+def test_shutdown_drains_queued_writes_within_the_deadline(dump, monkeypatch, tmp_path):
+    proc, writer_pid = run_child(dump, 6, 0.3, 30, monkeypatch, tmp_path)
     t0 = time.monotonic()
     proc.communicate("shutdown\n", timeout=60)
     assert proc.returncode == 0
     assert time.monotonic() - t0 < 10
     files, errors, left = check_dir_after_exit(dump)
     assert len(files) == 6 and errors == [] and left == []
+    assert gone(writer_pid)
 
 
-def test_shutdown_past_the_deadline_leaves_only_temporaries_cleaned_at_restart(dump):
-    proc = run_child(dump, n=6, write_s=30, drain_s=0.5)
+def test_shutdown_past_the_deadline_fails_what_is_left_and_leaves_nothing(dump, monkeypatch, tmp_path):
+    proc, writer_pid = run_child(dump, 6, 30, 0.5, monkeypatch, tmp_path)
     t0 = time.monotonic()
     _, err = proc.communicate("shutdown\n", timeout=60)
     assert proc.returncode == 0
     assert time.monotonic() - t0 < 10, "exit must not wait for writes past the deadline"
     assert "still running after" in err
     files, errors, left = check_dir_after_exit(dump)
-    # 2 writer threads were mid-write: their temporaries and locks remain; the 4 queued
-    # writes were failed with an .error file (their waiters get the message).
-    assert files == [] and len(errors) == 4
-    assert len([n for n in left if n.endswith(fmt.LOCK_SUFFIX)]) == 2
-    assert any(n.endswith(fmt.TMP_SUFFIX) for n in left)
-    fd = fmt.open_dump_dir(str(dump))
-    try:
-        removed = fmt.clean_stale(fd)
-    finally:
-        os.close(fd)
-    assert removed["lock"] == 2 and removed["tmp"] >= 1
-    assert leftovers(dump) == []
+    # 2 writer threads were mid-write and 4 writes were queued: all 6 fail with an .error
+    # file (their waiters get the message); the writer process is gone, and the scheduler
+    # removed its temporary files and locks.
+    assert files == [] and len(errors) == 6 and left == []
+    assert all(writer_process.SHUTDOWN_MESSAGE in (dump / e).read_text() for e in errors)
+    assert gone(writer_pid)
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_signal_to_the_writing_process_mid_write(dump, sig):
+def test_scheduler_killed_mid_write_the_writer_finishes_and_exits(dump, sig, monkeypatch, tmp_path):
     # SGLang's scheduler keeps the default SIGTERM action (it is stopped by ShutdownReq,
-    # and SIGKILLed by kill_process_tree or PR_SET_PDEATHSIG): either signal ends it
-    # at once. Only temporaries and locks may remain; the next start removes them.
+    # and SIGKILLed by kill_process_tree or PR_SET_PDEATHSIG): either signal ends it at
+    # once. Its writer process sees the socket close, writes what it was sent (within the
+    # drain timeout) and exits: no orphan, no partial file under a final name.
     import signal
 
-    proc = run_child(dump, n=4, write_s=0.4, drain_s=30)
+    proc, writer_pid = run_child(dump, 4, 0.4, 30, monkeypatch, tmp_path)
     time.sleep(0.6)  # the first two writes are done, the next two are running
     proc.send_signal(getattr(signal, sig))
     proc.communicate(timeout=30)
+    assert gone(writer_pid)
     files, errors, left = check_dir_after_exit(dump)
-    assert errors == [] and len(files) + len([n for n in left if n.endswith(fmt.LOCK_SUFFIX)]) == 4
-    proc = run_child(dump, n=0, write_s=0, drain_s=1)  # the restart: clean_stale at start-up
-    proc.communicate("shutdown\n", timeout=60)
-    assert leftovers(dump) == []
-    assert all(fmt.load(str(dump / n)) for n in files)
+    assert len(files) == 4 and errors == [] and left == []
+
+
+def test_writer_killed_mid_burst_fails_its_files_and_a_new_writer_serves(dump, monkeypatch, tmp_path):
+    """SIGKILL to the writer process: the files it had not finished get an error in their
+    responses (and an .error file), requests still in prefill fail at their next chunk,
+    nothing partial stays, and a new writer process writes the next requests."""
+    import signal
+
+    slow_writes(monkeypatch, tmp_path, 0.5)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    writer = hooks._DUMPER.writer
+    first_pid = writer.pid
+    done = [Req(f"done-{i}", 4, i + 1) for i in range(3)]
+    half = Req("half", 8, 9)
+    run_extend([(r, 0, 4) for r in done] + [(half, 0, 4)], IDS)
+    os.kill(first_pid, signal.SIGKILL)
+    assert gone(first_pid)
+    metas = [finish(r) for r in done]
+    assert all("writer process" in m.get("hidden_states_error", "") or "missing" in m.get("hidden_states_error", "")
+               for m in metas), metas
+    run_extend([(half, 4, 8)], IDS)  # its writer died: the next chunk fails the request
+    assert "writer process died" in finish(half)["hidden_states_error"]
+    assert writer.pid != first_pid and writer.snapshot()["writer_restarts"] == 1
+    after = Req("after", 4, 20)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+    assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
+    assert [n for n in os.listdir(dump) if n.endswith(fmt.SUFFIX)] == [f"{fmt.safe_stem('after')}{fmt.SUFFIX}"]
 
 
 def test_submit_after_close_fails_the_request_cleanly(dump):
@@ -474,44 +526,27 @@ def test_submit_after_close_fails_the_request_cleanly(dump):
     req = Req("late", 4, 1)
     run_extend([(req, 0, 4)], IDS)
     meta = finish(req)
-    assert writer_mod.SHUTDOWN_MESSAGE in meta["hidden_states_error"]
-    assert leftovers(dump) == [] and hooks._DUMPER.writer.budget.in_use == 0
+    assert writer_process.SHUTDOWN_MESSAGE in meta["hidden_states_error"]
+    assert leftovers(dump) == [] and hooks._DUMPER.writer.snapshot()["host_bytes_in_use"] == 0
 
 
-def test_drain_and_stats_intervals_come_from_the_environment(monkeypatch):
+def test_writer_settings_come_from_the_environment_and_bad_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("KIMI_SGLANG_DRAIN_TIMEOUT_S", "2.5")
     monkeypatch.setenv("KIMI_SGLANG_STATS_INTERVAL_S", "0")
-    assert writer_mod.drain_timeout_s() == 2.5 and writer_mod.stats_interval_s() == 0
-    monkeypatch.setenv("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="KIMI_SGLANG_DRAIN_TIMEOUT_S"):
-        writer_mod.drain_timeout_s()
-    monkeypatch.delenv("KIMI_SGLANG_DRAIN_TIMEOUT_S")
-    monkeypatch.delenv("KIMI_SGLANG_STATS_INTERVAL_S")
-    assert writer_mod.drain_timeout_s() == 30 and writer_mod.stats_interval_s() == 60
-
-
-def test_gil_switch_interval_is_set_on_the_writing_rank_only(dump, monkeypatch):
-    sys.setswitchinterval(0.005)  # Python's default
-    before = sys.getswitchinterval()
-    try:
-        hooks.setup_model(make_runner(dump, tp_rank=1))
-        assert sys.getswitchinterval() == pytest.approx(before)  # no writer threads here
-        _teardown()
-        hooks.setup_model(make_runner(dump))
-        assert sys.getswitchinterval() == pytest.approx(0.0002, rel=0.01)
-        _teardown()
-        sys.setswitchinterval(before)
-        monkeypatch.setenv("KIMI_SGLANG_SWITCH_INTERVAL_MS", "0")
-        hooks.setup_model(make_runner(dump))
-        assert sys.getswitchinterval() == pytest.approx(before)
-        monkeypatch.setenv("KIMI_SGLANG_SWITCH_INTERVAL_MS", "-1")
-        with pytest.raises(ValueError, match="KIMI_SGLANG_SWITCH_INTERVAL_MS"):
-            writer_mod.switch_interval_s()
-        monkeypatch.setenv("KIMI_SGLANG_SWITCH_INTERVAL_MS", "soon")
-        with pytest.raises(ValueError, match="number of milliseconds"):
-            writer_mod.switch_interval_s()
-    finally:
-        sys.setswitchinterval(before)
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "3")
+    assert env_settings() == {"writer_threads": 3, "drain_timeout_s": 2.5, "stats_interval_s": 0}
+    for name, value, message in [("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon", "number of seconds"),
+                                 ("KIMI_SGLANG_DRAIN_TIMEOUT_S", "-1", ">= 0"),
+                                 ("KIMI_SGLANG_WRITER_THREADS", "0", ">= 1"),
+                                 ("KIMI_SGLANG_WRITER_THREADS", "2.5", "whole number"),
+                                 ("KIMI_SGLANG_STATS_INTERVAL_S", "nan?", "number")]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(DumpConfigError, match=f"{name}.*{re.escape(message)}"):
+            env_settings()
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("KIMI_SGLANG_DRAIN_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("KIMI_SGLANG_STATS_INTERVAL_S", raising=False)
+    assert env_settings() == {"writer_threads": 8, "drain_timeout_s": 30, "stats_interval_s": 60}
 
 
 # ---- malformed request fields --------------------------------------------------------------
@@ -550,34 +585,44 @@ def test_hostile_but_wellformed_rids_pass_validation_unchanged():
 
 
 # ---- observability -------------------------------------------------------------------------
-def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, caplog):
-    prometheus_client = pytest.importorskip("prometheus_client")
-    registry = prometheus_client.CollectorRegistry()
-    m = dump_metrics.DumpMetrics("tiny", registry=registry)
-    monkeypatch.setattr(dump_metrics, "from_server_args", lambda sa: m)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    slow_writes(monkeypatch, 0.3, fail_every=3)
+def _prometheus(prom_dir):
+    """What SGLang's /metrics serves from a multiprocess directory: {sample line: value}."""
+    out = subprocess.run([sys.executable, "-c", MULTIPROC_HTTP],
+                         env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir)),
+                         check=True, capture_output=True, text=True).stdout
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in out.splitlines()
+            if ln.startswith("kimi_sglang:")}
+
+
+def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, caplog):
+    pytest.importorskip("prometheus_client")
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    slow_writes(monkeypatch, tmp_path, 0.3, fail_every=3)
+    runner = make_runner(dump, layers="2,4")
+    runner.server_args.enable_metrics = True
+    hooks.setup_model(runner)
     reqs = [Req(f"m{i}", 4, i + 1) for i in range(3)]
     run_extend([(r, 0, 4) for r in reqs], IDS)
 
     def value(name):
-        return registry.get_sample_value(f"kimi_sglang:{name}", {"model_name": "tiny"})
+        return _prometheus(prom).get(f'kimi_sglang:{name}{{model_name="/models/tiny"}}')
 
-    assert value("dump_queue_depth") == 3 and value("dump_host_bytes_in_use") == 3 * 4 * 16 * 4
+    assert wait_for(lambda: value("dump_queue_depth") == 3)  # all three being written
     metas = [finish(r) for r in reqs]
     sizes = [os.path.getsize(x["hidden_states_path"]) for x in metas if "hidden_states_path" in x]
-    # The counters move just after the lock is released (the writer thread's last steps,
-    # the queue depth last), so a waiter can see the file a moment before them.
-    deadline = time.monotonic() + 5
-    while value("dump_queue_depth") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # The writer process moves the counters just after it releases a lock, so a waiter can
+    # see the file a moment before them.
+    assert wait_for(lambda: value("dump_queue_depth") == 0)
     assert value("dump_files_written_total") == 2 and value("dump_failures_total") == 1
     assert value("dump_bytes_written_total") == sum(sizes)
-    assert value("dump_queue_depth") == 0 and value("dump_host_bytes_in_use") == 0
+    assert value("dump_host_bytes_in_use") == 0
     with caplog.at_level("INFO", logger="sglang_ext.writer"):
         hooks._DUMPER.writer.close(timeout=5)
     [line] = [r.getMessage() for r in caplog.records if "writer closed" in r.getMessage()]
     assert "'files_written': 2" in line and "'failures': 1" in line and "'bytes_written'" in line
+    assert value("dump_queue_depth") is None, "a writer that exited leaves no gauge behind"
 
 
 def test_metrics_only_with_enable_metrics():
@@ -587,15 +632,13 @@ def test_metrics_only_with_enable_metrics():
     assert dump_metrics.from_server_args(sa) is None
 
 
-def test_periodic_counter_log_interval(dump, monkeypatch, caplog):
+def test_periodic_counter_log_interval(dump, monkeypatch, capfd):
     monkeypatch.setenv("KIMI_SGLANG_STATS_INTERVAL_S", "0.000001")
     hooks.setup_model(make_runner(dump, layers="2,4"))
-    with caplog.at_level("INFO", logger="sglang_ext.writer"):
-        req = Req("log", 4, 1)
-        run_extend([(req, 0, 4)], IDS)
-        finish(req)
-        time.sleep(0.05)
-    assert any("'files_written': 1" in r.getMessage() for r in caplog.records)
+    req = Req("log", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    finish(req)
+    assert wait_for(lambda: "'files_written': 1" in capfd.readouterr().err, timeout=5)
 
 
 MULTIPROC_SCHEDULER = textwrap.dedent(r"""
@@ -604,10 +647,14 @@ MULTIPROC_SCHEDULER = textwrap.dedent(r"""
     from sglang_ext.writer import DumpWriter
     sa = types.SimpleNamespace(enable_metrics=True, model_path="/models/tiny", served_model_name=None)
     fd = fmt.open_dump_dir(sys.argv[1])
-    w = DumpWriter(fd, max_host_bytes=1 << 20, threads=1, metrics=metrics.from_server_args(sa))
-    p = w.start("r", 4, 8, torch.float32)
-    w.copy_rows(p, torch.zeros(4, 8))
-    w.submit(p, fmt.reserve(fd, "r"), [1, 2, 3, 4], 2, {"rid": "r"})
+    w = DumpWriter(fd, arena_bytes=1 << 20, threads=1, layer_ids=[2, 4], num_layers=4,
+                   metrics_model_name=metrics.model_name(sa))
+    p = w.start("r", [1, 2, 3, 4], 8, torch.float32)
+    w.copy_rows(torch.zeros(4, 8), [(p, 0, 4)])
+    w.finish(p, fmt.reserve(fd, "r"))
+    assert w.wait_idle(10)
+    print(w.pid, flush=True)
+    sys.stdin.readline()  # hold on while the test reads /metrics
     assert w.close(10)
 """)
 
@@ -619,28 +666,25 @@ MULTIPROC_HTTP = textwrap.dedent(r"""
 """)
 
 
-def test_metrics_from_the_scheduler_process_reach_sglangs_multiprocess_registry(dump, tmp_path):
+def test_metrics_from_the_writer_process_reach_sglangs_multiprocess_registry(dump, tmp_path):
     pytest.importorskip("prometheus_client")
     prom = tmp_path / "prom"
     prom.mkdir()
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom))
-    subprocess.run([sys.executable, "-c", MULTIPROC_SCHEDULER, str(dump)], env=env, check=True)
-    out = subprocess.run([sys.executable, "-c", MULTIPROC_HTTP], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    sched = subprocess.Popen([sys.executable, "-c", MULTIPROC_SCHEDULER, str(dump)], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    writer_pid = int(sched.stdout.readline())
     size = os.path.getsize(dump / f"{fmt.safe_stem('r')}{fmt.SUFFIX}")
-    assert 'kimi_sglang:dump_files_written_total{model_name="/models/tiny"} 1.0' in out
-    assert f'kimi_sglang:dump_bytes_written_total{{model_name="/models/tiny"}} {float(size)}' in out
-    assert 'kimi_sglang:dump_queue_depth{model_name="/models/tiny"} 0.0' in out
-    assert 'kimi_sglang:dump_host_bytes_in_use{model_name="/models/tiny"} 0.0' in out
-    assert json.dumps("kimi_sglang:dump_failures_total")[1:-1] in out
-
-
-def test_pinned_block_bytes_is_the_next_power_of_two():
-    assert [writer_mod.pinned_block_bytes(n) for n in (1, 2, 3, 4096, 4097)] == [1, 2, 4, 4096, 8192]
-    mib = 1 << 20
-    assert writer_mod.pinned_block_bytes(96 * mib) == 128 * mib  # a 3k-token llama-mid file
-    assert writer_mod.pinned_block_bytes(256 * mib) == 256 * mib
-    assert writer_mod.pinned_pool() is None or "bytes" in writer_mod.pinned_pool()
+    label = '{model_name="/models/tiny"}'
+    assert wait_for(lambda: _prometheus(prom).get(f"kimi_sglang:dump_files_written_total{label}") == 1.0)
+    values = _prometheus(prom)
+    assert values[f"kimi_sglang:dump_bytes_written_total{label}"] == float(size)
+    assert values[f"kimi_sglang:dump_queue_depth{label}"] == 0.0
+    assert values[f"kimi_sglang:dump_host_bytes_in_use{label}"] == 0.0
+    assert values[f"kimi_sglang:dump_failures_total{label}"] == 0.0
+    assert any(f"_{writer_pid}.db" in n for n in os.listdir(prom)), "written by the writer process"
+    sched.communicate("done\n", timeout=30)
+    assert sched.returncode == 0
 
 
 MULTIPROC_LEVELS = textwrap.dedent(r"""

@@ -162,15 +162,14 @@ def test_directory_swapped_for_symlink_after_open(tmp_path):
 def test_failed_write_leaves_no_final_and_no_tmp(dump_dir, monkeypatch):
     d, fd = dump_dir
     res = fmt.reserve(fd, "r")
-    import safetensors.torch
+    real = fmt.pwrite_all
 
-    def boom(*a, **k):
-        # A partial file, then the disk fills up.
-        with open(a[1], "wb") as f:
-            f.write(b"partial")
+    def boom(fd_, data, offset):
+        # A partial write, then the disk fills up.
+        real(fd_, b"partial", offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(fmt, "pwrite_all", boom)
     with pytest.raises(OSError):
         fmt.write_reserved(res, *_tensors(), {"rid": "r"})
     fmt.fail(res, "OSError: No space left on device")

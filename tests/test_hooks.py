@@ -11,6 +11,7 @@ import asyncio
 import gc
 import json
 import os
+import textwrap
 import threading
 import time
 import types
@@ -20,7 +21,6 @@ import torch
 
 from sglang_ext import format as fmt
 from sglang_ext import hooks
-from sglang_ext import writer as writer_mod
 from sglang_ext.config import DumpConfig, DumpConfigError
 
 HIDDEN = 8
@@ -119,6 +119,55 @@ def dump(tmp_path):
     hooks._DUMPER = None
 
 
+def inject_writer(monkeypatch, tmp_path, code, **env):
+    """Run ``code`` at the start of every writer process started from now on (as a
+    ``sitecustomize`` module on its PYTHONPATH, which it inherits): how a test makes the
+    writer process slow or fail. ``env``: more variables for it (``str`` values)."""
+    d = tmp_path / "writer-inject"
+    d.mkdir(exist_ok=True)
+    (d / "sitecustomize.py").write_text(textwrap.dedent(code))
+    monkeypatch.setenv("PYTHONPATH", str(d) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+# The writer process's rename to the final name fails as on a full disk.
+PUBLISH_FAILS = """
+    from sglang_ext import format as fmt
+    def _full(*a, **k):
+        raise OSError(28, "No space left on device")
+    fmt.publish = _full
+"""
+
+# The writer process waits before each rename until the file $GATE exists.
+PUBLISH_GATED = """
+    import os, time
+    from sglang_ext import format as fmt
+    _real = fmt.publish
+    def _gated(*a, **k):
+        while not os.path.exists(os.environ["GATE"]):
+            time.sleep(0.01)
+        return _real(*a, **k)
+    fmt.publish = _gated
+"""
+
+
+def idle(timeout=10):
+    """Wait until the writer process has acknowledged everything; its counters."""
+    w = hooks._DUMPER.writer
+    assert w.wait_idle(timeout), "the writer process did not catch up"
+    return w.snapshot()
+
+
+def wait_for(cond, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def finish(req, timeout=10):
     """What the tokenizer manager does before answering: returns meta_info."""
     meta = dict(req.customized_info or {})
@@ -197,15 +246,17 @@ def test_other_tp_ranks_copy_and_write_nothing(dump):
     assert os.listdir(dump) == []
 
 
-def test_aborted_request_releases_its_buffer_and_writes_nothing(dump):
+def test_aborted_request_drops_its_temporary_file_and_writes_nothing(dump):
     hooks.setup_model(make_runner(dump, layers="2,4"))
     req = Req("gone", 8, 1)
     run_extend([(req, 0, 4)], [2, 4])
-    assert hooks._DUMPER.writer.budget.in_use > 0
+    # The first chunk is in the writer's temporary file already, out of the arena.
+    assert idle()["host_bytes_in_use"] == 0
+    assert [n for n in os.listdir(dump) if n.endswith(fmt.TMP_SUFFIX)]
     req.aborted = True
     run_extend([(req, 4, 8)], [2, 4])
-    assert hooks._DUMPER.writer.budget.in_use == 0
-    assert os.listdir(dump) == []
+    assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
+    assert req.customized_info is None
 
 
 def test_prefix_reuse_gives_an_error_not_a_short_file(dump):
@@ -230,16 +281,12 @@ def test_retracted_mid_prefill_starts_over(dump):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_failed_write_reaches_the_response(dump, monkeypatch, early):
+def test_failed_write_reaches_the_response(dump, monkeypatch, tmp_path, early):
     """Waiting: the response carries hidden_states_error and no path. Answered early
     (custom_params hidden_states_wait=false): the path with hidden_states_pending, and the
     error reaches the client through <path>.error when the lock goes (format.wait_complete)."""
+    inject_writer(monkeypatch, tmp_path, PUBLISH_FAILS)
     hooks.setup_model(make_runner(dump, layers="2,4"))
-
-    def disk_full(*a, **k):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(fmt, "write_reserved", disk_full)
     req = Req("full", 4, 1)
     if early:
         req.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
@@ -252,7 +299,7 @@ def test_failed_write_reaches_the_response(dump, monkeypatch, early):
         assert "No space left on device" in meta["hidden_states_error"]
         assert "hidden_states_path" not in meta
     assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
-    assert hooks._DUMPER.writer.snapshot()["failures"] == 1
+    assert idle()["failures"] == 1
 
 
 def test_decode_batches_are_ignored_and_capture_mode(dump):
@@ -315,11 +362,17 @@ def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch):
         assert f["rows"] == (10 if rid == "a" else 3)
         assert r["error"] is None and r["t_meta"] <= r["t_done"]
         assert f["t_released"] <= r["t_done"]  # the response waited for the file
-    monkeypatch.delenv(trace.ENV)
+    monkeypatch.delenv(trace.ENV)  # a server started without the variable
+    hooks._DUMPER.writer.close(timeout=10)
+    os.close(hooks._DUMPER.dir_fd)
+    hooks._DUMPER = None
+    recorded = len(path.read_text().splitlines())
+    hooks.setup_model(make_runner(dump, layers="2,4,8"))
     c = Req("c", 2, 3)
     run_extend([(c, 0, 2)], [2, 4, 8])
     finish(c)
-    assert len(path.read_text().splitlines()) == len(lines), "tracing off: nothing recorded"
+    idle()
+    assert len(path.read_text().splitlines()) == recorded, "tracing off: nothing recorded"
 
 
 def test_trace_to_a_path_that_cannot_be_opened_is_silent(tmp_path, monkeypatch):
@@ -335,19 +388,13 @@ def test_trace_to_a_path_that_cannot_be_opened_is_silent(tmp_path, monkeypatch):
     assert not (tmp_path / "missing-dir").exists()
 
 
-def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeypatch):
+def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeypatch, tmp_path):
     """custom_params hidden_states_wait=false: the response comes while the writer still
     holds <path>.lock, says hidden_states_pending, and the file is complete once the lock
     is gone (format.wait_complete). Default requests still wait."""
+    gate = tmp_path / "gate"
+    inject_writer(monkeypatch, tmp_path, PUBLISH_GATED, GATE=str(gate))
     hooks.setup_model(make_runner(dump, layers="2,4"))
-    gate = threading.Event()
-    real = fmt.write_reserved
-
-    def slow(*a, **k):
-        gate.wait(10)
-        return real(*a, **k)
-
-    monkeypatch.setattr(fmt, "write_reserved", slow)
     early, normal = Req("early", 5, 1), Req("normal", 3, 2)
     early.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
     normal.sampling_params = types.SimpleNamespace(custom_params={"other": 1})
@@ -356,7 +403,7 @@ def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeyp
     path = meta["hidden_states_path"]
     assert meta["hidden_states_pending"] is True
     assert os.path.exists(path + fmt.LOCK_SUFFIX) and not os.path.exists(path)
-    gate.set()
+    gate.touch()
     assert fmt.wait_complete(path, timeout=10) is None
     assert torch.equal(fmt.load(path).hidden_states, reference(early, [2, 4]))
     meta_n = finish(normal)
@@ -425,61 +472,41 @@ def test_plain_request_padded_with_pending_none_still_waits_for_its_file(dump):
     os.close(fd)
 
 
-def test_dropped_request_in_a_reference_cycle_gives_its_buffer_back_under_backpressure(dump):
-    """SGLang's Req.__init__ stores the Req in its own custom_params["__req__"] (every early
-    request has custom_params), so a request dropped between prefill chunks is freed only by
-    the cycle collector. With the budget exhausted by such a buffer, the next request must
-    not block the scheduler thread for good: the writer collects before it waits."""
+def test_a_dropped_request_holds_no_arena_memory(dump):
+    """SGLang's Req.__init__ stores the Req in its own custom_params["__req__"], so a request
+    dropped between prefill chunks is freed only by the cycle collector. Its rows are in
+    the writer's temporary file already, not in the arena: the next request, which needs
+    most of the arena, goes through without any collection; the temporary file goes when
+    the cycle is collected."""
     hooks.setup_model(make_runner(dump, layers="2,4", max_mb=1))
-    n = (1 << 20) // (2 * HIDDEN * 4) * 3 // 4  # float32 rows: 3/4 of the 1 MiB budget
+    n = (1 << 20) // (2 * HIDDEN * 4) * 3 // 4  # float32 rows: 3/4 of the 1 MiB arena
     gc.disable()
     try:
         a = Req("cyclic", n, 1)
         a.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
         a.sampling_params.custom_params["__req__"] = a
         run_extend([(a, 0, n // 2)], [2, 4])  # its first chunk; then SGLang drops it
-        assert hooks._DUMPER.writer.budget.in_use > 0
         del a
         b = Req("next", n, 2)
         t = threading.Thread(target=run_extend, args=([(b, 0, n)], [2, 4]), daemon=True)
         t.start()
         t.join(10)
-        assert not t.is_alive(), "the scheduler thread stayed blocked on the host budget"
+        assert not t.is_alive(), "the scheduler thread stayed blocked on the arena"
+        assert torch.equal(fmt.load(finish(b)["hidden_states_path"]).hidden_states, reference(b, [2, 4]))
+        assert [n for n in os.listdir(dump) if n.endswith(fmt.TMP_SUFFIX)]  # a's, until collected
     finally:
         gc.enable()
-    assert torch.equal(fmt.load(finish(b)["hidden_states_path"]).hidden_states, reference(b, [2, 4]))
+    gc.collect()
+    assert wait_for(lambda: not [n for n in os.listdir(dump) if n.endswith(fmt.TMP_SUFFIX)])
 
 
-@pytest.mark.parametrize("ids", [[5], [0, 1, 2**40, 2**63 - 1, 151643], list(range(9000)), []])
-def test_token_ids_tensor_is_int64_of_the_same_values(ids):
-    t = writer_mod.token_ids_tensor(ids)
-    assert t.dtype == torch.int64 and t.shape == (len(ids),)
-    assert t.tolist() == ids
-
-
-def test_token_ids_tensor_refuses_what_is_not_an_int64():
-    with pytest.raises(OverflowError):
-        writer_mod.token_ids_tensor([2**63])
-    with pytest.raises(TypeError):
-        writer_mod.token_ids_tensor([1.5])
-
-
-def test_a_long_budget_wait_counts_once(tmp_path):
-    """A wait that outlasts GC_AFTER_WAIT_S (collect cycles, then wait on) is one
-    backpressure wait in the counters, not two."""
-    fd = fmt.open_dump_dir(str(tmp_path))
-    w = writer_mod.DumpWriter(fd, max_host_bytes=1000, threads=1, register_atexit=False)
-    try:
-        first = w.start("a", 100, 2, torch.float32)  # 800 of 1000 bytes
-        done = threading.Event()
-        t = threading.Thread(target=lambda: (w.start("b", 100, 2, torch.float32), done.set()))
-        t.start()
-        time.sleep(writer_mod.GC_AFTER_WAIT_S + 0.3)
-        assert not done.is_set(), "the second buffer must wait for the first"
-        w.abandon(first)
-        t.join(5)
-        assert done.is_set() and w.budget.waits == 1
-        assert w.snapshot()["backpressure_waits"] == 1
-    finally:
-        w.close(timeout=1)
-        os.close(fd)
+def test_token_ids_of_every_int64_value_round_trip_and_others_fail_the_request(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    good, bad = Req("good", 5, 1), Req("bad", 3, 2)
+    good.origin_input_ids = [0, 1, 2**40, 2**63 - 1, -(2**63)]
+    bad.origin_input_ids = [1, 2**63, 3]
+    run_extend([(bad, 0, 3), (good, 0, 5)], [2, 4])
+    assert "OverflowError" in finish(bad)["hidden_states_error"]
+    rec = fmt.load(finish(good)["hidden_states_path"])
+    assert rec.token_ids.dtype == torch.int64 and rec.token_ids.tolist() == good.origin_input_ids
+    assert torch.equal(rec.hidden_states, reference(good, [2, 4]))

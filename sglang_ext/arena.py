@@ -1,0 +1,148 @@
+"""The shared host arena: pinned memory the scheduler copies rows into and the writer
+process writes files from.
+
+One ``memfd`` of ``HEADER_BYTES + size`` bytes, mapped by both processes (the writer
+process gets the descriptor at spawn). On CUDA the scheduler registers the mapping with
+``cudaHostRegister`` once at start-up, so device-to-host copies into it are asynchronous
+DMA like copies into ``pin_memory`` tensors, with no per-request pinned allocation.
+
+The first page holds one int64 at offset 0: the copy sequence number (``SEQ_OFFSET``).
+The scheduler enqueues, on its copy stream after a batch's row copies, a copy of the
+batch's sequence number into it; stream order makes it land only after those rows. The
+writer process reads rows of a batch once it sees that number (``wait_seq``): no CUDA in
+the writer process, no thread in the scheduler waiting for copies.
+
+``Extents`` hands out byte ranges of the arena: the scheduler allocates, the writer
+process says (in its acknowledgements) which ranges it is done with, the scheduler frees
+them. Freed ranges merge with their neighbours.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import struct
+import time
+from typing import List, Optional, Tuple
+
+HEADER_BYTES = 4096
+SEQ_OFFSET = 0
+ALIGN = 512  # every range starts on a 512-byte boundary (DMA- and sector-friendly)
+
+
+class Extents:
+    """Free byte ranges of ``[start, end)``; first fit, merging on free. Not thread-safe
+    (only the scheduler thread uses it)."""
+
+    def __init__(self, start: int, end: int, align: int = ALIGN):
+        if end <= start:
+            raise ValueError(f"empty range [{start}, {end})")
+        self.start, self.end, self.align = start, end, align
+        self._starts: List[int] = [start]
+        self._ends: List[int] = [end]
+        self.in_use = 0
+        self.peak = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.end - self.start
+
+    def alloc(self, want: int, minimum: int) -> Optional[Tuple[int, int]]:
+        """A range of ``want`` bytes (rounded up to ``align``) if one is free, else the
+        largest free range of at least ``minimum`` bytes (rounded up), truncated to a
+        multiple of ``align``; ``None`` when not even ``minimum`` fits. Returns
+        ``(offset, nbytes)``; ``nbytes`` may exceed what was asked by the rounding."""
+        want_r = self._round(want)
+        min_r = self._round(minimum)
+        best = -1
+        for i, (s, e) in enumerate(zip(self._starts, self._ends)):
+            size = e - s
+            if size >= want_r:
+                return self._take(i, want_r)
+            if size >= min_r and (best < 0 or size > self._ends[best] - self._starts[best]):
+                best = i
+        if best < 0:
+            return None
+        size = (self._ends[best] - self._starts[best]) // self.align * self.align
+        return self._take(best, size)
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Give ``[offset, offset + nbytes)`` back; raises ``ValueError`` if any of it is
+        already free or outside the arena."""
+        end = offset + nbytes
+        if nbytes <= 0 or offset < self.start or end > self.end:
+            raise ValueError(f"range [{offset}, {end}) is outside the arena")
+        i = bisect.bisect_right(self._starts, offset)
+        if (i > 0 and self._ends[i - 1] > offset) or (i < len(self._starts) and self._starts[i] < end):
+            raise ValueError(f"range [{offset}, {end}) is already free")
+        self.in_use -= nbytes
+        if i > 0 and self._ends[i - 1] == offset:  # merge with the left neighbour
+            i -= 1
+            self._ends[i] = end
+        else:
+            self._starts.insert(i, offset)
+            self._ends.insert(i, end)
+        if i + 1 < len(self._starts) and self._starts[i + 1] == self._ends[i]:  # and the right
+            self._ends[i] = self._ends.pop(i + 1)
+            self._starts.pop(i + 1)
+
+    def reset(self) -> None:
+        """Everything free again (the writer process that held ranges is gone)."""
+        self._starts, self._ends, self.in_use = [self.start], [self.end], 0
+
+    def _round(self, n: int) -> int:
+        return max(self.align, -(-int(n) // self.align) * self.align)
+
+    def _take(self, i: int, n: int) -> Tuple[int, int]:
+        off = self._starts[i]
+        if self._ends[i] - off == n:
+            self._starts.pop(i)
+            self._ends.pop(i)
+        else:
+            self._starts[i] = off + n
+        self.in_use += n
+        self.peak = max(self.peak, self.in_use)
+        return off, n
+
+
+def create(size: int) -> Tuple[int, mmap.mmap]:
+    """A new arena of ``size`` usable bytes: ``(fd, mapping)``; the descriptor is not
+    inheritable (pass it with ``subprocess.Popen(pass_fds=...)``). Raises ``OSError``."""
+    fd = os.memfd_create("kimi-sglang-arena", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, HEADER_BYTES + int(size))
+        mm = mmap.mmap(fd, HEADER_BYTES + int(size))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mm
+
+
+def attach(fd: int, size: int) -> mmap.mmap:
+    """Map an arena made by ``create`` (in the writer process), read-only."""
+    return mmap.mmap(fd, HEADER_BYTES + int(size), prot=mmap.PROT_READ)
+
+
+def write_seq(mm: mmap.mmap, seq: int) -> None:
+    """Publish ``seq`` from the CPU (when the rows were copied synchronously)."""
+    struct.pack_into("<q", mm, SEQ_OFFSET, seq)
+
+
+def read_seq(mm: mmap.mmap) -> int:
+    return struct.unpack_from("<q", mm, SEQ_OFFSET)[0]
+
+
+def wait_seq(mm: mmap.mmap, seq: int, timeout: float) -> bool:
+    """Wait until the arena's sequence number reaches ``seq``; False after ``timeout`` s.
+    Polls: first after 20 us, backing off to 1 ms (a batch's copies take ~0.1-40 ms)."""
+    if read_seq(mm) >= seq:
+        return True
+    deadline = time.monotonic() + timeout
+    delay = 2e-5
+    while read_seq(mm) < seq:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+    return True

@@ -1,0 +1,115 @@
+"""Messages between the scheduler (``writer.DumpWriter``) and the writer process
+(``writer_process``), over one ``AF_UNIX`` ``SOCK_SEQPACKET`` socket pair.
+
+Scheduler -> writer: ``(seq, ops)``, pickled, with the lock descriptors of the message's
+``FINISH`` ops attached (``SCM_RIGHTS``, in the order of those ops). The writer reads
+arena data of a message only once the arena's sequence number reaches ``seq``
+(``arena.wait_seq``); ``seq`` 0 means "no arena data".
+
+Ops are tuples, first element the kind:
+
+- ``(BEGIN, key, rid, num_tokens, row_width, dtype, piece, token_off, times)``: a
+  request's first rows come; its token ids (int64 ``[num_tokens]``) are at arena offset
+  ``token_off``. ``dtype`` is a torch dtype name (``"bfloat16"``), ``row_width`` the
+  elements of one token's row (``num_layers * hidden_size``).
+- ``(ROWS, key, row0, nrows, piece, off)``: rows ``row0 .. row0 + nrows`` of request
+  ``key`` are at arena offset ``off``.
+- ``(FINISH, key, name, times)``: all rows were sent; write ``name`` (reserved by the
+  scheduler: its lock descriptor rides along) and release it.
+- ``(ABANDON, key)``: the request went away; drop its temporary file, write nothing.
+- ``(CLOSE, timeout_s)``: finish what was received within ``timeout_s``, then exit.
+
+``piece`` ids name arena ranges; a range is given back when every op naming it is done.
+
+Writer -> scheduler (acknowledgements), pickled lists of events:
+``(DONE_PIECE, piece)``, ``(WROTE, key, name, nbytes)``, ``(FAILED, key, name, message)``.
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+import socket
+from typing import Any, List, Sequence, Tuple
+
+BEGIN, ROWS, FINISH, ABANDON, CLOSE = "begin", "rows", "finish", "abandon", "close"
+DONE_PIECE, WROTE, FAILED = "piece", "wrote", "failed"
+
+# One datagram at most: Linux caps a SOCK_SEQPACKET message by the socket's send buffer
+# (net.core.wmem_max, 208 KiB by default); stay well below.
+MAX_MESSAGE = 64 * 1024
+RECV_BYTES = 1 << 20  # larger than any message the kernel lets through
+MAX_FDS = 200  # SCM_MAX_FD is 253
+BUFFER_BYTES = 4 << 20
+
+
+def socket_pair() -> Tuple[socket.socket, socket.socket]:
+    """(scheduler end, writer end); buffers enlarged as far as the host allows."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for s in (a, b):
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                s.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
+            except OSError:
+                pass
+    return a, b
+
+
+def pack(seq: int, ops: Sequence[tuple], fds: Sequence[int]) -> List[Tuple[bytes, List[int]]]:
+    """Split ``ops`` (with the descriptors of their FINISH ops, in order) into messages
+    of at most ``MAX_MESSAGE`` bytes and ``MAX_FDS`` descriptors each."""
+    out: List[Tuple[bytes, List[int]]] = []
+    fd_iter = iter(fds)
+    group: List[tuple] = []
+    group_fds: List[int] = []
+    size = 0
+    for op in ops:
+        blob = _estimate(op)
+        if group and (size + blob > MAX_MESSAGE or (op[0] == FINISH and len(group_fds) >= MAX_FDS)):
+            out.append((pickle.dumps((seq, group), protocol=pickle.HIGHEST_PROTOCOL), group_fds))
+            group, group_fds, size = [], [], 0
+        group.append(op)
+        size += blob
+        if op[0] == FINISH:
+            group_fds.append(next(fd_iter))
+    if group:
+        out.append((pickle.dumps((seq, group), protocol=pickle.HIGHEST_PROTOCOL), group_fds))
+    return out
+
+
+def _estimate(op: tuple) -> int:
+    """An upper bound of ``op``'s pickled size, without pickling it (strings at 4 bytes
+    per character, anything else at 64 bytes a field)."""
+    return sum(4 * len(x) + 16 if isinstance(x, str) else 64 for x in op)
+
+
+def send(sock: socket.socket, blob: bytes, fds: Sequence[int] = ()) -> None:
+    """One message; raises ``OSError`` (``BrokenPipeError`` when the peer is gone)."""
+    if fds:
+        sock.sendmsg([blob], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(blob)
+
+
+def recv(sock: socket.socket, flags: int = 0) -> Tuple[Any, List[int]]:
+    """One message: ``(payload, descriptors)``; ``(None, [])`` when the peer closed.
+    Raises ``BlockingIOError`` for ``MSG_DONTWAIT`` with nothing to read."""
+    fds = array.array("i")
+    data, anc, _, _ = sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * fds.itemsize), flags)
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if not data:
+        for fd in fds:
+            _close_quiet(fd)
+        return None, []
+    return pickle.loads(data), list(fds)
+
+
+def _close_quiet(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass

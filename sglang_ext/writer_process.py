@@ -1,0 +1,483 @@
+"""The writer process: receives ops from one scheduler (``wire``), writes the files.
+
+Started by ``writer.DumpWriter`` on each writing rank as
+``python -m sglang_ext.writer_process`` with the socket, the arena and the dump
+directory passed as descriptors. It imports neither torch nor SGLang and has a GIL of
+its own, so nothing it does (system calls, per-file Python) slows the scheduler loop.
+
+Per request (all names relative to the dump directory's descriptor):
+
+1. ``BEGIN``: create ``.kimi-<tag>-<key>.safetensors.tmp`` exclusively, write the
+   safetensors header (``format.file_layout``: shapes and metadata are known from the
+   first chunk) and the token ids.
+2. ``ROWS``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
+   chunked prefill produces them; the arena range goes back to the scheduler at once,
+   so a prompt longer than the arena streams through it.
+3. ``FINISH``: the lock of the reserved final name arrives with the op (the scheduler
+   created it, ``format.reserve``); rename the temporary file to the final name, append
+   the index line, unlink and release the lock (``format.complete``). Any failure before
+   (``ENOSPC``, a vanished directory) ends as ``format.fail``: ``<name>.error`` and the
+   lock released, so the waiting response carries the message.
+4. ``ABANDON``: the request went away before its last row: unlink the temporary file.
+
+Requests are spread over ``--threads`` writer threads, all ops of one request on the same
+thread (in order). The main thread receives messages, waits for the arena's sequence
+number before handing out ops that read it, and sends the acknowledgements.
+
+Shutdown: on ``CLOSE`` or when the scheduler's end of the socket closes (the scheduler
+exited or was killed), the ops already received are carried out, within ``--drain-timeout``
+seconds (``CLOSE`` carries its own); at the deadline the finishes not yet started fail
+with ``SHUTDOWN_MESSAGE`` and the process exits. A write cut off leaves only its
+temporary file and its lock, which ``format.clean_stale`` removes at the next start;
+never a partial file under a final name. SIGINT is ignored (the server's Ctrl-C reaches
+the scheduler, which closes us); SIGTERM starts the same drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional
+
+from sglang_ext import arena as arena_mod
+from sglang_ext import format as fmt
+from sglang_ext import trace, wire
+
+logger = logging.getLogger("sglang_ext.writer_process")
+
+SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
+TMP_PREFIX = ".kimi-"
+
+
+def tmp_name(tag: str, key: int) -> str:
+    """The temporary file of request ``key`` of writer ``tag`` (``clean_stale`` matches it)."""
+    return f"{TMP_PREFIX}{tag}-{key}{fmt.SUFFIX}{fmt.TMP_SUFFIX}"
+
+
+def row_bytes(row_width: int, dtype: str) -> int:
+    """Bytes of one token's row: ``row_width`` elements of torch dtype ``dtype``."""
+    return int(row_width) * fmt.SAFETENSORS_DTYPES.get(dtype, ("", 0))[1]
+
+
+@dataclass
+class _Job:
+    rid: Any
+    num_tokens: int
+    row_bytes: int = 0
+    fd: Optional[int] = None
+    tmp: str = ""
+    base: int = 0  # file offset of hidden_states row 0
+    size: int = 0
+    rows: int = 0
+    error: Optional[str] = None
+    times: Dict[str, float] = field(default_factory=dict)
+
+
+class Writer:
+    """The file work of one writer process: ``handle(op, fds)`` is called on one writer
+    thread per request; acknowledgements go to ``acks`` (``wire`` events)."""
+
+    def __init__(self, dir_fd: int, mm, *, tag: str, layer_ids, num_layers: int, extra: dict,
+                 acks: Deque[tuple], wake, metrics=None):
+        self.dir_fd = dir_fd
+        self.mm = mm
+        self.view = memoryview(mm)
+        self.tag = tag
+        self.layer_ids = list(layer_ids)
+        self.num_layers = num_layers
+        self.extra = dict(extra)
+        self.acks = acks
+        self.wake = wake
+        self.metrics = metrics  # sglang_ext.metrics.DumpMetrics, or None
+        self.abort = False  # drain deadline passed: fail finishes, skip the rest
+        self.jobs: Dict[int, _Job] = {}
+
+    # ---- ops ----------------------------------------------------------------------
+    def handle(self, op: tuple, fd: Optional[int]) -> None:
+        kind = op[0]
+        if kind == wire.BEGIN:
+            _, key, rid, num_tokens, row_width, dtype, piece, token_off, times = op
+            job = self.jobs[key] = _Job(rid=rid, num_tokens=num_tokens, times=dict(times or {}),
+                                        row_bytes=row_bytes(row_width, dtype))
+            if not self.abort:
+                self._guard(job, self._begin, job, key, row_width, dtype, token_off)
+            self._ack((wire.DONE_PIECE, piece, num_tokens * 8))
+        elif kind == wire.ROWS:
+            _, key, row0, nrows, piece, off = op
+            job = self.jobs.get(key)
+            if job is not None and job.error is None and not self.abort:
+                self._guard(job, self._rows, job, row0, nrows, off)
+            self._ack((wire.DONE_PIECE, piece, nrows * (job.row_bytes if job is not None else 0)))
+        elif kind == wire.FINISH:
+            _, key, name, times = op
+            job = self.jobs.pop(key, None)
+            self._finish(key, job, fmt.Reservation(self.dir_fd, name, fd), times)
+        elif kind == wire.ABANDON:
+            job = self.jobs.pop(op[1], None)
+            if job is not None:
+                self._discard(job)
+
+    def _guard(self, job: _Job, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - the request fails, the writer goes on
+            job.error = f"{type(e).__name__}: {e}"
+            self._discard(job)
+
+    def _begin(self, job: _Job, key: int, row_width: int, dtype: str, token_off: int) -> None:
+        if not isinstance(job.rid, str):
+            raise TypeError(f"rid must be str, got {type(job.rid).__name__}")
+        slots = len(self.layer_ids)
+        if row_width % slots:
+            raise fmt.DumpFormatError(f"row width {row_width} is not {slots} layer slots")
+        metadata = fmt.build_metadata(rid=job.rid, layer_ids=self.layer_ids,
+                                      num_layers=self.num_layers, extra=self.extra)
+        specs = fmt.dump_tensors(job.num_tokens, slots, row_width // slots, dtype)
+        layout = fmt.file_layout(specs, metadata)
+        job.base = layout.offsets[fmt.KEY_HIDDEN_STATES]
+        job.size = layout.size
+        job.tmp = tmp_name(self.tag, key)
+        job.fd = fmt.create_tmp(self.dir_fd, job.tmp)
+        fmt.pwrite_all(job.fd, layout.header, 0)
+        ids = specs[1].nbytes
+        fmt.pwrite_all(job.fd, self.view[token_off:token_off + ids], layout.offsets[fmt.KEY_TOKEN_IDS])
+
+    def _rows(self, job: _Job, row0: int, nrows: int, off: int) -> None:
+        if row0 != job.rows or row0 + nrows > job.num_tokens:
+            raise fmt.DumpFormatError(
+                f"rows {row0}..{row0 + nrows} arrived after {job.rows} of {job.num_tokens}")
+        n = nrows * job.row_bytes
+        fmt.pwrite_all(job.fd, self.view[off:off + n], job.base + row0 * job.row_bytes)
+        job.rows += nrows
+
+    def _finish(self, key: int, job: Optional[_Job], res: fmt.Reservation, times) -> None:
+        t_picked = trace.now()
+        try:
+            if self.abort:
+                raise RuntimeError(SHUTDOWN_MESSAGE)
+            if job is None:
+                raise RuntimeError("the writer process has no rows for this request")
+            if job.error is not None:
+                raise RuntimeError(job.error)
+            if job.rows != job.num_tokens:
+                raise fmt.DumpFormatError(f"{job.rows} of {job.num_tokens} rows captured")
+            os.close(job.fd)
+            job.fd = None
+            t_copied = trace.now()
+            fmt.publish(self.dir_fd, job.tmp, res.name)
+            job.tmp = ""
+            t_written = trace.now()
+            fmt.append_index(self.dir_fd, {
+                "rid": job.rid, "file": res.name, "num_tokens": job.num_tokens,
+                "bytes": job.size, "layer_ids": json.dumps(self.layer_ids),
+            })
+            fmt.complete(res)
+        except Exception as e:  # noqa: BLE001 - reported through .error and the ack
+            message = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+            logger.error("hidden-state dump for rid %r failed: %s",
+                         job.rid if job is not None else key, message)
+            if job is not None:
+                self._discard(job)
+            fmt.fail(res, message)
+            if self.metrics is not None:
+                self.metrics.failed()
+            self._ack((wire.FAILED, key, res.name, message))
+            return
+        if self.metrics is not None:
+            self.metrics.written(job.size)
+        self._ack((wire.WROTE, key, res.name, job.size))
+        if trace.enabled():
+            trace.record("file", name=res.name, bytes=job.size, rows=job.num_tokens,
+                         **dict(job.times, **(times or {})), t_picked=t_picked, t_copied=t_copied,
+                         t_written=t_written, t_released=trace.now())
+
+    def _discard(self, job: _Job) -> None:
+        if job.fd is not None:
+            os.close(job.fd)
+            job.fd = None
+        if job.tmp:
+            try:
+                os.unlink(job.tmp, dir_fd=self.dir_fd)
+            except FileNotFoundError:
+                pass
+            job.tmp = ""
+
+    def discard_all(self) -> None:
+        """Unlink the temporary files of requests that never got their FINISH."""
+        for job in list(self.jobs.values()):
+            self._discard(job)
+        self.jobs.clear()
+
+    def _ack(self, event: tuple) -> None:
+        self.acks.append(event)
+        try:
+            os.write(self.wake, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full: the main thread is already awake
+
+
+class _Thread:
+    """One writer thread with its own queue, so a request's ops run in order."""
+
+    def __init__(self, i: int, writer: Writer):
+        self.writer = writer
+        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"hs-writer-{i}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                self.writer.discard_all()
+                return
+            self.writer.handle(*item)
+
+
+class _Levels:
+    """What the main thread knows of the work in hand: finishes not yet done
+    (``queue_depth``) and arena bytes of ops not yet written (``host_bytes_in_use``), plus
+    the totals; published as gauges and in the periodic log line."""
+
+    def __init__(self, metrics, log_every_s: float):
+        self.metrics = metrics
+        self.queue_depth = 0
+        self.held = 0
+        self.files = self.bytes = self.failures = 0
+        self._row_bytes: Dict[int, int] = {}
+        self._every = log_every_s
+        self._last_log = time.monotonic()
+        self._dirty = True
+
+    def received(self, op: tuple) -> None:
+        kind = op[0]
+        if kind == wire.BEGIN:
+            self._row_bytes[op[1]] = row_bytes(op[4], op[5])
+            self.held += op[3] * 8
+        elif kind == wire.ROWS:
+            self.held += op[3] * self._row_bytes.get(op[1], 0)
+        elif kind == wire.FINISH:
+            self.queue_depth += 1
+            self._row_bytes.pop(op[1], None)
+        elif kind == wire.ABANDON:
+            self._row_bytes.pop(op[1], None)
+        self._dirty = True
+
+    def acked(self, ev: tuple) -> None:
+        if ev[0] == wire.DONE_PIECE:
+            self.held -= ev[2]
+        elif ev[0] == wire.WROTE:
+            self.queue_depth -= 1
+            self.files += 1
+            self.bytes += ev[3]
+        elif ev[0] == wire.FAILED:
+            self.queue_depth -= 1
+            self.failures += 1
+        self._dirty = True
+
+    def publish(self) -> None:
+        if self._dirty and self.metrics is not None:
+            self.metrics.levels(queue_depth=self.queue_depth, host_bytes_in_use=self.held)
+        self._dirty = False
+        if self._every > 0 and time.monotonic() - self._last_log >= self._every:
+            self._last_log = time.monotonic()
+            logger.info("hidden-state dump: %s", self.snapshot())
+
+    def snapshot(self) -> dict:
+        return {"files_written": self.files, "bytes_written": self.bytes,
+                "failures": self.failures, "queue_depth": self.queue_depth,
+                "host_bytes_in_use": self.held}
+
+
+def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer_ids,
+          num_layers: int, extra: dict, drain_timeout: float, metrics=None,
+          stats_interval_s: float = 0.0) -> int:
+    """Receive and carry out ops until CLOSE or the scheduler's end closes; returns the
+    number of writes still running at the drain deadline (0 when all ended)."""
+    acks: Deque[tuple] = deque()
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    workers = [
+        _Thread(i, Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
+                          extra=extra, acks=acks, wake=wake_w, metrics=metrics))
+        for i in range(max(1, threads))
+    ]
+    levels = _Levels(metrics, stats_interval_s)
+    stop = {"timeout": None}
+
+    def on_sigterm(signum, frame):  # drain as for CLOSE
+        stop["timeout"] = drain_timeout
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    out = _Acks(sock, acks, levels)
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    while stop["timeout"] is None:
+        ready = dict(poller.poll(100))
+        if wake_r in ready:
+            _drain_pipe(wake_r)
+        if sock.fileno() in ready:
+            while True:
+                try:
+                    msg, fds = wire.recv(sock, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    msg, fds = None, []
+                if msg is None:  # the scheduler is gone
+                    out.peer_open = False
+                    stop["timeout"] = drain_timeout
+                    break
+                seq, ops = msg
+                if seq and not arena_mod.wait_seq(mm, seq, timeout=600.0):
+                    logger.error("hidden-state dump: rows of copy %d never arrived", seq)
+                fds = iter(fds)
+                for op in ops:
+                    if op[0] == wire.CLOSE:
+                        stop["timeout"] = float(op[1])
+                        continue
+                    fd = next(fds) if op[0] == wire.FINISH else None
+                    levels.received(op)
+                    workers[op[1] % len(workers)].queue.put((op, fd))
+        out.send()
+        levels.publish()
+    # drain: everything received is queued; each thread stops after its queue
+    deadline = time.monotonic() + max(0.0, stop["timeout"])
+    for w in workers:
+        w.queue.put(None)
+    while any(w.thread.is_alive() for w in workers) and time.monotonic() < deadline:
+        out.send()
+        time.sleep(0.005)
+    late = 0
+    if any(w.thread.is_alive() for w in workers):
+        for w in workers:  # fail the finishes not started yet; let running writes end
+            w.writer.abort = True
+            _fail_queued(w)
+        grace = time.monotonic() + 1.0
+        while any(w.thread.is_alive() for w in workers) and time.monotonic() < grace:
+            time.sleep(0.005)
+        late = sum(w.thread.is_alive() for w in workers)
+    out.send(block=True)
+    levels.publish()
+    return late
+
+
+def _fail_queued(w: "_Thread") -> None:
+    """Past the drain deadline: take what ``w`` has not started and fail its finishes."""
+    while True:
+        try:
+            item = w.queue.get_nowait()
+        except queue.Empty:
+            return
+        if item is not None:
+            w.writer.handle(*item)  # abort is set: FINISH fails, the rest is skipped
+
+
+class _Acks:
+    """Sends the writer threads' acknowledgements to the scheduler, never blocking the
+    main thread (what does not fit waits for the next round) except at the very end."""
+
+    def __init__(self, sock: socket.socket, acks: Deque[tuple], levels: _Levels):
+        self.sock, self.acks, self.levels = sock, acks, levels
+        self.unsent: List[tuple] = []
+        self.peer_open = True
+
+    def send(self, block: bool = False) -> None:
+        while self.acks:
+            ev = self.acks.popleft()
+            self.levels.acked(ev)
+            self.unsent.append(ev)
+        if not self.peer_open:
+            self.unsent.clear()
+            return
+        while self.unsent:
+            batch = self.unsent[:2000]
+            blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                if block:
+                    self.sock.settimeout(5.0)
+                    self.sock.send(blob)
+                else:
+                    self.sock.send(blob, socket.MSG_DONTWAIT)
+            except (BlockingIOError, TimeoutError):
+                return
+            except OSError:
+                self.peer_open = False
+                return
+            del self.unsent[:len(batch)]
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def mark_dead(pid: int) -> None:
+    """Drop a writer process's gauges from prometheus_client's multiprocess directory
+    (its counters stay): the server's levels sum over live writers only."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)
+        except Exception:  # noqa: BLE001 - observability must not fail the dump path
+            pass
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sock-fd", type=int, required=True)
+    p.add_argument("--arena-fd", type=int, required=True)
+    p.add_argument("--arena-size", type=int, required=True, help="usable arena bytes")
+    p.add_argument("--dir-fd", type=int, required=True)
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--tag", required=True, help="names this writer's temporary files")
+    p.add_argument("--meta", required=True,
+                   help='JSON {"layer_ids": [...], "num_layers": N, "extra": {...}}')
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--stats-interval", type=float, default=0.0,
+                   help="seconds between counter log lines (0: none)")
+    p.add_argument("--metrics-model-name", default=None,
+                   help="publish Prometheus metrics (sglang_ext.metrics) with this model_name")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="[%(asctime)s kimi-sglang writer] %(message)s")
+    meta = json.loads(args.meta)
+    sock = socket.socket(fileno=args.sock_fd)
+    mm = arena_mod.attach(args.arena_fd, args.arena_size)
+    metrics = None
+    if args.metrics_model_name is not None:
+        from sglang_ext.metrics import DumpMetrics
+
+        metrics = DumpMetrics(args.metrics_model_name)
+    late = serve(sock, mm, args.dir_fd, threads=args.threads, tag=args.tag,
+                 layer_ids=meta["layer_ids"], num_layers=meta["num_layers"],
+                 extra=meta.get("extra", {}), drain_timeout=args.drain_timeout,
+                 metrics=metrics, stats_interval_s=args.stats_interval)
+    if late:
+        logger.warning("%d writes still running at the drain deadline; they leave only "
+                       "temporary files and locks, removed at the next start", late)
+    if metrics is not None:
+        mark_dead(os.getpid())
+    sys.stdout.flush()
+    os._exit(0)  # daemon writer threads may still be inside a write
+
+
+if __name__ == "__main__":
+    sys.exit(main())
