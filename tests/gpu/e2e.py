@@ -315,6 +315,58 @@ def case_client_disconnect(dump_dir, rng, problems, info):
     info["disconnected_files"] = len([n for n in os.listdir(dump_dir) if n.startswith("disconnect-")])
 
 
+def writer_pids():
+    """Pids of the running writer processes (``python -m sglang_ext.writer_process``)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"sglang_ext.writer_process" in f.read():
+                    pids.append(int(d))
+        except (OSError, ValueError):
+            pass
+    return sorted(p for p in pids if p != os.getpid())
+
+
+@fault_case
+def case_writer_killed(dump_dir, rng, problems, info):
+    """SIGKILL to the writer process during a burst of long prompts: every response names
+    a complete file or carries hidden_states_error, no partial file stays, a new writer
+    process is started and the server serves the next requests with files."""
+    before = writer_pids()
+    if len(before) != 1:
+        problems.append(f"expected one writer process, found {before}")
+        return
+    ids = [[rng.randrange(3, 1024) for _ in range(3000)] for _ in range(16)]
+    pool = cf.ThreadPoolExecutor(16)
+    futs = [pool.submit(post, {"input_ids": x, "rid": f"wkill-{i}",
+                               "sampling_params": {"max_new_tokens": 1}}, 120) for i, x in enumerate(ids)]
+    time.sleep(0.3)
+    os.kill(before[0], signal.SIGKILL)
+    ok = err = 0
+    for f in futs:
+        r = f.result()
+        meta = r.json().get("meta_info", {}) if r.status_code == 200 else {}
+        if meta.get("hidden_states_path") and os.path.exists(meta["hidden_states_path"]):
+            ok += 1
+        elif meta.get("hidden_states_error"):
+            err += 1
+        else:
+            problems.append(f"a response with neither file nor error: {r.status_code} {r.text[:200]}")
+    pool.shutdown()
+    info.update(files=ok, errors=err)
+    after = writer_pids()
+    if len(after) != 1 or after == before:
+        problems.append(f"no new writer process: before {before}, after {after}")
+    r = post({"input_ids": ids[0][:100], "sampling_params": {"max_new_tokens": 1}})
+    if r.status_code != 200 or not os.path.exists(r.json()["meta_info"].get("hidden_states_path", "")):
+        problems.append(f"server did not serve with a file after the kill: {r.status_code} {r.text[:200]}")
+    left = wait_no_leftovers(dump_dir)
+    if left:
+        problems.append(f"leftovers: {left[:5]}")
+    check_files(dump_dir, problems)
+
+
 @fault_case
 def case_malformed(dump_dir, rng, problems, info):
     """Malformed per-request inputs: HTTP 400 with a message; the server still serves."""
@@ -796,7 +848,8 @@ def run_model(name, build, layers_flag, launcher, workdir, out_dir, rng, groups=
                              ("fault_malformed_400", case_malformed),
                              ("fault_hostile_rids_http", case_hostile_rids),
                              ("fault_same_rid_at_once", case_same_rid_at_once),
-                             ("fault_metrics_endpoint", case_metrics)):
+                             ("fault_metrics_endpoint", case_metrics),
+                             ("fault_writer_killed", case_writer_killed)):
                 cases[case] = fn(dump_dir, rng)
             cases["fault_sigterm_in_flight"] = sigterm_with_writes_in_flight(proc, dump_dir, rng)
     finally:
