@@ -495,11 +495,14 @@ class RssSampler:
             procs = [self.root] + self.root.children(recursive=True)
         except psutil.Error:  # the server is gone
             return 0
-        for p in procs:
+        for p in procs:  # PSS: memory shared by processes (the writer's arena) counted once
             try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
+                total += p.memory_full_info().pss
+            except (psutil.Error, AttributeError):
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
         return total
 
     def __enter__(self):
@@ -819,13 +822,13 @@ def describe_nested(x):
     return shape
 
 
-def warm_up(server, spec, rng, plens, json_too):
-    """One request, then a burst of 8, at every prompt length: kernels compiled for the
-    shapes, and on the dump server the pinned host buffers of those sizes allocated
-    (torch caches them), before anything is timed."""
+def warm_up(server, spec, rng, plens, json_too, concs=(1, 8)):
+    """One request, then a burst at every concurrency of the grid, at every prompt length:
+    kernels (Triton's fused MoE compiles per batch-size bucket) compiled for the shapes
+    before anything is timed."""
     for plen in plens:
-        send_batch(server.port, make_prompts(rng, 1, plen, spec["vocab"]), 1)
-        send_batch(server.port, make_prompts(rng, 8, plen, spec["vocab"]), 8)
+        for conc in sorted({1, 8, *concs}):
+            send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc)
     if json_too:
         send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
 
@@ -1287,7 +1290,8 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 sampler = sampler_a = None
         t0 = time.monotonic()
         for s in servers.values():
-            warm_up(s, spec, rng, args.prompt_lens, json_too="--enable-return-hidden-states" in s.cmd)
+            warm_up(s, spec, rng, args.prompt_lens, json_too="--enable-return-hidden-states" in s.cmd,
+                    concs=args.concurrency)
         clear_dump_dir(dd)
         results["phases"][f"{name}/warmup_s"] = round(time.monotonic() - t0, 1)
         shm_free = shutil.disk_usage(args.dump_root).free

@@ -255,6 +255,7 @@ class _Levels:
         self.metrics = metrics
         self.queue_depth = 0
         self.held = 0
+        self.peak = 0
         self.files = self.bytes = self.failures = 0
         self._row_bytes: Dict[int, int] = {}
         self._every = log_every_s
@@ -273,6 +274,7 @@ class _Levels:
             self._row_bytes.pop(op[1], None)
         elif kind == wire.ABANDON:
             self._row_bytes.pop(op[1], None)
+        self.peak = max(self.peak, self.held)
         self._dirty = True
 
     def acked(self, ev: tuple) -> None:
@@ -298,7 +300,7 @@ class _Levels:
     def snapshot(self) -> dict:
         return {"files_written": self.files, "bytes_written": self.bytes,
                 "failures": self.failures, "queue_depth": self.queue_depth,
-                "host_bytes_in_use": self.held}
+                "host_bytes_in_use": self.held, "host_bytes_peak": self.peak}
 
 
 def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer_ids,
