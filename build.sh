@@ -4,19 +4,26 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: ./build.sh [--base vX.Y.Z] [--push] [--tag NAME]... [--wheel FILE] [--dry-run] [-- EXTRA_BUILD_ARGS...]
+Usage: ./build.sh [--base vX.Y.Z] [--base-image IMAGE] [--name NAME] [--push] [--tag NAME]...
+                  [--wheel FILE] [--dry-run] [-- EXTRA_BUILD_ARGS...]
 
 Builds the kimi-sglang image for linux/amd64: first the sglang-ext wheel (into
 build/wheel/, on this machine), then `docker build` with BuildKit (no buildx
-plugin needed) or `podman build`. No RUN step of the Dockerfile uses the
-network: the base image must be present or pullable, nothing else is fetched.
+plugin needed) or `podman build`. RUN steps run with `--network none`: the
+build is hermetic; the base image must be present or pullable, nothing else
+is fetched.
 
   --base vX.Y.Z   patch series to build (a folder patches/vX.Y.Z with a base.toml);
                   default: the newest patches/v* by version order
+  --base-image IMAGE
+                  build on IMAGE instead of base.toml's [base] image, e.g. a copy
+                  of it in a local registry for offline builds (it must hold the
+                  same SGLang release; the build checks the version)
+  --name NAME     repository of the two default tags (default: kimi-sglang)
   --push          push every tag after the build
   --load          keep the image in the local engine only (the default)
-  --tag NAME      extra tag, repeatable (kimi-sglang:latest and
-                  kimi-sglang:<base>-s<series version> are always set)
+  --tag NAME      extra tag, repeatable (NAME:latest and
+                  NAME:<base>-s<series version> are always set)
   --wheel FILE    use this sglang-ext wheel instead of building one
   --dry-run       print the commands instead of running them
   -h, --help      this help
@@ -26,6 +33,7 @@ SGLANG_VERSION ([base] version), BASE_GIT_TAG ([base] git_tag),
 SERIES_VERSION ([series] version). SOURCE_DATE_EPOCH is the last git commit's
 time unless already set.
 Env: DOCKER (engine command; default: docker if on PATH, else podman),
+DOCKER_BUILDKIT (default 1; 0 where the docker client is 23+ without buildx),
 PYTHON (default python3; 3.11+), SOURCE_URL.
 The wheel is built with `pip wheel --no-build-isolation` when PYTHON has
 setuptools >= 77 (offline), else pip fetches setuptools into an isolated
@@ -44,11 +52,17 @@ dry_run=0
 extra_tags=()
 passthrough=()
 wheel=""
+base_image=""
+name=kimi-sglang
 while [[ $# -gt 0 ]]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --base) [[ $# -ge 2 ]] || die "--base needs a value"; base=$2; shift 2 ;;
         --base=*) base=${1#--base=}; shift ;;
+        --base-image) [[ $# -ge 2 ]] || die "--base-image needs a value"; base_image=$2; shift 2 ;;
+        --base-image=*) base_image=${1#--base-image=}; shift ;;
+        --name) [[ $# -ge 2 ]] || die "--name needs a value"; name=$2; shift 2 ;;
+        --name=*) name=${1#--name=}; shift ;;
         --push) output="--push"; shift ;;
         --load) output="--load"; shift ;;
         --tag) [[ $# -ge 2 ]] || die "--tag needs a value"; extra_tags+=("$2"); shift 2 ;;
@@ -90,6 +104,10 @@ for k, v in vals.items():
 PY
 )"
 
+if [[ -n "$base_image" ]]; then
+    BASE_IMAGE=$base_image
+fi
+
 if [[ "v$SGLANG_VERSION" != "$base" ]]; then
     die "$toml says [base] version = $SGLANG_VERSION, but the folder is $base"
 fi
@@ -109,6 +127,18 @@ fi
 engine=docker
 if [[ "$(basename "$docker")" == podman* ]]; then
     engine=podman
+fi
+# Docker clients 23+ hand BuildKit builds to the buildx plugin and refuse them
+# without it; older clients (Debian's docker.io 20.10) talk to the daemon's
+# built-in BuildKit. Without buildx on a 23+ client: the classic builder.
+buildkit=${DOCKER_BUILDKIT:-1}
+if [[ $engine == docker && -z "${DOCKER_BUILDKIT:-}" && $dry_run -eq 0 ]] \
+        && ! "$docker" buildx version >/dev/null 2>&1; then
+    client=$("$docker" version --format '{{.Client.Version}}' 2>/dev/null || true)
+    if [[ "${client%%.*}" =~ ^[0-9]+$ && ${client%%.*} -ge 23 ]]; then
+        echo "build.sh: docker client $client without the buildx plugin: using the classic builder (DOCKER_BUILDKIT=0)" >&2
+        buildkit=0
+    fi
 fi
 
 if [[ -z "${SOURCE_DATE_EPOCH:-}" ]]; then
@@ -136,6 +166,7 @@ fi
 cmd=("$docker" build
     --platform linux/amd64
     --file Dockerfile
+    --network none
     --build-arg "BASE_IMAGE=$BASE_IMAGE"
     --build-arg "SGLANG_VERSION=$SGLANG_VERSION"
     --build-arg "BASE_GIT_TAG=$BASE_GIT_TAG"
@@ -148,7 +179,7 @@ cmd=("$docker" build
 if [[ $engine == podman ]]; then
     cmd+=(--format docker)  # the OCI format drops HEALTHCHECK
 fi
-tags=(kimi-sglang:latest "kimi-sglang:$version_tag" ${extra_tags[@]+"${extra_tags[@]}"})
+tags=("$name:latest" "$name:$version_tag" ${extra_tags[@]+"${extra_tags[@]}"})
 for t in "${tags[@]}"; do
     cmd+=(--tag "$t")
 done
@@ -158,7 +189,7 @@ echo "build.sh: series $base (series version $SERIES_VERSION) on $BASE_IMAGE" >&
 if [[ $dry_run -eq 1 ]]; then
     echo "rm -rf build/wheel && mkdir -p build/wheel"
     printf '%q ' "${wheel_cmd[@]}"; echo
-    [[ $engine == docker ]] && printf 'DOCKER_BUILDKIT=1 '
+    [[ $engine == docker ]] && printf 'DOCKER_BUILDKIT=%s ' "$buildkit"
     printf '%q ' "${cmd[@]}"; echo
     if [[ $output == --push ]]; then
         for t in "${tags[@]}"; do printf '%q push %q\n' "$docker" "$t"; done
@@ -170,7 +201,7 @@ mkdir -p build/wheel
 "${wheel_cmd[@]}" || die "building the sglang-ext wheel failed (${wheel_cmd[*]})"
 ls build/wheel/sglang_ext-*.whl >/dev/null 2>&1 || die "no sglang_ext-*.whl in build/wheel/ after: ${wheel_cmd[*]}"
 if [[ $engine == docker ]]; then
-    export DOCKER_BUILDKIT=1
+    export DOCKER_BUILDKIT=$buildkit
 fi
 "${cmd[@]}"
 if [[ $output == --push ]]; then
