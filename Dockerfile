@@ -1,7 +1,8 @@
-# syntax=docker/dockerfile:1
 # kimi-sglang: upstream SGLang image + our patch series + the sglang_ext package.
-# Build with ./build.sh (it reads patches/<base>/base.toml and passes the ARGs
-# below); see docs/container.md.
+# Build with ./build.sh (it reads patches/<base>/base.toml, builds the
+# sglang-ext wheel into build/wheel/ and passes the ARGs below); see
+# docs/container.md. Hermetic: no RUN step uses the network (no `# syntax=`
+# line either, which would fetch a BuildKit frontend from a registry).
 
 # Upstream image for the series' base release (base.toml [base] image).
 ARG BASE_IMAGE=lmsysorg/sglang:v0.5.23-cu130
@@ -41,14 +42,23 @@ WORKDIR /opt/kimi-sglang
 COPY docker/ docker/
 RUN docker/check-sglang-version.sh "${SGLANG_VERSION}"
 
-# 2. Install sglang_ext (the patched server imports it) without touching the
-#    image's pinned dependencies, then apply the series to the image's SGLang.
-COPY pyproject.toml ./
-COPY sglang_ext/ sglang_ext/
+# 2. Install sglang_ext from the wheel build.sh made (--no-index: nothing is
+#    downloaded; --no-deps: the image's pinned packages stay as they are),
+#    then apply the series to the image's SGLang.
+#    PEP 668: a base whose system Python is marked externally managed (Debian,
+#    Ubuntu 24.04) makes pip refuse; PIP_BREAK_SYSTEM_PACKAGES=1 (for this step
+#    only) is the deliberate choice: the image exists to modify that Python's
+#    SGLang, and --no-deps adds one pure-Python package beside it.
 COPY patches/ patches/
-RUN pip install --no-cache-dir --no-deps --root-user-action=ignore . \
-    && docker/apply-series.sh "patches/v${SGLANG_VERSION}" \
-    && rm -rf build ./*.egg-info
+COPY build/wheel/ /tmp/sglang-ext-wheel/
+RUN PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps --no-index \
+        --root-user-action=ignore /tmp/sglang-ext-wheel/sglang_ext-*.whl \
+    && rm -rf /tmp/sglang-ext-wheel \
+    && docker/apply-series.sh "patches/v${SGLANG_VERSION}"
+
+# `python -m sglang_ext patches ...` finds the series here from any directory;
+# with no --series it picks the one matching the installed SGLang (this image's).
+ENV KIMI_SGLANG_PATCHES=/opt/kimi-sglang/patches
 
 # Port of the HTTP server: the kimi-k25 profile passes it as --port and the
 # HEALTHCHECK probes it. Change it with -e KIMI_SGLANG_PORT=..., not --port.

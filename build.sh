@@ -1,26 +1,43 @@
 #!/usr/bin/env bash
-# Build the kimi-sglang image with docker buildx. See docs/container.md.
+# Build the kimi-sglang image with `docker build` (BuildKit) or podman. See docs/container.md.
 set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: ./build.sh [--base vX.Y.Z] [--push] [--tag NAME]... [--dry-run] [-- EXTRA_BUILDX_ARGS...]
+Usage: ./build.sh [--base vX.Y.Z] [--base-image IMAGE] [--name NAME] [--push] [--tag NAME]...
+                  [--wheel FILE] [--dry-run] [-- EXTRA_BUILD_ARGS...]
 
-Builds the kimi-sglang image for linux/amd64 with `docker buildx build`.
+Builds the kimi-sglang image for linux/amd64: first the sglang-ext wheel (into
+build/wheel/, on this machine), then `docker build` with BuildKit (no buildx
+plugin needed) or `podman build`. RUN steps run with `--network none`: the
+build is hermetic; the base image must be present or pullable, nothing else
+is fetched.
 
   --base vX.Y.Z   patch series to build (a folder patches/vX.Y.Z with a base.toml);
                   default: the newest patches/v* by version order
-  --push          push the image (instead of --load into the local engine)
-  --load          load the image into the local docker engine (the default)
-  --tag NAME      extra tag, repeatable (kimi-sglang:latest and
-                  kimi-sglang:<base>-s<series version> are always set)
-  --dry-run       print the buildx command instead of running it
+  --base-image IMAGE
+                  build on IMAGE instead of base.toml's [base] image, e.g. a copy
+                  of it in a local registry for offline builds (it must hold the
+                  same SGLang release; the build checks the version)
+  --name NAME     repository of the two default tags (default: kimi-sglang)
+  --push          push every tag after the build
+  --load          keep the image in the local engine only (the default)
+  --tag NAME      extra tag, repeatable (NAME:latest and
+                  NAME:<base>-s<series version> are always set)
+  --wheel FILE    use this sglang-ext wheel instead of building one
+  --dry-run       print the commands instead of running them
   -h, --help      this help
 
 Build args come from patches/<base>/base.toml: BASE_IMAGE ([base] image),
 SGLANG_VERSION ([base] version), BASE_GIT_TAG ([base] git_tag),
 SERIES_VERSION ([series] version). SOURCE_DATE_EPOCH is the last git commit's
-time unless already set. Env: DOCKER (default: docker), SOURCE_URL.
+time unless already set.
+Env: DOCKER (engine command; default: docker if on PATH, else podman),
+DOCKER_BUILDKIT (default 1; 0 where the docker client is 23+ without buildx),
+PYTHON (default python3; 3.11+), SOURCE_URL.
+The wheel is built with `pip wheel --no-build-isolation` when PYTHON has
+setuptools >= 77 (offline), else pip fetches setuptools into an isolated
+build environment.
 USAGE
 }
 
@@ -34,15 +51,24 @@ output="--load"
 dry_run=0
 extra_tags=()
 passthrough=()
+wheel=""
+base_image=""
+name=kimi-sglang
 while [[ $# -gt 0 ]]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --base) [[ $# -ge 2 ]] || die "--base needs a value"; base=$2; shift 2 ;;
         --base=*) base=${1#--base=}; shift ;;
+        --base-image) [[ $# -ge 2 ]] || die "--base-image needs a value"; base_image=$2; shift 2 ;;
+        --base-image=*) base_image=${1#--base-image=}; shift ;;
+        --name) [[ $# -ge 2 ]] || die "--name needs a value"; name=$2; shift 2 ;;
+        --name=*) name=${1#--name=}; shift ;;
         --push) output="--push"; shift ;;
         --load) output="--load"; shift ;;
         --tag) [[ $# -ge 2 ]] || die "--tag needs a value"; extra_tags+=("$2"); shift 2 ;;
         --tag=*) extra_tags+=("${1#--tag=}"); shift ;;
+        --wheel) [[ $# -ge 2 ]] || die "--wheel needs a value"; wheel=$2; shift 2 ;;
+        --wheel=*) wheel=${1#--wheel=}; shift ;;
         --dry-run) dry_run=1; shift ;;
         --) shift; passthrough=("$@"); break ;;
         *) usage >&2; die "unknown option: $1" ;;
@@ -78,17 +104,40 @@ for k, v in vals.items():
 PY
 )"
 
+if [[ -n "$base_image" ]]; then
+    BASE_IMAGE=$base_image
+fi
+
 if [[ "v$SGLANG_VERSION" != "$base" ]]; then
     die "$toml says [base] version = $SGLANG_VERSION, but the folder is $base"
 fi
 
-docker=${DOCKER:-docker}
-if [[ $dry_run -eq 0 ]]; then
-    if ! command -v "$docker" >/dev/null 2>&1; then
-        die "'$docker' not found on PATH: install Docker (with the buildx plugin) to build the image"
+# The engine: $DOCKER, else docker, else podman. `docker build` with BuildKit
+# (DOCKER_BUILDKIT=1) is the daemon's built-in builder: no buildx plugin needed.
+docker=${DOCKER:-}
+if [[ -z "$docker" ]]; then
+    if command -v docker >/dev/null 2>&1; then docker=docker
+    elif command -v podman >/dev/null 2>&1; then docker=podman
+    else docker=docker
     fi
-    if ! "$docker" buildx version >/dev/null 2>&1; then
-        die "'$docker buildx' is not available: install the Docker buildx plugin (https://docs.docker.com/build/)"
+fi
+if [[ $dry_run -eq 0 ]] && ! command -v "$docker" >/dev/null 2>&1; then
+    die "'$docker' not found on PATH: install Docker (docker.io or Docker Engine) or podman to build the image"
+fi
+engine=docker
+if [[ "$(basename "$docker")" == podman* ]]; then
+    engine=podman
+fi
+# Docker clients 23+ hand BuildKit builds to the buildx plugin and refuse them
+# without it; older clients (Debian's docker.io 20.10) talk to the daemon's
+# built-in BuildKit. Without buildx on a 23+ client: the classic builder.
+buildkit=${DOCKER_BUILDKIT:-1}
+if [[ $engine == docker && -z "${DOCKER_BUILDKIT:-}" && $dry_run -eq 0 ]] \
+        && ! "$docker" buildx version >/dev/null 2>&1; then
+    client=$("$docker" version --format '{{.Client.Version}}' 2>/dev/null || true)
+    if [[ "${client%%.*}" =~ ^[0-9]+$ && ${client%%.*} -ge 23 ]]; then
+        echo "build.sh: docker client $client without the buildx plugin: using the classic builder (DOCKER_BUILDKIT=0)" >&2
+        buildkit=0
     fi
 fi
 
@@ -103,9 +152,21 @@ if [[ -n "$(git status --porcelain 2>/dev/null)" ]]; then
 fi
 version_tag="$base-s$SERIES_VERSION"
 
-cmd=("$docker" buildx build
+if [[ -n "$wheel" ]]; then
+    [[ -f "$wheel" && "$(basename "$wheel")" == sglang_ext-*.whl ]] || die "--wheel $wheel: not an sglang_ext-*.whl file"
+    wheel_cmd=(cp "$wheel" build/wheel/)
+else
+    wheel_cmd=("$py" -m pip wheel --no-deps --wheel-dir build/wheel/)
+    if "$py" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
+        wheel_cmd+=(--no-build-isolation)
+    fi
+    wheel_cmd+=(--quiet .)
+fi
+
+cmd=("$docker" build
     --platform linux/amd64
     --file Dockerfile
+    --network none
     --build-arg "BASE_IMAGE=$BASE_IMAGE"
     --build-arg "SGLANG_VERSION=$SGLANG_VERSION"
     --build-arg "BASE_GIT_TAG=$BASE_GIT_TAG"
@@ -114,17 +175,37 @@ cmd=("$docker" buildx build
     --build-arg "VCS_REF=$vcs_ref"
     --build-arg "CREATED=$created"
     --build-arg "SOURCE_URL=${SOURCE_URL:-https://github.com/kimi-sglang/kimi-sglang}"
-    --build-arg "SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH"
-    --tag kimi-sglang:latest
-    --tag "kimi-sglang:$version_tag")
-for t in ${extra_tags[@]+"${extra_tags[@]}"}; do
+    --build-arg "SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH")
+if [[ $engine == podman ]]; then
+    cmd+=(--format docker)  # the OCI format drops HEALTHCHECK
+fi
+tags=("$name:latest" "$name:$version_tag" ${extra_tags[@]+"${extra_tags[@]}"})
+for t in "${tags[@]}"; do
     cmd+=(--tag "$t")
 done
-cmd+=("$output" ${passthrough[@]+"${passthrough[@]}"} .)
+cmd+=(${passthrough[@]+"${passthrough[@]}"} .)
 
 echo "build.sh: series $base (series version $SERIES_VERSION) on $BASE_IMAGE" >&2
 if [[ $dry_run -eq 1 ]]; then
+    echo "rm -rf build/wheel && mkdir -p build/wheel"
+    printf '%q ' "${wheel_cmd[@]}"; echo
+    [[ $engine == docker ]] && printf 'DOCKER_BUILDKIT=%s ' "$buildkit"
     printf '%q ' "${cmd[@]}"; echo
+    if [[ $output == --push ]]; then
+        for t in "${tags[@]}"; do printf '%q push %q\n' "$docker" "$t"; done
+    fi
     exit 0
 fi
-exec "${cmd[@]}"
+rm -rf build/wheel
+mkdir -p build/wheel
+"${wheel_cmd[@]}" || die "building the sglang-ext wheel failed (${wheel_cmd[*]})"
+ls build/wheel/sglang_ext-*.whl >/dev/null 2>&1 || die "no sglang_ext-*.whl in build/wheel/ after: ${wheel_cmd[*]}"
+if [[ $engine == docker ]]; then
+    export DOCKER_BUILDKIT=$buildkit
+fi
+"${cmd[@]}"
+if [[ $output == --push ]]; then
+    for t in "${tags[@]}"; do
+        "$docker" push "$t"
+    done
+fi

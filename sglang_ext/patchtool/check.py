@@ -272,3 +272,56 @@ def apply_series(series: Series, tree: Tree) -> SeriesReport:
     report.changed = True
     report.notes.append(f"applied {len(done)} patches to {tree.root}")
     return report
+
+
+def revert_series(series: Series, tree: Tree) -> SeriesReport:
+    """Take every patch of ``series`` that is in ``tree`` out again (``git apply --reverse``,
+    last patch first), all or nothing: the way back from ``applied`` or ``partial``.
+
+    The reversal is first rehearsed on a temporary copy; the tree changes only when
+    every reversal passed. Afterwards the report is the tree's new state (``clean``)
+    with ``changed`` True. A tree without any patch of the series is left alone
+    (state ``clean``, nothing to do); one with a patch that neither applies nor
+    reverse-applies is left alone too (state ``conflict``). Raises ValueError for
+    a read-only tree (git ref).
+    """
+    if tree.ref:
+        raise ValueError("cannot revert in a git ref; check out the ref first")
+    report = check_series(series, tree)
+    if report.state == "clean":
+        report.notes.append("no patch of the series is in the tree; nothing to revert")
+        return report
+    if report.state == "conflict":
+        report.notes.append("not reverted: a patch neither applies nor reverse-applies; "
+                            "nothing was changed")
+        return report
+    names = {r.patch for r in report.patches if r.status == "applied"}
+    todo = [p for p in reversed(series.patches) if p.name in names]
+    with tempfile.TemporaryDirectory(prefix="sglang-series-") as tmp:
+        work = Path(tmp) / "tree"
+        work.mkdir()
+        tree.copy_into(_touched(series), work)
+        for patch in todo:
+            proc = _git_apply(tree, work, patch, check=False, reverse=True)
+            if proc.returncode != 0:
+                report.state = "conflict"
+                report.notes.append(f"{patch.name} does not reverse-apply after the later "
+                                    f"patches were taken out: {proc.stderr.strip()}; "
+                                    "nothing was changed")
+                return report
+    done: list[Patch] = []
+    for patch in todo:
+        proc = _git_apply(tree, tree.root, patch, check=False, reverse=True)
+        if proc.returncode != 0:  # should not happen after the rehearsal; put them back
+            for p in reversed(done):
+                _git_apply(tree, tree.root, p, check=False)
+            report.state = "conflict"
+            report.notes.append(f"{patch.name} failed while reverting (rolled back): "
+                                f"{proc.stderr.strip()}")
+            return report
+        done.append(patch)
+    after = check_series(series, tree)
+    after.changed = True
+    after.notes.insert(0, f"reverted {len(done)} patches in {tree.root} "
+                          f"({', '.join(p.name[:4] for p in reversed(done))})")
+    return after

@@ -7,6 +7,7 @@ FILE:LINE" can be named as "hunk N of FILE".
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -237,7 +238,11 @@ def load_series(directory: Path | str) -> Series:
 
 
 def default_patches_root() -> Path:
-    """The project's ``patches/`` folder: next to the package in a checkout, else ``./patches``."""
+    """The project's ``patches/`` folder: ``$KIMI_SGLANG_PATCHES`` if set (the image sets
+    it), else next to the package in a checkout, else ``./patches``."""
+    env = os.environ.get("KIMI_SGLANG_PATCHES")
+    if env:
+        return Path(env)
     here = Path(__file__).resolve().parents[2] / "patches"
     return here if here.is_dir() else Path.cwd() / "patches"
 
@@ -266,6 +271,28 @@ def resolve_series_dir(spec: str | None) -> Path:
         return root / name
     known = ", ".join(sorted(d.name for d in root.glob("v*") if (d / "series").is_file()))
     raise SeriesError(f"series {spec!r} not found under {root} (known: {known})")
+
+
+def known_series() -> list[Path]:
+    """Every series folder under ``patches/`` (has a ``series`` file), oldest first."""
+    root = default_patches_root()
+    return sorted((d for d in root.glob("v*") if (d / "series").is_file()),
+                  key=lambda d: _version_key(d.name))
+
+
+def series_for_version(version: str) -> Path | None:
+    """The series folder made against SGLang ``version`` (its base.toml ``[base] version``;
+    a ``+local`` suffix is ignored), or None when no series is."""
+    version = version.split("+", 1)[0]
+    for d in reversed(known_series()):
+        toml = d / "base.toml"
+        try:
+            base = load_base(toml) if toml.is_file() else None
+        except SeriesError:
+            base = None
+        if base is not None and base.version == version:
+            return d
+    return None
 
 
 def pinned_base_for_version(version: str) -> Base | None:

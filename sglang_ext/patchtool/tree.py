@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ class Tree:
     strip: int
     kind: str
     ref: str | None = None
+    installed: bool = False  # the sglang this Python imports (installed_tree)
 
     def describe(self) -> str:
         """A one-line description for reports."""
@@ -68,6 +71,41 @@ class Tree:
             out.write_bytes(data)
 
 
+_VERSION_ASSIGN_RE = re.compile(r"""^(?:__version__|version)\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+_TOML_VERSION_RE = re.compile(r"""^version\s*=\s*['"]([^'"]+)['"]""", re.M)
+
+
+def sglang_version(tree: Tree) -> str | None:
+    """The SGLang release a tree holds (``0.5.17``; a local ``+cu130`` suffix dropped), or None.
+
+    Read, first found wins: the installed distribution's metadata (for the
+    installed tree), ``sglang/_version.py`` (setuptools-scm, in wheels and
+    installs), ``sglang/version.py``, a ``sglang-X.dist-info`` beside the
+    package, ``python/pyproject.toml``'s ``version``. Never imports sglang.
+    """
+    found: str | None = None
+    if tree.installed:
+        try:
+            found = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            found = None
+    for name in ("python/sglang/_version.py", "python/sglang/version.py"):
+        if found:
+            break
+        data = tree.read(name)
+        m = _VERSION_ASSIGN_RE.search(data.decode("utf-8", "replace")) if data else None
+        found = m.group(1) if m else None
+    if not found and not tree.ref and tree.strip == 2:
+        infos = sorted(tree.root.glob("sglang-*.dist-info"))
+        if infos:
+            found = infos[0].name[len("sglang-"):-len(".dist-info")]
+    if not found:
+        data = tree.read("python/pyproject.toml")
+        m = _TOML_VERSION_RE.search(data.decode("utf-8", "replace")) if data else None
+        found = m.group(1) if m else None
+    return found.split("+", 1)[0] if found else None
+
+
 def tree_for_dir(path: Path | str) -> Tree:
     """Classify a directory: a checkout (``python/sglang``), a dir holding ``sglang/``,
     or the ``sglang`` package dir itself. Raises TargetError otherwise."""
@@ -94,7 +132,7 @@ def installed_tree() -> Tree:
         locations = [str(Path(spec.origin).parent)]
     if not locations:
         raise TargetError("cannot locate the installed sglang package")
-    return Tree(Path(locations[0]).resolve().parent, 2, "site-packages")
+    return Tree(Path(locations[0]).resolve().parent, 2, "site-packages", installed=True)
 
 
 def tree_for_ref(repo: Path | str, ref: str) -> Tree:
