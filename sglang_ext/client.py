@@ -19,11 +19,20 @@ Guarantees:
   that fails the check) is retried ``--max-retries`` times with exponential backoff
   (``--backoff * 2**(attempt-1)`` seconds, capped at ``--max-backoff``, with jitter). After
   ``--max-consecutive-failures`` samples in a row failed all their tries, the run aborts.
+  HTTP 400 (the server refused the row) is not retried. An answer no retry can change
+  (no ``hidden_states_path``: the server is not dumping; a dump directory this machine
+  does not see; HTTP 404/405: not the server's base URL) aborts the run at once, the
+  reason first on stderr.
+- Leftovers: the server's files of requests this client never took (killed or
+  interrupted runs, tries that timed out while the server still wrote) are journaled and
+  removed from the dump directory by ``sglang_ext.pending`` (at start and at the end);
+  files still being written are reported. Ctrl-C ends with one line (exit 130).
 
+Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
-(read from the file without loading the hidden states); with ``--validate`` also the
-whole file is loaded through ``sglang_ext.format.load`` and must be finite.
-Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted.
+(read from the file's header with numpy, without torch); with ``--validate`` (needs torch)
+also the whole file is loaded through ``sglang_ext.format.load`` and must be finite.
+Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import importlib.util
 import json
 import os
 import random
@@ -573,6 +583,11 @@ def main(args) -> int:
         return EXIT_BAD_INPUT
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    missing = [m for m in ("aiohttp", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: extract needs {' and '.join(missing)} (pip install {' '.join(missing)})",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.validate:
         try:
