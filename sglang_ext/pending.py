@@ -75,17 +75,16 @@ class PendingFiles:
             if not isinstance(rec, dict):
                 continue
             if isinstance(rec.get("dir"), str):
-                self._saw_dir(os.path.join(rec["dir"], "x"))
+                self._add_dir(rec["dir"])
             elif isinstance(rec.get("done"), str):
                 self.rids.pop(rec["done"], None)
             elif isinstance(rec.get("rid"), str):
                 path = rec.get("path") if isinstance(rec.get("path"), str) else None
                 self.rids[rec["rid"]] = path or self.rids.get(rec["rid"])
                 if path:
-                    self._saw_dir(path)
+                    self._add_dir(os.path.dirname(path))
 
-    def _saw_dir(self, path: str) -> None:
-        directory = os.path.dirname(path)
+    def _add_dir(self, directory: str) -> None:
         if directory not in self.dump_dirs:
             self.dump_dirs.append(directory)
 
@@ -120,7 +119,7 @@ class PendingFiles:
 
     def named(self, rid: str, path: str) -> None:
         self.rids[rid] = path
-        self._saw_dir(path)
+        self._add_dir(os.path.dirname(path))
         self._append({"rid": rid, "path": path})
 
     def settled(self, rid: str) -> None:

@@ -415,3 +415,30 @@ def test_convert_loss_masks_with_too_few_rows_say_how_many(tmp_path):
     r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
             "--loss-mask-from", nomask)
     assert r.returncode == 2 and "row 0 (line 1 of n.jsonl) has no loss_mask" in r.stderr
+
+
+def test_the_pending_journal_stays_small_and_survives_a_restart(tmp_path, monkeypatch):
+    from sglang_ext.pending import PendingFiles, journal_path
+
+    monkeypatch.setattr(PendingFiles, "COMPACT_EVERY", 10)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    p = PendingFiles(str(tmp_path), rank=1)
+    for i in range(100):
+        p.sent(f"r{i}")
+        p.named(f"r{i}", str(dump / f"f{i}.safetensors"))
+        if i % 10:
+            p.settled(f"r{i}")
+    p.sent("never-answered")
+    lines = open(journal_path(str(tmp_path), 1)).read().splitlines()
+    assert len(lines) <= 10 + 1 + 10  # one compaction's worth, the dir line, what is pending
+    again = PendingFiles(str(tmp_path), rank=1)
+    assert again.rids == {**{f"r{i}": str(dump / f"f{i}.safetensors") for i in range(0, 100, 10)},
+                          "never-answered": None}
+    assert again.dump_dirs == [str(dump)]
+    # what they left: a file for r0 and one for the never-answered rid (by its safe name)
+    write_file(str(dump / "f0.safetensors"), [1])
+    write_file(str(dump / (fmt.safe_stem("never-answered") + fmt.SUFFIX)), [1])
+    assert again.sweep(forget_unanswered=True) == (2, [])
+    assert os.listdir(dump) == [] and again.rids == {}
+    assert not os.path.exists(journal_path(str(tmp_path), 1))
