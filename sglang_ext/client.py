@@ -622,6 +622,7 @@ def main(args) -> int:
         asyncio.run(run(args, opts, rows, total, stats, pending))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        _report_sweep(pending, forget_unanswered=False, when="stopped tries left")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
