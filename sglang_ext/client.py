@@ -19,11 +19,20 @@ Guarantees:
   that fails the check) is retried ``--max-retries`` times with exponential backoff
   (``--backoff * 2**(attempt-1)`` seconds, capped at ``--max-backoff``, with jitter). After
   ``--max-consecutive-failures`` samples in a row failed all their tries, the run aborts.
+  HTTP 400 (the server refused the row) is not retried. An answer no retry can change
+  (no ``hidden_states_path``: the server is not dumping; a dump directory this machine
+  does not see; HTTP 404/405: not the server's base URL) aborts the run at once, the
+  reason first on stderr.
+- Leftovers: the server's files of requests this client never took (killed or
+  interrupted runs, tries that timed out while the server still wrote) are journaled and
+  removed from the dump directory by ``sglang_ext.pending`` (at start and at the end);
+  files still being written are reported. Ctrl-C ends with one line (exit 130).
 
+Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
-(read from the file without loading the hidden states); with ``--validate`` also the
-whole file is loaded through ``sglang_ext.format.load`` and must be finite.
-Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted.
+(read from the file's header with numpy, without torch); with ``--validate`` (needs torch)
+also the whole file is loaded through ``sglang_ext.format.load`` and must be finite.
+Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import importlib.util
 import json
 import os
 import random
@@ -43,12 +53,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from sglang_ext import format as fmt
+from sglang_ext.pending import PendingFiles
 
 MANIFEST_NAME = "manifest.jsonl"
 _FINAL = re.compile(r"hs_(\d+)\.safetensors")
 _TMP = re.compile(r"\.hs_\d+\.safetensors\.tmp(\.[0-9a-f]+)?")
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 def final_name(index: int) -> str:
@@ -66,7 +78,7 @@ class Row:
     input_ids: List[int]
 
 
-def _ids_from_row(row: Dict[str, Any], index: int, tokenizer) -> List[int]:
+def _ids_from_row(row: Dict[str, Any], where: str, tokenizer) -> List[int]:
     if row.get("input_ids") is not None:
         ids = row["input_ids"]
         if hasattr(ids, "tolist"):
@@ -74,55 +86,78 @@ def _ids_from_row(row: Dict[str, Any], index: int, tokenizer) -> List[int]:
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
         ):
-            raise DataError(f"row {index}: input_ids must be a list of non-negative integers")
+            raise DataError(f"{where}: input_ids must be a list of non-negative integers")
     elif row.get("messages") is not None:
         if tokenizer is None:
-            raise DataError(f"row {index} has messages but no --tokenizer was given")
+            raise DataError(f"{where} has messages but no --tokenizer was given")
         text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     else:
-        raise DataError(f"row {index} has neither input_ids nor messages")
+        raise DataError(f"{where} has neither input_ids nor messages")
     if not ids:
-        raise DataError(f"row {index} has no tokens")
+        raise DataError(f"{where} has no tokens")
     return ids
 
 
-def iter_rows(path: str, tokenizer=None) -> Iterator[Tuple[int, Dict[str, Any]]]:
-    """``(index, row)`` for every row of DATA, in order.
+def load_dataset_dir(path: str):
+    """The ``datasets.Dataset`` saved in directory ``path`` (``Dataset.save_to_disk``).
 
-    DATA is a JSONL file (one JSON object per line, blank lines skipped and not counted)
+    Raises ``DataError`` (one sentence) when ``datasets`` is missing or ``path`` is not
+    such a directory (a ``DatasetDict`` folder names its splits' folders)."""
+    if not os.path.isfile(os.path.join(path, "state.json")):
+        if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+            splits = sorted(n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n)))
+            raise DataError(f"--data {path} holds several splits (a DatasetDict): pass one of "
+                            f"its folders, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
+        raise DataError(f"--data {path} is a directory but not a dataset saved by "
+                        f"datasets' save_to_disk (no state.json in it); pass a JSONL file or "
+                        f"such a directory")
+    try:
+        from datasets import load_from_disk
+    except ImportError:
+        raise DataError(f"--data {path} is a directory: reading it needs `pip install datasets`") from None
+    try:
+        return load_from_disk(path)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds for a damaged folder
+        raise DataError(f"--data {path}: datasets cannot load it: {type(e).__name__}: {e}") from None
+
+
+def iter_rows(path: str, tokenizer=None) -> Iterator[Tuple[int, Dict[str, Any], str]]:
+    """``(index, row, where)`` for every row of DATA, in order.
+
+    DATA is a JSONL file (one JSON object per line; blank lines skipped and not counted)
     or a directory written by ``datasets.Dataset.save_to_disk`` (speculators'
-    ``prepare-data`` output: columns ``input_ids``, ``loss_mask``, ...).
+    ``prepare-data`` output: columns ``input_ids``, ``loss_mask``, ...). ``index`` counts
+    rows from 0 (row ``i`` becomes ``hs_<i>``); ``where`` names the row in messages the
+    same way everywhere: ``row 3 (line 5 of data.jsonl)``, or ``row 3`` for a dataset.
+    Raises ``DataError``.
     """
     if os.path.isdir(path):
-        try:
-            from datasets import load_from_disk
-        except ImportError:
-            raise DataError(f"{path} is a directory: reading it needs `pip install datasets`") from None
-        dataset = load_from_disk(path)
+        dataset = load_dataset_dir(path)
         for index in range(len(dataset)):
-            yield index, dataset[index]
+            yield index, dataset[index], f"row {index}"
         return
     index = 0
+    name = os.path.basename(path)
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"row {index} (line {lineno} of {name})"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not JSON: {e}") from None
+                raise DataError(f"{where}: not JSON: {e}") from None
             if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: a row must be a JSON object")
-            yield index, row
+                raise DataError(f"{where}: a row must be a JSON object")
+            yield index, row, where
             index += 1
 
 
 def count_rows(path: str) -> int:
+    """Rows of DATA (blank JSONL lines not counted). Raises ``DataError``."""
     if os.path.isdir(path):
-        from datasets import load_from_disk
-
-        return len(load_from_disk(path))
+        return len(load_dataset_dir(path))
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
 
@@ -143,14 +178,15 @@ class CheckError(ValueError):
 def check_file(path: str, input_ids: List[int], full: bool) -> int:
     """Check a file against the request's token ids; returns its number of tokens.
 
-    Cheap check (always): keys, ``token_ids == input_ids``, ``hidden_states`` is
-    ``[len(input_ids), L, H]`` (shape from the header, tensor not loaded).
-    ``full``: also load everything through ``format.load`` and require finite values.
+    Cheap check (always, without torch): keys, ``token_ids == input_ids``,
+    ``hidden_states`` is ``[len(input_ids), L, H]`` (shape from the header, tensor not
+    loaded). ``full`` (needs torch): also load everything through ``format.load`` and
+    require finite values. Raises ``CheckError``.
     """
     from safetensors import safe_open
 
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="numpy") as f:
             keys = set(f.keys())
             missing = {fmt.KEY_HIDDEN_STATES, fmt.KEY_TOKEN_IDS} - keys
             if missing:
@@ -257,6 +293,15 @@ class RequestError(RuntimeError):
     """One try failed (HTTP, connection, server-side dump error, bad file)."""
 
 
+class RowError(RequestError):
+    """The server refused this row itself (HTTP 400): trying it again cannot succeed."""
+
+
+class FatalError(RequestError):
+    """An answer no retry can change (the server is not dumping, its dump directory is not
+    visible here, the endpoint has no /generate): the run stops at once."""
+
+
 @dataclass
 class Options:
     endpoint: str
@@ -293,12 +338,13 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
 
 
 async def request_once(session, opts: Options, row: Row, attempt: int,
-                       http_slots: asyncio.Semaphore) -> str:
-    """POST /generate for one row; returns the server's complete file path.
+                       http_slots: asyncio.Semaphore, pending: PendingFiles) -> Tuple[str, str]:
+    """POST /generate for one row; returns ``(rid, the server's complete file path)``.
 
     ``http_slots`` bounds the requests in flight (``--concurrency``); the wait for a slot
     is outside ``--timeout``, which bounds the HTTP request and then, separately, the
-    wait for the file's lock. Raises ``RequestError``."""
+    wait for the file's lock. ``pending`` journals the request until its file is taken.
+    Raises ``RequestError`` (``RowError``, ``FatalError`` when retrying cannot help)."""
     import aiohttp
 
     sampling = {"max_new_tokens": 1, "temperature": 0}
@@ -311,11 +357,19 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
         "sampling_params": sampling,
         "rid": f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}",
     }
+    rid = payload["rid"]
+    url = opts.endpoint.rstrip("/") + "/generate"
     async with http_slots:
+        pending.sent(rid)
         try:
-            async with session.post(opts.endpoint.rstrip("/") + "/generate", json=payload) as resp:
+            async with session.post(url, json=payload) as resp:
                 body = await resp.read()
                 text = body.decode("utf-8", errors="replace")
+                if resp.status in (404, 405):
+                    raise FatalError(f"POST {url} answered HTTP {resp.status}: --endpoint must be "
+                                     f"the server's base URL (e.g. http://127.0.0.1:30000)")
+                if resp.status == 400:
+                    raise RowError(f"the server refused the row (HTTP 400): {text[:300]}")
                 if resp.status != 200:
                     raise RequestError(f"HTTP {resp.status}: {text[:300]}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -329,9 +383,17 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     if meta.get("hidden_states_error"):
         raise RequestError(f"hidden_states_error: {meta['hidden_states_error']}")
     path = meta.get("hidden_states_path")
-    if not path or not isinstance(path, str):
-        raise RequestError(f"response names no hidden_states_path (server not dumping?): "
-                           f"{text[:300]}")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise RequestError(f"hidden_states_path is not a file path: {text[:300]}")
+    if path is None:
+        raise FatalError(f"the server at {opts.endpoint} is not dumping hidden states: its "
+                         f"answer has no meta_info.hidden_states_path (start it with "
+                         f"--dump-hidden-states-dir DIR); answer: {text[:200]}")
+    pending.named(rid, path)
+    if not os.path.isdir(os.path.dirname(path)):
+        raise FatalError(f"the server writes to {os.path.dirname(path)}, which does not exist "
+                         f"on this machine: run extract where the server's "
+                         f"--dump-hidden-states-dir is visible under the same path")
     # Complete once <path>.lock is gone (at once from a server that waited itself).
     error = await fmt.wait_complete_async(path, timeout=opts.timeout)
     if error is not None:
@@ -341,26 +403,33 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
             os.unlink(path + fmt.ERROR_SUFFIX)
         except OSError:
             pass
-        if not os.path.isdir(os.path.dirname(path)):
-            error += (f" (directory {os.path.dirname(path)} not found here: run extract where "
-                      f"the server's --dump-hidden-states-dir is visible under the same path)")
+        if not os.path.lexists(path):
+            pending.settled(rid)
         raise RequestError(error)
-    return path
+    return rid, path
 
 
 async def extract_one(session, opts: Options, row: Row, stats: Stats,
-                      http_slots: asyncio.Semaphore) -> Dict[str, Any]:
-    """All tries for one row; returns its manifest record or raises the last error."""
+                      http_slots: asyncio.Semaphore, pending: PendingFiles,
+                      abort: asyncio.Event) -> Optional[Dict[str, Any]]:
+    """All tries for one row; returns its manifest record, ``None`` if the run was aborted
+    meanwhile, or raises the last error (``FatalError`` / ``RowError`` at once)."""
     last: Optional[Exception] = None
     for attempt in range(opts.max_retries + 1):
         if attempt:
             stats.retries += 1
             await asyncio.sleep(backoff_delay(attempt, opts.backoff, opts.max_backoff))
+        if abort.is_set():
+            return None
         try:
-            src = await request_once(session, opts, row, attempt, http_slots)
-            size = await asyncio.to_thread(
-                move_into_place, src, opts.out_dir, row.index, row.input_ids, opts.validate
-            )
+            rid, src = await request_once(session, opts, row, attempt, http_slots, pending)
+            try:
+                size = await asyncio.to_thread(
+                    move_into_place, src, opts.out_dir, row.index, row.input_ids, opts.validate
+                )
+            finally:
+                if not os.path.lexists(src):
+                    pending.settled(rid)
             return {
                 "index": row.index,
                 "num_tokens": len(row.input_ids),
@@ -368,8 +437,14 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
                 "file": final_name(row.index),
                 "bytes": size,
             }
+        except FatalError:
+            raise
+        except RowError as e:
+            raise RowError(f"row {row.index}: {e}") from None
         except (RequestError, CheckError, OSError) as e:
             last = e
+            if abort.is_set():
+                return None
             if attempt < opts.max_retries:  # the last try's error is reported by the caller
                 print(f"row {row.index}: try {attempt + 1} failed, retrying: {e}", file=sys.stderr)
     raise RequestError(f"row {row.index}: {opts.max_retries + 1} tries failed; last: {last}")
@@ -383,7 +458,8 @@ def _progress(total: int, disable: bool):
                 file=sys.stderr, smoothing=0.1)
 
 
-async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats) -> None:
+async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats,
+              pending: PendingFiles) -> None:
     import aiohttp
 
     stats.total = total
@@ -427,7 +503,13 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                         tick()
                         continue
                 try:
-                    rec = await extract_one(session, opts, row, stats, http_slots)
+                    rec = await extract_one(session, opts, row, stats, http_slots, pending, abort)
+                except FatalError as e:
+                    if not abort.is_set():
+                        stats.aborted = f"row {row.index}: {e}"
+                        print(f"error: {stats.aborted}", file=sys.stderr)
+                        abort.set()
+                    continue
                 except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
                     if not isinstance(e, RequestError):
                         e = RequestError(f"row {row.index}: {type(e).__name__}: {e}")
@@ -438,8 +520,11 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                     if consecutive >= opts.max_consecutive_failures and not abort.is_set():
                         stats.aborted = (f"{consecutive} consecutive samples failed "
                                          f"(--max-consecutive-failures); last: {e}")
+                        print(f"error: {stats.aborted}", file=sys.stderr)
                         abort.set()
                 else:
+                    if rec is None:  # aborted while it was being tried
+                        continue
                     consecutive = 0
                     append_manifest(opts.out_dir, rec)
                     manifest[row.index] = rec
@@ -463,17 +548,22 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 if abort.is_set():
                     break
                 await queue.put(row)
-        finally:
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
+        except BaseException:  # Ctrl-C (cancelled) or bad DATA: stop the workers now
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        finally:
             bar.close()
 
 
 def rank_rows(data: str, tokenizer, world_size: int, rank: int) -> Iterator[Row]:
-    for index, row in iter_rows(data, tokenizer):
+    for index, row, where in iter_rows(data, tokenizer):
         if index % world_size == rank:
-            yield Row(index=index, input_ids=_ids_from_row(row, index, tokenizer))
+            yield Row(index=index, input_ids=_ids_from_row(row, where, tokenizer))
 
 
 def main(args) -> int:
@@ -494,10 +584,30 @@ def main(args) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
+    missing = [m for m in ("aiohttp", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: extract needs {' and '.join(missing)} (pip install {' '.join(missing)})",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.validate:
+        try:
+            import torch  # noqa: F401 - format.load, behind --validate, needs it
+        except ImportError:
+            print("error: --validate loads every file with torch, which is not installed "
+                  "here (pip install torch), or leave --validate out", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        n_rows = count_rows(args.data)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     os.makedirs(args.out, exist_ok=True)
     removed = clean_tmp(args.out)
     if removed:
         print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
+    pending = PendingFiles(args.out, args.rank)
+    _report_sweep(pending, forget_unanswered=True, when="an earlier run of this command left")
     opts = Options(
         endpoint=args.endpoint, out_dir=args.out, concurrency=args.concurrency,
         max_retries=args.max_retries, backoff=args.backoff, max_backoff=args.max_backoff,
@@ -505,17 +615,25 @@ def main(args) -> int:
         validate=args.validate, rid_prefix=args.rid_prefix, early_answers=not args.no_early_answers,
     )
     stats = Stats()
+    total = len(range(args.rank, n_rows, args.world_size))
+    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
+    t0 = time.monotonic()
     try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        n_rows = count_rows(args.data)
-        total = len(range(args.rank, n_rows, args.world_size))
-        rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
-        t0 = time.monotonic()
-        asyncio.run(run(args, opts, rows, total, stats))
+        asyncio.run(run(args, opts, rows, total, stats, pending))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        _report_sweep(pending, forget_unanswered=False, when="stopped tries left")
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
+        print(f"extract: interrupted: {stats.done} sample(s) extracted in this run, "
+              f"{stats.done + stats.resumed} of {total} done for rank {args.rank}; run the same "
+              f"command again to resume" + (f" (it also removes the {len(left)} file(s) the "
+                                            f"server is still writing)" if left else ""),
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     elapsed = time.monotonic() - t0
+    left = _report_sweep(pending, forget_unanswered=False, when="timed-out tries left")
     summary = {
         "rank": args.rank, "world_size": args.world_size, "rows_for_rank": stats.total,
         "extracted": stats.done, "resumed": stats.resumed, "failed": stats.failed,
@@ -525,12 +643,27 @@ def main(args) -> int:
     }
     if stats.failed_indices:
         summary["failed_indices"] = sorted(stats.failed_indices)[:100]
+    if left:
+        summary["server_files_left"] = left[:100]
     if stats.aborted:
         summary["aborted"] = stats.aborted
     print("extract summary: " + json.dumps(summary))
     if stats.aborted:
         return EXIT_ABORTED
     return EXIT_FAILED if stats.failed else EXIT_OK
+
+
+def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> List[str]:
+    """Sweep the server files this rank's requests left (see ``sglang_ext.pending``); say
+    what was removed and what is still being written. Returns the latter."""
+    removed, busy = pending.sweep(forget_unanswered)
+    if removed:
+        print(f"removed {removed} file(s) {when} in the server's dump directory "
+              f"({', '.join(pending.dump_dirs)})", file=sys.stderr)
+    if busy:
+        print(f"{len(busy)} file(s) {when} are still being written by the server (e.g. "
+              f"{busy[0]}); the next run of this command removes them", file=sys.stderr)
+    return busy
 
 
 def add_parser(subparsers) -> None:

@@ -33,6 +33,10 @@ without our metadata, e.g. vLLM's, are taken to follow the same convention).
 
 Layout: ``DST/rows_<g>-<g+5000>/data_<i>.ckpt`` as SpecForge writes it. Each record is
 written to a temporary name and renamed; existing records are skipped (resume).
+
+Exit status: 0 every record written or already there, 1 a file could not be converted,
+2 bad input (SRC without hs_<i> files, a model folder without config.json, loss masks
+missing for some rows), each with one sentence on stderr.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import json
 import os
 import re
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from sglang_ext import format as fmt
 
@@ -65,11 +69,24 @@ def specforge_path(dst: str, index: int) -> str:
 
 
 def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object", float]:
-    """``(weight [H] float32, eps)`` of the model's final RMSNorm from a HF checkpoint dir."""
+    """``(weight [H] float32, eps)`` of the model's final RMSNorm from a HF checkpoint dir.
+
+    Raises ``ConvertError`` (the folder lacks ``config.json``, ``rms_norm_eps`` or the
+    weight)."""
     from safetensors import safe_open
 
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
+    if not os.path.isdir(model_dir):
+        raise ConvertError(f"--model {model_dir} is not a directory: pass the model's Hugging "
+                           f"Face checkpoint folder (config.json + *.safetensors)")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConvertError(f"--model {model_dir} has no config.json: pass the model's Hugging "
+                           f"Face checkpoint folder (config.json + *.safetensors)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{config_path} is not readable JSON: {e}") from None
     eps = config.get("rms_norm_eps")
     if eps is None:
         eps = (config.get("text_config") or {}).get("rms_norm_eps")
@@ -106,14 +123,31 @@ def rms_norm(x, weight, eps: float):
     return (weight * h).to(x.dtype)
 
 
-def load_loss_masks(data: str) -> Dict[int, list]:
-    from sglang_ext.client import iter_rows
+def load_loss_masks(data: str, indices: Sequence[int]) -> Dict[int, list]:
+    """``index -> loss_mask`` of DATA's rows ``indices`` (row i belongs to hs_<i>, rows
+    counted from 0 as ``extract`` counts them). Raises ``ConvertError`` when DATA has too
+    few rows or one of those rows has no ``loss_mask``."""
+    from sglang_ext.client import DataError, iter_rows
 
-    masks = {}
-    for index, row in iter_rows(data):
-        mask = row.get("loss_mask")
-        if mask is not None:
+    wanted = set(indices)
+    masks: Dict[int, list] = {}
+    n_rows = 0
+    try:
+        for index, row, where in iter_rows(data):
+            n_rows = index + 1
+            if index not in wanted:
+                continue
+            mask = row.get("loss_mask")
+            if mask is None:
+                raise ConvertError(f"--loss-mask-from {data}: {where} has no loss_mask")
             masks[index] = list(mask.tolist() if hasattr(mask, "tolist") else mask)
+    except DataError as e:
+        raise ConvertError(f"--loss-mask-from: {e}") from None
+    if indices and max(indices) >= n_rows:
+        raise ConvertError(
+            f"--loss-mask-from {data} has {n_rows} row(s), but SRC holds hs_{max(indices)}: it "
+            f"needs at least {max(indices) + 1} rows (row i is hs_<i>'s, counted from 0); pass "
+            f"the DATA given to extract")
     return masks
 
 
@@ -175,21 +209,29 @@ def main(args) -> int:
         print("error: pass --model DIR (to apply the final norm SpecForge expects) "
               "or --no-final-norm", file=sys.stderr)
         return 2
+    if not os.path.isdir(args.src):
+        print(f"error: SRC {args.src} is not a directory (it is extract's --out, holding "
+              f"hs_<i>.safetensors)", file=sys.stderr)
+        return 2
+    indices = sorted(int(m.group(1)) for m in map(_SRC.fullmatch, os.listdir(args.src)) if m)
+    if not indices:
+        print(f"error: SRC {args.src} holds no hs_<i>.safetensors files (extract --out "
+              f"writes them); nothing to convert", file=sys.stderr)
+        return 2
     try:
         norm = load_final_norm(args.model, args.norm_key) if args.model else None
-        masks = load_loss_masks(args.loss_mask_from) if args.loss_mask_from else None
-        indices = sorted(int(m.group(1)) for m in map(_SRC.fullmatch, os.listdir(args.src)) if m)
+        masks = load_loss_masks(args.loss_mask_from, indices) if args.loss_mask_from else None
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         written = skipped = 0
         for index in indices:
             dst = specforge_path(args.dst, index)
             if os.path.exists(dst):
                 skipped += 1
                 continue
-            mask = None
-            if masks is not None:
-                if index not in masks:
-                    raise ConvertError(f"{args.loss_mask_from}: row {index} has no loss_mask")
-                mask = masks[index]
+            mask = masks[index] if masks is not None else None
             record = to_specforge_record(os.path.join(args.src, f"hs_{index}.safetensors"), norm, mask)
             save_atomic(record, dst)
             written += 1

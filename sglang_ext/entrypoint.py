@@ -12,7 +12,9 @@ user's own arguments, then ``exec``s it. The user always wins:
   whole profile off, ``--no-default FLAG`` (repeatable) drops one default.
 
 Entrypoint-only options (consumed here, never passed to SGLang):
-``--print-command``, ``--no-profile NAME``, ``--no-default FLAG``.
+``--print-command``, ``--no-profile NAME``, ``--no-default FLAG`` (FLAG must be one of
+the profiles' defaults), ``--help`` (ours: these options, the defaults, the dump flags,
+the environment; SGLang's 2,000-line help is ``--help-sglang``).
 
 If the first argument is an executable on PATH (``python``, ``bash``, ...)
 it is exec'd as given, so ``docker run IMAGE python -m sglang.launch_server
@@ -29,6 +31,7 @@ capabilities, one per GPU; replaces ``nvidia-smi`` detection),
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -181,6 +184,7 @@ PROFILES: tuple[Profile, ...] = (KIMI_K25, SM120)
 # ---------------------------------------------------------------------------
 
 Runner = Callable[[Sequence[str]], str]
+_CAP = re.compile(r"\d+\.\d+")  # nvidia-smi's compute_cap, e.g. "12.0"
 
 
 def _run_nvidia_smi(cmd: Sequence[str]) -> str:
@@ -196,7 +200,12 @@ def detect_compute_caps(environ: Mapping[str, str], runner: Runner | None = None
     """
     forced = environ.get("KIMI_SGLANG_COMPUTE_CAP", "").strip()
     if forced:
-        return tuple(c.strip() for c in forced.split(",") if c.strip())
+        caps = tuple(c.strip() for c in forced.split(",") if c.strip())
+        bad = [c for c in caps if not _CAP.fullmatch(c)]
+        if bad or not caps:
+            raise SystemExit(f"kimi-sglang: KIMI_SGLANG_COMPUTE_CAP must be a comma list of "
+                             f"compute capabilities, one per GPU (e.g. 12.0,12.0), got {forced!r}")
+        return caps
     if runner is None:
         if shutil.which("nvidia-smi") is None:
             return ()
@@ -317,6 +326,14 @@ def build_launch(
     if unknown:
         raise SystemExit(f"kimi-sglang: unknown profile(s) {sorted(unknown)}; known: {sorted(known)}")
 
+    spellings = {n for p in profiles for o in p.opts for n in o.names}
+    not_defaults = no_default - spellings
+    if not_defaults:
+        raise SystemExit(f"kimi-sglang: --no-default {', '.join(sorted(not_defaults))}: not a "
+                         f"default flag of any profile (they are: "
+                         f"{', '.join(sorted(o.flag for p in profiles for o in p.opts))}); "
+                         f"`kimi-sglang --help` lists them")
+
     ctx = make_context(environ, compute_caps, runner)
     user_flags = {n for n in map(_flag_name, user_args) if n}
 
@@ -369,12 +386,75 @@ def build_launch(
     )
 
 
+# The server flags patch 0001 adds (SGLang's --help lists them too, among 2,000 lines).
+DUMP_FLAGS = (
+    ("--dump-hidden-states-dir DIR", "turn dumping on: one safetensors file per request in DIR "
+     "(created here if missing; /dev/shm/... keeps it in RAM)"),
+    ("--dump-hidden-states-layers IDS", "comma list of layer ids, default 2,N/2,N-3,N"),
+    ("--dump-hidden-states-max-host-mb MB", "host memory for rows waiting to be written "
+     "(default 4096); when full, prefill waits for the writer"),
+)
+ENV_VARS = (
+    ("KIMI_SGLANG_MODEL", f"model path (default {DEFAULT_MODEL})"),
+    ("KIMI_SGLANG_PORT", f"server port (default {DEFAULT_PORT}; the HEALTHCHECK reads it too)"),
+    ("KIMI_SGLANG_GPU_COUNT", "GPU count for --tp-size (default: counted by nvidia-smi)"),
+    ("KIMI_SGLANG_COMPUTE_CAP", "comma list of compute capabilities, one per GPU, e.g. "
+     "12.0,12.0 (default: nvidia-smi)"),
+    ("KIMI_SGLANG_NO_PROFILE", "comma list of profiles to turn off, as --no-profile"),
+)
+
+
+def help_text(profiles: Sequence[Profile] = PROFILES) -> str:
+    """``kimi-sglang --help``: our options, the profiles' defaults, the dump flags, the
+    environment; SGLang's own help is one command away."""
+    w = 38
+
+    def row(name: str, text: str) -> str:
+        line = f"  {name:<{w}} {text}" if len(name) < w else f"  {name}\n  {'':<{w}} {text}"
+        return line.rstrip()
+
+    lines = [
+        "usage: kimi-sglang [OPTIONS] [SGLANG SERVER FLAGS ...]",
+        "       kimi-sglang COMMAND [ARGS ...]   (an executable, e.g. python or bash, runs as given)",
+        "",
+        "Starts `python -m sglang.launch_server` with the defaults of the profiles that apply",
+        "(below) and your flags; a flag you give replaces a profile's default.",
+        "",
+        "kimi-sglang options (not passed to SGLang):",
+        row("--print-command", "print the final command and environment, start nothing"),
+        row("--no-profile NAME", "turn a profile off (repeatable, or a comma list)"),
+        row("--no-default FLAG", "drop one default flag (repeatable, or a comma list)"),
+        row("--help-sglang", "SGLang's own server flags (python -m sglang.launch_server --help)"),
+        "",
+        "Hidden-state dump flags (SGLang server flags added by the kimi-sglang patch):",
+        *(row(n, t) for n, t in DUMP_FLAGS),
+        "",
+        "Profiles and their defaults:",
+    ]
+    for prof in profiles:
+        lines.append(f"  {prof.name}: {prof.description}")
+        for opt in prof.opts:
+            value = (opt.value or "").format(model="$KIMI_SGLANG_MODEL", port="$KIMI_SGLANG_PORT",
+                                             gpu_count="<GPU count>")
+            lines.append(row(f"  {opt.flag} {value}".rstrip(), opt.why.split(";")[0].split(" (")[0]))
+        for key, value in prof.env.items():
+            lines.append(row(f"  env {key}={value}", "unless set already"))
+    lines += ["", "Environment:", *(row(n, t) for n, t in ENV_VARS),
+              "", "SGLang's own flags: kimi-sglang --help-sglang (or python -m sglang.launch_server --help)"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     # Pass-through: `kimi-sglang python -m ...`, `kimi-sglang bash`, ...
     if argv and not argv[0].startswith("-") and shutil.which(argv[0]):
         os.execvp(argv[0], argv)
+    if "--help-sglang" in argv:
+        os.execvp(sys.executable, [sys.executable, "-m", LAUNCH_MODULE, "--help"])
+    if "-h" in argv or "--help" in argv:
+        sys.stdout.write(help_text())
+        return 0
 
     launch = build_launch(argv)
     for w in launch.warnings:

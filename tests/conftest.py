@@ -1,4 +1,9 @@
-"""Session fixtures for the patch tests: the pinned 0.5.17 wheel and one pristine checkout."""
+"""Session fixtures for the patch tests: the pinned 0.5.17 wheel and one pristine checkout;
+the ``py310`` marker.
+
+The patch tooling is imported inside the fixtures: the client tests marked ``py310`` run
+under Python 3.10 too (tests/run.sh), where nothing here may need Python 3.11's tomllib.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from sglang_ext.patchtool.series import load_series
-from sglang_ext.patchtool.wheel import WheelError, create_checkout, fetch_wheel, verify_wheel
 
 REPO = Path(__file__).resolve().parents[1]
 SERIES_DIR = REPO / "patches" / "v0.5.17"
@@ -22,8 +24,16 @@ OFFLINE_HINTS = ("NewConnectionError", "Network is unreachable", "Temporary fail
                  "Max retries exceeded", "Could not fetch URL")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "py310: also run under Python 3.10 by tests/run.sh (client and CLI tests; "
+        "the module may import only what requirements/ci-py310.txt installs)")
+
+
 def fetch_wheel_or_skip(version, base, cache):
     """``fetch_wheel``, skipping the calling test only when PyPI is unreachable."""
+    from sglang_ext.patchtool.wheel import WheelError, fetch_wheel
+
     try:
         return fetch_wheel(version, base, cache)
     except WheelError as exc:
@@ -34,6 +44,8 @@ def fetch_wheel_or_skip(version, base, cache):
 
 @pytest.fixture(scope="session")
 def series():
+    from sglang_ext.patchtool.series import load_series
+
     return load_series(SERIES_DIR)
 
 
@@ -48,6 +60,8 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def wheel(series, cache_dir):
     """The sha256-verified 0.5.17 wheel: /tmp/wh when present, else downloaded."""
+    from sglang_ext.patchtool.wheel import fetch_wheel, verify_wheel
+
     if PRESEEDED.is_file():
         return verify_wheel(PRESEEDED, series.base)
     return fetch_wheel("0.5.17", series.base, cache_dir)
@@ -56,6 +70,8 @@ def wheel(series, cache_dir):
 @pytest.fixture(scope="session")
 def pristine(wheel, tmp_path_factory) -> Path:
     """One checkout built by the tool; tests clone it rather than modify it."""
+    from sglang_ext.patchtool.wheel import create_checkout
+
     dest = tmp_path_factory.mktemp("pristine") / "sglang"
     create_checkout(wheel, dest)
     return dest

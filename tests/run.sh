@@ -1,50 +1,60 @@
 #!/usr/bin/env bash
-# The test command (README, CI): CPU only; installs what it needs into a cached venv.
+# The test command (README, CI): CPU only; installs what it needs into cached venvs.
 #
 #   bash tests/run.sh [pytest args]
 #
-# Venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of requirements/ci.txt>),
-# reused while requirements/ci.txt is unchanged. It holds the pinned test deps, SGLang's
-# wheel installed --no-deps (plus only what importing its server args needs: see
-# requirements/ci.txt), the trainer packages of requirements/ci-nodeps.txt (--no-deps)
-# (the project itself is put on PYTHONPATH). Downloads are cached by pip.
+# 1. The main venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of
+#    requirements/ci.txt, ci-nodeps.txt, the pinned base.toml>), reused while those are
+#    unchanged. It holds the pinned test deps, SGLang's wheel installed --no-deps (plus
+#    only what importing its server args needs: see requirements/ci.txt) and the trainer
+#    packages of requirements/ci-nodeps.txt (--no-deps). First run: ~6.5 GB on disk (torch
+#    and its CUDA libraries), several minutes. Every test runs here (pytest args apply).
+# 2. The Python 3.10 venv (default ~/.cache/kimi-sglang/venv310-<hash of
+#    requirements/ci-py310.txt>, ~120 MB): the tests marked `py310` (clients and CLI, no
+#    torch) run again under Python 3.10 after a full run (no pytest args). Python 3.10 is
+#    $KIMI_SGLANG_PYTHON310, else python3.10 on PATH, else pyenv's ~/.pyenv/versions/3.10.*;
+#    none found: an error under CI=true, a warning otherwise.
+# Venvs are created by tests/venv.sh, under a lock (concurrent runs wait, never collide).
+# The project itself is put on PYTHONPATH. Downloads are cached by pip.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
+cache=${KIMI_SGLANG_VENV_ROOT:-$HOME/.cache/kimi-sglang}
 req=requirements/ci.txt
 sglang_version=$("$py" -c "import tomllib;print(tomllib.load(open('patches/v0.5.17/base.toml','rb'))['base']['version'])")
 nodeps=requirements/ci-nodeps.txt
 hash=$(cat "$req" "$nodeps" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
-venv=${KIMI_SGLANG_VENV:-$HOME/.cache/kimi-sglang/venv-$hash}
-quiet() {  # run a pip command; show its output only if it fails
-  local log
-  log=$(mktemp)
-  if ! "$@" >"$log" 2>&1; then grep -v "^WARNING: Location" "$log" >&2; rm -f "$log"; return 1; fi
-  rm -f "$log"
+venv=${KIMI_SGLANG_VENV:-$cache/venv-$hash}
+req310=requirements/ci-py310.txt
+venv310=${KIMI_SGLANG_VENV310:-$cache/venv310-$(sha256sum <"$req310" | cut -c1-12)}
+
+find_python310() {
+  local cand
+  for cand in "${KIMI_SGLANG_PYTHON310:-}" python3.10 "$HOME"/.pyenv/versions/3.10.*/bin/python3.10; do
+    [ -n "$cand" ] || continue
+    if "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then
+      command -v "$cand"; return 0
+    fi
+  done
+  return 1
 }
+
 if [ ! -f "$venv/.complete" ]; then
-  echo "== creating test venv $venv (first run: several minutes, torch is large)"
-  rm -rf "$venv"
-  "$py" -m venv "$venv"
-  quiet "$venv/bin/python" -m pip install --upgrade pip
-  quiet "$venv/bin/python" -m pip install -r "$req"
-  quiet "$venv/bin/python" -m pip install --no-deps "sglang==$sglang_version"
-  quiet "$venv/bin/python" -m pip install --no-deps -r "$nodeps"
-  touch "$venv/.complete"
+  echo "== first run: installing the test venv (~6.5 GB: torch with its CUDA libraries; several minutes)"
 fi
+bash tests/venv.sh "$venv" "$py" "--upgrade pip" "-r $req" "--no-deps sglang==$sglang_version" "--no-deps -r $nodeps"
 # The project itself comes from this checkout through PYTHONPATH, not an install into the
 # shared venv (an editable install there would point every other checkout at this one).
 if [ -n "$(ls "$venv"/lib/python*/site-packages/__editable__*sglang_ext* 2>/dev/null)" ]; then
-  quiet "$venv/bin/python" -m pip uninstall -y sglang-ext
+  "$venv/bin/python" -m pip uninstall -q -y sglang-ext
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$venv/bin:$PATH"
 echo "== ruff"
-ruff check sglang_ext tests --select F,E9
+"$venv/bin/ruff" check sglang_ext tests --select F,E9
 echo "== pytest"
 set +e
-python -m pytest "$@"
+PATH="$venv/bin:$PATH" python -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
@@ -53,4 +63,20 @@ if [ "$rc" -eq 5 ]; then
   if [ "$#" -gt 0 ]; then echo "no test matched the selection"; exit 0; fi
   echo "ERROR: pytest collected no tests"; exit 1
 fi
-exit "$rc"
+# Python 3.10: only on a full run (a selection is for iterating on one test); it runs
+# whatever the main run gave, and the exit status is the worse of the two.
+for arg in "$@"; do case $arg in -*) ;; *) exit "$rc" ;; esac; done
+if ! py310=$(find_python310); then
+  msg="Python 3.10 not found (set KIMI_SGLANG_PYTHON310): the py310 tests did not run"
+  if [ "${CI:-}" = true ]; then echo "ERROR: $msg"; exit 1; fi
+  echo "WARNING: $msg"; exit "$rc"
+fi
+bash tests/venv.sh "$venv310" "$py310" "--upgrade pip" "-r $req310"
+mapfile -t files < <(grep -l "pytest.mark.py310" tests/test_*.py)
+echo "== pytest, Python 3.10 ($py310): ${files[*]}"
+set +e
+PATH="$venv310/bin:$PATH" python -m pytest -q -m py310 -p no:cacheprovider "${files[@]}"
+rc310=$?
+set -e
+if [ "$rc" -ne 0 ]; then exit "$rc"; fi
+exit "$rc310"

@@ -331,9 +331,11 @@ def test_abort_after_consecutive_failures(server, tmp_path, capsys):
     assert rc == client.EXIT_ABORTED
     summary = json.loads(capsys.readouterr().out.split("extract summary: ")[1])
     # --concurrency 1 runs two workers (one may wait on a file): the sample the other one
-    # holds when the third failure aborts still finishes its tries; nothing new starts.
+    # holds when the third failure aborts tries no more (not counted as failed unless its
+    # last try had failed already); nothing new starts.
     assert summary["failed"] in (3, 4) and "aborted" in summary
-    assert sum(server.counts.values()) == summary["failed"] * 2  # 1 try + 1 retry each
+    assert len(server.counts) <= 4
+    assert summary["failed"] * 2 <= sum(server.counts.values()) <= 8  # 1 try + 1 retry each
 
 
 def test_sharding_by_index_modulo_world_size(server, tmp_path):

@@ -246,3 +246,53 @@ def test_console_script_declared():
 def test_bad_environment_values_are_refused_with_a_message(env):
     with pytest.raises(SystemExit, match="must be a"):
         ep.make_context({"KIMI_SGLANG_COMPUTE_CAP": "9.0", **env})
+
+
+def test_help_is_ours_and_points_to_sglangs(tmp_path):
+    r = run_cli(["--help"], {}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("usage: kimi-sglang") and len(lines) < 60
+    for needed in ("--print-command", "--no-profile NAME", "--no-default FLAG", "--help-sglang",
+                   "--dump-hidden-states-dir DIR", "--dump-hidden-states-layers",
+                   "--dump-hidden-states-max-host-mb", "KIMI_SGLANG_MODEL", "KIMI_SGLANG_PORT",
+                   "KIMI_SGLANG_GPU_COUNT", "KIMI_SGLANG_COMPUTE_CAP", "KIMI_SGLANG_NO_PROFILE",
+                   "kimi-k25", "sm120", "NCCL_P2P_DISABLE=1"):
+        assert needed in r.stdout, needed
+    # every default flag of every profile, spelled as SGLang takes it
+    for flag in ("--model-path", "--tp-size", "--trust-remote-code", "--tool-call-parser kimi_k2",
+                 "--reasoning-parser kimi_k2", "--host 0.0.0.0", "--port", "--attention-backend triton",
+                 "--disable-custom-all-reduce"):
+        assert f"    {flag}" in r.stdout, flag
+    assert lines[-1] == "SGLang's own flags: kimi-sglang --help-sglang (or python -m sglang.launch_server --help)"
+    assert "--enable-return-hidden-states" not in r.stdout  # none of SGLang's own help
+    assert run_cli(["-h"], {}, tmp_path).stdout == r.stdout
+
+
+def test_help_sglang_runs_sglangs_own_help(monkeypatch):
+    seen = []
+
+    def fake_exec(file, args):
+        seen.append(args)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(ep.os, "execvp", fake_exec)
+    with pytest.raises(SystemExit):
+        ep.main(["--help-sglang"])
+    assert seen == [[sys.executable, "-m", "sglang.launch_server", "--help"]]
+
+
+@pytest.mark.parametrize("caps", ["abc", "12.0,x", "12", ",,"])
+def test_bad_compute_cap_names_the_variable(caps):
+    with pytest.raises(SystemExit, match=r"KIMI_SGLANG_COMPUTE_CAP must be a comma list of compute "
+                                         r"capabilities, one per GPU \(e\.g\. 12\.0,12\.0\), got"):
+        ep.make_context({"KIMI_SGLANG_COMPUTE_CAP": caps})
+
+
+def test_no_default_must_name_a_default_flag():
+    with pytest.raises(SystemExit, match=r"--no-default --bogus: not a default flag of any profile"):
+        build(["--no-default", "--bogus"])
+    with pytest.raises(SystemExit, match=r"--no-default tp-size: not a default flag"):
+        build(["--no-default=tp-size"])
+    launch = build(["--no-default", "--tp"])  # any spelling of a default counts
+    assert "--tp-size" not in launch.argv and "--model-path" in launch.argv

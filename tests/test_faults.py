@@ -4,7 +4,7 @@ Every test drives the real code (format, writer, hooks) with stand-ins for SGLan
 batch and request objects (tests/test_hooks.py's); the outcome of every request is
 checked against the contract: a complete file (it loads, equals the reference) or an
 error in its response, never a partial file under a final name and never an entry
-outside the dump directory. The README's "Faults and bad input" table maps each fault to its test here.
+outside the dump directory. The table in docs/faults.md maps each fault to its test here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,444 @@
+"""The command line and the clients without torch, on every Python the package supports.
+
+tests/run.sh runs this module twice: in the main test venv (Python 3.11) and in a small
+Python 3.10 venv holding only requirements/ci-py310.txt (no torch, no SGLang): what a
+client machine needs for ``extract`` and ``convert``.
+
+The server here is a stand-in for the patched SGLang's ``/generate``: it writes each
+request's file by hand (an 8-byte header length, the JSON header, the bytes) as BF16
+``hidden_states [T, 2, 4]`` and I64 ``token_ids [T]``, under the name the real writer
+gives it (``format.safe_stem(rid)``), with the ``.lock`` protocol for early answers.
+Expected bytes come from ``reference_bf16`` (token id, position, slot, channel), never
+from the code under test.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from sglang_ext import format as fmt
+
+pytestmark = pytest.mark.py310
+
+REPO = Path(__file__).resolve().parents[1]
+SLOTS, HIDDEN = 2, 4
+
+
+def reference_bf16(ids) -> bytes:
+    """BF16 bytes of [T, SLOTS, HIDDEN]: value = id + t/4 + slot*2 + channel/8, each
+    exactly representable in bf16 for ids < 64, so truncating float32 is exact."""
+    out = bytearray()
+    for t, tok in enumerate(ids):
+        for s in range(SLOTS):
+            for h in range(HIDDEN):
+                f32 = struct.pack("<f", tok + t / 4 + s * 2 + h / 8)
+                out += f32[2:4]
+    return bytes(out)
+
+
+def write_file(path: str, ids) -> None:
+    hs = reference_bf16(ids)
+    header = json.dumps({
+        "__metadata__": {"format": fmt.FORMAT_VERSION, "layer_ids": "[2, 4]", "num_layers": "4"},
+        "hidden_states": {"dtype": "BF16", "shape": [len(ids), SLOTS, HIDDEN],
+                          "data_offsets": [0, len(hs)]},
+        "token_ids": {"dtype": "I64", "shape": [len(ids)],
+                      "data_offsets": [len(hs), len(hs) + 8 * len(ids)]},
+    }).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + hs + struct.pack(f"<{len(ids)}q", *ids))
+
+
+class Server:
+    """``/generate`` on 127.0.0.1. ``mode``: "dump" (write, then answer the path), "nodump"
+    (answer without a path, as an unpatched server does), "hang" (never answer).
+    ``write_delay_s``: with an early-answer request, answer at once with the name reserved
+    (``.lock`` held) and write that much later (the first ``delay_first`` requests only;
+    None: all). The first ``hang_first`` requests get their file written, then no answer."""
+
+    def __init__(self, dump_dir: Path, mode: str = "dump"):
+        self.dump_dir = str(dump_dir)
+        os.makedirs(self.dump_dir, exist_ok=True)
+        self.mode = mode
+        self.write_delay_s = 0.0
+        self.hang_first = 0
+        self.delay_first = None
+        self.requests = 0
+        self.status = 200
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                code, obj = server.generate(body)
+                if code is None:
+                    return
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data)
+                except OSError:  # the client went away
+                    pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def generate(self, body):
+        with self.lock:
+            self.requests += 1
+            n = self.requests
+        delayed = self.delay_first is None or n <= self.delay_first
+        if self.status != 200:
+            return self.status, {"error": {"message": "refused"}}
+        if self.mode == "hang":
+            self.release.wait(60)
+            return None, None
+        if self.mode == "nodump":
+            return 200, {"text": "x", "meta_info": {"id": body["rid"], "prompt_tokens": 3}}
+        ids = body["input_ids"]
+        path = os.path.join(self.dump_dir, fmt.safe_stem(body["rid"]) + fmt.SUFFIX)
+        if n <= self.hang_first:
+            write_file(path, ids)
+            self.release.wait(60)
+            return None, None
+        early = ((body.get("sampling_params") or {}).get("custom_params") or {}).get(fmt.WAIT_PARAM) is False
+        if early and delayed and self.write_delay_s:
+            fd = os.open(path + fmt.LOCK_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+
+            def later():
+                time.sleep(self.write_delay_s)
+                write_file(path, ids)
+                os.unlink(path + fmt.LOCK_SUFFIX)
+                os.close(fd)
+
+            threading.Thread(target=later, daemon=True).start()
+            return 200, {"text": "x", "meta_info": {"hidden_states_path": path, fmt.PENDING_KEY: True}}
+        write_file(path, ids)
+        return 200, {"text": "x", "meta_info": {"hidden_states_path": path}}
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path / "dump")
+    yield s
+    s.close()
+
+
+def rows(n):
+    """Row i: token ids [i, i+1, ..] of length 2 + i % 3 (all < 64)."""
+    return [[i + k for k in range(2 + i % 3)] for i in range(n)]
+
+
+def write_jsonl(path: Path, data, masks=None, blank_after=None) -> str:
+    with open(path, "w") as f:
+        for i, ids in enumerate(data):
+            row = {"input_ids": ids} if ids is not None else {"text": "no ids"}
+            if masks is not None:
+                row["loss_mask"] = masks[i]
+            f.write(json.dumps(row) + "\n")
+            if blank_after == i:
+                f.write("\n")
+    return str(path)
+
+
+def cli(*args, timeout=60, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "sglang_ext", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def extract_args(server, data, out, *extra):
+    return [str(a) for a in ["extract", "--endpoint", server.url, "--data", data, "--out", out,
+                             "--no-progress", "--backoff", "0.01", "--max-backoff", "0.05", *extra]]
+
+
+def summary(stdout: str) -> dict:
+    return json.loads(stdout.split("extract summary: ")[1])
+
+
+def server_files(server) -> list:
+    return sorted(n for n in os.listdir(server.dump_dir))
+
+
+# ---- the command line -------------------------------------------------------------------------
+def test_every_command_answers_help_and_only_its_module_is_imported():
+    r = cli("--help")
+    assert r.returncode == 0, r.stderr
+    for name in ("patches", "extract", "convert"):
+        assert name in r.stdout
+    for name in ("extract", "convert", "patches"):
+        r = cli(name, "--help")
+        assert r.returncode == 0, (name, r.stderr)
+        assert f"usage: sglang-ext {name}" in r.stdout
+    code = ("import sys; from sglang_ext.__main__ import main\n"
+            "try:\n    main(['extract', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('sglang_ext.') or m in ('tomllib', 'tomli', 'torch')))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-2] == "['sglang_ext.__main__', 'sglang_ext.client', 'sglang_ext.format', 'sglang_ext.pending']"
+
+
+def test_patches_reads_its_series_on_this_python(tmp_path):
+    """`patches` loads base.toml (tomllib, or tomli on 3.10) and its report tooling."""
+    report = {"series": "v0.5.17", "target": "/x", "state": "clean", "changed": False, "notes": [],
+              "patches": [{"patch": "0001-a.diff", "status": "clean", "failures": [], "offsets": [], "note": ""}]}
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    r = cli("patches", "summary", tmp_path / "r.json")
+    assert r.returncode == 0 and "CLEAN (OK)" in r.stdout, r.stdout + r.stderr
+    code = "from sglang_ext.__main__ import _import_command; print(_import_command('patches').__name__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert r.stdout.strip() == "sglang_ext.patches", r.stderr
+
+
+# ---- extract ----------------------------------------------------------------------------------
+def test_extract_collects_every_row_without_torch(server, tmp_path):
+    data = rows(7)
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--concurrency", 2))
+    assert r.returncode == 0, r.stderr
+    s = summary(r.stdout)
+    assert (s["extracted"], s["failed"], s["tokens"]) == (7, 0, sum(map(len, data)))
+    for i, ids in enumerate(data):
+        raw = (out / f"hs_{i}.safetensors").read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        assert header["hidden_states"]["shape"] == [len(ids), SLOTS, HIDDEN]
+        body = raw[8 + n:]
+        assert body[:len(ids) * SLOTS * HIDDEN * 2] == reference_bf16(ids)
+        assert list(struct.unpack(f"<{len(ids)}q", body[-8 * len(ids):])) == ids
+    assert server_files(server) == []  # every file was moved out of the dump directory
+    assert not list(out.glob(".extract-pending*"))  # nothing pending: no journal left
+
+
+def test_a_server_that_is_not_dumping_aborts_at_once_with_the_reason_first(tmp_path):
+    s = Server(tmp_path / "dump", mode="nodump")
+    try:
+        t0 = time.monotonic()
+        r = cli(*extract_args(s, write_jsonl(tmp_path / "d.jsonl", rows(200)), tmp_path / "out",
+                              "--concurrency", 4, "--max-retries", 5))
+        elapsed = time.monotonic() - t0
+    finally:
+        s.close()
+    assert r.returncode == 3, r.stderr
+    first = r.stderr.strip().splitlines()[0]
+    assert first.startswith("error: row ") and "is not dumping hidden states" in first
+    assert "--dump-hidden-states-dir" in first
+    assert s.requests <= 8  # the requests already in flight (2 workers per slot), no retries
+    assert elapsed < 20
+    assert "Traceback" not in r.stderr
+    assert "aborted" in summary(r.stdout)
+
+
+def test_a_refused_row_is_not_retried(server, tmp_path):
+    server.status = 400
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(2)), tmp_path / "out",
+                          "--concurrency", 1, "--max-retries", 5))
+    assert r.returncode == 1
+    assert server.requests == 2
+    assert "row 0: the server refused the row (HTTP 400)" in r.stderr
+
+
+def test_endpoint_with_a_path_aborts_at_once(server, tmp_path):
+    server.status = 404
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(50)), tmp_path / "out",
+                          "--concurrency", 1))
+    assert r.returncode == 3
+    assert "--endpoint must be the server's base URL" in r.stderr.splitlines()[0]
+    assert server.requests <= 2
+
+
+def test_ctrl_c_ends_with_one_line(tmp_path):
+    s = Server(tmp_path / "dump", mode="hang")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = extract_args(s, write_jsonl(tmp_path / "d.jsonl", rows(20)), str(tmp_path / "out"),
+                        "--concurrency", 2)
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while s.requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.requests >= 2, "the client sent nothing"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        s.close()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("extract: interrupted: 0 sample(s) extracted"), err
+    assert "run the same command again to resume" in lines[0]
+
+
+def test_files_of_a_killed_run_are_removed_by_the_next_run(server, tmp_path):
+    """A run killed while the server still writes (early answers) or before it answers
+    leaves files in the dump directory; the next run removes every one of them."""
+    data = rows(6)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+    server.hang_first = 2  # written, never answered
+    server.write_delay_s = 1.0  # the others: answered early, written 1 s later
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *extract_args(
+        server, path, str(out), "--concurrency", 4)], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while server.requests < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # the client has the early answers
+    proc.kill()
+    proc.wait(timeout=10)
+    time.sleep(1.5)  # the server finishes its writes for the killed client
+    left = [n for n in server_files(server) if n.endswith(fmt.SUFFIX)]
+    assert len(left) == 6, server_files(server)
+    server.write_delay_s = 0.0
+    r = cli(*extract_args(server, path, out, "--concurrency", 2))
+    assert r.returncode == 0, r.stderr
+    assert f"removed {len(left)} file(s) an earlier run of this command left" in r.stderr, r.stderr
+    assert server_files(server) == []
+    assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(6))
+
+
+def test_a_timed_out_try_is_reported_then_removed(server, tmp_path):
+    """The first try's file takes 2 s; the try times out after 0.5 s and the retry
+    succeeds. The late file is reported as still being written, and the next run removes it."""
+    path = write_jsonl(tmp_path / "d.jsonl", rows(1))
+    out = tmp_path / "out"
+    server.write_delay_s, server.delay_first = 2.0, 1
+    r = cli(*extract_args(server, path, out, "--timeout", "0.5", "--max-retries", 1))
+    assert r.returncode == 0, r.stderr
+    s = summary(r.stdout)
+    assert s["extracted"] == 1 and s["retries"] == 1
+    assert len(s["server_files_left"]) == 1
+    late = s["server_files_left"][0]
+    assert "still being written by the server" in r.stderr
+    time.sleep(2.0)
+    assert os.path.exists(late)
+    r = cli(*extract_args(server, path, out))
+    assert r.returncode == 0, r.stderr
+    assert "removed 1 file(s) an earlier run of this command left" in r.stderr
+    assert not os.path.exists(late) and server_files(server) == []
+    assert summary(r.stdout)["resumed"] == 1
+
+
+def test_a_folder_that_is_not_a_dataset_is_one_sentence(server, tmp_path):
+    folder = tmp_path / "notdata"
+    folder.mkdir()
+    (folder / "x.txt").write_text("hello")
+    r = cli(*extract_args(server, folder, tmp_path / "out"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: --data {folder} is a directory but not a dataset saved by datasets' save_to_disk "
+        f"(no state.json in it); pass a JSONL file or such a directory"]
+    (folder / "dataset_dict.json").write_text("{}")
+    (folder / "train").mkdir()
+    r = cli(*extract_args(server, folder, tmp_path / "out"))
+    assert r.returncode == 2 and f"pass one of its folders, e.g. {folder / 'train'}" in r.stderr
+    assert server.requests == 0
+
+
+def test_rows_are_counted_from_0_and_name_their_line(server, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [[1, 2], [3, 4], None], blank_after=0)
+    r = cli(*extract_args(server, path, tmp_path / "out", "--concurrency", 1))
+    assert r.returncode == 2
+    assert "error: row 2 (line 4 of d.jsonl) has neither input_ids nor messages" in r.stderr
+    (tmp_path / "e.jsonl").write_text('{"input_ids": [1]}\n\n\n{oops\n')
+    r = cli(*extract_args(server, tmp_path / "e.jsonl", tmp_path / "out2"))
+    assert r.returncode == 2 and "error: row 1 (line 4 of e.jsonl): not JSON" in r.stderr
+
+
+# ---- convert's refusals (all before torch is needed) -------------------------------------------
+def test_convert_without_input_files_is_an_error(tmp_path):
+    (tmp_path / "src").mkdir()
+    r = cli("convert", "--to", "specforge", tmp_path / "src", tmp_path / "dst", "--no-final-norm")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"error: SRC {tmp_path / 'src'} holds no hs_<i>.safetensors files "
+                                f"(extract --out writes them); nothing to convert")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_model_folder_without_config_says_so(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_file(str(src / "hs_0.safetensors"), [1, 2, 3])
+    (tmp_path / "model").mkdir()
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--model", tmp_path / "model")
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith(f"error: --model {tmp_path / 'model'} has no config.json")
+
+
+def test_convert_loss_masks_with_too_few_rows_say_how_many(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        write_file(str(src / f"hs_{i}.safetensors"), [1, 2, 3])
+    masks = write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3]] * 2, masks=[[0, 1, 1]] * 2)
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+            "--loss-mask-from", masks)
+    assert r.returncode == 2
+    assert (f"--loss-mask-from {masks} has 2 row(s), but SRC holds hs_3: it needs at least "
+            f"4 rows") in r.stderr
+    nomask = tmp_path / "n.jsonl"
+    nomask.write_text("\n".join(json.dumps({"input_ids": [1, 2, 3]}) for _ in range(4)) + "\n")
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+            "--loss-mask-from", nomask)
+    assert r.returncode == 2 and "row 0 (line 1 of n.jsonl) has no loss_mask" in r.stderr
+
+
+def test_the_pending_journal_stays_small_and_survives_a_restart(tmp_path, monkeypatch):
+    from sglang_ext.pending import PendingFiles, journal_path
+
+    monkeypatch.setattr(PendingFiles, "COMPACT_EVERY", 10)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    p = PendingFiles(str(tmp_path), rank=1)
+    for i in range(100):
+        p.sent(f"r{i}")
+        p.named(f"r{i}", str(dump / f"f{i}.safetensors"))
+        if i % 10:
+            p.settled(f"r{i}")
+    p.sent("never-answered")
+    lines = open(journal_path(str(tmp_path), 1)).read().splitlines()
+    assert len(lines) <= 10 + 1 + 10  # one compaction's worth, the dir line, what is pending
+    again = PendingFiles(str(tmp_path), rank=1)
+    assert again.rids == {**{f"r{i}": str(dump / f"f{i}.safetensors") for i in range(0, 100, 10)},
+                          "never-answered": None}
+    assert again.dump_dirs == [str(dump)]
+    # what they left: a file for r0 and one for the never-answered rid (by its safe name)
+    write_file(str(dump / "f0.safetensors"), [1])
+    write_file(str(dump / (fmt.safe_stem("never-answered") + fmt.SUFFIX)), [1])
+    assert again.sweep(forget_unanswered=True) == (2, [])
+    assert os.listdir(dump) == [] and again.rids == {}
+    assert not os.path.exists(journal_path(str(tmp_path), 1))
