@@ -23,7 +23,7 @@ import shutil
 import pytest
 
 import tiny_models
-from record import ResultsJSON
+import record
 from server import ServerOptions
 from server import start_server as _start_server
 
@@ -38,10 +38,9 @@ def pytest_addoption(parser):
                     help="--tp-size of the multi_gpu tests' servers (needs that many GPUs; default 2)")
     group.addoption("--no-cuda-graph", action="store_true",
                     help="start the servers with --disable-cuda-graph (faster start-up, decode eager)")
-    group.addoption("--results-json", default=None, metavar="PATH",
-                    help="write the results record (ids, outcomes, durations, measured errors) as JSON")
     group.addoption("--server-log-dir", default=None, metavar="DIR",
                     help="where the servers' logs go (default: a pytest temporary directory)")
+    record.add_option(group)
     group.addoption("--model-dir", default="/tmp/kimi-e2e-models", metavar="DIR",
                     help="where the tiny models are built (default: /tmp/kimi-e2e-models)")
 
@@ -58,11 +57,7 @@ def selected_models(config) -> list:
 def pytest_configure(config):
     config.addinivalue_line("markers", "models(*names): the tiny models a GPU test runs on (default: all)")
     selected_models(config)  # a bad --models is a usage error before collection
-    path = config.getoption("--results-json")
-    if path:
-        plugin = ResultsJSON(path, environment=_environment)
-        config.pluginmanager.register(plugin, "kimi-results-json")
-        config._kimi_results = plugin
+    config._kimi_results = record.configure(config, environment=_environment)
 
 
 def _environment() -> dict:

@@ -67,3 +67,27 @@ class ResultsJSON:
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1, default=str)
         os.replace(tmp, self.path)
+
+
+def add_option(parser) -> None:
+    parser.addoption("--results-json", default=None, metavar="PATH",
+                     help="write the results record (ids, outcomes, durations, recorded properties) as JSON")
+
+
+def configure(config, environment: Callable[[], dict] = dict):
+    """Register a ResultsJSON when --results-json is given; returns it (or None)."""
+    path = config.getoption("--results-json")
+    if not path:
+        return None
+    plugin = ResultsJSON(path, environment)
+    config.pluginmanager.register(plugin, "kimi-results-json")
+    return plugin
+
+
+# As a plugin of its own (``pytest -p record``, tests/gpu on sys.path):
+def pytest_addoption(parser):
+    add_option(parser)
+
+
+def pytest_configure(config):
+    configure(config)
