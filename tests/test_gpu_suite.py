@@ -307,18 +307,26 @@ def _shim(tmp_path, body):
     return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), str(REPO)])}
 
 
-def test_start_server_serves_then_stop_ends_the_process_group(tmp_path):
+@pytest.mark.parametrize("launcher", ["direct", "entrypoint"])
+def test_start_server_serves_then_stop_ends_the_process_group(tmp_path, launcher):
     """The launcher against tests/fake_sglang_server.py behind ``python -m
-    sglang.launch_server``: /health polled until up, /generate answered with a file, a
-    client that closes early, then stop() ends it (idempotent)."""
+    sglang.launch_server`` (directly, or exec'd by the container entrypoint): /health polled
+    until up, /generate answered with a file, a client that closes early, then stop()
+    ends it (idempotent)."""
     env = _shim(tmp_path, f"import runpy, sys\nsys.argv[0] = 'fake'\n"
                           f"runpy.run_path({str(REPO / 'tests' / 'fake_sglang_server.py')!r}, run_name='__main__')\n")
     model = tmp_path / "model"
     model.mkdir()
-    srv = gpu_server.start_server(str(model), str(tmp_path / "dump"), "1,3,4", "direct",
-                                  str(tmp_path / "logs" / "s.log"), port=_free_port(), env=env, timeout_s=60)
+    port = _free_port()
+    srv = gpu_server.start_server(str(model), str(tmp_path / "dump"), "1,3,4", launcher,
+                                  str(tmp_path / "logs" / "s.log"), port=port, env=env, timeout_s=60)
     try:
         assert srv.alive() and srv.startup_s > 0 and "--skip-tokenizer-init" in srv.command
+        if launcher == "entrypoint":  # what the entrypoint exec'd, as it printed it
+            assert srv.printed is not None and "-m sglang.launch_server" in srv.printed
+            assert f"--port {port}" in srv.printed and "--dump-hidden-states-layers 1,3,4" in srv.printed
+        else:
+            assert srv.printed is None
         res = srv.generate([5, 6, 7], rid="r1")
         path = res["meta_info"]["hidden_states_path"]
         assert os.path.dirname(path) == str(tmp_path / "dump") and os.path.exists(path)
@@ -327,6 +335,8 @@ def test_start_server_serves_then_stop_ends_the_process_group(tmp_path):
     finally:
         srv.stop()
     assert srv.proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(srv.proc.pid, 0)  # nothing of its process group is left
     srv.stop()  # again: nothing left to stop, no error
 
 

@@ -97,17 +97,15 @@ class Server:
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL after 30 s; also reaps schedulers a main
         process left behind. Idempotent."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break  # nothing of the group is left
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -166,8 +164,11 @@ def start_server(model_path: str, dump_dir: str, layers: Optional[str], launcher
     full_env = dict(os.environ, **(env or {}))
     printed = None
     if launcher == "entrypoint":
-        printed = subprocess.run(cmd + ["--print-command"], capture_output=True, text=True,
-                                 check=True, env=full_env).stdout
+        shown = subprocess.run(cmd + ["--print-command"], capture_output=True, text=True, env=full_env)
+        if shown.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:3])} --print-command exited with {shown.returncode}: "
+                               f"{shown.stderr[-1500:]}")
+        printed = shown.stdout
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=full_env)
