@@ -94,8 +94,9 @@ def test_hostile_rids_http(server, rng):
                          f"{r.text[:150]}")
             continue
         rec = fmt.load(path)
-        if rec.metadata["rid"] != rid or rec.token_ids.tolist() != ids:
-            problems.add(f"rid {rid[:40]!r}: metadata rid {rec.metadata['rid'][:40]!r} or token ids differ")
+        if rec.metadata.get("rid") != rid or rec.token_ids.tolist() != ids:
+            problems.add(f"rid {rid[:40]!r}: metadata rid {str(rec.metadata.get('rid'))[:40]!r} "
+                         "or token ids differ")
     problems.extend(unloadable_files(server.dump_dir))
     problems.check("hostile rids")
 
