@@ -23,7 +23,7 @@ case "${1:-run}" in
     prepare_run
     out=${OUT:-/tmp/e2e-out}
     mkdir -p "$out"
-    python3 -m pytest tests/gpu -p no:cacheprovider -rA -m "gpu and not multi_gpu" \
+    python3 -m pytest tests/gpu -p no:cacheprovider -v -m "gpu and not multi_gpu" \
       --junitxml "$out/e2e-junit.xml" --results-json "$out/e2e-results.json" --server-log-dir "$out" \
       "${@:2}"
     ;;
