@@ -12,7 +12,10 @@
 #   python -m pytest tests/gpu -m "gpu and not multi_gpu" --junitxml $OUT/e2e-junit.xml
 #       --results-json $OUT/e2e-results.json --server-log-dir $OUT [pytest args]
 # Later arguments win: `run -m multi_gpu` runs the TP group (2 GPUs), `run --models llama`
-# one model, `run -k faults` one group.
+# one model, `run -k faults` one group. A server starts per model and module (64-150 s
+# each on the H200), so within the 10-minute call limit run one model per call:
+# `run --models llama`, then `run --models deepseek`. Commit $OUT/e2e-results.json as
+# tests/gpu/results-<date>-<gpu>-<group or model>.json, replacing the older file of that kind.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=tests/gpu/stage.sh
