@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -378,3 +379,53 @@ def test_problems_fail_with_every_line():
     p.extend([f"request {i}: no file" for i in range(12)])
     with pytest.raises(AssertionError, match=r"(?s)llama case: 12 problem\(s\):\n  request 0: no file.*and 2 more"):
         p.check("llama case")
+
+
+# ---- rehearsal: the fixtures wired end to end against the fake server ------------------
+REHEARSAL_PLUGIN = '''
+import sys
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Pretend this host can run the GPU suite: tests/gpu/conftest.py's check says yes,
+    the reference runs on the CPU."""
+    for plugin in config.pluginmanager.get_plugins():
+        if str(getattr(plugin, "__file__", "")).endswith("tests/gpu/conftest.py"):
+            plugin.gpu_unavailable_reason = lambda: None
+    import reference
+
+    class CPUReference(reference.Reference):
+        def __init__(self, path, device="cuda"):
+            super().__init__(path, device="cpu")
+
+    reference.Reference = CPUReference
+'''
+
+
+def test_rehearsal_fault_tests_run_against_a_stand_in_server(tmp_path):
+    """Two fault tests through the real fixtures (model build, entrypoint launcher, module
+    server, teardown, results JSON) with ``sglang.launch_server`` shadowed by
+    tests/fake_sglang_server.py and the CUDA check answered yes: they pass, and the one
+    server of the module started once and was stopped."""
+    (tmp_path / "rehearsal.py").write_text(REHEARSAL_PLUGIN)
+    _shim(tmp_path, f"import runpy\nrunpy.run_path({str(REPO / 'tests' / 'fake_sglang_server.py')!r}, "
+                    "run_name='__main__')\n")
+    out = tmp_path / "out"
+    proc = run_pytest("tests/gpu", "-p", "rehearsal", "-q", "--models", "llama", "-k",
+                      "test_client_disconnect or test_same_rid_at_once", "--results-json", str(out / "r.json"),
+                      "--server-log-dir", str(out), "--model-dir", str(tmp_path / "models"),
+                      extra_path=[tmp_path, tmp_path / "shim"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    doc = json.loads((out / "r.json").read_text())
+    assert doc["counts"] == {"passed": 2}
+    assert [s["name"] for s in doc["servers"]] == ["llama-faults-tp1"]
+    assert "-m sglang.launch_server" in doc["servers"][0]["entrypoint_command"]
+    props = {t["id"].split("::")[-1]: t["properties"] for t in doc["tests"]}
+    assert props["test_same_rid_at_once[llama]"]["accepted"] >= 1
+    assert (out / "server-llama-faults-tp1.log").exists()
+    with pytest.raises(ConnectionRefusedError):  # the module's server was stopped at teardown
+        socket.create_connection(("127.0.0.1", gpu_server.PORT), timeout=5).close()
+    shutil.rmtree("/dev/shm/hs-llama-faults-tp1", ignore_errors=True)
