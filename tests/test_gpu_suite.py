@@ -383,8 +383,6 @@ def test_problems_fail_with_every_line():
 
 # ---- rehearsal: the fixtures wired end to end against the fake server ------------------
 REHEARSAL_PLUGIN = '''
-import sys
-
 import pytest
 
 
