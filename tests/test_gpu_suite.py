@@ -427,3 +427,34 @@ def test_rehearsal_fault_tests_run_against_a_stand_in_server(tmp_path):
     with pytest.raises(ConnectionRefusedError):  # the module's server was stopped at teardown
         socket.create_connection(("127.0.0.1", gpu_server.PORT), timeout=5).close()
     shutil.rmtree("/dev/shm/hs-llama-faults-tp1", ignore_errors=True)
+
+
+def _gpu_conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_conftest", GPU / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_patched_sglang_is_recognized_from_its_server_args(tmp_path, monkeypatch, patched):
+    """The skip rule reads SGLang's srt/server_args.py: the series adds
+    ``dump_hidden_states_dir`` there (patch 0001); an unpatched SGLang is named with the fix."""
+    import importlib
+
+    srt = tmp_path / "sglang" / "srt"
+    srt.mkdir(parents=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (srt / "server_args.py").write_text("class ServerArgs:\n"
+                                        + ("    dump_hidden_states_dir = None\n" if patched else "    port = 30000\n"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    importlib.invalidate_caches()
+    reason = _gpu_conftest().patched_sglang_reason()
+    if patched:
+        assert reason is None
+    else:
+        assert reason == (f"SGLang at {tmp_path / 'sglang'} is not patched "
+                          "(python -m sglang_ext patches apply --site-packages)")

@@ -22,8 +22,8 @@ import shutil
 
 import pytest
 
-import tiny_models
 import record
+import tiny_models
 from server import ServerOptions
 from server import start_server as _start_server
 
@@ -50,7 +50,8 @@ def selected_models(config) -> list:
     names = [n.strip() for n in config.getoption("--models").split(",") if n.strip()]
     bad = [n for n in names if n not in tiny_models.MODELS]
     if bad or not names:
-        raise pytest.UsageError(f"--models: unknown model(s) {bad or names}; choose from {', '.join(MODEL_NAMES)}")
+        what = f"unknown model(s) {bad}" if bad else "no model given"
+        raise pytest.UsageError(f"--models: {what}; choose from {', '.join(MODEL_NAMES)}")
     return names
 
 
