@@ -27,7 +27,7 @@ case "${1:-run}" in
     out=${OUT:-/tmp/e2e-out}
     mkdir -p "$out"
     python3 -m pytest tests/gpu -p no:cacheprovider -v -m "gpu and not multi_gpu" \
-      --junitxml "$out/e2e-junit.xml" --results-json "$out/e2e-results.json" --server-log-dir "$out" \
+      --junitxml "$out/e2e-junit.xml" -o junit_family=xunit1 --results-json "$out/e2e-results.json" --server-log-dir "$out" \
       "${@:2}"
     ;;
   *) echo "usage: $0 install a|b|c | run [pytest args, e.g. --models llama, -m multi_gpu, -k core]" >&2; exit 2 ;;
