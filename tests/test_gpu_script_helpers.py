@@ -1,7 +1,7 @@
-"""The CPU-checkable parts of tests/gpu/e2e.py's TP checks (issue 9), so that the one
-two-GPU run is not lost to a parsing bug: per-rank device-to-host bytes read from torch
-profiler chrome traces as SGLang's /stop_profile exports them, and the file-against-file
-comparison of two servers' dumps."""
+"""The CPU-checkable parts of the GPU suite's TP checks (tests/gpu/test_gpu_parallel.py,
+issue 9), so that the one two-GPU run is not lost to a parsing bug: per-rank device-to-host
+bytes read from torch profiler chrome traces as SGLang's /stop_profile exports them, and
+the file-against-file comparison of two servers' dumps (tests/gpu/checks.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("requests")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
-import e2e  # noqa: E402
+import checks  # noqa: E402
+import tiny_models  # noqa: E402
 
 from sglang_ext import format as fmt  # noqa: E402
 
@@ -41,7 +42,7 @@ def test_dtoh_bytes_per_rank_counts_only_device_to_host_copies(tmp_path):
     ])
     _trace(tmp_path / "tp-TP-1-DP-1.trace.json.gz", real + [dict(copy, args={"bytes": 8})])
     (tmp_path / "cuda_graph_capture-x-TP-0.json.gz").write_bytes(b"not read")
-    got = e2e.dtoh_bytes_per_rank(str(tmp_path))
+    got = checks.dtoh_bytes_per_rank(str(tmp_path))
     assert {r: (v["dtoh_bytes"], v["dtoh_copies"]) for r, v in got.items()} == {
         0: (4 << 20, 2), 1: (8, 1)}
 
@@ -66,23 +67,25 @@ def test_compare_kept_finds_value_id_and_missing_differences(tmp_path):
     want = {rid: _write(a, rid, hs, ids) for rid, _ in prompts}
     got = {"same": _write(b, "same", near, ids), "far": _write(b, "far", far, ids),
            "ids": _write(b, "ids", hs, [3, 4, 5, 6, 8])}
-    problems, worst = e2e.compare_kept(prompts[:1], got, want)
-    assert problems == [] and worst[0] < e2e.TOL_BLOCK
-    problems, worst = e2e.compare_kept(prompts[1:2], got, want)
-    assert problems == [] and worst[0] > e2e.TOL_BLOCK  # the caller fails it on the tolerance
-    problems, _ = e2e.compare_kept(prompts[2:], got, want)
+    problems, worst = checks.compare_kept(prompts[:1], got, want)
+    assert problems == [] and worst.files == 1 and worst.block < checks.TOL_BLOCK and worst.problems() == []
+    problems, worst = checks.compare_kept(prompts[1:2], got, want)
+    assert problems == [] and worst.block > checks.TOL_BLOCK  # the caller fails it on the tolerance
+    [line, *_] = worst.problems()
+    assert line.startswith("block relative error") and "(far)" in line
+    problems, _ = checks.compare_kept(prompts[2:], got, want)
     assert problems == ["ids: token_ids or layer_ids differ", "gone: missing on one side"]
 
 
-def test_e2e_and_bench_build_the_same_tiny_deepseek(tmp_path, monkeypatch):
-    """tests/gpu/e2e.py and bench/bench.py build the one DeepseekV3 of tests/gpu/tiny_models
-    (the benchmark measures the model the GPU checks verified): both saved configs agree
-    but for the context length, and every routed expert is selected (what makes e2e's fp32
+def test_gpu_suite_and_bench_build_the_same_tiny_deepseek(tmp_path, monkeypatch):
+    """The GPU suite and bench/bench.py build the one DeepseekV3 of tests/gpu/tiny_models
+    (the benchmark measures the model the GPU tests verified): both saved configs agree
+    but for the context length, and every routed expert is selected (what makes the fp32
     reference exact, see tiny_models). Built for real, on the CPU (~40 M parameters)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
     import bench
 
-    e2e.build_deepseek(str(tmp_path / "e2e"))
+    tiny_models.build_deepseek(str(tmp_path / "e2e"))
     bench.internal_build("deepseek-tiny", str(tmp_path / "bench"))
     got = [json.load(open(tmp_path / d / "config.json")) for d in ("e2e", "bench")]
     assert got[0]["max_position_embeddings"] == 4096 and got[1]["max_position_embeddings"] == 16384

@@ -1,0 +1,70 @@
+"""The independent reference of the GPU suite: HF transformers' forward of the same weights
+in float32, and the relative error of a dumped tensor against it.
+
+Layer id k < N is ``output_hidden_states[k]`` (the residual stream entering decoder layer
+k; 0 = the embeddings); id N is the input of the final norm, taken by a forward pre-hook on
+``model.model.norm`` (HF's last ``hidden_states`` entry is after the norm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+
+class Reference:
+    """HF forward in float32: ``ref(ids, layer_ids) -> [T, L, H] float32 CPU tensor``.
+
+    ``path``: an HF model directory; ``device``: where the forward runs ("cuda" in the GPU
+    suite, "cpu" in the CPU check of this class)."""
+
+    def __init__(self, path: str, device: str = "cuda"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        self.num_layers = self.model.config.num_hidden_layers
+        self.hidden_size = self.model.config.hidden_size
+        self._pre_norm = None
+        self._hook = self.model.model.norm.register_forward_pre_hook(self._grab)
+
+    def _grab(self, module, args):
+        self._pre_norm = args[0].detach()
+
+    def __call__(self, ids: Sequence[int], layer_ids: Sequence[int]):
+        import torch
+
+        with torch.no_grad():
+            out = self.model(torch.tensor([list(ids)], device=self.device), output_hidden_states=True)
+        slots = [self._pre_norm[0] if k == self.num_layers else out.hidden_states[k][0]
+                 for k in layer_ids]
+        return torch.stack(slots, dim=1).float().cpu()  # [T, L, H]
+
+    def close(self) -> None:
+        """Drop the model (frees its device memory once nothing else holds it)."""
+        self._hook.remove()
+        del self.model
+
+
+@dataclass(frozen=True)
+class RelError:
+    """``block``: ||got - ref|| / ||ref|| over the whole [T, L, H] block; ``token``: the
+    largest per-row error ||got[t, l] - ref[t, l]|| / ||ref[t, l]||; ``at``: its
+    (token row, layer slot)."""
+
+    block: float
+    token: float
+    at: Tuple[int, int]
+
+
+def rel_errors(got, ref) -> RelError:
+    """Relative errors of ``got`` (any float dtype) against ``ref`` (float32), both
+    [T, L, H]. Raises ValueError when the shapes differ."""
+    if tuple(got.shape) != tuple(ref.shape):
+        raise ValueError(f"shape {tuple(got.shape)} != reference shape {tuple(ref.shape)}")
+    got, ref = got.float(), ref.float()
+    diff = got - ref
+    block = (diff.norm() / ref.norm()).item()
+    rows = diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)  # [T, L]
+    flat = int(rows.argmax())
+    return RelError(block, rows.max().item(), divmod(flat, rows.shape[1]))

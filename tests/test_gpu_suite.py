@@ -1,0 +1,460 @@
+"""The GPU suite's plumbing, checked on the CPU (nobody runs tests/gpu before the one GPU
+run): pytest collects the cases with the expected ids, markers and order; the default CPU
+run leaves them out; without CUDA they are skipped with the reason; and the helpers the
+GPU tests stand on (relative errors, the HF reference's pre-norm hook, the server's command
+line and lifecycle, leftovers, log and results parsing) behave on hand-made inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("requests")
+
+REPO = Path(__file__).resolve().parents[1]
+GPU = REPO / "tests" / "gpu"
+sys.path.insert(0, str(GPU))
+import checks  # noqa: E402
+import reference  # noqa: E402
+import server as gpu_server  # noqa: E402
+import tiny_models  # noqa: E402
+
+from sglang_ext import format as fmt  # noqa: E402
+
+CORE = ["test_concurrent_32_mixed", "test_longer_than_chunk_700", "test_just_over_chunk_257",
+        "test_shared_prefix_pair", "test_max_new_tokens_8", "test_same_rid_twice",
+        "test_early_answers_mixed_16", "test_index_one_line_per_file"]
+CLIENTS = ["test_openai_v1_completions_vllm_protocol", "test_extract_cli_200_validate",
+           "test_speculators_own_generator"]
+FAULTS = ["test_client_disconnect", "test_malformed_400", "test_hostile_rids_http", "test_same_rid_at_once",
+          "test_metrics_endpoint", "test_writer_killed", "test_sigterm_in_flight"]
+PARALLEL = ["test_one_writer_rank", "test_one_rank_copies", "test_tp_equals_tp1"]
+
+
+def expected_ids(models=("llama", "deepseek"), multi_gpu=True, single_gpu=True):
+    ids = []
+    for m in models:
+        if single_gpu:
+            if m == "llama":
+                ids += [f"tests/gpu/test_gpu_clients.py::{t}[{m}]" for t in CLIENTS]
+            ids += [f"tests/gpu/test_gpu_core.py::TestCore::{t}[{m}]" for t in CORE]
+            ids += [f"tests/gpu/test_gpu_faults.py::{t}[{m}]" for t in FAULTS]
+        if multi_gpu:
+            ids += [f"tests/gpu/test_gpu_parallel.py::TestCoreAtTP::{t}[{m}]" for t in CORE]
+            ids += [f"tests/gpu/test_gpu_parallel.py::{t}[{m}]" for t in PARALLEL]
+            if m == "deepseek":
+                ids.append(f"tests/gpu/test_gpu_parallel.py::test_dp_attention_equals[{m}]")
+    return ids
+
+
+def run_pytest(*args, cwd=REPO, extra_path=()):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, extra_path), str(REPO),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTEST_ADDOPTS", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def collected(*args):
+    proc = run_pytest("--collect-only", "-q", *args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [ln for ln in proc.stdout.splitlines() if "::" in ln]
+
+
+# ---- collection --------------------------------------------------------------------
+def test_collects_every_gpu_case_in_run_order():
+    """Every case of the GPU suite, once per model, grouped by model (one build, reference
+    and server per model and module), in the order the dependencies need."""
+    got = collected("tests/gpu")
+    assert sorted(got) == sorted(expected_ids()), (
+        f"missing {sorted(set(expected_ids()) - set(got))}, unexpected {sorted(set(got) - set(expected_ids()))}")
+    for m in ("llama", "deepseek"):
+        mine = [i for i in got if i.endswith(f"[{m}]")]
+        faults = [i for i in mine if "test_gpu_faults" in i]
+        assert faults[-1].split("::")[-1].startswith("test_sigterm_in_flight"), faults  # ends the server
+        for cls in ("test_gpu_core.py::TestCore", "test_gpu_parallel.py::TestCoreAtTP"):
+            core = [i for i in mine if cls in i]
+            assert core[-1].split("::")[-1].startswith("test_index_one_line_per_file"), core
+        par = [i.split("::")[-1].split("[")[0] for i in mine if "test_gpu_parallel.py::test_" in i]
+        assert par.index("test_one_rank_copies") < par.index("test_tp_equals_tp1")  # then the TP server stops
+        # all of one model's tests run before the next model's (session-scoped model)
+        first, last = got.index(mine[0]), got.index(mine[-1])
+        assert got[first:last + 1] == mine
+
+
+def test_markers_select_single_and_multi_gpu_groups():
+    single = collected("tests/gpu", "-m", "gpu and not multi_gpu")
+    assert sorted(single) == sorted(expected_ids(multi_gpu=False))
+    multi = collected("tests/gpu", "-m", "multi_gpu")
+    assert sorted(multi) == sorted(expected_ids(single_gpu=False))
+
+
+def test_models_option_and_k_pick_one_model():
+    """``--models llama`` leaves DeepseekV3-only tests out (deselected, not skipped);
+    ``-k deepseek`` picks by id; an unknown model is a usage error."""
+    assert sorted(collected("tests/gpu", "--models", "llama")) == sorted(expected_ids(models=("llama",)))
+    assert sorted(collected("tests/gpu", "-k", "deepseek")) == sorted(expected_ids(models=("deepseek",)))
+    proc = run_pytest("--collect-only", "-q", "tests/gpu", "--models", "llama,gpt")
+    assert proc.returncode == 4 and "--models: unknown model(s) ['gpt']" in proc.stderr
+
+
+def test_the_default_run_leaves_tests_gpu_out():
+    """``pytest`` at the root (tests/run.sh, CI) collects the CPU suite and nothing under
+    tests/gpu (pyproject's norecursedirs)."""
+    got = collected()
+    assert any(i.startswith("tests/test_gpu_suite.py::") for i in got)
+    assert not [i for i in got if i.startswith("tests/gpu/")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: the GPU suite would run")
+def test_without_cuda_every_gpu_test_is_skipped_with_the_reason(tmp_path):
+    """Run (not just collect) on this CPU host: every test reported skipped with one clear
+    reason, none set up (no model build, no server); the results JSON records them."""
+    out = tmp_path / "r.json"
+    proc = run_pytest("-q", "-rs", "tests/gpu", "--results-json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert f"{len(expected_ids())} skipped" in proc.stdout
+    assert "CUDA is not available (torch.cuda.is_available() is False)" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["counts"] == {"skipped": len(expected_ids())}
+    assert {t["id"] for t in doc["tests"]} == set(expected_ids())
+    assert all("CUDA is not available" in t["message"] for t in doc["tests"])
+
+
+# ---- the results plugin ---------------------------------------------------------------
+def test_results_json_records_outcomes_durations_and_properties(tmp_path):
+    (tmp_path / "test_demo.py").write_text(textwrap.dedent("""
+        import pytest
+
+        def test_ok(record_property):
+            record_property("max_rel_err", 0.0081)
+
+        def test_bad(record_property):
+            record_property("max_rel_err", 0.5)
+            assert 0.5 <= 0.02, "block relative error 5.000e-01 > 0.02"
+
+        @pytest.mark.skip(reason="not here")
+        def test_skipped():
+            pass
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("server exited with 1")
+
+        def test_setup_error(broken):
+            pass
+    """))
+    out = tmp_path / "res.json"
+    proc = run_pytest("-q", "-p", "record", "--results-json", str(out), str(tmp_path / "test_demo.py"),
+                      cwd=tmp_path, extra_path=[GPU])
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    doc = json.loads(out.read_text())
+    tests = {t["id"].split("::")[-1]: t for t in doc["tests"]}
+    assert {k: v["outcome"] for k, v in tests.items()} == {
+        "test_ok": "passed", "test_bad": "failed", "test_skipped": "skipped", "test_setup_error": "error"}
+    assert tests["test_ok"]["properties"] == {"max_rel_err": 0.0081}
+    assert tests["test_bad"]["properties"] == {"max_rel_err": 0.5}
+    assert "block relative error 5.000e-01 > 0.02" in tests["test_bad"]["message"]
+    assert "server exited with 1" in tests["test_setup_error"]["message"]
+    assert tests["test_skipped"]["message"] == "Skipped: not here"
+    assert doc["counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 1}
+    assert doc["exitstatus"] == 1 and doc["versions"]["pytest"]
+    assert all(t["duration_s"] >= 0 for t in doc["tests"])
+
+
+# ---- relative errors and the reference --------------------------------------------------
+def test_rel_errors_block_token_and_where():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(6, 3, 16, generator=g)
+    got = ref.clone()
+    got[4, 1] *= 1.1  # one row 10% off
+    err = reference.rel_errors(got.to(torch.bfloat16), ref)
+    assert err.at == (4, 1)
+    assert err.token == pytest.approx(0.1, rel=0.05)
+    want_block = ((got - ref).norm() / ref.norm()).item()
+    assert err.block == pytest.approx(want_block, rel=0.1) and err.block < err.token
+    with pytest.raises(ValueError, match=r"shape \(6, 3, 8\) != reference shape \(6, 3, 16\)"):
+        reference.rel_errors(got[..., :8], ref)
+
+
+def test_worst_reports_what_where_and_by_how_much():
+    w = checks.Worst()
+    w.add(reference.RelError(0.01, 0.03, (2, 0)), "request 0 (40 tokens)")
+    w.add(reference.RelError(0.025, 0.06, (7, 2)), "request 3 (700 tokens)")
+    w.add(reference.RelError(0.02, 0.04, (1, 1)), "request 5 (9 tokens)")
+    assert (w.block, w.token, w.files) == (0.025, 0.06, 3)
+    assert w.problems() == [
+        "block relative error 2.500e-02 > 0.02 (request 3 (700 tokens))",
+        "per-token relative error 6.000e-02 > 0.05 (request 3 (700 tokens), token row 7, layer slot 2)"]
+    assert w.problems(tol_block=0.03, tol_token=None) == []
+    props = []
+    w.record(lambda k, v: props.append((k, v)))
+    assert props == [("max_rel_err", 0.025), ("max_rel_err_per_token", 0.06), ("files_compared", 3)]
+
+
+def _write(d, rid, hs, ids, layer_ids=(1, 2)):
+    res = fmt.reserve(fmt.open_dump_dir(str(d)), rid)
+    fmt.write_reserved(res, hs, torch.tensor(ids),
+                       fmt.build_metadata(rid=rid, layer_ids=list(layer_ids), num_layers=4))
+    fmt.complete(res)
+    return os.path.join(str(d), res.name)
+
+
+def test_compare_file_checks_shape_ids_layers_and_errors(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(5, 2, 8, generator=g)
+    ids = [3, 4, 5, 6, 7]
+    rec = fmt.load(_write(tmp_path, "a", ref.to(torch.bfloat16), ids))
+    w = checks.Worst()
+    assert checks.compare_file(rec, ids, (1, 2), 8, ref, "a", w) == [] and w.problems() == []
+    assert checks.compare_file(rec, [3, 4, 9, 6, 7], (1, 2), 8, ref, "b", w) == [
+        "b: token_ids differ from the request's from position 2"]
+    assert checks.compare_file(rec, ids, (1, 3), 8, ref, "c", w) == ["c: layer_ids [1, 2] != [1, 3]"]
+    assert checks.compare_file(rec, ids, (1, 2), 16, ref, "d", w) == [
+        "d: hidden_states shape (5, 2, 8) != (5, 2, 16) (tokens, layer slots, hidden)"]
+    far = checks.Worst()
+    checks.compare_file(rec, ids, (1, 2), 8, ref * 2, "e", far)
+    assert far.block == pytest.approx(0.5, rel=0.01) and far.problems()[0].startswith("block relative error 4.99")
+
+
+def test_reference_layers_and_the_pre_norm_hook(tmp_path):
+    """The tiny Llama built for real on the CPU: id k < N is the residual entering decoder
+    layer k (checked with a pre-hook on that layer, independent of output_hidden_states),
+    id N the final norm's input (norm(it) is HF's last hidden state), id 0 the embeddings."""
+    n = tiny_models.build_llama(str(tmp_path / "llama"))
+    assert n == 8 and (tmp_path / "llama" / "tokenizer.json").exists()
+    ref = reference.Reference(str(tmp_path / "llama"), device="cpu")
+    seen = {}
+    for k in (2, 5):
+        ref.model.model.layers[k].register_forward_pre_hook(
+            lambda mod, args, kwargs, k=k: seen.__setitem__(k, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True)
+    ids = [5, 17, 300, 1023, 9, 42]
+    got = ref(ids, (0, 2, 5, 8))
+    assert got.shape == (6, 4, 256) and got.dtype == torch.float32
+    emb = ref.model.model.embed_tokens(torch.tensor([ids]))[0]
+    torch.testing.assert_close(got[:, 0], emb)
+    torch.testing.assert_close(got[:, 1], seen[2][0])
+    torch.testing.assert_close(got[:, 2], seen[5][0])
+    with torch.no_grad():
+        final = ref.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(ref.model.model.norm(got[:, 3]), final)
+    assert not torch.allclose(got[:, 3], final)  # the pre-norm stream, not the normed one
+
+
+def test_tiny_model_specs_and_build_resolve_layer_ids(tmp_path):
+    """llama: default layers of 8 (2,4,5,8), entrypoint launcher; deepseek: 1,3,4, direct."""
+    built = tiny_models.build(tiny_models.MODELS["llama"], str(tmp_path))
+    assert (built.name, built.num_layers, built.hidden_size, built.layer_ids) == ("llama", 8, 256, (2, 4, 5, 8))
+    assert tiny_models.MODELS["llama"].launcher == "entrypoint"
+    ds = tiny_models.MODELS["deepseek"]
+    assert (ds.layers_flag, ds.launcher) == ("1,3,4", "direct")
+
+
+# ---- the server: command line and lifecycle ---------------------------------------------
+def test_server_command_lines(tmp_path):
+    with_tok, no_tok = tmp_path / "llama", tmp_path / "ds"
+    with_tok.mkdir()
+    no_tok.mkdir()
+    (with_tok / "tokenizer.json").write_text("{}")
+    base = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--port", "30011",
+            "--mem-fraction-static", "0.3", "--chunked-prefill-size", "256", "--cuda-graph-max-bs", "8",
+            "--enable-metrics", "--dump-hidden-states-dir", "/dev/shm/d"]
+    cmd = gpu_server.server_command(str(with_tok), "/dev/shm/d", None, "entrypoint", python="py")
+    assert cmd == ["py", "-m", "sglang_ext.entrypoint", "--model-path", str(with_tok), *base]
+    opts = gpu_server.ServerOptions(tp=2, dp_attention=True, cuda_graph=False)
+    cmd = gpu_server.server_command(str(no_tok), "/dev/shm/d", "1,3,4", "direct", opts, python="py")
+    assert cmd == ["py", "-m", "sglang.launch_server", "--model-path", str(no_tok), *base,
+                   "--skip-tokenizer-init", "--disable-cuda-graph",
+                   "--tp-size", "2", "--enforce-disable-flashinfer-allreduce-fusion",
+                   "--dp-size", "2", "--enable-dp-attention", "--dump-hidden-states-layers", "1,3,4"]
+    assert opts.tag == "tp2-dpattn-eager" and gpu_server.ServerOptions().tag == "tp1"
+    with pytest.raises(ValueError, match="launcher must be 'direct' or 'entrypoint', not 'docker'"):
+        gpu_server.server_command(str(no_tok), "/d", None, "docker")
+    with pytest.raises(ValueError, match="tp must be >= 1, not 0"):
+        gpu_server.server_command(str(no_tok), "/d", None, "direct", gpu_server.ServerOptions(tp=0))
+
+
+def test_server_command_flags_are_the_patched_sglang_flags():
+    """Every dump flag the launcher passes is one the series adds to SGLang's server args
+    (patch 0001), spelled as there."""
+    diff = next((REPO / "patches" / "v0.5.17").glob("0001-*.diff")).read_text()
+    cmd = gpu_server.server_command("/m", "/d", "1,3,4", "direct")
+    for flag in (a for a in cmd if a.startswith("--dump-hidden-states")):
+        assert flag.removeprefix("--").replace("-", "_") in diff, flag
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shim(tmp_path, body):
+    """A ``sglang.launch_server`` module that shadows SGLang's on PYTHONPATH."""
+    pkg = tmp_path / "shim" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(body)
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), str(REPO)])}
+
+
+@pytest.mark.parametrize("launcher", ["direct", "entrypoint"])
+def test_start_server_serves_then_stop_ends_the_process_group(tmp_path, launcher):
+    """The launcher against tests/fake_sglang_server.py behind ``python -m
+    sglang.launch_server`` (directly, or exec'd by the container entrypoint): /health polled
+    until up, /generate answered with a file, a client that closes early, then stop()
+    ends it (idempotent)."""
+    env = _shim(tmp_path, f"import runpy, sys\nsys.argv[0] = 'fake'\n"
+                          f"runpy.run_path({str(REPO / 'tests' / 'fake_sglang_server.py')!r}, run_name='__main__')\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    port = _free_port()
+    srv = gpu_server.start_server(str(model), str(tmp_path / "dump"), "1,3,4", launcher,
+                                  str(tmp_path / "logs" / "s.log"), port=port, env=env, timeout_s=60)
+    try:
+        assert srv.alive() and srv.startup_s > 0 and "--skip-tokenizer-init" in srv.command
+        if launcher == "entrypoint":  # what the entrypoint exec'd, as it printed it
+            assert srv.printed is not None and "-m sglang.launch_server" in srv.printed
+            assert f"--port {port}" in srv.printed and "--dump-hidden-states-layers 1,3,4" in srv.printed
+        else:
+            assert srv.printed is None
+        res = srv.generate([5, 6, 7], rid="r1")
+        path = res["meta_info"]["hidden_states_path"]
+        assert os.path.dirname(path) == str(tmp_path / "dump") and os.path.exists(path)
+        srv.send_and_close({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}, 0.0)
+        assert srv.post({"input_ids": [8, 9]}).status_code == 200
+    finally:
+        srv.stop()
+    assert srv.proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(srv.proc.pid, 0)  # nothing of its process group is left
+    srv.stop()  # again: nothing left to stop, no error
+
+
+def test_start_server_failure_raises_with_the_log_tail(tmp_path):
+    env = _shim(tmp_path, "import sys\nprint('CUDA error: out of memory')\nsys.exit(3)\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(RuntimeError, match=r"(?s)server exited with 3 during start-up.*CUDA error: out of memory"):
+        gpu_server.start_server(str(model), str(tmp_path / "dump"), None, "direct", str(tmp_path / "s.log"),
+                                port=_free_port(), env=env, timeout_s=60)
+
+
+# ---- leftovers, files, logs ------------------------------------------------------------
+def test_leftovers_and_unloadable_files(tmp_path):
+    good = _write(tmp_path, "good", torch.zeros(3, 2, 4, dtype=torch.bfloat16), [3, 4, 5])
+    for name in ("x.safetensors.tmp", "y.safetensors.lock", ".tmp-z", "index.jsonl"):
+        (tmp_path / name).write_text("")
+    data = Path(good).read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    assert checks.leftovers(str(tmp_path)) == [".tmp-z", "x.safetensors.tmp", "y.safetensors.lock"]
+    problems = checks.unloadable_files(str(tmp_path))
+    assert len(problems) == 1 and problems[0].startswith("cut.safetensors: ")
+    for name in ("x.safetensors.tmp", "y.safetensors.lock", ".tmp-z"):
+        (tmp_path / name).unlink()
+    assert checks.wait_no_leftovers(str(tmp_path), timeout=1) == []
+
+
+def test_writer_ranks_from_the_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("[TP0] hidden-state dump: layers (1, 3, 4) -> /dev/shm/d, writer rank: True\n"
+                   "[TP1] hidden-state dump: layers (1, 3, 4) -> /dev/shm/d, writer rank: False\n"
+                   "[TP1] something else, writer rank: True\n")
+    assert checks.writer_ranks(str(log)) == (1, 1)
+
+
+def test_problems_fail_with_every_line():
+    p = checks.Problems()
+    p.check("nothing")
+    p.extend([f"request {i}: no file" for i in range(12)])
+    with pytest.raises(AssertionError, match=r"(?s)llama case: 12 problem\(s\):\n  request 0: no file.*and 2 more"):
+        p.check("llama case")
+
+
+# ---- rehearsal: the fixtures wired end to end against the fake server ------------------
+REHEARSAL_PLUGIN = '''
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Pretend this host can run the GPU suite: tests/gpu/conftest.py's check says yes,
+    the reference runs on the CPU."""
+    for plugin in config.pluginmanager.get_plugins():
+        if str(getattr(plugin, "__file__", "")).endswith("tests/gpu/conftest.py"):
+            plugin.gpu_unavailable_reason = lambda: None
+    import reference
+
+    class CPUReference(reference.Reference):
+        def __init__(self, path, device="cuda"):
+            super().__init__(path, device="cpu")
+
+    reference.Reference = CPUReference
+'''
+
+
+def test_rehearsal_fault_tests_run_against_a_stand_in_server(tmp_path):
+    """Two fault tests through the real fixtures (model build, entrypoint launcher, module
+    server, teardown, results JSON) with ``sglang.launch_server`` shadowed by
+    tests/fake_sglang_server.py and the CUDA check answered yes: they pass, and the one
+    server of the module started once and was stopped."""
+    (tmp_path / "rehearsal.py").write_text(REHEARSAL_PLUGIN)
+    _shim(tmp_path, f"import runpy\nrunpy.run_path({str(REPO / 'tests' / 'fake_sglang_server.py')!r}, "
+                    "run_name='__main__')\n")
+    out = tmp_path / "out"
+    proc = run_pytest("tests/gpu", "-p", "rehearsal", "-q", "--models", "llama", "-k",
+                      "test_client_disconnect or test_same_rid_at_once", "--results-json", str(out / "r.json"),
+                      "--server-log-dir", str(out), "--model-dir", str(tmp_path / "models"),
+                      extra_path=[tmp_path, tmp_path / "shim"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    doc = json.loads((out / "r.json").read_text())
+    assert doc["counts"] == {"passed": 2}
+    assert [s["name"] for s in doc["servers"]] == ["llama-faults-tp1"]
+    assert "-m sglang.launch_server" in doc["servers"][0]["entrypoint_command"]
+    props = {t["id"].split("::")[-1]: t["properties"] for t in doc["tests"]}
+    assert props["test_same_rid_at_once[llama]"]["accepted"] >= 1
+    assert (out / "server-llama-faults-tp1.log").exists()
+    with pytest.raises(ConnectionRefusedError):  # the module's server was stopped at teardown
+        socket.create_connection(("127.0.0.1", gpu_server.PORT), timeout=5).close()
+    shutil.rmtree("/dev/shm/hs-llama-faults-tp1", ignore_errors=True)
+
+
+def _gpu_conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_conftest", GPU / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_patched_sglang_is_recognized_from_its_server_args(tmp_path, monkeypatch, patched):
+    """The skip rule reads SGLang's srt/server_args.py: the series adds
+    ``dump_hidden_states_dir`` there (patch 0001); an unpatched SGLang is named with the fix."""
+    import importlib
+
+    srt = tmp_path / "sglang" / "srt"
+    srt.mkdir(parents=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (srt / "server_args.py").write_text("class ServerArgs:\n"
+                                        + ("    dump_hidden_states_dir = None\n" if patched else "    port = 30000\n"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    importlib.invalidate_caches()
+    reason = _gpu_conftest().patched_sglang_reason()
+    if patched:
+        assert reason is None
+    else:
+        assert reason == (f"SGLang at {tmp_path / 'sglang'} is not patched "
+                          "(python -m sglang_ext patches apply --site-packages)")
