@@ -168,9 +168,11 @@ class DumpWriter:
     def _spawn(self) -> None:
         mine, theirs = wire.socket_pair()
         root = os.path.dirname(os.path.dirname(os.path.abspath(fmt.__file__)))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "sglang_ext.writer_process",
+        # The package's root goes to the end of the child's sys.path (after the standard
+        # library, unlike PYTHONPATH), for a checkout that is not installed.
+        boot = ("import sys; sys.path.append(sys.argv.pop(1)); "
+                "from sglang_ext.writer_process import main; sys.exit(main())")
+        cmd = [sys.executable, "-c", boot, root,
                "--sock-fd", str(theirs.fileno()), "--arena-fd", str(self.arena_fd),
                "--arena-size", str(self._arena_size), "--dir-fd", str(self.dir_fd),
                "--threads", str(self.threads), "--tag", self.tag, "--meta", self._meta,
@@ -180,7 +182,7 @@ class DumpWriter:
             cmd += ["--metrics-model-name", str(self.metrics_model_name)]
         try:
             self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.arena_fd, self.dir_fd),
-                                          env=env, stdin=subprocess.DEVNULL)
+                                          stdin=subprocess.DEVNULL)
         except OSError as e:
             mine.close()
             raise RuntimeError(f"cannot start the hidden-state writer process: {e}") from None
@@ -295,6 +297,9 @@ class DumpWriter:
             if not self.is_current(pending):
                 raise WriterDied(DIED_MESSAGE)
         row_bytes = hidden.shape[1] * hidden.element_size()
+        if row_bytes > self.extents.capacity:
+            raise ValueError(f"one token's row ({row_bytes} bytes) exceeds the {self.extents.capacity}-byte "
+                             f"arena (--dump-hidden-states-max-host-mb)")
         gen = self.generation
         self._busy = True
         try:

@@ -58,6 +58,8 @@ from sglang_ext import trace, wire
 logger = logging.getLogger("sglang_ext.writer_process")
 
 SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
+COPY_TIMEOUT_S = 600.0  # a batch's device-to-host copy that takes longer: the GPU is hung
+LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
 TMP_PREFIX = ".kimi-"
 
 
@@ -105,18 +107,25 @@ class Writer:
         self.jobs: Dict[int, _Job] = {}
 
     # ---- ops ----------------------------------------------------------------------
-    def handle(self, op: tuple, fd: Optional[int]) -> None:
+    def handle(self, op: tuple, fd: Optional[int], lost: bool = False) -> None:
+        """Carry out one op. ``lost``: its arena data never arrived (``COPY_TIMEOUT_S``):
+        the request fails instead of writing what the arena holds."""
         kind = op[0]
         if kind == wire.BEGIN:
             _, key, rid, num_tokens, row_width, dtype, piece, token_off, times = op
             job = self.jobs[key] = _Job(rid=rid, num_tokens=num_tokens, times=dict(times or {}),
                                         row_bytes=row_bytes(row_width, dtype))
-            if not self.abort:
+            if lost:
+                job.error = LOST_MESSAGE
+            elif not self.abort:
                 self._guard(job, self._begin, job, key, row_width, dtype, token_off)
             self._ack((wire.DONE_PIECE, piece, num_tokens * 8))
         elif kind == wire.ROWS:
             _, key, row0, nrows, piece, off = op
             job = self.jobs.get(key)
+            if job is not None and lost and job.error is None:
+                job.error = LOST_MESSAGE
+                self._discard(job)
             if job is not None and job.error is None and not self.abort:
                 self._guard(job, self._rows, job, row0, nrows, off)
             self._ack((wire.DONE_PIECE, piece, nrows * (job.row_bytes if job is not None else 0)))
@@ -343,8 +352,10 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
                     stop["timeout"] = drain_timeout
                     break
                 seq, ops = msg
-                if seq and not arena_mod.wait_seq(mm, seq, timeout=600.0):
-                    logger.error("hidden-state dump: rows of copy %d never arrived", seq)
+                arrived = not seq or arena_mod.wait_seq(mm, seq, timeout=COPY_TIMEOUT_S)
+                if not arrived:  # never write rows that did not land: fail their files
+                    logger.error("hidden-state dump: rows of copy %d did not arrive within %.0f s",
+                                 seq, COPY_TIMEOUT_S)
                 fds = iter(fds)
                 for op in ops:
                     if op[0] == wire.CLOSE:
@@ -352,7 +363,7 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
                         continue
                     fd = next(fds) if op[0] == wire.FINISH else None
                     levels.received(op)
-                    workers[op[1] % len(workers)].queue.put((op, fd))
+                    workers[op[1] % len(workers)].queue.put((op, fd, not arrived))
         out.send()
         levels.publish()
     # drain: everything received is queued; each thread stops after its queue

@@ -287,6 +287,25 @@ def test_symlinks_planted_at_every_name_are_never_followed(dump, tmp_path):
     assert [n for n in leftovers(dump) if not os.path.islink(dump / n)] == []
 
 
+def test_rows_that_never_arrive_fail_the_request_and_write_nothing(dump, monkeypatch, tmp_path):
+    """A batch whose device-to-host copy never completes (a hung GPU; here: the copy's
+    sequence number is never published): after COPY_TIMEOUT_S the writer fails the
+    requests of that batch instead of writing what the arena holds."""
+    from sglang_ext import arena
+
+    inject_writer(monkeypatch, tmp_path, """
+        from sglang_ext import writer_process
+        writer_process.COPY_TIMEOUT_S = 0.3
+    """)
+    monkeypatch.setattr(arena, "write_seq", lambda mm, seq: None)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("lost", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    assert "never arrived from the GPU" in finish(req)["hidden_states_error"]
+    assert not any(n.endswith(fmt.SUFFIX) for n in os.listdir(dump))
+    assert wait_for(lambda: leftovers(dump) == [])
+
+
 # ---- clients that leave; aborted requests ------------------------------------------------
 def test_request_dropped_between_chunks_leaves_nothing(dump):
     hooks.setup_model(make_runner(dump, layers="2,4"))
