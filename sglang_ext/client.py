@@ -380,9 +380,9 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
         raise RequestError(f"response without meta_info: {text[:300]}") from None
     if not isinstance(meta, dict):
         raise RequestError(f"meta_info is not an object: {text[:300]}")
-    if meta.get("hidden_states_error"):
-        raise RequestError(f"hidden_states_error: {meta['hidden_states_error']}")
-    path = meta.get("hidden_states_path")
+    if meta.get(fmt.ERROR_KEY):
+        raise RequestError(f"{fmt.ERROR_KEY}: {meta[fmt.ERROR_KEY]}")
+    path = meta.get(fmt.PATH_KEY)
     if path is not None and (not isinstance(path, str) or not path):
         raise RequestError(f"hidden_states_path is not a file path: {text[:300]}")
     if path is None:

@@ -55,7 +55,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 FORMAT_VERSION = "kimi-sglang/1"
+# Request and response keys (the only place they are spelled).
 WAIT_PARAM = "hidden_states_wait"  # request: custom_params key; false = answer early
+PATH_KEY = "hidden_states_path"  # response meta_info: the file (absolute path)
+ERROR_KEY = "hidden_states_error"  # response meta_info: why there is no file
 PENDING_KEY = "hidden_states_pending"  # response meta_info: true = wait on <path>.lock
 KEY_HIDDEN_STATES = "hidden_states"
 KEY_TOKEN_IDS = "token_ids"

@@ -36,9 +36,7 @@ from sglang_ext.config import DumpConfig, DumpConfigError, resolve_layer_ids
 
 logger = logging.getLogger(__name__)
 
-PATH_KEY = "hidden_states_path"
-ERROR_KEY = "hidden_states_error"
-WAIT_PARAM, PENDING_KEY = fmt.WAIT_PARAM, fmt.PENDING_KEY  # answer before the write
+PATH_KEY, ERROR_KEY, WAIT_PARAM, PENDING_KEY = fmt.PATH_KEY, fmt.ERROR_KEY, fmt.WAIT_PARAM, fmt.PENDING_KEY
 _REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
 _SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
