@@ -452,8 +452,8 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
 
 
 # Lock polling: first check after 0.2 ms, then 1.5x longer each time, at most 5 ms
-# apart, so a finished write is seen within ~5 ms (a 50 ms cap added up to 50 ms to
-# every response, seen at concurrency 1 in bench/results/2026-11-29-h200-quick.json).
+# apart, so a finished write is seen within ~5 ms: the cap is added to a waiting
+# response's latency, which at concurrency 1 is throughput (docs/verification.md).
 POLL_FIRST_S = 0.0002
 POLL_MAX_S = 0.005
 

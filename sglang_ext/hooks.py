@@ -79,8 +79,8 @@ def check_server_args(server_args) -> None:
     models). Data parallelism, with or without DP attention, is accepted: every DP rank's
     attention-TP rank 0 writes the requests it served into the same directory (names are
     reserved through the file system, ``format.reserve``), each within its share of the
-    host cap (``DumpConfig``); DP attention verified on two H200s at --tp 2 --dp 2 against
-    TP=1 (tests/gpu/results-2026-12-01-h200x2-tp2-deepseek.json). Turns the radix cache off (a
+    host cap (``DumpConfig``); with DP attention the files equal a TP=1 server's (GPU
+    runs: docs/verification.md). Turns the radix cache off (a
     request whose prefix is cached would compute, and so dump, only its suffix) and says
     so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
     it would never run).

@@ -9,10 +9,12 @@ Events (``"event"`` key):
 
 - ``hook``: one extend batch in ``hooks.on_prefill_result`` on the scheduler thread:
   ``reqs`` (requests given rows), ``t0``, ``t1``.
-- ``file``: one file by the writer: ``name``, ``bytes``, ``rows``, and ``t_start``
-  (first rows seen), ``t_submit`` (last rows seen, write queued), ``t_picked`` (a writer
-  thread took it), ``t_copied`` (device-to-host copies done), ``t_written`` (renamed to
-  its final name), ``t_released`` (index line written, lock released).
+- ``file``: one file, recorded by the writer process: ``name``, ``bytes``, ``rows``, and
+  from the scheduler ``t_start`` (the request's first rows seen) and ``t_submit`` (last
+  rows sent, ``FINISH`` queued); from the writer process ``t_picked`` (a writer thread took
+  the ``FINISH``), ``t_copied`` (every row already in the temporary file; rows are written
+  chunk by chunk as they arrive), ``t_written`` (renamed to its final name),
+  ``t_released`` (index line written, lock released).
 - ``response``: ``hooks.finish_response`` in the tokenizer manager: ``name``, ``t_meta``
   (the finished request reached it), ``t_done`` (the file was seen complete).
 
