@@ -132,13 +132,14 @@ class DumpWriter:
         self._arena = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._view = memoryview(self._mm)
         self.extents = arena_mod.Extents(arena_mod.HEADER_BYTES, arena_mod.HEADER_BYTES + self._arena_size)
-        self.registered = False
+        self.registered = False  # the arena is registered with CUDA now
+        self.pinned = False  # it was, while the writer ran (counters)
         self._stream = None
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device)
             self._seq_dev = torch.zeros(1, dtype=torch.int64, device=device)
             self._seq_host = self._arena[arena_mod.SEQ_OFFSET:arena_mod.SEQ_OFFSET + 8].view(torch.int64)
-            self.registered = _cuda_host_register(self._arena)
+            self.registered = self.pinned = _cuda_host_register(self._arena)
         self._pieces: Dict[int, _Piece] = {}
         self._outstanding: Dict[int, str] = {}  # key -> name: FINISH sent, not acknowledged
         self._out = _Outbox()
@@ -517,7 +518,7 @@ class DumpWriter:
             "host_bytes_in_use": self.extents.in_use,
             "host_bytes_peak": self.extents.peak,
             "arena_bytes": self._arena_size,
-            "arena_pinned": int(self.registered),
+            "arena_pinned": int(self.pinned),
             "backpressure_waits": self.stats.waits,
             "writer_restarts": self.stats.restarts,
         }
