@@ -293,12 +293,18 @@ def test_patches_check_in_the_image_reports_its_series_applied(image):
     assert report["notes"][0].startswith(f"series {SERIES} picked: it is made for sglang 0.5.17")
 
 
-def test_kimi_sglang_help_reaches_the_patched_server(image):
+def test_kimi_sglang_help_is_ours_and_help_sglang_reaches_the_patched_server(image):
     proc = image.run("--help", deps=True, timeout=240)
     out = _ok(proc)
-    assert "kimi-sglang: profiles: kimi-k25; exec: /usr/bin/python3 -m sglang.launch_server" in proc.stderr
-    for flag in ("--dump-hidden-states-dir", "--dump-hidden-states-layers", "--model-path"):
+    for flag in ("--print-command", "--no-profile", "--no-default", "--dump-hidden-states-dir",
+                 "--dump-hidden-states-layers", "--help-sglang", "KIMI_SGLANG_COMPUTE_CAP"):
         assert flag in out, flag
+    assert len(out.splitlines()) < 80, "our help, not SGLang's 2,000 lines"
+    proc = image.run("--help-sglang", deps=True, timeout=240)
+    out = _ok(proc)
+    for flag in ("--dump-hidden-states-dir DUMP_HIDDEN_STATES_DIR", "--dump-hidden-states-layers",
+                 "--model-path"):
+        assert flag in out, flag  # the image's patched SGLang's own parser
 
 
 def test_launch_server_help_runs_as_in_upstreams_image(image):
