@@ -24,6 +24,18 @@ METRICS = ("kimi_sglang:dump_files_written_total", "kimi_sglang:dump_bytes_writt
            "kimi_sglang:dump_host_bytes_in_use")
 
 
+def serves_and_leaves_nothing(server, ids, when: str, problems: Problems) -> None:
+    """The server answers a new request with a file, no temporary stays (60 s), and every
+    final file loads."""
+    r = server.post({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    if r.status_code != 200 or not os.path.exists(r.json()["meta_info"].get("hidden_states_path", "")):
+        problems.add(f"server did not serve with a file {when}: HTTP {r.status_code} {r.text[:200]}")
+    left = wait_no_leftovers(server.dump_dir)
+    if left:
+        problems.add(f"temporaries left 60 s later: {left[:5]}")
+    problems.extend(unloadable_files(server.dump_dir))
+
+
 def test_client_disconnect(server, rng, record_property):
     """Clients that close right after sending a 3000-token prompt (mid-prefill) and a
     little later (mid-write: 50 ms, 300 ms, 1 s); then the server still serves, no
@@ -34,13 +46,7 @@ def test_client_disconnect(server, rng, record_property):
         server.send_and_close({"input_ids": ids, "rid": f"disconnect-{i}",
                                "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, after)
     time.sleep(2)
-    r = server.post({"input_ids": ids[:50], "sampling_params": {"max_new_tokens": 1}})
-    if r.status_code != 200 or not os.path.exists(r.json()["meta_info"].get("hidden_states_path", "")):
-        problems.add(f"server did not serve after the disconnects: HTTP {r.status_code} {r.text[:200]}")
-    left = wait_no_leftovers(server.dump_dir)
-    if left:
-        problems.add(f"temporaries left 60 s later: {left[:5]}")
-    problems.extend(unloadable_files(server.dump_dir))
+    serves_and_leaves_nothing(server, ids[:50], "after the disconnects", problems)
     record_property("disconnected_files", len([n for n in os.listdir(server.dump_dir)
                                                if n.startswith("disconnect-")]))
     problems.check("client disconnects")
@@ -173,13 +179,7 @@ def test_writer_killed(server, rng, record_property):
     after = writer_pids()
     if len(after) != 1 or after == before:
         problems.add(f"no new writer process: before {before}, after {after}")
-    r = server.post({"input_ids": prompts[0][:100], "sampling_params": {"max_new_tokens": 1}})
-    if r.status_code != 200 or not os.path.exists(r.json()["meta_info"].get("hidden_states_path", "")):
-        problems.add(f"server did not serve with a file after the kill: HTTP {r.status_code} {r.text[:200]}")
-    left = wait_no_leftovers(server.dump_dir)
-    if left:
-        problems.add(f"temporaries left 60 s later: {left[:5]}")
-    problems.extend(unloadable_files(server.dump_dir))
+    serves_and_leaves_nothing(server, prompts[0][:100], "after the kill", problems)
     problems.check("writer killed")
 
 
