@@ -14,12 +14,14 @@ in ``set_eagle3_layers_to_capture``. Ours are the ids after that +1.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 DEFAULT_MAX_HOST_MB = 4096
 DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
+MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only costs memory
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
 DEFAULT_STATS_INTERVAL_S = 60.0
 
@@ -136,8 +138,10 @@ def env_number(name: str, default: float, unit: str = "seconds", minimum: Option
     try:
         number = float(value)
     except ValueError:
-        raise DumpConfigError(f"{name} must be a number of {unit}, got {value!r}") from None
-    if number != number or (minimum is not None and number < minimum):  # NaN or too small
+        number = math.nan
+    if not math.isfinite(number):
+        raise DumpConfigError(f"{name} must be a finite number of {unit}, got {value!r}")
+    if minimum is not None and number < minimum:
         raise DumpConfigError(f"{name} must be >= {minimum:g} {unit}, got {value!r}")
     return number
 
@@ -149,8 +153,9 @@ def env_settings() -> dict:
     queued writes) and ``stats_interval_s`` (``KIMI_SGLANG_STATS_INTERVAL_S``, seconds
     between counter log lines; 0 logs only at shutdown). Raises ``DumpConfigError``."""
     threads = env_number("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS, "threads", 1)
-    if threads != int(threads):
-        raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number, got {threads:g}")
+    if threads != int(threads) or threads > MAX_WRITER_THREADS:
+        raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number of threads "
+                              f"from 1 to {MAX_WRITER_THREADS}, got {threads:g}")
     return {
         "writer_threads": int(threads),
         "drain_timeout_s": env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,

@@ -559,6 +559,34 @@ def load(path: str) -> DumpRecord:
     return DumpRecord(hidden_states=hs, token_ids=ids, metadata=dict(meta))
 
 
+def read_header(dir_fd: int, name: str) -> Dict[str, Any]:
+    """The JSON header of safetensors file ``name`` in the dump directory (tensor entries
+    and ``__metadata__``), without reading the tensors. Raises ``DumpFormatError`` for a
+    file too short or whose header is not JSON, ``OSError`` when it cannot be read."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise DumpFormatError(f"{name}: shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        text = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise DumpFormatError(f"{name}: the safetensors header is not JSON") from None
+
+
+def index_record(dir_fd: int, name: str, size: int) -> Dict[str, Any]:
+    """The ``index.jsonl`` record of file ``name`` (``size`` bytes), from its header."""
+    header = read_header(dir_fd, name)
+    meta = header.get("__metadata__", {})
+    return {"rid": meta.get("rid"), "file": name,
+            "num_tokens": header[KEY_HIDDEN_STATES]["shape"][0], "bytes": size,
+            "layer_ids": meta.get("layer_ids")}
+
+
 def read_index(directory: str) -> list:
     """All records of ``<directory>/index.jsonl``, in write order."""
     path = os.path.join(directory, INDEX_NAME)

@@ -201,11 +201,10 @@ class DumpWriter:
             proc.kill()
             code = proc.wait()
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        lost = len(self._outstanding)
+        failed = self._forget_writer(f"{DIED_MESSAGE} ({how})")
         logger.error("hidden-state dump: the writer process (pid %s) ended (%s); %d files in "
-                     "flight fail%s", proc.pid if proc else None, how, lost,
+                     "flight failed%s", proc.pid if proc else None, how, failed,
                      "" if self._closed else "; starting a new one")
-        self._forget_writer(f"{DIED_MESSAGE} ({how})")
         if self.metrics_model_name is not None and proc is not None:
             mark_dead(proc.pid)
         if not self._closed:
@@ -213,12 +212,21 @@ class DumpWriter:
             self.stats.restarts += 1
             self._spawn()
 
-    def _forget_writer(self, message: str) -> None:
+    def _forget_writer(self, message: str) -> int:
+        """Settle what the writer that is gone had not acknowledged: a file already in
+        place counts as written (it died after the rename), the others fail with
+        ``message``. Returns the number failed."""
         if self._stream is not None:
             self._stream.synchronize()  # no copy may still land in a range handed out again
+        failed = 0
         for name in self._outstanding.values():
-            _fail_orphan(self.dir_fd, name, message)
-        self.stats.failures += len(self._outstanding)
+            size = _fail_orphan(self.dir_fd, name, message)
+            if size is None:
+                failed += 1
+            else:
+                self.stats.files += 1
+                self.stats.bytes += size
+        self.stats.failures += failed
         self._outstanding.clear()
         self._pieces.clear()
         for fd in self._out.fds:
@@ -235,6 +243,7 @@ class DumpWriter:
                     os.unlink(name, dir_fd=self.dir_fd)
                 except FileNotFoundError:
                     pass
+        return failed
 
     # ---- scheduler thread -------------------------------------------------------------
     def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:
@@ -291,6 +300,9 @@ class DumpWriter:
         ``WriterDied`` when the writer process died meanwhile (the batch's requests fail).
         """
         for pending, start, n in segments:
+            if start < 0 or n < 0 or start + n > hidden.shape[0]:
+                raise ValueError(f"rid {pending.rid!r}: rows {start}..{start + n} are outside the "
+                                 f"batch's {hidden.shape[0]} rows")
             if pending.rows + n > pending.num_tokens or hidden.shape[1] != pending.row_width:
                 raise ValueError(
                     f"rid {pending.rid!r}: rows {pending.rows}..{pending.rows + n} of width "
@@ -611,17 +623,30 @@ def _cuda_host_register(arena: torch.Tensor) -> bool:
     return True
 
 
-def _fail_orphan(dir_fd: int, name: str, message: str) -> None:
-    """Fail a file whose writer is gone: its lock is no longer held (the kernel released
-    it with the process); take it, leave ``<name>.error``, remove the lock."""
+def _fail_orphan(dir_fd: int, name: str, message: str) -> Optional[int]:
+    """Settle a file whose writer is gone (the kernel released its lock with the process).
+    If the file is in place (the writer died after the rename), remove the lock and
+    return the file's size; else leave ``<name>.error``, remove the lock, return None."""
+    try:
+        size = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        size = None
     try:
         fd = os.open(name + fmt.LOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
-        fd = -1
-    if fd >= 0 and not fmt.lexists_at(dir_fd, name):
+        return size
+    if size is None:
         fmt.fail(fmt.Reservation(dir_fd, name, fd), message)
-    elif fd >= 0:
-        os.close(fd)
+        return None
+    # It died between the rename and the lock's release: the index line may be missing.
+    try:
+        indexed = any(r.get("file") == name for r in fmt.read_index(f"/proc/self/fd/{dir_fd}"))
+        if not indexed:
+            fmt.append_index(dir_fd, fmt.index_record(dir_fd, name, size))
+    except (OSError, ValueError, KeyError) as e:
+        logger.error("hidden-state dump: cannot index %s after its writer died: %s", name, e)
+    fmt.complete(fmt.Reservation(dir_fd, name, fd))
+    return size
 
 
 def _close_quiet(fd: int) -> None:

@@ -306,6 +306,45 @@ def test_rows_that_never_arrive_fail_the_request_and_write_nothing(dump, monkeyp
     assert wait_for(lambda: leftovers(dump) == [])
 
 
+def test_writer_dying_right_after_a_rename_counts_the_file_and_indexes_it(dump, monkeypatch, tmp_path):
+    """The writer process is killed between a file's rename and its index line: the file
+    is complete, so its response names it, the scheduler counts it as written (not
+    failed), appends the missing index line and removes the lock; the next writer goes on."""
+    inject_writer(monkeypatch, tmp_path, """
+        import os, signal
+        from sglang_ext import format as fmt
+        _real = fmt.publish
+        def publish(*a):
+            _real(*a)
+            if os.path.exists(os.environ["DIE_ONCE"]):
+                os.unlink(os.environ["DIE_ONCE"])
+                os.kill(os.getpid(), signal.SIGKILL)
+        fmt.publish = publish
+    """, DIE_ONCE=str(tmp_path / "die-once"))
+    (tmp_path / "die-once").touch()
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("renamed", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    assert assert_complete_or_error(req, finish(req), dump)
+    snap = idle()
+    assert snap["files_written"] == 1 and snap["failures"] == 0 and snap["writer_restarts"] == 1
+    assert [r["file"] for r in fmt.read_index(str(dump))] == [f"{fmt.safe_stem('renamed')}{fmt.SUFFIX}"]
+    assert fmt.read_index(str(dump))[0]["num_tokens"] == 4
+    assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
+    after = Req("after", 4, 2)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+
+
+def test_copy_rows_refuses_rows_outside_the_batch(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    w = hooks._DUMPER.writer
+    p = w.start("r", [1, 2, 3, 4], 16, torch.float32)
+    with pytest.raises(ValueError, match="outside the batch's 4 rows"):
+        w.copy_rows(torch.zeros(4, 16), [(p, 2, 4)])
+    w.abandon(p)
+
+
 # ---- clients that leave; aborted requests ------------------------------------------------
 def test_request_dropped_between_chunks_leaves_nothing(dump):
     hooks.setup_model(make_runner(dump, layers="2,4"))
@@ -558,7 +597,10 @@ def test_writer_settings_come_from_the_environment_and_bad_values_name_the_varia
                                  ("KIMI_SGLANG_DRAIN_TIMEOUT_S", "-1", ">= 0"),
                                  ("KIMI_SGLANG_WRITER_THREADS", "0", ">= 1"),
                                  ("KIMI_SGLANG_WRITER_THREADS", "2.5", "whole number"),
-                                 ("KIMI_SGLANG_STATS_INTERVAL_S", "nan?", "number")]:
+                                 ("KIMI_SGLANG_STATS_INTERVAL_S", "nan?", "number"),
+                                 ("KIMI_SGLANG_STATS_INTERVAL_S", "nan", "finite number"),
+                                 ("KIMI_SGLANG_WRITER_THREADS", "inf", "finite number"),
+                                 ("KIMI_SGLANG_WRITER_THREADS", "1e9", "from 1 to 256")]:
         monkeypatch.setenv(name, value)
         with pytest.raises(DumpConfigError, match=f"{name}.*{re.escape(message)}"):
             env_settings()
@@ -618,7 +660,23 @@ def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, capl
     prom = tmp_path / "prom"
     prom.mkdir()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
-    slow_writes(monkeypatch, tmp_path, 0.3, fail_every=3)
+    gate = tmp_path / "gate"
+    # renames wait for the gate file; the third fails as on a full disk
+    inject_writer(monkeypatch, tmp_path, """
+        import os, threading, time
+        from sglang_ext import format as fmt
+        _real, _lock, _n = fmt.publish, threading.Lock(), [0]
+        def publish(*a):
+            while not os.path.exists(os.environ["GATE"]):
+                time.sleep(0.01)
+            with _lock:
+                _n[0] += 1
+                third = _n[0] == 3
+            if third:
+                raise OSError(28, "No space left on device")
+            return _real(*a)
+        fmt.publish = publish
+    """, GATE=str(gate))
     runner = make_runner(dump, layers="2,4")
     runner.server_args.enable_metrics = True
     hooks.setup_model(runner)
@@ -628,7 +686,8 @@ def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, capl
     def value(name):
         return _prometheus(prom).get(f'kimi_sglang:{name}{{model_name="/models/tiny"}}')
 
-    assert wait_for(lambda: value("dump_queue_depth") == 3)  # all three being written
+    assert wait_for(lambda: value("dump_queue_depth") == 3)  # all three held at the gate
+    gate.touch()
     metas = [finish(r) for r in reqs]
     sizes = [os.path.getsize(x["hidden_states_path"]) for x in metas if "hidden_states_path" in x]
     # The writer process moves the counters just after it releases a lock, so a waiter can
