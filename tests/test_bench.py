@@ -367,7 +367,10 @@ def test_rehearsal_noise_cells_and_repetitions(tmp_path):
     proc, out, shm, res_path = rehearse(
         tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
         "--modes", "nodump,dump,nodump_noise", "--repeat", "2", "--py-spy", "",
-        "--torch-profile", "2048x8", "--torch-profile-requests", "4")
+        "--torch-profile", "2048x8", "--torch-profile-requests", "4",
+        # a deadline far away: on a loaded CI machine the quick profile's would skip the
+        # last torch profile (clock.left() too short), which is not what this test checks
+        "--deadline-s", "3000")
     res = json.loads(res_path.read_text())
     cells = res["models"]["deepseek-tiny"]["cells"]
     assert [(c["mode"], c.get("rep")) for c in cells] == [
