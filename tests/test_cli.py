@@ -442,3 +442,88 @@ def test_the_pending_journal_stays_small_and_survives_a_restart(tmp_path, monkey
     assert again.sweep(forget_unanswered=True) == (2, [])
     assert os.listdir(dump) == [] and again.rids == {}
     assert not os.path.exists(journal_path(str(tmp_path), 1))
+
+
+# ---- extract's refusals of bad input: one sentence, exit 2, nothing sent ------------------------
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(server, tmp_path, value):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    r = cli(*extract_args(server, path, tmp_path / "out", f"--timeout={value}"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"error: --timeout {float(value)} must be a positive number "
+                                f"of seconds")
+    assert server.requests == 0 and not (tmp_path / "out").exists()
+
+
+def test_data_that_is_not_utf8_names_the_byte(server, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = b'{"input_ids": [1, 2]}\n'
+    path.write_bytes(good + b'{"input_ids": [3], "note": "caf\xe9"}\n')
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    offset = len(good) + len(b'{"input_ids": [3], "note": "caf')
+    assert r.stderr.strip() == (f"error: --data {path} is not UTF-8 text: byte {offset} (line 2) "
+                                f"is 0xe9")
+    assert server.requests == 0
+
+
+def test_empty_data_is_refused_saying_no_rows(server, tmp_path):
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
+        path = tmp_path / name
+        path.write_text(text)
+        r = cli(*extract_args(server, path, tmp_path / "out"))
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip() == f"error: --data {path} has no rows; nothing to extract"
+    assert server.requests == 0 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["below-a-file", "sysfs"])
+def test_an_out_directory_that_cannot_be_written_is_one_sentence(server, tmp_path, where):
+    """Root ignores a chmod 555 directory, so the unwritable --out is /sys (read-only for
+    everyone: a sysfs or a read-only mount) or a path below a regular file."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "out" if where == "below-a-file" else Path("/sys")
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    r = cli(*extract_args(server, path, out))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: cannot write there ("), r.stderr
+    assert server.requests == 0
+
+
+def test_tokenizer_without_transformers_is_one_sentence(server, tmp_path):
+    """transformers made unimportable (sys.modules entry None) in the child."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    code = ("import sys; sys.modules['transformers'] = None; "
+            "from sglang_ext.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code,
+                        *extract_args(server, path, tmp_path / "out", "--tokenizer", tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"error: --tokenizer {tmp_path} needs transformers, which is not "
+                                f"installed here (pip install transformers)")
+
+
+def test_an_html_error_page_is_quoted_short_on_one_line(tmp_path):
+    """http.server answers POST with HTTP 501 and its HTML error page (~450 bytes, many
+    lines); each retry line quotes at most 200 characters of it, on one line."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        path = write_jsonl(tmp_path / "d.jsonl", rows(1))
+        r = cli("extract", "--endpoint", url, "--data", path, "--out", tmp_path / "out",
+                "--no-progress", "--backoff", "0.01", "--max-backoff", "0.01", "--max-retries", 2)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.returncode == 1, r.stderr
+    retry = [ln for ln in r.stderr.splitlines() if "retrying" in ln]
+    assert len(retry) == 2, r.stderr
+    for line in retry + [ln for ln in r.stderr.splitlines() if "tries failed" in ln]:
+        quoted = line.split("HTTP 501: ", 1)[1]
+        assert quoted.startswith("<!DOCTYPE HTML") and quoted.endswith("...")
+        assert len(quoted) == 200 + 3
+    assert "</html>" not in r.stderr
