@@ -527,3 +527,71 @@ def test_an_html_error_page_is_quoted_short_on_one_line(tmp_path):
         assert quoted.startswith("<!DOCTYPE HTML") and quoted.endswith("...")
         assert len(quoted) == 200 + 3
     assert "</html>" not in r.stderr
+
+
+# ---- convert: refusals that need the files' headers (still no torch) ---------------------------
+def _src_with(tmp_path, n=2, ids=(1, 2, 3)):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n):
+        write_file(str(src / f"hs_{i}.safetensors"), list(ids))  # metadata num_layers "4"
+    return src
+
+
+def test_convert_refuses_loss_masks_of_other_prompts(tmp_path):
+    src = _src_with(tmp_path)
+    data = write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3], [1, 9, 3]], masks=[[0, 1, 1]] * 2)
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+            "--loss-mask-from", data)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"error: --loss-mask-from {data}: row 1 (line 2 of d.jsonl)'s input_ids differ from "
+        f"hs_1.safetensors' token_ids at position 1 (row 9, file 2): its loss_mask belongs to "
+        f"another prompt; pass the DATA given to extract")
+    write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3], [1, 2]], masks=[[0, 1, 1], [0, 1]])
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+            "--loss-mask-from", data)
+    assert r.returncode == 2 and "at position 2 (row has 2 tokens, file 3)" in r.stderr, r.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_refuses_a_model_with_another_layer_count(tmp_path):
+    src = _src_with(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 61,
+                                                                   "rms_norm_eps": 1e-6}}))
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--model", model)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"error: --model {model} has num_hidden_layers 61, but hs_0.safetensors was dumped from "
+        f"a model with 4 layers (metadata num_layers): pass the model the files were dumped from")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_refuses_a_dst_that_is_a_file_and_runs_without_torch_with_a_sentence(tmp_path):
+    src = _src_with(tmp_path, n=1)
+    (tmp_path / "dst").write_text("x")
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: DST {tmp_path / 'dst'} exists and is not a directory"
+    assert (tmp_path / "dst").read_text() == "x"
+    code = ("import sys; sys.modules['torch'] = None; "
+            "from sglang_ext.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code, "convert", "--to", "specforge", str(src),
+                        str(tmp_path / "new"), "--no-final-norm"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: convert writes torch.save records and needs torch, which "
+                                "is not installed here (pip install torch)")
+    assert not (tmp_path / "new").exists()
+
+
+def test_convert_help_states_each_default_once():
+    r = cli("convert", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "(default: None)" not in text
+    assert text.count("(default: all ones)") == 1
+    assert "(default: the first of model.norm.weight," in text
