@@ -42,11 +42,13 @@ import asyncio
 import errno
 import importlib.util
 import json
+import math
 import os
 import random
 import re
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -122,6 +124,21 @@ def load_dataset_dir(path: str):
         raise DataError(f"--data {path}: datasets cannot load it: {type(e).__name__}: {e}") from None
 
 
+def _jsonl_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """``(line number from 1, text)`` of a UTF-8 file. Raises ``DataError`` naming the file,
+    line and byte offset (from the file's start) of the first byte that is not UTF-8."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"--data {path} is not UTF-8 text: byte {offset + e.start} "
+                                f"(line {lineno}) is 0x{raw[e.start]:02x}") from None
+            offset += len(raw)
+            yield lineno, text
+
+
 def iter_rows(path: str, tokenizer=None) -> Iterator[Tuple[int, Dict[str, Any], str]]:
     """``(index, row, where)`` for every row of DATA, in order.
 
@@ -139,33 +156,38 @@ def iter_rows(path: str, tokenizer=None) -> Iterator[Tuple[int, Dict[str, Any], 
         return
     index = 0
     name = os.path.basename(path)
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"row {index} (line {lineno} of {name})"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON: {e}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: a row must be a JSON object")
-            yield index, row, where
-            index += 1
+    for lineno, line in _jsonl_lines(path):
+        if not line.strip():
+            continue
+        where = f"row {index} (line {lineno} of {name})"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a row must be a JSON object")
+        yield index, row, where
+        index += 1
 
 
 def count_rows(path: str) -> int:
-    """Rows of DATA (blank JSONL lines not counted). Raises ``DataError``."""
+    """Rows of DATA (blank JSONL lines not counted). Raises ``DataError`` (also for a
+    file that is not UTF-8)."""
     if os.path.isdir(path):
         return len(load_dataset_dir(path))
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+    return sum(1 for _, line in _jsonl_lines(path) if line.strip())
 
 
 def load_tokenizer(path: Optional[str]):
+    """``transformers.AutoTokenizer`` from ``path`` (None for no path). Raises ``DataError``
+    when transformers is not installed."""
     if not path:
         return None
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"--tokenizer {path} needs transformers, which is not installed here "
+                        f"(pip install transformers)") from None
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 
@@ -337,6 +359,16 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
     return delay * (1 + random.random() * 0.25)
 
 
+BRIEF_CHARS = 200  # an answer's body quoted in a message: whitespace runs joined, then cut
+
+
+def _brief(text: str) -> str:
+    """``text`` on one line (whitespace runs -> one space), cut to ``BRIEF_CHARS`` with
+    ``...``: an HTML error page must not flood stderr once per retry."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= BRIEF_CHARS else flat[:BRIEF_CHARS] + "..."
+
+
 async def request_once(session, opts: Options, row: Row, attempt: int,
                        http_slots: asyncio.Semaphore, pending: PendingFiles) -> Tuple[str, str]:
     """POST /generate for one row; returns ``(rid, the server's complete file path)``.
@@ -365,30 +397,31 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
             async with session.post(url, json=payload) as resp:
                 body = await resp.read()
                 text = body.decode("utf-8", errors="replace")
+                brief = _brief(text)
                 if resp.status in (404, 405):
                     raise FatalError(f"POST {url} answered HTTP {resp.status}: --endpoint must be "
                                      f"the server's base URL (e.g. http://127.0.0.1:30000)")
                 if resp.status == 400:
-                    raise RowError(f"the server refused the row (HTTP 400): {text[:300]}")
+                    raise RowError(f"the server refused the row (HTTP 400): {brief}")
                 if resp.status != 200:
-                    raise RequestError(f"HTTP {resp.status}: {text[:300]}")
+                    raise RequestError(f"HTTP {resp.status}: {brief}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise RequestError(f"{type(e).__name__}: {e}") from None
     try:
         meta = json.loads(text)["meta_info"]
     except (ValueError, KeyError, TypeError):
-        raise RequestError(f"response without meta_info: {text[:300]}") from None
+        raise RequestError(f"response without meta_info: {_brief(text)}") from None
     if not isinstance(meta, dict):
-        raise RequestError(f"meta_info is not an object: {text[:300]}")
+        raise RequestError(f"meta_info is not an object: {_brief(text)}")
     if meta.get(fmt.ERROR_KEY):
         raise RequestError(f"{fmt.ERROR_KEY}: {meta[fmt.ERROR_KEY]}")
     path = meta.get(fmt.PATH_KEY)
     if path is not None and (not isinstance(path, str) or not path):
-        raise RequestError(f"hidden_states_path is not a file path: {text[:300]}")
+        raise RequestError(f"hidden_states_path is not a file path: {_brief(text)}")
     if path is None:
         raise FatalError(f"the server at {opts.endpoint} is not dumping hidden states: its "
                          f"answer has no meta_info.hidden_states_path (start it with "
-                         f"--dump-hidden-states-dir DIR); answer: {text[:200]}")
+                         f"--dump-hidden-states-dir DIR); answer: {_brief(text)}")
     pending.named(rid, path)
     if not os.path.isdir(os.path.dirname(path)):
         raise FatalError(f"the server writes to {os.path.dirname(path)}, which does not exist "
@@ -574,6 +607,10 @@ def main(args) -> int:
         print("error: --concurrency and --max-consecutive-failures must be >= 1, "
               "--max-retries >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print(f"error: --timeout {args.timeout} must be a positive number of seconds",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     if not args.endpoint.startswith(("http://", "https://")):
         print(f"error: --endpoint {args.endpoint} must start with http:// or https://",
               file=sys.stderr)
@@ -602,11 +639,20 @@ def main(args) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    os.makedirs(args.out, exist_ok=True)
-    removed = clean_tmp(args.out)
+    if n_rows == 0:
+        print(f"error: --data {args.data} has no rows; nothing to extract", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        removed = clean_tmp(args.out)
+        with tempfile.TemporaryFile(dir=args.out, prefix=".extract-probe-"):
+            pass  # hs_<i>, the manifest and the journal are all written here
+        pending = PendingFiles(args.out, args.rank)
+    except OSError as e:
+        print(f"error: --out {args.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if removed:
         print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
-    pending = PendingFiles(args.out, args.rank)
     _report_sweep(pending, forget_unanswered=True, when="an earlier run of this command left")
     opts = Options(
         endpoint=args.endpoint, out_dir=args.out, concurrency=args.concurrency,
@@ -688,7 +734,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-consecutive-failures", type=int, default=32,
                    help="abort after this many samples in a row failed all their tries")
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="per try (s): bounds the HTTP request, then separately the wait for the "
+                   help="per try (s, finite, > 0): bounds the HTTP request, then separately the wait for the "
                         "file's lock")
     p.add_argument("--world-size", type=int, default=1, help="number of extract processes sharing DATA")
     p.add_argument("--rank", type=int, default=0, help="this process: rows with index %% world_size == rank")

@@ -32,16 +32,20 @@ without our metadata, e.g. vLLM's, are taken to follow the same convention).
 (every position trained; SpecForge itself zeroes the last one when it loads a record).
 
 Layout: ``DST/rows_<g>-<g+5000>/data_<i>.ckpt`` as SpecForge writes it. Each record is
-written to a temporary name and renamed; existing records are skipped (resume).
+written to a temporary name and renamed; existing records are skipped (resume) and the
+run says so on stderr: they keep the loss masks and norm they were written with (delete
+DST to redo them).
 
 Exit status: 0 every record written or already there, 1 a file could not be converted,
-2 bad input (SRC without hs_<i> files, a model folder without config.json, loss masks
-missing for some rows), each with one sentence on stderr.
+2 bad input (SRC without hs_<i> files, DST not a directory, a model folder without
+config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, loss
+masks missing for some rows or given for rows whose ``input_ids`` differ from the file's
+``token_ids``, torch not installed), each with one sentence on stderr.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import os
 import re
@@ -114,6 +118,62 @@ def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object"
     return weight, float(eps)
 
 
+def model_num_layers(model_dir: str) -> Optional[int]:
+    """``num_hidden_layers`` of ``--model``'s ``config.json`` (or its ``text_config``), None
+    when it names none. Raises ``ConvertError`` (not a folder, no readable config.json)."""
+    if not os.path.isdir(model_dir):
+        raise ConvertError(f"--model {model_dir} is not a directory: pass the model's Hugging "
+                           f"Face checkpoint folder (config.json + *.safetensors)")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConvertError(f"--model {model_dir} has no config.json: pass the model's Hugging "
+                           f"Face checkpoint folder (config.json + *.safetensors)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{config_path} is not readable JSON: {e}") from None
+    n = config.get("num_hidden_layers")
+    if n is None and isinstance(config.get("text_config"), dict):
+        n = config["text_config"].get("num_hidden_layers")
+    return int(n) if isinstance(n, int) else None
+
+
+def read_file_headers(src: str, indices: Sequence[int]) -> Dict[int, Tuple[list, dict]]:
+    """``index -> (token_ids, metadata)`` of ``SRC/hs_<i>.safetensors`` (token ids as a
+    list of ints, the ``__metadata__`` dict), read with safetensors' numpy reader (no
+    torch; hidden states are not read). A file that cannot be read is left out: the
+    conversion names it (exit 1)."""
+    from safetensors import safe_open
+
+    out: Dict[int, Tuple[list, dict]] = {}
+    for index in indices:
+        try:
+            with safe_open(os.path.join(src, f"hs_{index}.safetensors"), framework="numpy") as f:
+                out[index] = (f.get_tensor(fmt.KEY_TOKEN_IDS).tolist(), dict(f.metadata() or {}))
+        except Exception:  # noqa: BLE001 - a truncated or foreign file: reported when converted
+            continue
+    return out
+
+
+def check_num_layers(model_dir: str, headers: Dict[int, Tuple[list, dict]]) -> None:
+    """Raise ``ConvertError`` when ``--model``'s ``num_hidden_layers`` differs from a
+    file's metadata ``num_layers`` (the norm of another model would be applied)."""
+    n_model = model_num_layers(model_dir)
+    if n_model is None:
+        return
+    for index, (_, meta) in sorted(headers.items()):
+        try:
+            n_file = int(meta["num_layers"])
+        except (KeyError, ValueError):
+            continue
+        if n_file != n_model:
+            raise ConvertError(
+                f"--model {model_dir} has num_hidden_layers {n_model}, but hs_{index}.safetensors "
+                f"was dumped from a model with {n_file} layers (metadata num_layers): pass the "
+                f"model the files were dumped from")
+
+
 def rms_norm(x, weight, eps: float):
     """HF LlamaRMSNorm: float32 math, result cast back to ``x``'s dtype."""
     import torch
@@ -123,10 +183,14 @@ def rms_norm(x, weight, eps: float):
     return (weight * h).to(x.dtype)
 
 
-def load_loss_masks(data: str, indices: Sequence[int]) -> Dict[int, list]:
+def load_loss_masks(data: str, indices: Sequence[int],
+                    token_ids: Optional[Dict[int, list]] = None) -> Dict[int, list]:
     """``index -> loss_mask`` of DATA's rows ``indices`` (row i belongs to hs_<i>, rows
     counted from 0 as ``extract`` counts them). Raises ``ConvertError`` when DATA has too
-    few rows or one of those rows has no ``loss_mask``."""
+    few rows, one of those rows has no ``loss_mask``, or (``token_ids``: index -> the
+    file's token ids) a row's ``input_ids`` differ from its file's token ids (the message
+    names the row and the first differing position). Rows with ``messages`` instead of
+    ``input_ids`` are not compared."""
     from sglang_ext.client import DataError, iter_rows
 
     wanted = set(indices)
@@ -141,6 +205,10 @@ def load_loss_masks(data: str, indices: Sequence[int]) -> Dict[int, list]:
             if mask is None:
                 raise ConvertError(f"--loss-mask-from {data}: {where} has no loss_mask")
             masks[index] = list(mask.tolist() if hasattr(mask, "tolist") else mask)
+            ids = row.get("input_ids")
+            if token_ids is not None and ids is not None and index in token_ids:
+                _require_same_ids(data, where, index, list(ids.tolist() if hasattr(ids, "tolist")
+                                                           else ids), token_ids[index])
     except DataError as e:
         raise ConvertError(f"--loss-mask-from: {e}") from None
     if indices and max(indices) >= n_rows:
@@ -149,6 +217,19 @@ def load_loss_masks(data: str, indices: Sequence[int]) -> Dict[int, list]:
             f"needs at least {max(indices) + 1} rows (row i is hs_<i>'s, counted from 0); pass "
             f"the DATA given to extract")
     return masks
+
+
+def _require_same_ids(data: str, where: str, index: int, row_ids: list, file_ids: list) -> None:
+    if row_ids == file_ids:
+        return
+    pos = next((k for k, (a, b) in enumerate(zip(row_ids, file_ids)) if a != b),
+               min(len(row_ids), len(file_ids)))
+    at = (f"position {pos} (row {row_ids[pos]}, file {file_ids[pos]})"
+          if pos < min(len(row_ids), len(file_ids))
+          else f"position {pos} (row has {len(row_ids)} tokens, file {len(file_ids)})")
+    raise ConvertError(f"--loss-mask-from {data}: {where}'s input_ids differ from "
+                       f"hs_{index}.safetensors' token_ids at {at}: its loss_mask belongs to "
+                       f"another prompt; pass the DATA given to extract")
 
 
 def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str, object]:
@@ -218,11 +299,34 @@ def main(args) -> int:
         print(f"error: SRC {args.src} holds no hs_<i>.safetensors files (extract --out "
               f"writes them); nothing to convert", file=sys.stderr)
         return 2
+    if os.path.exists(args.dst) and not os.path.isdir(args.dst):
+        print(f"error: DST {args.dst} exists and is not a directory", file=sys.stderr)
+        return 2
     try:
-        norm = load_final_norm(args.model, args.norm_key) if args.model else None
-        masks = load_loss_masks(args.loss_mask_from, indices) if args.loss_mask_from else None
+        headers = (read_file_headers(args.src, indices)
+                   if args.model or args.loss_mask_from else {})
+        if args.model:
+            check_num_layers(args.model, headers)
+        masks = (load_loss_masks(args.loss_mask_from, indices,
+                                 {i: ids for i, (ids, _) in headers.items()})
+                 if args.loss_mask_from else None)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("torch") is None:
+        print("error: convert writes torch.save records and needs torch, which is not "
+              "installed here (pip install torch)", file=sys.stderr)
+        return 2
+    try:
+        norm = load_final_norm(args.model, args.norm_key) if args.model else None
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        os.makedirs(args.dst, exist_ok=True)
+    except OSError as e:
+        print(f"error: DST {args.dst}: cannot make the directory ({e.strerror or e})",
+              file=sys.stderr)
         return 2
     try:
         written = skipped = 0
@@ -238,6 +342,10 @@ def main(args) -> int:
     except (ConvertError, fmt.DumpFormatError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if skipped:
+        print(f"note: {skipped} record(s) already in {args.dst} were kept as they are, not "
+              f"rewritten with this run's options (--loss-mask-from, --model); to redo them, "
+              f"delete {args.dst} (or those data_<i>.ckpt files) and run again", file=sys.stderr)
     print(json.dumps({"written": written, "skipped_existing": skipped, "dst": os.path.abspath(args.dst),
                       "loss_mask": "from " + args.loss_mask_from if args.loss_mask_from else "all ones",
                       "final_norm": "applied" if norm is not None else "not applied"}))
@@ -249,13 +357,14 @@ def add_parser(subparsers) -> None:
         "convert",
         help="convert hs_<i>.safetensors to another trainer's format (SpecForge)",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--to", required=True, choices=["specforge"], help="target format")
     p.add_argument("src", help="directory with hs_<i>.safetensors (extract --out)")
     p.add_argument("dst", help="output directory (rows_<g>-<g+5000>/data_<i>.ckpt)")
-    p.add_argument("--model", default=None, help="HF checkpoint dir: final norm weight + rms_norm_eps")
-    p.add_argument("--norm-key", default=None, help="tensor name of the final norm weight in --model")
+    p.add_argument("--model", default=None, help="HF checkpoint dir: final norm weight + rms_norm_eps; its num_hidden_layers "
+                        "must equal the files' num_layers (this or --no-final-norm is required)")
+    p.add_argument("--norm-key", default=None, help="tensor name of the final norm weight in --model (default: the first of "
+                        + ", ".join(NORM_KEYS) + " found)")
     p.add_argument("--no-final-norm", action="store_true",
                    help="write the pre-norm last layer as hidden_state (not what stock SpecForge expects)")
     p.add_argument("--loss-mask-from", default=None,

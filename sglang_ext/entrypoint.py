@@ -465,7 +465,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if launch.dump_dir:
         # The patched server refuses a missing dump dir; create it (mkdir -p).
-        os.makedirs(launch.dump_dir, exist_ok=True)
+        try:
+            os.makedirs(launch.dump_dir, exist_ok=True)
+        except OSError as exc:
+            why = "it is a file" if isinstance(exc, FileExistsError) else (exc.strerror or str(exc))
+            print(f"kimi-sglang: --dump-hidden-states-dir {launch.dump_dir}: cannot make the "
+                  f"directory ({why})", file=sys.stderr)
+            return 2
     print(f"kimi-sglang: profiles: {', '.join(launch.applied) or '(none)'}; exec: {launch.render()}", file=sys.stderr, flush=True)
     os.execvpe(launch.argv[0], launch.argv, launch.env)
     return 127  # not reached

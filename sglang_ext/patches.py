@@ -1,8 +1,8 @@
 """``python -m sglang_ext patches <verb>``: the patch series against SGLang.
 
 Verbs: checkout, check, apply, revert, import, export, rebase, summary (see docs/patches.md).
-check, apply and revert without --series take the series made for the target's
-SGLang version (and say so); with no such series, the newest.
+check, apply, revert and import without --series take the series made for the
+target's SGLang version (and say so); with no such series, the newest.
 The work is done in ``sglang_ext.patchtool``; this module parses arguments,
 calls it and prints the results. Every verb returns 0 on success, 1 when the
 series does not fit / git stopped, 2 on bad input.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from .patchtool.check import SeriesReport, apply_series, check_series, revert_series
 from .patchtool.git import GitError, is_git_toplevel
-from .patchtool.history import (HistoryError, default_base_ref, export_series,
-                                import_series, rebase_series)
+from .patchtool.history import (HistoryError, ImportStopped, default_base_ref,
+                                export_series, import_series, rebase_series)
 from .patchtool.report import format_json, format_markdown, format_table
 from .patchtool.series import (Series, SeriesError, default_patches_root, known_series,
                                load_series, pinned_base_for_version, resolve_series_dir,
@@ -27,8 +27,8 @@ from .patchtool.series import (Series, SeriesError, default_patches_root, known_
 from .patchtool.tree import (Tree, TargetError, installed_tree, sglang_version, tree_for_dir,
                              tree_for_ref)
 from .patchtool.wheel import (WheelError, WheelInfo, add_base_to_repo, base_tag,
-                              cached_checkout, create_checkout, fetch_wheel, verify_wheel,
-                              wheel_version)
+                              cached_checkout, create_checkout, fetch_wheel, has_commits,
+                              verify_wheel, wheel_version)
 
 _VERSION_RE = re.compile(r"^v?\d+\.\d+(\.\d+)?([.\-+]?\w+)*$")
 
@@ -64,6 +64,10 @@ def _cmd_checkout(args: argparse.Namespace) -> int:
     info = _wheel_from_args(args)
     dest = Path(args.dir)
     if dest.is_dir() and is_git_toplevel(dest):
+        if not has_commits(dest):
+            raise WheelError(f"{dest} is a git repository without commits (an interrupted "
+                             f"checkout?): remove it and run checkout again, or pass a new "
+                             f"directory")
         commit = add_base_to_repo(info, dest)
         print(f"added base commit {commit[:12]} as tag {base_tag(info.version)} to {dest} "
               "(working tree untouched)")
@@ -185,10 +189,28 @@ def _cmd_revert(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    series = load_series(resolve_series_dir(args.series))
-    commits = import_series(series, Path(args.dir))
-    for patch, commit in zip(series.patches, commits):
-        print(f"{commit[:12]}  {patch.name}")
+    repo = Path(args.dir)
+    if not repo.is_dir() or not is_git_toplevel(repo):
+        raise HistoryError(f"{repo} is not the top of a git checkout (make one with "
+                           f"patches checkout)")
+    if not has_commits(repo):
+        raise HistoryError(f"{repo} is a git repository without commits (an interrupted "
+                           f"checkout?): remove it and run patches checkout again")
+    series, picked = _pick_series(args, None if args.series else tree_for_dir(repo))
+    if picked:
+        print(f"note: {picked.replace('checked the newest', 'imports the newest')}",
+              file=sys.stderr)
+    try:
+        done = import_series(series, repo)
+    except ImportStopped as exc:
+        _err(str(exc))
+        return 1
+    for name, commit in done:
+        print(f"{commit[:12] if commit else 'unchanged   '}  {name}")
+    if all(commit is None for _, commit in done):
+        print(f"series {series.name} is already imported on {repo}: nothing committed")
+    elif any(commit is None for _, commit in done):
+        print("the patches marked unchanged were already in HEAD (git am made no commit)")
     return 0
 
 
@@ -285,8 +307,9 @@ def add_parser(subparsers) -> None:
         v.set_defaults(func=_guard(func), against=None)
 
     im = verbs.add_parser("import", help="commit the series on a checkout (git am -3)")
-    im.add_argument("--series", help="series folder or vX.Y.Z (default: newest patches/v*)")
-    im.add_argument("dir")
+    im.add_argument("--series", help="series folder or vX.Y.Z (default: the series made for "
+                    "DIR's SGLang version, else the newest patches/v*)")
+    im.add_argument("dir", help="a checkout made by patches checkout (clean, with commits)")
     im.set_defaults(func=_guard(_cmd_import))
 
     ex = verbs.add_parser("export", help="write BASE..HEAD as a series (git format-patch)")

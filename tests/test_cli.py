@@ -442,3 +442,156 @@ def test_the_pending_journal_stays_small_and_survives_a_restart(tmp_path, monkey
     assert again.sweep(forget_unanswered=True) == (2, [])
     assert os.listdir(dump) == [] and again.rids == {}
     assert not os.path.exists(journal_path(str(tmp_path), 1))
+
+
+# ---- extract's refusals of bad input: one sentence, exit 2, nothing sent ------------------------
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(server, tmp_path, value):
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    r = cli(*extract_args(server, path, tmp_path / "out", f"--timeout={value}"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"error: --timeout {float(value)} must be a positive number "
+                                f"of seconds")
+    assert server.requests == 0 and not (tmp_path / "out").exists()
+
+
+def test_data_that_is_not_utf8_names_the_byte(server, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = b'{"input_ids": [1, 2]}\n'
+    path.write_bytes(good + b'{"input_ids": [3], "note": "caf\xe9"}\n')
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    offset = len(good) + len(b'{"input_ids": [3], "note": "caf')
+    assert r.stderr.strip() == (f"error: --data {path} is not UTF-8 text: byte {offset} (line 2) "
+                                f"is 0xe9")
+    assert server.requests == 0
+
+
+def test_empty_data_is_refused_saying_no_rows(server, tmp_path):
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
+        path = tmp_path / name
+        path.write_text(text)
+        r = cli(*extract_args(server, path, tmp_path / "out"))
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip() == f"error: --data {path} has no rows; nothing to extract"
+    assert server.requests == 0 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["below-a-file", "sysfs"])
+def test_an_out_directory_that_cannot_be_written_is_one_sentence(server, tmp_path, where):
+    """Root ignores a chmod 555 directory, so the unwritable --out is /sys (read-only for
+    everyone: a sysfs or a read-only mount) or a path below a regular file."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "out" if where == "below-a-file" else Path("/sys")
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    r = cli(*extract_args(server, path, out))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: cannot write there ("), r.stderr
+    assert server.requests == 0
+
+
+def test_tokenizer_without_transformers_is_one_sentence(server, tmp_path):
+    """transformers made unimportable (sys.modules entry None) in the child."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    code = ("import sys; sys.modules['transformers'] = None; "
+            "from sglang_ext.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code,
+                        *extract_args(server, path, tmp_path / "out", "--tokenizer", tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"error: --tokenizer {tmp_path} needs transformers, which is not "
+                                f"installed here (pip install transformers)")
+
+
+def test_an_html_error_page_is_quoted_short_on_one_line(tmp_path):
+    """http.server answers POST with HTTP 501 and its HTML error page (~450 bytes, many
+    lines); each retry line quotes at most 200 characters of it, on one line."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        path = write_jsonl(tmp_path / "d.jsonl", rows(1))
+        r = cli("extract", "--endpoint", url, "--data", path, "--out", tmp_path / "out",
+                "--no-progress", "--backoff", "0.01", "--max-backoff", "0.01", "--max-retries", 2)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.returncode == 1, r.stderr
+    retry = [ln for ln in r.stderr.splitlines() if "retrying" in ln]
+    assert len(retry) == 2, r.stderr
+    for line in retry + [ln for ln in r.stderr.splitlines() if "tries failed" in ln]:
+        quoted = line.split("HTTP 501: ", 1)[1]
+        assert quoted.startswith("<!DOCTYPE HTML") and quoted.endswith("...")
+        assert len(quoted) == 200 + 3
+    assert "</html>" not in r.stderr
+
+
+# ---- convert: refusals that need the files' headers (still no torch) ---------------------------
+def _src_with(tmp_path, n=2, ids=(1, 2, 3)):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n):
+        write_file(str(src / f"hs_{i}.safetensors"), list(ids))  # metadata num_layers "4"
+    return src
+
+
+def test_convert_refuses_loss_masks_of_other_prompts(tmp_path):
+    src = _src_with(tmp_path)
+    data = write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3], [1, 9, 3]], masks=[[0, 1, 1]] * 2)
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+            "--loss-mask-from", data)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"error: --loss-mask-from {data}: row 1 (line 2 of d.jsonl)'s input_ids differ from "
+        f"hs_1.safetensors' token_ids at position 1 (row 9, file 2): its loss_mask belongs to "
+        f"another prompt; pass the DATA given to extract")
+    write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3], [1, 2]], masks=[[0, 1, 1], [0, 1]])
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+            "--loss-mask-from", data)
+    assert r.returncode == 2 and "at position 2 (row has 2 tokens, file 3)" in r.stderr, r.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_refuses_a_model_with_another_layer_count(tmp_path):
+    src = _src_with(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 61,
+                                                                   "rms_norm_eps": 1e-6}}))
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--model", model)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"error: --model {model} has num_hidden_layers 61, but hs_0.safetensors was dumped from "
+        f"a model with 4 layers (metadata num_layers): pass the model the files were dumped from")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_refuses_a_dst_that_is_a_file_and_runs_without_torch_with_a_sentence(tmp_path):
+    src = _src_with(tmp_path, n=1)
+    (tmp_path / "dst").write_text("x")
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: DST {tmp_path / 'dst'} exists and is not a directory"
+    assert (tmp_path / "dst").read_text() == "x"
+    code = ("import sys; sys.modules['torch'] = None; "
+            "from sglang_ext.__main__ import main; sys.exit(main(sys.argv[1:]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code, "convert", "--to", "specforge", str(src),
+                        str(tmp_path / "new"), "--no-final-norm"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: convert writes torch.save records and needs torch, which "
+                                "is not installed here (pip install torch)")
+    assert not (tmp_path / "new").exists()
+
+
+def test_convert_help_states_each_default_once():
+    r = cli("convert", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "(default: None)" not in text
+    assert text.count("(default: all ones)") == 1
+    assert "(default: the first of model.norm.weight," in text

@@ -548,7 +548,7 @@ def _tiny_model(path, eps=1e-5):
     return weight
 
 
-def test_convert_to_specforge_loads_in_its_own_reader(server, tmp_path):
+def test_convert_to_specforge_loads_in_its_own_reader(server, tmp_path, capsys):
     try:
         from specforge.data.preprocessing import build_offline_eagle3_dataset
     except Exception as e:  # noqa: BLE001
@@ -584,8 +584,17 @@ def test_convert_to_specforge_loads_in_its_own_reader(server, tmp_path):
         want_mask[-1] = 0  # SpecForge zeroes the last position itself
         assert item["loss_mask"][0].tolist() == want_mask
     assert seen == set(range(6))
-    # resume: nothing rewritten
+    # resume: nothing rewritten, and the run says the old records are kept
+    before = (dst / "rows_0-5000" / "data_3.ckpt").read_bytes()
+    capsys.readouterr()
     assert main(["convert", "--to", "specforge", str(out), str(dst), "--no-final-norm"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["skipped_existing"] == 6
+    assert captured.err.strip() == (
+        f"note: 6 record(s) already in {dst} were kept as they are, not rewritten with this "
+        f"run's options (--loss-mask-from, --model); to redo them, delete {dst} (or those "
+        f"data_<i>.ckpt files) and run again")
+    assert (dst / "rows_0-5000" / "data_3.ckpt").read_bytes() == before
 
 
 def test_convert_defaults_and_refusals(tmp_path, capsys):

@@ -296,3 +296,20 @@ def test_no_default_must_name_a_default_flag():
         build(["--no-default=tp-size"])
     launch = build(["--no-default", "--tp"])  # any spelling of a default counts
     assert "--tp-size" not in launch.argv and "--model-path" in launch.argv
+
+
+@pytest.mark.parametrize("make_bad", [
+    lambda tmp: tmp / "afile",            # an existing file: FileExistsError
+    lambda tmp: tmp / "afile" / "below",  # below a file: NotADirectoryError
+    lambda tmp: Path("/proc/kimi-sglang-no-such-dir"),  # mkdir refused: FileNotFoundError
+], ids=["file", "below-file", "proc"])
+def test_unusable_dump_dir_is_one_sentence_and_exit_2(tmp_path, make_bad, capsys, monkeypatch):
+    monkeypatch.setenv("KIMI_SGLANG_COMPUTE_CAP", "9.0")
+    (tmp_path / "afile").write_text("x")
+    bad = make_bad(tmp_path)
+    code = ep.main(["--dump-hidden-states-dir", str(bad)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"--dump-hidden-states-dir {bad}: cannot make the directory" in err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("kimi-sglang: --dump")
+    assert (tmp_path / "afile").read_text() == "x"

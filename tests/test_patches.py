@@ -121,6 +121,54 @@ def test_checkout_refuses_wheel_with_wrong_sha(capsys, wheel, tmp_path):
     assert not (tmp_path / "co").exists()
 
 
+@pytest.mark.parametrize("layout", ["new-dir-and-parent", "existing-empty-dir"])
+def test_interrupted_checkout_leaves_nothing_it_made(capsys, wheel, tmp_path, monkeypatch, layout):
+    """Ctrl-C while git commits the sources (KeyboardInterrupt from run_git, as a SIGINT
+    would raise it there): exit 130 and only what was there before is left."""
+    from sglang_ext.patchtool import wheel as wheel_mod
+
+    real = wheel_mod.run_git
+
+    def interrupted(args, *a, **kw):
+        if args[0] == "commit":
+            raise KeyboardInterrupt
+        return real(args, *a, **kw)
+
+    monkeypatch.setattr(wheel_mod, "run_git", interrupted)
+    if layout == "existing-empty-dir":
+        dest = tmp_path / "co"
+        dest.mkdir()
+    else:
+        dest = tmp_path / "made" / "co"
+    rc, out = cli(capsys, "checkout", "--wheel", wheel.path, dest)
+    assert rc == 130 and "interrupted" in out, out
+    if layout == "existing-empty-dir":
+        assert dest.is_dir() and list(dest.iterdir()) == []
+    else:
+        assert not (tmp_path / "made").exists()
+    monkeypatch.setattr(wheel_mod, "run_git", real)
+    rc, out = cli(capsys, "checkout", "--wheel", wheel.path, dest)  # the rerun makes it whole
+    assert rc == 0, out
+    assert git(dest, "log", "--format=%s").stdout.splitlines() == ["SGLang v0.5.17 (PyPI wheel sources)"]
+
+
+def test_a_git_repo_without_commits_is_refused_by_checkout_and_import(capsys, wheel, tmp_path):
+    """What an interrupted checkout of an older version left: .git, no commit, sources."""
+    dest = tmp_path / "co"
+    (dest / "python" / "sglang").mkdir(parents=True)
+    (dest / "python" / "sglang" / "__init__.py").write_text("")
+    git(dest, "init", "-q")
+    for verb in (["checkout", "--wheel", wheel.path], ["import"]):
+        rc, out = cli(capsys, *verb, dest)
+        assert rc == 2, out
+        assert f"error: {dest} is a git repository without commits (an interrupted checkout?)" in out
+        assert "Traceback" not in out
+    assert git(dest, "tag").stdout == ""  # checkout added no base tag
+    (tmp_path / "afile").write_text("x")
+    rc, out = cli(capsys, "checkout", "--wheel", wheel.path, tmp_path / "afile")
+    assert rc == 2 and f"error: {tmp_path / 'afile'} exists and is not an empty directory" in out
+
+
 # ---------------------------------------------------------------- check / apply
 
 def test_series_checks_clean_and_applies_to_checkout(capsys, pristine, tmp_path):
@@ -319,6 +367,43 @@ def test_import_then_export_is_byte_identical(capsys, pristine, tmp_path):
     assert rc == 1
     n = len(patch_files())
     assert [p["status"] for p in report["patches"]] == ["applied"] * (n - 3) + ["not-applied"] * 3
+
+
+def test_import_without_series_picks_the_checkouts_version_and_twice_says_so(capsys, pristine,
+                                                                             tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    git(co, "fetch", "-q", "--tags")
+    assert newest_series_name() != "v0.5.17"  # so "newest" would be wrong
+    rc, out = cli(capsys, "import", co)
+    assert rc == 0, out
+    assert ("note: series v0.5.17 picked: it is made for sglang 0.5.17, the target's version "
+            "(--series picks another)") in out
+    subjects = git(co, "log", "--format=%s", "sglang-v0.5.17..HEAD").stdout.splitlines()[::-1]
+    want = [re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", p.read_text(), re.M).group(1)
+            for p in patch_files()]
+    assert subjects == want
+    head = git(co, "rev-parse", "HEAD").stdout
+    rc, out = cli(capsys, "import", co)
+    assert rc == 0, out
+    assert f"series v0.5.17 is already imported on {co}: nothing committed" in out.splitlines()
+    assert git(co, "rev-parse", "HEAD").stdout == head
+
+
+def test_import_that_git_am_cannot_apply_exits_1_without_gits_continue_advice(capsys, pristine,
+                                                                                tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    first = patch_files()[0]
+    target = next(iter(diff_sections(first)))  # a file the first patch changes
+    (co / target).write_text("replaced\n")
+    git(co, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "clash")
+    head = git(co, "rev-parse", "HEAD").stdout
+    rc, out = cli(capsys, "import", "--series", SERIES_DIR, co)
+    assert rc == 1, out
+    assert (f"error: git am stopped on {first.name}; the import was undone (git am --abort), "
+            f"{co} is back at {head[:12]}") in out
+    assert "--continue" not in out and "--skip" not in out and "hint:" not in out
+    assert git(co, "rev-parse", "HEAD").stdout == head
+    assert git(co, "status", "--porcelain").stdout == ""
 
 
 def test_rebase_onto_identical_base_then_export_unchanged(capsys, pristine, tmp_path):

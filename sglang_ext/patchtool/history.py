@@ -52,24 +52,48 @@ def _require_clean(repo: Path) -> None:
             raise HistoryError(f"{repo} is in the middle of a rebase/am; finish or abort it first")
 
 
-def import_series(series: Series, repo: Path) -> list[str]:
+class ImportStopped(HistoryError):
+    """``git am`` stopped on a patch; the import was undone (the branch is as before)."""
+
+
+# git am's advice on how to go on; printed after we have already run ``git am --abort``.
+_AM_ADVICE = ("git am --continue", "git am --skip", "git am --abort", "--show-current-patch",
+              "advice.mergeConflict")
+
+
+def _without_am_advice(text: str) -> str:
+    return "\n".join(ln for ln in text.splitlines()
+                     if ln.strip() and not ln.startswith("hint:")
+                     and not any(a in ln for a in _AM_ADVICE))
+
+
+def import_series(series: Series, repo: Path) -> list[tuple[str, str | None]]:
     """Commit each patch of ``series`` on ``repo``'s current branch with ``git am -3``.
 
-    Returns the new commit ids, oldest first. On failure runs ``git am --abort``
-    (the branch is as before) and raises HistoryError naming the patch.
+    Returns ``(patch name, new commit id)`` per patch, in series order; the commit is
+    None when ``git am`` made none because HEAD already holds the patch (already imported).
+    On failure runs ``git am --abort``, resets the branch to where it was and raises
+    ``ImportStopped`` naming the patch, with git's own messages but not its advice to
+    continue (the am is no longer in progress). Raises HistoryError if ``repo`` is not clean.
     """
     _require_clean(repo)
     before = run_git(["rev-parse", "HEAD"], repo).stdout.strip()
     ident = identity_args(repo)
+    done: list[tuple[str, str | None]] = []
+    head = before
     for patch in series.patches:
         proc = run_git([*ident, "am", "-3", "--quiet", str(patch.path.resolve())], repo, check=False)
         if proc.returncode != 0:
             run_git(["am", "--abort"], repo, check=False)
             run_git(["reset", "--hard", "--quiet", before], repo, check=False)
-            raise HistoryError(f"git am failed on {patch.name}; {repo} left at {before[:12]}:\n"
-                               f"{(proc.stdout + proc.stderr).strip()}")
-    out = run_git(["rev-list", "--reverse", f"{before}..HEAD"], repo).stdout.split()
-    return out
+            detail = _without_am_advice(proc.stdout + "\n" + proc.stderr)
+            raise ImportStopped(f"git am stopped on {patch.name}; the import was undone "
+                                f"(git am --abort), {repo} is back at {before[:12]}"
+                                + (f":\n{detail}" if detail else ""))
+        new = run_git(["rev-parse", "HEAD"], repo).stdout.strip()
+        done.append((patch.name, new if new != head else None))
+        head = new
+    return done
 
 
 def export_series(repo: Path, base_ref: str, out_dir: Path) -> list[str]:

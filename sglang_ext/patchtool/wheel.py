@@ -151,18 +151,43 @@ def create_checkout(wheel: WheelInfo, dest: Path) -> str:
     """Make ``dest`` (absent or empty) a git repo with one commit holding the wheel's sources.
 
     The commit is tagged ``sglang-v<version>`` and the branch is ``main``.
-    Returns the commit id. Raises FileExistsError if ``dest`` is a non-empty directory.
+    Returns the commit id. Raises FileExistsError if ``dest`` is not a directory or not
+    empty. On any failure or interrupt (KeyboardInterrupt included) what this call made
+    is removed before the exception goes on: ``dest`` and any parent it created, or the
+    contents of an empty ``dest`` that was there before.
     """
-    if dest.exists() and any(dest.iterdir()):
-        raise FileExistsError(f"{dest} exists and is not empty")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest} exists and is not an empty directory")
+    made = None  # the topmost directory this call creates
+    if not dest.exists():
+        made = dest.absolute()
+        while not made.parent.exists():
+            made = made.parent
     dest.mkdir(parents=True, exist_ok=True)
-    extract_sources(wheel.path, dest)
-    run_git(["init", "-q", "-b", "main"], dest)
-    run_git(["add", "-A", "python"], dest)
-    run_git(["commit", "-q", "--no-verify", "-m", base_commit_message(wheel.version)],
-            dest, env=_IDENTITY_ENV)
-    run_git(["tag", base_tag(wheel.version)], dest)
-    return run_git(["rev-parse", "HEAD"], dest).stdout.strip()
+    try:
+        extract_sources(wheel.path, dest)
+        run_git(["init", "-q", "-b", "main"], dest)
+        run_git(["add", "-A", "python"], dest)
+        run_git(["commit", "-q", "--no-verify", "-m", base_commit_message(wheel.version)],
+                dest, env=_IDENTITY_ENV)
+        run_git(["tag", base_tag(wheel.version)], dest)
+        return run_git(["rev-parse", "HEAD"], dest).stdout.strip()
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        else:
+            for child in list(dest.iterdir()):
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+        raise
+
+
+def has_commits(repo: Path) -> bool:
+    """True when ``repo``'s HEAD names a commit (False in a ``git init`` with no commit)."""
+    return run_git(["rev-parse", "--verify", "--quiet", "HEAD^{commit}"], repo,
+                   check=False).returncode == 0
 
 
 def add_base_to_repo(wheel: WheelInfo, repo: Path) -> str:
