@@ -82,6 +82,7 @@ done
 py=${PYTHON:-python3}
 series_py() { KIMI_SGLANG_PATCHES="$root/patches" PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" "$@"; }
 known=$(find patches -mindepth 1 -maxdepth 1 -type d -name 'v*' -printf '%f ' 2>/dev/null)
+known=${known% }
 
 # Default: the newest GPU-verified series, unless --base says otherwise.
 if [[ -z "$base" ]]; then
@@ -95,8 +96,8 @@ fi
 toml="patches/$base/base.toml"
 [[ -f "$toml" ]] || die "$toml not found (known series: $known)"
 
-# base.toml -> shell assignments.
-eval "$(series_py - "patches/$base" <<'PY'
+# base.toml -> shell assignments (an error is printed by the reader; stop then).
+assignments=$(series_py - "patches/$base" <<'PY'
 import shlex, sys
 from sglang_ext.patchtool.series import SeriesError, load_base, series_status
 toml = f"{sys.argv[1]}/base.toml"
@@ -114,7 +115,8 @@ if missing:
 for k, v in vals.items():
     print(f"{k}={shlex.quote(str(v))}")
 PY
-)"
+) || exit 1
+eval "$assignments"
 if [[ "$SERIES_STATUS" != gpu-verified ]]; then
     echo "build.sh: warning: series $base is $SERIES_STATUS only: it applies to SGLang $SGLANG_VERSION and passes the CPU tests, but has never run end to end on a GPU (docs/porting.md)" >&2
 fi
