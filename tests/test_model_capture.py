@@ -16,6 +16,10 @@ the number of layers) is the stream before the final norm, captured by patch 000
 An idle forward (``ForwardMode.IDLE``: a DP-attention rank with no work while other
 ranks prefill) has no rows but runs the layers and their captures; the packer's
 ``finalize()`` raises "captured k of n aux hidden states" unless id N is captured too.
+
+The same probe wraps that model in SGLang's own ``KimiK25ForConditionalGeneration`` (the
+class Kimi-K2.5 is served with; built without ``__init__``) and asks
+``hooks._find_decoder`` for the LM and decoder.
 """
 
 from __future__ import annotations
@@ -105,7 +109,25 @@ for mode, layers_to_capture, rows in CASES:
                             aux=None if aux is None else aux.tolist()))
     except Exception as e:
         results.append(dict(ok=False, error=f"{type(e).__name__}: {e}"))
-print("RESULT " + json.dumps({"file": m.__file__, "results": results}))
+
+# Kimi-K2.5: SGLang's own wrapper class around a DeepseekV3ForCausalLM holding the model
+# above, built without __init__ (no vision tower, no weights): what hooks._find_decoder
+# sees in model_runner.model when Kimi-K2.5 is served.
+from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
+from sglang_ext import hooks
+
+lm = m.DeepseekV3ForCausalLM.__new__(m.DeepseekV3ForCausalLM)
+torch.nn.Module.__init__(lm)
+lm.model = model
+lm.capture_aux_hidden_states = False
+kimi = KimiK25ForConditionalGeneration.__new__(KimiK25ForConditionalGeneration)
+torch.nn.Module.__init__(kimi)
+kimi.language_model = lm
+found_lm, found_decoder = hooks._find_decoder(kimi)
+kimi_out = dict(lm=type(found_lm).__name__, decoder=type(found_decoder).__name__,
+                found_the_language_model=found_lm is lm, found_its_model=found_decoder is model,
+                model_alias=kimi.model is lm, kimi_file=sys.modules[KimiK25ForConditionalGeneration.__module__].__file__)
+print("RESULT " + json.dumps({"file": m.__file__, "results": results, "kimi": kimi_out}))
 """
 
 CASES = {
@@ -141,7 +163,7 @@ def forwards(request, tmp_path_factory) -> dict:
     assert line, f"probe crashed:\n{proc.stderr[-3000:]}"
     out = json.loads(line[-1][len("RESULT "):])
     assert out["file"].startswith(str(site)), "imported another sglang"
-    return dict(zip(CASES, out["results"]))
+    return {**dict(zip(CASES, out["results"])), "kimi": out["kimi"], "site": str(site)}
 
 
 def stream_entering(layer: int, token_ids: list[int]) -> list[list[float]]:
@@ -174,3 +196,15 @@ def test_idle_forward_without_n_is_upstreams(forwards):
     out = forwards["idle 1,2"]
     assert out["ok"], out.get("error")
     assert out["hidden_shape"] == [0, HIDDEN] and out["aux_shape"] == [0, 2 * HIDDEN]
+
+
+@pytest.mark.network
+def test_find_decoder_in_kimi_k25_class(forwards):
+    """``KimiK25ForConditionalGeneration`` (sglang/srt/models/kimi_k25.py, both releases)
+    holds a ``DeepseekV3ForCausalLM`` in ``language_model`` and aliases ``model`` to it
+    (a property); hooks._find_decoder must reach the LM and its DeepseekV2Model."""
+    out = forwards["kimi"]
+    assert out["kimi_file"].startswith(forwards["site"])
+    assert out["model_alias"]  # the wrapper's own `model` property: the LM, not a decoder
+    assert (out["lm"], out["decoder"]) == ("DeepseekV3ForCausalLM", "DeepseekV2Model")
+    assert out["found_the_language_model"] and out["found_its_model"]
