@@ -99,10 +99,11 @@ toml="patches/$base/base.toml"
 # base.toml -> shell assignments (an error is printed by the reader; stop then).
 assignments=$(series_py - "patches/$base" <<'PY'
 import shlex, sys
+from pathlib import Path
 from sglang_ext.patchtool.series import SeriesError, load_base, series_status
-toml = f"{sys.argv[1]}/base.toml"
+toml = Path(sys.argv[1], "base.toml")
 try:
-    base = load_base(__import__("pathlib").Path(toml))
+    base = load_base(toml)
     status = series_status(sys.argv[1])
 except SeriesError as e:
     sys.exit(f"build.sh: {e}")
