@@ -278,7 +278,7 @@ def add_parser(subparsers) -> None:
         "list", help="the series under patches/, oldest first, with their verification status",
         description="One line per series: folder, SGLang version, series version, status "
         f"({', '.join(STATUSES)}) and where its verification is recorded. Exit 2 when a "
-        "base.toml lacks [series] status or no series matches.")
+        "base.toml lacks [series] status, or --newest finds no series with --status.")
     ls.add_argument("--status", choices=STATUSES, help="only the series with this status")
     ls.add_argument("--newest", action="store_true",
                     help="only the newest (version order) of those listed")
