@@ -14,7 +14,9 @@ build is hermetic; the base image must be present or pullable, nothing else
 is fetched.
 
   --base vX.Y.Z   patch series to build (a folder patches/vX.Y.Z with a base.toml);
-                  default: the newest patches/v* by version order
+                  default: the newest GPU-verified series (base.toml [series] status;
+                  `python -m sglang_ext patches list` shows each series' status).
+                  An apply-checked series (never run on a GPU) builds with a warning
   --base-image IMAGE
                   build on IMAGE instead of base.toml's [base] image, e.g. a copy
                   of it in a local registry for offline builds (it must hold the
@@ -75,34 +77,50 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-# Newest series by version order (sort -V), unless --base says otherwise.
+# The series' status and base.toml are read by the project's own patch tooling
+# (sglang_ext/patchtool/series.py; Python 3.11+ for tomllib).
+py=${PYTHON:-python3}
+series_py() { KIMI_SGLANG_PATCHES="$root/patches" PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" "$@"; }
+known=$(find patches -mindepth 1 -maxdepth 1 -type d -name 'v*' -printf '%f ' 2>/dev/null)
+known=${known% }
+
+# Default: the newest GPU-verified series, unless --base says otherwise.
 if [[ -z "$base" ]]; then
-    base=$(find patches -mindepth 1 -maxdepth 1 -type d -name 'v*' -printf '%f\n' 2>/dev/null | sort -V | tail -n 1)
-    [[ -n "$base" ]] || die "no patches/v* series found under $root/patches"
+    [[ -n "$known" ]] || die "no patches/v* series found under $root/patches"
+    base=$(series_py -m sglang_ext patches list --status gpu-verified --newest --names) \
+        || die "no --base given and no GPU-verified series to default to (known series: $known)"
+    newer=$(series_py -m sglang_ext patches list --names | awk -v b="$base" 'f { printf "%s ", $0 } $0 == b { f = 1 }')
+    echo "build.sh: no --base: building $base, the newest GPU-verified series${newer:+ (newer, not GPU-verified: ${newer% }; --base builds one)}" >&2
 fi
 [[ "$base" == v* ]] || base="v$base"
 toml="patches/$base/base.toml"
-[[ -f "$toml" ]] || die "$toml not found (known series: $(find patches -mindepth 1 -maxdepth 1 -type d -name 'v*' -printf '%f ' 2>/dev/null))"
+[[ -f "$toml" ]] || die "$toml not found (known series: $known)"
 
-# base.toml -> shell assignments, via tomllib (Python 3.11+); no yq needed.
-py=${PYTHON:-python3}
-eval "$("$py" - "$toml" <<'PY'
-import shlex, sys, tomllib
-with open(sys.argv[1], "rb") as f:
-    d = tomllib.load(f)
+# base.toml -> shell assignments (an error is printed by the reader; stop then).
+assignments=$(series_py - "patches/$base" <<'PY'
+import shlex, sys
+from pathlib import Path
+from sglang_ext.patchtool.series import SeriesError, load_base, series_status
+toml = Path(sys.argv[1], "base.toml")
 try:
-    vals = {
-        "BASE_IMAGE": d["base"]["image"],
-        "SGLANG_VERSION": d["base"]["version"],
-        "BASE_GIT_TAG": d["base"]["git_tag"],
-        "SERIES_VERSION": str(d["series"]["version"]),
-    }
-except KeyError as e:
-    sys.exit(f"build.sh: {sys.argv[1]} lacks {e}")
+    base = load_base(toml)
+    status = series_status(sys.argv[1])
+except SeriesError as e:
+    sys.exit(f"build.sh: {e}")
+vals = {"BASE_IMAGE": base.image, "SGLANG_VERSION": base.version,
+        "BASE_GIT_TAG": base.git_tag, "SERIES_VERSION": base.series_version,
+        "SERIES_STATUS": status, "SERIES_EVIDENCE": base.evidence or ""}
+missing = [k for k, v in vals.items() if v is None]
+if missing:
+    sys.exit(f"build.sh: {toml} lacks {', '.join(missing)}")
 for k, v in vals.items():
     print(f"{k}={shlex.quote(str(v))}")
 PY
-)"
+) || exit 1
+eval "$assignments"
+if [[ "$SERIES_STATUS" != gpu-verified ]]; then
+    echo "build.sh: warning: series $base is $SERIES_STATUS only: it applies to SGLang $SGLANG_VERSION and passes the CPU tests, but has never run end to end on a GPU (docs/porting.md)" >&2
+fi
 
 if [[ -n "$base_image" ]]; then
     BASE_IMAGE=$base_image
@@ -185,7 +203,7 @@ for t in "${tags[@]}"; do
 done
 cmd+=(${passthrough[@]+"${passthrough[@]}"} .)
 
-echo "build.sh: series $base (series version $SERIES_VERSION) on $BASE_IMAGE" >&2
+echo "build.sh: series $base (series version $SERIES_VERSION, $SERIES_STATUS${SERIES_EVIDENCE:+: $SERIES_EVIDENCE}) on $BASE_IMAGE" >&2
 if [[ $dry_run -eq 1 ]]; then
     echo "rm -rf build/wheel && mkdir -p build/wheel"
     printf '%q ' "${wheel_cmd[@]}"; echo

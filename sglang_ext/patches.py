@@ -1,6 +1,7 @@
 """``python -m sglang_ext patches <verb>``: the patch series against SGLang.
 
-Verbs: checkout, check, apply, revert, import, export, rebase, summary (see docs/patches.md).
+Verbs: list, checkout, check, apply, revert, import, export, rebase, summary (see
+docs/patches.md).
 check, apply, revert and import without --series take the series made for the
 target's SGLang version (and say so); with no such series, the newest.
 The work is done in ``sglang_ext.patchtool``; this module parses arguments,
@@ -21,9 +22,10 @@ from .patchtool.git import GitError, is_git_toplevel
 from .patchtool.history import (HistoryError, ImportStopped, default_base_ref,
                                 export_series, import_series, rebase_series)
 from .patchtool.report import format_json, format_markdown, format_table
-from .patchtool.series import (Series, SeriesError, default_patches_root, known_series,
-                               load_series, pinned_base_for_version, resolve_series_dir,
-                               series_for_version)
+from .patchtool.series import (STATUSES, Series, SeriesError, default_patches_root,
+                               known_series, load_base, load_series, newest_series,
+                               pinned_base_for_version, resolve_series_dir, series_for_version,
+                               series_status)
 from .patchtool.tree import (Tree, TargetError, installed_tree, sglang_version, tree_for_dir,
                              tree_for_ref)
 from .patchtool.wheel import (WheelError, WheelInfo, add_base_to_repo, base_tag,
@@ -58,6 +60,22 @@ def _wheel_from_args(args: argparse.Namespace) -> WheelInfo:
         print(f"{info.path.name}: sglang {info.version} is not pinned by any base.toml; "
               f"sha256 {info.sha256} NOT verified")
     return info
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    if args.newest:
+        dirs = [newest_series(args.status)]
+    else:
+        dirs = [d for d in known_series() if args.status is None or series_status(d) == args.status]
+    for d in dirs:
+        if args.names:
+            print(d.name)
+            continue
+        base = load_base(d / "base.toml")
+        evidence = f"  ({base.evidence})" if base.evidence else ""
+        print(f"{d.name:<10} sglang {base.version:<8} s{base.series_version or '?':<4} "
+              f"{series_status(d)}{evidence}")
+    return 0
 
 
 def _cmd_checkout(args: argparse.Namespace) -> int:
@@ -277,6 +295,18 @@ def add_parser(subparsers) -> None:
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = p.add_subparsers(dest="verb", required=True)
+
+    ls = verbs.add_parser(
+        "list", help="the series under patches/, oldest first, with their verification status",
+        description="One line per series: folder, SGLang version, series version, status "
+        f"({', '.join(STATUSES)}) and where its verification is recorded. Exit 2 when a "
+        "base.toml lacks [series] status, or --newest finds no series with --status.")
+    ls.add_argument("--status", choices=STATUSES, help="only the series with this status")
+    ls.add_argument("--newest", action="store_true",
+                    help="only the newest (version order) of those listed")
+    ls.add_argument("--names", action="store_true",
+                    help="folder names only (v0.5.17), one a line: for scripts")
+    ls.set_defaults(func=_guard(_cmd_list))
 
     co = verbs.add_parser("checkout", help="make a git checkout of a pinned SGLang wheel's sources")
     src = co.add_mutually_exclusive_group()

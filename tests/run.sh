@@ -4,7 +4,8 @@
 #   bash tests/run.sh [pytest args]
 #
 # 1. The main venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of
-#    requirements/ci.txt, ci-nodeps.txt, the pinned base.toml>), reused while those are
+#    requirements/ci.txt, ci-nodeps.txt and the SGLang version of the newest GPU-verified
+#    series, `sglang_ext patches list --status gpu-verified`>), reused while those are
 #    unchanged. It holds the pinned test deps, SGLang's wheel installed --no-deps (plus
 #    only what importing its server args needs: see requirements/ci.txt) and the trainer
 #    packages of requirements/ci-nodeps.txt (--no-deps). First run: ~6.5 GB on disk (torch
@@ -22,9 +23,11 @@ cd "$root"
 py=${PYTHON:-python3}
 cache=${KIMI_SGLANG_VENV_ROOT:-$HOME/.cache/kimi-sglang}
 req=requirements/ci.txt
-sglang_version=$("$py" -c "import tomllib;print(tomllib.load(open('patches/v0.5.17/base.toml','rb'))['base']['version'])")
+# The venv's SGLang: the newest GPU-verified series' (base.toml [series] status).
+series=$(KIMI_SGLANG_PATCHES="$root/patches" "$py" -m sglang_ext patches list --status gpu-verified --newest --names)
+sglang_version=$("$py" -c "import sys,tomllib;print(tomllib.load(open(sys.argv[1],'rb'))['base']['version'])" "patches/$series/base.toml")
 nodeps=requirements/ci-nodeps.txt
-hash=$(cat "$req" "$nodeps" patches/v0.5.17/base.toml | sha256sum | cut -c1-12)
+hash=$(printf 'sglang==%s\n' "$sglang_version" | cat "$req" "$nodeps" - | sha256sum | cut -c1-12)
 venv=${KIMI_SGLANG_VENV:-$cache/venv-$hash}
 req310=requirements/ci-py310.txt
 venv310=${KIMI_SGLANG_VENV310:-$cache/venv310-$(sha256sum <"$req310" | cut -c1-12)}

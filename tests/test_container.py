@@ -28,17 +28,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SERIES = "v0.5.17"  # the rehearsals apply this series to its wheel; the default is newest_series()
+SERIES = "v0.5.17"  # the rehearsals apply this series to its wheel; the default is default_series()
 WHEEL_DIR = Path(os.environ.get("KIMI_SGLANG_WHEEL_DIR", "/tmp/wh"))
 
 
-def newest_series() -> str:
-    dirs = [p.name for p in (REPO / "patches").glob("v*") if (p / "base.toml").is_file()]
+def default_series(patches: Path = REPO / "patches") -> str:
+    """What build.sh builds without --base: the newest series (version order) whose base.toml
+    says [series] status = "gpu-verified". Read here with tomllib, not the project's reader."""
+    dirs = [p.name for p in patches.glob("v*") if (p / "base.toml").is_file()
+            and tomllib.loads((p / "base.toml").read_text())["series"].get("status") == "gpu-verified"]
     return max(dirs, key=lambda n: tuple(int(x) for x in re.findall(r"\d+", n)))
 
 
 def base_toml(series: str | None = None) -> dict:
-    return tomllib.loads((REPO / "patches" / (series or newest_series()) / "base.toml").read_text())
+    return tomllib.loads((REPO / "patches" / (series or default_series()) / "base.toml").read_text())
 
 
 # --------------------------------------------------------------------------
@@ -214,11 +217,14 @@ def test_build_sh_docker_build_argv(fake_docker):
     assert buildkit_env(log) == "DOCKER_BUILDKIT=1"
     assert build_argv_pairs(argv, "--platform") == ["linux/amd64"]
     assert build_argv_pairs(argv, "--network") == ["none"]  # hermetic: no RUN step has a network
-    default = newest_series()  # what build.sh picks without --base
-    assert default == "v0.5.23"
+    default = default_series()  # what build.sh picks without --base
+    assert default == "v0.5.17"  # v0.5.23 is newer but apply-checked only
+    assert (f"build.sh: no --base: building {default}, the newest GPU-verified series "
+            "(newer, not GPU-verified: v0.5.23; --base builds one)") in r.stderr
+    assert "warning" not in r.stderr
     meta = base_toml(default)
     args = dict(a.split("=", 1) for a in build_argv_pairs(argv, "--build-arg"))
-    assert args["BASE_IMAGE"] == meta["base"]["image"] == "lmsysorg/sglang:v0.5.23-cu130"
+    assert args["BASE_IMAGE"] == meta["base"]["image"] == "lmsysorg/sglang:v0.5.17-cu130"
     assert args["SGLANG_VERSION"] == meta["base"]["version"]
     assert args["BASE_GIT_TAG"] == meta["base"]["git_tag"]
     assert args["SERIES_VERSION"] == str(meta["series"]["version"])
@@ -247,25 +253,67 @@ def test_build_sh_push_extra_tags_and_base(fake_docker):
     assert r.returncode != 0 and "patches/v9.9.9/base.toml not found" in r.stderr
 
 
-def test_build_sh_picks_newest_series_by_version(fake_docker, tmp_path):
-    bin_dir, log = fake_docker
+def fake_repo(tmp_path, series: dict[str, tuple[str, str | None]]) -> Path:
+    """build.sh, the patch tooling and base.tomls {sglang version: (series version, status)}."""
     repo = tmp_path / "repo"
     (repo / "patches").mkdir(parents=True)
     shutil.copy(REPO / "build.sh", repo / "build.sh")
-    for v, series in (("0.5.9", "3"), ("0.5.17", "2"), ("0.5.10", "1")):
+    shutil.copytree(REPO / "sglang_ext", repo / "sglang_ext",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for v, (version, status) in series.items():
         d = repo / "patches" / f"v{v}"
         d.mkdir()
+        (d / "series").write_text("")
         (d / "base.toml").write_text(
-            f'[base]\nversion = "{v}"\nimage = "lmsysorg/sglang:v{v}-cu130"\ngit_tag = "v{v}"\n[series]\nversion = "{series}"\n'
-        )
+            f'[base]\nversion = "{v}"\nimage = "lmsysorg/sglang:v{v}-cu130"\ngit_tag = "v{v}"\n'
+            f'[series]\nversion = "{version}"\n' + (f'status = "{status}"\n' if status else ""))
+    return repo
+
+
+def test_build_sh_picks_newest_gpu_verified_series_by_version(fake_docker, tmp_path):
+    bin_dir, log = fake_docker
+    repo = fake_repo(tmp_path, {"0.5.9": ("3", "gpu-verified"), "0.5.17": ("2", "gpu-verified"),
+                                "0.5.10": ("1", "gpu-verified"), "0.5.18": ("4", "apply-checked"),
+                                "0.5.30": ("1", "apply-checked")})
+    assert default_series(repo / "patches") == "v0.5.17"
     wheel = tmp_path / "sglang_ext-0.1.0-py3-none-any.whl"  # the copy has no pyproject to build
     wheel.write_bytes(b"")
     r = run_build(["--wheel", str(wheel)], bin_dir, cwd=repo, env_extra={"SOURCE_DATE_EPOCH": "1700000000"})
     assert r.returncode == 0, r.stderr
     argv = docker_calls(log)[-1]
-    assert "kimi-sglang:v0.5.17-s2" in argv  # sort -V, not lexical (v0.5.9)
+    assert "kimi-sglang:v0.5.17-s2" in argv  # sort -V, not lexical (v0.5.9); not v0.5.18/v0.5.30
     assert "BASE_IMAGE=lmsysorg/sglang:v0.5.17-cu130" in argv
     assert "SOURCE_DATE_EPOCH=1700000000" in argv
+    assert ("no --base: building v0.5.17, the newest GPU-verified series "
+            "(newer, not GPU-verified: v0.5.18 v0.5.30; --base builds one)") in r.stderr
+    assert "series v0.5.17 (series version 2, gpu-verified) on" in r.stderr
+
+    # An apply-checked series on request: built, with a warning naming its status.
+    r = run_build(["--wheel", str(wheel), "--base", "0.5.18"], bin_dir, cwd=repo)
+    assert r.returncode == 0, r.stderr
+    assert "kimi-sglang:v0.5.18-s4" in docker_calls(log)[-1]
+    assert ("build.sh: warning: series v0.5.18 is apply-checked only: it applies to SGLang 0.5.18 "
+            "and passes the CPU tests, but has never run end to end on a GPU") in r.stderr
+    assert "no --base" not in r.stderr
+
+
+def test_build_sh_status_errors(fake_docker, tmp_path):
+    bin_dir, _ = fake_docker
+    wheel = tmp_path / "sglang_ext-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    repo = fake_repo(tmp_path / "a", {"0.5.17": ("2", "apply-checked")})
+    r = run_build(["--wheel", str(wheel)], bin_dir, cwd=repo)
+    assert r.returncode == 1
+    assert "build.sh: no --base given and no GPU-verified series to default to (known series: v0.5.17)" in r.stderr
+    assert "Traceback" not in r.stderr
+    repo = fake_repo(tmp_path / "b", {"0.5.17": ("2", None)})
+    r = run_build(["--wheel", str(wheel), "--base", "v0.5.17"], bin_dir, cwd=repo)
+    assert r.returncode == 1 and "[series] status missing (one of gpu-verified, apply-checked)" in r.stderr
+    repo = fake_repo(tmp_path / "c", {"0.5.17": ("2", "verified-ish")})
+    r = run_build(["--wheel", str(wheel), "--base", "v0.5.17"], bin_dir, cwd=repo)
+    assert r.returncode == 1
+    assert "[series] status is 'verified-ish'; expected one of gpu-verified, apply-checked" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_build_sh_without_docker(tmp_path):

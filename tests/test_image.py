@@ -14,9 +14,9 @@ Session fixtures, in order:
   (``CI=true``) and skip elsewhere, with the reason.
 * ``standin``: the TEST FIXTURE standing in for upstream's ``lmsysorg/sglang``
   image (tests/image/standin.Dockerfile): minimal Debian made by mmdebstrap and
-  ``docker import``, plus the pinned SGLang 0.5.17 wheel laid out at
+  ``docker import``, plus the pinned SGLang wheel of SERIES (the newest gpu-verified series) laid out at
   /sgl-workspace/sglang/python as upstream's image has it. Cached by tag.
-* ``image``: the project's own ``build.sh --base v0.5.17`` on that stand-in.
+* ``image``: the project's own ``build.sh --base SERIES`` on that stand-in.
   A failed build fails every test here.
 
 SGLang's dependencies (torch, ...) are not in the stand-in: the two runs that
@@ -43,8 +43,12 @@ from pathlib import Path
 
 import pytest
 
+from sglang_ext.patchtool.series import GPU_VERIFIED, newest_series
+
 REPO = Path(__file__).resolve().parents[1]
-SERIES = "v0.5.17"  # the series CI's venv pins (its SGLang and deps)
+# The series CI's venv pins (its SGLang and deps): tests/run.sh installs the SGLang of the
+# newest gpu-verified series, the same series build.sh builds by default.
+SERIES = newest_series(GPU_VERIFIED).name
 BASE_TOML = tomllib.loads((REPO / "patches" / SERIES / "base.toml").read_text())
 STANDIN_DOCKERFILE = REPO / "tests" / "image" / "standin.Dockerfile"
 ROOTFS_PACKAGES = "python3,python3-pip,git,patch,ca-certificates"
@@ -184,6 +188,9 @@ def _digest(*parts: bytes) -> str:
 def standin(engine, wheel, tmp_path_factory) -> str:
     """Tag of the stand-in base image (made once per rootfs recipe + wheel + Dockerfile)."""
     assert "-cp311-" in wheel.path.name, f"{wheel.path.name}: the stand-in's Python is 3.11"
+    assert wheel.version == BASE_TOML["base"]["version"], (
+        f"conftest's wheel fixture is sglang {wheel.version}; {SERIES} pins "
+        f"{BASE_TOML['base']['version']}: move tests/conftest.py's SERIES_DIR with the verified series")
     rootfs = f"{TEST_NAME}-rootfs:{ROOTFS_SUITE}-{_digest(ROOTFS_PACKAGES.encode())}"
     if not engine.has_image(rootfs):
         if not shutil.which("mmdebstrap"):
@@ -290,7 +297,7 @@ def test_patches_check_in_the_image_reports_its_series_applied(image):
     assert report["series"] == SERIES and report["state"] == "applied"
     assert [p["status"] for p in report["patches"]] == ["applied"] * 6
     assert report["target"] == "/sgl-workspace/sglang/python (site-packages, -p2)"
-    assert report["notes"][0].startswith(f"series {SERIES} picked: it is made for sglang 0.5.17")
+    assert report["notes"][0].startswith(f"series {SERIES} picked: it is made for sglang {BASE_TOML['base']['version']}")
 
 
 def test_kimi_sglang_help_is_ours_and_help_sglang_reaches_the_patched_server(image):

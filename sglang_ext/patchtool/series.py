@@ -15,6 +15,12 @@ from pathlib import Path
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
+# How far a series is verified (``[series] status`` in its base.toml), strongest first:
+# "gpu-verified": the GPU end-to-end suite passed with it (``evidence`` names the record);
+# "apply-checked": it applies to its pinned wheel and passes the CPU tests, never run on a GPU.
+STATUSES = ("gpu-verified", "apply-checked")
+GPU_VERIFIED = STATUSES[0]
+
 
 class SeriesError(ValueError):
     """A series folder or one of its files is missing or malformed."""
@@ -100,6 +106,8 @@ class Base:
     git_tag: str | None = None
     wheels: dict[str, str] = field(default_factory=dict)  # wheel file name -> sha256
     series_version: str | None = None
+    status: str | None = None  # ``[series] status``: one of STATUSES (None when absent)
+    evidence: str | None = None  # ``[series] evidence``: where the verification is recorded
 
 
 @dataclass(frozen=True)
@@ -196,7 +204,8 @@ def parse_patch(path: Path) -> Patch:
 
 
 def load_base(path: Path) -> Base:
-    """Read ``base.toml`` (tomllib). Raises SeriesError if it lacks ``[base] version``."""
+    """Read ``base.toml`` (tomllib). Raises SeriesError if it lacks ``[base] version`` or
+    has a ``[series] status`` outside STATUSES."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -204,12 +213,19 @@ def load_base(path: Path) -> Base:
     base = data.get("base") or {}
     if "version" not in base:
         raise SeriesError(f"{path}: [base] version missing")
+    series = data.get("series") or {}
+    status = series.get("status")
+    if status is not None and status not in STATUSES:
+        raise SeriesError(f"{path}: [series] status is {status!r}; expected one of "
+                          f"{', '.join(STATUSES)}")
     return Base(
         version=str(base["version"]),
         image=base.get("image"),
         git_tag=base.get("git_tag"),
         wheels={str(k): str(v) for k, v in (base.get("wheels") or {}).items()},
-        series_version=(data.get("series") or {}).get("version"),
+        series_version=series.get("version"),
+        status=status,
+        evidence=series.get("evidence"),
     )
 
 
@@ -306,3 +322,30 @@ def pinned_base_for_version(version: str) -> Base | None:
         if base.version == version:
             return base
     return None
+
+
+def series_status(directory: Path | str) -> str:
+    """How far the series in ``directory`` is verified: its base.toml's ``[series] status``,
+    one of STATUSES. The one reader of that field (CLI ``patches list``, build.sh, the test
+    and staging scripts go through it). Raises SeriesError when base.toml is missing, has
+    no status, or an unknown one."""
+    toml = Path(directory) / "base.toml"
+    if not toml.is_file():
+        raise SeriesError(f"{toml} not found: a series needs a base.toml with [series] status")
+    base = load_base(toml)
+    if base.status is None:
+        raise SeriesError(f"{toml}: [series] status missing (one of {', '.join(STATUSES)})")
+    return base.status
+
+
+def newest_series(status: str | None = None) -> Path:
+    """The newest series folder under ``patches/`` (version order, v0.5.9 < v0.5.17), only
+    among those whose ``series_status`` is ``status`` when given. Raises SeriesError when
+    none is, or when ``status`` is not one of STATUSES."""
+    if status is not None and status not in STATUSES:
+        raise SeriesError(f"unknown status {status!r}; expected one of {', '.join(STATUSES)}")
+    found = [d for d in known_series() if status is None or series_status(d) == status]
+    if not found:
+        what = f"{status} series" if status else "series"
+        raise SeriesError(f"no {what} under {default_patches_root()}")
+    return found[-1]
