@@ -27,8 +27,9 @@ magnitude ``|x| / scale`` is in the normal range (>= 2^-6) by at most half an ul
     |x' - x| <= 2^-4 * |x| + 2^-10 * scale
 
 (the float32 division and product add relative errors of order 2^-24). Dequantizing to
-bf16 (``FP8Transfer``'s default) rounds the scale and the product to bf16 as well: up to
-about ``2^-8`` relative more. Values scaled to 448 exactly (each slot's amax) are exact
+bf16 (``FP8Transfer``'s default) rounds the scale and the product to bf16 as well: two bf16
+roundings (2^-9 each) of a value up to ``(1 + 2^-4) |x|``, so at most ``2^-7`` relative
+more. Values scaled to 448 exactly (each slot's amax) are exact
 up to float32 rounding; the cast is clamped to +-448 so a rounding of the division above
 448 can never become NaN (e4m3fn has no infinity).
 """
