@@ -120,3 +120,13 @@ def test_fp8_without_scales_and_scales_of_the_wrong_shape_are_refused(dump_dir):
         fmt.write_reserved(fmt.reserve(fd, "b"), hs, ids, {}, scales=torch.ones(2, 1, 1))
     with pytest.raises(fmt.DumpFormatError, match="take no hidden_states_scales"):
         fmt.write_reserved(fmt.reserve(fd, "c"), hs.float(), ids, {}, scales=torch.ones(2, 3, 1))
+
+
+def test_blocks_of_rows_give_the_same_result_and_leave_the_input_alone(monkeypatch):
+    rows = rows_with_layer_scales(n=50, slots=4, hidden=32)
+    before = rows.clone()
+    q1, s1 = quant.quantize_fp8(rows, 4)
+    monkeypatch.setattr(quant, "BLOCK_ELEMENTS", 3 * 128 + 5)  # 3 rows a block, 50 = 16 x 3 + 2
+    q2, s2 = quant.quantize_fp8(rows, 4)
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+    assert torch.equal(rows, before)
