@@ -321,7 +321,7 @@ class DumpWriter:
         elem = {"fp8": 1, "bf16": 2}.get(self.hidden_states_dtype, hidden.element_size())
         row_bytes = hidden.shape[1] * elem
         if row_bytes + scale_bytes > self.extents.capacity:
-            raise ValueError(f"one token's row ({row_bytes} bytes) exceeds the {self.extents.capacity}-byte "
+            raise ValueError(f"one token's row ({row_bytes + scale_bytes} bytes) exceeds the {self.extents.capacity}-byte "
                              f"arena (--dump-hidden-states-max-host-mb)")
         gen = self.generation
         self._busy = True

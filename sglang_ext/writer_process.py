@@ -11,8 +11,9 @@ Per request (all names relative to the dump directory's descriptor):
    safetensors header (``format.file_layout``: shapes and metadata are known from the
    first chunk) and the token ids.
 2. ``ROWS``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
-   chunked prefill produces them (fp8 files: the rows' scales too, a second ``pwrite``); the arena range goes back to the scheduler at once,
-   so a prompt longer than the arena streams through it.
+   chunked prefill produces them (fp8 files: the rows' scales too, a second ``pwrite``);
+   the arena range goes back to the scheduler at once, so a prompt longer than the arena
+   streams through it.
 3. ``FINISH``: the lock of the reserved final name arrives with the op (the scheduler
    created it, ``format.reserve``); rename the temporary file to the final name, append
    the index line, unlink and release the lock (``format.complete``). Any failure before
