@@ -15,6 +15,9 @@ Runs on a CUDA host where SGLang 0.5.17 with the kimi-sglang series is importabl
    ``--dump-hidden-states-dir /dev/shm/...`` serves mode ``dump`` (each response waits for
    its file) and mode ``dump_early`` (answered once the file's name is reserved; the
    client waits on the lock while its next prompt runs, as ``sglang-ext extract`` does).
+   Mode ``dump_fp8`` runs on a server D, B's flags plus ``--dump-hidden-states-dtype fp8``
+   (the dtype is per server), started only when the mode is asked for; its cells report
+   bytes per prompt token beside mode ``dump``'s (about half).
    Every cell is a batch of requests with ``max_new_tokens=1`` sent by ``concurrency``
    client threads (closed loop); nodump and dump cells alternate so drift hits both alike.
 3. headline ratios and targets (``report.py``), a JSON file and a Markdown table in
@@ -96,9 +99,12 @@ PROFILES = {
 
 
 # ---- plan ------------------------------------------------------------------------------
-def file_bytes(spec, prompt_len):
-    """Size of one dump file: hidden_states bf16 [T, L, H] + token_ids int64 [T] + header."""
-    return prompt_len * (len(spec["layer_ids"]) * spec["hidden_size"] * 2 + 8) + 1024
+def file_bytes(spec, prompt_len, fp8=False):
+    """Size of one dump file: hidden_states bf16 [T, L, H] (fp8: float8 [T, L, H] plus
+    float32 scales [T, L, 1]) + token_ids int64 [T] + header."""
+    slots = len(spec["layer_ids"])
+    per_token = slots * spec["hidden_size"] + 4 * slots if fp8 else slots * spec["hidden_size"] * 2
+    return prompt_len * (per_token + 8) + 1024
 
 
 def cell_requests(prompt_len, concurrency, cell_tokens, min_rounds):
@@ -137,7 +143,7 @@ def make_plan(args):
             scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for rep in range(args.repeat):
-                for mode in ("nodump", "dump", "dump_early", "nodump_noise"):
+                for mode in ("nodump", "dump", "dump_early", "dump_fp8", "nodump_noise"):
                     if mode in modes:
                         cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
                                       "requests": n, "prompt_tokens": n * plen}
@@ -153,7 +159,7 @@ def make_plan(args):
             tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
             if c["mode"] in report.DUMP_MODES:
-                c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"])
+                c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"], c["mode"] == "dump_fp8")
         servers = {}
         for which in sorted({server_for(args, c["mode"]) for c in cells}):
             servers[which] = server_cmd(args, name, which)
@@ -188,16 +194,17 @@ def model_path(args, name):
     return os.path.join(args.workdir, name)
 
 
-def dump_dir(args, name):
-    return os.path.join(args.dump_root, f"kimi-bench-{name}")
+def dump_dir(args, name, which="B"):
+    """Server B's dump directory, or server D's (fp8)."""
+    return os.path.join(args.dump_root, f"kimi-bench-{name}" + ("-fp8" if which == "D" else ""))
 
 
 def server_cmd(args, name, which):
-    """The server command line; A and B differ only in the last flags."""
+    """The server command line; A, B (C, D) differ only in the last flags."""
     spec = MODELS[name]
     cmd = [sys.executable, "-m", args.server_module, "--model-path", model_path(args, name),
            "--skip-tokenizer-init", "--attention-backend", "triton",
-           "--sampling-backend", "pytorch", "--port", str(args.ports["ABC".index(which)]),
+           "--sampling-backend", "pytorch", "--port", str(args.ports["ABCD".index(which)]),
            "--mem-fraction-static", str(args.mem_fraction_static), "--disable-radix-cache",
            "--cuda-graph-max-bs", "32", "--log-level", "info"]
     if not args.cuda_graph:
@@ -211,12 +218,14 @@ def server_cmd(args, name, which):
     if which == "C" or (which == "A" and server_for(args, "json") == "A"
                         and "json" in args.modes.split(",")):
         cmd += ["--enable-return-hidden-states"]
-    elif which == "B":
-        cmd += ["--dump-hidden-states-dir", dump_dir(args, name)]
+    elif which in "BD":
+        cmd += ["--dump-hidden-states-dir", dump_dir(args, name, which)]
         if spec["layers_flag"]:
             cmd += ["--dump-hidden-states-layers", spec["layers_flag"]]
         if args.max_host_mb:
             cmd += ["--dump-hidden-states-max-host-mb", str(args.max_host_mb)]
+        if which == "D":
+            cmd += ["--dump-hidden-states-dtype", "fp8"]
     return cmd
 
 
@@ -224,7 +233,7 @@ def server_env(which, trace_path):
     """Extra environment of a server: B logs the writer's counters every 5 s (so the log
     holds its host-memory peaks without waiting a minute) and, with ``trace_path``,
     writes stage timestamps there (sglang_ext/trace.py)."""
-    if which != "B":
+    if which not in "BD":
         return None
     env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
     if trace_path:
@@ -233,13 +242,16 @@ def server_env(which, trace_path):
 
 
 def server_for(args, mode):
-    """A: nodump (and json unless --json-server separate); B: dump; C: json, separately.
+    """A: nodump (and json unless --json-server separate); B: dump; C: json, separately;
+    D: dump_fp8.
 
     SGLang 0.5.17 captures hidden states (mode FULL) on every forward of a server started
     with --enable-return-hidden-states, whether a request asks for them or not
     (ForwardBatch.init_new: "capture the server's configured maximum"), so a shared A
     does slightly more than a plain server for (a); --json-server separate measures (a)
     on a plain server at the cost of a third start-up."""
+    if mode == "dump_fp8":
+        return "D"
     if mode in report.DUMP_MODES:
         return "B"
     if mode == "json" and args.json_server == "separate":
@@ -576,6 +588,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
                 errors.append(meta.get("hidden_states_error", "no hidden_states_path"))
         sizes = [os.stat(p).st_size for p in paths]
         out["file_bytes"] = sum(sizes)
+        out["bytes_per_token"] = sum(sizes) / out["prompt_tokens"] if out.get("prompt_tokens") else None
         out["write_gbps"] = sum(sizes) / wall / 1e9
         out["files"] = len(paths)
         if errors:
@@ -584,6 +597,8 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
             tensors, meta = safetensors_header(paths[0])
             out["file_check"] = {"hidden_states": tensors.get("hidden_states"),
                                  "layer_ids": meta.get("layer_ids")}
+            if "hidden_states_scales" in tensors:
+                out["file_check"]["hidden_states_scales"] = tensors["hidden_states_scales"]
         if trace_path:
             time.sleep(0.3)  # the writer's trace line follows its lock release
             out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
@@ -1253,8 +1268,10 @@ def run_model(args, plan, name, clock, results, save, skipped):
                        check=True, timeout=300, env=os.environ | {"KIMI_BENCH_MODEL_PATH": path})
     results["phases"][f"{name}/build_s"] = round(time.monotonic() - t0, 1)
     dd = dump_dir(args, name)
-    shutil.rmtree(dd, ignore_errors=True)
-    os.makedirs(dd)
+    dirs = {w: dump_dir(args, name, w) for w in "BD" if w in mp["servers"]}
+    for d in dirs.values():
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
     logs = os.path.join(args.workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     trace_path = None if args.no_trace else os.path.join(logs, f"trace-{name}.jsonl")
@@ -1292,7 +1309,8 @@ def run_model(args, plan, name, clock, results, save, skipped):
         for s in servers.values():
             warm_up(s, spec, rng, args.prompt_lens, json_too="--enable-return-hidden-states" in s.cmd,
                     concs=args.concurrency)
-        clear_dump_dir(dd)
+        for d in dirs.values():
+            clear_dump_dir(d)
         results["phases"][f"{name}/warmup_s"] = round(time.monotonic() - t0, 1)
         shm_free = shutil.disk_usage(args.dump_root).free
 
@@ -1312,7 +1330,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                 continue
             cell = dict(cell)
             if cell["mode"] in report.DUMP_MODES and cell["dump_bytes"] > 0.6 * shm_free:
-                per = file_bytes(spec, cell["prompt_len"])
+                per = file_bytes(spec, cell["prompt_len"], cell["mode"] == "dump_fp8")
                 cell["requests"] = max(cell["concurrency"], int(0.6 * shm_free // per))
                 cell["scaled_for_shm"] = True
             server = servers[server_for(args, cell["mode"])]
@@ -1340,7 +1358,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
             if "rep" in cell:
                 r["rep"] = cell["rep"]
             if cell["mode"] in report.DUMP_MODES:
-                clear_dump_dir(dd)
+                clear_dump_dir(dirs[server_for(args, cell["mode"])])
             m["cells"].append(r)
             spy_label = f"{cell['prompt_len']}x{cell['concurrency']}"
             sampled = ("dump", "nodump") if args.py_spy_kind == "wait" else ("dump",)
@@ -1353,7 +1371,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                     os.path.join(args.out, f"py-spy-{args.case or args.profile}-{name}-{cell['mode']}-{spy_label}"),
                     args.py_spy_kind)
                 if cell["mode"] in report.DUMP_MODES:
-                    clear_dump_dir(dd)
+                    clear_dump_dir(dirs[server_for(args, cell["mode"])])
             if (cell["mode"] in ("nodump", "dump", "nodump_noise") and spy_label in args.torch_profile
                     and not r.get("error") and clock.left() > 3 * r.get("wall_s", 60) + 90):
                 key = f"{name} {cell['mode']} {spy_label}" + (f" #{cell['rep']}" if "rep" in cell else "")
@@ -1372,7 +1390,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                     tp = {"error": f"{type(e).__name__}: {e}"[:500]}
                 results.setdefault("torch_profile", {})[key] = tp
                 if cell["mode"] in report.DUMP_MODES:
-                    clear_dump_dir(dd)
+                    clear_dump_dir(dirs[server_for(args, cell["mode"])])
                 if tp.get("trace"):  # keep the trace beside the results (gzip, a few MB)
                     shutil.copyfile(os.path.join(trace_dir, tp["trace"]),
                                     os.path.join(args.out, f"torch-{tag}.trace.json.gz"))
@@ -1381,6 +1399,7 @@ def run_model(args, plan, name, clock, results, save, skipped):
                     f"between {tp['between_ops_ms_per_mtok']:.0f}, launch {tp['launch_us_mean'] or 0:.1f} us, "
                     f"GPU busy {tp['gpu_busy_ms_per_mtok']:.0f}")), flush=True)
             extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
+                f", {r['bytes_per_token']:.0f} B/token" if r.get("bytes_per_token") else "") + (
                 f" beside {r['noise'].get('gbps', 0):.2f} GB/s of noise" if r.get("noise") else "") + (
                 f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
             print(f"  {label}: {r.get('prefill_tps', float('nan')):.0f} tok/s, p50 "
@@ -1414,7 +1433,8 @@ def run_model(args, plan, name, clock, results, save, skipped):
         results["phases"][f"{name}/stop_s"] = round(time.monotonic() - t0, 1)
         for w, s in servers.items():
             copy_log(s.log_path, os.path.join(args.out, f"server-{name}-{w}.log"))
-        shutil.rmtree(dd, ignore_errors=True)
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
         save()
 
 
@@ -1432,7 +1452,8 @@ def build_parser():
     ap.add_argument("--workdir", default="/tmp/kimi-bench", help="models and raw logs")
     ap.add_argument("--models", default="llama-mid,deepseek-tiny")
     ap.add_argument("--modes", default="nodump,dump,dump_early,json",
-                    help="nodump (a), dump (b), dump_early (b'), json (c); also nodump_noise: "
+                    help="nodump (a), dump (b), dump_early (b'), json (c); also dump_fp8 (b on a "
+                         "server D with --dump-hidden-states-dtype fp8) and nodump_noise: "
                          "(a) while another process writes dump-sized files into --dump-root, "
                          "paced as --noise-gbps says")
     ap.add_argument("--repeat", type=int, default=1,
@@ -1473,8 +1494,8 @@ def build_parser():
     ap.add_argument("--torch-profile-requests", type=int, default=96,
                     help="requests of each torch-profiled run (traces grow with them)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
-    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000, 33000],
-                    help="ports of servers A, B (and C)")
+    ap.add_argument("--ports", type=lambda s: [int(x) for x in s.split(",")], default=[31000, 32000, 33000, 34000],
+                    help="ports of servers A, B (and C, D)")
     ap.add_argument("--json-server", choices=["shared", "separate"], default="shared",
                     help="JSON mode on server A (shared) or on a third server C, so that A is "
                          "a plain server (see server_for)")
@@ -1510,7 +1531,9 @@ def main(argv=None):
             ap.error(f"unknown model {name!r} (known: {', '.join(MODELS)})")
     for mode in args.modes.split(","):
         if mode not in ("nodump", "json", "nodump_noise") + report.DUMP_MODES:
-            ap.error(f"unknown mode {mode!r} (known: nodump, dump, dump_early, nodump_noise, json)")
+            ap.error(f"unknown mode {mode!r} (known: nodump, dump, dump_early, dump_fp8, nodump_noise, json)")
+    if "dump_fp8" in args.modes.split(",") and len(args.ports) < 4:
+        ap.error("mode dump_fp8 runs on a fourth server (D): --ports needs four ports")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
     if args.noise_cpus:

@@ -40,7 +40,8 @@ from typing import Any, Dict, Iterable, List, Optional
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
 TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
-DUMP_MODES = ("dump", "dump_early")  # (b): answered after the file; (b'): answered early
+# (b): answered after the file; (b'): answered early; (b fp8): server D, --dump-hidden-states-dtype fp8
+DUMP_MODES = ("dump", "dump_early", "dump_fp8")
 JSON_PROMPT_LEN = 2048
 JSON_CONCURRENCY = 8
 
@@ -195,7 +196,14 @@ def headline(results: dict) -> Dict[str, dict]:
             return [x["dump_vs_nodump"] for x in per_cell
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
-        r, r_early = ratios("dump"), ratios("dump_early")
+        r, r_early, r_fp8 = ratios("dump"), ratios("dump_early"), ratios("dump_fp8")
+        fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
+        for x in (c for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]):
+            y = next((c for c in per_cell if c["mode"] == "dump" and c["bytes_per_token"]
+                      and (c["prompt_len"], c["concurrency"], c.get("rep"))
+                      == (x["prompt_len"], x["concurrency"], x.get("rep"))), None)
+            if y:
+                fp8_bytes.append(x["bytes_per_token"] / y["bytes_per_token"])
         b_json = find_cell(cells, "dump", JSON_PROMPT_LEN, JSON_CONCURRENCY)
         c_json = find_cell(cells, "json", JSON_PROMPT_LEN, JSON_CONCURRENCY)
         writer = ceil.get("writer_alone", {}).get(model, {})
@@ -226,6 +234,10 @@ def headline(results: dict) -> Dict[str, dict]:
             "dump_early_vs_nodump_min": min(r_early) if r_early else None,
             "dump_early_vs_nodump_geomean": (
                 math.exp(sum(map(math.log, r_early)) / len(r_early)) if r_early else None),
+            "dump_fp8_vs_nodump_min": min(r_fp8) if r_fp8 else None,
+            "dump_fp8_vs_nodump_geomean": (
+                math.exp(sum(map(math.log, r_fp8)) / len(r_fp8)) if r_fp8 else None),
+            "fp8_vs_bf16_bytes_per_token_max": max(fp8_bytes) if fp8_bytes else None,
             "dump_vs_json": ratio(
                 b_json["prefill_tps"] if b_json else None, c_json["prefill_tps"] if c_json else None
             ),

@@ -203,7 +203,8 @@ def check_file(path: str, input_ids: List[int], full: bool) -> int:
     Cheap check (always, without torch): keys, ``token_ids == input_ids``,
     ``hidden_states`` is ``[len(input_ids), L, H]`` (shape from the header, tensor not
     loaded). ``full`` (needs torch): also load everything through ``format.load`` and
-    require finite values. Raises ``CheckError``.
+    require finite values (fp8 files: dequantized, so a NaN or infinite scale counts).
+    Raises ``CheckError``.
     """
     from safetensors import safe_open
 
@@ -227,7 +228,7 @@ def check_file(path: str, input_ids: List[int], full: bool) -> int:
         import torch
 
         try:
-            record = fmt.load(path)
+            record = fmt.load(path, dequantize=True)  # fp8 files: values = fp8 * scale
         except Exception as e:  # noqa: BLE001
             raise CheckError(f"{path}: {e}") from None
         if not bool(torch.isfinite(record.hidden_states).all()):

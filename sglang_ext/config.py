@@ -1,4 +1,5 @@
-"""What to dump: the dump directory, the layer ids, the host-memory cap. Validated here.
+"""What to dump: the dump directory, the layer ids, the host-memory cap, the file dtype.
+Validated here.
 
 Layer ids follow SGLang's aux-capture convention (``layers_to_capture`` in
 ``python/sglang/srt/models/llama.py`` and ``deepseek_v2.py``): id ``k`` is the residual
@@ -24,6 +25,9 @@ DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
 MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only costs memory
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
 DEFAULT_STATS_INTERVAL_S = 60.0
+# --dump-hidden-states-dtype: auto = the model's dtype; bf16 = cast on the device;
+# fp8 = float8_e4m3fn plus float32 scales per token and layer (sglang_ext.quant).
+DTYPE_CHOICES = ("auto", "bf16", "fp8")
 
 
 class DumpConfigError(ValueError):
@@ -60,6 +64,19 @@ def parse_layer_ids(text: Optional[str]) -> Optional[Tuple[int, ...]]:
     if dupes:
         raise DumpConfigError(f"--dump-hidden-states-layers: duplicate layer ids {dupes}")
     return tuple(sorted(ids))
+
+
+def parse_dtype(value: Optional[str]) -> str:
+    """Validate ``--dump-hidden-states-dtype``: one of ``DTYPE_CHOICES`` (``None`` or
+    ``""`` = ``"auto"``). Raises ``DumpConfigError`` naming the flag otherwise."""
+    if value is None or str(value).strip() == "":
+        return "auto"
+    text = str(value).strip().lower()
+    if text not in DTYPE_CHOICES:
+        raise DumpConfigError(
+            f"--dump-hidden-states-dtype: {value!r} is not one of {', '.join(DTYPE_CHOICES)}"
+        )
+    return text
 
 
 def default_layer_ids(num_layers: int) -> Tuple[int, ...]:
@@ -173,6 +190,7 @@ class DumpConfig:
     ``--dump-hidden-states-max-host-mb`` (the server's cap, MiB) divided by
     ``writer_ranks``, so that the arenas together stay under the cap. Rows stream through
     it chunk by chunk, so a prompt larger than the arena still goes through.
+    ``hidden_states_dtype``: ``--dump-hidden-states-dtype`` (``parse_dtype``).
     """
 
     directory: str
@@ -181,6 +199,7 @@ class DumpConfig:
     writer_threads: int = DEFAULT_WRITER_THREADS
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
+    hidden_states_dtype: str = "auto"
 
     @classmethod
     def from_server_args(cls, server_args) -> "DumpConfig":
@@ -188,6 +207,7 @@ class DumpConfig:
         raises ``DumpConfigError`` (also when the cap leaves a writer rank less than 1 MiB)."""
         directory = check_directory(server_args.dump_hidden_states_dir)
         layer_ids = parse_layer_ids(getattr(server_args, "dump_hidden_states_layers", None))
+        dtype = parse_dtype(getattr(server_args, "dump_hidden_states_dtype", None))
         max_mb = getattr(server_args, "dump_hidden_states_max_host_mb", DEFAULT_MAX_HOST_MB)
         if not isinstance(max_mb, int) or max_mb < 1:
             raise DumpConfigError(
@@ -203,5 +223,6 @@ class DumpConfig:
             directory=directory,
             layer_ids=layer_ids,
             max_host_bytes=max_mb * (1 << 20) // writers,
+            hidden_states_dtype=dtype,
             **env_settings(),
         )

@@ -21,6 +21,9 @@ final RMSNorm (``--model DIR``: ``config.json``'s ``rms_norm_eps`` and the norm 
 from the checkpoint's safetensors), or ``--no-final-norm`` to write the pre-norm stream
 as is (wrong for SpecForge's stock trainer; only for a trainer that norms itself).
 The norm is computed in float32 as HF's ``LlamaRMSNorm``/``DeepseekV3RMSNorm`` do.
+fp8 files (``--dump-hidden-states-dtype fp8``) are dequantized to bf16 first
+(``fp8.to(bf16) * scale.to(bf16)``, what speculators' ``FP8Transfer`` hands its trainer):
+SpecForge's records hold bf16 as for a bf16 dump.
 
 Slots: ``aux_hidden_state`` is every slot but the last, in file order (ascending layer
 ids; the default ``[2, N//2, N-3]`` is SpecForge's default aux set), ``hidden_state``
@@ -235,7 +238,7 @@ def _require_same_ids(data: str, where: str, index: int, row_ids: list, file_ids
 def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str, object]:
     import torch
 
-    rec = fmt.load(path)
+    rec = fmt.load(path, dequantize=torch.bfloat16)  # fp8 files: fp8 * scale, as FP8Transfer
     hs, ids = rec.hidden_states, rec.token_ids
     if hs.shape[1] < 2:
         raise ConvertError(f"{path}: {hs.shape[1]} layer slot(s); need aux layers plus the last")

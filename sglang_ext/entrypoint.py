@@ -393,6 +393,8 @@ DUMP_FLAGS = (
     ("--dump-hidden-states-layers IDS", "comma list of layer ids, default 2,N/2,N-3,N"),
     ("--dump-hidden-states-max-host-mb MB", "host memory for rows waiting to be written "
      "(default 4096); when full, prefill waits for the writer"),
+    ("--dump-hidden-states-dtype D", "auto (the model's, default), bf16 or fp8 (float8_e4m3fn "
+     "plus float32 scales per token and layer: half the bytes)"),
 )
 ENV_VARS = (
     ("KIMI_SGLANG_MODEL", f"model path (default {DEFAULT_MODEL})"),

@@ -11,6 +11,14 @@ One finished request gives one file ``<dump dir>/<name>.safetensors`` holding
   hidden state (they apply the verifier's final norm to it themselves).
 - ``token_ids``: ``[num_prompt_tokens]`` int64, the prompt's token ids.
 
+With ``--dump-hidden-states-dtype fp8`` (``sglang_ext.quant``), ``hidden_states`` is
+``float8_e4m3fn`` and ``hidden_states_scales`` float32 ``[T, L, 1]`` follows it (one
+scale per token and layer slot; value = ``fp8 * scale``), and the metadata adds
+``hidden_states_dtype`` (``float8_e4m3fn``) and ``scale_layout``
+(``per_token_per_layer``): hs-connectors' ``FP8HiddenStatesConnector`` keys, which its
+``FP8Transfer`` (speculators' ``--hidden-states-backend fp8``) dequantizes. ``load``
+returns them as stored, or dequantized on request.
+
 These are the keys and layout vLLM's hidden-states connector writes and speculators'
 offline reader loads (``hs_<i>.safetensors``). ``__metadata__`` (str -> str) holds
 ``format``, ``rid``, ``layer_ids`` (JSON list), ``num_layers`` (of the model),
@@ -62,6 +70,12 @@ ERROR_KEY = "hidden_states_error"  # response meta_info: why there is no file
 PENDING_KEY = "hidden_states_pending"  # response meta_info: true = wait on <path>.lock
 KEY_HIDDEN_STATES = "hidden_states"
 KEY_TOKEN_IDS = "token_ids"
+KEY_SCALES = "hidden_states_scales"  # fp8 files: float32 [T, L, 1] (hs-connectors' name)
+FP8 = "float8_e4m3fn"
+# Metadata of fp8 files (bf16 files carry neither: their dtype is in the header).
+DTYPE_META_KEY = "hidden_states_dtype"
+SCALE_LAYOUT_KEY = "scale_layout"
+SCALE_LAYOUT = "per_token_per_layer"  # = sglang_ext.quant.SCALE_LAYOUT
 SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 ERROR_SUFFIX = ".error"
@@ -268,12 +282,22 @@ def file_layout(tensors: Sequence[TensorSpec], metadata: Mapping[str, str]) -> F
 
 
 def dump_tensors(num_tokens: int, num_slots: int, hidden_size: int, dtype: str) -> Tuple[TensorSpec, ...]:
-    """The tensors of one dump file: ``hidden_states`` ``[T, L, H]`` of ``dtype`` and
+    """The tensors of one dump file: ``hidden_states`` ``[T, L, H]`` of ``dtype``, for
+    ``dtype == "float8_e4m3fn"`` then ``hidden_states_scales`` ``[T, L, 1]`` float32, and
     ``token_ids`` ``[T]`` int64, in that order."""
-    return (
-        TensorSpec(KEY_HIDDEN_STATES, dtype, (num_tokens, num_slots, hidden_size)),
-        TensorSpec(KEY_TOKEN_IDS, "int64", (num_tokens,)),
-    )
+    hs = TensorSpec(KEY_HIDDEN_STATES, dtype, (num_tokens, num_slots, hidden_size))
+    ids = TensorSpec(KEY_TOKEN_IDS, "int64", (num_tokens,))
+    if dtype == FP8:
+        return (hs, TensorSpec(KEY_SCALES, "float32", (num_tokens, num_slots, 1)), ids)
+    return (hs, ids)
+
+
+def dtype_metadata(dtype: str) -> Dict[str, str]:
+    """What a file of ``hidden_states`` dtype ``dtype`` adds to ``__metadata__``:
+    ``hidden_states_dtype`` and ``scale_layout`` for fp8, nothing otherwise."""
+    if dtype == FP8:
+        return {DTYPE_META_KEY: FP8, SCALE_LAYOUT_KEY: SCALE_LAYOUT}
+    return {}
 
 
 def create_tmp(dir_fd: int, tmp_name: str) -> int:
@@ -311,10 +335,13 @@ def write_reserved(
     hidden_states: Any,
     token_ids: Any,
     metadata: Mapping[str, str],
+    scales: Any = None,
 ) -> int:
     """Write the whole file for a reservation at once; returns its size in bytes.
 
-    ``hidden_states``: torch ``[T, L, H]`` (CPU); ``token_ids``: torch int64 ``[T]``.
+    ``hidden_states``: torch ``[T, L, H]`` (CPU); ``token_ids``: torch int64 ``[T]``;
+    ``scales``: float32 ``[T, L, 1]`` when ``hidden_states`` is float8_e4m3fn (its
+    ``dtype_metadata`` is added to ``metadata``), else ``None``.
     The same layout and steps as the writer process (``file_layout``, ``create_tmp``,
     ``pwrite_all``, ``publish``), for callers that hold the whole tensors. Raises
     ``DumpFormatError`` on inconsistent shapes and ``OSError`` on I/O failure; in both
@@ -323,14 +350,16 @@ def write_reserved(
     """
     import torch
 
-    check_tensors(hidden_states, token_ids)
-    specs = dump_tensors(*hidden_states.shape, str(hidden_states.dtype).replace("torch.", ""))
-    layout = file_layout(specs, metadata)
+    check_tensors(hidden_states, token_ids, scales)
+    dtype = str(hidden_states.dtype).replace("torch.", "")
+    specs = dump_tensors(*hidden_states.shape, dtype)
+    layout = file_layout(specs, {**metadata, **dtype_metadata(dtype)})
+    tensors = (hidden_states, token_ids) if scales is None else (hidden_states, scales, token_ids)
     fd = None
     try:
         fd = create_tmp(res.dir_fd, res.tmp_name)
         pwrite_all(fd, layout.header, 0)
-        for spec, tensor in zip(specs, (hidden_states, token_ids)):
+        for spec, tensor in zip(specs, tensors):
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             pwrite_all(fd, raw, layout.offsets[spec.name])
         os.close(fd)
@@ -344,8 +373,9 @@ def write_reserved(
     return layout.size
 
 
-def check_tensors(hidden_states: Any, token_ids: Any) -> None:
-    """Raise ``DumpFormatError`` unless shapes and dtypes follow the contract."""
+def check_tensors(hidden_states: Any, token_ids: Any, scales: Any = None) -> None:
+    """Raise ``DumpFormatError`` unless shapes and dtypes follow the contract (fp8
+    ``hidden_states`` come with float32 ``scales`` ``[T, L, 1]``, other dtypes without)."""
     if hidden_states.dim() != 3:
         raise DumpFormatError(
             f"hidden_states must be [num_tokens, num_layers, hidden_size], "
@@ -360,6 +390,19 @@ def check_tensors(hidden_states: Any, token_ids: Any) -> None:
         raise DumpFormatError(
             f"hidden_states has {hidden_states.shape[0]} rows for "
             f"{token_ids.shape[0]} token ids"
+        )
+    is_fp8 = str(hidden_states.dtype) == "torch." + FP8
+    if is_fp8 != (scales is not None):
+        raise DumpFormatError(
+            f"hidden_states of {hidden_states.dtype} "
+            + ("need float32 scales [T, L, 1] (hidden_states_scales)" if is_fp8
+               else "take no hidden_states_scales")
+        )
+    want = (hidden_states.shape[0], hidden_states.shape[1], 1)
+    if scales is not None and (str(scales.dtype) != "torch.float32" or tuple(scales.shape) != want):
+        raise DumpFormatError(
+            f"hidden_states_scales must be float32 {list(want)}, got {scales.dtype} "
+            f"{list(scales.shape)}"
         )
 
 
@@ -519,17 +562,25 @@ class DumpRecord:
     hidden_states: Any  # torch.Tensor [T, L, H]
     token_ids: Any  # torch.Tensor int64 [T]
     metadata: Dict[str, str]
+    scales: Any = None  # fp8 files loaded as stored: torch.Tensor float32 [T, L, 1]
 
     @property
     def layer_ids(self) -> list:
         return json.loads(self.metadata["layer_ids"])
 
 
-def load(path: str) -> DumpRecord:
+def load(path: str, dequantize: Any = False) -> DumpRecord:
     """Read one dump file; raises ``DumpFormatError`` if it breaks the contract: missing
     keys, shapes or dtypes (``check_tensors``), or ``layer_ids`` metadata that is not a
     sorted list of distinct ids, one per layer slot. Files without our metadata (e.g.
-    vLLM's) load with ``metadata == {}``."""
+    vLLM's) load with ``metadata == {}``.
+
+    fp8 files (``hidden_states_scales`` present): ``dequantize=False`` returns
+    ``hidden_states`` float8_e4m3fn and ``scales`` float32 ``[T, L, 1]`` as stored;
+    ``True`` returns float32 ``hidden_states = fp8 * scale`` (``quant.dequantize``) and
+    ``scales=None``; a torch dtype (``torch.bfloat16``) dequantizes to that dtype, as
+    hs-connectors' ``FP8Transfer`` does. Other files ignore ``dequantize``.
+    """
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
@@ -540,7 +591,8 @@ def load(path: str) -> DumpRecord:
         meta = f.metadata() or {}
         hs = f.get_tensor(KEY_HIDDEN_STATES)
         ids = f.get_tensor(KEY_TOKEN_IDS)
-    check_tensors(hs, ids)
+        scales = f.get_tensor(KEY_SCALES) if KEY_SCALES in keys else None
+    check_tensors(hs, ids, scales)
     if "layer_ids" in meta:
         try:
             layer_ids = json.loads(meta["layer_ids"])
@@ -556,7 +608,14 @@ def load(path: str) -> DumpRecord:
                 f"{path}: metadata layer_ids {meta['layer_ids']!r} is not a sorted list of "
                 f"{hs.shape[1]} distinct layer ids (one per slot)"
             )
-    return DumpRecord(hidden_states=hs, token_ids=ids, metadata=dict(meta))
+    if scales is not None and dequantize is not False:
+        import torch
+
+        from sglang_ext.quant import dequantize as dequantize_fp8
+
+        hs = dequantize_fp8(hs, scales, torch.float32 if dequantize is True else dequantize)
+        scales = None
+    return DumpRecord(hidden_states=hs, token_ids=ids, metadata=dict(meta), scales=scales)
 
 
 def read_header(dir_fd: int, name: str) -> Dict[str, Any]:

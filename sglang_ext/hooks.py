@@ -208,6 +208,7 @@ def setup_model(model_runner) -> None:
             metrics_model_name=model_name(server_args),
             drain_timeout_s=config.drain_timeout_s,
             stats_interval_s=config.stats_interval_s,
+            hidden_states_dtype=config.hidden_states_dtype,
         )
     _DUMPER = dumper
     logger.info(
@@ -242,6 +243,8 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
 
     ``logits_output.hidden_states``: ``[sum(extend lens), num_layers * hidden_size]``,
     the packed aux hidden states of the dump layers, requests in ``batch.reqs`` order.
+    With ``--dump-hidden-states-dtype fp8`` the writer quantizes them on the device
+    (``sglang_ext.quant``, on its copy stream) before the device-to-host copy.
     The rows of the batch's dumped requests go to the arena in one copy per contiguous
     run (``DumpWriter.copy_rows``); chunked prefill: each chunk's rows go to their place
     in the request's file; a request whose last prompt row is in this batch gets its name

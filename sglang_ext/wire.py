@@ -13,7 +13,9 @@ Ops are tuples, first element the kind:
   ``token_off``. ``dtype`` is a torch dtype name (``"bfloat16"``), ``row_width`` the
   elements of one token's row (``num_layers * hidden_size``).
 - ``(ROWS, key, row0, nrows, piece, off)``: rows ``row0 .. row0 + nrows`` of request
-  ``key`` are at arena offset ``off``.
+  ``key`` are at arena offset ``off``. fp8 requests (``dtype`` ``"float8_e4m3fn"``):
+  ``(ROWS, key, row0, nrows, piece, off, scale_off)``, the rows' float32 scales
+  (``[nrows, num_layers]``) at arena offset ``scale_off`` of the same piece.
 - ``(FINISH, key, name, times)``: all rows were sent; write ``name`` (reserved by the
   scheduler: its lock descriptor rides along) and release it.
 - ``(ABANDON, key)``: the request went away; drop its temporary file, write nothing.

@@ -38,7 +38,7 @@ import torch
 
 from sglang_ext import arena as arena_mod
 from sglang_ext import format as fmt
-from sglang_ext import trace, wire
+from sglang_ext import quant, trace, wire
 from sglang_ext.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_STATS_INTERVAL_S
 from sglang_ext.writer_process import SHUTDOWN_MESSAGE, TMP_PREFIX, mark_dead
 
@@ -97,7 +97,10 @@ class DumpWriter:
     (``format.build_metadata``); ``device``: the CUDA device rows live on, or ``None``
     for CPU tensors (tests); ``metrics_model_name``: publish Prometheus metrics
     (``sglang_ext.metrics``, from the writer process) under that name, or ``None``;
-    ``stats_interval_s``: seconds between the writer process's counter log lines.
+    ``stats_interval_s``: seconds between the writer process's counter log lines;
+    ``hidden_states_dtype``: ``"auto"`` (rows as they come), ``"bf16"`` (cast to
+    bfloat16 on the device before the copy) or ``"fp8"`` (``quant.quantize_fp8`` on the
+    device before the copy: fp8 rows plus float32 scales per token and layer slot).
 
     Raises ``OSError`` when the arena cannot be made and ``RuntimeError`` when the writer
     process does not start.
@@ -117,7 +120,12 @@ class DumpWriter:
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
         register_atexit: bool = True,
+        hidden_states_dtype: str = "auto",
     ):
+        if hidden_states_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"hidden_states_dtype must be auto, bf16 or fp8, got {hidden_states_dtype!r}")
+        self.hidden_states_dtype = hidden_states_dtype
+        self.num_slots = len(layer_ids)
         self.dir_fd = dir_fd
         self.threads = int(threads)
         self.drain_timeout_s = drain_timeout_s
@@ -250,10 +258,17 @@ class DumpWriter:
         """Open a request of ``len(token_ids)`` prompt tokens whose rows are
         ``row_width`` elements of ``dtype``; its token ids go to the arena now.
 
+        ``dtype`` is the rows' dtype as the model makes them; the file's is that, or
+        bfloat16 / float8_e4m3fn under ``hidden_states_dtype`` bf16 / fp8.
+
         Raises ``TypeError`` for a rid that is not a str and for token ids that are not
         int64 (``OverflowError`` too), ``ValueError`` when the token ids alone exceed
         the arena, ``RuntimeError`` after ``close``.
         """
+        if self.hidden_states_dtype == "fp8":
+            dtype = quant.FP8_DTYPE
+        elif self.hidden_states_dtype == "bf16":
+            dtype = torch.bfloat16
         if self._closed:
             raise RuntimeError(SHUTDOWN_MESSAGE)
         if not isinstance(rid, str):
@@ -296,6 +311,9 @@ class DumpWriter:
         finished (SGLang synchronizes ``result.copy_done`` before processing a batch
         result), so the copy starts at once instead of queueing behind work the
         scheduler enqueued since; ``False`` orders it after the current stream.
+        Under ``hidden_states_dtype`` fp8 (bf16) the rows are quantized (cast) first, on
+        the copy stream, so the copy moves fp8 rows plus their scales: each arena range
+        holds the scales (``[n, L]`` float32) of its ``n`` rows, then the rows.
         Raises ``ValueError`` for rows that overflow a request or do not match its width,
         ``WriterDied`` when the writer process died meanwhile (the batch's requests fail).
         """
@@ -309,41 +327,68 @@ class DumpWriter:
                     f"{hidden.shape[1]} do not fit {pending.num_tokens} rows of {pending.row_width}")
             if not self.is_current(pending):
                 raise WriterDied(DIED_MESSAGE)
-        row_bytes = hidden.shape[1] * hidden.element_size()
-        if row_bytes > self.extents.capacity:
-            raise ValueError(f"one token's row ({row_bytes} bytes) exceeds the {self.extents.capacity}-byte "
+        src = hidden
+        scales = None
+        scale_bytes = 4 * self.num_slots if self.hidden_states_dtype == "fp8" else 0
+        elem = {"fp8": 1, "bf16": 2}.get(self.hidden_states_dtype, hidden.element_size())
+        row_bytes = hidden.shape[1] * elem
+        if row_bytes + scale_bytes > self.extents.capacity:
+            raise ValueError(f"one token's row ({row_bytes + scale_bytes} bytes) exceeds the {self.extents.capacity}-byte "
                              f"arena (--dump-hidden-states-max-host-mb)")
         gen = self.generation
         self._busy = True
         try:
             if self._cuda and hidden.is_cuda and not ready:
                 self._stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            if self.hidden_states_dtype != "auto":
+                hidden, scales = self._convert(hidden)
+            step = row_bytes + scale_bytes
             for run in _runs(segments):
                 pos, end = run[0][1], run[-1][1] + run[-1][2]
                 i = 0
                 while pos < end:
-                    off, piece = self._take((end - pos) * row_bytes, row_bytes)
+                    off, piece = self._take((end - pos) * step, step)
                     if self.generation != gen:
                         raise WriterDied(DIED_MESSAGE)
-                    n = min(self._pieces[piece].nbytes // row_bytes, end - pos)
-                    self._copy(hidden[pos:pos + n], off, n * row_bytes)
+                    n = min(self._pieces[piece].nbytes // step, end - pos)
+                    rows_off = off + n * scale_bytes  # fp8: [n, L] scales first (4-aligned)
+                    if scales is not None:
+                        self._copy(scales[pos:pos + n], off, n * scale_bytes)
+                    self._copy(hidden[pos:pos + n], rows_off, n * row_bytes)
                     piece_end = pos + n
                     while i < len(run):  # the requests whose rows this range holds
                         pending, s, cnt = run[i]
                         lo, hi = max(s, pos), min(s + cnt, piece_end)
                         if lo < hi:
-                            self._out.ops.append((wire.ROWS, pending.key, pending.rows, hi - lo, piece,
-                                                  off + (lo - pos) * row_bytes))
+                            op = (wire.ROWS, pending.key, pending.rows, hi - lo, piece,
+                                  rows_off + (lo - pos) * row_bytes)
+                            if scales is not None:
+                                op += (off + (lo - pos) * scale_bytes,)
+                            self._out.ops.append(op)
                             self._pieces[piece].refs += 1
                             pending.rows += hi - lo
                         if s + cnt > piece_end:
                             break  # continues in the next range
                         i += 1
                     pos = piece_end
-            if self._cuda and hidden.is_cuda:
-                hidden.record_stream(self._stream)
+            if self._cuda and src.is_cuda:
+                src.record_stream(self._stream)  # converted rows live on the copy stream
         finally:
             self._busy = False
+
+    def _convert(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The rows in the file's dtype, made on the copy stream when on the GPU (the
+        copies that follow on that stream read them in order): fp8 ``(rows, scales)``,
+        bf16 ``(rows, None)``."""
+        if self._cuda and hidden.is_cuda:
+            with torch.cuda.stream(self._stream):
+                return self._convert_here(hidden)
+        return self._convert_here(hidden)
+
+    def _convert_here(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.hidden_states_dtype == "fp8":
+            return quant.quantize_fp8(hidden, self.num_slots)
+        return hidden.to(torch.bfloat16), None
 
     def finish(self, pending: PendingDump, reservation: fmt.Reservation) -> None:
         """Queue the file write; the writer releases ``reservation``'s lock when the file

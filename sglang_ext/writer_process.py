@@ -11,8 +11,9 @@ Per request (all names relative to the dump directory's descriptor):
    safetensors header (``format.file_layout``: shapes and metadata are known from the
    first chunk) and the token ids.
 2. ``ROWS``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
-   chunked prefill produces them; the arena range goes back to the scheduler at once,
-   so a prompt longer than the arena streams through it.
+   chunked prefill produces them (fp8 files: the rows' scales too, a second ``pwrite``);
+   the arena range goes back to the scheduler at once, so a prompt longer than the arena
+   streams through it.
 3. ``FINISH``: the lock of the reserved final name arrives with the op (the scheduler
    created it, ``format.reserve``); rename the temporary file to the final name, append
    the index line, unlink and release the lock (``format.complete``). Any failure before
@@ -73,6 +74,11 @@ def row_bytes(row_width: int, dtype: str) -> int:
     return int(row_width) * fmt.SAFETENSORS_DTYPES.get(dtype, ("", 0))[1]
 
 
+def scale_row_bytes(num_slots: int, dtype: str) -> int:
+    """Bytes of one token's scales: ``num_slots`` float32 for fp8 rows, else 0."""
+    return 4 * int(num_slots) if dtype == fmt.FP8 else 0
+
+
 @dataclass
 class _Job:
     rid: Any
@@ -81,6 +87,8 @@ class _Job:
     fd: Optional[int] = None
     tmp: str = ""
     base: int = 0  # file offset of hidden_states row 0
+    scale_row_bytes: int = 0  # fp8: bytes of one token's scales
+    scale_base: int = 0  # fp8: file offset of hidden_states_scales row 0
     size: int = 0
     rows: int = 0
     error: Optional[str] = None
@@ -114,21 +122,23 @@ class Writer:
         if kind == wire.BEGIN:
             _, key, rid, num_tokens, row_width, dtype, piece, token_off, times = op
             job = self.jobs[key] = _Job(rid=rid, num_tokens=num_tokens, times=dict(times or {}),
-                                        row_bytes=row_bytes(row_width, dtype))
+                                        row_bytes=row_bytes(row_width, dtype),
+                                        scale_row_bytes=scale_row_bytes(len(self.layer_ids), dtype))
             if lost:
                 job.error = LOST_MESSAGE
             elif not self.abort:
                 self._guard(job, self._begin, job, key, row_width, dtype, token_off)
             self._ack((wire.DONE_PIECE, piece, num_tokens * 8))
         elif kind == wire.ROWS:
-            _, key, row0, nrows, piece, off = op
+            _, key, row0, nrows, piece, off = op[:6]
             job = self.jobs.get(key)
             if job is not None and lost and job.error is None:
                 job.error = LOST_MESSAGE
                 self._discard(job)
             if job is not None and job.error is None and not self.abort:
-                self._guard(job, self._rows, job, row0, nrows, off)
-            self._ack((wire.DONE_PIECE, piece, nrows * (job.row_bytes if job is not None else 0)))
+                self._guard(job, self._rows, job, row0, nrows, off, op[6] if len(op) > 6 else None)
+            self._ack((wire.DONE_PIECE, piece,
+                       nrows * (job.row_bytes + job.scale_row_bytes if job is not None else 0)))
         elif kind == wire.FINISH:
             _, key, name, times = op
             job = self.jobs.pop(key, None)
@@ -152,23 +162,31 @@ class Writer:
         if row_width % slots:
             raise fmt.DumpFormatError(f"row width {row_width} is not {slots} layer slots")
         metadata = fmt.build_metadata(rid=job.rid, layer_ids=self.layer_ids,
-                                      num_layers=self.num_layers, extra=self.extra)
+                                      num_layers=self.num_layers,
+                                      extra={**self.extra, **fmt.dtype_metadata(dtype)})
         specs = fmt.dump_tensors(job.num_tokens, slots, row_width // slots, dtype)
         layout = fmt.file_layout(specs, metadata)
         job.base = layout.offsets[fmt.KEY_HIDDEN_STATES]
+        job.scale_base = layout.offsets.get(fmt.KEY_SCALES, 0)
         job.size = layout.size
         job.tmp = tmp_name(self.tag, key)
         job.fd = fmt.create_tmp(self.dir_fd, job.tmp)
         fmt.pwrite_all(job.fd, layout.header, 0)
-        ids = specs[1].nbytes
+        ids = specs[-1].nbytes
         fmt.pwrite_all(job.fd, self.view[token_off:token_off + ids], layout.offsets[fmt.KEY_TOKEN_IDS])
 
-    def _rows(self, job: _Job, row0: int, nrows: int, off: int) -> None:
+    def _rows(self, job: _Job, row0: int, nrows: int, off: int, scale_off: Optional[int]) -> None:
         if row0 != job.rows or row0 + nrows > job.num_tokens:
             raise fmt.DumpFormatError(
                 f"rows {row0}..{row0 + nrows} arrived after {job.rows} of {job.num_tokens}")
+        if (scale_off is None) != (job.scale_row_bytes == 0):
+            raise fmt.DumpFormatError("fp8 rows came without their scales (or scales without fp8)")
         n = nrows * job.row_bytes
         fmt.pwrite_all(job.fd, self.view[off:off + n], job.base + row0 * job.row_bytes)
+        if scale_off is not None:
+            n = nrows * job.scale_row_bytes
+            fmt.pwrite_all(job.fd, self.view[scale_off:scale_off + n],
+                           job.scale_base + row0 * job.scale_row_bytes)
         job.rows += nrows
 
     def _finish(self, key: int, job: Optional[_Job], res: fmt.Reservation, times) -> None:
@@ -260,13 +278,14 @@ class _Levels:
     (``queue_depth``) and arena bytes of ops not yet written (``host_bytes_in_use``), plus
     the totals; published as gauges and in the periodic log line."""
 
-    def __init__(self, metrics, log_every_s: float):
+    def __init__(self, metrics, log_every_s: float, num_slots: int = 1):
         self.metrics = metrics
         self.queue_depth = 0
         self.held = 0
         self.peak = 0
         self.files = self.bytes = self.failures = 0
         self._row_bytes: Dict[int, int] = {}
+        self._slots = num_slots
         self._every = log_every_s
         self._last_log = time.monotonic()
         self._dirty = True
@@ -274,7 +293,7 @@ class _Levels:
     def received(self, op: tuple) -> None:
         kind = op[0]
         if kind == wire.BEGIN:
-            self._row_bytes[op[1]] = row_bytes(op[4], op[5])
+            self._row_bytes[op[1]] = row_bytes(op[4], op[5]) + scale_row_bytes(self._slots, op[5])
             self.held += op[3] * 8
         elif kind == wire.ROWS:
             self.held += op[3] * self._row_bytes.get(op[1], 0)
@@ -324,7 +343,7 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
                           extra=extra, acks=acks, wake=wake_w, metrics=metrics))
         for i in range(max(1, threads))
     ]
-    levels = _Levels(metrics, stats_interval_s)
+    levels = _Levels(metrics, stats_interval_s, len(layer_ids))
     stop = {"timeout": None}
 
     def on_sigterm(signum, frame):  # drain as for CLOSE

@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--dump-hidden-states-dir")
     ap.add_argument("--dump-hidden-states-layers", default="2,4,5,8")
     ap.add_argument("--dump-hidden-states-max-host-mb", type=int, default=4096)
+    ap.add_argument("--dump-hidden-states-dtype", default="auto")
     ap.add_argument("--enable-return-hidden-states", action="store_true")
     args, _ = ap.parse_known_args()
     layers = [int(x) for x in args.dump_hidden_states_layers.split(",")]
@@ -69,15 +70,21 @@ def main():
 
     def write(ids, path):
         t = len(ids)
-        hs = t * len(layers) * HIDDEN * 2
-        header = json.dumps({
-            "__metadata__": {"layer_ids": json.dumps(layers)},
-            "hidden_states": {"dtype": "BF16", "shape": [t, len(layers), HIDDEN],
-                              "data_offsets": [0, hs]},
-            "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [hs, hs + 8 * t]},
-        }).encode()
+        fp8 = args.dump_hidden_states_dtype == "fp8"  # sglang_ext.format's fp8 layout
+        hs = t * len(layers) * HIDDEN * (1 if fp8 else 2)
+        sc = 4 * t * len(layers) if fp8 else 0
+        head = {"__metadata__": {"layer_ids": json.dumps(layers)},
+                "hidden_states": {"dtype": "F8_E4M3" if fp8 else "BF16",
+                                  "shape": [t, len(layers), HIDDEN], "data_offsets": [0, hs]}}
+        if fp8:
+            head["__metadata__"].update(hidden_states_dtype="float8_e4m3fn",
+                                        scale_layout="per_token_per_layer")
+            head["hidden_states_scales"] = {"dtype": "F32", "shape": [t, len(layers), 1],
+                                            "data_offsets": [hs, hs + sc]}
+        head["token_ids"] = {"dtype": "I64", "shape": [t], "data_offsets": [hs + sc, hs + sc + 8 * t]}
+        header = json.dumps(head).encode()
         with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header + bytes(hs) + struct.pack(f"<{t}q", *ids))
+            f.write(struct.pack("<Q", len(header)) + header + bytes(hs + sc) + struct.pack(f"<{t}q", *ids))
         with lock:
             state["bytes"] += os.path.getsize(path)
             state["peak"] = max(state["peak"], hs)

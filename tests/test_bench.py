@@ -343,7 +343,7 @@ def rehearse(tmp_path, *extra):
 
     pytest.importorskip("requests")
     ports = []
-    for _ in range(3):
+    for _ in range(4):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
@@ -542,3 +542,30 @@ def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
     md = report.render_markdown({"models": {}, "py_spy": {"m nodump 2048x32": dict(s, kind="wait", window_s=2.0)}})
     assert "scheduler thread waiting for the GIL: 0.400 of its samples" in md
     assert "| thread (0x2) | 8 | 0.500 |" in md and "| 0.300 | `recv (zmq.py:5)` |" in md
+
+
+def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):
+    """mode dump_fp8 runs on a fourth server (D, --dump-hidden-states-dtype fp8) beside
+    dump on B; the cells report bytes per prompt token and the headline their ratio."""
+    proc, out, shm, res_path = rehearse(
+        tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
+        "--modes", "nodump,dump,dump_fp8", "--py-spy", "")
+    res = json.loads(res_path.read_text())
+    m = res["models"]["deepseek-tiny"]
+    assert "--dump-hidden-states-dtype" not in m["servers"]["B"]
+    d = m["servers"]["D"]
+    assert d[d.index("--dump-hidden-states-dtype") + 1] == "fp8"
+    assert d[d.index("--dump-hidden-states-dir") + 1].endswith("-fp8")
+    cells = {c["mode"]: c for c in m["cells"]}
+    assert set(cells) == {"nodump", "dump", "dump_fp8"} and not any(c.get("error") for c in cells.values())
+    f8, bf = cells["dump_fp8"], cells["dump"]
+    assert f8["file_check"]["hidden_states"]["dtype"] == "F8_E4M3"
+    assert f8["file_check"]["hidden_states_scales"]["shape"] == [2048, 4, 1]
+    # the fake's files, 4 layers x 64: bf16 512 + 8 B/token; fp8 256 + 16 (scales) + 8, + headers
+    assert 520 < bf["bytes_per_token"] < 521 and 280 < f8["bytes_per_token"] < 281
+    h = res["headline"]["deepseek-tiny"]
+    assert h["fp8_vs_bf16_bytes_per_token_max"] == pytest.approx(f8["bytes_per_token"] / bf["bytes_per_token"])
+    assert h["dump_fp8_vs_nodump_min"] is not None
+    assert list(shm.iterdir()) == []  # both dump directories removed
+    assert (out / "server-deepseek-tiny-D.log").exists()
+    assert "B/token" in proc.stdout

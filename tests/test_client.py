@@ -699,3 +699,38 @@ def test_waiting_for_a_request_slot_does_not_count_against_the_timeout(server, t
     write_jsonl(tmp_path / "d.jsonl", rows(4))
     assert extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", 1,
                    "--timeout", 1, "--max-retries", 0) == 0
+
+
+def test_validate_and_convert_take_fp8_files(tmp_path, capsys):
+    """fp8 files (--dump-hidden-states-dtype fp8): extract --validate's full check and
+    convert --to specforge see the dequantized values (bf16, as speculators' FP8Transfer)."""
+    from sglang_ext import quant
+    from sglang_ext.__main__ import main
+
+    ids = [4, 5, 6, 7]
+    src = tmp_path / "hs"
+    src.mkdir()
+    ref = reference(ids)
+    q, scales = quant.quantize_fp8(ref.reshape(len(ids), -1), len(LAYERS))
+    q, scales = q.reshape(ref.shape), scales[..., None]
+    meta = {**fmt.build_metadata(rid="r", layer_ids=LAYERS, num_layers=NUM_LAYERS),
+            **fmt.dtype_metadata(fmt.FP8)}
+    path = str(src / "hs_0.safetensors")
+    save_file({"hidden_states": q, "hidden_states_scales": scales, "token_ids": torch.tensor(ids)},
+              path, metadata=meta)
+    assert client.check_file(path, ids, full=True) == len(ids)
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--no-final-norm"]) == 0
+    rec = torch.load(tmp_path / "sf" / "rows_0-5000" / "data_0.ckpt", weights_only=True)
+    deq = q.to(torch.bfloat16) * scales.to(torch.bfloat16)
+    assert torch.equal(rec["hidden_state"][0], deq[:, 3])
+    assert torch.equal(rec["aux_hidden_state"][0], deq[:, :3].reshape(len(ids), -1))
+    # within quant.py's bound of the original, bf16 dequantization's 2^-7 relative added
+    assert ((rec["hidden_state"][0].float() - ref[:, 3]).abs()
+            <= (2 ** -4 + 2 ** -7) * ref[:, 3].abs() + 2 ** -10 * scales[:, 3]).all()
+    bad = str(src / "hs_1.safetensors")
+    scales[1, 2] = float("inf")
+    save_file({"hidden_states": q, "hidden_states_scales": scales, "token_ids": torch.tensor(ids)},
+              bad, metadata=meta)
+    assert client.check_file(bad, ids, full=False) == len(ids)  # cheap check: header only
+    with pytest.raises(client.CheckError, match="non-finite"):
+        client.check_file(bad, ids, full=True)

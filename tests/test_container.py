@@ -246,7 +246,8 @@ def test_build_sh_push_extra_tags_and_base(fake_docker):
     build = next(c for c in docker_calls(log) if c[0] == "build")
     assert "BASE_IMAGE=lmsysorg/sglang:v0.5.17-cu130" in build  # an older series on request
     build = next(c for c in docker_calls(log) if c[0] == "build")
-    tags = ["kimi-sglang:latest", "kimi-sglang:v0.5.17-s2", "reg.example/kimi:dev", "reg.example/kimi:x"]
+    s = base_toml("v0.5.17")["series"]["version"]
+    tags = ["kimi-sglang:latest", f"kimi-sglang:v0.5.17-s{s}", "reg.example/kimi:dev", "reg.example/kimi:x"]
     assert build_argv_pairs(build, "--tag") == tags and "--push" not in build
     assert docker_calls(log)[-4:] == [["push", t] for t in tags]  # pushed after the build
     r = run_build(["--base", "v9.9.9"], bin_dir)
@@ -361,7 +362,8 @@ def test_build_sh_base_image_name_and_wheel(fake_docker, tmp_path):
     assert r.returncode == 0, r.stderr
     argv = docker_calls(log)[-1]
     assert "BASE_IMAGE=registry.local:5000/sglang:v0.5.17-cu130" in argv
-    assert build_argv_pairs(argv, "--tag") == ["kimi-test:latest", "kimi-test:v0.5.17-s2"]
+    s = base_toml("v0.5.17")["series"]["version"]
+    assert build_argv_pairs(argv, "--tag") == ["kimi-test:latest", f"kimi-test:v0.5.17-s{s}"]
     assert (REPO / "build" / "wheel" / wheel.name).read_bytes() == b"not really a wheel"
     r = run_build(["--wheel", str(tmp_path / "other.whl")], bin_dir)
     assert r.returncode != 0 and "not an sglang_ext-*.whl file" in r.stderr

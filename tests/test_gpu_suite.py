@@ -38,6 +38,7 @@ CLIENTS = ["test_openai_v1_completions_vllm_protocol", "test_extract_cli_200_val
 FAULTS = ["test_client_disconnect", "test_malformed_400", "test_hostile_rids_http", "test_same_rid_at_once",
           "test_metrics_endpoint", "test_writer_killed", "test_sigterm_in_flight"]
 PARALLEL = ["test_one_writer_rank", "test_one_rank_copies", "test_tp_equals_tp1"]
+FP8 = CORE[:-1] + ["test_files_are_fp8_with_per_layer_scales", CORE[-1]]
 
 
 def expected_ids(models=("llama", "deepseek"), multi_gpu=True, single_gpu=True):
@@ -48,6 +49,7 @@ def expected_ids(models=("llama", "deepseek"), multi_gpu=True, single_gpu=True):
                 ids += [f"tests/gpu/test_gpu_clients.py::{t}[{m}]" for t in CLIENTS]
             ids += [f"tests/gpu/test_gpu_core.py::TestCore::{t}[{m}]" for t in CORE]
             ids += [f"tests/gpu/test_gpu_faults.py::{t}[{m}]" for t in FAULTS]
+            ids += [f"tests/gpu/test_gpu_fp8.py::TestCoreFp8::{t}[{m}]" for t in FP8]
         if multi_gpu:
             ids += [f"tests/gpu/test_gpu_parallel.py::TestCoreAtTP::{t}[{m}]" for t in CORE]
             ids += [f"tests/gpu/test_gpu_parallel.py::{t}[{m}]" for t in PARALLEL]

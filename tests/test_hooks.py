@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sglang_ext import format as fmt
-from sglang_ext import hooks
+from sglang_ext import hooks, quant
 from sglang_ext.config import DumpConfig, DumpConfigError
 
 HIDDEN = 8
@@ -88,13 +88,14 @@ class Decoder(torch.nn.Module):
 Decoder.__name__ = "LlamaModel"
 
 
-def make_runner(directory, num_layers=8, layers=None, tp_rank=0, max_mb=64):
+def make_runner(directory, num_layers=8, layers=None, tp_rank=0, max_mb=64, dtype=None):
     lm = types.SimpleNamespace(capture_aux_hidden_states=False, model=Decoder())
     lm.model.layers_to_capture = []
     server_args = types.SimpleNamespace(
         dump_hidden_states_dir=str(directory),
         dump_hidden_states_layers=layers,
         dump_hidden_states_max_host_mb=max_mb,
+        dump_hidden_states_dtype=dtype,
         model_path="/models/tiny",
     )
     return types.SimpleNamespace(
@@ -510,3 +511,115 @@ def test_token_ids_of_every_int64_value_round_trip_and_others_fail_the_request(d
     rec = fmt.load(finish(good)["hidden_states_path"])
     assert rec.token_ids.dtype == torch.int64 and rec.token_ids.tolist() == good.origin_input_ids
     assert torch.equal(rec.hidden_states, reference(good, [2, 4]))
+
+
+# ---- --dump-hidden-states-dtype ----------------------------------------------------------
+def fp8_bound(x, scales):
+    """quant.py's per-element bound: 2^-4 |x| + 2^-10 scale (plus float32 rounding)."""
+    return (2.0 ** -4 * x.abs() + 2.0 ** -10 * scales) * (1 + 1e-6)
+
+
+def test_fp8_files_round_trip_within_the_stated_bound(dump):
+    hooks.setup_model(make_runner(dump, layers="2,4,8", dtype="fp8"))
+    ids = [2, 4, 8]
+    a, b, c = Req("a", 10, 1), Req("b", 3, 2), Req("c", 6, 3)
+    run_extend([(b, 0, 3), (a, 0, 4)], ids)  # chunked prefill, mixed batch, as above
+    run_extend([(a, 4, 8), (c, 0, 6), (b, 0, 0)], ids, decoding=(b,))
+    run_extend([(a, 8, 10)], ids)
+    for req in (a, b, c):
+        meta = finish(req)
+        assert "hidden_states_error" not in meta, meta
+        path = meta["hidden_states_path"]
+        rec = fmt.load(path)
+        want = reference(req, ids)
+        t = want.shape[0]
+        assert rec.hidden_states.dtype == torch.float8_e4m3fn and rec.hidden_states.shape == want.shape
+        assert rec.scales.dtype == torch.float32 and rec.scales.shape == (t, 3, 1)
+        assert torch.equal(rec.scales, (want.abs().amax(2, keepdim=True) / 448).clamp(min=1e-12))
+        assert rec.metadata["hidden_states_dtype"] == "float8_e4m3fn"
+        assert rec.metadata["scale_layout"] == "per_token_per_layer"
+        assert rec.token_ids.tolist() == req.origin_input_ids and rec.layer_ids == ids
+        deq = fmt.load(path, dequantize=True)
+        assert deq.hidden_states.dtype == torch.float32 and deq.scales is None
+        err = (deq.hidden_states - want).abs()
+        assert (err <= fp8_bound(want, rec.scales)).all(), f"{req.rid}: max error {err.max()}"
+        assert err.max() > 0  # the reference's values are not all exact in e4m3
+        # what the hook quantized equals quantizing the reference directly
+        q, sc = quant.quantize_fp8(want.reshape(t, -1), 3)
+        assert torch.equal(rec.hidden_states.view(torch.uint8), q.view(t, 3, -1).view(torch.uint8))
+
+
+def test_fp8_file_holds_about_half_the_bytes_of_bf16(dump, tmp_path):
+    sizes = {}
+    for dtype in ("bf16", "fp8"):
+        d = tmp_path / dtype
+        d.mkdir()
+        hooks.setup_model(make_runner(d, layers="2,4,8", dtype=dtype))
+        req = Req(f"r-{dtype}", 300, 1)
+        run_extend([(req, 0, 300)], [2, 4, 8])
+        path = finish(req)["hidden_states_path"]
+        rec = fmt.load(path, dequantize=True)
+        want = reference(req, [2, 4, 8])
+        if dtype == "bf16":  # the model's rows are float32 here: cast on the way
+            assert rec.hidden_states.dtype == torch.bfloat16
+            assert torch.equal(rec.hidden_states, want.to(torch.bfloat16))
+        else:
+            assert (rec.hidden_states - want).abs().max() <= 2 ** -4 * want.abs().max()
+        sizes[dtype] = os.path.getsize(path)
+        hooks._DUMPER.writer.close(timeout=10)
+        os.close(hooks._DUMPER.dir_fd)
+        hooks._DUMPER = None
+    # per token: bf16 2*L*H + 8 (ids); fp8 L*H + 4*L (scales) + 8; plus one 4 KiB header
+    slots, t = 3, 300
+    assert sizes["bf16"] == 4096 + t * (2 * slots * HIDDEN + 8)
+    assert sizes["fp8"] == 4096 + t * (slots * HIDDEN + 4 * slots + 8)
+
+
+def test_speculators_fp8_reader_loads_our_files_unchanged(dump, tmp_path):
+    """hs-connectors' FP8Transfer (speculators' --hidden-states-backend fp8), directly
+    and through speculators' training dataset, gives exactly our dequantization."""
+    from hs_connectors.transfer import FP8Transfer, HiddenStatesBackend
+
+    hooks.setup_model(make_runner(dump, layers="2,4,8", dtype="fp8"))
+    reqs = [Req(f"s{i}", 5 + 3 * i, i + 1) for i in range(3)]
+    run_extend([(r, 0, len(r.origin_input_ids)) for r in reqs], [2, 4, 8])
+    hs_dir = tmp_path / "speculators-hs"
+    hs_dir.mkdir()
+    for i, r in enumerate(reqs):  # speculators' cached-sample names
+        os.link(finish(r)["hidden_states_path"], hs_dir / f"hs_{i}.safetensors")
+    for dtype in (torch.bfloat16, torch.float32):
+        transfer = FP8Transfer(hs_dir, dequantize_dtype=dtype)
+        for i, r in enumerate(reqs):
+            got = transfer.get_cached(i)
+            ours = fmt.load(str(hs_dir / f"hs_{i}.safetensors"), dequantize=dtype)
+            assert set(got) == {"hidden_states", "token_ids"}
+            assert got["hidden_states"].dtype == dtype
+            assert torch.equal(got["hidden_states"], ours.hidden_states)
+            assert torch.equal(got["token_ids"], ours.token_ids)
+    try:
+        from datasets import Dataset
+        from speculators.train.data import ArrowDataset
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(f"speculators' training dataset does not import ({type(e).__name__}: {e})")
+    # the trainer's own construction for --hidden-states-backend fp8 (speculators.train.cli)
+    args = types.SimpleNamespace(hidden_states_path=str(hs_dir))
+    transfer = HiddenStatesBackend.registry["fp8"].from_train_args(args, str(tmp_path))
+    assert isinstance(transfer, FP8Transfer)
+    data = [r.origin_input_ids for r in reqs]
+    Dataset.from_dict({"input_ids": data, "loss_mask": [[1] * len(d) for d in data],
+                       "seq_len": [len(d) for d in data]}).with_format("torch").save_to_disk(
+        str(tmp_path / "prepared"))
+    ds = ArrowDataset(max_len=64, datapath=str(tmp_path / "prepared"), transfer=transfer,
+                      on_missing="raise")
+    for i, r in enumerate(reqs):
+        item = ds[i]
+        ours = fmt.load(str(hs_dir / f"hs_{i}.safetensors"), dequantize=torch.bfloat16).hidden_states
+        t = len(r.origin_input_ids)
+        assert item["input_ids"].tolist() == r.origin_input_ids
+        assert torch.equal(item["hidden_states"], ours[:, :2, :].reshape(t, 2 * HIDDEN))
+        assert torch.equal(item["verifier_last_hidden_states"], ours[:, 2, :])
+
+
+def test_bad_dtype_names_the_flag(dump):
+    with pytest.raises(DumpConfigError, match="--dump-hidden-states-dtype: 'fp4' is not one of auto, bf16, fp8"):
+        hooks.setup_model(make_runner(dump, dtype="fp4"))

@@ -164,7 +164,8 @@ try:
     a.resolve_once()
     r = a.resolved_dict()
     out.update(ok=True, dir=r["dump_hidden_states_dir"], layers=r["dump_hidden_states_layers"],
-               max_mb=r["dump_hidden_states_max_host_mb"], radix_off=r["disable_radix_cache"],
+               max_mb=r["dump_hidden_states_max_host_mb"], dtype=r["dump_hidden_states_dtype"],
+               radix_off=r["disable_radix_cache"],
                prefill_graph_off=r["disable_prefill_cuda_graph"], raw_radix=a.disable_radix_cache)
 except Exception as e:
     out.update(ok=False, error=f"{type(e).__name__}: {e}")
@@ -204,9 +205,11 @@ def test_v0523_hook_sees_finished_rows(site23):
 @pytest.mark.network
 def test_v0523_flags_parse_and_resolution_takes_our_decisions(site23, tmp_path):
     out = parse23(site23, ["--dump-hidden-states-dir", str(tmp_path), "--dump-hidden-states-layers",
-                           "2,16,29,32", "--dump-hidden-states-max-host-mb", "512"])
+                           "2,16,29,32", "--dump-hidden-states-max-host-mb", "512",
+                           "--dump-hidden-states-dtype", "fp8"])
     assert out["ok"], out
     assert out["dir"] == str(tmp_path) and out["layers"] == "2,16,29,32" and out["max_mb"] == 512
+    assert out["dtype"] == "fp8"
     # Declared through declare_resolution: resolved on, the operator's input untouched.
     assert out["radix_off"] is True and out["prefill_graph_off"] is True and out["raw_radix"] is False
 
@@ -222,6 +225,7 @@ def test_v0523_without_the_flag_nothing_changes(site23):
 @pytest.mark.parametrize("args, message", [
     (["--dump-hidden-states-dir", "/nonexistent/hs"], "does not exist; create it first"),
     (["--dump-hidden-states-layers", "2,2"], "duplicate layer ids [2]"),
+    (["--dump-hidden-states-dtype", "fp16"], "--dump-hidden-states-dtype: 'fp16' is not one of"),
     (["--enable-return-hidden-states"], "cannot be combined with --enable-return-hidden-states"),
     (["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3"],
      ", --enable-return-aux-hidden-states (not supported"),

@@ -25,7 +25,8 @@ for args in json.loads(sys.argv[1]):
     try:
         a = prepare_server_args(["--model-path", "dummy"] + args)
         out.update(ok=True, dir=a.dump_hidden_states_dir, layers=a.dump_hidden_states_layers,
-                   max_mb=a.dump_hidden_states_max_host_mb, radix_off=a.disable_radix_cache,
+                   max_mb=a.dump_hidden_states_max_host_mb, dtype=a.dump_hidden_states_dtype,
+                   radix_off=a.disable_radix_cache,
                    prefill_graph_off=a.disable_prefill_cuda_graph)
     except (Exception, SystemExit) as e:
         out.update(ok=False, error=f"{type(e).__name__}: {e}")
@@ -67,6 +68,7 @@ def parsed(patched_site, tmp_path_factory):
     cases = {
         "good": ["--dump-hidden-states-dir", str(good), "--dump-hidden-states-layers", "2,16,29,32",
                  "--dump-hidden-states-max-host-mb", "512"],
+        "fp8": ["--dump-hidden-states-dir", str(good), "--dump-hidden-states-dtype", "fp8"],
         "off": [],
     }
     for i, (args, _) in enumerate(BAD):
@@ -85,6 +87,7 @@ BAD = [
     (["--dump-hidden-states-layers", "two"], "'two' is not an integer"),
     (["--dump-hidden-states-max-host-mb", "0"], "must be a positive integer"),
     (["--enable-return-hidden-states"], "cannot be combined with --enable-return-hidden-states"),
+    (["--dump-hidden-states-dtype", "fp16"], "--dump-hidden-states-dtype: 'fp16' is not one of auto, bf16, fp8"),
 ]
 
 
@@ -93,6 +96,13 @@ def test_flags_parse_and_dumping_turns_off_radix_cache(parsed):
     assert out["ok"], out
     assert out["dir"] == parsed["dir"] and out["layers"] == "2,16,29,32"
     assert out["max_mb"] == 512 and out["radix_off"] is True and out["prefill_graph_off"] is True
+    assert out["dtype"] == "auto"  # the default: the model's dtype, as before the flag
+
+
+def test_dtype_flag_parses(parsed):
+    out = parsed["fp8"]
+    assert out["ok"], out
+    assert out["dtype"] == "fp8" and out["radix_off"] is True
 
 
 def test_without_the_flag_nothing_changes(parsed):

@@ -27,17 +27,20 @@ STARTUP_TIMEOUT_S = 420
 class ServerOptions:
     """Flags of one server beyond the model's: ``tp`` (--tp-size), ``dp_attention``
     (--dp-size tp --enable-dp-attention), ``cuda_graph`` (False: --disable-cuda-graph),
-    ``launcher`` (None: the model's; "direct" or "entrypoint")."""
+    ``launcher`` (None: the model's; "direct" or "entrypoint"), ``dump_dtype``
+    (--dump-hidden-states-dtype; None: not passed, the model's dtype)."""
 
     tp: int = 1
     dp_attention: bool = False
     cuda_graph: bool = True
     launcher: Optional[str] = None
+    dump_dtype: Optional[str] = None
 
     @property
     def tag(self) -> str:
         """Short name for directories and logs, e.g. ``tp2-dpattn``."""
-        return f"tp{self.tp}" + ("-dpattn" if self.dp_attention else "") + ("" if self.cuda_graph else "-eager")
+        return (f"tp{self.tp}" + ("-dpattn" if self.dp_attention else "") + ("" if self.cuda_graph else "-eager")
+                + (f"-{self.dump_dtype}" if self.dump_dtype else ""))
 
 
 def server_command(model_path: str, dump_dir: str, layers: Optional[str], launcher: str,
@@ -67,6 +70,8 @@ def server_command(model_path: str, dump_dir: str, layers: Optional[str], launch
         cmd += ["--dp-size", str(options.tp), "--enable-dp-attention"]
     if layers:
         cmd += ["--dump-hidden-states-layers", layers]
+    if options.dump_dtype:
+        cmd += ["--dump-hidden-states-dtype", options.dump_dtype]
     return cmd
 
 

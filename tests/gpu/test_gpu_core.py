@@ -17,7 +17,7 @@ from typing import Optional
 
 import pytest
 
-from checks import Problems, Worst, compare_file
+from checks import TOL_BLOCK, TOL_TOKEN, Problems, Worst, compare_file
 from server import CHUNK
 from tiny_models import VOCAB
 
@@ -45,8 +45,10 @@ def send(server, reqs, sequential=False):
         return [f.result() for f in futs]
 
 
-def check_answers(server, reqs, answers, reference, tiny_model, record_property, case):
-    """Every answer's file against the reference; fails with every problem found."""
+def check_answers(server, reqs, answers, reference, tiny_model, record_property, case,
+                  tol=(TOL_BLOCK, TOL_TOKEN)):
+    """Every answer's file against the reference (fp8 files dequantized to float32);
+    fails with every problem found. ``tol``: (per request block, per token row)."""
     from sglang_ext import format as fmt
 
     problems, worst, paths = Problems(), Worst(), []
@@ -66,23 +68,25 @@ def check_answers(server, reqs, answers, reference, tiny_model, record_property,
                          f"{meta.get('hidden_states_error')!r})")
             continue
         paths.append(path)
-        problems.extend(compare_file(fmt.load(path), q.ids, tiny_model.layer_ids, tiny_model.hidden_size,
+        problems.extend(compare_file(fmt.load(path, dequantize=True), q.ids, tiny_model.layer_ids, tiny_model.hidden_size,
                                      reference(q.ids, tiny_model.layer_ids), where, worst))
     if len(set(paths)) != len(paths):
         problems.add(f"{case}: two answers name the same file")
     server.answered.update(os.path.basename(p) for p in paths)
     worst.record(record_property)
     record_property("requests", len(reqs))
-    problems.extend(worst.problems())
+    problems.extend(worst.problems(*tol))
     problems.check(f"{tiny_model.name} {case}")
 
 
 class TestCore:
     """Issue 3's cases, then the index check over the files they made."""
 
+    TOL = (TOL_BLOCK, TOL_TOKEN)  # test_gpu_fp8.py widens it by fp8's quantization bound
+
     def _run(self, server, reqs, reference, tiny_model, record_property, case, sequential=False):
         answers = send(server, reqs, sequential)
-        check_answers(server, reqs, answers, reference, tiny_model, record_property, case)
+        check_answers(server, reqs, answers, reference, tiny_model, record_property, case, self.TOL)
 
     def test_concurrent_32_mixed(self, server, reference, tiny_model, rng, record_property):
         """32 concurrent prompts of 8-599 tokens (batched together, some chunked)."""

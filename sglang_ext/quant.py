@@ -1,0 +1,85 @@
+"""fp8 hidden states: per-token, per-layer-slot ``float8_e4m3fn`` with float32 scales.
+
+``--dump-hidden-states-dtype fp8`` quantizes a batch's rows on the scheduler's device
+(the GPU in a server) before the device-to-host copy, so the copy, the write and the
+file are about half the bf16 size. The convention is hs-connectors 0.9.0's
+(``hs_connectors.fp8_utils``, used by its ``FP8HiddenStatesConnector`` and read back by
+``hs_connectors.transfer.FP8Transfer``, speculators' ``--hidden-states-backend fp8``):
+
+- quantize: ``scale = max(amax / 448, 1e-12)``, ``fp8 = (x.float() / scale).to(float8_e4m3fn)``
+- dequantize: ``x' = fp8.to(dtype) * scale.to(dtype)`` (any broadcastable scale shape)
+
+with one difference: hs-connectors takes one amax per token over all layers
+(``[T, 1, 1]``); we take one per token *and layer slot* (``[T, L, 1]``), because the
+layers' magnitudes differ by orders of magnitude (the last layers' residual streams are
+far larger than the early ones'), and one scale per token would push the small layers
+into e4m3's subnormal range. ``FP8Transfer`` broadcasts either shape.
+
+An all-zero (token, slot) has amax 0, so its scale is the 1e-12 floor (as in
+hs-connectors) and every element quantizes to 0 and dequantizes to exactly 0.
+
+Error bound (``dequantize`` in float32, against the float32 value of the input):
+e4m3 keeps 3 explicit mantissa bits, so round-to-nearest moves a value whose scaled
+magnitude ``|x| / scale`` is in the normal range (>= 2^-6) by at most half an ulp,
+``2^-4`` of its magnitude; below 2^-6 (subnormals, spacing 2^-9) the error is at most
+``2^-10`` in scaled units. Per element::
+
+    |x' - x| <= 2^-4 * |x| + 2^-10 * scale
+
+(the float32 division and product add relative errors of order 2^-24). Dequantizing to
+bf16 (``FP8Transfer``'s default) rounds the scale and the product to bf16 as well: two bf16
+roundings (2^-9 each) of a value up to ``(1 + 2^-4) |x|``, so at most ``2^-7`` relative
+more. Values scaled to 448 exactly (each slot's amax) are exact
+up to float32 rounding; the cast is clamped to +-448 so a rounding of the division above
+448 can never become NaN (e4m3fn has no infinity).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_FLOOR = 1e-12  # hs_connectors.fp8_utils' clamp: all-zero slots dequantize to 0
+# The file's metadata value for the scales' layout (``format.SCALE_LAYOUT_KEY``).
+SCALE_LAYOUT = "per_token_per_layer"
+BLOCK_ELEMENTS = 1 << 24  # elements per block of rows in quantize_fp8 (64 MiB of float32)
+
+
+def quantize_fp8(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``rows`` (``[n, L*H]``, bf16/fp16/fp32, on any device) to fp8.
+
+    ``num_slots`` is L, the layer slots in one row (the row is ``L`` blocks of ``H``).
+    Returns ``(fp8 [n, L*H] float8_e4m3fn, scales [n, L] float32)``, both contiguous and
+    on ``rows``' device, with ``rows ~= fp8.view(n, L, H).float() * scales[..., None]``
+    (error bound: module docstring); ``rows`` is not modified. Works through blocks of
+    rows so the float32 temporaries stay near ``BLOCK_ELEMENTS`` x 4 bytes however large
+    the batch (on the GPU: ~64 MiB beside the fp8 output, not 4 bytes per element of a
+    whole prefill chunk). Runs on the current CUDA stream for CUDA tensors.
+    Raises ``ValueError`` when the row width is not a multiple of ``num_slots``.
+    """
+    if rows.dim() != 2 or num_slots < 1 or rows.shape[1] % num_slots:
+        raise ValueError(f"rows of shape {tuple(rows.shape)} are not [n, {num_slots} layer slots * H]")
+    n, width = rows.shape
+    h = width // num_slots
+    q = torch.empty((n, width), dtype=FP8_DTYPE, device=rows.device)
+    scales = torch.empty((n, num_slots), dtype=torch.float32, device=rows.device)
+    step = max(1, BLOCK_ELEMENTS // max(width, 1))
+    for i in range(0, n, step):
+        x = rows[i:i + step].reshape(-1, num_slots, h).to(torch.float32, copy=True)
+        s = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_(min=SCALE_FLOOR)
+        q[i:i + step].view(-1, num_slots, h).copy_(x.div_(s).clamp_(-FP8_MAX, FP8_MAX))
+        scales[i:i + step].copy_(s.view(-1, num_slots))
+    return q, scales
+
+
+def dequantize(fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``fp8.to(dtype) * scales.to(dtype)``: hs-connectors' ``dequantize_fp8_tensor``
+    formula, so the result equals ``FP8Transfer``'s for the same ``dtype``.
+
+    ``fp8``: ``[T, L, H]`` float8_e4m3fn; ``scales``: broadcastable to it (ours
+    ``[T, L, 1]`` float32). Returns ``[T, L, H]`` of ``dtype`` (float32: the accurate
+    one, see the module docstring's bound)."""
+    return fp8.to(dtype) * scales.to(dtype)

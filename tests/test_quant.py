@@ -1,0 +1,132 @@
+"""fp8 quantization (sglang_ext/quant.py) and fp8 files (format.write_reserved / load).
+
+References: the float32 input itself, element by element, against quant.py's stated bound
+(2^-4 |x| + 2^-10 scale); hs-connectors' own dequantization formula; the files' bytes
+read back with safetensors directly.
+"""
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sglang_ext import format as fmt
+from sglang_ext import quant
+
+
+def rows_with_layer_scales(n=64, slots=4, hidden=256, seed=0):
+    """[n, L*H] float32: slot magnitudes 1e-3 .. 1e3, one all-zero token, one all-zero
+    slot, and a few values tiny against their slot's amax (e4m3's subnormal range)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, slots, hidden, generator=g) * torch.logspace(-3, 3, slots)[None, :, None]
+    x[3] = 0
+    x[5, 1] = 0
+    x[7, 2, :8] = x[7, 2].abs().max() * 1e-5
+    return x.reshape(n, slots * hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_error_within_the_stated_bound_per_element(dtype):
+    rows = rows_with_layer_scales().to(dtype)
+    q, scales = quant.quantize_fp8(rows, 4)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == rows.shape
+    assert scales.dtype == torch.float32 and scales.shape == (64, 4)
+    x = rows.float().reshape(64, 4, -1)
+    s = scales[..., None]
+    got = quant.dequantize(q.reshape(64, 4, -1), s)
+    err = (got - x).abs()
+    bound = (2.0 ** -4 * x.abs() + 2.0 ** -10 * s) * (1 + 1e-6)
+    assert (err <= bound).all(), f"worst excess {(err - bound).max()}"
+    # the bound is not loose: rounding errors near 2^-4 relative do occur
+    normal = x.abs() / s >= 2.0 ** -6
+    rel = (err[normal] / x.abs()[normal]).max()
+    assert 2.0 ** -5 < rel <= 2.0 ** -4
+    # each slot's amax is represented exactly (448 * scale)
+    assert torch.allclose(got.abs().amax(2), x.abs().amax(2), rtol=1e-6, atol=0)
+
+
+def test_zero_slots_dequantize_to_exact_zeros_with_the_floor_scale():
+    rows = rows_with_layer_scales()
+    q, scales = quant.quantize_fp8(rows, 4)
+    assert (scales[3] == quant.SCALE_FLOOR).all() and scales[5, 1] == quant.SCALE_FLOOR
+    got = quant.dequantize(q.reshape(64, 4, -1), scales[..., None])
+    assert torch.equal(got[3], torch.zeros_like(got[3])) and not got[5, 1].any()
+
+
+def test_scales_match_hs_connectors_formula_per_layer():
+    """hs-connectors' quantize_tensor_to_fp8 on one (token, slot) block is ours on it."""
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+
+    rows = rows_with_layer_scales(n=8)
+    q, scales = quant.quantize_fp8(rows, 4)
+    x = rows.reshape(8, 4, -1)
+    for t in range(8):
+        for j in range(4):
+            hq, hs = quantize_tensor_to_fp8(x[t, j][None])  # one "token" of H values
+            assert hs.item() == scales[t, j].item()
+            assert torch.equal(hq[0].view(torch.uint8), q.reshape(8, 4, -1)[t, j].view(torch.uint8))
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(quant.dequantize(q.reshape(8, 4, -1), scales[..., None], dtype),
+                           dequantize_fp8_tensor(q.reshape(8, 4, -1), scales[..., None], dtype))
+
+
+def test_row_width_not_a_multiple_of_the_slots_is_refused():
+    with pytest.raises(ValueError, match=r"not \[n, 3 layer slots \* H\]"):
+        quant.quantize_fp8(torch.zeros(2, 8), 3)
+
+
+@pytest.fixture
+def dump_dir(tmp_path):
+    d = tmp_path / "hs"
+    d.mkdir()
+    fd = fmt.open_dump_dir(str(d))
+    yield d, fd
+    os.close(fd)
+
+
+def test_fp8_file_layout_and_load(dump_dir):
+    d, fd = dump_dir
+    rows = rows_with_layer_scales(n=8, slots=3, hidden=16)
+    q, scales = quant.quantize_fp8(rows, 3)
+    hs, sc = q.reshape(8, 3, 16), scales.reshape(8, 3, 1)
+    ids = torch.arange(8, dtype=torch.int64)
+    res = fmt.reserve(fd, "r")
+    meta = fmt.build_metadata(rid="r", layer_ids=[1, 2, 3], num_layers=3)
+    size = fmt.write_reserved(res, hs, ids, meta, scales=sc)
+    fmt.complete(res)
+    path = str(d / res.name)
+    assert os.path.getsize(path) == size
+    with safe_open(path, framework="pt") as f:
+        assert list(f.keys()) == sorted(["hidden_states", "hidden_states_scales", "token_ids"])
+        assert f.metadata()["hidden_states_dtype"] == "float8_e4m3fn"
+        assert f.metadata()["scale_layout"] == "per_token_per_layer"
+        assert torch.equal(f.get_tensor("hidden_states").view(torch.uint8), hs.view(torch.uint8))
+        assert torch.equal(f.get_tensor("hidden_states_scales"), sc)
+    rec = fmt.load(path)
+    assert rec.hidden_states.dtype == torch.float8_e4m3fn and torch.equal(rec.scales, sc)
+    assert torch.equal(fmt.load(path, dequantize=True).hidden_states, hs.float() * sc)
+    assert torch.equal(fmt.load(path, dequantize=torch.bfloat16).hidden_states,
+                       hs.to(torch.bfloat16) * sc.to(torch.bfloat16))
+
+
+def test_fp8_without_scales_and_scales_of_the_wrong_shape_are_refused(dump_dir):
+    _, fd = dump_dir
+    hs = torch.zeros(2, 3, 4, dtype=torch.float8_e4m3fn)
+    ids = torch.arange(2, dtype=torch.int64)
+    with pytest.raises(fmt.DumpFormatError, match="need float32 scales"):
+        fmt.write_reserved(fmt.reserve(fd, "a"), hs, ids, {})
+    with pytest.raises(fmt.DumpFormatError, match=r"must be float32 \[2, 3, 1\]"):
+        fmt.write_reserved(fmt.reserve(fd, "b"), hs, ids, {}, scales=torch.ones(2, 1, 1))
+    with pytest.raises(fmt.DumpFormatError, match="take no hidden_states_scales"):
+        fmt.write_reserved(fmt.reserve(fd, "c"), hs.float(), ids, {}, scales=torch.ones(2, 3, 1))
+
+
+def test_blocks_of_rows_give_the_same_result_and_leave_the_input_alone(monkeypatch):
+    rows = rows_with_layer_scales(n=50, slots=4, hidden=32)
+    before = rows.clone()
+    q1, s1 = quant.quantize_fp8(rows, 4)
+    monkeypatch.setattr(quant, "BLOCK_ELEMENTS", 3 * 128 + 5)  # 3 rows a block, 50 = 16 x 3 + 2
+    q2, s2 = quant.quantize_fp8(rows, 4)
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+    assert torch.equal(rows, before)
