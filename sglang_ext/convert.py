@@ -75,13 +75,9 @@ def specforge_path(dst: str, index: int) -> str:
     return os.path.join(dst, f"rows_{start}-{start + GROUP_SIZE}", f"data_{index}.ckpt")
 
 
-def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object", float]:
-    """``(weight [H] float32, eps)`` of the model's final RMSNorm from a HF checkpoint dir.
-
-    Raises ``ConvertError`` (the folder lacks ``config.json``, ``rms_norm_eps`` or the
-    weight)."""
-    from safetensors import safe_open
-
+def model_config(model_dir: str) -> dict:
+    """``--model``'s ``config.json`` as a dict. Raises ``ConvertError`` when the folder is
+    missing, has no ``config.json``, or it is not readable JSON."""
     if not os.path.isdir(model_dir):
         raise ConvertError(f"--model {model_dir} is not a directory: pass the model's Hugging "
                            f"Face checkpoint folder (config.json + *.safetensors)")
@@ -91,9 +87,19 @@ def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object"
                            f"Face checkpoint folder (config.json + *.safetensors)")
     try:
         with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+            return json.load(f)
     except (OSError, ValueError) as e:
         raise ConvertError(f"{config_path} is not readable JSON: {e}") from None
+
+
+def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object", float]:
+    """``(weight [H] float32, eps)`` of the model's final RMSNorm from a HF checkpoint dir.
+
+    Raises ``ConvertError`` (the folder lacks ``config.json``, ``rms_norm_eps`` or the
+    weight)."""
+    from safetensors import safe_open
+
+    config = model_config(model_dir)
     eps = config.get("rms_norm_eps")
     if eps is None:
         eps = (config.get("text_config") or {}).get("rms_norm_eps")
@@ -124,18 +130,7 @@ def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object"
 def model_num_layers(model_dir: str) -> Optional[int]:
     """``num_hidden_layers`` of ``--model``'s ``config.json`` (or its ``text_config``), None
     when it names none. Raises ``ConvertError`` (not a folder, no readable config.json)."""
-    if not os.path.isdir(model_dir):
-        raise ConvertError(f"--model {model_dir} is not a directory: pass the model's Hugging "
-                           f"Face checkpoint folder (config.json + *.safetensors)")
-    config_path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(config_path):
-        raise ConvertError(f"--model {model_dir} has no config.json: pass the model's Hugging "
-                           f"Face checkpoint folder (config.json + *.safetensors)")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConvertError(f"{config_path} is not readable JSON: {e}") from None
+    config = model_config(model_dir)
     n = config.get("num_hidden_layers")
     if n is None and isinstance(config.get("text_config"), dict):
         n = config["text_config"].get("num_hidden_layers")

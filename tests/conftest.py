@@ -99,3 +99,16 @@ def _restore_switch_interval():
     before = sys.getswitchinterval()
     yield
     sys.setswitchinterval(before)
+
+
+@pytest.fixture
+def dump_dir(tmp_path):
+    """``(path, descriptor)`` of an empty dump directory opened with
+    ``format.open_dump_dir`` (closed afterwards)."""
+    from sglang_ext import format as fmt
+
+    d = tmp_path / "hs"
+    d.mkdir()
+    fd = fmt.open_dump_dir(str(d))
+    yield d, fd
+    os.close(fd)

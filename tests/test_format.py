@@ -21,15 +21,6 @@ def _tensors(t=5, layers=4, hidden=8, dtype=torch.bfloat16):
     return hs.to(dtype), torch.arange(100, 100 + t, dtype=torch.int64)
 
 
-@pytest.fixture
-def dump_dir(tmp_path):
-    d = tmp_path / "hs"
-    d.mkdir()
-    fd = fmt.open_dump_dir(str(d))
-    yield d, fd
-    os.close(fd)
-
-
 RIDS = [
     "plain-rid_1.0",
     "../../etc/passwd",

@@ -76,15 +76,6 @@ def test_row_width_not_a_multiple_of_the_slots_is_refused():
         quant.quantize_fp8(torch.zeros(2, 8), 3)
 
 
-@pytest.fixture
-def dump_dir(tmp_path):
-    d = tmp_path / "hs"
-    d.mkdir()
-    fd = fmt.open_dump_dir(str(d))
-    yield d, fd
-    os.close(fd)
-
-
 def test_fp8_file_layout_and_load(dump_dir):
     d, fd = dump_dir
     rows = rows_with_layer_scales(n=8, slots=3, hidden=16)
