@@ -30,6 +30,7 @@ Writer -> scheduler (acknowledgements), pickled lists of events:
 from __future__ import annotations
 
 import array
+import os
 import pickle
 import socket
 from typing import Any, List, Sequence, Tuple
@@ -103,14 +104,13 @@ def recv(sock: socket.socket, flags: int = 0) -> Tuple[Any, List[int]]:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     if not data:
         for fd in fds:
-            _close_quiet(fd)
+            close_quiet(fd)
         return None, []
     return pickle.loads(data), list(fds)
 
 
-def _close_quiet(fd: int) -> None:
-    import os
-
+def close_quiet(fd: int) -> None:
+    """Close ``fd``, ignoring errors (a descriptor that may already be gone)."""
     try:
         os.close(fd)
     except OSError:

@@ -420,7 +420,7 @@ class DumpWriter:
         """Send what this batch queued (one message, or a few for very large batches) and
         read the writer's acknowledgements that have arrived. Never blocks on the writer
         unless the socket's buffer is full."""
-        if self._busy and self._out.ops and self._out.ops[-1][0] != wire.ABANDON:
+        if self._busy:  # re-entered (a weakref.finalize during copy_rows or a send)
             return
         self._busy = True
         try:
@@ -478,7 +478,7 @@ class DumpWriter:
                 self._send_blocking(blob, fds)
         except (OSError, WriterDied) as e:
             for fd in out.fds:
-                _close_quiet(fd)
+                wire.close_quiet(fd)
             if not isinstance(e, WriterDied):
                 self._writer_died()
             return
@@ -692,10 +692,3 @@ def _fail_orphan(dir_fd: int, name: str, message: str) -> Optional[int]:
         logger.error("hidden-state dump: cannot index %s after its writer died: %s", name, e)
     fmt.complete(fmt.Reservation(dir_fd, name, fd))
     return size
-
-
-def _close_quiet(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
