@@ -382,6 +382,42 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     assert e.value.code == 2
 
 
+def test_start_pair_staggers_and_retries_a_server_that_died_alone(tmp_path, capsys):
+    """Servers start one after another (the next once the one before has sized its KV
+    cache); one that exits while another starts is stopped and started once more, alone.
+    Against tests/fake_sglang_server.py."""
+    import socket
+    import time
+
+    from bench import servers
+
+    pytest.importorskip("requests")
+    fake = str(REPO / "tests" / "fake_sglang_server.py")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    # B exits with 3 on its first start (no marker yet), then serves
+    flaky = ("import os, runpy, sys\nmarker = sys.argv.pop(1)\nif not os.path.exists(marker):\n"
+             "    open(marker, 'w').close()\n    sys.exit(3)\n"
+             f"runpy.run_path({fake!r}, run_name='__main__')\n")
+    specs = {"A": ([sys.executable, fake, "--port", str(ports[0])], str(tmp_path / "a.log"), None),
+             "B": ([sys.executable, "-c", flaky, str(tmp_path / "marker"), "--port", str(ports[1])],
+                   str(tmp_path / "b.log"), None)}
+    started = {}
+    try:
+        servers.start_pair(specs, started, timeout=60)
+        assert list(started) == ["A", "B"] and all(s.healthy() for s in started.values())
+        assert started["A"].startup_s > 0 and started["B"].startup_s > 0
+        assert "server B failed (server exited with 3 during start-up" in capsys.readouterr().out
+        assert (tmp_path / "marker").exists()
+    finally:
+        t0 = time.monotonic()
+        servers.stop_all(list(started.values()))
+    assert time.monotonic() - t0 < 20 and not any(s.alive() for s in started.values())
+
+
 def test_defaults_are_sglang_ext_configs(monkeypatch, capsys):
     """The writer threads and the host-memory cap the plan (and the ceilings) use are
     sglang_ext.config's, read as the server reads them: not copies."""

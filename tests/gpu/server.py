@@ -164,9 +164,11 @@ class Server:
                              f"{self.log_tail()}")
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        """``wait_until(healthy)``; then ``startup_s`` is the time since launch."""
+        """``wait_until(healthy)``; the first time, ``startup_s`` becomes the time since
+        launch."""
         self.wait_until(self.healthy, timeout)
-        self.startup_s = round(time.monotonic() - self.t_launched, 1)
+        if not self.startup_s:
+            self.startup_s = round(time.monotonic() - self.t_launched, 1)
 
     def log_text(self) -> str:
         try:
