@@ -1,6 +1,7 @@
 """Plot a benchmark results JSON (bench.py's output) to a PNG, on any machine.
 
     python bench/plot.py bench/results/2026-11-29-h200-quick.json [-o out.png]
+    python -m bench.plot ...  (the same, from the repository root)
 
 Top row, per model: prefill tokens/s of every (prompt length, concurrency) cell for
 nodump (a), dump (b) and JSON (c), log scale, with the hardware bound W/B of each cell
@@ -16,8 +17,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
+if __name__ == "__main__" and not __package__:  # python bench/plot.py: the package's parent
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+from bench import markdown, report  # noqa: E402
 
 COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "dump_early": "#55a868", "json": "#c44e52"}
 MODES = ("nodump", "dump", "dump_early", "json")
@@ -101,7 +106,7 @@ def main(argv=None):
     if args.markdown:
         md = os.path.splitext(args.results)[0] + ".md"
         with open(md, "w") as f:
-            f.write(report.render_markdown(results))
+            f.write(markdown.render_markdown(results))
         print(md)
     return 0
 

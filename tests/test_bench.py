@@ -1,4 +1,6 @@
-"""The benchmark's CPU parts (bench/): ratio math, targets, Markdown, plot, the plan.
+"""The benchmark's CPU parts (the bench/ package): ratio math, targets, Markdown, plot,
+the plan, the server kinds, the sub-programs, and the whole run rehearsed against a fake
+server.
 
 The numbers below are hand-made, with the expected ratios worked out by hand in the
 comments, not replayed from the code.
@@ -14,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-import bench  # noqa: E402
-import report  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from bench import cli, loadgen, markdown, models, noise, plan, profilers, report, torchprof  # noqa: E402
 
 MiB = 1 << 20
 
@@ -113,24 +116,22 @@ def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
     assert n[0]["dump_vs_nodump"] == pytest.approx(0.5) and n[0]["dump_write_gbps"] == 3.0
     assert n[1]["noise_vs_nodump"] == pytest.approx(0.95)
     assert n[1]["dump_bytes_per_token"] == 8192 and n[1]["noise_bytes_per_token"] == 8000.0
-    md = report.render_markdown(res | {"headline": report.headline(res), "targets": []})
+    md = markdown.render_markdown(res | {"headline": report.headline(res), "targets": []})
     assert "| 2048 | 32 | nodump_noise #1 |" in md and "3.90 (noise)" in md
     assert "nodump_noise 2048x32 #0: no dump while another process writes 2.90 GB/s" in md
     assert "8000 bytes per prompt token (the dump cell: 4.00 GB/s, 8192 B/token)" in md
     # the noise rate: the dump's bytes per token (same round) x the no-dump tokens/s (same
     # round): rep 1: 8192 x 200k = 1.6384e9 B/s; rep 0: 16384 x 100k; no such cells: 0
-    args = bench.build_parser().parse_args([])
+    args = cli.build_parser().parse_args([])
     cells = res["models"]["m"]["cells"]
-    assert bench.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 8192 * 200_000
-    assert bench.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 0}, args) == 16384 * 100_000
-    assert bench.noise_rate(cells, {"prompt_len": 512, "concurrency": 32, "rep": 0}, args) == 0.0
-    args = bench.build_parser().parse_args(["--noise-gbps", "1.5"])
-    assert bench.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
+    assert noise.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 8192 * 200_000
+    assert noise.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 0}, args) == 16384 * 100_000
+    assert noise.noise_rate(cells, {"prompt_len": 512, "concurrency": 32, "rep": 0}, args) == 0.0
+    args = cli.build_parser().parse_args(["--noise-gbps", "1.5"])
+    assert noise.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
 
 
 def test_torch_trace_summary_splits_the_scheduler_thread_time():
-    import torchprof
-
     def x(cat, name, ts, dur, tid=1, pid=9):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
 
@@ -173,12 +174,12 @@ def test_noise_process_writes_at_its_pace_and_cleans_up(tmp_path):
     pytest.importorskip("safetensors")
     d = tmp_path / "noise"
     size = 256 * 64 * 2 + 256 * 8  # one file's tensor bytes (the header adds a little)
-    noise = bench.Noise(str(d), rows=256, width=64, threads=2, rate_bps=20e6, keep_bytes=4 * size)
-    with noise:
+    writer = noise.Noise(str(d), rows=256, width=64, threads=2, rate_bps=20e6, keep_bytes=4 * size)
+    with writer:
         time.sleep(1.0)
         files = list(d.iterdir())
         assert 1 <= len(files) <= 5  # keep_bytes: 4 files, plus one written before the unlink
-    r = noise.result
+    r = writer.result
     assert "error" not in r, r
     assert r["threads"] == 2 and r["target_gbps"] == pytest.approx(0.02)
     # ~1.2 s at 20 MB/s: paced, not as fast as the disk (which is GB/s)
@@ -187,12 +188,12 @@ def test_noise_process_writes_at_its_pace_and_cleans_up(tmp_path):
     assert not d.exists()
     # a noise process that cannot start (negative rows) is an error, and leaves nothing
     with pytest.raises(RuntimeError, match="did not start writing"):
-        with bench.Noise(str(d), rows=-1, width=64, threads=1, rate_bps=1e6):
+        with noise.Noise(str(d), rows=-1, width=64, threads=1, rate_bps=1e6):
             pass
     assert not d.exists()
     with pytest.raises(ValueError):
-        bench.parse_cpus(",")
-    assert bench.parse_cpus("0-2,5") == {0, 1, 2, 5}
+        noise.parse_cpus(",")
+    assert noise.parse_cpus("0-2,5") == {0, 1, 2, 5}
 
 
 def test_targets_pass_and_fail():
@@ -238,20 +239,20 @@ def test_markdown_has_every_cell_and_the_targets():
     res = sample()
     res["models"]["m"]["cells"].append({"mode": "dump", "prompt_len": 8192, "concurrency": 32,
                                         "requests": 32, "error": "HTTP 500 boom"})
-    md = report.render_markdown(res)
+    md = markdown.render_markdown(res)
     assert "| 2048 | 8 | dump | 4 | 96000 |" in md
     assert "| 2048 | 8 | json | 4 | 2000 |" in md and "| 160.0 |" in md
     assert "ERROR: HTTP 500 boom" in md
     assert "dump_vs_json (2k, conc 8): 48.0x" in md
     assert md.count("PASS") == 4
     assert "files of 64.0 MiB: 10.0 GB/s" in md
-    table = report.summary_table(res)
+    table = markdown.summary_table(res)
     assert "0.725" in table and "48.0" in table
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    import plot
+    from bench import plot
 
     src = tmp_path / "r.json"
     src.write_text(json.dumps(sample()))
@@ -261,39 +262,70 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "r.md").read_text().startswith("# Hidden-state dump benchmark")
 
 
+RESULTS = sorted((BENCH / "results").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
+def test_committed_results_still_render_as_committed(path, tmp_path):
+    """Each results JSON kept in bench/results/ is still read as written: the Markdown made
+    from it now is the .md committed beside it, byte for byte (the schema report and plot
+    read has not drifted from the runs of record), the summary table builds, and the plot
+    draws it (where matplotlib is installed)."""
+    res = json.loads(path.read_text())
+    assert markdown.render_markdown(res) == path.with_suffix(".md").read_text()
+    assert markdown.summary_table(res).startswith("model")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    from bench import plot
+
+    png = tmp_path / "r.png"
+    plot.plot(res, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_folder_holds_no_raw_dumps():
+    """bench/results/ keeps the evidence lean: JSON, its Markdown and a plot per run (and
+    its README); py-spy samples, torch traces and server logs stay out (git history)."""
+    names = [p.name for p in (BENCH / "results").iterdir() if not p.name.startswith(".")]
+    assert {Path(n).suffix for n in names if n != "README.md"} <= {".json", ".md", ".png"}, names
+    assert RESULTS and all(p.with_suffix(".md").exists() for p in RESULTS)
+
+
 def test_plan_sizes_and_server_flags():
-    plan = bench.make_plan(_args(["--quick", "--dry-run"]))
-    llama = plan["models"]["llama-mid"]
+    planned = plan.make_plan(_args(["--quick", "--dry-run"]))
+    llama = planned["models"]["llama-mid"]
     a, b = llama["servers"]["A"], llama["servers"]["B"]
     # same flags, A adds the JSON switch, B the dump
     assert a[: a.index("--port")] == b[: b.index("--port")]
     assert "--enable-return-hidden-states" in a and "--dump-hidden-states-dir" not in a
     assert "--dump-hidden-states-dir" in b and "--enable-return-hidden-states" not in b
     assert "--dump-hidden-states-layers" not in b  # Llama: default 2,4,5,8
-    sep = bench.make_plan(_args(["--quick", "--json-server", "separate"]))["models"]["llama-mid"]["servers"]
+    sep = plan.make_plan(_args(["--quick", "--json-server", "separate"]))["models"]["llama-mid"]["servers"]
     assert "--enable-return-hidden-states" not in sep["A"] and "--enable-return-hidden-states" in sep["C"]
     assert sep["A"][: sep["A"].index("--port")] == sep["C"][: sep["C"].index("--port")]
-    ds_b = plan["models"]["deepseek-tiny"]["servers"]["B"]
+    ds_b = planned["models"]["deepseek-tiny"]["servers"]["B"]
     assert ds_b[ds_b.index("--dump-hidden-states-layers") + 1] == "1,2,3,4"
     cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in llama["cells"]}
     assert len(cells) == 28  # 3 lengths x 3 concurrencies x 3 modes (nodump, dump, dump_early) + JSON
     assert cells[("json", 2048, 8)]["requests"] == 8
     assert cells[("dump", 512, 1)]["requests"] == 128  # 64k tokens / 512
     assert cells[("dump", 8192, 32)]["requests"] == 32  # one per client at least
-    ds = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in plan["models"]["deepseek-tiny"]["cells"]}
+    ds = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in planned["models"]["deepseek-tiny"]["cells"]}
     assert ds[("dump", 2048, 8)]["requests"] == 256  # cell_scale 8: 8 x 64k tokens / 2048
     # 2048 tokens x (4 x 4096 x 2 + 8) bytes + header
-    assert bench.file_bytes(bench.MODELS["llama-mid"], 2048) == 2048 * 32776 + 1024
+    assert models.file_bytes(models.MODELS["llama-mid"], 2048) == 2048 * 32776 + 1024
     # the headline cells come first: a run cut short by the deadline still has them
     assert [(c["mode"], c["prompt_len"], c["concurrency"]) for c in llama["cells"][:4]] == [
         ("nodump", 2048, 8), ("dump", 2048, 8), ("dump_early", 2048, 8), ("json", 2048, 8)]
-    full = bench.make_plan(_args(["--dry-run"]))
+    full = plan.make_plan(_args(["--dry-run"]))
     [json_cell] = [c for c in full["models"]["llama-mid"]["cells"] if c["mode"] == "json"]
     assert json_cell["requests"] == 16
 
 
 def _args(argv):
-    return bench.build_parser().parse_args(argv)
+    return cli.build_parser().parse_args(argv)
 
 
 def test_dry_run_prints_the_plan_without_torch():
@@ -301,6 +333,139 @@ def test_dry_run_prints_the_plan_without_torch():
                          capture_output=True, text=True, check=True).stdout
     assert "server B:" in out and "--dump-hidden-states-dir /dev/shm/kimi-bench-llama-mid" in out
     assert "estimated total" in out
+
+
+def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
+    """Every mode has its server (A: nodump, nodump_noise, json shared; B: dump,
+    dump_early; C: json separate; D: dump_fp8); all kinds carry tests/gpu/server.py's
+    shared flags and the run's options, then only what makes the kind; dumping kinds get
+    their own directory and the writer's environment."""
+    from bench import gpu_suite_module, servers
+
+    args = _args(["--modes", ",".join(plan.MODES), "--json-server", "separate", "--max-host-mb", "1024",
+                  "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4", "--chunked-prefill-size", "512"])
+    assert {m: servers.server_for(args, m) for m in plan.MODES} == {
+        "nodump": "A", "nodump_noise": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "C"}
+    assert servers.server_for(_args([]), "json") == "A"
+    cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABCD"}
+    launcher = gpu_suite_module("server")
+    assert servers.launcher is launcher  # the GPU suite's module, not a copy
+    shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
+    assert cmds["A"][: len(shared)] == shared
+    common = cmds["A"][len(shared):]
+    assert "--chunked-prefill-size" in common and "--disable-radix-cache" in common
+    assert "--skip-tokenizer-init" in common
+    tails = {w: c[len(shared) + len(common):] for w, c in cmds.items()}
+    for port, (w, c) in enumerate(cmds.items(), 1):  # same flags but the port (--ports 1,2,3,4)
+        assert c[:len(shared) + len(common)] == launcher.base_command(
+            "sglang.launch_server", "/w/deepseek-tiny", port, 0.3, python=sys.executable) + common, w
+    assert tails == {
+        "A": [],
+        "B": ["--dump-hidden-states-dir", "/r/kimi-bench-deepseek-tiny", "--dump-hidden-states-layers", "1,2,3,4",
+              "--dump-hidden-states-max-host-mb", "1024"],
+        "C": ["--enable-return-hidden-states"],
+        "D": ["--dump-hidden-states-dir", "/r/kimi-bench-deepseek-tiny-fp8", "--dump-hidden-states-layers",
+              "1,2,3,4", "--dump-hidden-states-max-host-mb", "1024", "--dump-hidden-states-dtype", "fp8"],
+    }
+    assert [servers.dumps(w) for w in "ABCD"] == [False, True, False, True]
+    assert servers.server_env("B", "/t.jsonl") == {"KIMI_SGLANG_STATS_INTERVAL_S": "5",
+                                                   "KIMI_SGLANG_TRACE": "/t.jsonl"}
+    assert servers.server_env("D", None) == {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
+    assert servers.server_env("A", "/t.jsonl") is None and servers.server_env("C", "/t.jsonl") is None
+    # a server beyond --ports is a usage error that names it
+    short = _args(["--modes", "nodump,dump_fp8", "--ports", "1,2,3"])
+    assert servers.ports_problem(short, ["nodump", "dump_fp8"]) == (
+        "mode dump_fp8 runs on a fourth server (D): --ports needs four ports")
+    assert servers.ports_problem(short, ["nodump", "dump"]) is None
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--dry-run", "--modes", "json", "--json-server", "separate", "--ports", "1,2"])
+    assert e.value.code == 2
+
+
+def test_start_pair_staggers_and_retries_a_server_that_died_alone(tmp_path, capsys):
+    """Servers start one after another (the next once the one before has sized its KV
+    cache); one that exits while another starts is stopped and started once more, alone.
+    Against tests/fake_sglang_server.py."""
+    import socket
+    import time
+
+    from bench import servers
+
+    pytest.importorskip("requests")
+    fake = str(REPO / "tests" / "fake_sglang_server.py")
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    # B exits with 3 on its first start (no marker yet), then serves
+    flaky = ("import os, runpy, sys\nmarker = sys.argv.pop(1)\nif not os.path.exists(marker):\n"
+             "    open(marker, 'w').close()\n    sys.exit(3)\n"
+             f"runpy.run_path({fake!r}, run_name='__main__')\n")
+    specs = {"A": ([sys.executable, fake, "--port", str(ports[0])], str(tmp_path / "a.log"), None),
+             "B": ([sys.executable, "-c", flaky, str(tmp_path / "marker"), "--port", str(ports[1])],
+                   str(tmp_path / "b.log"), None)}
+    started = {}
+    try:
+        servers.start_pair(specs, started, timeout=60)
+        assert list(started) == ["A", "B"] and all(s.healthy() for s in started.values())
+        assert started["A"].startup_s > 0 and started["B"].startup_s > 0
+        assert "server B failed (server exited with 3 during start-up" in capsys.readouterr().out
+        assert (tmp_path / "marker").exists()
+    finally:
+        t0 = time.monotonic()
+        servers.stop_all(list(started.values()))
+    assert time.monotonic() - t0 < 20 and not any(s.alive() for s in started.values())
+
+
+def test_defaults_are_sglang_ext_configs(monkeypatch, capsys):
+    """The writer threads and the host-memory cap the plan (and the ceilings) use are
+    sglang_ext.config's, read as the server reads them: not copies."""
+    from sglang_ext import config
+
+    monkeypatch.delenv("KIMI_SGLANG_WRITER_THREADS", raising=False)
+    monkeypatch.setattr(config, "DEFAULT_WRITER_THREADS", 5)
+    monkeypatch.setattr(config, "DEFAULT_MAX_HOST_MB", 1234)
+    planned = plan.make_plan(_args(["--quick"]))
+    assert planned["writer_threads"] == 5 and planned["max_host_mb"] == 1234
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "3")
+    assert plan.make_plan(_args(["--quick", "--max-host-mb", "64"]))["writer_threads"] == 3
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "0")  # the server refuses it: so does the plan
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--dry-run"])
+    assert e.value.code == 2 and "KIMI_SGLANG_WRITER_THREADS must be >= 1" in capsys.readouterr().err
+
+
+def test_sub_programs_are_modules_and_the_plan_needs_no_torch(tmp_path):
+    """``python -m bench`` is bench/bench.py; the sub-programs (models, ceilings, noise)
+    are modules with their own command line, and no hidden flag is left; the dry run
+    imports no torch."""
+    import os
+
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    script = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--dry-run", "--quick"],
+                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    module = subprocess.run([sys.executable, "-m", "bench", "--dry-run", "--quick"],
+                            capture_output=True, text=True, check=True, cwd=tmp_path, env=env).stdout
+    assert module == script and "estimated total" in script
+    usage = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--help"],
+                           capture_output=True, text=True, check=True).stdout
+    assert usage.startswith("usage: bench.py") and "--internal" not in usage and "--py-spy-kind" in usage
+    for name, word in (("models", "llama-mid"), ("ceilings", "--sizes"), ("noise", "spec")):
+        out = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], capture_output=True,
+                             text=True, cwd=tmp_path, env=env)
+        assert out.returncode == 0 and f"python -m bench.{name}" in out.stdout, out.stderr
+        assert word.lower() in out.stdout.lower()
+    probe = ("import sys\nfrom bench import cli\ncli.main(['--dry-run', '--quick'])\n"
+             "assert 'torch' not in sys.modules, 'the dry run imported torch'\n")
+    subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+
+
+def test_no_bench_module_over_400_lines():
+    """bench/ stays a package of small modules (one job each; SpecForge's benchmarks keep
+    theirs under ~300 lines)."""
+    long = {p.name: n for p in BENCH.glob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
 
 
 def test_writer_log_peak_parses_the_snapshot_lines():
@@ -311,9 +476,9 @@ def test_writer_log_peak_parses_the_snapshot_lines():
         "hidden-state dump: {'files_written': 9, 'host_bytes_peak': 4194304}\n"
         "hidden-state dump: layers [2, 4, 5, 8] of 8 into /dev/shm/x (writer rank: True)\n"
     )
-    assert bench.writer_log_peak(log) == 4194304
-    assert bench.writer_log_peak("nothing") is None
-    assert bench.writer_log_peak(log + "hidden-state dump: {'pinned_pool_peak': 7}\n", "pinned_pool_peak") == 7
+    assert loadgen.writer_log_peak(log) == 4194304
+    assert loadgen.writer_log_peak("nothing") is None
+    assert loadgen.writer_log_peak(log + "hidden-state dump: {'pinned_pool_peak': 7}\n", "pinned_pool_peak") == 7
 
 
 def test_safetensors_header_reader(tmp_path):
@@ -324,15 +489,15 @@ def test_safetensors_header_reader(tmp_path):
     raw = json.dumps(header).encode()
     path = tmp_path / "f.safetensors"
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(72))
-    tensors, meta = bench.safetensors_header(str(path))
+    tensors, meta = loadgen.safetensors_header(str(path))
     assert tensors["hidden_states"]["shape"] == [3, 2, 4]
     assert meta == {"layer_ids": "[2, 4]"}
 
 
 def test_short_gpu_name():
-    assert bench.short_gpu("NVIDIA H200") == "h200"
-    assert bench.short_gpu("NVIDIA H100 80GB HBM3") == "h100"
-    assert bench.short_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtxpro6000"
+    assert cli.short_gpu("NVIDIA H200") == "h200"
+    assert cli.short_gpu("NVIDIA H100 80GB HBM3") == "h100"
+    assert cli.short_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtxpro6000"
 
 
 def rehearse(tmp_path, *extra):
@@ -378,14 +543,14 @@ def test_rehearsal_noise_cells_and_repetitions(tmp_path):
     assert not any(c.get("error") for c in cells), cells
     for r in (0, 1):
         dump = next(c for c in cells if c["mode"] == "dump" and c["rep"] == r)
-        noise = next(c for c in cells if c["mode"] == "nodump_noise" and c["rep"] == r)["noise"]
-        assert "error" not in noise and noise["files"] >= 1, noise
+        made = next(c for c in cells if c["mode"] == "nodump_noise" and c["rep"] == r)["noise"]
+        assert "error" not in made and made["files"] >= 1, made
         nodump = next(c for c in cells if c["mode"] == "nodump" and c["rep"] == r)
         # paced to what a dump at no-dump speed writes: the dump's bytes per token x (a)
-        assert noise["target_gbps"] * 1e9 == pytest.approx(
+        assert made["target_gbps"] * 1e9 == pytest.approx(
             dump["file_bytes"] / dump["prompt_tokens"] * nodump["prefill_tps"])
-        assert noise["bytes_per_token"] > 0
-        assert noise["threads"] == 8
+        assert made["bytes_per_token"] > 0
+        assert made["threads"] == 8
     assert sorted(x["rep"] for x in res["headline"]["deepseek-tiny"]["noise"]) == [0, 1]
     assert list(shm.iterdir()) == []  # noise and dump directories removed
     md = (out / res_path.name.replace(".json", ".md")).read_text()
@@ -441,9 +606,10 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
 
 
 def test_ceilings_phase_runs_on_cpu(tmp_path):
-    """The ceilings code path (safetensors writes from threads, DumpWriter start/copy_rows/
-    submit) on CPU tensors: without CUDA the copy ceiling is skipped; the numbers mean
-    nothing here, the accounting does."""
+    """The ceilings sub-program (``python -m bench.ceilings``: safetensors writes from
+    threads, DumpWriter start/copy_rows/finish) on CPU tensors: without CUDA the copy
+    ceiling is skipped; the numbers mean nothing here, the accounting does. Its thread
+    count is KIMI_SGLANG_WRITER_THREADS's, read as the server reads it."""
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")
     import os
@@ -454,9 +620,10 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     env = os.environ | {"PYTHONPATH": str(BENCH.parent), "KIMI_SGLANG_WRITER_THREADS": "2",
                         "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench.py"), "--internal", "ceilings", "--quick",
-         "--ceiling-mib", "1", "--internal-part", str(part), "--internal-sizes", json.dumps(sizes),
-         "--dump-root", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+        [sys.executable, "-m", "bench.ceilings", "--reps", "2",
+         "--ceiling-mib", "1", "--out", str(part), "--sizes", json.dumps(sizes),
+         "--dump-root", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(part.read_text())
     assert out["cuda"] is False and "d2h_pinned_gbps" not in out and out["writer_threads"] == 2
@@ -503,19 +670,19 @@ def test_py_spy_raw_summary():
         "thread (0x2);run (w.py:7);save (f.py:5) 2",
         "garbage line",
     ])
-    s = bench.summarize_py_spy(raw)
+    s = profilers.summarize_py_spy(raw)
     assert s["samples"] == 10
     assert s["threads"] == {"thread (0x1)": 0.8, "thread (0x2)": 0.2}
     assert s["top"][0] == ["copy (w.py:3)", 0.6]
     assert s["ours"] == {}
-    s2 = bench.summarize_py_spy(raw + "\nthread (0x3);run (sglang_ext/writer.py:9);save (f.py:5) 10\nthread (0x4) 5")
+    s2 = profilers.summarize_py_spy(raw + "\nthread (0x3);run (sglang_ext/writer.py:9);save (f.py:5) 10\nthread (0x4) 5")
     assert s2["samples"] == 20 and s2["ours"] == {"thread (0x3)": 0.5}  # the frameless line is left out
-    md = report.render_markdown({"models": {}, "py_spy": {"m dump 512x1": s, "x": {"error": "no ptrace"}}})
+    md = markdown.render_markdown({"models": {}, "py_spy": {"m dump 512x1": s, "x": {"error": "no ptrace"}}})
     assert "copy (w.py:3)" in md and "not taken: no ptrace" in md
     # --gil: 10 samples at 100 Hz in a 0.5 s window -> thread 1 held the GIL 16% of it
-    gil = dict(s, window_s=0.5, gil_window_share=bench.gil_window_share(s, 0.5))
+    gil = dict(s, window_s=0.5, gil_window_share=profilers.gil_window_share(s, 0.5))
     assert gil["gil_window_share"] == pytest.approx({"thread (0x1)": 0.16, "thread (0x2)": 0.04})
-    md = report.render_markdown({"models": {}, "py_spy": {"m dump 2048x32": gil}})
+    md = markdown.render_markdown({"models": {}, "py_spy": {"m dump 2048x32": gil}})
     assert "share of the window each thread held the GIL: thread (0x1) 0.16, thread (0x2) 0.04" in md
 
 
@@ -532,14 +699,14 @@ def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
         "thread (0x2);run (sglang_ext/writer.py:9);PyEval_RestoreThread (libpython3.12.so) 4",
         "not a sample",
     ])
-    s = bench.summarize_gil_wait(raw)
+    s = profilers.summarize_gil_wait(raw)
     assert s["samples"] == 18 and s["scheduler_thread"] == "thread (0x1)"
     assert s["scheduler_gil_wait"] == pytest.approx(0.4)
     assert s["threads"]["thread (0x2)"] == {"samples": 8, "gil_wait": 0.5}
     assert s["scheduler_wait_top"] == [["recv (zmq.py:5)", pytest.approx(0.3)],
                                        ["forward (m.py:9)", pytest.approx(0.1)]]
-    assert "scheduler_thread" not in bench.summarize_gil_wait(raw.split("\n", 3)[3])
-    md = report.render_markdown({"models": {}, "py_spy": {"m nodump 2048x32": dict(s, kind="wait", window_s=2.0)}})
+    assert "scheduler_thread" not in profilers.summarize_gil_wait(raw.split("\n", 3)[3])
+    md = markdown.render_markdown({"models": {}, "py_spy": {"m nodump 2048x32": dict(s, kind="wait", window_s=2.0)}})
     assert "scheduler thread waiting for the GIL: 0.400 of its samples" in md
     assert "| thread (0x2) | 8 | 0.500 |" in md and "| 0.300 | `recv (zmq.py:5)` |" in md
 

@@ -78,15 +78,16 @@ def test_compare_kept_finds_value_id_and_missing_differences(tmp_path):
 
 
 def test_gpu_suite_and_bench_build_the_same_tiny_deepseek(tmp_path, monkeypatch):
-    """The GPU suite and bench/bench.py build the one DeepseekV3 of tests/gpu/tiny_models
-    (the benchmark measures the model the GPU tests verified): both saved configs agree
-    but for the context length, and every routed expert is selected (what makes the fp32
-    reference exact, see tiny_models). Built for real, on the CPU (~40 M parameters)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import bench
+    """The GPU suite and the benchmark (bench/models.py) build the one DeepseekV3 of
+    tests/gpu/tiny_models (the benchmark measures the model the GPU tests verified): both
+    saved configs agree but for the context length, and every routed expert is selected
+    (what makes the fp32 reference exact, see tiny_models). Built for real, on the CPU
+    (~40 M parameters)."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), ".."))
+    from bench import models
 
     tiny_models.build_deepseek(str(tmp_path / "e2e"))
-    bench.internal_build("deepseek-tiny", str(tmp_path / "bench"))
+    models.build("deepseek-tiny", str(tmp_path / "bench"))
     got = [json.load(open(tmp_path / d / "config.json")) for d in ("e2e", "bench")]
     assert got[0]["max_position_embeddings"] == 4096 and got[1]["max_position_embeddings"] == 16384
     skip = {"max_position_embeddings", "transformers_version"}

@@ -270,16 +270,18 @@ def test_server_command_lines(tmp_path):
     (with_tok / "tokenizer.json").write_text("{}")
     base = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--port", "30011",
             "--mem-fraction-static", "0.3", "--chunked-prefill-size", "256", "--cuda-graph-max-bs", "8",
-            "--enable-metrics", "--dump-hidden-states-dir", "/dev/shm/d"]
+            "--enable-metrics"]
     cmd = gpu_server.server_command(str(with_tok), "/dev/shm/d", None, "entrypoint", python="py")
-    assert cmd == ["py", "-m", "sglang_ext.entrypoint", "--model-path", str(with_tok), *base]
-    opts = gpu_server.ServerOptions(tp=2, dp_attention=True, cuda_graph=False)
+    assert cmd == ["py", "-m", "sglang_ext.entrypoint", "--model-path", str(with_tok), *base,
+                   "--dump-hidden-states-dir", "/dev/shm/d"]
+    opts = gpu_server.ServerOptions(tp=2, dp_attention=True, cuda_graph=False, dump_dtype="fp8")
     cmd = gpu_server.server_command(str(no_tok), "/dev/shm/d", "1,3,4", "direct", opts, python="py")
     assert cmd == ["py", "-m", "sglang.launch_server", "--model-path", str(no_tok), *base,
                    "--skip-tokenizer-init", "--disable-cuda-graph",
                    "--tp-size", "2", "--enforce-disable-flashinfer-allreduce-fusion",
-                   "--dp-size", "2", "--enable-dp-attention", "--dump-hidden-states-layers", "1,3,4"]
-    assert opts.tag == "tp2-dpattn-eager" and gpu_server.ServerOptions().tag == "tp1"
+                   "--dp-size", "2", "--enable-dp-attention", "--dump-hidden-states-dir", "/dev/shm/d",
+                   "--dump-hidden-states-layers", "1,3,4", "--dump-hidden-states-dtype", "fp8"]
+    assert opts.tag == "tp2-dpattn-eager-fp8" and gpu_server.ServerOptions().tag == "tp1"
     with pytest.raises(ValueError, match="launcher must be 'direct' or 'entrypoint', not 'docker'"):
         gpu_server.server_command(str(no_tok), "/d", None, "docker")
     with pytest.raises(ValueError, match="tp must be >= 1, not 0"):
@@ -287,11 +289,15 @@ def test_server_command_lines(tmp_path):
 
 
 def test_server_command_flags_are_the_patched_sglang_flags():
-    """Every dump flag the launcher passes is one the series adds to SGLang's server args
+    """Every dump flag the launcher passes (the suite's servers and, through
+    ``dump_flags``, the benchmark's) is one the series adds to SGLang's server args
     (patch 0001), spelled as there."""
     diff = next((REPO / "patches" / "v0.5.17").glob("0001-*.diff")).read_text()
     cmd = gpu_server.server_command("/m", "/d", "1,3,4", "direct")
-    for flag in (a for a in cmd if a.startswith("--dump-hidden-states")):
+    cmd += gpu_server.dump_flags("/d", "1,3,4", max_host_mb=64, dtype="fp8")
+    flags = {a for a in cmd if a.startswith("--dump-hidden-states")}
+    assert len(flags) == 4, flags
+    for flag in flags:
         assert flag.removeprefix("--").replace("-", "_") in diff, flag
 
 
@@ -350,6 +356,42 @@ def test_start_server_failure_raises_with_the_log_tail(tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)server exited with 3 during start-up.*CUDA error: out of memory"):
         gpu_server.start_server(str(model), str(tmp_path / "dump"), None, "direct", str(tmp_path / "s.log"),
                                 port=_free_port(), env=env, timeout_s=60)
+
+
+def test_wait_until_times_out_and_stop_all_ends_every_group(tmp_path):
+    """The lifecycle the benchmark uses for its two to four servers: launch returns at
+    once; a server that never gets ready is a StartupTimeout with its log's tail; one that
+    exits is a ServerExited; stop_all SIGTERMs every group at once and SIGKILLs one that
+    ignores SIGTERM after the grace period; again, it does nothing."""
+    import signal
+    import time
+
+    stubborn = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('loading weights', flush=True)\ntime.sleep(600)\n")
+    servers = [gpu_server.launch([sys.executable, "-c", body, "--port", str(_free_port())],
+                                 str(tmp_path / f"s{i}.log"))
+               for i, body in enumerate([stubborn, "import time; time.sleep(600)"])]
+    try:
+        servers[0].wait_until(lambda: "loading weights" in servers[0].log_text(), timeout=60)
+        with pytest.raises(gpu_server.StartupTimeout, match=r"(?s)did not come up in 1 s.*loading weights"):
+            servers[0].wait_until(lambda: False, timeout=1)
+        assert servers[0].alive() and servers[1].alive()
+        t0 = time.monotonic()
+        gpu_server.stop_all(servers, grace=2)
+        assert time.monotonic() - t0 < 15
+        assert [s.proc.returncode for s in servers] == [-signal.SIGKILL, -signal.SIGTERM]
+        for s in servers:
+            with pytest.raises(ProcessLookupError):
+                os.killpg(s.proc.pid, 0)
+        gpu_server.stop_all(servers)  # nothing left: no error
+    finally:
+        for s in servers:
+            if s.alive():
+                s.proc.kill()
+    gone = gpu_server.launch([sys.executable, "-c", "raise SystemExit(4)", "--port", "1"],
+                             str(tmp_path / "gone.log"))
+    with pytest.raises(gpu_server.ServerExited, match="server exited with 4 during start-up"):
+        gone.wait_healthy(timeout=60)
 
 
 # ---- leftovers, files, logs ------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The tiny random models of the GPU suite, and the DeepseekV3 config that bench/bench.py
-builds too (one definition, so the benchmark measures the model the GPU tests verified).
+"""The tiny random models of the GPU suite, and the DeepseekV3 config that the benchmark
+(bench/models.py) builds too (one definition, so the benchmark measures the model the GPU
+tests verified).
 
 - ``llama``: a LlamaForCausalLM (8 layers, hidden 256, 4 heads / 2 KV heads, vocab 1024)
   with a local word-level tokenizer; served through the container entrypoint
@@ -9,7 +10,7 @@ builds too (one definition, so the benchmark measures the model the GPU tests ve
   sglang.launch_server``) with dump layers ``1,3,4``.
 
 Weights are random bf16 drawn after ``torch.manual_seed(0)``. No third-party imports at
-module level: bench/bench.py imports ``deepseek_tiny_config`` without torch, and the CPU
+module level: bench/models.py imports ``deepseek_tiny_config`` without torch, and the CPU
 suite imports this module to check the GPU tests' plumbing.
 """
 

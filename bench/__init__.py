@@ -1,0 +1,58 @@
+"""The hidden-state dump benchmark (issue #7): dump overhead, the JSON path, the ceilings.
+
+Run it as ``python3 bench/bench.py [flags]`` or ``python3 -m bench [flags]`` from the
+repository root (bench/README.md: flags, what runs, the numbers). One module per job,
+in the order a run uses them:
+
+- ``models``     the workloads (random-weight shapes) and their build (``python -m bench.models``).
+- ``plan``       profiles, cells, request counts, time estimates (``--dry-run`` prints it).
+- ``servers``    the kinds of server a model's run starts (A, B, C, D), their flags, dump
+                 directories and environment; started and stopped by tests/gpu/server.py.
+- ``loadgen``    the client: a cell's requests (closed loop), its files or JSON, the warm-up,
+                 the server's memory and the writer's log.
+- ``ceilings``   pinned copies, /dev/shm writes, the writer alone (``python -m bench.ceilings``).
+- ``noise``      mode nodump_noise's writer of dump-sized files (``python -m bench.noise``).
+- ``profilers``  a cell again under py-spy or SGLang's torch profiler; ``torchprof`` reads
+                 the trace.
+- ``runner``     one model's run: servers up, warm-up, every cell, profiles, host memory.
+- ``cli``        the command line and the whole run, the results file.
+- ``report``     the numbers of a results file (ratios, targets); ``markdown`` its tables;
+                 ``plot`` its PNG (matplotlib).
+
+Nothing here imports torch at module level: the plan, the report and the tests run on
+any machine. Sub-programs run with this package's parent on ``PYTHONPATH``
+(``child_env``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_SUITE = REPO / "tests" / "gpu"
+
+
+def module_argv(module: str, *args: str) -> list:
+    """The argv of sub-program ``bench.<module>`` under this interpreter."""
+    return [sys.executable, "-m", f"bench.{module}", *args]
+
+
+def child_env(extra: Optional[dict] = None) -> dict:
+    """This environment with the repository root first on ``PYTHONPATH`` (so that
+    ``python -m bench.<module>`` and ``sglang_ext`` import wherever the child starts),
+    plus ``extra``."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return os.environ | {"PYTHONPATH": path} | (extra or {})
+
+
+def gpu_suite_module(name: str):
+    """A module of tests/gpu (``server``: the one launcher; ``tiny_models``: the one
+    DeepseekV3 definition), imported as the GPU suite imports it: tests/gpu on
+    ``sys.path``, so that both get the same module object."""
+    if str(GPU_SUITE) not in sys.path:
+        sys.path.insert(0, str(GPU_SUITE))
+    return importlib.import_module(name)

@@ -1,0 +1,273 @@
+"""What the host can move, before any server starts: the ceilings a dump is compared with.
+
+- ``d2h_pinned_gbps``: 1 GiB bf16 copied device to pinned host, best of 5 (CUDA events).
+- ``shm_write_gbps[<file bytes>]``: safetensors ``save_file`` of pinned tensors by the
+  writer's thread count, for every dump file size of the plan; best of 2.
+- ``shm_one_file_gbps[<file bytes>]``: one file at a time (``one_file_rates``).
+- ``writer_alone[<model>][<prompt len>]``: ``sglang_ext.writer.DumpWriter`` (the shared
+  arena and the writer process) driven with CUDA rows as the scheduler drives it.
+
+``python -m bench.ceilings --out PART --sizes JSON ...`` measures and writes a JSON dict
+to PART; ``run`` starts it as a subprocess (its CUDA context and pinned memory go away
+after) and reads it. Without CUDA (a CPU check of this code) the copy ceiling is skipped
+and the writer gets CPU rows; the numbers then mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from sglang_ext import config
+
+from bench import child_env, module_argv
+from bench.loadgen import clear_dump_dir
+from bench.models import MODELS
+from bench.plan import writer_threads
+
+CHUNK = 8192  # SGLang 0.5.17's chunked prefill size on an H200 (gpu_mem 80-160 GB)
+
+
+def d2h_ceiling(torch, dev, out):
+    """Pinned device-to-host copy of 1 GiB: best and median of 5, GB/s."""
+    n = 1 << 29  # bf16 elements = 1 GiB
+    src = torch.randn(n, dtype=torch.float32, device=dev).to(torch.bfloat16)
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True)
+    host.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        host.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    out["d2h_pinned_gbps"] = (n * 2) / min(times) / 1e9
+    out["d2h_pinned_gbps_median"] = (n * 2) / sorted(times)[len(times) // 2] / 1e9
+    del src, host
+    torch.cuda.empty_cache()
+    print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
+
+
+def one_file_rates(d, tensor, threads, files=4):
+    """GB/s of writing one file at a time (what a request at concurrency 1 waits for):
+    ``"save_file"`` with one thread; ``"pwrite_<threads>"``, the same bytes written by
+    ``threads`` threads with ``os.pwrite`` at disjoint offsets of one file (does the file
+    system let several threads fill one file at once?); ``"fallocate"``, allocating a
+    file's pages ahead (``posix_fallocate``), and ``"prealloc_write"``, one thread's
+    ``os.pwrite`` into such a file (what preallocating ahead would leave for the critical
+    path; the writer tried it on 2026-12-01, see bench/README.md)."""
+    import torch
+    from safetensors.torch import save_file
+
+    data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    n = len(data)
+    rates = {}
+    t0 = time.perf_counter()
+    for i in range(files):
+        save_file({"hidden_states": tensor}, os.path.join(d, f"one{i}.safetensors"))
+    rates["save_file"] = files * n / (time.perf_counter() - t0) / 1e9
+    piece = -(-n // threads)
+
+    def put(fd, off, end):
+        while off < end:
+            off += os.pwrite(fd, data[off:end], off)
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(threads) as pool:
+        for i in range(files):
+            fd = os.open(os.path.join(d, f"par{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            list(pool.map(lambda off, fd=fd: put(fd, off, min(off + piece, n)), range(0, n, piece)))
+            os.close(fd)
+    rates[f"pwrite_{threads}"] = files * n / (time.perf_counter() - t0) / 1e9
+    prep = write = 0.0
+    for i in range(files):
+        fd = os.open(os.path.join(d, f"pre{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        t0 = time.perf_counter()
+        os.posix_fallocate(fd, 0, n)
+        t1 = time.perf_counter()
+        put(fd, 0, n)
+        write, prep = write + time.perf_counter() - t1, prep + t1 - t0
+        os.close(fd)
+    rates["fallocate"] = files * n / prep / 1e9
+    rates["prealloc_write"] = files * n / write / 1e9
+    for e in os.listdir(d):
+        os.unlink(os.path.join(d, e))
+    print(f"one file at a time, {n / (1 << 20):.1f} MiB: "
+          + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()), flush=True)
+    return rates
+
+
+def _file_count(size, threads, budget, free):
+    """Files per measurement: ``budget`` bytes' worth, at least 2 per thread, at most
+    40% of the free space (but one per thread)."""
+    count = max(2 * threads, math.ceil(budget / size))
+    return min(count, max(threads, int(free * 0.4) // size))
+
+
+def shm_rates(torch, d, sizes, threads, budget, free, pinned, out):
+    """``shm_write_gbps`` and ``shm_one_file_gbps`` of every distinct file size (to 1/4 MiB)
+    of ``sizes``, written into directory ``d``."""
+    from safetensors.torch import save_file
+
+    out["shm_write_gbps"] = {}
+    seen = set()
+    for s in sizes:
+        rows, layers, hidden = s["rows"], s["layers"], s["hidden"]
+        if round(rows * layers * hidden / (1 << 18)) in seen:  # same size to 1/4 MiB
+            continue
+        seen.add(round(rows * layers * hidden / (1 << 18)))
+        # one source tensor per thread, as the writer's buffers are distinct (one shared
+        # source could be served from the CPU's cache and flatter the ceiling)
+        srcs = [{"hidden_states": torch.empty((rows, layers, hidden), dtype=torch.bfloat16,
+                                              pin_memory=pinned).normal_(),
+                 "token_ids": torch.arange(rows, dtype=torch.int64)} for _ in range(threads)]
+        count = _file_count(rows * layers * hidden * 2 + rows * 8, threads, budget, free)
+
+        def save(i, srcs=srcs):
+            p = os.path.join(d, f"f{i}.safetensors")
+            save_file(srcs[i % len(srcs)], p, metadata={"i": str(i)})
+            return os.path.getsize(p)
+
+        best = 0.0
+        for _ in range(2):
+            t0 = time.perf_counter()
+            with cf.ThreadPoolExecutor(threads) as pool:
+                total = sum(pool.map(save, range(count)))
+            best = max(best, total / (time.perf_counter() - t0) / 1e9)
+            for e in os.listdir(d):
+                os.unlink(os.path.join(d, e))
+        out["shm_write_gbps"][str(total // count)] = best
+        print(f"/dev/shm write, {total // count / (1 << 20):.1f} MiB files x {count}, "
+              f"{threads} threads: {best:.1f} GB/s", flush=True)
+        out.setdefault("shm_one_file_gbps", {})[str(total // count)] = one_file_rates(
+            d, srcs[0]["hidden_states"], threads)
+        del srcs, save
+
+
+def writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev, out):
+    """``writer_alone``: a DumpWriter (arena + writer process) fed CUDA rows as the
+    scheduler feeds it (``start``, ``copy_rows`` per ``CHUNK``-row prefill chunk,
+    ``finish`` with a ``format.reserve``d name); GB/s of files until the writer process
+    acknowledged every one, best of ``reps`` (each rep's in ``gbps_reps``)."""
+    from sglang_ext import format as fmt
+    from sglang_ext.writer import DumpWriter
+
+    out["writer_alone"] = {}
+    fd = fmt.open_dump_dir(d)
+    for s in sizes:
+        rows, layers, hidden = s["rows"], s["layers"], s["hidden"]
+        width = layers * hidden
+        gpu_rows = torch.randn((rows, width), dtype=torch.float32, device=dev or "cpu").to(torch.bfloat16)
+        ids = list(range(rows))
+        count = _file_count(rows * width * 2 + rows * 8, threads, budget, free)
+        writer = DumpWriter(fd, arena_bytes=max_host_mb << 20, threads=threads, device=dev,
+                            layer_ids=s["layer_ids"], num_layers=s["num_layers"],
+                            stats_interval_s=0, register_atexit=False)
+        results = []
+        for rep in range(reps):
+            before = writer.snapshot()["bytes_written"]
+            t0 = time.perf_counter()
+            for i in range(count):
+                rid = f"w{rep}-{i}"
+                p = writer.start(rid, ids, width, torch.bfloat16)
+                for c0 in range(0, rows, CHUNK):  # one copy per prefill chunk
+                    n = min(CHUNK, rows - c0)
+                    writer.copy_rows(gpu_rows[c0:c0 + n], [(p, 0, n)], ready=True)
+                    if c0 + n < rows:
+                        writer.flush()
+                writer.finish(p, fmt.reserve(fd, rid))
+                writer.flush()
+            writer.wait_idle(600)
+            wall = time.perf_counter() - t0
+            snap = writer.snapshot()
+            results.append((snap["bytes_written"] - before) / wall / 1e9)
+            clear_dump_dir(d)
+        writer.close()
+        snap = writer.snapshot()
+        out["writer_alone"].setdefault(s["model"], {})[str(s["prompt_len"])] = {
+            "gbps": max(results), "gbps_reps": results, "file_bytes": snap["bytes_written"] // max(snap["files_written"], 1),
+            "files_per_rep": count, "failures": snap["failures"],
+            "host_bytes_peak": snap["host_bytes_peak"], "backpressure_waits": snap["backpressure_waits"],
+            "arena_pinned": snap["arena_pinned"],
+        }
+        print(f"writer alone, {s['model']} {s['prompt_len']}-token files x {count}: "
+              f"{max(results):.1f} GB/s (reps {[round(x, 1) for x in results]})", flush=True)
+        del gpu_rows
+        if dev is not None:
+            torch.cuda.empty_cache()
+    os.close(fd)
+
+
+def measure(sizes, threads, ceiling_mib, reps, max_host_mb, root):
+    """All the ceilings, as a dict (the results' ``ceilings``). ``sizes``: one dict per
+    (model, prompt length): model, prompt_len, rows, layers, hidden, layer_ids,
+    num_layers. Files go to ``root`` (--dump-root, /dev/shm by default), where server B's
+    dumps go; at most ``ceiling_mib`` MiB (and 40% of the free space) per measurement."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", 0) if cuda else None
+    out = {"writer_threads": threads, "cuda": cuda}
+    if cuda:
+        d2h_ceiling(torch, dev, out)
+    free = shutil.disk_usage(root).free
+    budget = min(ceiling_mib << 20, int(free * 0.4))
+    out["shm_free_bytes"] = free
+    d = os.path.join(root, "kimi-bench-ceiling")
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    shm_rates(torch, d, sizes, threads, budget, free, cuda, out)
+    writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev, out)
+    shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def run(plan, prompt_lens, workdir, dump_root, timeout):
+    """The ceilings of ``plan``'s models and ``prompt_lens``, measured by ``python -m
+    bench.ceilings`` (raises CalledProcessError or TimeoutExpired when it fails)."""
+    part = os.path.join(workdir, "ceilings.json")
+    os.makedirs(workdir, exist_ok=True)
+    sizes = [{"model": n, "prompt_len": p, "rows": p, "layers": len(MODELS[n]["layer_ids"]),
+              "hidden": MODELS[n]["hidden_size"], "layer_ids": MODELS[n]["layer_ids"],
+              "num_layers": MODELS[n]["num_layers"]}
+             for n in plan["models"] for p in prompt_lens]
+    subprocess.run(module_argv("ceilings", "--out", part, "--sizes", json.dumps(sizes),
+                               "--threads", str(plan["writer_threads"]),
+                               "--ceiling-mib", str(plan["ceiling_mib"]), "--reps", str(plan["writer_reps"]),
+                               "--max-host-mb", str(plan["max_host_mb"]), "--dump-root", dump_root),
+                   check=True, timeout=timeout, env=child_env())
+    with open(part) as f:
+        return json.load(f)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.ceilings", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="the JSON file to write")
+    ap.add_argument("--sizes", required=True, help="JSON list of dicts: model, prompt_len, rows, "
+                    "layers, hidden, layer_ids, num_layers")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="writer threads (default: KIMI_SGLANG_WRITER_THREADS as the server reads it)")
+    ap.add_argument("--ceiling-mib", type=int, default=1024, help="MiB written per measurement")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of the writer alone")
+    ap.add_argument("--max-host-mb", type=int, default=config.DEFAULT_MAX_HOST_MB,
+                    help="the writer's arena (--dump-hidden-states-max-host-mb)")
+    ap.add_argument("--dump-root", default="/dev/shm", help="where the files go")
+    args = ap.parse_args(argv)
+    out = measure(json.loads(args.sizes), args.threads or writer_threads(), args.ceiling_mib,
+                  args.reps, args.max_host_mb, args.dump_root)
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

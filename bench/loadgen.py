@@ -1,0 +1,270 @@
+"""The client side of a cell: random prompts sent by ``concurrency`` client threads (a
+closed loop: each sends its next request when its last one returns), what came back
+(dump files, JSON hidden states), the warm-up, and what the server held meanwhile (its
+memory, the writer's log lines, the stage trace).
+
+A server here is anything with ``port``, ``proc``, ``command`` and ``log_text()``
+(tests/gpu/server.py's ``Server``). Requests are SGLang's ``/generate`` with
+``input_ids`` and ``max_new_tokens=1``.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures as cf
+import json
+import os
+import re
+import struct
+import threading
+import time
+
+from bench import report
+
+_local = threading.local()
+
+
+def _session():
+    import requests
+
+    if not hasattr(_local, "s"):
+        _local.s = requests.Session()
+    return _local.s
+
+
+def make_prompts(rng, n, length, vocab):
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600):
+    """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
+    results per request: (latency_s, status, response bytes, content or None).
+
+    ``early`` (mode dump_early): each request asks to be answered before its file is
+    complete (``format.WAIT_PARAM``), as ``sglang_ext.client`` does; a thread waits for
+    its previous file's lock after sending its next prompt (one file pending per
+    thread), and the wall time ends when every file is complete."""
+    from sglang_ext import format as fmt
+
+    bodies = []
+    for ids in prompts:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        if return_hidden_states:
+            body["return_hidden_states"] = True
+        if early:
+            body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
+        bodies.append(json.dumps(body).encode())
+    slot = threading.local()
+    pending = []
+
+    def one(i):
+        t = time.perf_counter()
+        r = _session().post(f"http://127.0.0.1:{port}/generate", data=bodies[i], timeout=timeout,
+                            headers={"Content-Type": "application/json"})
+        content = r.content
+        lat = time.perf_counter() - t
+        if early and r.status_code == 200:
+            path = json.loads(content)["meta_info"].get("hidden_states_path")
+            prev, slot.prev = getattr(slot, "prev", None), path
+            if prev:
+                fmt.wait_complete(prev, timeout=timeout)
+            if path:
+                pending.append(path)
+        # JSON responses run to 100s of MB: keep the first (and failures) only
+        keep = not return_hidden_states or i == 0 or r.status_code != 200
+        return lat, r.status_code, len(content), content if keep else None
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, range(len(bodies))))
+    for path in pending:  # the last file of each thread (the rest return at once)
+        fmt.wait_complete(path, timeout=timeout)
+    return time.perf_counter() - t0, results
+
+
+def run_cell(server, cell, spec, rng, mode, trace_path=None):
+    """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
+    ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
+    modes, the files' bytes and one file's header, the stages of ``trace_path``; for
+    json, the responses' bytes and one's nested shape; ``error`` when requests failed)."""
+    prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
+    offset = trace_size(trace_path)
+    wall, results = send_batch(server.port, prompts, cell["concurrency"],
+                               return_hidden_states=(mode == "json"), early=(mode == "dump_early"))
+    lat = [r[0] for r in results]
+    bad = [r for r in results if r[1] != 200]
+    out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
+           "requests": len(prompts)}
+    out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
+    if bad:
+        out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
+    if mode in report.DUMP_MODES and not bad:
+        paths, errors = [], []
+        for r in results:
+            meta = json.loads(r[3])["meta_info"]
+            if meta.get("hidden_states_path"):
+                paths.append(meta["hidden_states_path"])
+            else:
+                errors.append(meta.get("hidden_states_error", "no hidden_states_path"))
+        sizes = [os.stat(p).st_size for p in paths]
+        out["file_bytes"] = sum(sizes)
+        out["bytes_per_token"] = sum(sizes) / out["prompt_tokens"] if out.get("prompt_tokens") else None
+        out["write_gbps"] = sum(sizes) / wall / 1e9
+        out["files"] = len(paths)
+        if errors:
+            out["error"] = f"{len(errors)} requests without a file: {errors[0][:200]}"
+        if paths:
+            tensors, meta = safetensors_header(paths[0])
+            out["file_check"] = {"hidden_states": tensors.get("hidden_states"),
+                                 "layer_ids": meta.get("layer_ids")}
+            if "hidden_states_scales" in tensors:
+                out["file_check"]["hidden_states_scales"] = tensors["hidden_states_scales"]
+        if trace_path:
+            time.sleep(0.3)  # the writer's trace line follows its lock release
+            out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
+    if mode == "json" and not bad:
+        out["response_bytes"] = sum(r[2] for r in results)
+        first = json.loads(results[0][3])
+        hs = first["meta_info"].get("hidden_states")
+        out["json_check"] = describe_nested(hs)
+        if hs is None:
+            out["error"] = "response carries no meta_info.hidden_states"
+    return out
+
+
+def describe_nested(x):
+    """Shape of a nested list (first elements), e.g. [2048, 4096]; None when absent."""
+    if x is None:
+        return None
+    shape = []
+    while isinstance(x, list):
+        shape.append(len(x))
+        if not x:
+            break
+        x = x[0]
+    return shape
+
+
+def safetensors_header(path):
+    """(tensor shapes/dtypes, metadata) of a safetensors file, read without torch."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", {})
+    return {k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items()}, meta
+
+
+def warm_up(server, spec, rng, plens, json_too, concs=(1, 8)):
+    """One request, then a burst at every concurrency of the grid, at every prompt length:
+    kernels (Triton's fused MoE compiles per batch-size bucket) compiled for the shapes
+    before anything is timed."""
+    for plen in plens:
+        for conc in sorted({1, 8, *concs}):
+            send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc)
+    if json_too:
+        send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
+
+
+def clear_dump_dir(path):
+    """Delete a dump directory's files and index (between cells; not timed)."""
+    for entry in os.listdir(path):
+        if entry.endswith(".safetensors") or entry == "index.jsonl":
+            try:
+                os.unlink(os.path.join(path, entry))
+            except FileNotFoundError:
+                pass
+
+
+def read_trace(path, offset):
+    """KIMI_SGLANG_TRACE lines appended to ``path`` after byte ``offset``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    out = []
+    for x in data.decode(errors="replace").splitlines():
+        try:
+            out.append(json.loads(x))
+        except ValueError:  # a line still being written
+            pass
+    return out
+
+
+def trace_size(path):
+    try:
+        return os.path.getsize(path)
+    except (OSError, TypeError):
+        return 0
+
+
+class RssSampler:
+    """Peak memory (bytes; PSS where psutil reads it, else RSS) of a process and its
+    children, sampled every 0.2 s while in its ``with`` block."""
+
+    def __init__(self, pid):
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def rss(self):
+        import psutil
+
+        total = 0
+        try:
+            procs = [self.root] + self.root.children(recursive=True)
+        except psutil.Error:  # the server is gone
+            return 0
+        for p in procs:  # PSS: memory shared by processes (the writer's arena) counted once
+            try:
+                total += p.memory_full_info().pss
+            except (psutil.Error, AttributeError):
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+        return total
+
+    def __enter__(self):
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(0.2)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_writer_log(server, spec, rng, timeout):
+    """Send a small dump request every 2 s until the writer logs a new snapshot line (it
+    logs after a write at most once a minute), so the log's peak covers every cell."""
+    seen = len(re.findall(r"hidden-state dump: \{", server.log_text()))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        send_batch(server.port, make_prompts(rng, 1, 16, spec["vocab"]), 1)
+        if len(re.findall(r"hidden-state dump: \{", server.log_text())) > seen:
+            return True
+        time.sleep(2)
+    return False
+
+
+def writer_log_peak(text, key="host_bytes_peak"):
+    """Max ``key`` over the writer's 'hidden-state dump: {...}' log lines (the budget's
+    ``host_bytes_peak``, or ``pinned_pool_peak``: the process's pinned pool)."""
+    peaks = []
+    for m in re.finditer(r"hidden-state dump: (\{[^}\n]*\})", text):
+        try:
+            peaks.append(int(ast.literal_eval(m.group(1))[key]))
+        except (ValueError, SyntaxError, KeyError):
+            pass
+    return max(peaks) if peaks else None

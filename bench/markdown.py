@@ -1,0 +1,249 @@
+"""A results file as Markdown (``render_markdown``: the ``.md`` beside each JSON) and as
+the short plain-text table printed last (``summary_table``). The numbers come from
+``report``; a results file without ``headline`` or ``targets`` gets them computed.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from bench.report import DUMP_MODES, headline, mib, num, targets
+
+
+def render_markdown(results: dict) -> str:
+    """The results as Markdown: ceilings, one table per model, ratios, the stages, the
+    profiles, targets."""
+    head = results.get("headline") or headline(results)
+    tgt = results.get("targets") or targets(results, head)
+    lines = [
+        f"# Hidden-state dump benchmark: {results.get('gpu', '?')}, {results.get('date', '?')}"
+        f" (profile {results.get('profile', '?')})",
+        "",
+    ]
+    lines += _ceilings(results.get("ceilings", {}))
+    for model, m in results.get("models", {}).items():
+        lines += _model(model, m, head.get(model, {}))
+    lines += _stages(results)
+    for label, prof in (results.get("py_spy") or {}).items():
+        lines += _py_spy(label, prof)
+    lines += _torch_profile(results.get("torch_profile") or {})
+    lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
+    for t in tgt:
+        v = t["value"]
+        shown = mib(v) if "memory" in t["target"] else num(v, "{:.3f}")
+        ok = {True: "PASS", False: "FAIL", None: "not measured"}[t["pass"]]
+        lines.append(f"| {t['model']} | {t['target']} | {shown} | {ok} |")
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
+    skipped = results.get("skipped") or []
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(skipped)]
+    return "\n".join(lines) + "\n"
+
+
+def _ceilings(ceil: dict) -> List[str]:
+    lines = [
+        "## Ceilings",
+        "",
+        f"- pinned device-to-host copy: {num(ceil.get('d2h_pinned_gbps'), '{:.1f}')} GB/s",
+        f"- /dev/shm write, safetensors, {ceil.get('writer_threads', '?')} threads:",
+    ]
+    for size, gbps in sorted(ceil.get("shm_write_gbps", {}).items(), key=lambda kv: float(kv[0])):
+        lines.append(f"  - files of {float(size) / (1 << 20):.1f} MiB: {gbps:.1f} GB/s")
+    for size, rates in sorted(ceil.get("shm_one_file_gbps", {}).items(), key=lambda kv: float(kv[0])):
+        lines.append(f"- one file at a time, {float(size) / (1 << 20):.1f} MiB: "
+                     + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()))
+    for model, by_len in ceil.get("writer_alone", {}).items():
+        for plen, wr in sorted(by_len.items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"- writer alone, {model}, {plen}-token files "
+                f"({wr['file_bytes'] / (1 << 20):.1f} MiB): {num(wr.get('gbps'), '{:.1f}')} GB/s"
+            )
+    return lines
+
+
+ORDER = {"nodump": 0, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4}
+
+
+def _model(model: str, m: dict, h: dict) -> List[str]:
+    """One model's cells, its ratios, noise cells, file check, host memory."""
+    by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"], c.get("rep")): c
+               for c in h.get("cells", [])}
+    lines = [
+        "",
+        f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})",
+        "",
+        "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | GB/s written |"
+        " JSON MB/resp | (b)/(a) | (b)/bound |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in sorted(m.get("cells", []),
+                    key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
+                                   ORDER.get(c["mode"], 9))):
+        label = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
+        if c.get("error"):
+            lines.append(f"| {c['prompt_len']} | {c['concurrency']} | {label} | "
+                         f"ERROR: {c['error'][:80]} |||||||||")
+            continue
+        hc = by_cell.get((c["mode"], c["prompt_len"], c["concurrency"], c.get("rep")), {})
+        json_mb = (c["response_bytes"] / c["requests"] / 1e6) if c.get("response_bytes") else None
+        written = (num(c.get("write_gbps"), "{:.2f}") if "noise" not in c
+                   else f"{num(c['noise'].get('gbps'), '{:.2f}')} (noise)")
+        lines.append(
+            f"| {c['prompt_len']} | {c['concurrency']} | {label} | {c['requests']} | "
+            f"{num(c.get('prefill_tps'))} | {num(c.get('p50_s'), '{:.3f}')} | "
+            f"{num(c.get('p99_s'), '{:.3f}')} | {written} | "
+            f"{num(json_mb, '{:.1f}')} | {num(hc.get('dump_vs_nodump'), '{:.3f}')} | "
+            f"{num(hc.get('dump_vs_bound'), '{:.3f}')} |"
+        )
+    lines += [
+        "",
+        f"- dump_vs_nodump: min {num(h.get('dump_vs_nodump_min'), '{:.3f}')}, geometric mean "
+        f"{num(h.get('dump_vs_nodump_geomean'), '{:.3f}')}"
+        + (f"; early answers (dump_early): min {num(h.get('dump_early_vs_nodump_min'), '{:.3f}')}, "
+           f"geometric mean {num(h.get('dump_early_vs_nodump_geomean'), '{:.3f}')}"
+           if h.get("dump_early_vs_nodump_min") is not None else ""),
+        f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
+        f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}",
+    ]
+    for n in h.get("noise", []):
+        lines.append(
+            f"- nodump_noise {n['prompt_len']}x{n['concurrency']}"
+            + (f" #{n['rep']}" if "rep" in n else "")
+            + f": no dump while another process writes {num(n['noise_gbps'], '{:.2f}')} GB/s, "
+            f"{num(n.get('noise_bytes_per_token'))} bytes per prompt token (the dump cell: "
+            f"{num(n['dump_write_gbps'], '{:.2f}')} GB/s, {num(n.get('dump_bytes_per_token'))} B/token): "
+            f"{num(n['noise_vs_nodump'], '{:.3f}')} of no-dump (the dump: "
+            f"{num(n['dump_vs_nodump'], '{:.3f}')})")
+    fc = m.get("file_check")
+    if fc:
+        lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, "
+                     f"layer_ids {fc.get('layer_ids')}")
+    if m.get("error"):
+        lines.append(f"- ERROR: {m['error'][:300]}")
+    mem = m.get("host_memory", {})
+    if mem:
+        lines.append(
+            f"- host memory: writer budget peak {mib(mem.get('log_host_bytes_peak'))}, "
+            f"pinned pool peak {mib(mem.get('log_pinned_pool_peak'))}, "
+            f"server RSS growth {mib(mem.get('rss_delta_bytes'))} (without dump: "
+            f"{mib(mem.get('rss_delta_bytes_nodump'))}), cap {mib(mem.get('cap_bytes'))}"
+        )
+    return lines
+
+
+def _stages(results: dict) -> List[str]:
+    """"Where the time goes": per dump cell, the stage trace's p50 / p99."""
+    rows = []
+    for model, m in results.get("models", {}).items():
+        for c in m.get("cells", []):
+            st = c.get("stages")
+            if c.get("mode") not in DUMP_MODES or not st:
+                continue
+            cells = [num(st.get(k, {}).get("p50"), "{:.1f}") + " / " + num(st.get(k, {}).get("p99"), "{:.1f}")
+                     for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
+            rows.append(
+                f"| {model}{' (early)' if c['mode'] == 'dump_early' else ''} | {c['prompt_len']} | "
+                f"{c['concurrency']} | " + " | ".join(cells)
+                + f" | {num(st.get('hook_share'), '{:.2f}')} | {num(st.get('ready_before_response'), '{:.2f}')} |")
+    if not rows:
+        return []
+    return ["", "## Where the time goes (dump cells, KIMI_SGLANG_TRACE; ms p50 / p99)", "",
+            "| model | prompt | conc | hook (per batch) | queue | d2h | write | release |"
+            " response wait | poll lag | hook share | file ready first |",
+            "|---|---:|---:|---|---|---|---|---|---|---|---:|---:|"] + rows
+
+
+def _py_spy(label: str, prof: dict) -> List[str]:
+    """One py-spy profile (``profilers.profile_cell``): kind ``wait`` (--idle --native),
+    ``--gil``, or an older run's active samples."""
+    lines = ["", f"## py-spy: {label}", ""]
+    if prof.get("error"):
+        return lines + [f"- not taken: {prof['error'][:300]}"]
+    if prof.get("kind") == "wait":
+        lines.append(f"- {prof.get('samples', 0)} samples (--idle --native) in "
+                     f"{prof.get('window_s', 0):.1f} s; scheduler thread waiting for the GIL: "
+                     f"{num(prof.get('scheduler_gil_wait'), '{:.3f}')} of its samples")
+        lines += ["", "| thread | samples | waiting for the GIL |", "|---|---:|---:|"]
+        for t, v in sorted(prof["threads"].items(), key=lambda kv: -kv[1]["samples"]):
+            lines.append(f"| {t} | {v['samples']} | {v['gil_wait']:.3f} |")
+        if prof.get("scheduler_wait_top"):
+            lines += ["", "| share of the scheduler's samples | waiting from (file:line) |", "|---:|---|"]
+            lines += [f"| {sh:.3f} | `{fr}` |" for fr, sh in prof["scheduler_wait_top"]]
+        return lines
+    if prof.get("gil_window_share"):
+        lines.append(f"- {prof.get('samples', 0)} samples with the GIL held, in "
+                     f"{prof.get('window_s', 0):.1f} s; share of the window each thread "
+                     "held the GIL: " + ", ".join(
+                         f"{t} {v:.2f}" for t, v in prof["gil_window_share"].items()))
+    else:
+        lines.append(f"- {prof.get('samples', 0)} samples; active share per thread: "
+                     + ", ".join(f"{t} {v:.2f}" for t, v in prof.get("threads", {}).items()))
+    lines += ["", "| share | function (file:line) |", "|---:|---|"]
+    for fn, share in prof.get("top", []):
+        lines.append(f"| {share:.3f} | `{fn}` |")
+    if prof.get("ours"):
+        lines += ["", "- samples with sglang_ext code on the stack: "
+                  + ", ".join(f"{t} {v:.2f}" for t, v in prof["ours"].items())]
+    return lines
+
+
+TORCH_ROWS = [("requests profiled", "requests", "{:.0f}"),
+              ("prefill tok/s under the profiler", "cell_prefill_tps_profiled", "{:.0f}"),
+              ("window", "window_ms_per_mtok", "{:.0f}"),
+              ("in top-level ATen ops", "ops_ms_per_mtok", "{:.0f}"),
+              ("between ops (Python, GIL waits)", "between_ops_ms_per_mtok", "{:.0f}"),
+              ("top-level ops per 1M tokens", "ops_per_mtok", "{:.0f}"),
+              ("cudaLaunchKernel mean (us)", "launch_us_mean", "{:.2f}"),
+              ("launches per 1M tokens", "launches_per_mtok", "{:.0f}"),
+              ("GPU busy", "gpu_busy_ms_per_mtok", "{:.0f}"),
+              ("longest single op (ms)", "longest_op_ms", "{:.1f}")]
+
+
+def _torch_profile(tprof: dict) -> List[str]:
+    """The torch profiles (``torchprof.summarize`` per run), one column per run."""
+    if not tprof:
+        return []
+    ok = {k: v for k, v in tprof.items() if not v.get("error")}
+    lines = ["", "## Torch profiler (scheduler thread; ms per 1M prompt tokens)", ""]
+    lines += [f"- {k}: not taken: {' '.join(v['error'].split())[:300]}"
+              for k, v in tprof.items() if v.get("error")]
+    lines += [f"- {k}: requests failed while profiled: {' '.join(v['cell_error'].split())[:200]}"
+              for k, v in tprof.items() if v.get("cell_error")]
+    if not ok:
+        return lines
+    keys = list(ok)
+    for k in keys:
+        ok[k] = dict(ok[k], longest_op_ms=(ok[k].get("longest_op") or {}).get("ms"))
+    lines += ["| | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    lines += [f"| {label} | " + " | ".join(num(ok[k].get(field), fmt) for k in keys) + " |"
+              for label, field, fmt in TORCH_ROWS]
+    for field, title in (("top_ops_ms_per_mtok", "top-level ATen ops"),
+                         ("api_ms_per_mtok", "CUDA API calls")):
+        names = []
+        for k in keys:
+            names += [n for n in ok[k].get(field, {}) if n not in names]
+        lines += ["", f"| {title} | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+        lines += [f"| `{n}` | " + " | ".join(num(ok[k].get(field, {}).get(n), "{:.1f}") for k in keys)
+                  + " |" for n in names[:16]]
+    for k in keys:
+        if ok[k].get("other_threads"):
+            lines.append(f"- {k}, other threads' top-level ops (ms per 1M tokens): " + ", ".join(
+                f"{t} {v['ops_ms_per_mtok']:.1f}" for t, v in ok[k]["other_threads"].items()))
+    return lines
+
+
+def summary_table(results: dict) -> str:
+    """The short plain-text table printed last by the benchmark."""
+    head = results.get("headline") or headline(results)
+    tgt = results.get("targets") or targets(results, head)
+    out = [f"{'model':14} {'dump/nodump min':>15} {'early min':>9} {'dump/json':>9} {'writer/W':>8}"]
+    for model, h in head.items():
+        out.append(f"{model:14} {num(h.get('dump_vs_nodump_min'), '{:.3f}'):>15} "
+                   f"{num(h.get('dump_early_vs_nodump_min'), '{:.3f}'):>9} "
+                   f"{num(h.get('dump_vs_json'), '{:.1f}'):>9} "
+                   f"{num(h.get('writer_vs_ceiling'), '{:.2f}'):>8}")
+    for t in tgt:
+        ok = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
+        out.append(f"  {ok} {t['model']}: {t['target']}")
+    return "\n".join(out)

@@ -1,0 +1,123 @@
+"""What a run will do: its profile, the modes, every cell's size, the servers' command
+lines, time estimates. ``--dry-run`` prints it (``print_plan``); no torch, no GPU.
+
+The defaults the server has (writer threads, the host-memory cap) are sglang_ext.config's,
+read the way the server reads them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sglang_ext import config
+
+from bench import report, servers
+from bench.models import MODELS, file_bytes
+
+PROFILES = {
+    # fits one ~9-minute device call with both models (see bench/README.md)
+    "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
+              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420, "writer_log_wait_s": 0},
+    "full": {"cell_tokens": 256 * 1024, "min_rounds": 2, "json_requests": 16,
+             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000, "writer_log_wait_s": 65},
+}
+
+# Modes whose cells run at every (prompt length, concurrency) of the grid, in the order
+# they alternate within a shape: (a), (b), (b'), (b fp8), (a) beside noise. ``json`` (c)
+# runs once, at the headline shape.
+GRID_MODES = ("nodump", "dump", "dump_early", "dump_fp8", "nodump_noise")
+MODES = GRID_MODES + ("json",)
+
+
+def writer_threads():
+    """Threads of the writer process (and of the ceilings' writes):
+    ``KIMI_SGLANG_WRITER_THREADS`` as the server reads it (sglang_ext.config, default 8)."""
+    return config.env_settings()["writer_threads"]
+
+
+def cell_requests(prompt_len, concurrency, cell_tokens, min_rounds):
+    """Requests of one cell: about ``cell_tokens`` prompt tokens, at least ``min_rounds``
+    requests per client thread."""
+    return max(math.ceil(cell_tokens / prompt_len), concurrency * min_rounds, 1)
+
+
+def make_plan(args):
+    """The plan of a run (``args``: cli's parsed flags): ``{"profile", "modes", "phases",
+    "models": {name: {"servers": {which: argv}, "cells": [...], "est_s"}}, "est_total_s",
+    and the sizes: "cell_tokens", "min_rounds", "deadline_s", "ceiling_mib",
+    "writer_reps", "writer_threads", "max_host_mb"}``. Cells in run order: the headline
+    shape (2k prompts, concurrency 8: nodump, dump, ..., json) first, so that a run cut
+    short by the deadline still has it; then the rest, a shape's modes one after another
+    (nodump and dump alternate), ``--repeat`` rounds interleaved."""
+    prof = PROFILES[args.profile]
+    cell_tokens = args.cell_tokens or prof["cell_tokens"]
+    min_rounds = args.min_rounds or prof["min_rounds"]
+    json_requests = args.json_requests or prof["json_requests"]
+    modes = args.modes.split(",")
+    models = [m for m in args.models.split(",") if m]
+    plan = {"profile": args.profile, "modes": modes, "phases": [], "models": {},
+            "cell_tokens": cell_tokens, "min_rounds": min_rounds,
+            "deadline_s": args.deadline_s or prof["deadline_s"],
+            "ceiling_mib": args.ceiling_mib or prof["ceiling_mib"],
+            "writer_reps": prof["writer_reps"], "writer_threads": writer_threads(),
+            "max_host_mb": args.max_host_mb or config.DEFAULT_MAX_HOST_MB}
+    est_total = 0.0
+    if not args.skip_ceilings:
+        sizes = sorted({file_bytes(MODELS[m], p) for m in models for p in args.prompt_lens})
+        plan["phases"].append({"phase": "ceilings", "file_sizes": sizes, "est_s": 25})
+        est_total += 25
+    for name in models:
+        spec = MODELS[name]
+        cells = []
+        grid = [(p, c) for p in args.prompt_lens for c in args.concurrency]
+        head = (report.JSON_PROMPT_LEN, report.JSON_CONCURRENCY)
+        grid.sort(key=lambda pc: pc != head)
+        json_cell = {"mode": "json", "prompt_len": head[0], "concurrency": head[1],
+                     "requests": json_requests, "prompt_tokens": json_requests * head[0]}
+        for plen, conc in grid:
+            scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
+            n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
+            for rep in range(args.repeat):
+                for mode in GRID_MODES:
+                    if mode in modes:
+                        cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
+                                      "requests": n, "prompt_tokens": n * plen}
+                                     | ({"rep": rep} if args.repeat > 1 else {}))
+            if (plen, conc) == head and "json" in modes:
+                cells.append(dict(json_cell))
+        if "json" in modes and head not in grid:
+            cells.append(dict(json_cell))
+        for c in cells:
+            tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
+            c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
+            if c["mode"] in report.DUMP_MODES:
+                c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"], c["mode"] == "dump_fp8")
+        kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
+        cmds = {which: servers.server_cmd(args, name, which) for which in kinds}
+        est = spec["est_startup_s"] + 20 + sum(c["est_s"] for c in cells) + 10
+        est_total += est
+        plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est)}
+    plan["est_total_s"] = round(est_total)
+    return plan
+
+
+def print_plan(plan):
+    print(f"profile {plan['profile']}: modes {plan['modes']}, ~{plan['cell_tokens']} prompt tokens "
+          f"per cell, >= {plan['min_rounds']} request(s) per client; writer threads "
+          f"{plan['writer_threads']}; deadline {plan['deadline_s']} s")
+    for ph in plan["phases"]:
+        print(f"\n[ceilings] ~{ph['est_s']} s: pinned D2H 1 GiB; /dev/shm safetensors writes and "
+              f"the writer alone, {plan['ceiling_mib']} MiB per size, sizes "
+              f"{[f'{s / (1 << 20):.1f} MiB' for s in ph['file_sizes']]}")
+    for name, m in plan["models"].items():
+        print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s)")
+        for which, cmd in m["servers"].items():
+            print(f"  server {which}: {' '.join(cmd)}")
+        print(f"  {'mode':16} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
+        for c in m["cells"]:
+            gib = f"{c['dump_bytes'] / (1 << 30):.1f}" if "dump_bytes" in c else ""
+            mode = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
+            print(f"  {mode:16} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
+                  f"{c['prompt_tokens']:8} {gib:>8} {c['est_s']:6}")
+    print(f"\nestimated total: ~{plan['est_total_s']} s (throughputs and start-up times are "
+          f"assumptions; the deadline skips what does not fit)")

@@ -1,0 +1,257 @@
+"""A cell run once more under a profiler, after its measured run: py-spy on a server's
+scheduler process (``--py-spy PROMPTxCONC``, ``--py-spy-kind gil|wait``) or SGLang's torch
+profiler (``--torch-profile``, summarized by ``torchprof``). A failed profile is recorded
+as ``{"error": ...}`` and never ends the model's cells.
+
+The summaries are pure functions of py-spy's ``--format raw`` text (``summarize_py_spy``,
+``summarize_gil_wait``), checked on hand-made samples by tests/test_bench.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+from bench import torchprof
+from bench.loadgen import run_cell
+
+PY_SPY_RATE = 100  # samples per second
+
+# A thread waiting to (re)take the GIL, as py-spy --idle --native shows it on the device
+# image's Python 3.12: the interpreter's own frames (take_gil, PyEval_RestoreThread,
+# Python/ceval_gil.c) are not shown (py-spy folds the python binary's frames into the
+# Python ones), but take_gil's wait is: it waits on a condition variable with a timeout
+# (PyCOND_TIMEDWAIT -> pthread_cond_timedwait, Python/condvar.h). Python's own locks
+# (threading, queue) wait on semaphores instead (sem_clockwait), so this frame means
+# the GIL; pybind11's gil_scoped_acquire (torch's C++ code coming back) waits there too.
+# Seen on 2026-12-01 at TP=1 (bench/results/2026-12-01-h200-gilwait-si5ms-deepseek.json):
+# all 346 such samples sat where a thread takes the GIL back (pybind11 acquire/release,
+# THCPEvent_*, Python-level system calls, queue waits). Not checked at TP > 1, where
+# c10d/gloo condition-variable waits might be counted too.
+GIL_WAIT_FRAMES = ("pthread_cond_timedwait", "take_gil", "PyEval_RestoreThread",
+                   "PyEval_AcquireThread", "PyGILState_Ensure")
+
+
+def raw_samples(raw_text):
+    """py-spy ``--format raw`` lines (``thread;frame;...;frame count``) -> ``(frames, count)``
+    pairs, ``frames[0]`` being the thread; lines of another shape are skipped."""
+    for line in raw_text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
+def summarize_py_spy(raw_text, top=15):
+    """py-spy ``--format raw --threads`` output (``thread;frame;...;leaf count`` lines) ->
+    ``{"samples", "threads": {thread: share}, "top": [[leaf frame, share], ...],
+    "ours": {thread: share}}``. Shares are of all samples (py-spy records a thread only
+    while it runs, so ``threads`` says which threads were busy, not for how long); ``ours``
+    is, per thread, the share of samples with a frame in ``sglang_ext/`` on the stack."""
+    threads, leaves, ours, total = {}, {}, {}, 0
+    for frames, n in raw_samples(raw_text):
+        if len(frames) < 2:  # a thread with no Python frame
+            continue
+        total += n
+        threads[frames[0]] = threads.get(frames[0], 0) + n
+        leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
+        if any("sglang_ext/" in f for f in frames[1:]):
+            ours[frames[0]] = ours.get(frames[0], 0) + n
+    if not total:
+        return {"samples": 0, "threads": {}, "top": [], "ours": {}}
+
+    def ranked(d):
+        return [[k, v / total] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"samples": total, "threads": dict(ranked(threads)), "top": ranked(leaves),
+            "ours": dict(ranked(ours))}
+
+
+def gil_window_share(summary, window_s, rate=PY_SPY_RATE):
+    """Per thread of a ``--gil`` profile's ``summarize_py_spy`` summary: its samples /
+    (rate x window), the share of the sampled window in which it held the GIL."""
+    return {t: share * summary["samples"] / (rate * window_s)
+            for t, share in summary["threads"].items()}
+
+
+def summarize_gil_wait(raw_text, top=10):
+    """py-spy ``--idle --native --threads --format raw`` output -> per thread its
+    samples and ``gil_wait``: the share of them with a GIL-wait frame
+    (``GIL_WAIT_FRAMES``) on the stack. With ``--idle`` every thread is sampled whether it
+    runs or not, so a thread's shares are of wall time. The scheduler thread is the one
+    whose stacks hold ``event_loop`` (SGLang's ``Scheduler.event_loop_*``);
+    ``scheduler_wait_top``: the Python frames it waited for the GIL from (innermost
+    Python frame of each waiting sample, share of the scheduler's samples)."""
+    per, waited_at = {}, {}
+    for frames, n in raw_samples(raw_text):
+        t = per.setdefault(frames[0], {"samples": 0, "wait": 0, "loop": 0})
+        t["samples"] += n
+        names = [f.split(" (", 1)[0] for f in frames[1:]]
+        if any(name in GIL_WAIT_FRAMES for name in names):
+            t["wait"] += n
+            py = [f for f in frames[1:] if ".py:" in f]
+            key = (frames[0], py[-1] if py else "(no Python frame)")
+            waited_at[key] = waited_at.get(key, 0) + n
+        if any("event_loop" in name for name in names):  # Scheduler.event_loop_overlap
+            t["loop"] += n
+    threads = {k: {"samples": v["samples"], "gil_wait": v["wait"] / v["samples"]}
+               for k, v in per.items() if v["samples"]}
+    out = {"samples": sum(v["samples"] for v in per.values()), "threads": threads}
+    sched = max(per, key=lambda k: per[k]["loop"], default=None)
+    if sched is not None and per[sched]["loop"]:
+        n = per[sched]["samples"]
+        out["scheduler_thread"] = sched
+        out["scheduler_gil_wait"] = per[sched]["wait"] / n
+        out["scheduler_wait_top"] = [[fr, c / n] for (t, fr), c in sorted(
+            waited_at.items(), key=lambda kv: -kv[1]) if t == sched][:top]
+    return out
+
+
+def scheduler_pid(server):
+    """The scheduler process of a server (SGLang names it ``sglang::scheduler``)."""
+    import psutil
+
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if "scheduler" in (p.name() + " ".join(p.cmdline())).lower():
+                return p.pid
+        except psutil.Error:
+            pass
+    raise RuntimeError("no scheduler process found")
+
+
+def py_spy_wanted(args, cell, r, clock):
+    """Whether the cell just measured (``r``, its result) runs again under py-spy: its
+    shape is in ``--py-spy``, its mode sampled by ``--py-spy-kind`` (gil: dump cells;
+    wait: no-dump too), it did not fail, and the slowed re-run fits before the deadline."""
+    label = f"{cell['prompt_len']}x{cell['concurrency']}"
+    sampled = ("dump", "nodump") if args.py_spy_kind == "wait" else ("dump",)
+    slowdown = 30 if args.py_spy_kind == "wait" else 2  # blocking sampling: 25-29x (2026-12-01)
+    return (cell["mode"] in sampled and label in args.py_spy and not r.get("error")
+            and clock.left() > slowdown * r.get("wall_s", 60) + 60)
+
+
+def profile_cell(server, cell, spec, rng, out_stem, kind="gil"):
+    """Run ``cell`` again while py-spy samples the server's scheduler process (all
+    threads, ``PY_SPY_RATE`` Hz, without pausing it, ``--gil``: only the thread holding
+    the GIL is recorded; the window also holds ~1 s before the load, to attach, and the
+    time to stop); returns ``summarize_py_spy`` of the samples plus ``window_s`` and
+    ``gil_window_share`` (per thread: samples / (rate x window), the share of the window
+    in which that thread held the GIL), or ``{"error": ...}`` when py-spy is missing or
+    may not attach. Why the GIL: every thread of the scheduler process (SGLang's event
+    loop, which also launches the forward's kernels, and the writer threads) runs Python
+    under one GIL, so what the writer holds the scheduler waits for. The raw samples go
+    to ``out_stem.txt``.
+
+    ``kind="wait"`` samples instead with ``--idle --native`` (blocking: py-spy pauses
+    the process for each sample, so the cell runs slower; compare servers A and B under
+    the same sampling) and returns ``summarize_gil_wait``: how much of its wall time
+    each thread, the scheduler above all, spent waiting for the GIL, which ``--gil``
+    cannot see."""
+    exe = shutil.which("py-spy")
+    if not exe:
+        return {"error": "py-spy not on PATH"}
+    try:
+        pid = scheduler_pid(server)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    raw = out_stem + ".txt"
+    t0 = time.monotonic()
+    how = ["--idle", "--native"] if kind == "wait" else ["--gil", "--nonblocking"]
+    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(PY_SPY_RATE),
+                             "--format", "raw", "--threads", *how, "--output", raw],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)  # attach before the load starts
+    if proc.poll() is not None:
+        return {"error": f"py-spy exited {proc.returncode}: {proc.stdout.read()[-400:]}"}
+    r = {}
+    try:
+        r = run_cell(server, cell, spec, rng, cell["mode"])
+    except Exception as e:  # noqa: BLE001 - a failed profile must not end the model's cells
+        r = {"error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        window = time.monotonic() - t0
+        proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
+        try:
+            log = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()[0]
+    if not os.path.exists(raw):
+        return {"error": f"py-spy wrote nothing: {log[-400:]}"}
+    with open(raw) as f:
+        text = f.read()
+    out = summarize_gil_wait(text) if kind == "wait" else summarize_py_spy(text)
+    out["window_s"] = window
+    out["kind"] = kind
+    if kind != "wait":
+        out["gil_window_share"] = gil_window_share(out, window)
+    out["cell_prefill_tps_sampled"] = r.get("prefill_tps")
+    if r.get("error"):
+        out["cell_error"] = r["error"]
+    out["raw"] = os.path.basename(raw)
+    return out
+
+
+def torch_profile_wanted(args, cell, r, clock):
+    """Whether the cell just measured runs again under the torch profiler: a nodump,
+    dump or nodump_noise cell of a ``--torch-profile`` shape that did not fail, with time
+    for ~3 of its runs left."""
+    return (cell["mode"] in ("nodump", "dump", "nodump_noise")
+            and f"{cell['prompt_len']}x{cell['concurrency']}" in args.torch_profile
+            and not r.get("error") and clock.left() > 3 * r.get("wall_s", 60) + 90)
+
+
+def torch_profile_cell(server, cell, spec, rng, trace_dir, tag, max_requests):
+    """Run ``cell`` again (at most ``max_requests`` requests) between SGLang's
+    ``/start_profile`` and ``/stop_profile`` (torch profiler, CPU and GPU activity, no
+    stacks), then summarize the trace (``torchprof.summarize``: per 1M prompt tokens, the
+    scheduler thread's time in and between ATen ops, CUDA API calls, GPU busy time).
+    Returns that dict plus ``trace`` (the file) and ``cell_prefill_tps_profiled``, or
+    ``{"error": ...}``."""
+    import requests
+
+    small = dict(cell, requests=min(cell["requests"], max_requests))
+    small["prompt_tokens"] = small["requests"] * cell["prompt_len"]
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        requests.post(f"{base}/start_profile", timeout=120, json={
+            "output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": False,
+            "record_shapes": False, "profile_id": tag}).raise_for_status()
+        try:
+            r = run_cell(server, small, spec, rng, cell["mode"])
+        finally:
+            requests.post(f"{base}/stop_profile", timeout=300).raise_for_status()
+        t0 = time.monotonic()
+        found = []
+        while time.monotonic() - t0 < 120 and not found:
+            found = sorted(n for n in (os.listdir(trace_dir) if os.path.isdir(trace_dir) else [])
+                           if n.endswith(".trace.json.gz"))
+            if not found:
+                time.sleep(0.5)
+        if not found:
+            return {"error": f"no trace in {trace_dir} after 120 s"}
+        with gzip.open(os.path.join(trace_dir, found[0]), "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        out = torchprof.summarize(events, small["prompt_tokens"])
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+    out["trace"] = found[0]
+    out["requests"] = small["requests"]
+    out["cell_prefill_tps_profiled"] = r.get("prefill_tps")
+    if r.get("error"):
+        out["cell_error"] = r["error"]
+    return out
+
+
+def torch_profile_line(key, tp):
+    """The line printed after a torch-profiled run."""
+    return f"  torch profile {key}: " + (tp.get("error") or (
+        f"window {tp['window_ms_per_mtok']:.0f} ms/Mtok, in ops {tp['ops_ms_per_mtok']:.0f}, "
+        f"between {tp['between_ops_ms_per_mtok']:.0f}, launch {tp['launch_us_mean'] or 0:.1f} us, "
+        f"GPU busy {tp['gpu_busy_ms_per_mtok']:.0f}"))

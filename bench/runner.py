@@ -1,0 +1,274 @@
+"""One model's run: build it, start its servers together, sample their memory, warm them
+up, run every cell of the plan in order (skipping what the deadline leaves no time for),
+re-run the profiled ones, read the writer's host-memory peaks, stop the servers. Results
+go into the shared ``results`` dict (``models.<name>``), saved after every cell.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import time
+
+from bench import child_env, loadgen, module_argv, profilers, report, servers
+from bench.models import MODELS, file_bytes, model_path
+from bench.noise import Noise, noise_rate
+from bench.plan import writer_threads
+
+
+class Clock:
+    """Seconds since the run started, and left before its deadline."""
+
+    def __init__(self, deadline_s):
+        self.t0 = time.monotonic()
+        self.deadline_s = deadline_s
+
+    def left(self):
+        return self.deadline_s - (time.monotonic() - self.t0)
+
+    def elapsed(self):
+        return time.monotonic() - self.t0
+
+
+def copy_log(src, dst, head=400, tail=4000):
+    """Server log into --out, cut to its first ``head`` and last ``tail`` lines."""
+    try:
+        lines = open(src, errors="replace").read().splitlines()
+    except OSError:
+        return
+    if len(lines) > head + tail:
+        lines = lines[:head] + [f"... {len(lines) - head - tail} lines cut ..."] + lines[-tail:]
+    with open(dst, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def label_of(name, cell):
+    return (f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
+            + (f" #{cell['rep']}" if "rep" in cell else ""))
+
+
+def cell_line(label, r):
+    """The line printed after a cell."""
+    extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
+        f", {r['bytes_per_token']:.0f} B/token" if r.get("bytes_per_token") else "") + (
+        f" beside {r['noise'].get('gbps', 0):.2f} GB/s of noise" if r.get("noise") else "") + (
+        f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
+    return (f"  {label}: {r.get('prefill_tps', float('nan')):.0f} tok/s, p50 "
+            f"{r.get('p50_s', float('nan')):.3f} s, p99 {r.get('p99_s', float('nan')):.3f} s{extra}"
+            + (f"  ERROR {r['error']}" if r.get("error") else ""))
+
+
+class ModelRun:
+    """The state of one model's run (see the module's docstring); ``run()`` does it."""
+
+    def __init__(self, args, plan, name, clock, results, save, skipped):
+        self.args, self.plan, self.name, self.clock = args, plan, name, clock
+        self.results, self.save, self.skipped = results, save, skipped
+        self.spec = MODELS[name]
+        self.mp = plan["models"][name]
+        self.m = results["models"].setdefault(name, {
+            "hidden_size": self.spec["hidden_size"], "num_layers": self.spec["num_layers"],
+            "layer_ids": self.spec["layer_ids"], "servers": self.mp["servers"], "cells": [],
+            "startup_s": {},
+        })
+        self.dirs = {w: servers.dump_dir(args, name, w) for w in self.mp["servers"] if servers.dumps(w)}
+        self.servers = {}
+        self.rng = random.Random(f"{name}-bench")
+        self.samplers = {}
+        self.trace_path = None
+        self.shm_free = 0  # bytes free under --dump-root after the warm-up
+
+    def phase(self, key, t0):
+        self.results["phases"][f"{self.name}/{key}"] = round(time.monotonic() - t0, 1)
+
+    def clear(self, mode):
+        if mode in report.DUMP_MODES:
+            loadgen.clear_dump_dir(self.dirs[servers.server_for(self.args, mode)])
+
+    def run(self):
+        args, name = self.args, self.name
+        t0 = time.monotonic()
+        os.makedirs(args.workdir, exist_ok=True)
+        if not args.no_build:
+            subprocess.run(module_argv("models", name, model_path(args, name)), check=True, timeout=300,
+                           env=child_env())
+        self.phase("build_s", t0)
+        for d in self.dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+            os.makedirs(d)
+        logs = os.path.join(args.workdir, "logs")
+        os.makedirs(logs, exist_ok=True)
+        self.trace_path = None if args.no_trace else os.path.join(logs, f"trace-{name}.jsonl")
+        if self.trace_path and os.path.exists(self.trace_path):
+            os.unlink(self.trace_path)
+        specs = {w: (cmd, os.path.join(logs, f"server-{name}-{w}.log"), servers.server_env(w, self.trace_path))
+                 for w, cmd in self.mp["servers"].items()}
+        try:
+            t0 = time.monotonic()
+            servers.start_pair(specs, self.servers, timeout=max(60, min(420, self.clock.left() - 40)))
+            self.phase("start_s", t0)
+            self.m["startup_s"] = {w: s.startup_s for w, s in self.servers.items()}
+            print(f"[{name}] servers up in {time.monotonic() - t0:.0f} s {self.m['startup_s']}", flush=True)
+            self.start_sampling()
+            t0 = time.monotonic()
+            for s in self.servers.values():
+                loadgen.warm_up(s, self.spec, self.rng, args.prompt_lens,
+                                json_too="--enable-return-hidden-states" in s.command, concs=args.concurrency)
+            for d in self.dirs.values():
+                loadgen.clear_dump_dir(d)
+            self.phase("warmup_s", t0)
+            self.shm_free = shutil.disk_usage(args.dump_root).free
+            t0 = time.monotonic()
+            for cell in self.mp["cells"]:
+                self.run_cell(cell)
+            self.phase("cells_s", t0)
+            checked = [c["file_check"] for c in self.m["cells"] if c.get("file_check")]
+            if checked:
+                self.m["file_check"] = checked[0]
+            self.host_memory()
+        finally:
+            t0 = time.monotonic()
+            servers.stop_all(list(self.servers.values()))
+            self.phase("stop_s", t0)
+            for w, s in self.servers.items():
+                copy_log(s.log_path, os.path.join(args.out, f"server-{name}-{w}.log"))
+            for d in self.dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
+            self.save()
+
+    def start_sampling(self):
+        """Memory of server B's process tree from before the warm-up: that is where it
+        first allocates its pinned buffers of every size. Server A (same model, no dump) is
+        sampled alike; it also serves the JSON cells, so its growth is an upper bound for
+        a plain server's, not a control."""
+        if "B" not in self.servers:
+            return
+        hm = self.m["host_memory"] = {"cap_bytes": self.plan["max_host_mb"] << 20}
+        try:
+            for which, key in (("B", "rss_baseline_bytes"), ("A", "rss_baseline_bytes_nodump")):
+                if which in self.servers:
+                    sampler = loadgen.RssSampler(self.servers[which].proc.pid)
+                    hm[key] = sampler.rss()
+                    self.samplers[which] = sampler.__enter__()
+        except Exception as e:  # noqa: BLE001 - psutil missing: log parse only
+            print(f"  no RSS sampling: {e}")
+            for sampler in self.samplers.values():
+                sampler.__exit__(None, None, None)
+            self.samplers = {}
+
+    def noise_for(self, cell, rate_bps):
+        """Mode nodump_noise's writer process for this cell."""
+        return Noise(os.path.join(self.args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
+                     len(self.spec["layer_ids"]) * self.spec["hidden_size"], writer_threads(), rate_bps,
+                     self.args.noise_cpus, keep_bytes=int(0.3 * self.shm_free))
+
+    def measure(self, cell, server):
+        """The cell's measured run: its results entry (``error`` when it failed)."""
+        mode = cell["mode"]
+        try:
+            if mode != "nodump_noise":
+                return loadgen.run_cell(server, cell, self.spec, self.rng, mode,
+                                        trace_path=self.trace_path if mode in report.DUMP_MODES else None)
+            noise = self.noise_for(cell, noise_rate(self.m["cells"], cell, self.args))
+            with noise:
+                r = loadgen.run_cell(server, cell, self.spec, self.rng, mode)
+            r["noise"] = noise.result
+            if noise.result.get("bytes") is not None and r.get("prompt_tokens"):
+                r["noise"]["bytes_per_token"] = noise.result["bytes"] / r["prompt_tokens"]
+            if noise.result.get("error") or not noise.result.get("files"):
+                r["error"] = f"noise process: {noise.result.get('error', 'wrote no file')}"
+            elif not noise.result["target_gbps"]:
+                r["error"] = "noise unpaced: no dump and no-dump cell of this shape and round to pace it by"
+            return r
+        except Exception as e:  # noqa: BLE001
+            return {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
+                    "requests": cell["requests"], "error": f"{type(e).__name__}: {e}"[:500]}
+
+    def run_cell(self, cell):
+        args, name, clock = self.args, self.name, self.clock
+        label = label_of(name, cell)
+        need = cell["est_s"] * 2 + 15
+        if clock.left() < need:
+            self.skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
+            print(f"  skip {label}: deadline", flush=True)
+            return
+        cell = dict(cell)
+        mode = cell["mode"]
+        if mode in report.DUMP_MODES and cell["dump_bytes"] > 0.6 * self.shm_free:
+            per = file_bytes(self.spec, cell["prompt_len"], mode == "dump_fp8")
+            cell["requests"] = max(cell["concurrency"], int(0.6 * self.shm_free // per))
+            cell["scaled_for_shm"] = True
+        server = self.servers[servers.server_for(args, mode)]
+        r = self.measure(cell, server)
+        if cell.get("scaled_for_shm"):
+            r["scaled_for_shm"] = True
+        if "rep" in cell:
+            r["rep"] = cell["rep"]
+        self.clear(mode)
+        self.m["cells"].append(r)
+        shape = f"{cell['prompt_len']}x{cell['concurrency']}"
+        if profilers.py_spy_wanted(args, cell, r, clock):
+            # the same cell again, sampled (the measured run above was not)
+            stem = f"py-spy-{args.case or args.profile}-{name}-{mode}-{shape}"
+            self.results.setdefault("py_spy", {})[f"{name} {mode} {shape}"] = profilers.profile_cell(
+                server, cell, self.spec, self.rng, os.path.join(args.out, stem), args.py_spy_kind)
+            self.clear(mode)
+        if profilers.torch_profile_wanted(args, cell, r, clock):
+            self.torch_profile(cell, r, server, shape)
+        print(cell_line(label, r), flush=True)
+        self.save()
+
+    def torch_profile(self, cell, r, server, shape):
+        args, name, mode = self.args, self.name, cell["mode"]
+        rep = cell.get("rep")
+        key = f"{name} {mode} {shape}" + (f" #{rep}" if rep is not None else "")
+        tag = f"{args.case or args.profile}-{name}-{mode}-{shape}" + (f"-{rep}" if rep is not None else "")
+        trace_dir = os.path.join(args.workdir, "torch-profile", tag)
+        try:
+            def profiled():
+                return profilers.torch_profile_cell(server, cell, self.spec, self.rng, trace_dir, tag,
+                                                    args.torch_profile_requests)
+
+            if mode == "nodump_noise":  # the same noise again, while profiled
+                with self.noise_for(cell, r["noise"]["target_gbps"] * 1e9):
+                    tp = profiled()
+            else:
+                tp = profiled()
+        except Exception as e:  # noqa: BLE001 - a failed profile must not end the model
+            tp = {"error": f"{type(e).__name__}: {e}"[:500]}
+        self.results.setdefault("torch_profile", {})[key] = tp
+        self.clear(mode)
+        if tp.get("trace"):  # keep the trace beside the results (gzip, a few MB)
+            shutil.copyfile(os.path.join(trace_dir, tp["trace"]),
+                            os.path.join(args.out, f"torch-{tag}.trace.json.gz"))
+        print(profilers.torch_profile_line(key, tp), flush=True)
+
+    def host_memory(self):
+        """The writer's host-memory peaks from server B's log (after waiting, with
+        ``--writer-log-wait-s``, for its next snapshot line) and the sampled growth."""
+        if "B" not in self.servers:
+            return
+        hm, b = self.m["host_memory"], self.servers["B"]
+        if self.args.writer_log_wait_s and self.clock.left() > self.args.writer_log_wait_s + 30:
+            loadgen.wait_writer_log(b, self.spec, self.rng, self.args.writer_log_wait_s)
+            loadgen.clear_dump_dir(servers.dump_dir(self.args, self.name))
+        log_b = b.log_text()
+        hm["log_host_bytes_peak"] = loadgen.writer_log_peak(log_b)
+        hm["log_pinned_pool_peak"] = loadgen.writer_log_peak(log_b, "pinned_pool_peak")
+        sampler_a, sampler = self.samplers.get("A"), self.samplers.get("B")
+        if sampler_a:
+            sampler_a.__exit__(None, None, None)
+            if sampler_a.peak:
+                hm["rss_delta_bytes_nodump"] = max(0, sampler_a.peak - hm["rss_baseline_bytes_nodump"])
+        if sampler:
+            sampler.__exit__(None, None, None)
+        if sampler and sampler.peak:
+            hm["rss_peak_bytes"] = sampler.peak
+            hm["rss_delta_bytes"] = max(0, sampler.peak - hm["rss_baseline_bytes"])
+
+
+def run_model(args, plan, name, clock, results, save, skipped):
+    """Run model ``name`` of ``plan`` (``ModelRun``)."""
+    ModelRun(args, plan, name, clock, results, save, skipped).run()

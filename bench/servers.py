@@ -1,0 +1,184 @@
+"""The servers of one model's run: which kind serves which mode, their command lines,
+dump directories and environment, and their start and stop.
+
+Every kind of server is one entry of ``KINDS``; all share the flags of
+tests/gpu/server.py's ``base_command`` (what the GPU suite verified) plus
+``--skip-tokenizer-init --disable-radix-cache --cuda-graph-max-bs 32 --log-level info``
+and the run's options, and differ only in their last flags:
+
+- A: plain; plus ``--enable-return-hidden-states`` while it also serves ``json``.
+  Serves ``nodump``, ``nodump_noise`` and (``--json-server shared``) ``json``.
+- B: plus the dump flags (``--dump-hidden-states-dir <dump root>/kimi-bench-<model>``).
+  Serves ``dump`` and ``dump_early``.
+- C: plus ``--enable-return-hidden-states``; serves ``json`` with ``--json-server separate``.
+- D: B's flags plus ``--dump-hidden-states-dtype fp8`` (the dtype is per server); serves
+  ``dump_fp8``.
+
+SGLang 0.5.17 captures hidden states (mode FULL) on every forward of a server started
+with --enable-return-hidden-states, whether a request asks for them or not
+(ForwardBatch.init_new: "capture the server's configured maximum"), so a shared A does
+slightly more than a plain server for (a); --json-server separate measures (a) on a plain
+server at the cost of a third start-up.
+
+Starting, waiting and stopping is tests/gpu/server.py's launcher (``launch``,
+``Server.wait_until``/``wait_healthy``, ``stop_all``), the one the GPU suite uses.
+
+Adding a kind of server (issue 23: vLLM with ``speculative_config={"method":
+"extract_hidden_states"}`` and its example connector writing to /dev/shm, as one more
+mode) is: a ``Kind`` whose ``command`` builds its argv (``vllm serve ... --port P``; the
+launcher only needs ``--port`` and ``/health``), the next ``--ports`` entry, its mode in
+``MODE_SERVER`` and ``plan.GRID_MODES`` (``report.DUMP_MODES`` if it dumps), and in
+``loadgen`` the request that mode sends and where its file is found.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from bench import gpu_suite_module
+from bench.models import MODELS, model_path
+
+launcher = gpu_suite_module("server")  # tests/gpu/server.py: one launcher for both
+
+
+def sglang_command(args, name, which, extra):
+    """SGLang's argv for server ``which`` of model ``name``: the shared flags, the run's
+    options, then ``extra`` (what makes the kind)."""
+    cmd = launcher.base_command(args.server_module, model_path(args, name), port_of(args, which),
+                                args.mem_fraction_static, python=sys.executable)
+    cmd += ["--skip-tokenizer-init", "--disable-radix-cache", "--cuda-graph-max-bs", "32",
+            "--log-level", "info"]
+    if not args.cuda_graph:
+        # max_new_tokens=1: no decode step runs, and the dump turns the prefill graph off
+        # anyway; skipping capture saves start-up time and keeps A and B alike.
+        cmd += ["--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]
+    if args.chunked_prefill_size:
+        cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    if args.sleep_on_idle:
+        cmd += ["--sleep-on-idle"]
+    return cmd + extra
+
+
+def _dump(args, name, which, dtype=None):
+    return launcher.dump_flags(dump_dir(args, name, which), MODELS[name]["layers_flag"],
+                               args.max_host_mb or None, dtype)
+
+
+def _a_flags(args, name, which):
+    json_on_a = "json" in args.modes.split(",") and server_for(args, "json") == "A"
+    return ["--enable-return-hidden-states"] if json_on_a else []
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of server. ``port_index``: its entry of ``--ports``; ``flags(args, name,
+    which)``: what follows the shared flags; ``dump_suffix``: its dump directory is
+    ``<dump root>/kimi-bench-<model><suffix>`` (None: it does not dump); ``command``: the
+    whole argv (SGLang's by default)."""
+
+    port_index: int
+    flags: Callable[..., List[str]]
+    dump_suffix: Optional[str] = None
+    command: Callable[..., List[str]] = sglang_command
+
+
+KINDS = {
+    "A": Kind(0, _a_flags),
+    "B": Kind(1, lambda args, name, which: _dump(args, name, which), dump_suffix=""),
+    "C": Kind(2, lambda args, name, which: ["--enable-return-hidden-states"]),
+    "D": Kind(3, lambda args, name, which: _dump(args, name, which, "fp8"), dump_suffix="-fp8"),
+}
+
+# the server of each mode (json: A, or C with --json-server separate)
+MODE_SERVER = {"nodump": "A", "nodump_noise": "A", "json": "A",
+               "dump": "B", "dump_early": "B", "dump_fp8": "D"}
+
+
+def server_for(args, mode):
+    """The kind (``KINDS`` key) that serves ``mode`` in this run."""
+    if mode == "json" and args.json_server == "separate":
+        return "C"
+    return MODE_SERVER.get(mode, "A")
+
+
+def port_of(args, which):
+    return args.ports[KINDS[which].port_index]
+
+
+def ports_problem(args, modes):
+    """Why ``--ports`` is too short for the servers of ``modes`` (an error message), or None."""
+    words = ["first", "second", "third", "fourth", "fifth", "sixth"]
+    counts = ["one", "two", "three", "four", "five", "six"]
+    for mode in modes:
+        which = server_for(args, mode)
+        i = KINDS[which].port_index
+        if i >= len(args.ports):
+            return (f"mode {mode} runs on a {words[i]} server ({which}): --ports needs "
+                    f"{counts[i]} ports")
+    return None
+
+
+def server_cmd(args, name, which):
+    """The command line of server ``which`` of model ``name``."""
+    kind = KINDS[which]
+    return kind.command(args, name, which, kind.flags(args, name, which))
+
+
+def dumps(which):
+    """Whether server ``which`` writes dump files."""
+    return KINDS[which].dump_suffix is not None
+
+
+def dump_dir(args, name, which="B"):
+    """Server ``which``'s dump directory (B's by default; D's ends in -fp8)."""
+    return os.path.join(args.dump_root, f"kimi-bench-{name}{KINDS[which].dump_suffix}")
+
+
+def server_env(which, trace_path):
+    """Extra environment of a server: a dumping one logs the writer's counters every 5 s
+    (so the log holds its host-memory peaks without waiting a minute) and, with
+    ``trace_path``, writes stage timestamps there (sglang_ext/trace.py)."""
+    if not dumps(which):
+        return None
+    env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
+    if trace_path:
+        env["KIMI_SGLANG_TRACE"] = trace_path
+    return env
+
+
+# the log line of a server that has sized its KV cache (or is up): the next may start
+READY_FOR_NEXT = re.compile(r"KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up")
+
+
+def start_pair(specs, started, timeout):
+    """Start the servers of ``specs`` (``{which: (cmd, log_path, env)}``, in order) one
+    after another, each once the one before has sized its KV cache (its log says so, or it
+    answers /health), so their memory profiling does not race; then wait for all.
+    ``started`` (a dict) gets each ``launcher.Server`` as it is launched, so the caller
+    can stop them whatever happens. A server that dies while another starts is retried
+    once alone."""
+    order = list(specs)
+    for i, which in enumerate(order):
+        s = started[which] = launcher.launch(*specs[which])
+        if i + 1 < len(order):
+            s.wait_until(lambda s=s: READY_FOR_NEXT.search(s.log_text()) or s.healthy(), timeout)
+    for which in order:
+        try:
+            started[which].wait_healthy(timeout)
+        except launcher.ServerExited as e:
+            print(f"  server {which} failed ({str(e)[:200]}); retrying it alone", flush=True)
+            for other, s in started.items():
+                if other != which and s.alive():
+                    s.wait_healthy(timeout)
+            started[which].stop()  # what its process group left behind
+            started[which] = launcher.launch(*specs[which])
+            started[which].wait_healthy(timeout)
+
+
+def stop_all(servers, grace=20):
+    """SIGTERM every server's process group at once, SIGKILL what is left after ``grace`` s."""
+    launcher.stop_all(servers, grace)
