@@ -4,9 +4,9 @@
     python -m bench.plot ...  (the same, from the repository root)
 
 Top row, per model: prefill tokens/s of every (prompt length, concurrency) cell for
-nodump (a), dump (b) and JSON (c), log scale, with the hardware bound W/B of each cell
+nodump (a), dump (b), early answers (b'), fp8 dumps and JSON (c), log scale, with the hardware bound W/B of each cell
 (W = min(pinned D2H, /dev/shm write), B = dump bytes per prompt token) as a marker.
-Bottom row: (b)/(a) and (b)/min((a), W/B) per cell against the 0.95 target.
+Bottom row: (b)/min((a), W/B) per cell and dump mode against the 0.95 target.
 The GPU host has no matplotlib; run this where it is installed.
 """
 
@@ -24,10 +24,13 @@ if __name__ == "__main__" and not __package__:  # python bench/plot.py: the pack
 
 from bench import markdown, report  # noqa: E402
 
-COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "dump_early": "#55a868", "json": "#c44e52"}
-MODES = ("nodump", "dump", "dump_early", "json")
+COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
+          "json": "#c44e52"}
+MODES = ("nodump", "dump", "dump_early", "dump_fp8", "json")
 LABELS = {"nodump": "(a) no dump", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
-          "json": "(c) JSON"}
+          "dump_fp8": "(b) dump, fp8", "json": "(c) JSON"}
+RATIOS = (("dump", "(b)/min((a), W/B)"), ("dump_early", "(b')/min((a), W/B)"),
+          ("dump_fp8", "(b fp8)/min((a), W/B)"))
 
 
 def _label(prompt_len, concurrency):
@@ -71,14 +74,15 @@ def plot(results: dict, path: str) -> str:
         ax.set_title(f"{model}")
         ax.legend(fontsize=8)
         ax = axes[1][j]
-        for k, (mode, label) in enumerate((("dump", "(b)/min((a), W/B)"),
-                                           ("dump_early", "(b')/min((a), W/B)"))):
+        hcells = head.get(model, {}).get("cells", [])
+        ratios = [(mode, label) for mode, label in RATIOS
+                  if any(c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None for c in hcells)]
+        rw = 0.8 / max(len(ratios), 1)
+        for k, (mode, label) in enumerate(ratios):
             r = [(x[(c["prompt_len"], c["concurrency"])], c["dump_vs_bound"])
-                 for c in head.get(model, {}).get("cells", [])
-                 if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None]
-            if r:
-                ax.bar([p[0] + (k - 0.5) * 0.4 for p in r], [p[1] for p in r], 0.4,
-                       color=COLORS[mode], label=label)
+                 for c in hcells if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None]
+            ax.bar([p[0] + (k - (len(ratios) - 1) / 2) * rw for p in r], [p[1] for p in r], rw,
+                   color=COLORS[mode], label=label)
         ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
         ax.set_ylim(0, 1.2)
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
