@@ -1,5 +1,6 @@
 """Session fixtures for the patch tests: the pinned 0.5.17 wheel and one pristine checkout,
-each series applied to its pinned wheel's files (``patched_site``); the ``py310`` marker.
+each series applied to its pinned wheel's files (``patched_site``), the GPU suite's tiny
+models built on the CPU (``tiny_models_built``); the ``py310`` marker.
 
 The patch tooling is imported inside the fixtures: the client tests marked ``py310`` run
 under Python 3.10 too (tests/run.sh), where nothing here may need Python 3.11's tomllib.
@@ -99,6 +100,17 @@ def patched_site(tmp_path_factory):
         return made[series_dir]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_models_built(tmp_path_factory) -> dict:
+    """The GPU suite's tiny ``deepseek`` and ``kimi`` (tests/gpu/tiny_models.py), built on
+    the CPU once per session: name -> tiny_models.TinyModel (~10 s each)."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import tiny_models
+
+    workdir = str(tmp_path_factory.mktemp("tiny-models"))
+    return {name: tiny_models.build(tiny_models.MODELS[name], workdir) for name in ("deepseek", "kimi")}
 
 
 @pytest.fixture(scope="session")

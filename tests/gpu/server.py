@@ -47,8 +47,9 @@ def server_command(model_path: str, dump_dir: str, layers: Optional[str], launch
                    options: ServerOptions = ServerOptions(), port: int = PORT,
                    python: str = sys.executable) -> List[str]:
     """The argv that starts the server. ``launcher``: "direct" or "entrypoint"; a model
-    directory without ``tokenizer.json`` is served with --skip-tokenizer-init. Raises
-    ValueError for an unknown launcher or tp < 1."""
+    directory without ``tokenizer.json`` is served with --skip-tokenizer-init, one that
+    ships code (a ``.py`` file: the tiny Kimi's processor) with --trust-remote-code.
+    Raises ValueError for an unknown launcher or tp < 1."""
     if launcher not in ("direct", "entrypoint"):
         raise ValueError(f"launcher must be 'direct' or 'entrypoint', not {launcher!r}")
     if options.tp < 1:
@@ -60,6 +61,8 @@ def server_command(model_path: str, dump_dir: str, layers: Optional[str], launch
            "--cuda-graph-max-bs", "8", "--enable-metrics", "--dump-hidden-states-dir", dump_dir]
     if not os.path.exists(os.path.join(model_path, "tokenizer.json")):
         cmd.append("--skip-tokenizer-init")
+    if os.path.isdir(model_path) and any(name.endswith(".py") for name in os.listdir(model_path)):
+        cmd.append("--trust-remote-code")
     if not options.cuda_graph:
         cmd.append("--disable-cuda-graph")
     if options.tp > 1:
