@@ -50,7 +50,7 @@ def sglang_command(args, name, which, extra):
     options, then ``extra`` (what makes the kind)."""
     cmd = launcher.base_command(args.server_module, model_path(args, name), port_of(args, which),
                                 args.mem_fraction_static, python=sys.executable)
-    cmd += ["--skip-tokenizer-init", "--disable-radix-cache", "--cuda-graph-max-bs", "32",
+    cmd += ["--skip-tokenizer-init", "--disable-radix-cache", *launcher.cuda_graph_max_bs_flags(32),
             "--log-level", "info"]
     if not args.cuda_graph:
         # max_new_tokens=1: no decode step runs, and the dump turns the prefill graph off

@@ -74,20 +74,23 @@ def _environment() -> dict:
 
 
 def patched_sglang_reason():
-    """None when SGLang is importable and carries the series (its server_args knows
-    --dump-hidden-states-dir), else why not (one sentence). Reads the source file only:
-    importing SGLang here would be slow and could touch CUDA."""
+    """None when SGLang is importable and carries the series (the file holding its server
+    arguments knows --dump-hidden-states-dir: srt/server_args.py up to 0.5.17,
+    srt/arg_groups/fields/exec_.py from 0.5.2x), else why not (one sentence). Reads source
+    files only: importing SGLang here would be slow and could touch CUDA."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         return "SGLang is not importable (pip install sglang==<the series' base version>)"
-    args = os.path.join(list(spec.submodule_search_locations)[0], "srt", "server_args.py")
-    try:
-        with open(args, encoding="utf-8") as f:
+    srt = os.path.join(list(spec.submodule_search_locations)[0], "srt")
+    candidates = [os.path.join(srt, "arg_groups", "fields", "exec_.py"), os.path.join(srt, "server_args.py")]
+    found = [c for c in candidates if os.path.exists(c)]
+    if not found:
+        return f"SGLang at {os.path.dirname(srt)} has neither srt/server_args.py nor srt/arg_groups"
+    for path in found:
+        with open(path, encoding="utf-8") as f:
             if "dump_hidden_states_dir" in f.read():
                 return None
-    except OSError:
-        return f"SGLang at {os.path.dirname(args)} has no srt/server_args.py"
-    return (f"SGLang at {os.path.dirname(os.path.dirname(args))} is not patched "
+    return (f"SGLang at {os.path.dirname(srt)} is not patched "
             "(python -m sglang_ext patches apply --site-packages)")
 
 

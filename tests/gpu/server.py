@@ -62,6 +62,20 @@ def base_command(module: str, model_path: str, port: int, mem_fraction: float = 
             "--port", str(port), "--mem-fraction-static", str(mem_fraction)]
 
 
+def cuda_graph_max_bs_flags(n: int) -> List[str]:
+    """``--cuda-graph-max-bs N`` as the installed SGLang spells it: 0.5.22 split it into
+    ``--cuda-graph-max-bs-decode`` and ``-prefill`` (defined in
+    sglang/srt/arg_groups/cuda_graph_hook.py, which 0.5.17 lacks), and argparse then
+    rejects the old name as an ambiguous prefix. Without an importable SGLang (the CPU
+    tests' fake server): the old name."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    split = any(os.path.exists(os.path.join(r, "srt", "arg_groups", "cuda_graph_hook.py")) for r in roots)
+    return ["--cuda-graph-max-bs-decode" if split else "--cuda-graph-max-bs", str(n)]
+
+
 def dump_flags(dump_dir: str, layers: Optional[str] = None, max_host_mb: Optional[int] = None,
                dtype: Optional[str] = None) -> List[str]:
     """The series' dump flags (patch 0001): ``--dump-hidden-states-dir`` and, when given,
@@ -89,7 +103,7 @@ def server_command(model_path: str, dump_dir: str, layers: Optional[str], launch
         raise ValueError(f"tp must be >= 1, not {options.tp}")
     module = "sglang.launch_server" if launcher == "direct" else "sglang_ext.entrypoint"
     cmd = base_command(module, model_path, port, python=python) + [
-        "--chunked-prefill-size", str(CHUNK), "--cuda-graph-max-bs", "8", "--enable-metrics"]
+        "--chunked-prefill-size", str(CHUNK), *cuda_graph_max_bs_flags(8), "--enable-metrics"]
     if not os.path.exists(os.path.join(model_path, "tokenizer.json")):
         cmd.append("--skip-tokenizer-init")
     if os.path.isdir(model_path) and any(name.endswith(".py") for name in os.listdir(model_path)):
