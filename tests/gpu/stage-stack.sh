@@ -16,9 +16,10 @@
 # tests/gpu/stage.sh's prepare_run uses the sglang stack when KIMI_SGLANG_SERIES names the
 # series whose SGLang release the stack holds.
 #
-# Sets (pieces never mix sets): sglang (required for SGLang), vllm and vllm-fa3 (vLLM;
-# vllm-fa3 is FlashAttention 3, vLLM's attention on Hopper: skip it only when serving
-# with --attention-backend TRITON_ATTN), and optional ones, outside the default sequence:
+# Sets: sglang (SGLang), vllm and vllm-fa3 (vLLM; vllm-fa3 is FlashAttention 3, vLLM's
+# attention on Hopper: skip it only when serving with --attention-backend TRITON_ATTN),
+# chained in one stream (p01-p18: sglang completes in p15, where vllm begins), and
+# optional ones, each in pieces of its own outside the default sequence:
 # opt-triton38 (triton 3.8, what torch 2.14.1 pins; the image's 3.6 is tried first),
 # opt-sgl-fi-jit / opt-vllm-fi-jit (FlashInfer's JIT sources, dropped from the staged
 # FlashInfer wheels: only kernels compiled on first use need them).
@@ -129,5 +130,5 @@ case "${1:-}" in
     stack=${2:-sglang}
     eval "$("$py" "$here/stack_pieces.py" env "$stack")"
     PYTHONUNBUFFERED=1 exec "$py" "$here/smoke_stack.py" "$stack" "${@:3}" ;;
-  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
