@@ -18,7 +18,7 @@
 #
 # Sets: sglang (SGLang), vllm and vllm-fa3 (vLLM; vllm-fa3 is FlashAttention 3, vLLM's
 # attention on Hopper: skip it only when serving with --attention-backend TRITON_ATTN),
-# chained in one stream (p01-p18: sglang completes in p15, where vllm begins), and
+# chained in one stream (p01-p20: sglang completes in p17, where vllm begins), and
 # optional ones, each in pieces of its own outside the default sequence:
 # opt-triton38 (triton 3.8, what torch 2.14.1 pins; the image's 3.6 is tried first),
 # opt-sgl-fi-jit / opt-vllm-fi-jit (FlashInfer's JIT sources, dropped from the staged
@@ -58,7 +58,11 @@ build() {
     opentelemetry-api==1.45.2 importlib-metadata==10.2.0 apache-tvm-ffi==0.1.11 cffi==2.1.1 \
     compressed-tensors==0.18.0 dill==0.4.1 gguf==0.19.0 jsonschema==4.26.0 \
     jsonschema-specifications==2025.9.1 loguru==0.7.3 pycparser==3.12 referencing==0.37.0 \
-    rpds-py==2026.9.1 soundfile==0.13.1 xgrammar==0.2.7
+    rpds-py==2026.9.1 soundfile==0.13.1 xgrammar==0.2.7 quack-kernels==0.6.5 \
+    nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-cu13==4.8.0
+  # (cutlass DSL: imported on CUDA when a Llama layer is built, by sglang/srt/layers/dual_gemm.py
+  # -> sglang/kernels/ops/gemm/cutedsl_dual_gemm.py; seen missing on the H200 on 2026-12-01.
+  # SGLang pins nvidia-cutlass-dsl[cu13]: the cu13 libraries only, not the default cu12 ones)
   # --- vllm: vLLM 0.33.0 and what `vllm serve` with extract_hidden_states and
   # ExampleHiddenStatesConnector imports beyond the image and the sglang set (which it
   # reuses: vLLM's site comes first), versions as vLLM pins them where the sglang set's differ
