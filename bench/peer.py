@@ -65,7 +65,7 @@ def unsupported(name: str) -> Optional[str]:
 def speculative_config(layer_ids: List[int]) -> dict:
     """``--speculative-config`` of server W, as vLLM 0.33's extract_hidden_states tests
     and example write it (``num_speculative_tokens`` must be 1:
-    v1/spec_decode/extract_hidden_states.py). The ids go in sorted: vLLM stores the slots
+    v1/worker/gpu/spec_decode/extract_hidden_states.py). The ids go in sorted: vLLM stores the slots
     in ascending id order whatever the order given (interfaces.py,
     ``_set_aux_hidden_state_layers``), as our files do."""
     return {"method": "extract_hidden_states", "num_speculative_tokens": 1,

@@ -12,6 +12,11 @@
 # `run` applies the series into the staged site-packages and runs bench/bench.py with the
 # remaining arguments (see bench/README.md). Results: $OUT/<date>-<gpu>-<profile>.json and
 # .md, and the server logs; make the PNG here with bench/plot.py.
+# The peer's modes (vllm_nodump, vllm_dump) start vLLM 0.33 with
+#   KIMI_BENCH_VLLM_PYTHONPATH  the whole PYTHONPATH of vLLM's servers (its staged site);
+#                               unset: this environment's (then vLLM must import from it)
+#   KIMI_BENCH_VLLM_PYTHON      their interpreter (default: python3, as bench.py's)
+# while our servers keep the SGLang stack staged below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=tests/gpu/stage.sh
@@ -22,6 +27,10 @@ case "${1:-run}" in
     prepare_run
     df -h /dev/shm | tail -1
     python3 -c 'import psutil' 2>/dev/null || echo "no psutil: host memory from the writer log only"
+    # the vLLM that servers V and W would run (only the peer's modes start them)
+    PYTHONPATH="${KIMI_BENCH_VLLM_PYTHONPATH:-$PYTHONPATH}" "${KIMI_BENCH_VLLM_PYTHON:-python3}" -c \
+      'from importlib.metadata import version; print("vLLM for the peer modes:", version("vllm"))' 2>/dev/null \
+      || echo "vLLM for the peer modes: not importable (set KIMI_BENCH_VLLM_PYTHONPATH)"
     # KIMI_BENCH_TIMEOUT=S: stop bench.py after S seconds (SIGTERM: it stops the servers
     # and keeps the results so far); bench.py's own deadline normally ends it first.
     guard=()
