@@ -1,7 +1,8 @@
 """One model's run: build it, start its servers together, sample their memory, warm them
-up, run every cell of the plan in order (skipping what the deadline leaves no time for),
-re-run the profiled ones, collect a few files of ours and vLLM's for the same prompts,
-read the writer's host-memory peaks, stop the servers, compare those files. Results go
+up, collect a few files of ours and vLLM's for the same prompts, run every cell of the
+plan in order (skipping what the deadline leaves no time for, and the time the file
+comparison needs), re-run the profiled ones, read the writer's host-memory peaks, stop the
+servers, compare those files. Results go
 into the shared ``results`` dict (``models.<name>``), saved after every cell.
 """
 
@@ -129,6 +130,7 @@ class ModelRun:
             for d in self.dirs.values():
                 loadgen.clear_dump_dir(d)
             self.phase("warmup_s", t0)
+            self.collect_peer_files()
             self.shm_free = shutil.disk_usage(args.dump_root).free
             t0 = time.monotonic()
             for cell in self.mp["cells"]:
@@ -138,7 +140,6 @@ class ModelRun:
                        if c.get("file_check") and not peer.is_peer(c["mode"])]
             if checked:
                 self.m["file_check"] = checked[0]
-            self.collect_peer_files()
             self.host_memory()
         finally:
             t0 = time.monotonic()
@@ -154,8 +155,21 @@ class ModelRun:
     def peer_dir(self):
         return os.path.join(self.args.workdir, "peer-files", self.name)
 
+    def reference_s(self):
+        """Time the file comparison's float32 reference needs (an assumption: ~1-2 s per
+        layer to load the model, plus its start)."""
+        return 30 + 3 * self.spec["num_layers"]
+
+    def reserve_s(self):
+        """Seconds the cells leave before the deadline for the file comparison after the
+        servers stop (nothing without collected files)."""
+        if not self.peer_pairs:
+            return 0
+        return 30 + (self.reference_s() if self.args.peer_reference == "hf" else 0)
+
     def collect_peer_files(self):
-        """A few prompts through our server B and vLLM's W, their files kept for
+        """A few prompts through our server B and vLLM's W, after the warm-up and before
+        the cells (so a run cut short still has them), their files kept for
         ``compare_peer_files`` (``bench.peerfiles``); a failure is recorded, not raised."""
         args = self.args
         if not (peer_files_wanted(args.modes.split(","), self.name) and {"B", "W"} <= set(self.servers)):
@@ -185,8 +199,8 @@ class ModelRun:
             return
         args, t0 = self.args, time.monotonic()
         reference = args.peer_reference
-        if reference == "hf" and self.clock.left() < 30 + 3 * self.spec["num_layers"]:
-            reference = "none"  # a float32 model takes ~1-2 s per layer to load (an assumption)
+        if reference == "hf" and self.clock.left() < self.reference_s():
+            reference = "none"
         out = os.path.join(self.peer_dir(), "compared.json")
         cmd = module_argv("peerfiles", self.peer_pairs, out, "--model-path", model_path(args, self.name),
                           "--reference", reference)
@@ -263,7 +277,7 @@ class ModelRun:
     def run_cell(self, cell):
         args, name, clock = self.args, self.name, self.clock
         label = label_of(name, cell)
-        need = cell["est_s"] * 2 + 15
+        need = cell["est_s"] * 2 + 15 + self.reserve_s()
         if clock.left() < need:
             self.skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
             print(f"  skip {label}: deadline", flush=True)

@@ -365,3 +365,25 @@ def test_plot_draws_vllm_modes(tmp_path):
     res = {"gpu": "x", "date": "2026-12-01", "profile": "quick",
            "models": {"llama-8b": {"cells": cells, "layer_ids": LLAMA_8B_IDS}}}
     assert os.path.getsize(plot.plot(res, str(tmp_path / "p.png"))) > 1000
+
+
+def test_cells_leave_the_file_comparison_its_time():
+    """Once files are collected, a cell runs only if the comparison after the servers
+    stop still fits before the deadline: 30 s, plus 30 + 3 s per layer for the float32
+    reference (llama-8b: 32 layers -> 156 s in all)."""
+    from bench.runner import Clock, ModelRun
+
+    args = _args(["--quick", "--models", "llama-8b", "--modes", "nodump,dump,vllm_nodump,vllm_dump",
+                  "--mem-fraction-static", "0.2"])
+    planned = plan.make_plan(args)
+    skipped = []
+    run = ModelRun(args, planned, "llama-8b", Clock(3000), {"models": {}}, lambda: None, skipped)
+    assert run.reserve_s() == 0
+    run.peer_pairs = "/x/pairs.json"
+    assert run.reserve_s() == 30 + 30 + 3 * 32
+    cell = planned["models"]["llama-8b"]["cells"][0]
+    run.clock = Clock(cell["est_s"] * 2 + 15 + 100)  # fits without the reserve, not with it
+    run.run_cell(cell)
+    assert len(skipped) == 1 and skipped[0].startswith("llama-8b nodump 2048x8 (deadline")
+    args.peer_reference = "none"
+    assert run.reserve_s() == 30
