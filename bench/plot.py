@@ -76,7 +76,8 @@ def plot(results: dict, path: str) -> str:
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
         ax.set_xlabel("prompt tokens / concurrency")
         ax.set_ylabel("prefill prompt tokens/s")
-        ax.set_title(f"{model}")
+        alone = results["models"][model].get("peer_unsupported")
+        ax.set_title(f"{model}" + (" (ours alone: vLLM has no MLA support)" if alone else ""))
         ax.legend(fontsize=8)
         ax = axes[1][j]
         hcells = head.get(model, {}).get("cells", [])
