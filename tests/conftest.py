@@ -1,5 +1,6 @@
-"""Session fixtures for the patch tests: the pinned 0.5.17 wheel and one pristine checkout;
-the ``py310`` marker.
+"""Session fixtures for the patch tests: the pinned 0.5.17 wheel and one pristine checkout,
+each series applied to its pinned wheel's files (``patched_site``), the GPU suite's tiny
+models built on the CPU (``tiny_models_built``); the ``py310`` marker.
 
 The patch tooling is imported inside the fixtures: the client tests marked ``py310`` run
 under Python 3.10 too (tests/run.sh), where nothing here may need Python 3.11's tomllib.
@@ -15,6 +16,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SERIES_DIR = REPO / "patches" / "v0.5.17"
+SERIES_DIRS = sorted(p for p in (REPO / "patches").glob("v*") if (p / "series").is_file())
+# Read at import time (the cache_dir fixture points KIMI_SGLANG_CACHE at a temporary folder
+# later): the wheel downloads persist between runs.
+WHEEL_CACHE = Path(os.environ.get("KIMI_SGLANG_CACHE") or Path.home() / ".cache" / "kimi-sglang")
 PRESEEDED = Path("/tmp/wh/sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64.whl")
 
 
@@ -65,6 +70,47 @@ def wheel(series, cache_dir):
     if PRESEEDED.is_file():
         return verify_wheel(PRESEEDED, series.base)
     return fetch_wheel("0.5.17", series.base, cache_dir)
+
+
+@pytest.fixture(scope="session")
+def patched_site(tmp_path_factory):
+    """``patched_site(series_dir) -> Path``: a folder holding the series' pinned wheel
+    unpacked with the series applied (the project's own CLI), made once per session and
+    series; for a probe subprocess with it first on PYTHONPATH. Skips the calling test
+    when PyPI is unreachable and the wheel is not cached (``network`` tests)."""
+    import subprocess
+    import zipfile
+
+    from sglang_ext.patchtool.series import load_series
+
+    made = {}
+
+    def get(series_dir: Path) -> Path:
+        if series_dir not in made:
+            base = load_series(series_dir).base
+            info = fetch_wheel_or_skip(base.version, base, WHEEL_CACHE)
+            site = tmp_path_factory.mktemp(f"site-{series_dir.name}")
+            with zipfile.ZipFile(info.path) as z:
+                z.extractall(site)
+            proc = subprocess.run([sys.executable, "-m", "sglang_ext", "patches", "apply", "--series",
+                                   str(series_dir), "--target", str(site)],
+                                  cwd=REPO, capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            made[series_dir] = site
+        return made[series_dir]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_models_built(tmp_path_factory) -> dict:
+    """The GPU suite's tiny ``deepseek`` and ``kimi`` (tests/gpu/tiny_models.py), built on
+    the CPU once per session: name -> tiny_models.TinyModel (~10 s each)."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import tiny_models
+
+    workdir = str(tmp_path_factory.mktemp("tiny-models"))
+    return {name: tiny_models.build(tiny_models.MODELS[name], workdir) for name in ("deepseek", "kimi")}
 
 
 @pytest.fixture(scope="session")

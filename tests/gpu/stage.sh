@@ -9,7 +9,37 @@ install_folder() {  # install .whl/$1 into /tmp/site-$1 once per machine
   touch "/tmp/site-$1/.kimi-installed"
 }
 
+stack_release() {  # the SGLang release installed by tests/gpu/stage-stack.sh, if any
+  local d
+  for d in "${KIMI_STACK_ROOT:-/tmp}"/stack-sgl/sglang-*.dist-info; do
+    [ -d "$d" ] && { d=${d##*/sglang-}; echo "${d%.dist-info}"; return; }
+  done
+}
+
+series_release() {  # the SGLang release series $1 is made against (its base.toml)
+  python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["base"]["version"])' \
+    "patches/$1/base.toml"
+}
+
 prepare_run() {  # last folder, environment, series; then print the GPU
+  # KIMI_SGLANG_SERIES naming the series of the release in the staged stack (stage-stack.sh):
+  # that stack's PYTHONPATH (its NCCL, torch, SGLang), .whl/d after it; else the .whl folders.
+  if [ -n "${KIMI_SGLANG_SERIES:-}" ] && [ -n "$(stack_release)" ] \
+     && [ "$(stack_release)" = "$(series_release "$KIMI_SGLANG_SERIES")" ]; then
+    if [ -d .whl/d ] && [ ! -f /tmp/site-d/.kimi-installed ]; then  # carried alone, no install.sh
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-d .whl/d/*.whl
+      touch /tmp/site-d/.kimi-installed
+    fi
+    eval "$(bash tests/gpu/stage-stack.sh env sglang)"
+    export PYTHONPATH="$PYTHONPATH:$PWD:/tmp/site-d"
+    export PATH="$PATH:/tmp/site-d/bin"
+    export PYTHONUNBUFFERED=1
+    echo "stack: SGLang $(stack_release) from ${KIMI_STACK_ROOT:-/tmp}/stack-sgl"
+    python3 -m sglang_ext patches list | awk -v s="$KIMI_SGLANG_SERIES" '$1 == s { print "series: " $0 }'
+    python3 -m sglang_ext patches apply --series "patches/$KIMI_SGLANG_SERIES" --site-packages
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    return
+  fi
   if [ -d .whl/c ]; then install_folder c; fi
   # d (optional, carried with c): speculators, hs-connectors, datasets, multiprocess, py-spy
   if [ -d .whl/d ]; then install_folder d; fi

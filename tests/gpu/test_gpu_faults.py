@@ -17,7 +17,7 @@ import requests
 from checks import Problems, leftovers, unloadable_files, wait_no_leftovers, writer_pids
 from test_gpu_core import rand_ids
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.models("llama", "deepseek")]  # kimi: the core group only
 
 METRICS = ("kimi_sglang:dump_files_written_total", "kimi_sglang:dump_bytes_written_total",
            "kimi_sglang:dump_failures_total", "kimi_sglang:dump_queue_depth",

@@ -18,7 +18,7 @@ import test_gpu_core
 from checks import TOL_BLOCK, TOL_TOKEN, Problems
 from server import ServerOptions
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.models("llama", "deepseek")]  # kimi: the core group only
 
 FP8_REL = 2.0 ** -4
 

@@ -26,7 +26,8 @@ from checks import Problems, Worst, compare_file, compare_kept, dtoh_bytes_per_r
 from server import CHUNK, ServerOptions
 from tiny_models import VOCAB
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
+# kimi: the core group only
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.models("llama", "deepseek")]
 
 
 @pytest.fixture(scope="module")

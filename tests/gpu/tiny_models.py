@@ -8,6 +8,9 @@ tests verified).
 - ``deepseek``: a DeepseekV3ForCausalLM (MLA + MoE, the architecture of Kimi-K2.5, see
   ``deepseek_tiny_config``); served as upstream documents (``python -m
   sglang.launch_server``) with dump layers ``1,3,4``.
+- ``kimi``: a KimiK25ForConditionalGeneration (the class Kimi-K2.5 is served with) whose
+  language model is exactly ``deepseek``'s weights, plus a one-block vision tower
+  (``build_kimi``); served like ``deepseek``; its reference runs on the text weights.
 
 Weights are random bf16 drawn after ``torch.manual_seed(0)``. No third-party imports at
 module level: bench/models.py imports ``deepseek_tiny_config`` without torch, and the CPU
@@ -44,7 +47,7 @@ def deepseek_tiny_config(max_position_embeddings: int = 4096) -> dict:
     )
 
 
-VOCAB = 1024  # both models; prompts draw ids from [3, VOCAB)
+VOCAB = 1024  # every model; prompts draw ids from [3, VOCAB)
 
 
 def save_word_tokenizer(path: str, vocab_size: int) -> None:
@@ -86,36 +89,130 @@ def build_deepseek(path: str) -> int:
     return cfg.num_hidden_layers
 
 
+KIMI_MEDIA_PLACEHOLDER = 2  # inside the vocab, never in a prompt (ids from 3)
+
+
+def kimi_vision_config(text_hidden_size: int) -> dict:
+    """``vision_config`` of the tiny Kimi-K2.5: one MoonViT block, hidden 64, 2 heads (the
+    2D RoPE needs head_dim % 4 == 0), patches 14, merge 2x2, projector to ``text_hidden_size``.
+
+    SGLang's tower reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads`` and
+    ``intermediate_size`` (KimiK25VisionConfig; its defaults are the real tower's), its
+    projector ``vt_hidden_size`` and ``text_hidden_size``; real checkpoints spell the tower's
+    sizes ``vt_*`` only, so both spellings are written."""
+    sizes = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128)
+    return dict(**sizes, **{f"vt_{k}": v for k, v in sizes.items()},
+                patch_size=14, init_pos_emb_height=4, init_pos_emb_width=4, init_pos_emb_time=4,
+                pos_emb_type="divided_fixed", merge_kernel_size=[2, 2], video_attn_type="spatial_temporal",
+                merge_type="sd2_tpool", mm_projector_type="patchmerger", mm_hidden_size=64,
+                projector_hidden_act="gelu", projector_ln_eps=1e-5, text_hidden_size=text_hidden_size)
+
+
+def kimi_vision_shapes(v: dict) -> dict:
+    """Checkpoint name -> shape of the vision tower and projector, named as real Kimi-K2.5
+    checkpoints name them (``wqkv``/``wo``, ``mm_projector.proj.0``/``.2``: SGLang's
+    ``KimiK25ForConditionalGeneration.load_weights`` renames them)."""
+    h, m, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    merged = h * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]  # the projector's input
+    shapes = {"vision_tower.patch_embed.proj.weight": (h, 3, p, p), "vision_tower.patch_embed.proj.bias": (h,),
+              "vision_tower.patch_embed.pos_emb.weight": (v["init_pos_emb_height"], v["init_pos_emb_width"], h),
+              "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.0.bias": (merged,),
+              "mm_projector.proj.2.weight": (v["text_hidden_size"], merged),
+              "mm_projector.proj.2.bias": (v["text_hidden_size"],)}
+    norms = ["vision_tower.encoder.final_layernorm", "mm_projector.pre_norm"]
+    for i in range(v["num_hidden_layers"]):
+        b = f"vision_tower.encoder.blocks.{i}."
+        norms += [b + "norm0", b + "norm1"]
+        for name, out, inp in (("wqkv", 3 * h, h), ("wo", h, h), ("mlp.fc0", m, h), ("mlp.fc1", h, m)):
+            shapes[f"{b}{name}.weight"], shapes[f"{b}{name}.bias"] = (out, inp), (out,)
+    shapes.update({f"{n}.{w}": (h,) for n in norms for w in ("weight", "bias")})
+    return shapes
+
+
+def kimi_text_path(path: str) -> str:
+    """Where ``build_kimi(path)`` saves its language model as a plain DeepseekV3: the HF
+    reference of the ``kimi`` model."""
+    return path + "-text"
+
+
+def build_kimi(path: str) -> int:
+    """Save the tiny Kimi-K2.5 into ``path``, and its language model, ``build_deepseek``'s
+    (same seed, same weights), into ``kimi_text_path(path)``; returns 4 (decoder layers).
+
+    ``path`` holds config.json (``KimiK25Config``: ``text_config`` is the DeepseekV3's saved
+    config, with the keys SGLang reads that transformers no longer writes, see
+    ``deepseek_tiny_config``; ``vision_config``; ``media_placeholder_token_id``),
+    model.safetensors (text weights under ``language_model.``, as real checkpoints; vision
+    weights random, never run) and the text-only processor SGLang builds at start-up even
+    with --skip-tokenizer-init (kimi_processor.py, processor_config.json: remote code, so
+    the server needs --trust-remote-code, as Kimi-K2.5 does)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    text = kimi_text_path(path)
+    n = build_deepseek(text)
+    with open(os.path.join(text, "config.json")) as f:
+        text_config = {k: v for k, v in json.load(f).items() if k != "transformers_version"}
+    vision = kimi_vision_config(text_config["hidden_size"])
+    gen = torch.Generator().manual_seed(1)
+    weights = {f"language_model.{k}": t for k, t in load_file(os.path.join(text, "model.safetensors")).items()}
+    weights.update({k: (0.02 * torch.randn(s, generator=gen)).to(torch.bfloat16)
+                    for k, s in kimi_vision_shapes(vision).items()})
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "dtype": "bfloat16", "text_config": text_config, "vision_config": vision,
+              "media_placeholder_token_id": KIMI_MEDIA_PLACEHOLDER, "pad_token_id": 0,
+              "bos_token_id": text_config["bos_token_id"], "eos_token_id": text_config["eos_token_id"],
+              "tie_word_embeddings": False}
+    processor = {"auto_map": {"AutoProcessor": "kimi_processor.TinyKimiK25Processor"},
+                 "media_proc_cfg": {"patch_size": vision["patch_size"], "merge_kernel_size": 2,
+                                    "in_patch_limit": 256, "patch_limit_on_one_side": 16,
+                                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}}
+    for name, doc in (("config.json", config), ("processor_config.json", processor)):
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(doc, f, indent=2)
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_processor.py"), path)
+    return n
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How the GPU suite builds and serves one tiny model.
 
     ``layers_flag``: ``--dump-hidden-states-layers`` (None: the server's default);
     ``launcher``: "entrypoint" (the container's ``kimi-sglang``, profiles applied) or
-    "direct" (``python -m sglang.launch_server``)."""
+    "direct" (``python -m sglang.launch_server``); ``reference``: the HF directory the
+    reference runs, from the model's (None: the model's own)."""
 
     name: str
     build: Callable[[str], int]
     layers_flag: Optional[str]
     launcher: str
+    reference: Optional[Callable[[str], str]] = None
 
 
 MODELS = {
     "llama": ModelSpec("llama", build_llama, None, "entrypoint"),
     "deepseek": ModelSpec("deepseek", build_deepseek, "1,3,4", "direct"),
+    "kimi": ModelSpec("kimi", build_kimi, "1,3,4", "direct", reference=kimi_text_path),
 }
 
 
 @dataclass(frozen=True)
 class TinyModel:
     """A built model: ``path`` (HF directory), ``num_layers``, ``hidden_size``,
-    ``layer_ids`` (the ids the server dumps, in file order)."""
+    ``layer_ids`` (the ids the server dumps, in file order), ``reference_path`` (the HF
+    directory of the reference forward)."""
 
     spec: ModelSpec
     path: str
     num_layers: int
     hidden_size: int
     layer_ids: tuple
+    reference_path: str
 
     @property
     def name(self) -> str:
@@ -130,6 +227,7 @@ def build(spec: ModelSpec, workdir: str) -> TinyModel:
     path = os.path.join(workdir, spec.name)
     n = spec.build(path)
     with open(os.path.join(path, "config.json")) as f:
-        hidden = json.load(f)["hidden_size"]
+        config = json.load(f)
+    hidden = config.get("text_config", config)["hidden_size"]
     layer_ids = parse_layer_ids(spec.layers_flag) or default_layer_ids(n)
-    return TinyModel(spec, path, n, hidden, tuple(layer_ids))
+    return TinyModel(spec, path, n, hidden, tuple(layer_ids), spec.reference(path) if spec.reference else path)
