@@ -9,9 +9,11 @@ is what it is, with file:line citations into vLLM 0.33.0's source.
 - Command: ``python -m vllm.entrypoints.openai.api_server`` (0.33 still ships it, with a
   deprecation warning: entrypoints/openai/api_server.py, end of file), the flags that make
   it comparable with our servers (``vllm_command``), then the kind's own (W: the two
-  configs of ``dump_flags``). ``KIMI_BENCH_VLLM_PYTHON`` (interpreter) and
+  configs of ``dump_flags``). ``KIMI_BENCH_VLLM_PYTHON`` (interpreter),
   ``KIMI_BENCH_VLLM_PYTHONPATH`` (the whole ``PYTHONPATH`` of vLLM's servers: its staged
-  site) default to this process's; our servers keep the SGLang stack.
+  site) and ``KIMI_BENCH_VLLM_LD_LIBRARY_PATH`` (theirs: the staged NCCL) default to this
+  process's; our servers keep the SGLang stack. bench/run_bench.sh sets the last two from
+  tests/gpu/stage-stack.sh's vLLM stack when it is staged.
 - Request: ``/v1/completions`` with ``prompt`` = token ids, ``max_tokens`` 1, temperature
   0, as speculators' offline generator sends it. The file's path is the response's
   ``kv_transfer_params.hidden_states_path``; it is complete once the writer has released
@@ -41,6 +43,7 @@ SERVED_NAME = "kimi-bench"  # --served-model-name; the requests' "model"
 DEFAULT_MODULE = "vllm.entrypoints.openai.api_server"
 ENV_PYTHON = "KIMI_BENCH_VLLM_PYTHON"
 ENV_PYTHONPATH = "KIMI_BENCH_VLLM_PYTHONPATH"
+ENV_LD_LIBRARY_PATH = "KIMI_BENCH_VLLM_LD_LIBRARY_PATH"
 # SGLang's default chunked prefill on an H200 (bench/README.md), and vLLM's own default
 # max_num_batched_tokens for the API server on a 70-160 GiB GPU (engine/arg_utils.py,
 # get_batch_defaults): passed explicitly so that the two stay equal.
@@ -115,12 +118,13 @@ def vllm_command(args, name: str, port: int, extra: List[str]) -> List[str]:
 def vllm_env() -> dict:
     """Extra environment of vLLM's servers: no usage report and no hub look-ups (the host
     is offline), the plain version line (``version_of``), and ``KIMI_BENCH_VLLM_PYTHONPATH``
-    as the whole ``PYTHONPATH`` when set."""
+    / ``KIMI_BENCH_VLLM_LD_LIBRARY_PATH`` as the whole ``PYTHONPATH`` / ``LD_LIBRARY_PATH``
+    when set."""
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_DISABLE_LOG_LOGO": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    path = os.environ.get(ENV_PYTHONPATH)
-    if path:
-        env["PYTHONPATH"] = path
+    for var, name in ((ENV_PYTHONPATH, "PYTHONPATH"), (ENV_LD_LIBRARY_PATH, "LD_LIBRARY_PATH")):
+        if os.environ.get(var):
+            env[name] = os.environ[var]
     return env
 
 

@@ -46,6 +46,7 @@ def test_vllm_servers_command_lines_and_environment(monkeypatch):
     last; the interpreter and PYTHONPATH come from KIMI_BENCH_VLLM_PYTHON(PATH)."""
     monkeypatch.delenv(peer.ENV_PYTHON, raising=False)
     monkeypatch.delenv(peer.ENV_PYTHONPATH, raising=False)
+    monkeypatch.delenv(peer.ENV_LD_LIBRARY_PATH, raising=False)
     monkeypatch.delenv("KIMI_SGLANG_WRITER_THREADS", raising=False)
     args = _args(["--modes", "nodump,dump,vllm_nodump,vllm_dump", "--mem-fraction-static", "0.2",
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4,5,6",
@@ -82,11 +83,14 @@ def test_vllm_servers_command_lines_and_environment(monkeypatch):
     assert _flag(o, "--max-num-batched-tokens") == "4096" and _flag(o, "--gpu-memory-utilization") == "0.15"
     # environment: vLLM's (no writer variables of ours), its site when the staging says so
     env = servers.server_env("W", "/t.jsonl")
-    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["HF_HUB_OFFLINE"] == "1" and "PYTHONPATH" not in env
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert "PYTHONPATH" not in env and "LD_LIBRARY_PATH" not in env
     assert not any(k.startswith("KIMI_SGLANG") for k in env)
     monkeypatch.setenv(peer.ENV_PYTHONPATH, "/tmp/vsite")
+    monkeypatch.setenv(peer.ENV_LD_LIBRARY_PATH, "/tmp/stack-nccl/nvidia/nccl/lib")
     monkeypatch.setenv(peer.ENV_PYTHON, "/opt/v/bin/python")
-    assert servers.server_env("V", None)["PYTHONPATH"] == "/tmp/vsite"
+    env = servers.server_env("V", None)
+    assert env["PYTHONPATH"] == "/tmp/vsite" and env["LD_LIBRARY_PATH"] == "/tmp/stack-nccl/nvidia/nccl/lib"
     assert servers.server_cmd(args, "llama-8b", "V")[0] == "/opt/v/bin/python"
     assert servers.server_env("B", None) == {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}  # ours unchanged
 
@@ -305,6 +309,7 @@ def rehearse_peer(tmp_path, *extra):
     (work / "llama-mid" / "config.json").write_text(json.dumps({"hidden_size": 64}))
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
     env.pop(peer.ENV_PYTHONPATH, None)
+    env.pop(peer.ENV_LD_LIBRARY_PATH, None)
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench.py"), "--quick", "--server-module", "fake_sglang_server",
          "--vllm-server-module", "fake_vllm_server", "--no-build", "--skip-ceilings",
