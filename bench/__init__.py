@@ -1,4 +1,5 @@
-"""The hidden-state dump benchmark (issue #7): dump overhead, the JSON path, the ceilings.
+"""The hidden-state dump benchmark (issue #7): dump overhead, the JSON path, the ceilings,
+and vLLM side by side (issue 23).
 
 Run it as ``python3 bench/bench.py [flags]`` or ``python3 -m bench [flags]`` from the
 repository root (bench/README.md: flags, what runs, the numbers). One module per job,
@@ -6,7 +7,7 @@ in the order a run uses them:
 
 - ``models``     the workloads (random-weight shapes) and their build (``python -m bench.models``).
 - ``plan``       profiles, cells, request counts, time estimates (``--dry-run`` prints it).
-- ``servers``    the kinds of server a model's run starts (A, B, C, D), their flags, dump
+- ``servers``    the kinds of server a model's run starts (A-D; vLLM's V, W), their flags, dump
                  directories and environment; started and stopped by tests/gpu/server.py.
 - ``loadgen``    the client: a cell's requests (closed loop), its files or JSON, the warm-up,
                  the server's memory and the writer's log.
@@ -14,6 +15,10 @@ in the order a run uses them:
 - ``noise``      mode nodump_noise's writer of dump-sized files (``python -m bench.noise``).
 - ``profilers``  a cell again under py-spy or SGLang's torch profiler; ``torchprof`` reads
                  the trace.
+- ``peer``       the peer, vLLM 0.33 (servers V and W): its command line, environment,
+                 request and response, the wait for its files.
+- ``peerfiles``  a few files of ours and vLLM's for the same prompts, compared
+                 (``python -m bench.peerfiles``).
 - ``runner``     one model's run: servers up, warm-up, every cell, profiles, host memory.
 - ``cli``        the command line and the whole run, the results file.
 - ``report``     the numbers of a results file (ratios, targets); ``markdown`` its tables;

@@ -18,6 +18,11 @@ Runs on a CUDA host where SGLang 0.5.17 with the kimi-sglang series is importabl
    Mode ``dump_fp8`` runs on a server D, B's flags plus ``--dump-hidden-states-dtype fp8``
    (the dtype is per server), started only when the mode is asked for; its cells report
    bytes per prompt token beside mode ``dump``'s (about half).
+   Modes ``vllm_nodump`` and ``vllm_dump`` run the peer, vLLM 0.33 (``bench.peer``), on
+   servers V and W beside ours: the same model files, prompts and cells; W extracts with
+   vLLM's extract_hidden_states and its example connector, and a few of its files are
+   compared with ours for the same prompts (``bench.peerfiles``). vLLM has no MLA
+   support, so DeepseekV3 has no vLLM cells (the report says so).
    Every cell is a batch of requests with ``max_new_tokens=1`` sent by ``concurrency``
    client threads (closed loop); nodump and dump cells alternate so drift hits both alike.
 3. headline ratios and targets (``report``), a JSON file and a Markdown table
@@ -42,7 +47,7 @@ import time
 
 from sglang_ext import config
 
-from bench import ceilings, markdown, plan as planning, report, servers
+from bench import ceilings, markdown, peer, plan as planning, report, servers
 from bench.models import MODELS
 from bench.noise import parse_cpus
 from bench.runner import Clock, run_model
@@ -108,9 +113,10 @@ def build_parser():
     ap.add_argument("--models", default="llama-mid,deepseek-tiny")
     ap.add_argument("--modes", default="nodump,dump,dump_early,json",
                     help="nodump (a), dump (b), dump_early (b'), json (c); also dump_fp8 (b on a "
-                         "server D with --dump-hidden-states-dtype fp8) and nodump_noise: "
+                         "server D with --dump-hidden-states-dtype fp8), nodump_noise: "
                          "(a) while another process writes dump-sized files into --dump-root, "
-                         "paced as --noise-gbps says")
+                         "paced as --noise-gbps says, and the peer vLLM's vllm_nodump and "
+                         "vllm_dump (servers V and W; Llama workloads only)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell of the grid (not the JSON cell) this many times, "
                          "interleaved (cells carry 'rep'; ratios pair cells of one repetition)")
@@ -150,14 +156,22 @@ def build_parser():
     ap.add_argument("--torch-profile-requests", type=int, default=96,
                     help="requests of each torch-profiled run (traces grow with them)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
-    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000],
-                    help="ports of servers A, B (and C, D)")
+    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000],
+                    help="ports of servers A, B (and C, D, and vLLM's V, W)")
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0,
+                    help="vLLM's --gpu-memory-utilization (default: --mem-fraction-static's number)")
+    ap.add_argument("--vllm-args", default="",
+                    help="more flags for vLLM's servers, appended last (shell syntax)")
+    ap.add_argument("--peer-reference", choices=["hf", "none"], default="hf",
+                    help="the file comparison with vLLM also checks each file against HF "
+                         "transformers' float32 forward (hf), after the servers stop")
     ap.add_argument("--json-server", choices=["shared", "separate"], default="shared",
                     help="JSON mode on server A (shared) or on a third server C, so that A is "
                          "a plain server (see server_for)")
     ap.add_argument("--no-build", action="store_true", help="use the models already in --workdir")
     # tests/test_bench.py rehearses the orchestration against a fake server
     ap.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-server-module", default=peer.DEFAULT_MODULE, help=argparse.SUPPRESS)
     return ap
 
 
@@ -169,8 +183,8 @@ def check_args(ap, args):
     modes = args.modes.split(",")
     for mode in modes:
         if mode not in planning.MODES:
-            ap.error(f"unknown mode {mode!r} (known: nodump, dump, dump_early, dump_fp8, nodump_noise, json)")
-    problem = servers.ports_problem(args, modes)
+            ap.error(f"unknown mode {mode!r} (known: {', '.join(planning.MODES)})")
+    problem = servers.ports_problem(args, modes) or servers.memory_problem(args, modes)
     if problem:
         ap.error(problem)
     if args.repeat < 1:
@@ -197,7 +211,10 @@ def new_results(args, plan, gpu, date):
         | {"prompt_lens": args.prompt_lens, "concurrency": args.concurrency,
            "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None,
            "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static,
-           "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus},
+           "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus}
+        | ({"vllm_gpu_memory_utilization": peer.gpu_memory_utilization(args), "vllm_args": args.vllm_args,
+            "peer_reference": args.peer_reference}
+           if any(peer.is_peer(m) for m in plan["modes"]) else {}),
         "ceilings": {}, "models": {}, "phases": {}, "skipped": [],
     }
 

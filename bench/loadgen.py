@@ -5,7 +5,8 @@ memory, the writer's log lines, the stage trace).
 
 A server here is anything with ``port``, ``proc``, ``command`` and ``log_text()``
 (tests/gpu/server.py's ``Server``). Requests are SGLang's ``/generate`` with
-``input_ids`` and ``max_new_tokens=1``.
+``input_ids`` and ``max_new_tokens=1``, or for the peer's modes (``bench.peer``) vLLM's
+``/v1/completions`` with the token ids as ``prompt`` and ``max_tokens=1``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import struct
 import threading
 import time
 
-from bench import report
+from bench import peer, report
 
 _local = threading.local()
 
@@ -36,32 +37,45 @@ def make_prompts(rng, n, length, vocab):
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600):
+def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
+               api="sglang", wait_files=False):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
     ``early`` (mode dump_early): each request asks to be answered before its file is
     complete (``format.WAIT_PARAM``), as ``sglang_ext.client`` does; a thread waits for
     its previous file's lock after sending its next prompt (one file pending per
-    thread), and the wall time ends when every file is complete."""
+    thread), and the wall time ends when every file is complete.
+
+    ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
+    ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
+    the file, so each request waits for its file's lock before it counts as done (its
+    latency ends there), as our server's answers in mode dump do."""
     from sglang_ext import format as fmt
 
     bodies = []
     for ids in prompts:
+        if api == "vllm":
+            bodies.append(json.dumps(peer.completion_body(ids)).encode())
+            continue
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if return_hidden_states:
             body["return_hidden_states"] = True
         if early:
             body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
         bodies.append(json.dumps(body).encode())
+    url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
     pending = []
 
     def one(i):
         t = time.perf_counter()
-        r = _session().post(f"http://127.0.0.1:{port}/generate", data=bodies[i], timeout=timeout,
-                            headers={"Content-Type": "application/json"})
+        r = _session().post(url, data=bodies[i], timeout=timeout, headers={"Content-Type": "application/json"})
         content = r.content
+        if wait_files and r.status_code == 200:
+            path = peer.file_path(json.loads(content))
+            if path:
+                peer.wait_file(path)
         lat = time.perf_counter() - t
         if early and r.status_code == 200:
             path = json.loads(content)["meta_info"].get("hidden_states_path")
@@ -90,7 +104,8 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
     prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
     offset = trace_size(trace_path)
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
-                               return_hidden_states=(mode == "json"), early=(mode == "dump_early"))
+                               return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
+                               **api_args(mode))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
@@ -101,6 +116,10 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
     if mode in report.DUMP_MODES and not bad:
         paths, errors = [], []
         for r in results:
+            if peer.is_peer(mode):
+                path = peer.file_path(json.loads(r[3]))
+                (paths if path else errors).append(path or "no kv_transfer_params.hidden_states_path")
+                continue
             meta = json.loads(r[3])["meta_info"]
             if meta.get("hidden_states_path"):
                 paths.append(meta["hidden_states_path"])
@@ -119,6 +138,9 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
                                  "layer_ids": meta.get("layer_ids")}
             if "hidden_states_scales" in tensors:
                 out["file_check"]["hidden_states_scales"] = tensors["hidden_states_scales"]
+            if peer.is_peer(mode):  # vLLM's files carry no metadata: the keys say what is there
+                out["file_check"]["token_ids"] = tensors.get("token_ids")
+                out["file_check"]["keys"] = sorted(tensors)
         if trace_path:
             time.sleep(0.3)  # the writer's trace line follows its lock release
             out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
@@ -130,6 +152,14 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None):
         if hs is None:
             out["error"] = "response carries no meta_info.hidden_states"
     return out
+
+
+def api_args(mode):
+    """``send_batch``'s keywords for ``mode``'s server: vLLM's API for the peer's modes,
+    waiting for the files in ``vllm_dump``."""
+    if not peer.is_peer(mode):
+        return {}
+    return {"api": "vllm", "wait_files": mode == "vllm_dump"}
 
 
 def describe_nested(x):
@@ -154,21 +184,23 @@ def safetensors_header(path):
     return {k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items()}, meta
 
 
-def warm_up(server, spec, rng, plens, json_too, concs=(1, 8)):
+def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None):
     """One request, then a burst at every concurrency of the grid, at every prompt length:
     kernels (Triton's fused MoE compiles per batch-size bucket) compiled for the shapes
-    before anything is timed."""
+    before anything is timed. ``mode``: a mode the server serves, when it decides the API
+    (the peer's; vllm_dump waits for its files, so none is written after the warm-up)."""
     for plen in plens:
         for conc in sorted({1, 8, *concs}):
-            send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc)
+            send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc, **api_args(mode or ""))
     if json_too:
         send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
 
 
 def clear_dump_dir(path):
-    """Delete a dump directory's files and index (between cells; not timed)."""
+    """Delete a dump directory's files and index (between cells; not timed), and the lock
+    files vLLM's connector leaves beside its files (ours remove their own)."""
     for entry in os.listdir(path):
-        if entry.endswith(".safetensors") or entry == "index.jsonl":
+        if entry.endswith(".safetensors") or entry.endswith(".safetensors.lock") or entry == "index.jsonl":
             try:
                 os.unlink(os.path.join(path, entry))
             except FileNotFoundError:

@@ -23,6 +23,7 @@ def render_markdown(results: dict) -> str:
     lines += _ceilings(results.get("ceilings", {}))
     for model, m in results.get("models", {}).items():
         lines += _model(model, m, head.get(model, {}))
+    lines += _peer(results, head)
     lines += _stages(results)
     for label, prof in (results.get("py_spy") or {}).items():
         lines += _py_spy(label, prof)
@@ -62,7 +63,8 @@ def _ceilings(ceil: dict) -> List[str]:
     return lines
 
 
-ORDER = {"nodump": 0, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4}
+ORDER = {"nodump": 0, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4, "vllm_nodump": 5,
+         "vllm_dump": 6}
 
 
 def _model(model: str, m: dict, h: dict) -> List[str]:
@@ -129,7 +131,72 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             f"server RSS growth {mib(mem.get('rss_delta_bytes'))} (without dump: "
             f"{mib(mem.get('rss_delta_bytes_nodump'))}), cap {mib(mem.get('cap_bytes'))}"
         )
+    if "rss_delta_bytes_vllm_dump" in mem or "rss_delta_bytes_vllm_nodump" in mem:
+        lines.append(
+            f"- vLLM's host memory: server RSS growth {mib(mem.get('rss_delta_bytes_vllm_dump'))} "
+            f"with extraction (without: {mib(mem.get('rss_delta_bytes_vllm_nodump'))}); it has no "
+            "cap of its own (pinned buffers per request, cached by torch's host allocator)")
     return lines
+
+
+def _peer(results: dict, head: dict) -> List[str]:
+    """Side by side with vLLM: per model, each engine's dump/no-dump ratio and vLLM's
+    tokens/s over ours per cell, the file comparison, and the models vLLM does not serve."""
+    models = {k: m for k, m in results.get("models", {}).items()
+              if head.get(k, {}).get("peer") or m.get("peer_unsupported") or m.get("peer_files")}
+    if not models:
+        return []
+    lines = ["", "## Side by side with vLLM (extract_hidden_states + ExampleHiddenStatesConnector)", "",
+             "Both dumps count a request done when its file is complete; both engines without CUDA "
+             "graphs, prefix cache off, the same chunk of tokens per forward (bench/README.md)."]
+    for model, m in models.items():
+        h = head.get(model, {})
+        lines += ["", f"### {model}", ""]
+        if m.get("peer_unsupported"):
+            lines.append(f"- ours alone: {m['peer_unsupported']}")
+        if h.get("peer"):
+            lines += ["| prompt | conc | ours (b)/(a) | vLLM (b)/(a) | (a) vLLM/ours | (b) vLLM/ours |"
+                      " ours B/token | vLLM B/token |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for x in h["peer"]:
+                rep = f" #{x['rep']}" if "rep" in x else ""
+                lines.append(
+                    f"| {x['prompt_len']} | {x['concurrency']}{rep} | {num(x['ours_dump_vs_nodump'], '{:.3f}')} | "
+                    f"{num(x['vllm_dump_vs_nodump'], '{:.3f}')} | {num(x['nodump_vllm_vs_ours'], '{:.3f}')} | "
+                    f"{num(x['dump_vllm_vs_ours'], '{:.3f}')} | {num(x['ours_bytes_per_token'])} | "
+                    f"{num(x['vllm_bytes_per_token'])} |")
+            lines += ["", f"- dump/no-dump, min / geometric mean: ours {num(h.get('dump_vs_nodump_min'), '{:.3f}')}"
+                      f" / {num(h.get('dump_vs_nodump_geomean'), '{:.3f}')}, vLLM "
+                      f"{num(h.get('vllm_dump_vs_nodump_min'), '{:.3f}')} / "
+                      f"{num(h.get('vllm_dump_vs_nodump_geomean'), '{:.3f}')}",
+                      f"- vLLM's dump tokens/s over ours: min {num(h.get('vllm_dump_vs_ours_dump_min'), '{:.3f}')},"
+                      f" geometric mean {num(h.get('vllm_dump_vs_ours_dump_geomean'), '{:.3f}')}"]
+            fc = next((c["file_check"] for c in m.get("cells", [])
+                       if c.get("mode") == "vllm_dump" and c.get("file_check")), None)
+            if fc:
+                lines.append(f"- vLLM's files: keys {fc.get('keys')}, hidden_states {fc.get('hidden_states')}, "
+                             f"token_ids {fc.get('token_ids')}")
+        lines += _peer_files(m.get("peer_files"))
+    return lines
+
+
+def _peer_files(pf) -> List[str]:
+    """The comparison of ours and vLLM's files for the same prompts (``bench.peerfiles``)."""
+    if not pf:
+        return []
+    if pf.get("error"):
+        return [f"- files compared: ERROR {pf['error'][:300]}"]
+    tol = pf.get("tolerance", {})
+    out = [f"- files compared ({pf.get('prompts')} prompts, lengths {pf.get('prompt_lens')}, layer ids "
+           f"{pf.get('layer_ids')}): {'PASS' if pf.get('pass') else 'FAIL'} (relative error per request "
+           f"<= {tol.get('block')}, per token row <= {tol.get('token')}); reference: {pf.get('reference')}"]
+    for key, label in (("ours_vs_vllm", "ours vs vLLM"), ("ours_vs_ref", "ours vs reference"),
+                       ("vllm_vs_ref", "vLLM vs reference")):
+        e = pf.get(key)
+        if e:
+            out.append(f"  - {label}: block {num(e.get('block'), '{:.2e}')}, token row "
+                       f"{num(e.get('token'), '{:.2e}')} ({e.get('token_where', '')})")
+    out += [f"  - {p}" for p in pf.get("problems", [])]
+    return out
 
 
 def _stages(results: dict) -> List[str]:
@@ -243,6 +310,16 @@ def summary_table(results: dict) -> str:
                    f"{num(h.get('dump_early_vs_nodump_min'), '{:.3f}'):>9} "
                    f"{num(h.get('dump_vs_json'), '{:.1f}'):>9} "
                    f"{num(h.get('writer_vs_ceiling'), '{:.2f}'):>8}")
+        if h.get("peer"):
+            out.append(f"{'':14} vLLM: dump/nodump min {num(h.get('vllm_dump_vs_nodump_min'), '{:.3f}')}, "
+                       f"its dump over ours min {num(h.get('vllm_dump_vs_ours_dump_min'), '{:.3f}')}")
+    for model, m in results.get("models", {}).items():
+        if m.get("peer_unsupported"):
+            out.append(f"{model:14} ours alone: {m['peer_unsupported']}")
+        pf = m.get("peer_files") or {}
+        if pf:
+            out.append(f"{model:14} files ours vs vLLM: "
+                       + (f"ERROR {pf['error'][:200]}" if pf.get("error") else "PASS" if pf.get("pass") else "FAIL"))
     for t in tgt:
         ok = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
         out.append(f"  {ok} {t['model']}: {t['target']}")

@@ -8,10 +8,11 @@ read the way the server reads them.
 from __future__ import annotations
 
 import math
+import shlex
 
 from sglang_ext import config
 
-from bench import report, servers
+from bench import peer, report, servers
 from bench.models import MODELS, file_bytes
 
 PROFILES = {
@@ -23,10 +24,14 @@ PROFILES = {
 }
 
 # Modes whose cells run at every (prompt length, concurrency) of the grid, in the order
-# they alternate within a shape: (a), (b), (b'), (b fp8), (a) beside noise. ``json`` (c)
-# runs once, at the headline shape.
-GRID_MODES = ("nodump", "dump", "dump_early", "dump_fp8", "nodump_noise")
+# they alternate within a shape: (a), (b), (b'), (b fp8), (a) beside noise, then the peer
+# vLLM's (a) and (b). ``json`` (c) runs once, at the headline shape.
+GRID_MODES = ("nodump", "dump", "dump_early", "dump_fp8", "nodump_noise") + peer.PEER_MODES
 MODES = GRID_MODES + ("json",)
+# assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
+# compile) beyond ours, and the file comparison after the servers stop
+EST_VLLM_STARTUP_S = 70
+EST_PEER_FILES_S = 45
 
 
 def writer_threads():
@@ -69,6 +74,7 @@ def make_plan(args):
     for name in models:
         spec = MODELS[name]
         cells = []
+        no_peer = peer.unsupported(name) if any(peer.is_peer(m) for m in modes) else None
         grid = [(p, c) for p in args.prompt_lens for c in args.concurrency]
         head = (report.JSON_PROMPT_LEN, report.JSON_CONCURRENCY)
         grid.sort(key=lambda pc: pc != head)
@@ -79,7 +85,7 @@ def make_plan(args):
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for rep in range(args.repeat):
                 for mode in GRID_MODES:
-                    if mode in modes:
+                    if mode in modes and not (no_peer and peer.is_peer(mode)):
                         cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
                                       "requests": n, "prompt_tokens": n * plen}
                                      | ({"rep": rep} if args.repeat > 1 else {}))
@@ -95,10 +101,20 @@ def make_plan(args):
         kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
         cmds = {which: servers.server_cmd(args, name, which) for which in kinds}
         est = spec["est_startup_s"] + 20 + sum(c["est_s"] for c in cells) + 10
+        est += EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
+        est += EST_PEER_FILES_S if peer_files_wanted(modes, name) else 0
         est_total += est
         plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est)}
+        if no_peer:
+            plan["models"][name]["peer_unsupported"] = no_peer
     plan["est_total_s"] = round(est_total)
     return plan
+
+
+def peer_files_wanted(modes, name):
+    """Whether model ``name``'s run compares a few files of ours with vLLM's (both dump
+    modes asked for, and vLLM serves the model)."""
+    return "dump" in modes and "vllm_dump" in modes and not peer.unsupported(name)
 
 
 def print_plan(plan):
@@ -112,7 +128,9 @@ def print_plan(plan):
     for name, m in plan["models"].items():
         print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s)")
         for which, cmd in m["servers"].items():
-            print(f"  server {which}: {' '.join(cmd)}")
+            print(f"  server {which}: {shlex.join(cmd)}")
+        if m.get("peer_unsupported"):
+            print(f"  no vLLM cells: {m['peer_unsupported']}")
         print(f"  {'mode':16} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
         for c in m["cells"]:
             gib = f"{c['dump_bytes'] / (1 << 30):.1f}" if "dump_bytes" in c else ""

@@ -4,9 +4,11 @@
     python -m bench.plot ...  (the same, from the repository root)
 
 Top row, per model: prefill tokens/s of every (prompt length, concurrency) cell for
-nodump (a), dump (b), early answers (b'), fp8 dumps and JSON (c), log scale, with the hardware bound W/B of each cell
+nodump (a), dump (b), early answers (b'), fp8 dumps, JSON (c) and the peer vLLM's (a) and
+(b) (hatched), log scale, with the hardware bound W/B of each cell
 (W = min(pinned D2H, /dev/shm write), B = dump bytes per prompt token) as a marker.
-Bottom row: (b)/min((a), W/B) per cell and dump mode against the 0.95 target.
+Bottom row: (b)/min((a), W/B) per cell and dump mode against the 0.95 target (vLLM's
+against its own (a)).
 The GPU host has no matplotlib; run this where it is installed.
 """
 
@@ -25,12 +27,15 @@ if __name__ == "__main__" and not __package__:  # python bench/plot.py: the pack
 from bench import markdown, report  # noqa: E402
 
 COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
-          "json": "#c44e52"}
-MODES = ("nodump", "dump", "dump_early", "dump_fp8", "json")
+          "json": "#c44e52", "vllm_nodump": "#4c72b0", "vllm_dump": "#dd8452"}
+MODES = ("nodump", "dump", "dump_early", "dump_fp8", "json", "vllm_nodump", "vllm_dump")
 LABELS = {"nodump": "(a) no dump", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
-          "dump_fp8": "(b) dump, fp8", "json": "(c) JSON"}
+          "dump_fp8": "(b) dump, fp8", "json": "(c) JSON", "vllm_nodump": "vLLM (a) no dump",
+          "vllm_dump": "vLLM (b) extract_hidden_states"}
+# the peer's bars: our colours, hatched
+STYLE = {"vllm_nodump": {"hatch": "//", "edgecolor": "white"}, "vllm_dump": {"hatch": "//", "edgecolor": "white"}}
 RATIOS = (("dump", "(b)/min((a), W/B)"), ("dump_early", "(b')/min((a), W/B)"),
-          ("dump_fp8", "(b fp8)/min((a), W/B)"))
+          ("dump_fp8", "(b fp8)/min((a), W/B)"), ("vllm_dump", "vLLM (b)/min(vLLM (a), W/B)"))
 
 
 def _label(prompt_len, concurrency):
@@ -61,7 +66,7 @@ def plot(results: dict, path: str) -> str:
             pts = [(x[(c["prompt_len"], c["concurrency"])], c["prefill_tps"])
                    for c in cells if c["mode"] == mode]
             ax.bar([p[0] + (k - (len(shown) - 1) / 2) * width for p in pts], [p[1] for p in pts],
-                   width, label=LABELS[mode], color=COLORS[mode])
+                   width, label=LABELS[mode], color=COLORS[mode], **STYLE.get(mode, {}))
         hc = [c for c in head.get(model, {}).get("cells", [])
               if c.get("w_tps") and c.get("mode", "dump") == "dump"]
         if hc:
@@ -71,7 +76,8 @@ def plot(results: dict, path: str) -> str:
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
         ax.set_xlabel("prompt tokens / concurrency")
         ax.set_ylabel("prefill prompt tokens/s")
-        ax.set_title(f"{model}")
+        alone = results["models"][model].get("peer_unsupported")
+        ax.set_title(f"{model}" + (" (ours alone: vLLM has no MLA support)" if alone else ""))
         ax.legend(fontsize=8)
         ax = axes[1][j]
         hcells = head.get(model, {}).get("cells", [])
@@ -82,7 +88,7 @@ def plot(results: dict, path: str) -> str:
             r = [(x[(c["prompt_len"], c["concurrency"])], c["dump_vs_bound"])
                  for c in hcells if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None]
             ax.bar([p[0] + (k - (len(ratios) - 1) / 2) * rw for p in r], [p[1] for p in r], rw,
-                   color=COLORS[mode], label=label)
+                   color=COLORS[mode], label=label, **STYLE.get(mode, {}))
         ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
         ax.set_ylim(0, 1.2)
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)

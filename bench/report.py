@@ -15,7 +15,7 @@ Results layout (what ``cli`` writes, what ``markdown`` and ``plot`` read)::
                   "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
      "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
                             "cells": [{"mode": "nodump"|"dump"|"dump_early"|"nodump_noise"
-                                               |"json", "prompt_len",
+                                               |"json"|"vllm_nodump"|"vllm_dump", "prompt_len",
                                        "concurrency", "rep" (--repeat > 1), "requests",
                                        "prompt_tokens", "wall_s",
                                        "prefill_tps", "p50_s", "p99_s",
@@ -23,7 +23,9 @@ Results layout (what ``cli`` writes, what ``markdown`` and ``plot`` read)::
                                        "noise" (nodump_noise: ``noise.Noise.result``),
                                        "response_bytes" (json),
                                        "stages" (dump, ``stage_stats``), ...}],
-                            "host_memory": {...}}},
+                            "host_memory": {...},
+                            "peer_unsupported" (no vLLM cells: why), "peer_files" (ours
+                            vs vLLM's files, ``bench.peerfiles.compare``)}},
      "headline": {"<model>": {...}}, "targets": [...], "phases": {...},
      "py_spy": {"<label>": {"samples", "threads", "top"} (kind "gil") or {"kind": "wait",
                 "samples", "threads": {t: {"samples", "gil_wait"}}, "scheduler_gil_wait",
@@ -41,8 +43,11 @@ from typing import Any, Dict, Iterable, List, Optional
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
 TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
-# (b): answered after the file; (b'): answered early; (b fp8): server D, --dump-hidden-states-dtype fp8
-DUMP_MODES = ("dump", "dump_early", "dump_fp8")
+# (b): answered after the file; (b'): answered early; (b fp8): server D, --dump-hidden-states-dtype fp8;
+# the peer's (b): vLLM's extract_hidden_states, done when its file is (bench.peer)
+DUMP_MODES = ("dump", "dump_early", "dump_fp8", "vllm_dump")
+# the no-dump mode each dump mode's ratio divides by (the same engine's)
+BASE_MODE = {"vllm_dump": "vllm_nodump"}
 JSON_PROMPT_LEN = 2048
 JSON_CONCURRENCY = 8
 
@@ -172,7 +177,8 @@ def headline(results: dict) -> Dict[str, dict]:
         cells = m.get("cells", [])
         per_cell = []
         for b in (c for c in cells if c.get("mode") in DUMP_MODES and not c.get("error")):
-            a = find_cell(cells, "nodump", b["prompt_len"], b["concurrency"], b.get("rep"))
+            a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"],
+                          b.get("rep"))
             bytes_per_token = (
                 b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
             )
@@ -198,6 +204,7 @@ def headline(results: dict) -> Dict[str, dict]:
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
         r, r_early, r_fp8 = ratios("dump"), ratios("dump_early"), ratios("dump_fp8")
+        rows = peer_rows(cells)
         fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
         for x in (c for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]):
             y = next((c for c in per_cell if c["mode"] == "dump" and c["bytes_per_token"]
@@ -245,7 +252,52 @@ def headline(results: dict) -> Dict[str, dict]:
             "writer_vs_ceiling": wvc.get(str(JSON_PROMPT_LEN)),
             "writer_vs_ceiling_by_len": wvc,
         }
+        if rows:
+            out[model].update(peer=rows, **peer_summary(rows, ratios("vllm_dump")))
     return out
+
+
+def geomean(xs: List[float]) -> Optional[float]:
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def peer_rows(cells: List[dict]) -> List[dict]:
+    """Side by side with vLLM, per shape and round that has a vLLM cell: each engine's own
+    dump/no-dump ratio, and vLLM's tokens/s over ours, no-dump and dump (both dumps done
+    when the file is complete), with each dump's bytes per prompt token."""
+    shapes = []
+    for c in cells:
+        shape = (c.get("prompt_len"), c.get("concurrency"), c.get("rep"))
+        if c.get("mode") in ("vllm_nodump", "vllm_dump") and shape not in shapes:
+            shapes.append(shape)
+    rows = []
+    for plen, conc, rep in shapes:
+        a, b, v, w = (find_cell(cells, mode, plen, conc, rep)
+                      for mode in ("nodump", "dump", "vllm_nodump", "vllm_dump"))
+
+        def tps(c):
+            return c["prefill_tps"] if c else None
+
+        def bpt(c):
+            return c["file_bytes"] / c["prompt_tokens"] if c and c.get("file_bytes") else None
+
+        rows.append({"prompt_len": plen, "concurrency": conc, **({"rep": rep} if rep is not None else {}),
+                     "ours_dump_vs_nodump": ratio(tps(b), tps(a)),
+                     "vllm_dump_vs_nodump": ratio(tps(w), tps(v)),
+                     "nodump_vllm_vs_ours": ratio(tps(v), tps(a)),
+                     "dump_vllm_vs_ours": ratio(tps(w), tps(b)),
+                     "ours_bytes_per_token": bpt(b), "vllm_bytes_per_token": bpt(w)})
+    return rows
+
+
+def peer_summary(rows: List[dict], vllm_ratios: List[float]) -> Dict[str, Optional[float]]:
+    """Minimum and geometric mean of vLLM's own dump/no-dump ratio (``vllm_ratios``, the
+    headline's per-cell ones) and of vLLM's dump tokens/s over ours."""
+    vs = [x["dump_vllm_vs_ours"] for x in rows if x["dump_vllm_vs_ours"] is not None]
+    return {"vllm_dump_vs_nodump_min": min(vllm_ratios) if vllm_ratios else None,
+            "vllm_dump_vs_nodump_geomean": geomean(vllm_ratios),
+            "vllm_dump_vs_ours_dump_min": min(vs) if vs else None,
+            "vllm_dump_vs_ours_dump_geomean": geomean(vs)}
 
 
 def targets(results: dict, head: Dict[str, dict]) -> List[dict]:

@@ -1,21 +1,24 @@
 """One model's run: build it, start its servers together, sample their memory, warm them
-up, run every cell of the plan in order (skipping what the deadline leaves no time for),
-re-run the profiled ones, read the writer's host-memory peaks, stop the servers. Results
-go into the shared ``results`` dict (``models.<name>``), saved after every cell.
+up, collect a few files of ours and vLLM's for the same prompts, run every cell of the
+plan in order (skipping what the deadline leaves no time for, and the time the file
+comparison needs), re-run the profiled ones, read the writer's host-memory peaks, stop the
+servers, compare those files. Results go
+into the shared ``results`` dict (``models.<name>``), saved after every cell.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import subprocess
 import time
 
-from bench import child_env, loadgen, module_argv, profilers, report, servers
+from bench import child_env, loadgen, module_argv, peer, peerfiles, profilers, report, servers
 from bench.models import MODELS, file_bytes, model_path
 from bench.noise import Noise, noise_rate
-from bench.plan import writer_threads
+from bench.plan import peer_files_wanted, writer_threads
 
 
 class Clock:
@@ -73,6 +76,9 @@ class ModelRun:
             "layer_ids": self.spec["layer_ids"], "servers": self.mp["servers"], "cells": [],
             "startup_s": {},
         })
+        if self.mp.get("peer_unsupported"):
+            self.m["peer_unsupported"] = self.mp["peer_unsupported"]
+        self.peer_pairs = None  # pairs.json of the file comparison, once collected
         self.dirs = {w: servers.dump_dir(args, name, w) for w in self.mp["servers"] if servers.dumps(w)}
         self.servers = {}
         self.rng = random.Random(f"{name}-bench")
@@ -111,20 +117,27 @@ class ModelRun:
             self.phase("start_s", t0)
             self.m["startup_s"] = {w: s.startup_s for w, s in self.servers.items()}
             print(f"[{name}] servers up in {time.monotonic() - t0:.0f} s {self.m['startup_s']}", flush=True)
+            for w, s in self.servers.items():
+                if servers.api_of(w) == "vllm" and peer.version_of(s.log_text()):
+                    self.results["versions"]["vllm"] = peer.version_of(s.log_text())
             self.start_sampling()
             t0 = time.monotonic()
-            for s in self.servers.values():
+            for w, s in self.servers.items():
+                mode = {"V": "vllm_nodump", "W": "vllm_dump"}.get(w)
                 loadgen.warm_up(s, self.spec, self.rng, args.prompt_lens,
-                                json_too="--enable-return-hidden-states" in s.command, concs=args.concurrency)
+                                json_too="--enable-return-hidden-states" in s.command, concs=args.concurrency,
+                                mode=mode)
             for d in self.dirs.values():
                 loadgen.clear_dump_dir(d)
             self.phase("warmup_s", t0)
+            self.collect_peer_files()
             self.shm_free = shutil.disk_usage(args.dump_root).free
             t0 = time.monotonic()
             for cell in self.mp["cells"]:
                 self.run_cell(cell)
             self.phase("cells_s", t0)
-            checked = [c["file_check"] for c in self.m["cells"] if c.get("file_check")]
+            checked = [c["file_check"] for c in self.m["cells"]
+                       if c.get("file_check") and not peer.is_peer(c["mode"])]
             if checked:
                 self.m["file_check"] = checked[0]
             self.host_memory()
@@ -136,18 +149,92 @@ class ModelRun:
                 copy_log(s.log_path, os.path.join(args.out, f"server-{name}-{w}.log"))
             for d in self.dirs.values():
                 shutil.rmtree(d, ignore_errors=True)
+            self.compare_peer_files()
             self.save()
+
+    def peer_dir(self):
+        return os.path.join(self.args.workdir, "peer-files", self.name)
+
+    def reference_s(self):
+        """Time the file comparison's float32 reference needs (an assumption: ~1-2 s per
+        layer to load the model, plus its start)."""
+        return 30 + 3 * self.spec["num_layers"]
+
+    def reserve_s(self):
+        """Seconds the cells leave before the deadline for the file comparison after the
+        servers stop (nothing without collected files)."""
+        if not self.peer_pairs:
+            return 0
+        return 30 + (self.reference_s() if self.args.peer_reference == "hf" else 0)
+
+    def collect_peer_files(self):
+        """A few prompts through our server B and vLLM's W, after the warm-up and before
+        the cells (so a run cut short still has them), their files kept for
+        ``compare_peer_files`` (``bench.peerfiles``); a failure is recorded, not raised."""
+        args = self.args
+        if not (peer_files_wanted(args.modes.split(","), self.name) and {"B", "W"} <= set(self.servers)):
+            return
+        if self.clock.left() < 60:
+            self.m["peer_files"] = {"error": f"deadline: {self.clock.left():.0f} s left"}
+            return
+        t0 = time.monotonic()
+        shutil.rmtree(self.peer_dir(), ignore_errors=True)
+        try:
+            # the files' hidden size is the served model's (its config.json), not the spec's copy
+            with open(os.path.join(model_path(args, self.name), "config.json")) as f:
+                hidden = json.load(f)["hidden_size"]
+            self.peer_pairs = peerfiles.collect(self.servers["B"], self.servers["W"], self.spec["vocab"], self.rng,
+                                                args.prompt_lens, self.peer_dir(), self.spec["layer_ids"], hidden)
+        except Exception as e:  # noqa: BLE001
+            self.m["peer_files"] = {"error": f"collecting: {type(e).__name__}: {e}"[:500]}
+        for w in ("B", "W"):
+            loadgen.clear_dump_dir(self.dirs[w])
+        self.phase("peer_collect_s", t0)
+
+    def compare_peer_files(self):
+        """Compare the collected files (``python -m bench.peerfiles``, a subprocess: the
+        reference's CUDA memory goes with it), with HF's float32 reference when
+        ``--peer-reference hf`` and the deadline leaves time to load the model."""
+        if not self.peer_pairs:
+            return
+        args, t0 = self.args, time.monotonic()
+        reference = args.peer_reference
+        if reference == "hf" and self.clock.left() < self.reference_s():
+            reference = "none"
+        out = os.path.join(self.peer_dir(), "compared.json")
+        cmd = module_argv("peerfiles", self.peer_pairs, out, "--model-path", model_path(args, self.name),
+                          "--reference", reference)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(),
+                                  timeout=max(20, self.clock.left() - 10))
+            if proc.returncode != 0:
+                raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+            with open(out) as f:
+                self.m["peer_files"] = json.load(f)
+            if reference != args.peer_reference:
+                self.m["peer_files"]["reference_skipped"] = "deadline"
+            print(f"  [{self.name}] files ours vs vLLM: {proc.stdout.strip()}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            self.m["peer_files"] = {"error": f"comparing: {type(e).__name__}: {e}"[:1500]}
+            print(f"  [{self.name}] files ours vs vLLM: ERROR {str(e)[:300]}", flush=True)
+        shutil.rmtree(self.peer_dir(), ignore_errors=True)
+        self.phase("peer_compare_s", t0)
+
+    # the sampled servers and the key of each one's baseline (its peak and growth: the
+    # same with _peak_ and _delta_)
+    SAMPLED = (("B", "rss_baseline_bytes"), ("A", "rss_baseline_bytes_nodump"),
+               ("W", "rss_baseline_bytes_vllm_dump"), ("V", "rss_baseline_bytes_vllm_nodump"))
 
     def start_sampling(self):
         """Memory of server B's process tree from before the warm-up: that is where it
         first allocates its pinned buffers of every size. Server A (same model, no dump) is
         sampled alike; it also serves the JSON cells, so its growth is an upper bound for
-        a plain server's, not a control."""
-        if "B" not in self.servers:
+        a plain server's, not a control. vLLM's servers (W, V) too, when they run."""
+        if not {"B", "W"} & set(self.servers):
             return
         hm = self.m["host_memory"] = {"cap_bytes": self.plan["max_host_mb"] << 20}
         try:
-            for which, key in (("B", "rss_baseline_bytes"), ("A", "rss_baseline_bytes_nodump")):
+            for which, key in self.SAMPLED:
                 if which in self.servers:
                     sampler = loadgen.RssSampler(self.servers[which].proc.pid)
                     hm[key] = sampler.rss()
@@ -169,8 +256,9 @@ class ModelRun:
         mode = cell["mode"]
         try:
             if mode != "nodump_noise":
+                traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
                 return loadgen.run_cell(server, cell, self.spec, self.rng, mode,
-                                        trace_path=self.trace_path if mode in report.DUMP_MODES else None)
+                                        trace_path=self.trace_path if traced else None)
             noise = self.noise_for(cell, noise_rate(self.m["cells"], cell, self.args))
             with noise:
                 r = loadgen.run_cell(server, cell, self.spec, self.rng, mode)
@@ -189,7 +277,7 @@ class ModelRun:
     def run_cell(self, cell):
         args, name, clock = self.args, self.name, self.clock
         label = label_of(name, cell)
-        need = cell["est_s"] * 2 + 15
+        need = cell["est_s"] * 2 + 15 + self.reserve_s()
         if clock.left() < need:
             self.skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
             print(f"  skip {label}: deadline", flush=True)
@@ -248,6 +336,13 @@ class ModelRun:
     def host_memory(self):
         """The writer's host-memory peaks from server B's log (after waiting, with
         ``--writer-log-wait-s``, for its next snapshot line) and the sampled growth."""
+        hm = self.m.get("host_memory")
+        for which, key in self.SAMPLED[2:]:  # vLLM's servers
+            sampler = self.samplers.pop(which, None)
+            if sampler:
+                sampler.__exit__(None, None, None)
+                if sampler.peak:
+                    hm[key.replace("baseline", "delta")] = max(0, sampler.peak - hm[key])
         if "B" not in self.servers:
             return
         hm, b = self.m["host_memory"], self.servers["B"]

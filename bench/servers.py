@@ -13,6 +13,9 @@ and the run's options, and differ only in their last flags:
 - C: plus ``--enable-return-hidden-states``; serves ``json`` with ``--json-server separate``.
 - D: B's flags plus ``--dump-hidden-states-dtype fp8`` (the dtype is per server); serves
   ``dump_fp8``.
+- V and W: the peer, vLLM (``bench.peer``: its own command line and environment, the same
+  model files). V serves ``vllm_nodump``; W, with vLLM's extract_hidden_states and its
+  example connector writing into ``<dump root>/kimi-bench-<model>-vllm``, ``vllm_dump``.
 
 SGLang 0.5.17 captures hidden states (mode FULL) on every forward of a server started
 with --enable-return-hidden-states, whether a request asks for them or not
@@ -23,12 +26,11 @@ server at the cost of a third start-up.
 Starting, waiting and stopping is tests/gpu/server.py's launcher (``launch``,
 ``Server.wait_until``/``wait_healthy``, ``stop_all``), the one the GPU suite uses.
 
-Adding a kind of server (issue 23: vLLM with ``speculative_config={"method":
-"extract_hidden_states"}`` and its example connector writing to /dev/shm, as one more
-mode) is: a ``Kind`` whose ``command`` builds its argv (``vllm serve ... --port P``; the
-launcher only needs ``--port`` and ``/health``), the next ``--ports`` entry, its mode in
-``MODE_SERVER`` and ``plan.GRID_MODES`` (``report.DUMP_MODES`` if it dumps), and in
-``loadgen`` the request that mode sends and where its file is found.
+Adding a kind of server (as V and W were, issue 23) is: a ``Kind`` whose ``command``
+builds its argv (the launcher only needs ``--port`` and ``/health``) and whose ``env``
+gives its environment, the next ``--ports`` entry, its mode in ``MODE_SERVER`` and
+``plan.GRID_MODES`` (``report.DUMP_MODES`` if it dumps), and in ``loadgen`` the request
+that mode sends and where its file is found (``api``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from bench import gpu_suite_module
+from bench import gpu_suite_module, peer
 from bench.models import MODELS, model_path
 
 launcher = gpu_suite_module("server")  # tests/gpu/server.py: one launcher for both
@@ -73,17 +75,26 @@ def _a_flags(args, name, which):
     return ["--enable-return-hidden-states"] if json_on_a else []
 
 
+def vllm_command(args, name, which, extra):
+    """vLLM's argv for server ``which`` of model ``name`` (``bench.peer``)."""
+    return peer.vllm_command(args, name, port_of(args, which), extra)
+
+
 @dataclass(frozen=True)
 class Kind:
     """One kind of server. ``port_index``: its entry of ``--ports``; ``flags(args, name,
     which)``: what follows the shared flags; ``dump_suffix``: its dump directory is
     ``<dump root>/kimi-bench-<model><suffix>`` (None: it does not dump); ``command``: the
-    whole argv (SGLang's by default)."""
+    whole argv (SGLang's by default); ``api``: "sglang" (``/generate``) or "vllm"
+    (``/v1/completions``, ``bench.peer``); ``env``: its extra environment, when it is not
+    ours (ours: ``server_env``)."""
 
     port_index: int
     flags: Callable[..., List[str]]
     dump_suffix: Optional[str] = None
     command: Callable[..., List[str]] = sglang_command
+    api: str = "sglang"
+    env: Optional[Callable[[], dict]] = None
 
 
 KINDS = {
@@ -91,11 +102,15 @@ KINDS = {
     "B": Kind(1, lambda args, name, which: _dump(args, name, which), dump_suffix=""),
     "C": Kind(2, lambda args, name, which: ["--enable-return-hidden-states"]),
     "D": Kind(3, lambda args, name, which: _dump(args, name, which, "fp8"), dump_suffix="-fp8"),
+    "V": Kind(4, lambda args, name, which: [], command=vllm_command, api="vllm", env=peer.vllm_env),
+    "W": Kind(5, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
+              dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
 }
 
 # the server of each mode (json: A, or C with --json-server separate)
 MODE_SERVER = {"nodump": "A", "nodump_noise": "A", "json": "A",
-               "dump": "B", "dump_early": "B", "dump_fp8": "D"}
+               "dump": "B", "dump_early": "B", "dump_fp8": "D",
+               "vllm_nodump": "V", "vllm_dump": "W"}
 
 
 def server_for(args, mode):
@@ -138,10 +153,18 @@ def dump_dir(args, name, which="B"):
     return os.path.join(args.dump_root, f"kimi-bench-{name}{KINDS[which].dump_suffix}")
 
 
+def api_of(which):
+    """How server ``which`` is asked: "sglang" or "vllm" (``Kind.api``)."""
+    return KINDS[which].api
+
+
 def server_env(which, trace_path):
-    """Extra environment of a server: a dumping one logs the writer's counters every 5 s
-    (so the log holds its host-memory peaks without waiting a minute) and, with
-    ``trace_path``, writes stage timestamps there (sglang_ext/trace.py)."""
+    """Extra environment of a server: a kind's own (vLLM's: ``peer.vllm_env``); else a
+    dumping one of ours logs the writer's counters every 5 s (so the log holds its
+    host-memory peaks without waiting a minute) and, with ``trace_path``, writes stage
+    timestamps there (sglang_ext/trace.py)."""
+    if KINDS[which].env:
+        return KINDS[which].env()
     if not dumps(which):
         return None
     env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
@@ -151,7 +174,31 @@ def server_env(which, trace_path):
 
 
 # the log line of a server that has sized its KV cache (or is up): the next may start
-READY_FOR_NEXT = re.compile(r"KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up")
+# (vLLM 0.33: "init engine (profile, create kv cache, warmup model) took ...", v1/engine/core.py)
+READY_FOR_NEXT = re.compile(r"KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up"
+                            r"|init engine \(profile, create kv cache")
+
+
+# With vLLM's servers beside ours the GPU holds up to four model copies: the servers'
+# fractions of its memory (SGLang's --mem-fraction-static, vLLM's
+# --gpu-memory-utilization) must leave room for SGLang's activations and both CUDA contexts.
+MAX_MEMORY_SHARE = 0.9
+
+
+def memory_problem(args, modes):
+    """Why the servers of ``modes`` would not fit on one GPU together (an error message),
+    or None; checked when vLLM's servers are among them."""
+    kinds = sorted({server_for(args, m) for m in modes})
+    if not any(api_of(w) == "vllm" for w in kinds):
+        return None
+    share = {w: peer.gpu_memory_utilization(args) if api_of(w) == "vllm" else args.mem_fraction_static
+             for w in kinds}
+    total = sum(share.values())
+    if total <= MAX_MEMORY_SHARE + 1e-9:
+        return None
+    return (f"servers {', '.join(kinds)} together would take {total:.2f} of the GPU's memory "
+            f"({', '.join(f'{w} {v:g}' for w, v in share.items())}; at most {MAX_MEMORY_SHARE}): "
+            f"lower --mem-fraction-static (0.2 fits four servers) or --vllm-gpu-memory-utilization")
 
 
 def start_pair(specs, started, timeout):

@@ -3,8 +3,10 @@ bench/bench.py's orchestration on a CPU: the same flags, /health and /generate w
 ``input_ids``, and for the modes the benchmark uses:
 
 - ``--dump-hidden-states-dir DIR``: writes one safetensors file per request by hand (an
-  8-byte header length, the JSON header, zero bytes), hidden_states BF16
-  ``[T, len(layers), 64]``, and answers ``meta_info.hidden_states_path``; logs a
+  8-byte header length, the JSON header, the bytes), hidden_states BF16
+  ``[T, len(layers), 64]`` (``hidden_rows``: a value per token id and layer slot, which
+  tests/fake_vllm_server.py writes too; fp8 files hold zeros), and answers
+  ``meta_info.hidden_states_path``; logs a
   'hidden-state dump: {...}' snapshot line as sglang_ext's writer does. A request with
   ``custom_params {"hidden_states_wait": false}`` is answered at once with
   ``hidden_states_pending: true`` while ``<path>.lock`` is held (flock); the file follows
@@ -34,6 +36,21 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 HIDDEN = 64
+
+
+def hidden_rows(ids, slots, hidden=HIDDEN):
+    """The bytes of a BF16 ``[len(ids), slots, hidden]`` block whose row (token t, slot l)
+    holds ``((ids[t] % 61) + 1) * (l + 1) / 64`` (bf16: the float32's upper half)."""
+    rows = {}
+    out = []
+    for t in ids:
+        for sl in range(slots):
+            key = (t % 61, sl)
+            if key not in rows:
+                bits = struct.unpack("<I", struct.pack("<f", (key[0] + 1) * (sl + 1) / 64))[0] >> 16
+                rows[key] = struct.pack("<H", bits) * hidden
+            out.append(rows[key])
+    return b"".join(out)
 
 
 def main():
@@ -84,7 +101,8 @@ def main():
         head["token_ids"] = {"dtype": "I64", "shape": [t], "data_offsets": [hs + sc, hs + sc + 8 * t]}
         header = json.dumps(head).encode()
         with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header + bytes(hs + sc) + struct.pack(f"<{t}q", *ids))
+            data = bytes(hs + sc) if fp8 else hidden_rows(ids, len(layers))
+            f.write(struct.pack("<Q", len(header)) + header + data + struct.pack(f"<{t}q", *ids))
         with lock:
             state["bytes"] += os.path.getsize(path)
             state["peak"] = max(state["peak"], hs)

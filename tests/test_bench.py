@@ -337,15 +337,17 @@ def test_dry_run_prints_the_plan_without_torch():
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     """Every mode has its server (A: nodump, nodump_noise, json shared; B: dump,
-    dump_early; C: json separate; D: dump_fp8); all kinds carry tests/gpu/server.py's
-    shared flags and the run's options, then only what makes the kind; dumping kinds get
-    their own directory and the writer's environment."""
+    dump_early; C: json separate; D: dump_fp8; vLLM's V and W, tests/test_bench_peer.py);
+    all of our kinds carry tests/gpu/server.py's shared flags and the run's options, then
+    only what makes the kind; dumping kinds get their own directory and the writer's
+    environment."""
     from bench import gpu_suite_module, servers
 
     args = _args(["--modes", ",".join(plan.MODES), "--json-server", "separate", "--max-host-mb", "1024",
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4", "--chunked-prefill-size", "512"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
-        "nodump": "A", "nodump_noise": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "C"}
+        "nodump": "A", "nodump_noise": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "C",
+        "vllm_nodump": "V", "vllm_dump": "W"}
     assert servers.server_for(_args([]), "json") == "A"
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABCD"}
     launcher = gpu_suite_module("server")
@@ -508,7 +510,7 @@ def rehearse(tmp_path, *extra):
 
     pytest.importorskip("requests")
     ports = []
-    for _ in range(4):
+    for _ in range(6):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])

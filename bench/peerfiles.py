@@ -1,0 +1,176 @@
+"""Our files and vLLM's for the same prompts, compared (issue 23).
+
+Client side, while the servers are up (``collect``): a few prompts (``prompt_lens``: up
+to two of the run's lengths, and 777 tokens, a multiple of neither vLLM's 16-token blocks
+nor a chunk), each sent once to our dumping server B (``/generate``; the answer waits for
+the file) and once to vLLM's W (``/v1/completions`` with ``return_token_ids``; the client
+waits on the file's lock); both files are copied into a folder of the work directory with
+``pairs.json`` (the prompts, the paths, the layer ids).
+
+After the servers have stopped, so that the GPU is free for the reference:
+``python -m bench.peerfiles PAIRS OUT [--model-path P] [--reference hf|none]``
+(``compare``): per prompt, both files' keys, shapes ``hidden_states [T, L, H]`` and
+``token_ids [T]``, token ids equal to the prompt (and vLLM's echoed
+``prompt_token_ids``), the relative error of vLLM's hidden states against ours, and with
+``--reference hf`` each file's against HF transformers' float32 forward of the same weights
+(tests/gpu/reference.py, the GPU suite's independent reference), all against
+tests/gpu/checks.py's bf16 tolerances. OUT is ``compare``'s dict: the run stores it as
+``models.<m>.peer_files``.
+
+Both engines store the same slots for the same ids (bench/README.md: id k is the residual
+stream entering decoder layer k, id N the stream after the last layer before the final
+norm, in both), so slot i of one file is compared with slot i of the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import List, Optional
+
+from bench import gpu_suite_module, peer
+
+ODD_LEN = 777  # 48 x 16 + 9: ends inside one of vLLM's KV blocks
+
+
+def prompt_lens(run_lens: List[int]) -> List[int]:
+    """The prompts compared: the run's two shortest lengths and ``ODD_LEN``."""
+    return sorted(set(run_lens))[:2] + [ODD_LEN]
+
+
+def collect(ours, vllm, vocab: int, rng, run_lens: List[int], out_dir: str, layer_ids: List[int],
+            hidden_size: int, timeout: float = 300) -> str:
+    """Send each prompt of ``prompt_lens(run_lens)`` to ``ours`` (server B) and ``vllm``
+    (server W; tests/gpu/server.py ``Server``s), copy both files into ``out_dir`` and write
+    ``out_dir/pairs.json``; returns its path. Raises ``requests.HTTPError`` for a failed
+    request, ``KeyError``/``FileNotFoundError`` when an answer names no complete file."""
+    os.makedirs(out_dir, exist_ok=True)
+    pairs = []
+    for i, plen in enumerate(prompt_lens(run_lens)):
+        ids = [rng.randrange(3, vocab) for _ in range(plen)]
+        r = ours.post({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+                      timeout=timeout)
+        r.raise_for_status()
+        ours_path = r.json()["meta_info"]["hidden_states_path"]
+        r = vllm.post(peer.completion_body(ids, token_ids=True), timeout=timeout, path="/v1/completions")
+        r.raise_for_status()
+        body = r.json()
+        vllm_path = peer.file_path(body)
+        if not vllm_path:
+            raise KeyError(f"vLLM's answer names no file: {json.dumps(body)[:300]}")
+        peer.wait_file(vllm_path)
+        if not os.path.exists(vllm_path):
+            raise FileNotFoundError(f"vLLM's file {vllm_path} is missing after its lock was released")
+        pair = {"ids": ids, "ours": os.path.join(out_dir, f"ours-{i}.safetensors"),
+                "vllm": os.path.join(out_dir, f"vllm-{i}.safetensors"),
+                "echoed_ids_equal": body["choices"][0].get("prompt_token_ids") == ids}
+        shutil.copyfile(ours_path, pair["ours"])
+        shutil.copyfile(vllm_path, pair["vllm"])
+        pairs.append(pair)
+    path = os.path.join(out_dir, "pairs.json")
+    with open(path, "w") as f:
+        json.dump({"layer_ids": list(layer_ids), "hidden_size": hidden_size, "pairs": pairs}, f)
+    return path
+
+
+def _load(path: str, ids: List[int], layer_ids: List[int], hidden_size: int, who: str, problems: List[str]):
+    """``hidden_states`` of one file when its keys, shapes and token ids are right, else
+    None (with the reason in ``problems``); and its keys."""
+    from safetensors.torch import load_file
+
+    t = load_file(path)
+    missing = sorted({"hidden_states", "token_ids"} - set(t))
+    if missing:
+        problems.append(f"{who}: no {missing} (keys {sorted(t)})")
+        return None, sorted(t)
+    hs, tok = t["hidden_states"], t["token_ids"]
+    want = (len(ids), len(layer_ids), hidden_size)
+    if tuple(hs.shape) != want:
+        problems.append(f"{who}: hidden_states {tuple(hs.shape)} != {want} (tokens, layer slots, hidden)")
+        return None, sorted(t)
+    got = tok.tolist()
+    if tuple(tok.shape) != (len(ids),) or got != list(ids):
+        first = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(len(got), len(ids)))
+        problems.append(f"{who}: token_ids {tuple(tok.shape)} differ from the prompt's from position {first}")
+    return hs, sorted(t)
+
+
+def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none", device: str = "cuda") -> dict:
+    """Compare the pairs of ``doc`` (``pairs.json``'s content). Returns ``{"prompts",
+    "prompt_lens", "layer_ids", "keys": {"ours", "vllm"}, "ours_vs_vllm", "ours_vs_ref",
+    "vllm_vs_ref" (each ``{"block", "token", "block_where", "token_where", "files"}``:
+    the largest relative errors, ``tests/gpu/checks.Worst``), "tolerance", "reference",
+    "problems", "pass"}``; ``pass`` when every file has the right keys, shapes and token
+    ids and every error is within the tolerances."""
+    checks = gpu_suite_module("checks")
+    refmod = gpu_suite_module("reference")
+    layer_ids, hidden = doc["layer_ids"], doc["hidden_size"]
+    ref = refmod.Reference(model_path, device) if reference == "hf" else None
+    worst = {k: checks.Worst() for k in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref")}
+    problems: List[str] = []
+    keys = {}
+    try:
+        for i, p in enumerate(doc["pairs"]):
+            ids = p["ids"]
+            where = f"prompt {i} ({len(ids)} tokens)"
+            hs = {}
+            for side in ("ours", "vllm"):
+                hs[side], keys[side] = _load(p[side], ids, layer_ids, hidden, f"{where}, {side}", problems)
+            if p.get("echoed_ids_equal") is False:
+                problems.append(f"{where}: vLLM's choices[0].prompt_token_ids differ from the prompt")
+            if hs["ours"] is not None and hs["vllm"] is not None:
+                worst["ours_vs_vllm"].add(refmod.rel_errors(hs["vllm"], hs["ours"].float()), where)
+            if ref is not None:
+                block = ref(ids, layer_ids)  # [T, L, H] float32
+                for side in ("ours", "vllm"):
+                    if hs[side] is not None:
+                        worst[f"{side}_vs_ref"].add(refmod.rel_errors(hs[side], block), where)
+    finally:
+        if ref is not None:
+            ref.close()
+    out = {"prompts": len(doc["pairs"]), "prompt_lens": [len(p["ids"]) for p in doc["pairs"]],
+           "layer_ids": layer_ids, "keys": keys,
+           "tolerance": {"block": checks.TOL_BLOCK, "token": checks.TOL_TOKEN},
+           "reference": f"HF transformers float32 on {device}" if ref is not None else "none"}
+    for key, w in worst.items():
+        if w.files:
+            out[key] = {"block": w.block, "token": w.token, "block_where": w.block_where,
+                        "token_where": w.token_where, "files": w.files}
+            problems += [f"{key}: {x}" for x in w.problems()]
+    out["problems"] = problems
+    out["pass"] = not problems and "ours_vs_vllm" in out
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.peerfiles",
+                                 description="compare our dump files with vLLM's for the same prompts")
+    ap.add_argument("pairs", help="pairs.json written by collect()")
+    ap.add_argument("out", help="where the comparison (JSON) goes")
+    ap.add_argument("--model-path", help="the HF model directory both engines served")
+    ap.add_argument("--reference", choices=["hf", "none"], default="none",
+                    help="hf: also compare each file with HF transformers' float32 forward")
+    ap.add_argument("--device", default="auto", help="the reference's device (auto: cuda when there is one)")
+    args = ap.parse_args(argv)
+    if args.reference == "hf" and not args.model_path:
+        ap.error("--reference hf needs --model-path")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with open(args.pairs) as f:
+        doc = json.load(f)
+    out = compare(doc, args.model_path, args.reference, device)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{out['prompts']} prompts compared: {'PASS' if out['pass'] else 'FAIL'}"
+          + "".join(f"\n  {p}" for p in out["problems"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
