@@ -147,6 +147,9 @@ def build_parser():
                     help="run server B without KIMI_SGLANG_TRACE (no per-stage times)")
     ap.add_argument("--py-spy", type=_labels, default=["512x1", "2048x32"],
                     help="dump cells (PROMPTxCONC) to run again under py-spy; '' for none")
+    ap.add_argument("--py-spy-modes", type=_labels, default=[],
+                    help="modes whose --py-spy cells run again under py-spy, e.g. dump,dump_early "
+                         "(default: dump; with --py-spy-kind wait, nodump and dump)")
     ap.add_argument("--py-spy-kind", choices=["gil", "wait"], default="gil",
                     help="gil: who holds the GIL (--gil, dump cells); wait: how long each thread "
                          "waits for it (--idle --native, no-dump and dump cells)")

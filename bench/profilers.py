@@ -126,10 +126,12 @@ def scheduler_pid(server):
 
 def py_spy_wanted(args, cell, r, clock):
     """Whether the cell just measured (``r``, its result) runs again under py-spy: its
-    shape is in ``--py-spy``, its mode sampled by ``--py-spy-kind`` (gil: dump cells;
-    wait: no-dump too), it did not fail, and the slowed re-run fits before the deadline."""
+    shape is in ``--py-spy``, its mode in ``--py-spy-modes`` (default by ``--py-spy-kind``,
+    gil: dump cells; wait: no-dump too), it did not fail, and the slowed re-run fits
+    before the deadline."""
     label = f"{cell['prompt_len']}x{cell['concurrency']}"
-    sampled = ("dump", "nodump") if args.py_spy_kind == "wait" else ("dump",)
+    sampled = tuple(getattr(args, "py_spy_modes", None) or
+                    (("dump", "nodump") if args.py_spy_kind == "wait" else ("dump",)))
     slowdown = 30 if args.py_spy_kind == "wait" else 2  # blocking sampling: 25-29x (2026-12-01)
     return (cell["mode"] in sampled and label in args.py_spy and not r.get("error")
             and clock.left() > slowdown * r.get("wall_s", 60) + 60)

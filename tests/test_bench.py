@@ -738,3 +738,30 @@ def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):
     assert list(shm.iterdir()) == []  # both dump directories removed
     assert (out / "server-deepseek-tiny-D.log").exists()
     assert "B/token" in proc.stdout
+
+
+def test_py_spy_samples_the_modes_asked():
+    """--py-spy-modes picks the modes re-run under py-spy (dump_early: issue 17's early-answer
+    cells); without it, dump cells (gil) or dump and nodump (wait); never a cell whose
+    shape is not in --py-spy, that failed, or whose slowed re-run would pass the deadline."""
+
+    class Clock:
+        def __init__(self, left):
+            self._left = left
+
+        def left(self):
+            return self._left
+
+    def wanted(argv, mode, shape=(512, 8), r=None, left=1000.0):
+        cell = {"mode": mode, "prompt_len": shape[0], "concurrency": shape[1]}
+        return profilers.py_spy_wanted(_args(argv), cell, r or {"wall_s": 10}, Clock(left))
+
+    assert wanted(["--py-spy", "512x8"], "dump")
+    assert not wanted(["--py-spy", "512x8"], "dump_early")
+    assert not wanted(["--py-spy", "512x8"], "nodump")
+    assert wanted(["--py-spy", "512x8", "--py-spy-kind", "wait"], "nodump")
+    early = ["--py-spy", "512x8", "--py-spy-modes", "dump_early"]
+    assert wanted(early, "dump_early") and not wanted(early, "dump")
+    assert not wanted(early, "dump_early", shape=(2048, 8))
+    assert not wanted(early, "dump_early", r={"wall_s": 10, "error": "x"})
+    assert not wanted(early, "dump_early", left=50.0)
