@@ -53,6 +53,33 @@ def hidden_rows(ids, slots, hidden=HIDDEN):
     return b"".join(out)
 
 
+class JsonHandler(BaseHTTPRequestHandler):
+    """What both fake servers (this one and tests/fake_vllm_server.py) answer alike: HTTP/1.1
+    with TCP_NODELAY, no access log, JSON replies (``reply``), ``GET /health``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        super().setup()
+        # headers and body go out as two writes: without this, Nagle + delayed ACK
+        # add ~40 ms to every response
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, *a):
+        pass
+
+    def reply(self, code, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.reply(200 if self.path == "/health" else 404, {})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
@@ -110,29 +137,7 @@ def main():
                                             "host_bytes_peak": state["peak"]}), flush=True)
         return path
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def setup(self):
-            super().setup()
-            # headers and body go out as two writes: without this, Nagle + delayed ACK
-            # add ~40 ms to every response
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def log_message(self, *a):
-            pass
-
-        def reply(self, code, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self.reply(200 if self.path == "/health" else 404, {})
-
+    class Handler(JsonHandler):
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             if self.path == "/start_profile":

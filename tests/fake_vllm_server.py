@@ -21,14 +21,13 @@ import argparse
 import fcntl
 import json
 import os
-import socket
 import struct
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
-from fake_sglang_server import HIDDEN, hidden_rows
+from fake_sglang_server import HIDDEN, JsonHandler, hidden_rows
 
 
 def main():
@@ -67,27 +66,7 @@ def main():
         threading.Thread(target=later, daemon=True).start()
         return path
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def setup(self):
-            super().setup()
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-        def log_message(self, *a):
-            pass
-
-        def reply(self, code, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self.reply(200 if self.path == "/health" else 404, {})
-
+    class Handler(JsonHandler):
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             if self.path != "/v1/completions":

@@ -502,9 +502,11 @@ def test_short_gpu_name():
     assert cli.short_gpu("NVIDIA RTX PRO 6000 Blackwell Server Edition") == "rtxpro6000"
 
 
-def rehearse(tmp_path, *extra):
-    """bench.py --quick on deepseek-tiny against tests/fake_sglang_server.py; returns
-    (process, out dir, dump root, results JSON path)."""
+def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=()):
+    """bench.py --quick on ``models`` against tests/fake_sglang_server.py (``extra`` may
+    add the fake vLLM: tests/test_bench_peer.py), deadline and process timeout
+    ``timeout`` seconds, without the environment variables ``drop_env``; returns (process,
+    out dir, dump root, results JSON path)."""
     import os
     import socket
 
@@ -517,12 +519,14 @@ def rehearse(tmp_path, *extra):
     out, work, shm = tmp_path / "out", tmp_path / "work", tmp_path / "shm"
     shm.mkdir()
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(BENCH.parent / "tests"), str(BENCH.parent)])}
+    for name in drop_env:
+        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench.py"), "--quick", "--server-module", "fake_sglang_server",
-         "--no-build", "--skip-ceilings", "--models", "deepseek-tiny",
+         "--no-build", "--skip-ceilings", "--models", models,
          "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
-         "--ports", ",".join(map(str, ports)), "--deadline-s", "120", "--case", "rehearsal", *extra],
-        capture_output=True, text=True, timeout=120, env=env)
+         "--ports", ",".join(map(str, ports)), "--deadline-s", str(timeout), "--case", "rehearsal", *extra],
+        capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [res_path] = out.glob("*-rehearsal.json")
     return proc, out, shm, res_path

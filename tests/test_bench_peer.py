@@ -293,32 +293,18 @@ def test_peer_files_compared_with_each_other_and_the_hf_reference(tmp_path):
 
 
 def rehearse_peer(tmp_path, *extra):
-    """bench.py --quick on llama-mid and deepseek-tiny against both fake servers; returns
-    (process, out dir, dump root, results)."""
-    import socket
+    """bench.py --quick on llama-mid and deepseek-tiny against both fake servers
+    (test_bench.rehearse plus the fake vLLM); returns (process, out dir, dump root,
+    results)."""
+    from test_bench import rehearse
 
-    pytest.importorskip("requests")
-    ports = []
-    for _ in range(6):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    out, work, shm = tmp_path / "out", tmp_path / "work", tmp_path / "shm"
-    shm.mkdir()
+    work = tmp_path / "work"
     (work / "llama-mid").mkdir(parents=True)  # what the fakes serve: 64 wide (the files' check reads it)
     (work / "llama-mid" / "config.json").write_text(json.dumps({"hidden_size": 64}))
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
-    env.pop(peer.ENV_PYTHONPATH, None)
-    env.pop(peer.ENV_LD_LIBRARY_PATH, None)
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench.py"), "--quick", "--server-module", "fake_sglang_server",
-         "--vllm-server-module", "fake_vllm_server", "--no-build", "--skip-ceilings",
-         "--models", "llama-mid,deepseek-tiny", "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
-         "--ports", ",".join(map(str, ports)), "--deadline-s", "300", "--case", "rehearsal", "--py-spy", "",
-         "--mem-fraction-static", "0.2", "--peer-reference", "none", *extra],
-        capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    [res_path] = out.glob("*-rehearsal.json")
+    proc, out, shm, res_path = rehearse(
+        tmp_path, "--vllm-server-module", "fake_vllm_server", "--py-spy", "", "--mem-fraction-static", "0.2",
+        "--peer-reference", "none", *extra, models="llama-mid,deepseek-tiny", timeout=300,
+        drop_env=(peer.ENV_PYTHONPATH, peer.ENV_LD_LIBRARY_PATH))
     return proc, out, shm, json.loads(res_path.read_text())
 
 
