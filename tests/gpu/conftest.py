@@ -16,7 +16,6 @@ when fewer GPUs than ``--tp`` are visible.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import shutil
@@ -25,7 +24,7 @@ import pytest
 
 import record
 import tiny_models
-from server import ServerOptions
+from server import ServerOptions, sglang_srt_dir
 from server import start_server as _start_server
 
 MODEL_NAMES = tuple(tiny_models.MODELS)
@@ -78,10 +77,9 @@ def patched_sglang_reason():
     arguments knows --dump-hidden-states-dir: srt/server_args.py up to 0.5.17,
     srt/arg_groups/fields/exec_.py from 0.5.2x), else why not (one sentence). Reads source
     files only: importing SGLang here would be slow and could touch CUDA."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
+    srt = sglang_srt_dir()
+    if srt is None:
         return "SGLang is not importable (pip install sglang==<the series' base version>)"
-    srt = os.path.join(list(spec.submodule_search_locations)[0], "srt")
     candidates = [os.path.join(srt, "arg_groups", "fields", "exec_.py"), os.path.join(srt, "server_args.py")]
     found = [c for c in candidates if os.path.exists(c)]
     if not found:

@@ -62,17 +62,25 @@ def base_command(module: str, model_path: str, port: int, mem_fraction: float = 
             "--port", str(port), "--mem-fraction-static", str(mem_fraction)]
 
 
+def sglang_srt_dir() -> Optional[str]:
+    """The installed SGLang's ``srt`` folder, found without importing SGLang (slow, and it
+    may touch CUDA); None when SGLang is not importable."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "srt")
+
+
 def cuda_graph_max_bs_flags(n: int) -> List[str]:
     """``--cuda-graph-max-bs N`` as the installed SGLang spells it: 0.5.22 split it into
     ``--cuda-graph-max-bs-decode`` and ``-prefill`` (defined in
     sglang/srt/arg_groups/cuda_graph_hook.py, which 0.5.17 lacks), and argparse then
     rejects the old name as an ambiguous prefix. Without an importable SGLang (the CPU
     tests' fake server): the old name."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("sglang")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    split = any(os.path.exists(os.path.join(r, "srt", "arg_groups", "cuda_graph_hook.py")) for r in roots)
+    srt = sglang_srt_dir()
+    split = srt is not None and os.path.exists(os.path.join(srt, "arg_groups", "cuda_graph_hook.py"))
     return ["--cuda-graph-max-bs-decode" if split else "--cuda-graph-max-bs", str(n)]
 
 
