@@ -192,6 +192,7 @@ def sglang_checks():
     imports(["sgl_kernel", "flashinfer", "sglang.launch_server", "sglang.srt.managers.scheduler",
              "sglang.srt.model_executor.model_runner", "sglang.srt.models.llama",
              "sglang.srt.models.deepseek_v2", "sglang.srt.models.kimi_k25",
+             "sglang.kernels.ops.gemm.cutedsl_dual_gemm",
              "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.moe.fused_moe_triton",
              "sglang.srt.entrypoints.http_server", "sglang_ext.hooks"])
 
