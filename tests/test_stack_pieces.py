@@ -236,6 +236,29 @@ def test_env_puts_nccl_then_torch_first_and_vllm_before_the_sglang_site(tmp_path
         f"{tmp_path}/stack-sgl:/x"
 
 
+def test_env_adds_what_a_sites_pth_files_add(tmp_path):
+    """pip --target leaves .pth files unprocessed: the env lists what they add, as the
+    cutlass DSL's (an `import` line that inserts its dsl_packages folder) does under Python."""
+    sgl = tmp_path / "stack-sgl"
+    (sgl / "fakedsl" / "dsl_packages" / "fakecute").mkdir(parents=True)
+    (sgl / "fakedsl" / "__init__.py").write_text("")
+    (sgl / "fakedsl" / "dsl_packages" / "fakecute" / "__init__.py").write_text("X = 7\n")
+    (sgl / "fakedsl.pth").write_text("import sys, os, fakedsl; sys.path.insert(0, os.path.join("
+                                     "fakedsl.__path__[0], 'dsl_packages'))")
+    (sgl / "plain.pth").write_text("# a comment\nextra_dir\n")
+    (sgl / "extra_dir").mkdir()
+    assert sorted(sp.pth_dirs(str(sgl))) == [str(sgl / "extra_dir"), str(sgl / "fakedsl" / "dsl_packages")]
+    assert sp.pth_dirs(str(tmp_path / "stack-torch")) == []
+    r = subprocess.run(["bash", "-c", f'eval "$(bash {SCRIPT} env sglang)"; '
+                        f'{sys.executable} -c "import fakecute; print(fakecute.X)"'],
+                       env={**os.environ, "KIMI_STACK_ROOT": str(tmp_path), "PYTHONPATH": ""},
+                       capture_output=True, text=True)
+    assert r.stdout.strip() == "7", r.stderr
+    (sgl / "broken.pth").write_text("import no_such_module_here\n")
+    with pytest.raises(sp.StackError, match="broken|no_such_module_here"):
+        sp.pth_dirs(str(sgl))
+
+
 def test_prepare_run_picks_the_stack_only_for_the_series_of_its_release(tmp_path):
     """stage.sh's prepare_run takes the stack's path when KIMI_SGLANG_SERIES names the
     series whose base release the staged stack holds; its helpers, sourced as run_e2e.sh does."""

@@ -423,6 +423,23 @@ def merge_tree(src, dst):
 
 # --- there: the environment of a stack ------------------------------------------------------
 
+def pth_dirs(site_dir):
+    """The folders that ``site_dir``'s .pth files would add to sys.path. ``pip install
+    --target`` leaves .pth files unprocessed (only site-packages folders are scanned at
+    start-up, PYTHONPATH entries are not), so the environment lists them itself: e.g.
+    nvidia-cutlass-dsl's ``import nvidia_cutlass_dsl; sys.path.insert(0, .../dsl_packages)``,
+    without which ``import cutlass.cute`` fails. Runs the .pth lines as Python does
+    (``site.addsitedir``), in a child process so this one's sys.path stays as it was."""
+    if not os.path.isdir(site_dir) or not any(n.endswith(".pth") for n in os.listdir(site_dir)):
+        return []
+    code = ("import sys, site; before = list(sys.path); site.addsitedir(sys.argv[1]); "
+            "print('\\n'.join(p for p in sys.path if p not in before and p != sys.argv[1]))")
+    r = subprocess.run([sys.executable, "-c", code, site_dir], capture_output=True, text=True)
+    if r.returncode != 0 or "Error processing line" in r.stderr:  # site reports, never raises
+        raise StackError(f"{site_dir}: its .pth files failed: {r.stderr.strip()}")
+    return [line for line in r.stdout.splitlines() if line]
+
+
 def env_lines(stack, root=None):
     """Shell lines that put a staged stack first: NCCL's site, torch's, then the stack's
     own (vLLM's before SGLang's site, whose shared dependencies it reuses)."""
@@ -437,6 +454,7 @@ def env_lines(stack, root=None):
         path += [t["vllm"], t["sgl"]]
     else:
         raise SystemExit("env: sglang or vllm")
+    path += [d for site in list(path) for d in pth_dirs(site)]
     lines = [f'export PYTHONPATH="{":".join(path)}${{PYTHONPATH:+:$PYTHONPATH}}"',
              f'export LD_LIBRARY_PATH="{t["nccl"]}/nvidia/nccl/lib${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"',
              f'export PATH="{path[-1]}/bin:$PATH"' if stack == "sglang" else

@@ -59,10 +59,14 @@ build() {
     compressed-tensors==0.18.0 dill==0.4.1 gguf==0.19.0 jsonschema==4.26.0 \
     jsonschema-specifications==2025.9.1 loguru==0.7.3 pycparser==3.12 referencing==0.37.0 \
     rpds-py==2026.9.1 soundfile==0.13.1 xgrammar==0.2.7 quack-kernels==0.6.5 \
-    nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-cu13==4.8.0
+    nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-cu13==4.8.0 \
+    nvidia-cutlass-dsl-libs-core==4.8.0 torch-c-dlpack-ext
   # (cutlass DSL: imported on CUDA when a Llama layer is built, by sglang/srt/layers/dual_gemm.py
   # -> sglang/kernels/ops/gemm/cutedsl_dual_gemm.py; seen missing on the H200 on 2026-12-01.
-  # SGLang pins nvidia-cutlass-dsl[cu13]: the cu13 libraries only, not the default cu12 ones)
+  # SGLang pins nvidia-cutlass-dsl[cu13]: the cu13 libraries only, not the default cu12 ones.
+  # libs-base's own dependency libs-core holds the Python package (cutlass.cute); libs-base
+  # only its MLIR bindings. quack-kernels wants torch-c-dlpack-ext. The image has
+  # cuda-bindings, protobuf and einops.)
   # --- vllm: vLLM 0.33.0 and what `vllm serve` with extract_hidden_states and
   # ExampleHiddenStatesConnector imports beyond the image and the sglang set (which it
   # reuses: vLLM's site comes first), versions as vLLM pins them where the sglang set's differ
