@@ -219,13 +219,13 @@ def test_build_sh_docker_build_argv(fake_docker):
     assert build_argv_pairs(argv, "--platform") == ["linux/amd64"]
     assert build_argv_pairs(argv, "--network") == ["none"]  # hermetic: no RUN step has a network
     default = default_series()  # what build.sh picks without --base
-    assert default == "v0.5.17"  # v0.5.23 is newer but apply-checked only
-    assert (f"build.sh: no --base: building {default}, the newest GPU-verified series "
-            "(newer, not GPU-verified: v0.5.23; --base builds one)") in r.stderr
+    assert default == "v0.5.23"  # the newest series, GPU-verified since 2026-12-01
+    assert f"build.sh: no --base: building {default}, the newest GPU-verified series" in r.stderr
+    assert "not GPU-verified" not in r.stderr
     assert "warning" not in r.stderr
     meta = base_toml(default)
     args = dict(a.split("=", 1) for a in build_argv_pairs(argv, "--build-arg"))
-    assert args["BASE_IMAGE"] == meta["base"]["image"] == "lmsysorg/sglang:v0.5.17-cu130"
+    assert args["BASE_IMAGE"] == meta["base"]["image"] == "lmsysorg/sglang:v0.5.23-cu130"
     assert args["SGLANG_VERSION"] == meta["base"]["version"]
     assert args["BASE_GIT_TAG"] == meta["base"]["git_tag"]
     assert args["SERIES_VERSION"] == str(meta["series"]["version"])

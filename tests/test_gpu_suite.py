@@ -308,7 +308,19 @@ def test_kimi_is_the_deepseek_text_model_plus_a_vision_tower(tiny_models_built):
 
 
 # ---- the server: command line and lifecycle ---------------------------------------------
-def test_server_command_lines(tmp_path):
+def test_cuda_graph_max_bs_is_spelled_as_the_installed_sglang_does(tmp_path, monkeypatch):
+    """0.5.22+ split the flag (argparse rejects the old name there as an ambiguous prefix)."""
+    monkeypatch.setattr(gpu_server, "sglang_srt_dir", lambda: str(tmp_path / "srt"))
+    assert gpu_server.cuda_graph_max_bs_flags(8) == ["--cuda-graph-max-bs", "8"]  # 0.5.17's tree
+    (tmp_path / "srt" / "arg_groups").mkdir(parents=True)
+    (tmp_path / "srt" / "arg_groups" / "cuda_graph_hook.py").write_text("")
+    assert gpu_server.cuda_graph_max_bs_flags(8) == ["--cuda-graph-max-bs-decode", "8"]
+    monkeypatch.setattr(gpu_server, "sglang_srt_dir", lambda: None)  # no SGLang: the old name
+    assert gpu_server.cuda_graph_max_bs_flags(8) == ["--cuda-graph-max-bs", "8"]
+
+
+def test_server_command_lines(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_server, "sglang_srt_dir", lambda: None)  # spelling: the test above
     with_tok, no_tok = tmp_path / "llama", tmp_path / "ds"
     with_tok.mkdir()
     no_tok.mkdir()

@@ -185,12 +185,22 @@ def _digest(*parts: bytes) -> str:
 
 
 @pytest.fixture(scope="session")
+def wheel():
+    """SERIES' pinned SGLang wheel, sha256-verified (cached between runs; here it shadows
+    conftest's fixture of the patch tests' fixed 0.5.17 wheel)."""
+    from conftest import WHEEL_CACHE, fetch_wheel_or_skip
+
+    from sglang_ext.patchtool.series import load_series
+
+    base = load_series(REPO / "patches" / SERIES).base
+    return fetch_wheel_or_skip(base.version, base, WHEEL_CACHE)
+
+
+@pytest.fixture(scope="session")
 def standin(engine, wheel, tmp_path_factory) -> str:
     """Tag of the stand-in base image (made once per rootfs recipe + wheel + Dockerfile)."""
     assert "-cp311-" in wheel.path.name, f"{wheel.path.name}: the stand-in's Python is 3.11"
-    assert wheel.version == BASE_TOML["base"]["version"], (
-        f"conftest's wheel fixture is sglang {wheel.version}; {SERIES} pins "
-        f"{BASE_TOML['base']['version']}: move tests/conftest.py's SERIES_DIR with the verified series")
+    assert wheel.version == BASE_TOML["base"]["version"]
     rootfs = f"{TEST_NAME}-rootfs:{ROOTFS_SUITE}-{_digest(ROOTFS_PACKAGES.encode())}"
     if not engine.has_image(rootfs):
         if not shutil.which("mmdebstrap"):
