@@ -298,6 +298,29 @@ def vllm_checks():
         return (f"{cfg.speculative_config.method}, {cls.__name__}, attention {cfg.attention_config.backend}, "
                 f"{len(app.routes)} routes")
 
+    @check("bench's vLLM command lines (servers V and W) parse and validate")
+    def _():
+        from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        from bench import cli, servers
+        root = tempfile.mkdtemp()
+        args = cli.build_parser().parse_args(["--models", "llama-mid", "--modes", "vllm_nodump,vllm_dump",
+                                              "--dump-root", root])
+        seen = []
+        for which in ("V", "W"):
+            cmd = servers.server_cmd(args, "llama-mid", which)
+            parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:])  # after python -m MOD
+            validate_parsed_serve_args(parsed)
+            seen.append(f"{which}: {len(cmd) - 3} args")
+        spec, kv = parsed.speculative_config, parsed.kv_transfer_config
+        spec = spec if isinstance(spec, dict) else vars(spec)
+        kv = kv.model_dump() if hasattr(kv, "model_dump") else (kv if isinstance(kv, dict) else vars(kv))
+        assert spec["method"] == "extract_hidden_states", spec
+        assert kv["kv_connector"] == "ExampleHiddenStatesConnector", kv
+        assert kv["kv_connector_extra_config"]["shared_storage_path"] == servers.dump_dir(args, "llama-mid", "W")
+        return ", ".join(seen)
+
 
 def main():
     stack = sys.argv[1] if len(sys.argv) > 1 else "sglang"
