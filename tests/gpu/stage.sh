@@ -1,8 +1,9 @@
 # shellcheck shell=bash
 # Sourced by tests/gpu/run_e2e.sh and bench/run_bench.sh: the staged SGLang on the device
-# host (../shared/gpu-lab recipe; the release of the newest GPU-verified series, see
-# `python3 -m sglang_ext patches list`), installed one carried folder per call, then that
-# series applied with the project's own tool. KIMI_SGLANG_SERIES=vX.Y.Z applies another.
+# host, installed one carried folder per call (../shared/gpu-lab recipe: a release that
+# runs on the image's own torch), then the series made for that release applied with the
+# project's own tool. KIMI_SGLANG_SERIES=vX.Y.Z names another series; naming the release
+# of the stack tests/gpu/stage-stack.sh staged (with its newer torch) switches to it.
 install_folder() {  # install .whl/$1 into /tmp/site-$1 once per machine
   if [ -f "/tmp/site-$1/.kimi-installed" ]; then echo "site-$1 already installed"; return; fi
   bash .whl/install.sh .whl "$1"
@@ -46,10 +47,9 @@ prepare_run() {  # last folder, environment, series; then print the GPU
   export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD:/tmp/site-d"
   export PATH="$PATH:/tmp/site-d/bin"
   export PYTHONUNBUFFERED=1
-  local series=${KIMI_SGLANG_SERIES:-}
-  if [ -z "$series" ]; then
-    series=$(python3 -m sglang_ext patches list --status gpu-verified --newest --names)
-  fi
+  # Without KIMI_SGLANG_SERIES: the series made for the staged release (.whl's SGLang),
+  # which need not be the newest gpu-verified one.
+  local series=${KIMI_SGLANG_SERIES:-v$(python3 -c 'import importlib.metadata as m; print(m.version("sglang"))')}
   python3 -m sglang_ext patches list | awk -v s="$series" '$1 == s { print "series: " $0 }'
   python3 -m sglang_ext patches apply --series "patches/$series" --site-packages
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
