@@ -80,6 +80,8 @@ done
 # The series' status and base.toml are read by the project's own patch tooling
 # (sglang_ext/patchtool/series.py; Python 3.11+ for tomllib).
 py=${PYTHON:-python3}
+"$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+    || die "needs Python 3.11+ (tomllib) to read base.toml; '$py' is not (set PYTHON=python3.11 or newer)"
 series_py() { KIMI_SGLANG_PATCHES="$root/patches" PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" "$@"; }
 known=$(find patches -mindepth 1 -maxdepth 1 -type d -name 'v*' -printf '%f ' 2>/dev/null)
 known=${known% }

@@ -63,6 +63,10 @@ def _wheel_from_args(args: argparse.Namespace) -> WheelInfo:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
+    if not known_series():
+        raise SeriesError(f"no patch series under {default_patches_root()} (a folder v<release> "
+                          "holding a `series` file): run from a clone of the repository, or set "
+                          "KIMI_SGLANG_PATCHES to its patches/ folder")
     if args.newest:
         dirs = [newest_series(args.status)]
     else:

@@ -481,3 +481,19 @@ def test_apply_series_fails_clearly_without_sglang(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True,
     )
     assert r.returncode != 0 and "sglang is not importable" in r.stderr
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/python3", "python3.10"])
+def test_build_without_python_311_says_so_and_nothing_else(fake_docker, python):
+    """build.sh reads base.toml with Python 3.11's tomllib: an unusable $PYTHON is named
+    once, up front, not followed by a false 'no GPU-verified series'."""
+    bin_dir, log = fake_docker
+    if python == "python3.10" and not shutil.which("python3.10"):
+        py310 = sorted(Path.home().glob(".pyenv/versions/3.10.*/bin/python3.10"))
+        if not py310:
+            pytest.skip("no Python 3.10 here")
+        python = str(py310[-1])
+    r = run_build([], bin_dir, env_extra={"PYTHON": python})
+    assert r.returncode != 0
+    assert f"needs Python 3.11+ (tomllib) to read base.toml; '{python}' is not" in r.stderr
+    assert "GPU-verified" not in r.stderr and "Traceback" not in r.stderr

@@ -498,3 +498,31 @@ def test_rebase_onto_neighbour_stops_on_conflict(capsys, pristine, neighbour_whe
     assert "git rebase --continue" in out
     git(co, "rebase", "--abort")
     assert git(co, "rev-parse", "HEAD").stdout == head
+
+
+def test_a_downloaded_wheel_the_pins_refuse_is_not_cached(tmp_path, monkeypatch, series):
+    """pip picks the wheel of the running Python; when base.toml does not pin that file
+    the download is refused and removed, so the next run downloads again (a cached refused
+    wheel would fail every later run the same way). A pinned download is kept."""
+    import subprocess as sp
+
+    from sglang_ext.patchtool import wheel as wheel_mod
+    from sglang_ext.patchtool.wheel import WheelError, fetch_wheel
+
+    payload = b"not the pinned bytes"
+    calls = []
+
+    def fake_pip(cmd, **kw):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        (dest / f"sglang-{series.base.version}-cp399-cp399-manylinux_2_34_x86_64.whl").write_bytes(payload)
+        return sp.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(wheel_mod.subprocess, "run", fake_pip)
+    for _ in range(2):
+        with pytest.raises(WheelError, match="pins sglang .* but not this file"):
+            fetch_wheel(series.base.version, series.base, tmp_path)
+        assert list((tmp_path / "wheels").iterdir()) == []  # neither the wheel nor the temp dir
+    assert len(calls) == 2  # downloaded again: nothing refused was cached
+    unpinned = fetch_wheel(series.base.version, None, tmp_path)  # nothing pins: kept
+    assert not unpinned.pinned and unpinned.path.parent == tmp_path / "wheels" and unpinned.path.read_bytes() == payload

@@ -99,3 +99,13 @@ def test_scripts_name_no_series():
     found = [f"{s}:{i}: {line.strip()}" for s in SCRIPTS
              for i, line in enumerate((REPO / s).read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+def test_list_without_any_series_is_an_error_not_silence(tmp_path, monkeypatch, capsys):
+    """A user outside a clone (or with KIMI_SGLANG_PATCHES mistyped) gets told why the
+    list is empty, exit 2, instead of an empty list and exit 0."""
+    monkeypatch.setenv("KIMI_SGLANG_PATCHES", str(tmp_path / "nowhere"))
+    assert main(["patches", "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no patch series under ") and "KIMI_SGLANG_PATCHES" in err
+    assert "Traceback" not in err

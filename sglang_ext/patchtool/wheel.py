@@ -96,17 +96,27 @@ def fetch_wheel(version: str, base: Base | None, cache: Path | None = None) -> W
     cached = sorted(wheels.glob(f"sglang-{version}-*.whl"))
     if base is not None and base.version == version and base.wheels:
         cached = [w for w in cached if w.name in base.wheels] or cached
-    if not cached:
+    if cached:
+        return verify_wheel(cached[0], base)
+    # Downloaded beside the cache and moved in only once verified: a wheel the pins refuse
+    # (e.g. another Python's) must not stay cached and fail every later run the same way.
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=wheels))
+    try:
         cmd = [sys.executable, "-m", "pip", "download", f"sglang=={version}",
                "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-q", "-d", str(wheels)]
+               "-q", "-d", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise WheelError(f"pip download sglang=={version} failed:\n{proc.stderr.strip()}")
-        cached = sorted(wheels.glob(f"sglang-{version}-*.whl"))
-        if not cached:
-            raise WheelError(f"pip download sglang=={version} left no wheel in {wheels}")
-    return verify_wheel(cached[0], base)
+        got = sorted(tmp.glob(f"sglang-{version}-*.whl"))
+        if not got:
+            raise WheelError(f"pip download sglang=={version} left no wheel in {tmp}")
+        verify_wheel(got[0], base)
+        final = wheels / got[0].name
+        os.replace(got[0], final)
+        return verify_wheel(final, base)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def extract_sources(wheel: Path, dest: Path) -> int:
