@@ -53,6 +53,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
+from urllib.parse import urlsplit
 
 from sglang_ext import format as fmt
 from sglang_ext.pending import PendingFiles
@@ -92,8 +93,12 @@ def _ids_from_row(row: Dict[str, Any], where: str, tokenizer) -> List[int]:
     elif row.get("messages") is not None:
         if tokenizer is None:
             raise DataError(f"{where} has messages but no --tokenizer was given")
-        text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        except Exception as e:  # noqa: BLE001 - no chat template, messages of the wrong shape
+            raise DataError(f"{where}: --tokenizer cannot turn its messages into tokens "
+                            f"({type(e).__name__}: {_one_line(e)})") from None
     else:
         raise DataError(f"{where} has neither input_ids nor messages")
     if not ids:
@@ -178,9 +183,16 @@ def count_rows(path: str) -> int:
     return sum(1 for _, line in _jsonl_lines(path) if line.strip())
 
 
+def _one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line, cut to ``limit`` characters."""
+    line = " ".join(str(e).split())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 def load_tokenizer(path: Optional[str]):
     """``transformers.AutoTokenizer`` from ``path`` (None for no path). Raises ``DataError``
-    when transformers is not installed."""
+    (one sentence naming the path) when transformers is not installed, ``path`` does not
+    exist (and is no Hugging Face Hub id transformers can load) or holds no tokenizer."""
     if not path:
         return None
     try:
@@ -188,8 +200,33 @@ def load_tokenizer(path: Optional[str]):
     except ImportError:
         raise DataError(f"--tokenizer {path} needs transformers, which is not installed here "
                         f"(pip install transformers)") from None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, ... here
+        if not os.path.exists(path):
+            raise DataError(f"--tokenizer {path} does not exist: pass the folder holding the "
+                            f"tokenizer's files (e.g. the model's checkpoint folder)") from None
+        raise DataError(f"--tokenizer {path}: transformers cannot load a tokenizer from it "
+                        f"({type(e).__name__}: {_one_line(e)})") from None
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+
+def endpoint_error(url: str) -> Optional[str]:
+    """Why ``--endpoint`` is not a usable base URL (one sentence), or None: it must be
+    http(s), parse, name a host and, if it names a port, one in 1..65535."""
+    if not url.startswith(("http://", "https://")):
+        return f"--endpoint {url} must start with http:// or https://"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number, or above 65535
+    except ValueError as e:
+        return (f"--endpoint {url} is not a valid URL ({e}): pass the server's base URL, "
+                f"e.g. http://127.0.0.1:30000")
+    if not parts.hostname:
+        return (f"--endpoint {url} names no host: pass the server's base URL, "
+                f"e.g. http://127.0.0.1:30000")
+    if port is not None and not 1 <= port <= 65535:
+        return f"--endpoint {url} has port {port}: a port is a number from 1 to 65535"
+    return None
 
 
 # ---- files ----------------------------------------------------------------------------
@@ -612,9 +649,9 @@ def main(args) -> int:
         print(f"error: --timeout {args.timeout} must be a positive number of seconds",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    if not args.endpoint.startswith(("http://", "https://")):
-        print(f"error: --endpoint {args.endpoint} must start with http:// or https://",
-              file=sys.stderr)
+    bad_endpoint = endpoint_error(args.endpoint)
+    if bad_endpoint:
+        print(f"error: {bad_endpoint}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if not os.path.exists(args.data):
         print(f"error: --data {args.data} does not exist", file=sys.stderr)

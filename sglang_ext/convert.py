@@ -41,9 +41,11 @@ DST to redo them).
 
 Exit status: 0 every record written or already there, 1 a file could not be converted,
 2 bad input (SRC without hs_<i> files, DST not a directory, a model folder without
-config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, loss
-masks missing for some rows or given for rows whose ``input_ids`` differ from the file's
-``token_ids``, torch not installed), each with one sentence on stderr.
+config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
+``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
+rows whose ``input_ids`` differ from the file's ``token_ids``, torch not installed), each
+with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
+safetensors file).
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ def load_loss_masks(data: str, indices: Sequence[int],
                                                            else ids), token_ids[index])
     except DataError as e:
         raise ConvertError(f"--loss-mask-from: {e}") from None
+    except OSError as e:
+        raise ConvertError(f"--loss-mask-from {data}: cannot read it ({e.strerror or e})") from None
     if indices and max(indices) >= n_rows:
         raise ConvertError(
             f"--loss-mask-from {data} has {n_rows} row(s), but SRC holds hs_{max(indices)}: it "
@@ -233,7 +237,14 @@ def _require_same_ids(data: str, where: str, index: int, row_ids: list, file_ids
 def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str, object]:
     import torch
 
-    rec = fmt.load(path, dequantize=torch.bfloat16)  # fp8 files: fp8 * scale, as FP8Transfer
+    from safetensors import SafetensorError
+
+    try:
+        rec = fmt.load(path, dequantize=torch.bfloat16)  # fp8 files: fp8 * scale, as FP8Transfer
+    except SafetensorError as e:  # a truncated or foreign file
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConvertError(f"{path} is not a readable safetensors file ({detail}); run extract "
+                           f"again with the same --out to replace it") from None
     hs, ids = rec.hidden_states, rec.token_ids
     if hs.shape[1] < 2:
         raise ConvertError(f"{path}: {hs.shape[1]} layer slot(s); need aux layers plus the last")
@@ -300,6 +311,10 @@ def main(args) -> int:
     if os.path.exists(args.dst) and not os.path.isdir(args.dst):
         print(f"error: DST {args.dst} exists and is not a directory", file=sys.stderr)
         return 2
+    if args.loss_mask_from and not os.path.exists(args.loss_mask_from):
+        print(f"error: --loss-mask-from {args.loss_mask_from} does not exist (pass the DATA "
+              f"given to extract)", file=sys.stderr)
+        return 2
     try:
         headers = (read_file_headers(args.src, indices)
                    if args.model or args.loss_mask_from else {})
@@ -320,6 +335,7 @@ def main(args) -> int:
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    made_dst = not os.path.isdir(args.dst)
     try:
         os.makedirs(args.dst, exist_ok=True)
     except OSError as e:
@@ -339,6 +355,8 @@ def main(args) -> int:
             written += 1
     except (ConvertError, fmt.DumpFormatError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if made_dst and not written:
+            _remove_empty_dirs(args.dst)  # nothing converted: leave no empty DST behind
         return 1
     if skipped:
         print(f"note: {skipped} record(s) already in {args.dst} were kept as they are, not "
@@ -348,6 +366,18 @@ def main(args) -> int:
                       "loss_mask": "from " + args.loss_mask_from if args.loss_mask_from else "all ones",
                       "final_norm": "applied" if norm is not None else "not applied"}))
     return 0
+
+
+def _remove_empty_dirs(dst: str) -> None:
+    """Remove DST and its ``rows_*`` folders if they hold no file (best effort)."""
+    try:
+        for name in os.listdir(dst):
+            path = os.path.join(dst, name)
+            if os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        os.rmdir(dst)  # fails, as intended, when something is left in it
+    except OSError:
+        pass
 
 
 def add_parser(subparsers) -> None:

@@ -455,6 +455,27 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(server, tmp_path, va
     assert server.requests == 0 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("endpoint, reason", [
+    ("http://", "names no host"),
+    ("http://:30000", "names no host"),
+    ("http://127.0.0.1:99999", "is not a valid URL (Port out of range 0-65535)"),
+    ("http://127.0.0.1:0", "has port 0: a port is a number from 1 to 65535"),
+    ("http://127.0.0.1:port", "is not a valid URL (Port could not be cast to integer value"),
+    ("http://[::1", "is not a valid URL (Invalid IPv6 URL)"),
+    ("ftp://127.0.0.1:30000", "must start with http:// or https://"),
+])
+def test_a_malformed_endpoint_is_refused_at_once(tmp_path, endpoint, reason):
+    """Refused before any try (no retries, no 36 s of backoff, no journal in --out)."""
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    t0 = time.monotonic()
+    r = cli("extract", "--endpoint", endpoint, "--data", path, "--out", tmp_path / "out",
+            "--no-progress")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --endpoint {endpoint} {reason}"), r.stderr
+    assert time.monotonic() - t0 < 20 and not (tmp_path / "out").exists()
+
+
 def test_data_that_is_not_utf8_names_the_byte(server, tmp_path):
     path = tmp_path / "latin1.jsonl"
     good = b'{"input_ids": [1, 2]}\n'
@@ -536,6 +557,17 @@ def _src_with(tmp_path, n=2, ids=(1, 2, 3)):
     for i in range(n):
         write_file(str(src / f"hs_{i}.safetensors"), list(ids))  # metadata num_layers "4"
     return src
+
+
+def test_convert_loss_masks_from_a_missing_file_is_one_sentence(tmp_path):
+    src = _src_with(tmp_path, n=1)
+    missing = tmp_path / "nonexistent.jsonl"
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+            "--loss-mask-from", missing)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"error: --loss-mask-from {missing} does not exist (pass the "
+                                f"DATA given to extract)")
+    assert not (tmp_path / "dst").exists()
 
 
 def test_convert_refuses_loss_masks_of_other_prompts(tmp_path):

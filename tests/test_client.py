@@ -648,6 +648,45 @@ def test_messages_rows_go_through_the_chat_template(server, tmp_path):
     assert_file(out / "hs_1.safetensors", [6, 1, 4])
 
 
+def _word_tokenizer(path, chat_template=None):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0, "user": 1, "hi": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_one_sentence_before_anything_is_sent(
+        server, tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (tmp_path / "empty").mkdir()
+    for tok in (tmp_path / "nonexistent", tmp_path / "empty"):
+        capsys.readouterr()
+        assert extract(server, path, tmp_path / "out", "--tokenizer", tok) == client.EXIT_BAD_INPUT
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        if tok.name == "nonexistent":
+            assert err == (f"error: --tokenizer {tok} does not exist: pass the folder holding "
+                           f"the tokenizer's files (e.g. the model's checkpoint folder)")
+        else:
+            assert err.startswith(f"error: --tokenizer {tok}: transformers cannot load a "
+                                  f"tokenizer from it ("), err
+        assert server.counts == {} and not (tmp_path / "out").exists()
+    # one that loads but has no chat template: the row is named, exit 2, no traceback
+    _word_tokenizer(tmp_path / "tok")
+    assert extract(server, path, tmp_path / "out", "--tokenizer", tmp_path / "tok") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: row 0 (line 1 of m.jsonl): --tokenizer cannot turn its "
+                          "messages into tokens (ValueError: "), err
+    assert len(err.splitlines()) == 1 and server.counts == {}
+
+
 def test_out_that_is_a_file_is_bad_input(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"input_ids": [1, 2]}\n')
@@ -683,6 +722,32 @@ def test_endpoint_without_a_scheme_is_bad_input(tmp_path, capsys):
                "--out", str(tmp_path / "out"), "--no-progress"])
     assert rc == client.EXIT_BAD_INPUT
     assert "must start with http:// or https://" in capsys.readouterr().err
+
+
+def test_convert_names_a_corrupt_file_and_leaves_no_empty_dst(tmp_path, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    (src / "hs_0.safetensors").write_bytes(b"xx")
+    from sglang_ext.__main__ import main
+
+    dst = tmp_path / "dst"
+    assert main(["convert", "--to", "specforge", str(src), str(dst), "--no-final-norm"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {src / 'hs_0.safetensors'} is not a readable safetensors file (Error "
+                   f"while deserializing header: header too small); run extract again with the "
+                   f"same --out to replace it")
+    assert not dst.exists()
+    # the good files before it are converted and kept (a rerun resumes); the bad one is named
+    ids = [4, 5, 6]
+    meta = fmt.build_metadata(rid="r", layer_ids=LAYERS, num_layers=NUM_LAYERS)
+    os.rename(src / "hs_0.safetensors", src / "hs_1.safetensors")
+    save_file({"hidden_states": reference(ids), "token_ids": torch.tensor(ids)},
+              str(src / "hs_0.safetensors"), metadata=meta)
+    masks = write_jsonl(tmp_path / "d.jsonl", [ids, [1]], [[1, 1, 1], [1]])
+    assert main(["convert", "--to", "specforge", str(src), str(dst), "--no-final-norm",
+                 "--loss-mask-from", masks]) == 1
+    assert "hs_1.safetensors is not a readable safetensors file" in capsys.readouterr().err
+    assert os.listdir(dst / "rows_0-5000") == ["data_0.ckpt"]
 
 
 def test_input_ids_must_be_non_negative_integers(server, tmp_path, capsys):
