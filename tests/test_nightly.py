@@ -111,7 +111,9 @@ def test_base_toml_is_complete(series_dir):
     v = base.version
     assert series_dir.name == f"v{v}"
     assert base.image == f"lmsysorg/sglang:v{v}-cu130" and base.git_tag == f"v{v}"
-    assert set(base.wheels) == {f"sglang-{v}-cp{t}-cp{t}-manylinux_2_34_x86_64.whl" for t in (311, 312)}
+    pinned = lambda tags: {f"sglang-{v}-cp{t}-cp{t}-manylinux_2_34_x86_64.whl" for t in tags}  # noqa: E731
+    # 3.11 (CI, the stand-in image) and 3.12 (the GPU image) always; 3.13 where SGLang ships it
+    assert pinned((311, 312)) <= set(base.wheels) <= pinned((311, 312, 313))
     assert all(re.fullmatch(r"[0-9a-f]{64}", s) for s in base.wheels.values())
     assert base.series_version
 
