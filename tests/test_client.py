@@ -29,12 +29,14 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+
+from fake_sglang_server import JsonHandler
 
 from sglang_ext import client, convert, hooks
 from sglang_ext import format as fmt
@@ -88,24 +90,13 @@ class FakeServer:
         self.lock = threading.Lock()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, code, obj):
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(JsonHandler):  # the fake servers' JSON replies (fake_sglang_server)
             def do_GET(self):
                 if self.path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [
+                    self.reply(200, {"object": "list", "data": [
                         {"id": "fake-model", "object": "model", "created": 0, "owned_by": "t"}]})
                 else:
-                    self._send(404, {"error": "not found"})
+                    self.reply(404, {"error": "not found"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -117,7 +108,7 @@ class FakeServer:
                     code, obj = server.completions(body)
                 else:
                     code, obj = 404, {"error": "not found"}
-                self._send(code, obj)
+                self.reply(code, obj)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
