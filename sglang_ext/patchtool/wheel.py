@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .git import TOOL_EMAIL, TOOL_NAME, run_git
@@ -111,10 +111,10 @@ def fetch_wheel(version: str, base: Base | None, cache: Path | None = None) -> W
         got = sorted(tmp.glob(f"sglang-{version}-*.whl"))
         if not got:
             raise WheelError(f"pip download sglang=={version} left no wheel in {tmp}")
-        verify_wheel(got[0], base)
+        info = verify_wheel(got[0], base)
         final = wheels / got[0].name
         os.replace(got[0], final)
-        return verify_wheel(final, base)
+        return replace(info, path=final)  # same bytes: no second sha256 of a ~100 MB wheel
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
