@@ -47,10 +47,13 @@ prepare_run() {  # last folder, environment, series; then print the GPU
   export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD:/tmp/site-d"
   export PATH="$PATH:/tmp/site-d/bin"
   export PYTHONUNBUFFERED=1
-  # Without KIMI_SGLANG_SERIES: the series made for the staged release (.whl's SGLang),
-  # which need not be the newest gpu-verified one.
-  local series=${KIMI_SGLANG_SERIES:-v$(python3 -c 'import importlib.metadata as m; print(m.version("sglang"))')}
-  python3 -m sglang_ext patches list | awk -v s="$series" '$1 == s { print "series: " $0 }'
-  python3 -m sglang_ext patches apply --series "patches/$series" --site-packages
+  # Without KIMI_SGLANG_SERIES, `apply` takes the series made for the staged release
+  # (.whl's SGLang, which need not be the newest gpu-verified one) and says which.
+  local series=()
+  if [ -n "${KIMI_SGLANG_SERIES:-}" ]; then
+    python3 -m sglang_ext patches list | awk -v s="$KIMI_SGLANG_SERIES" '$1 == s { print "series: " $0 }'
+    series=(--series "patches/$KIMI_SGLANG_SERIES")
+  fi
+  python3 -m sglang_ext patches apply "${series[@]}" --site-packages
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 }
