@@ -194,8 +194,13 @@ def _peer_files(pf) -> List[str]:
         e = pf.get(key)
         if e:
             out.append(f"  - {label}: block {num(e.get('block'), '{:.2e}')}, token row "
-                       f"{num(e.get('token'), '{:.2e}')} ({e.get('token_where', '')})")
+                       f"{num(e.get('token'), '{:.2e}')} ({e.get('token_where', '')})"
+                       + (f"; per layer id {', '.join(f'{k}: {v:.1e}' for k, v in zip(pf.get('layer_ids') or [], e['slots']))}"
+                          if e.get("slots") else ""))
     out += [f"  - {p}" for p in pf.get("problems", [])]
+    for key, label in (("reference_skipped", "HF reference skipped"), ("reference_error", "HF reference failed")):
+        if pf.get(key):
+            out.append(f"  - {label}: {pf[key][:300]}")
     return out
 
 

@@ -98,18 +98,33 @@ def _load(path: str, ids: List[int], layer_ids: List[int], hidden_size: int, who
     return hs, sorted(t)
 
 
+def slot_errors(got, ref) -> List[float]:
+    """Per layer slot l, the relative error ||got[:, l] - ref[:, l]|| / ||ref[:, l]|| of
+    two [T, L, H] blocks (any float dtypes): where along the depth two engines part."""
+    got, ref = got.float(), ref.float()
+    return [((got[:, i] - ref[:, i]).norm() / ref[:, i].norm().clamp_min(1e-12)).item()
+            for i in range(ref.shape[1])]
+
+
 def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none", device: str = "cuda") -> dict:
     """Compare the pairs of ``doc`` (``pairs.json``'s content). Returns ``{"prompts",
     "prompt_lens", "layer_ids", "keys": {"ours", "vllm"}, "ours_vs_vllm", "ours_vs_ref",
-    "vllm_vs_ref" (each ``{"block", "token", "block_where", "token_where", "files"}``:
-    the largest relative errors, ``tests/gpu/checks.Worst``), "tolerance", "reference",
-    "problems", "pass"}``; ``pass`` when every file has the right keys, shapes and token
-    ids and every error is within the tolerances."""
+    "vllm_vs_ref" (each ``{"block", "token", "block_where", "token_where", "files",
+    "slots"}``: the largest relative errors, ``tests/gpu/checks.Worst``, and per layer slot
+    the largest over the prompts, ``slot_errors``), "tolerance", "reference", "problems",
+    "pass"}``; ``pass`` when every file has the right keys, shapes and token ids and every
+    error is within the tolerances."""
     checks = gpu_suite_module("checks")
     refmod = gpu_suite_module("reference")
     layer_ids, hidden = doc["layer_ids"], doc["hidden_size"]
     ref = refmod.Reference(model_path, device) if reference == "hf" else None
     worst = {k: checks.Worst() for k in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref")}
+    slots = {k: [0.0] * len(layer_ids) for k in worst}
+
+    def add(key, got, want, where):
+        worst[key].add(refmod.rel_errors(got, want), where)
+        slots[key] = [max(a, b) for a, b in zip(slots[key], slot_errors(got, want))]
+
     problems: List[str] = []
     keys = {}
     try:
@@ -122,12 +137,12 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
             if p.get("echoed_ids_equal") is False:
                 problems.append(f"{where}: vLLM's choices[0].prompt_token_ids differ from the prompt")
             if hs["ours"] is not None and hs["vllm"] is not None:
-                worst["ours_vs_vllm"].add(refmod.rel_errors(hs["vllm"], hs["ours"].float()), where)
+                add("ours_vs_vllm", hs["vllm"], hs["ours"].float(), where)
             if ref is not None:
                 block = ref(ids, layer_ids)  # [T, L, H] float32
                 for side in ("ours", "vllm"):
                     if hs[side] is not None:
-                        worst[f"{side}_vs_ref"].add(refmod.rel_errors(hs[side], block), where)
+                        add(f"{side}_vs_ref", hs[side], block, where)
     finally:
         if ref is not None:
             ref.close()
@@ -138,7 +153,7 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     for key, w in worst.items():
         if w.files:
             out[key] = {"block": w.block, "token": w.token, "block_where": w.block_where,
-                        "token_where": w.token_where, "files": w.files}
+                        "token_where": w.token_where, "files": w.files, "slots": slots[key]}
             problems += [f"{key}: {x}" for x in w.problems()]
     out["problems"] = problems
     out["pass"] = not problems and "ours_vs_vllm" in out

@@ -156,9 +156,10 @@ class ModelRun:
         return os.path.join(self.args.workdir, "peer-files", self.name)
 
     def reference_s(self):
-        """Time the file comparison's float32 reference needs (an assumption: ~1-2 s per
-        layer to load the model, plus its start)."""
-        return 30 + 3 * self.spec["num_layers"]
+        """Time the file comparison's float32 reference needs (an assumption: its start,
+        ~2 s per layer to load the model in float32 and move it to the GPU; an overrun
+        costs the reference only, ``compare_peer_files``)."""
+        return 30 + 2 * self.spec["num_layers"]
 
     def reserve_s(self):
         """Seconds the cells leave before the deadline for the file comparison after the
@@ -191,32 +192,44 @@ class ModelRun:
             loadgen.clear_dump_dir(self.dirs[w])
         self.phase("peer_collect_s", t0)
 
+    def _peerfiles(self, reference):
+        """One ``python -m bench.peerfiles`` run (a subprocess: the reference's CUDA memory
+        goes with it): its comparison dict and printed verdict. Raises RuntimeError
+        (failed), subprocess.TimeoutExpired (the deadline came first)."""
+        out = os.path.join(self.peer_dir(), f"compared-{reference}.json")
+        cmd = module_argv("peerfiles", self.peer_pairs, out, "--model-path", model_path(self.args, self.name),
+                          "--reference", reference)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(),
+                              timeout=max(20, self.clock.left() - 10))
+        if proc.returncode != 0:
+            raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+        with open(out) as f:
+            return json.load(f), proc.stdout.strip()
+
     def compare_peer_files(self):
-        """Compare the collected files (``python -m bench.peerfiles``, a subprocess: the
-        reference's CUDA memory goes with it), with HF's float32 reference when
-        ``--peer-reference hf`` and the deadline leaves time to load the model."""
+        """Compare the collected files: first with each other (seconds, kept whatever
+        follows), then, with ``--peer-reference hf`` and time for ``reference_s`` left,
+        each against HF's float32 forward, which then replaces the first; a reference that
+        fails or overruns is recorded as ``reference_error`` beside the first."""
         if not self.peer_pairs:
             return
-        args, t0 = self.args, time.monotonic()
-        reference = args.peer_reference
-        if reference == "hf" and self.clock.left() < self.reference_s():
-            reference = "none"
-        out = os.path.join(self.peer_dir(), "compared.json")
-        cmd = module_argv("peerfiles", self.peer_pairs, out, "--model-path", model_path(args, self.name),
-                          "--reference", reference)
+        t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(),
-                                  timeout=max(20, self.clock.left() - 10))
-            if proc.returncode != 0:
-                raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
-            with open(out) as f:
-                self.m["peer_files"] = json.load(f)
-            if reference != args.peer_reference:
-                self.m["peer_files"]["reference_skipped"] = "deadline"
-            print(f"  [{self.name}] files ours vs vLLM: {proc.stdout.strip()}", flush=True)
+            self.m["peer_files"], verdict = self._peerfiles("none")
+            print(f"  [{self.name}] files ours vs vLLM: {verdict}", flush=True)
         except Exception as e:  # noqa: BLE001
             self.m["peer_files"] = {"error": f"comparing: {type(e).__name__}: {e}"[:1500]}
             print(f"  [{self.name}] files ours vs vLLM: ERROR {str(e)[:300]}", flush=True)
+        if self.args.peer_reference == "hf" and "error" not in self.m["peer_files"]:
+            if self.clock.left() < self.reference_s():
+                self.m["peer_files"]["reference_skipped"] = f"deadline: {self.clock.left():.0f} s left"
+            else:
+                try:
+                    self.m["peer_files"], verdict = self._peerfiles("hf")
+                    print(f"  [{self.name}] files ours vs vLLM vs HF float32: {verdict}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    self.m["peer_files"]["reference_error"] = f"{type(e).__name__}: {e}"[:1500]
+                    print(f"  [{self.name}] HF reference: ERROR {str(e)[:300]}", flush=True)
         shutil.rmtree(self.peer_dir(), ignore_errors=True)
         self.phase("peer_compare_s", t0)
 

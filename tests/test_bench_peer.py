@@ -272,6 +272,7 @@ def test_peer_files_compared_with_each_other_and_the_hf_reference(tmp_path):
     # bf16 rounding alone: < 2^-8 relative; the 0.5% noise: ~5e-3 per row
     assert out["ours_vs_ref"]["block"] < 4e-3 and 3e-3 < out["vllm_vs_ref"]["block"] < 1e-2
     assert 3e-3 < out["ours_vs_vllm"]["block"] < 1e-2 and out["ours_vs_vllm"]["files"] == 2
+    assert len(out["ours_vs_vllm"]["slots"]) == 4 and all(3e-3 < e < 1e-2 for e in out["ours_vs_vllm"]["slots"])
     # the second prompt's vLLM block 10% off and its token ids wrong; a file without token ids
     hs = json.loads(json.dumps(pairs[1]))
     import safetensors.torch as st
@@ -283,6 +284,7 @@ def test_peer_files_compared_with_each_other_and_the_hf_reference(tmp_path):
     got = peerfiles.compare(doc)  # no reference
     assert got["pass"] is False and got["reference"] == "none" and "ours_vs_ref" not in got
     assert got["ours_vs_vllm"]["block"] == pytest.approx(0.1, rel=0.05) and got["ours_vs_vllm"]["files"] == 1
+    assert got["ours_vs_vllm"]["slots"] == pytest.approx([0.1] * 4, rel=0.05)  # every slot x1.1
     assert "prompt 0 (7 tokens), vllm: no ['token_ids'] (keys ['hidden_states'])" in got["problems"]
     assert "prompt 1 (37 tokens), vllm: token_ids (37,) differ from the prompt's from position 0" in got["problems"]
     assert "prompt 1 (37 tokens): vLLM's choices[0].prompt_token_ids differ from the prompt" in got["problems"]
@@ -360,8 +362,8 @@ def test_plot_draws_vllm_modes(tmp_path):
 
 def test_cells_leave_the_file_comparison_its_time():
     """Once files are collected, a cell runs only if the comparison after the servers
-    stop still fits before the deadline: 30 s, plus 30 + 3 s per layer for the float32
-    reference (llama-8b: 32 layers -> 156 s in all)."""
+    stop still fits before the deadline: 30 s, plus 30 + 2 s per layer for the float32
+    reference (llama-8b: 32 layers -> 124 s in all)."""
     from bench.runner import Clock, ModelRun
 
     args = _args(["--quick", "--models", "llama-8b", "--modes", "nodump,dump,vllm_nodump,vllm_dump",
@@ -371,10 +373,44 @@ def test_cells_leave_the_file_comparison_its_time():
     run = ModelRun(args, planned, "llama-8b", Clock(3000), {"models": {}}, lambda: None, skipped)
     assert run.reserve_s() == 0
     run.peer_pairs = "/x/pairs.json"
-    assert run.reserve_s() == 30 + 30 + 3 * 32
+    assert run.reserve_s() == 30 + 30 + 2 * 32
     cell = planned["models"]["llama-8b"]["cells"][0]
     run.clock = Clock(cell["est_s"] * 2 + 15 + 100)  # fits without the reserve, not with it
     run.run_cell(cell)
     assert len(skipped) == 1 and skipped[0].startswith("llama-8b nodump 2048x8 (deadline")
     args.peer_reference = "none"
     assert run.reserve_s() == 30
+
+
+def test_file_comparison_keeps_ours_vs_vllm_when_the_reference_fails(monkeypatch):
+    """The comparison runs without the reference first; the float32 reference then
+    replaces it, and one that overruns or fails leaves the first with the reason; one the
+    deadline leaves no time for is not started."""
+    from bench.runner import Clock, ModelRun
+
+    args = _args(["--quick", "--models", "llama-8b", "--modes", "nodump,dump,vllm_nodump,vllm_dump",
+                  "--mem-fraction-static", "0.2"])
+    run = ModelRun(args, plan.make_plan(args), "llama-8b", Clock(3000), {"models": {}, "phases": {}}, lambda: None, [])
+    run.peer_pairs = "/x/pairs.json"
+    calls = []
+
+    def fake(reference):
+        calls.append(reference)
+        if reference == "hf":
+            raise subprocess.TimeoutExpired(["peerfiles"], 20)
+        return {"pass": False, "reference": "none", "problems": ["x"]}, "FAIL"
+
+    monkeypatch.setattr(run, "_peerfiles", fake)
+    run.compare_peer_files()
+    assert calls == ["none", "hf"]
+    assert run.m["peer_files"]["reference"] == "none" and "TimeoutExpired" in run.m["peer_files"]["reference_error"]
+    assert "HF reference failed: TimeoutExpired" in "\n".join(markdown._peer_files(run.m["peer_files"]))
+    calls.clear()
+    run.clock = Clock(run.reference_s() - 1)
+    run.compare_peer_files()
+    assert calls == ["none"] and run.m["peer_files"]["reference_skipped"].startswith("deadline")
+    calls.clear()
+    monkeypatch.setattr(run, "_peerfiles", lambda ref: (calls.append(ref), ({"reference": ref, "pass": True}, "PASS"))[1])
+    run.clock = Clock(3000)
+    run.compare_peer_files()
+    assert calls == ["none", "hf"] and run.m["peer_files"] == {"reference": "hf", "pass": True}
