@@ -89,6 +89,13 @@ def plot(results: dict, path: str) -> str:
                  for c in hcells if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None]
             ax.bar([p[0] + (k - (len(ratios) - 1) / 2) * rw for p in r], [p[1] for p in r], rw,
                    color=COLORS[mode], label=label, **STYLE.get(mode, {}))
+        # the peer's own dump throughput over ours, shape by shape (vLLM's modes ran)
+        pr = [(x[(p["prompt_len"], p["concurrency"])], p["dump_vllm_vs_ours"])
+              for p in head.get(model, {}).get("peer", [])
+              if p.get("dump_vllm_vs_ours") is not None and (p["prompt_len"], p["concurrency"]) in x]
+        if pr:
+            ax.scatter([p[0] for p in pr], [p[1] for p in pr], marker="D", color="k", zorder=3,
+                       label="(b) vLLM / (b) ours")
         ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
         ax.set_ylim(0, 1.2)
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)

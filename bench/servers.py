@@ -173,9 +173,17 @@ def server_env(which, trace_path):
     return env
 
 
-# the log line of a server that has sized its KV cache (or is up): the next may start
-# (vLLM 0.33: "init engine (profile, create kv cache, warmup model) took ...", v1/engine/core.py)
-READY_FOR_NEXT = re.compile(r"KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up"
+# The log line of a server that has begun loading its weights: the next server may start.
+# Its import and start-up (30-80 s of CPU work on the H200 host: SGLang's tokenizer manager
+# and scheduler, vLLM's API server and engine core) then overlap this one's GPU phase, which
+# ends seconds later (SGLang: weights ~4 s, then "KV Cache is allocated"; vLLM: weights,
+# ~12 s of memory profiling, "init engine ... took"), long before the next one takes its
+# own memory snapshot. Waiting for the KV cache instead ran the four start-ups end to end:
+# 316-386 s of a 600 s call (bench/README.md). SGLang: model_runner.py "Load weight begin";
+# vLLM 0.33: v1/worker/gpu/model_runner.py "Loading model from scratch"; the later lines
+# (and /health) as before, for servers that print neither.
+READY_FOR_NEXT = re.compile(r"Load weight begin|Loading model from scratch"
+                            r"|KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up"
                             r"|init engine \(profile, create kv cache")
 
 
@@ -203,8 +211,9 @@ def memory_problem(args, modes):
 
 def start_pair(specs, started, timeout):
     """Start the servers of ``specs`` (``{which: (cmd, log_path, env)}``, in order) one
-    after another, each once the one before has sized its KV cache (its log says so, or it
-    answers /health), so their memory profiling does not race; then wait for all.
+    after another, each once the one before has begun loading its weights
+    (``READY_FOR_NEXT``, or it answers /health), so that their memory profiling does not
+    race while their imports overlap; then wait for all.
     ``started`` (a dict) gets each ``launcher.Server`` as it is launched, so the caller
     can stop them whatever happens. A server that dies while another starts is retried
     once alone."""

@@ -384,6 +384,25 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     assert e.value.code == 2
 
 
+def test_next_server_starts_once_the_one_before_loads_its_weights():
+    """The start-up gate is the first line of a server's GPU phase, as SGLang 0.5.17/0.5.23
+    (model_runner.py) and vLLM 0.33 (v1/worker/gpu/model_runner.py) print it in the H200
+    logs, not a line of its import phase; servers printing only later lines still pass."""
+    from bench import servers
+
+    gate = servers.READY_FOR_NEXT.search
+    for line in ("[2026-12-01 21:56:34] Load weight begin. avail mem=139.13 GB",
+                 "(EngineCore pid=2194) INFO 12-01 21:41:34 [model_runner.py:399] Loading model from scratch...",
+                 "Memory pool end. avail mem=1.00 GB",
+                 "init engine (profile, create kv cache, warmup model) took 0.01 seconds"):
+        assert gate(line), line
+    for line in ("[2026-12-01 21:56:28] Init parallel begin.",
+                 "[2026-12-01 21:56:29] Memory baseline taken. mem usage=0.00 GB",
+                 "(APIServer pid=2046) INFO 12-01 21:40:40 [startup.py:38] vLLM server version 0.33.0, serving model m",
+                 "(EngineCore pid=2194) INFO 12-01 21:41:31 [core.py:139] Initializing a V1 LLM engine (v0.33.0)"):
+        assert not gate(line), line
+
+
 def test_start_pair_staggers_and_retries_a_server_that_died_alone(tmp_path, capsys):
     """Servers start one after another (the next once the one before has sized its KV
     cache); one that exits while another starts is stopped and started once more, alone.
