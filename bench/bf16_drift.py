@@ -1,0 +1,112 @@
+"""How far two correct bf16 forwards of one random-weight Llama drift apart, per layer id,
+on the CPU: the scale against which two engines' files for the same prompt
+(``bench.peerfiles``) are read.
+
+A model of ``bench.models.MODELS``' shape is run one decoder layer at a time (HF
+transformers' ``LlamaDecoderLayer``, weights drawn as HF's ``_init_weights`` draws them:
+normal(0, ``initializer_range``) for every linear layer, ones for the norms), so that
+Llama-3.1-8B's shape fits in a few GB of host memory. Three streams go through the same
+weights: float32 (the reference), bf16 with SDPA attention and bf16 with eager attention
+(two correct bf16 implementations that differ only in kernel order and rounding, as SGLang
+and vLLM do). At each id k (the residual stream entering layer k; k = N: after the last
+layer, before the final norm, as both engines store it) it reports the relative error
+``||a - b|| / ||b||`` over the [T, H] block for bf16-SDPA vs float32, bf16-eager vs
+float32 and bf16-SDPA vs bf16-eager.
+
+``python -m bench.bf16_drift [--model llama-8b] [--tokens 256] [--seed 0] [--out F.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Dict, List, Optional
+
+from bench.models import MODELS
+
+STREAMS = ("f32", "bf16_sdpa", "bf16_eager")
+PAIRS = (("bf16_sdpa", "f32"), ("bf16_eager", "f32"), ("bf16_sdpa", "bf16_eager"))
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def drift(name: str = "llama-8b", tokens: int = 256, seed: int = 0,
+          layer_ids: Optional[List[int]] = None, num_layers: Optional[int] = None) -> Dict:
+    """Run model ``name``'s shape (``num_layers`` overrides its depth, for quick checks)
+    on ``tokens`` random token embeddings. Returns ``{"model", "tokens", "seed",
+    "layer_ids", "errors": {"a_vs_b": [relative error per layer id]}, "seconds"}``.
+    Raises ValueError for a model that is not a Llama."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    spec = MODELS[name]
+    if spec["arch"] != "llama":
+        raise ValueError(f"{name} is not a Llama (bf16_drift builds Llama decoder layers only)")
+    n = num_layers or spec["num_layers"]
+    ids = sorted(layer_ids or [k for k in spec["layer_ids"] if k <= n])
+    cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden_size"],
+                      intermediate_size=spec["intermediate_size"], num_hidden_layers=n,
+                      num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
+                      max_position_embeddings=16384)
+    t0 = time.time()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, spec["hidden_size"], generator=g) * cfg.initializer_range  # embedding rows
+    pos = torch.arange(tokens).unsqueeze(0)
+    mask = torch.full((tokens, tokens), float("-inf")).triu(1)[None, None]  # causal, additive
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, pos)
+    h = {s: x.clone() if s == "f32" else x.to(torch.bfloat16) for s in STREAMS}
+    errors = {f"{a}_vs_{b}": [] for a, b in PAIRS}
+
+    def record():
+        for a, b in PAIRS:
+            errors[f"{a}_vs_{b}"].append(_rel(h[a], h[b]))
+
+    with torch.no_grad():
+        for k in range(n):
+            if k in ids:
+                record()
+            layer = LlamaDecoderLayer(cfg, k)
+            for mod in layer.modules():
+                if isinstance(mod, torch.nn.Linear):
+                    mod.weight.normal_(0.0, cfg.initializer_range, generator=g)
+            cfg._attn_implementation = "sdpa"
+            h["f32"] = layer(h["f32"], attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+            layer.to(torch.bfloat16)
+            bmask, bcs = mask.to(torch.bfloat16), (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+            for stream, impl in (("bf16_sdpa", "sdpa"), ("bf16_eager", "eager")):
+                cfg._attn_implementation = impl
+                h[stream] = layer(h[stream], attention_mask=bmask, position_ids=pos, position_embeddings=bcs)
+            del layer
+        if n in ids:
+            record()
+    return {"model": name, "num_layers": n, "tokens": tokens, "seed": seed, "layer_ids": ids,
+            "errors": errors, "seconds": round(time.time() - t0, 1)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.bf16_drift", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-8b", choices=sorted(k for k, v in MODELS.items() if v["arch"] == "llama"))
+    ap.add_argument("--tokens", type=int, default=256, help="prompt length (random embeddings)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the result as JSON here too")
+    args = ap.parse_args(argv)
+    res = drift(args.model, args.tokens, args.seed)
+    print(f"{res['model']} ({res['num_layers']} layers, {res['tokens']} tokens, seed {res['seed']}, "
+          f"{res['seconds']} s): relative error per layer id")
+    print(f"{'pair':28}" + "".join(f"{k:>10}" for k in res["layer_ids"]))
+    for pair, errs in res["errors"].items():
+        print(f"{pair:28}" + "".join(f"{e:10.2e}" for e in errs))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
