@@ -750,12 +750,21 @@ def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> 
     return busy
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except where there is none to show (required flags, None)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "extract",
         help="send a dataset to a dumping server; collect hs_<i>.safetensors",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--data", required=True,

@@ -627,3 +627,13 @@ def test_convert_help_states_each_default_once():
     assert "(default: None)" not in text
     assert text.count("(default: all ones)") == 1
     assert "(default: the first of model.norm.weight," in text
+
+
+def test_extract_help_shows_real_defaults_only():
+    """Required flags and flags without a default say nothing of a default; the others
+    state theirs (argparse's formatter alone printed "(default: None)" for --endpoint)."""
+    r = cli("extract", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "(default: None)" not in text
+    assert "HTTP requests in flight" in text and "(default: 32)" in text and "(default: 600.0)" in text
