@@ -237,3 +237,21 @@ def test_v0523_bad_values_give_clear_errors(site23, tmp_path, args, message):
         args = ["--dump-hidden-states-dir", str(tmp_path)] + args
     out = parse23(site23, args)
     assert not out["ok"] and message in out["error"], out
+
+
+def test_a_failed_download_says_why_in_a_few_lines():
+    """pip's "(from versions: ...)" lists every release of SGLang (160 of them): the error
+    keeps pip's ERROR lines with the newest five versions and the count."""
+    from sglang_ext.patchtool.wheel import pip_error
+
+    versions = ", ".join(f"0.{i // 10}.{i % 10}" for i in range(40))
+    stderr = ("WARNING: Location 'file:///opt/pypi/simple/sglang/' is ignored\n"
+              f"ERROR: Could not find a version that satisfies the requirement sglang==9.9.99 (from versions: {versions})\n"
+              "ERROR: No matching distribution found for sglang==9.9.99\n")
+    assert pip_error(stderr) == (
+        "ERROR: Could not find a version that satisfies the requirement sglang==9.9.99 "
+        "(newest: 0.3.5, 0.3.6, 0.3.7, 0.3.8, 0.3.9; 40 versions in all)\n"
+        "ERROR: No matching distribution found for sglang==9.9.99")
+    assert pip_error("network down\n") == "network down"
+    short = "ERROR: Could not find a version that satisfies the requirement x (from versions: 1.0, 1.1)"
+    assert pip_error(short) == short

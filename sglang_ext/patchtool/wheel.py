@@ -84,6 +84,20 @@ def verify_wheel(path: Path, base: Base | None) -> WheelInfo:
     return WheelInfo(path, version, digest, pinned=True)
 
 
+def pip_error(stderr: str, newest: int = 5) -> str:
+    """pip's failure in a few lines: its ``ERROR:`` lines (all of stderr when it has none),
+    with the "(from versions: ...)" list of every release cut to the ``newest`` last ones."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.startswith("ERROR:")] or stderr.strip().splitlines()
+
+    def cut(m):
+        versions = [v.strip() for v in m.group(1).split(",") if v.strip()]
+        if len(versions) <= newest:
+            return m.group(0)
+        return f"(newest: {', '.join(versions[-newest:])}; {len(versions)} versions in all)"
+
+    return "\n".join(re.sub(r"\(from versions: ([^)]*)\)", cut, ln) for ln in lines)
+
+
 def fetch_wheel(version: str, base: Base | None, cache: Path | None = None) -> WheelInfo:
     """Return a verified ``sglang==version`` wheel, downloading it into ``cache/wheels`` if needed.
 
@@ -107,7 +121,7 @@ def fetch_wheel(version: str, base: Base | None, cache: Path | None = None) -> W
                "-q", "-d", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise WheelError(f"pip download sglang=={version} failed:\n{proc.stderr.strip()}")
+            raise WheelError(f"pip download sglang=={version} failed:\n{pip_error(proc.stderr)}")
         got = sorted(tmp.glob(f"sglang-{version}-*.whl"))
         if not got:
             raise WheelError(f"pip download sglang=={version} left no wheel in {tmp}")
