@@ -150,9 +150,10 @@ if [[ "$(basename "$docker")" == podman* ]]; then
 fi
 # Docker clients 23+ hand BuildKit builds to the buildx plugin and refuse them
 # without it; older clients (Debian's docker.io 20.10) talk to the daemon's
-# built-in BuildKit. Without buildx on a 23+ client: the classic builder.
+# built-in BuildKit. Without buildx on a 23+ client: the classic builder (probed for
+# --dry-run too, so that it prints the command a build would run).
 buildkit=${DOCKER_BUILDKIT:-1}
-if [[ $engine == docker && -z "${DOCKER_BUILDKIT:-}" && $dry_run -eq 0 ]] \
+if [[ $engine == docker && -z "${DOCKER_BUILDKIT:-}" ]] \
         && ! "$docker" buildx version >/dev/null 2>&1; then
     client=$("$docker" version --format '{{.Client.Version}}' 2>/dev/null || true)
     if [[ "${client%%.*}" =~ ^[0-9]+$ && ${client%%.*} -ge 23 ]]; then

@@ -352,6 +352,11 @@ def test_build_sh_without_buildx(fake_docker, client, expected):
     assert docker_calls(log)[-1][0] == "build"
     assert buildkit_env(log) == f"DOCKER_BUILDKIT={expected}"
     assert ("classic builder" in r.stderr) == (expected == "0")
+    # --dry-run prints the same choice: the command a build would run
+    r = run_build(["--base", "v0.5.17", "--dry-run"], bin_dir,
+                  env_extra={"FAKE_NO_BUILDX": "1", "FAKE_CLIENT_VERSION": client})
+    assert r.returncode == 0, r.stderr
+    assert f"DOCKER_BUILDKIT={expected} " in r.stdout, r.stdout
 
 
 def test_build_sh_base_image_name_and_wheel(fake_docker, tmp_path):
