@@ -707,9 +707,10 @@ def main(args) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         _report_sweep(pending, forget_unanswered=False, when="stopped tries left")
-        print(f"extract: stopped at that row; the {stats.done} sample(s) extracted before it are "
-              f"kept in {args.out}: fix the row and run the same command again to resume",
-              file=sys.stderr)
+        if stats.done:
+            print(f"extract: stopped at that row; the {stats.done} sample(s) extracted before it "
+                  f"are kept in {args.out}: fix the row and run the same command again to resume",
+                  file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")

@@ -374,10 +374,11 @@ def test_rows_are_counted_from_0_and_name_their_line(server, tmp_path):
     r = cli(*extract_args(server, path, tmp_path / "out", "--concurrency", 1))
     assert r.returncode == 2
     assert "error: row 2 (line 4 of d.jsonl) has neither input_ids nor messages" in r.stderr
-    # what was extracted before it is kept and counted; the message says how to go on
+    # what was extracted before it (here the rows ahead may still be in flight) is kept and
+    # counted, and the message says how to go on
     kept = len(list((tmp_path / "out").glob("hs_*.safetensors")))
     assert (f"extract: stopped at that row; the {kept} sample(s) extracted before it are kept in "
-            f"{tmp_path / 'out'}: fix the row and run the same command again to resume") in r.stderr
+            f"{tmp_path / 'out'}: fix the row and run the same command again to resume" in r.stderr) == (kept > 0)
     (tmp_path / "e.jsonl").write_text('{"input_ids": [1]}\n\n\n{oops\n')
     r = cli(*extract_args(server, tmp_path / "e.jsonl", tmp_path / "out2"))
     assert r.returncode == 2 and "error: row 1 (line 4 of e.jsonl): not JSON" in r.stderr
