@@ -39,6 +39,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -187,6 +188,10 @@ def check_args(ap, args):
     for mode in modes:
         if mode not in planning.MODES:
             ap.error(f"unknown mode {mode!r} (known: {', '.join(planning.MODES)})")
+    try:
+        shlex.split(args.vllm_args or "")
+    except ValueError as e:
+        ap.error(f"--vllm-args {args.vllm_args!r}: {e} (its words are split as a shell would)")
     problem = servers.ports_problem(args, modes) or servers.memory_problem(args, modes)
     if problem:
         ap.error(problem)

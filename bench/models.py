@@ -24,19 +24,19 @@ MODELS = {
         "intermediate_size": 14336, "heads": 32, "kv_heads": 8,
         "layers_flag": None, "layer_ids": [2, 16, 29, 32],
         # assumptions for --dry-run time estimates only
-        "est_tps": 40_000, "est_json_tps": 700, "est_startup_s": 200,
+        "est_tps": 40_000, "est_json_tps": 700, "est_startup_s": 200, "est_build_s": 40,
     },
     "llama-mid": {
         "arch": "llama", "hidden_size": 4096, "num_layers": 8, "vocab": 32000,
         "intermediate_size": 11008, "heads": 32, "kv_heads": 32,
         "layers_flag": None, "layer_ids": [2, 4, 5, 8],
         # assumptions for --dry-run time estimates only
-        "est_tps": 80_000, "est_json_tps": 1_300, "est_startup_s": 150,
+        "est_tps": 80_000, "est_json_tps": 1_300, "est_startup_s": 150, "est_build_s": 15,
     },
     "deepseek-tiny": {
         "arch": "deepseek", "hidden_size": 1024, "num_layers": 4, "vocab": 1024,
         "layers_flag": "1,2,3,4", "layer_ids": [1, 2, 3, 4],
-        "est_tps": 150_000, "est_json_tps": 5_000, "est_startup_s": 130,
+        "est_tps": 150_000, "est_json_tps": 5_000, "est_startup_s": 130, "est_build_s": 5,
         # its cells at concurrency >= 8 hold 8x the profile's tokens: at 64k tokens (0.1-0.6 s
         # a cell) single stalls dominated them (bench/README.md, Findings); its
         # concurrency-1 cells already last seconds

@@ -177,8 +177,13 @@ def main(argv=None):
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    with open(args.pairs) as f:
-        doc = json.load(f)
+    try:
+        with open(args.pairs) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or not {"layer_ids", "hidden_size", "pairs"} <= set(doc):
+            raise ValueError("it is not a pairs.json of collect() (layer_ids, hidden_size, pairs)")
+    except (OSError, ValueError) as e:
+        ap.error(f"{args.pairs}: {getattr(e, 'strerror', None) or e}")
     out = compare(doc, args.model_path, args.reference, device)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -29,9 +29,23 @@ PROFILES = {
 GRID_MODES = ("nodump", "dump", "dump_early", "dump_fp8", "nodump_noise") + peer.PEER_MODES
 MODES = GRID_MODES + ("json",)
 # assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
-# compile) beyond ours, and the file comparison after the servers stop
+# compile) beyond ours (70-121 s seen on the H200, one after another)
 EST_VLLM_STARTUP_S = 70
-EST_PEER_FILES_S = 45
+# the file comparison after the servers stop: its own run (30 s) and HF's float32 reference
+# (its start and ~2 s per layer to load the model): an assumption, which the runner also
+# keeps free before the deadline (runner.ModelRun.reserve_s)
+PEER_COMPARE_S = 30
+
+
+def reference_s(spec):
+    """Seconds assumed for the file comparison's float32 reference of model ``spec``."""
+    return 30 + 2 * spec["num_layers"]
+
+
+def peer_files_s(spec, reference):
+    """Seconds the file comparison takes after the servers stop (``reference``: "hf" or
+    "none")."""
+    return PEER_COMPARE_S + (reference_s(spec) if reference == "hf" else 0)
 
 
 def writer_threads():
@@ -48,7 +62,7 @@ def cell_requests(prompt_len, concurrency, cell_tokens, min_rounds):
 
 def make_plan(args):
     """The plan of a run (``args``: cli's parsed flags): ``{"profile", "modes", "phases",
-    "models": {name: {"servers": {which: argv}, "cells": [...], "est_s"}}, "est_total_s",
+    "models": {name: {"servers": {which: argv}, "cells": [...], "est_s", "build_s"}}, "est_total_s",
     and the sizes: "cell_tokens", "min_rounds", "deadline_s", "ceiling_mib",
     "writer_reps", "writer_threads", "max_host_mb"}``. Cells in run order: the headline
     shape (2k prompts, concurrency 8: nodump, dump, ..., json) first, so that a run cut
@@ -101,10 +115,12 @@ def make_plan(args):
         kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
         cmds = {which: servers.server_cmd(args, name, which) for which in kinds}
         est = spec["est_startup_s"] + 20 + sum(c["est_s"] for c in cells) + 10
+        build_s = 0 if args.no_build else spec["est_build_s"]
+        est += build_s
         est += EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
-        est += EST_PEER_FILES_S if peer_files_wanted(modes, name) else 0
+        est += peer_files_s(spec, args.peer_reference) if peer_files_wanted(modes, name) else 0
         est_total += est
-        plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est)}
+        plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est), "build_s": build_s}
         if no_peer:
             plan["models"][name]["peer_unsupported"] = no_peer
     plan["est_total_s"] = round(est_total)
@@ -126,7 +142,10 @@ def print_plan(plan):
               f"the writer alone, {plan['ceiling_mib']} MiB per size, sizes "
               f"{[f'{s / (1 << 20):.1f} MiB' for s in ph['file_sizes']]}")
     for name, m in plan["models"].items():
-        print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s)")
+        vllm = sum(servers.api_of(w) == "vllm" for w in m["servers"])
+        print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s"
+              + (f" + {vllm} x {EST_VLLM_STARTUP_S} s for vLLM's" if vllm else "")
+              + (f", the model's build {m['build_s']} s" if m.get("build_s") else "") + ")")
         for which, cmd in m["servers"].items():
             print(f"  server {which}: {shlex.join(cmd)}")
         if m.get("peer_unsupported"):

@@ -18,6 +18,7 @@ import time
 from bench import child_env, loadgen, module_argv, peer, peerfiles, profilers, report, servers
 from bench.models import MODELS, file_bytes, model_path
 from bench.noise import Noise, noise_rate
+from bench import plan as planning
 from bench.plan import peer_files_wanted, writer_threads
 
 
@@ -156,17 +157,16 @@ class ModelRun:
         return os.path.join(self.args.workdir, "peer-files", self.name)
 
     def reference_s(self):
-        """Time the file comparison's float32 reference needs (an assumption: its start,
-        ~2 s per layer to load the model in float32 and move it to the GPU; an overrun
-        costs the reference only, ``compare_peer_files``)."""
-        return 30 + 2 * self.spec["num_layers"]
+        """Time the file comparison's float32 reference needs (``plan.reference_s``, an
+        assumption; an overrun costs the reference only, ``compare_peer_files``)."""
+        return planning.reference_s(self.spec)
 
     def reserve_s(self):
         """Seconds the cells leave before the deadline for the file comparison after the
-        servers stop (nothing without collected files)."""
+        servers stop (``plan.peer_files_s``; nothing without collected files)."""
         if not self.peer_pairs:
             return 0
-        return 30 + (self.reference_s() if self.args.peer_reference == "hf" else 0)
+        return planning.peer_files_s(self.spec, self.args.peer_reference)
 
     def collect_peer_files(self):
         """A few prompts through our server B and vLLM's W, after the warm-up and before

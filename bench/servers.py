@@ -179,7 +179,7 @@ def server_env(which, trace_path):
 # ends seconds later (SGLang: weights ~4 s, then "KV Cache is allocated"; vLLM: weights,
 # ~12 s of memory profiling, "init engine ... took"), long before the next one takes its
 # own memory snapshot. Waiting for the KV cache instead ran the four start-ups end to end:
-# 316-386 s of a 600 s call (bench/README.md). SGLang: model_runner.py "Load weight begin";
+# 340-386 s of a 600 s call (bench/README.md). SGLang: model_runner.py "Load weight begin";
 # vLLM 0.33: v1/worker/gpu/model_runner.py "Loading model from scratch"; the later lines
 # (and /health) as before, for servers that print neither.
 READY_FOR_NEXT = re.compile(r"Load weight begin|Loading model from scratch"

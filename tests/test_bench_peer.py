@@ -111,6 +111,24 @@ def test_memory_share_and_ports_are_checked():
     assert e.value.code == 2
 
 
+def test_bad_input_to_the_peer_tools_is_one_sentence(tmp_path, capsys):
+    """--vllm-args that a shell could not split, and a pairs file that is missing, not JSON
+    or not collect()'s: argparse errors (exit 2), no traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--dry-run", "--vllm-args", "'--x"])
+    assert e.value.code == 2 and "--vllm-args \"'--x\": No closing quotation" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("[1")
+    (tmp_path / "other.json").write_text("{}")
+    for path, says in ((tmp_path / "none.json", "No such file or directory"),
+                       (tmp_path / "bad.json", "Expecting"),
+                       (tmp_path / "other.json", "it is not a pairs.json of collect()")):
+        with pytest.raises(SystemExit) as e:
+            peerfiles.main([str(path), str(tmp_path / "out.json"), "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"error: {path}: " in err and says in err, err
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_plan_runs_vllm_cells_after_ours_and_not_for_deepseek(capsys):
     """In every shape and round vLLM's cells follow ours; DeepseekV3 (MLA) gets none, and
     the plan says why; its servers stay ours."""

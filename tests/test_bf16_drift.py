@@ -27,3 +27,21 @@ def test_drift_starts_at_bf16_rounding_and_grows_through_a_layer():
         assert e[pair][0] < e[pair][1] < 5e-2, (pair, e[pair])
     with pytest.raises(ValueError, match="not a Llama"):
         bf16_drift.drift("deepseek-tiny")
+
+
+def test_layer_ids_outside_the_run_are_refused():
+    """A shortened run keeps the model's ids that still exist, and refuses to return
+    nothing: num_layers=1 leaves none of llama-8b's 2, 16, 29, 32."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import subprocess
+
+    from bench import bf16_drift
+
+    with pytest.raises(ValueError, match=r"not within 0..1"):
+        bf16_drift.drift("llama-8b", tokens=4, num_layers=1)
+    with pytest.raises(ValueError, match=r"not within 0..2"):
+        bf16_drift.drift("llama-8b", tokens=4, num_layers=2, layer_ids=[3])
+    r = subprocess.run([sys.executable, "-m", "bench.bf16_drift", "--num-layers", "1", "--tokens", "4"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error: layer ids [2, 16, 29, 32] are not within 0..1" in r.stderr
