@@ -189,8 +189,13 @@ def _peer_files(pf) -> List[str]:
     out = [f"- files compared ({pf.get('prompts')} prompts, lengths {pf.get('prompt_lens')}, layer ids "
            f"{pf.get('layer_ids')}): {'PASS' if pf.get('pass') else 'FAIL'} (relative error per request "
            f"<= {tol.get('block')}, per token row <= {tol.get('token')}); reference: {pf.get('reference')}"]
+    if tol.get("slots"):
+        out.append(f"  - tolerance with the reference: per layer id max({tol.get('block')}, {tol.get('factor')} x HF's "
+                   f"own bf16 error there): "
+                   + ", ".join(f"{k}: {v:.1e}" for k, v in zip(pf.get("layer_ids") or [], tol["slots"]))
+                   + f"; per token row {num(tol.get('token_scaled'), '{:.1e}')}")
     for key, label in (("ours_vs_vllm", "ours vs vLLM"), ("ours_vs_ref", "ours vs reference"),
-                       ("vllm_vs_ref", "vLLM vs reference")):
+                       ("vllm_vs_ref", "vLLM vs reference"), ("hf_bf16_vs_ref", "HF bf16 vs reference")):
         e = pf.get(key)
         if e:
             out.append(f"  - {label}: block {num(e.get('block'), '{:.2e}')}, token row "

@@ -291,6 +291,9 @@ def test_peer_files_compared_with_each_other_and_the_hf_reference(tmp_path):
     assert out["ours_vs_ref"]["block"] < 4e-3 and 3e-3 < out["vllm_vs_ref"]["block"] < 1e-2
     assert 3e-3 < out["ours_vs_vllm"]["block"] < 1e-2 and out["ours_vs_vllm"]["files"] == 2
     assert len(out["ours_vs_vllm"]["slots"]) == 4 and all(3e-3 < e < 1e-2 for e in out["ours_vs_vllm"]["slots"])
+    # HF's own bf16 forward of the tiny model: rounding only, so the fixed tolerances govern
+    assert 0 < out["hf_bf16_vs_ref"]["block"] < 1e-2 and out["hf_bf16_vs_ref"]["files"] == 2
+    assert out["tolerance"]["slots"] == [0.02] * 4 and out["tolerance"]["token_scaled"] == 0.05
     # the second prompt's vLLM block 10% off and its token ids wrong; a file without token ids
     hs = json.loads(json.dumps(pairs[1]))
     import safetensors.torch as st
@@ -307,6 +310,14 @@ def test_peer_files_compared_with_each_other_and_the_hf_reference(tmp_path):
     assert "prompt 1 (37 tokens), vllm: token_ids (37,) differ from the prompt's from position 0" in got["problems"]
     assert "prompt 1 (37 tokens): vLLM's choices[0].prompt_token_ids differ from the prompt" in got["problems"]
     assert any(p.startswith("ours_vs_vllm: block relative error 1.0") for p in got["problems"])
+    # with the reference: vLLM's second prompt 10% off float32 at every layer id
+    got = peerfiles.compare(doc, str(model), "hf", "cpu")
+    assert got["pass"] is False and got["hf_bf16_vs_ref"]["files"] == 2 and got["vllm_vs_ref"]["files"] == 1
+    assert [p for p in got["problems"] if p.startswith("vllm_vs_ref: layer id")] == [
+        f"vllm_vs_ref: layer id {k}: relative error {e:.3e} > 2.000e-02 (max(0.02, 1.5 x HF bf16's))"
+        for k, e in zip(layer_ids, got["vllm_vs_ref"]["slots"])]
+    assert all(e == pytest.approx(0.1, rel=0.1) for e in got["vllm_vs_ref"]["slots"])
+    assert not any(p.startswith("ours_vs_ref") for p in got["problems"])
     doc["hidden_size"] = 128
     assert "prompt 0 (7 tokens), ours: hidden_states (7, 4, 256) != (7, 4, 128) (tokens, layer slots, hidden)" \
         in peerfiles.compare(doc)["problems"]
@@ -432,3 +443,49 @@ def test_file_comparison_keeps_ours_vs_vllm_when_the_reference_fails(monkeypatch
     run.clock = Clock(3000)
     run.compare_peer_files()
     assert calls == ["none", "hf"] and run.m["peer_files"] == {"reference": "hf", "pass": True}
+
+
+def test_deep_model_tolerances_scale_with_hf_bf16_error(tmp_path, monkeypatch):
+    """With the reference, the tolerance of each layer id is max(the fixed one, 1.5 x HF's
+    own bf16 error there): a stand-in reference whose bf16 pass is 5% off float32 (as a deep
+    random model's is) admits a file 6% off and refuses one 10% off, slot by slot."""
+    torch = pytest.importorskip("torch")
+    import types
+
+    from bench import gpu_suite_module
+
+    real = gpu_suite_module("reference")
+    g = torch.Generator().manual_seed(1)
+    layer_ids, ids = [2, 16], [5, 6, 7, 8, 9]
+    block = torch.randn(len(ids), 2, 64, generator=g)
+
+    class FakeReference:
+        def __init__(self, path, device):
+            self.scale = 1.0
+
+        def __call__(self, ids_, layer_ids_):
+            return block * self.scale
+
+        def to_dtype(self, dtype):
+            self.scale = 1.05
+
+        def close(self):
+            pass
+
+    fake = types.SimpleNamespace(Reference=FakeReference, rel_errors=real.rel_errors)
+    monkeypatch.setattr(peerfiles, "gpu_suite_module", lambda name: fake if name == "reference" else gpu_suite_module(name))
+    _save(tmp_path / "ours.safetensors", block * 1.06, ids, {"layer_ids": json.dumps(layer_ids)})
+    _save(tmp_path / "vllm.safetensors", block * 1.10, ids)
+    doc = {"layer_ids": layer_ids, "hidden_size": 64,
+           "pairs": [{"ids": ids, "ours": str(tmp_path / "ours.safetensors"),
+                      "vllm": str(tmp_path / "vllm.safetensors"), "echoed_ids_equal": True}]}
+    got = peerfiles.compare(doc, "unused", "hf", "cpu")
+    assert got["tolerance"]["slots"] == pytest.approx([0.075, 0.075], rel=1e-3)
+    assert got["tolerance"]["token_scaled"] == pytest.approx(0.075, rel=1e-3)
+    bad = got["problems"]
+    assert [p.split(":")[0] for p in bad] == ["vllm_vs_ref"] * 3, bad  # two layer ids and the token rows
+    assert got["pass"] is False and got["ours_vs_ref"]["slots"] == pytest.approx([0.06, 0.06], rel=0.05)
+    assert "per layer id max(0.02, 1.5 x HF's own bf16 error there): 2: 7.5e-02, 16: 7.5e-02" in \
+        "\n".join(markdown._peer_files(got))
+    # without the reference the fixed 2e-2 applies: the two files are 3.8% apart
+    assert any(p.startswith("ours_vs_vllm: block relative error") for p in peerfiles.compare(doc)["problems"])

@@ -40,6 +40,12 @@ class Reference:
                  for k in layer_ids]
         return torch.stack(slots, dim=1).float().cpu()  # [T, L, H]
 
+    def to_dtype(self, dtype) -> None:
+        """Cast the model's weights (e.g. to ``torch.bfloat16``: HF's own bf16 forward of the
+        same weights, the scale of bf16 rounding through this model's depth); the blocks
+        returned stay float32."""
+        self.model.to(dtype)
+
     def close(self) -> None:
         """Drop the model (frees its device memory once nothing else holds it)."""
         self._hook.remove()
