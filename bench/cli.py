@@ -78,6 +78,13 @@ def versions():
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = None
+    if out["sglang-ext"] is None:  # imported from the tree (PYTHONPATH), as on the GPU host
+        import sglang_ext
+
+        out["sglang-ext"] = f"{sglang_ext.__version__} (source tree)"
+    # the series the run's servers were patched with, as tests/gpu/stage.sh was told (None:
+    # the one made for the staged release, which stage.sh prints)
+    out["series"] = os.environ.get("KIMI_SGLANG_SERIES")
     return out
 
 

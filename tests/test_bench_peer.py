@@ -366,7 +366,7 @@ def test_rehearsal_side_by_side_with_a_fake_vllm(tmp_path):
     pf = llama["peer_files"]
     assert pf["pass"] is True and pf["prompt_lens"] == [16, 2048, peerfiles.ODD_LEN], pf
     assert pf["ours_vs_vllm"]["block"] == 0.0 and pf["ours_vs_vllm"]["files"] == 3  # the fakes' same values
-    assert res["versions"]["vllm"] == "0.33.0+fake"
+    assert res["versions"]["vllm"] == "0.33.0+fake" and res["versions"]["sglang-ext"]  # installed or the tree's
     mem = llama["host_memory"]
     assert mem["rss_baseline_bytes_vllm_dump"] > 0 and "rss_delta_bytes_vllm_dump" in mem
     assert "--speculative-config" in llama["servers"]["W"] and res["config"]["peer_reference"] == "none"
