@@ -199,6 +199,10 @@ def check_args(ap, args):
         shlex.split(args.vllm_args or "")
     except ValueError as e:
         ap.error(f"--vllm-args {args.vllm_args!r}: {e} (its words are split as a shell would)")
+    try:
+        peer.gpu_memory_utilization(args)
+    except ValueError as e:
+        ap.error(str(e))
     problem = servers.ports_problem(args, modes) or servers.memory_problem(args, modes)
     if problem:
         ap.error(problem)
@@ -239,6 +243,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     check_args(ap, args)
     plan = planning.make_plan(args)
+    for name, m in plan["models"].items():
+        if not m["cells"]:
+            ap.error(f"--modes {args.modes} gives model {name} no cell"
+                     + (f" ({m['peer_unsupported']})" if m.get("peer_unsupported") else ""))
     if args.dry_run:
         planning.print_plan(plan)
         return 0

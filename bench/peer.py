@@ -91,9 +91,23 @@ def dump_flags(name: str, dump_dir: str) -> List[str]:
 
 
 def gpu_memory_utilization(args) -> float:
-    """vLLM's ``--gpu-memory-utilization``: ``--vllm-gpu-memory-utilization``, else the
+    """vLLM's ``--gpu-memory-utilization``: the last one in ``--vllm-args`` (appended after
+    ours, so it is the one vLLM takes), else ``--vllm-gpu-memory-utilization``, else the
     same number as our ``--mem-fraction-static`` (vLLM's counts activations too, SGLang's
-    static fraction does not: vLLM's KV pool is a little smaller at the same number)."""
+    static fraction does not: vLLM's KV pool is a little smaller at the same number).
+    Raises ValueError for a value in ``--vllm-args`` that is not a number."""
+    words = shlex.split(args.vllm_args or "")
+    given = None
+    for i, w in enumerate(words):
+        if w.startswith("--gpu-memory-utilization="):
+            given = w.split("=", 1)[1]
+        elif w == "--gpu-memory-utilization" and i + 1 < len(words):
+            given = words[i + 1]
+    if given is not None:
+        try:
+            return float(given)
+        except ValueError:
+            raise ValueError(f"--vllm-args: --gpu-memory-utilization {given!r} is not a number") from None
     return args.vllm_gpu_memory_utilization or args.mem_fraction_static
 
 

@@ -489,3 +489,22 @@ def test_deep_model_tolerances_scale_with_hf_bf16_error(tmp_path, monkeypatch):
         "\n".join(markdown._peer_files(got))
     # without the reference the fixed 2e-2 applies: the two files are 3.8% apart
     assert any(p.startswith("ours_vs_vllm: block relative error") for p in peerfiles.compare(doc)["problems"])
+
+
+def test_vllm_memory_flag_in_vllm_args_counts_and_a_model_without_cells_is_refused(capsys):
+    """vLLM takes the last --gpu-memory-utilization, which --vllm-args appends after ours:
+    the four servers' memory check counts that one. A model the modes leave without any
+    cell (DeepseekV3 with vLLM's modes alone) is an error, not an empty run."""
+    args = _args(["--mem-fraction-static", "0.2", "--vllm-args=--gpu-memory-utilization 0.5"])
+    assert peer.gpu_memory_utilization(args) == 0.5
+    assert peer.gpu_memory_utilization(_args(["--vllm-args=--gpu-memory-utilization=0.25"])) == 0.25
+    modes = ["nodump", "dump", "vllm_nodump", "vllm_dump"]
+    assert "V 0.5, W 0.5" in servers.memory_problem(args, modes)
+    for argv, says in ((["--vllm-args=--gpu-memory-utilization x"], "--gpu-memory-utilization 'x' is not a number"),
+                       (["--mem-fraction-static", "0.2", "--modes", ",".join(modes),
+                         "--vllm-args=--gpu-memory-utilization 0.5"], "together would take 1.40"),
+                       (["--models", "deepseek-tiny", "--modes", "vllm_dump"],
+                        "gives model deepseek-tiny no cell (vLLM 0.33's extract_hidden_states has no MLA")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--dry-run"] + argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err, argv
