@@ -123,6 +123,14 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
                      f"layer_ids {fc.get('layer_ids')}")
     if m.get("error"):
         lines.append(f"- ERROR: {m['error'][:300]}")
+    kv = {w: n for w, n in (m.get("kv_tokens") or {}).items() if n}
+    if kv:
+        most = max((c["prompt_len"] * c["concurrency"] for c in m.get("cells", []) if not c.get("error")), default=0)
+        short = [w for w, n in kv.items() if n < most]
+        lines.append("- KV pool (tokens): " + ", ".join(f"{w} {n}" for w, n in sorted(kv.items()))
+                     + (f"; the largest cell sends {most} prompt tokens at once, more than the pool of "
+                        f"{', '.join(short)} (requests wait for KV there; each frees its own after its prefill)"
+                        if short else ""))
     mem = m.get("host_memory", {})
     if mem:
         lines.append(

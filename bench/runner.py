@@ -117,6 +117,7 @@ class ModelRun:
             servers.start_pair(specs, self.servers, timeout=max(60, min(420, self.clock.left() - 40)))
             self.phase("start_s", t0)
             self.m["startup_s"] = {w: s.startup_s for w, s in self.servers.items()}
+            self.m["kv_tokens"] = {w: servers.kv_tokens(s.log_text()) for w, s in self.servers.items()}
             print(f"[{name}] servers up in {time.monotonic() - t0:.0f} s {self.m['startup_s']}", flush=True)
             for w, s in self.servers.items():
                 if servers.api_of(w) == "vllm" and peer.version_of(s.log_text()):

@@ -209,6 +209,19 @@ def memory_problem(args, modes):
             f"lower --mem-fraction-static (0.2 fits four servers) or --vllm-gpu-memory-utilization")
 
 
+# Each server's KV pool in tokens, from its log: SGLang (model_runner: "KV Cache is
+# allocated. dtype: ..., #tokens: N") and vLLM 0.33 (v1/core/kv_cache_utils.py: "GPU KV
+# cache size: N tokens"). SGLang sizes it from the memory free when the server starts, so a
+# server started after another gets less at the same --mem-fraction-static.
+KV_TOKENS = re.compile(r"KV Cache is allocated\..*#tokens: (\d+)|GPU KV cache size: ([\d,]+) tokens")
+
+
+def kv_tokens(log_text):
+    """The KV pool (tokens) a server's log states, or None."""
+    m = KV_TOKENS.search(log_text)
+    return int((m.group(1) or m.group(2)).replace(",", "")) if m else None
+
+
 def start_pair(specs, started, timeout):
     """Start the servers of ``specs`` (``{which: (cmd, log_path, env)}``, in order) one
     after another, each once the one before has begun loading its weights

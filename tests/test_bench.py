@@ -792,3 +792,25 @@ def test_py_spy_samples_the_modes_asked():
     assert not wanted(early, "dump_early", shape=(2048, 8))
     assert not wanted(early, "dump_early", r={"wall_s": 10, "error": "x"})
     assert not wanted(early, "dump_early", left=50.0)
+
+
+def test_kv_pool_read_from_both_engines_logs_and_a_short_one_is_said():
+    """The KV pool each server states in its log (SGLang 0.5.23 and vLLM 0.33, lines from
+    the H200 logs) is recorded, and the Markdown says where a cell's tokens in flight exceed
+    it (B started after A got 57590 tokens: 2k x 32 sends 65536 at once)."""
+    from bench import servers
+
+    assert servers.kv_tokens("[2026-12-01 21:57:58] KV Cache is allocated. dtype: torch.bfloat16, "
+                             "#tokens: 57590, K size: 3.52 GB, V size: 3.52 GB") == 57590
+    assert servers.kv_tokens("(EngineCore pid=2194) INFO 12-01 21:41:50 [kv_cache_utils.py:1147] GPU KV cache "
+                             "size: 94,272 tokens, Maximum concurrency for 16,384 tokens per request: 5.75x") == 94272
+    assert servers.kv_tokens("Memory pool end. avail mem=1.00 GB") is None
+    m = {"cells": [{"prompt_len": 2048, "concurrency": 32, "mode": "dump", "requests": 32, "prefill_tps": 4e4}],
+         "kv_tokens": {"A": 104806, "B": 57590, "V": 94272, "W": None}}
+    lines = [ln for ln in markdown._model("llama-8b", m, {}) if "KV pool" in ln]
+    assert lines == ["- KV pool (tokens): A 104806, B 57590, V 94272; the largest cell sends 65536 prompt "
+                     "tokens at once, more than the pool of B (requests wait for KV there; each frees "
+                     "its own after its prefill)"], lines
+    m["cells"][0]["concurrency"] = 8
+    assert [ln for ln in markdown._model("llama-8b", m, {}) if "KV pool" in ln] == [
+        "- KV pool (tokens): A 104806, B 57590, V 94272"]
