@@ -33,18 +33,13 @@ prepare_run() {  # last folder, environment, series; then print the GPU
     fi
     eval "$(bash tests/gpu/stage-stack.sh env sglang)"
     export PYTHONPATH="$PYTHONPATH:$PWD:/tmp/site-d"
-    export PATH="$PATH:/tmp/site-d/bin"
-    export PYTHONUNBUFFERED=1
     echo "stack: SGLang $(stack_release) from ${KIMI_STACK_ROOT:-/tmp}/stack-sgl"
-    python3 -m sglang_ext patches list | awk -v s="$KIMI_SGLANG_SERIES" '$1 == s { print "series: " $0 }'
-    python3 -m sglang_ext patches apply --series "patches/$KIMI_SGLANG_SERIES" --site-packages
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    return
+  else
+    if [ -d .whl/c ]; then install_folder c; fi
+    # d (optional, carried with c): speculators, hs-connectors, datasets, multiprocess, py-spy
+    if [ -d .whl/d ]; then install_folder d; fi
+    export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD:/tmp/site-d"
   fi
-  if [ -d .whl/c ]; then install_folder c; fi
-  # d (optional, carried with c): speculators, hs-connectors, datasets, multiprocess, py-spy
-  if [ -d .whl/d ]; then install_folder d; fi
-  export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD:/tmp/site-d"
   export PATH="$PATH:/tmp/site-d/bin"
   export PYTHONUNBUFFERED=1
   # Without KIMI_SGLANG_SERIES, `apply` takes the series made for the staged release
