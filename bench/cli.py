@@ -39,7 +39,6 @@ import datetime
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -196,11 +195,7 @@ def check_args(ap, args):
         if mode not in planning.MODES:
             ap.error(f"unknown mode {mode!r} (known: {', '.join(planning.MODES)})")
     try:
-        shlex.split(args.vllm_args or "")
-    except ValueError as e:
-        ap.error(f"--vllm-args {args.vllm_args!r}: {e} (its words are split as a shell would)")
-    try:
-        peer.gpu_memory_utilization(args)
+        peer.gpu_memory_utilization(args)  # splits --vllm-args too
     except ValueError as e:
         ap.error(str(e))
     problem = servers.ports_problem(args, modes) or servers.memory_problem(args, modes)

@@ -187,6 +187,11 @@ def _peer(results: dict, head: dict) -> List[str]:
     return lines
 
 
+def _per_id(layer_ids, values) -> str:
+    """``id: value`` per layer id, e.g. "2: 1.5e-02, 16: 4.6e-02"."""
+    return ", ".join(f"{k}: {v:.1e}" for k, v in zip(layer_ids or [], values))
+
+
 def _peer_files(pf) -> List[str]:
     """The comparison of ours and vLLM's files for the same prompts (``bench.peerfiles``)."""
     if not pf:
@@ -200,7 +205,7 @@ def _peer_files(pf) -> List[str]:
     if tol.get("slots"):
         out.append(f"  - tolerance with the reference: per layer id max({tol.get('block')}, {tol.get('factor')} x HF's "
                    f"own bf16 error there): "
-                   + ", ".join(f"{k}: {v:.1e}" for k, v in zip(pf.get("layer_ids") or [], tol["slots"]))
+                   + _per_id(pf.get("layer_ids"), tol["slots"])
                    + f"; per token row {num(tol.get('token_scaled'), '{:.1e}')}")
     for key, label in (("ours_vs_vllm", "ours vs vLLM"), ("ours_vs_ref", "ours vs reference"),
                        ("vllm_vs_ref", "vLLM vs reference"), ("hf_bf16_vs_ref", "HF bf16 vs reference")):
@@ -208,8 +213,7 @@ def _peer_files(pf) -> List[str]:
         if e:
             out.append(f"  - {label}: block {num(e.get('block'), '{:.2e}')}, token row "
                        f"{num(e.get('token'), '{:.2e}')} ({e.get('token_where', '')})"
-                       + (f"; per layer id {', '.join(f'{k}: {v:.1e}' for k, v in zip(pf.get('layer_ids') or [], e['slots']))}"
-                          if e.get("slots") else ""))
+                       + (f"; per layer id {_per_id(pf.get('layer_ids'), e['slots'])}" if e.get("slots") else ""))
     out += [f"  - {p}" for p in pf.get("problems", [])]
     for key, label in (("reference_skipped", "HF reference skipped"), ("reference_error", "HF reference failed")):
         if pf.get(key):

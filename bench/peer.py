@@ -90,13 +90,23 @@ def dump_flags(name: str, dump_dir: str) -> List[str]:
             "--kv-transfer-config", json.dumps(kv_transfer_config(dump_dir, threads))]
 
 
+def vllm_args_words(args) -> List[str]:
+    """``--vllm-args`` split as a shell would. Raises ValueError (naming it) when it
+    cannot be, e.g. an unclosed quote."""
+    try:
+        return shlex.split(args.vllm_args or "")
+    except ValueError as e:
+        raise ValueError(f"--vllm-args {args.vllm_args!r}: {e} (its words are split as a shell would)") from None
+
+
 def gpu_memory_utilization(args) -> float:
     """vLLM's ``--gpu-memory-utilization``: the last one in ``--vllm-args`` (appended after
     ours, so it is the one vLLM takes), else ``--vllm-gpu-memory-utilization``, else the
     same number as our ``--mem-fraction-static`` (vLLM's counts activations too, SGLang's
     static fraction does not: vLLM's KV pool is a little smaller at the same number).
-    Raises ValueError for a value in ``--vllm-args`` that is not a number."""
-    words = shlex.split(args.vllm_args or "")
+    Raises ValueError for ``--vllm-args`` that cannot be split or hold a value that is not
+    a number."""
+    words = vllm_args_words(args)
     given = None
     for i, w in enumerate(words):
         if w.startswith("--gpu-memory-utilization="):
@@ -126,7 +136,7 @@ def vllm_command(args, name: str, port: int, extra: List[str]) -> List[str]:
     if not args.cuda_graph:
         # as our servers (no CUDA graphs), and no torch.compile: start-up in seconds
         cmd += ["--enforce-eager", "--optimization-level", "0"]
-    return cmd + extra + shlex.split(args.vllm_args or "")
+    return cmd + extra + vllm_args_words(args)
 
 
 def vllm_env() -> dict:

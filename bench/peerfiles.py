@@ -98,14 +98,6 @@ def _load(path: str, ids: List[int], layer_ids: List[int], hidden_size: int, who
     return hs, sorted(t)
 
 
-def slot_errors(got, ref) -> List[float]:
-    """Per layer slot l, the relative error ||got[:, l] - ref[:, l]|| / ||ref[:, l]|| of
-    two [T, L, H] blocks (any float dtypes): where along the depth two engines part."""
-    got, ref = got.float(), ref.float()
-    return [((got[:, i] - ref[:, i]).norm() / ref[:, i].norm().clamp_min(1e-12)).item()
-            for i in range(ref.shape[1])]
-
-
 # With the reference, each error may be this many times HF's own bf16 forward's error
 # against float32 at the same layer id (and token rows: its worst row), where that is above
 # the fixed bf16 tolerances: a deep random-weight model's bf16 rounding grows with depth
@@ -120,7 +112,7 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     "vllm_vs_ref", "hf_bf16_vs_ref" (each ``{"block", "token", "block_where",
     "token_where", "files", "slots"}``: the largest relative errors,
     ``tests/gpu/checks.Worst``, and per layer slot the largest over the prompts,
-    ``slot_errors``), "tolerance", "reference", "problems", "pass"}``.
+    ``RelError.slots``), "tolerance", "reference", "problems", "pass"}``.
 
     Without the reference, ``pass`` when every file has the right keys, shapes and token
     ids and vLLM's against ours is within tests/gpu/checks.py's bf16 tolerances. With
@@ -138,8 +130,9 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     slots = {k: [0.0] * len(layer_ids) for k in worst}
 
     def add(key, got, want, where):
-        worst[key].add(refmod.rel_errors(got, want), where)
-        slots[key] = [max(a, b) for a, b in zip(slots[key], slot_errors(got, want))]
+        err = refmod.rel_errors(got, want)
+        worst[key].add(err, where)
+        slots[key] = [max(a, b) for a, b in zip(slots[key], err.slots)]
 
     problems: List[str] = []
     keys = {}

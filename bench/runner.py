@@ -16,9 +16,9 @@ import subprocess
 import time
 
 from bench import child_env, loadgen, module_argv, peer, peerfiles, profilers, report, servers
+from bench import plan as planning
 from bench.models import MODELS, file_bytes, model_path
 from bench.noise import Noise, noise_rate
-from bench import plan as planning
 from bench.plan import peer_files_wanted, writer_threads
 
 

@@ -56,11 +56,13 @@ class Reference:
 class RelError:
     """``block``: ||got - ref|| / ||ref|| over the whole [T, L, H] block; ``token``: the
     largest per-row error ||got[t, l] - ref[t, l]|| / ||ref[t, l]||; ``at``: its
-    (token row, layer slot)."""
+    (token row, layer slot); ``slots``: per layer slot l, ||got[:, l] - ref[:, l]|| /
+    ||ref[:, l]|| (where along the depth two forwards part)."""
 
     block: float
     token: float
     at: Tuple[int, int]
+    slots: Tuple[float, ...] = ()
 
 
 def rel_errors(got, ref) -> RelError:
@@ -73,4 +75,5 @@ def rel_errors(got, ref) -> RelError:
     block = (diff.norm() / ref.norm()).item()
     rows = diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)  # [T, L]
     flat = int(rows.argmax())
-    return RelError(block, rows.max().item(), divmod(flat, rows.shape[1]))
+    slots = diff.norm(dim=(0, 2)) / ref.norm(dim=(0, 2)).clamp_min(1e-12)  # [L]
+    return RelError(block, rows.max().item(), divmod(flat, rows.shape[1]), tuple(slots.tolist()))
