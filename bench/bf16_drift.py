@@ -93,6 +93,44 @@ def drift(name: str = "llama-8b", tokens: int = 256, seed: int = 0,
             "errors": errors, "seconds": round(time.time() - t0, 1)}
 
 
+def hf_drift(model_dir: str, prompt_lens: List[int], device: str = "cuda", seed: int = 0,
+             layer_ids: Optional[List[int]] = None, build: Optional[str] = None) -> Dict:
+    """HF's whole model, not layer by layer: the checkpoint in ``model_dir`` (built there
+    from ``bench.models.MODELS[build]``'s shape and seed when it has no weights) through
+    tests/gpu/reference.py's float32 forward, then its bf16 forward (``to_dtype``: the
+    parameters cast, the rope's ``inv_freq`` kept in float32), on one prompt of random
+    token ids per length in ``prompt_lens``: the HF-bf16-vs-float32 error that
+    ``bench.peerfiles`` scales its tolerances by, on the device the engines ran on.
+    ``layer_ids`` default to ``MODELS[build]``'s, else [N]. Returns ``{"model_dir",
+    "device", "prompt_lens", "seed", "layer_ids", "hf_bf16_vs_f32": {"slots": [largest
+    per layer id over the prompts], "block", "token"}, "seconds"}``. Raises OSError for a
+    directory without a checkpoint and no ``build``."""
+    import torch
+
+    from bench import models
+
+    t0 = time.time()
+    if build:
+        models.build(build, model_dir)
+    reference = gpu_suite_module("reference")
+    ref = reference.Reference(model_dir, device)
+    n, vocab = ref.num_layers, ref.model.config.vocab_size
+    ids = sorted(set(layer_ids or (MODELS[build]["layer_ids"] if build else [n])))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (t,), generator=g).tolist() for t in prompt_lens]
+    try:
+        blocks = [ref(p, ids) for p in prompts]
+        ref.to_dtype(torch.bfloat16)
+        errs = [reference.rel_errors(ref(p, ids), b) for p, b in zip(prompts, blocks)]
+    finally:
+        ref.close()
+    return {"model_dir": model_dir, "device": device, "prompt_lens": list(prompt_lens), "seed": seed,
+            "layer_ids": ids,
+            "hf_bf16_vs_f32": {"slots": [max(e.slots[i] for e in errs) for i in range(len(ids))],
+                               "block": max(e.block for e in errs), "token": max(e.token for e in errs)},
+            "seconds": round(time.time() - t0, 1)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.bf16_drift", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-8b", choices=sorted(k for k, v in MODELS.items() if v["arch"] == "llama"))
@@ -102,7 +140,18 @@ def main(argv=None):
     ap.add_argument("--layer-ids", default=None,
                     help="comma-separated ids 0..N (default: the model's dump layers up to N)")
     ap.add_argument("--out", help="write the result as JSON here too")
+    ap.add_argument("--hf-model-dir", help="instead: HF's whole model in this directory (built there from "
+                    "--model's shape when it has no weights), float32 against its own bf16 forward (hf_drift)")
+    ap.add_argument("--prompt-lens", default="512,2048,777", help="with --hf-model-dir: one prompt per length")
+    ap.add_argument("--device", default="auto", help="with --hf-model-dir (auto: cuda when there is one)")
     args = ap.parse_args(argv)
+    if args.hf_model_dir:
+        try:
+            lens = [int(x) for x in args.prompt_lens.split(",")]
+            ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+        except ValueError:
+            ap.error("--prompt-lens and --layer-ids take comma-separated integers")
+        return _main_hf(args, lens, ids)
     try:
         ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
         res = drift(args.model, args.tokens, args.seed, ids, args.num_layers)
@@ -113,6 +162,20 @@ def main(argv=None):
     print(f"{'pair':28}" + "".join(f"{k:>10}" for k in res["layer_ids"]))
     for pair, errs in res["errors"].items():
         print(f"{pair:28}" + "".join(f"{e:10.2e}" for e in errs))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def _main_hf(args, lens, ids):
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    res = hf_drift(args.hf_model_dir, lens, device, args.seed, ids, args.model)
+    print(f"{res['model_dir']} on {device}, prompts {lens} ({res['seconds']} s): HF bf16 vs float32 per layer id")
+    print("".join(f"{k:>10}" for k in res["layer_ids"]))
+    print("".join(f"{e:10.2e}" for e in res["hf_bf16_vs_f32"]["slots"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

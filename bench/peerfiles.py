@@ -104,6 +104,11 @@ def _load(path: str, ids: List[int], layer_ids: List[int], hidden_size: int, who
 # (llama-8b: 1.9e-2 at id 2 to 7.9e-2 at id 32, bench/bf16_drift.py), which no engine can
 # beat, while a wrong layer or token shows as a multiple of it.
 BASELINE_FACTOR = 1.5
+# ... but only where HF's bf16 error is bf16 rounding: above this (at a layer id, or its
+# worst token row) the baseline is itself broken (seen: the rotary inv_freq cast to bf16
+# with the weights, 0.39-0.89 off float32 on llama-8b, which scaled every tolerance past
+# 0.5), so it is a problem of its own and that tolerance stays the fixed one.
+BASELINE_MAX = 0.15
 
 
 def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none", device: str = "cuda") -> dict:
@@ -121,7 +126,8 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     error (each engine against float32, and the two against each other) must then be within
     ``tolerance["slots"]``: per layer slot max(the block tolerance, ``BASELINE_FACTOR`` x
     HF bf16's error there), and per token row max(the row tolerance, the factor x HF bf16's
-    worst row)."""
+    worst row). An HF bf16 error above ``BASELINE_MAX`` is not rounding: it is a problem
+    and scales nothing."""
     checks = gpu_suite_module("checks")
     refmod = gpu_suite_module("reference")
     layer_ids, hidden = doc["layer_ids"], doc["hidden_size"]
@@ -173,8 +179,17 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
                         "token_where": w.token_where, "files": w.files, "slots": slots[key]}
     base = worst["hf_bf16_vs_ref"]
     if base.files:  # tolerances scaled by HF's own bf16 error, slot by slot
-        tol_slots = [max(checks.TOL_BLOCK, BASELINE_FACTOR * e) for e in slots["hf_bf16_vs_ref"]]
-        tol_token = max(checks.TOL_TOKEN, BASELINE_FACTOR * base.token)
+        for k, e in zip(layer_ids, slots["hf_bf16_vs_ref"]):
+            if e > BASELINE_MAX:
+                problems.append(f"hf_bf16_vs_ref: layer id {k}: HF's own bf16 forward is {e:.3e} off float32 "
+                                f"(> {BASELINE_MAX:g}: not bf16 rounding; that layer id keeps the fixed tolerance)")
+        if base.token > BASELINE_MAX:
+            problems.append(f"hf_bf16_vs_ref: per-token relative error {base.token:.3e} > {BASELINE_MAX:g} "
+                            f"({base.token_where}): not bf16 rounding; token rows keep the fixed tolerance")
+        tol_slots = [max(checks.TOL_BLOCK, BASELINE_FACTOR * e) if e <= BASELINE_MAX else checks.TOL_BLOCK
+                     for e in slots["hf_bf16_vs_ref"]]
+        tol_token = max(checks.TOL_TOKEN, BASELINE_FACTOR * base.token) if base.token <= BASELINE_MAX \
+            else checks.TOL_TOKEN
         out["tolerance"].update({"slots": tol_slots, "token_scaled": tol_token, "factor": BASELINE_FACTOR})
         for key in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref"):
             w = worst[key]

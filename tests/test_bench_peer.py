@@ -487,6 +487,19 @@ def test_deep_model_tolerances_scale_with_hf_bf16_error(tmp_path, monkeypatch):
     assert got["pass"] is False and got["ours_vs_ref"]["slots"] == pytest.approx([0.06, 0.06], rel=0.05)
     assert "per layer id max(0.02, 1.5 x HF's own bf16 error there): 2: 7.5e-02, 16: 7.5e-02" in \
         "\n".join(markdown._peer_files(got))
+    # a baseline that is not bf16 rounding (40% off float32) scales nothing and fails the check
+    monkeypatch.setattr(FakeReference, "to_dtype", lambda self, dtype: setattr(self, "scale", 1.4))
+    got = peerfiles.compare(doc, "unused", "hf", "cpu")
+    assert got["tolerance"]["slots"] == [0.02, 0.02] and got["tolerance"]["token_scaled"] == 0.05
+    assert got["pass"] is False and got["problems"][:2] == [
+        "hf_bf16_vs_ref: layer id 2: HF's own bf16 forward is 4.000e-01 off float32 "
+        "(> 0.15: not bf16 rounding; that layer id keeps the fixed tolerance)",
+        "hf_bf16_vs_ref: layer id 16: HF's own bf16 forward is 4.000e-01 off float32 "
+        "(> 0.15: not bf16 rounding; that layer id keeps the fixed tolerance)"]
+    assert got["problems"][2].startswith("hf_bf16_vs_ref: per-token relative error 4.000e-01 > 0.15 (prompt 0 (5 ")
+    assert got["problems"][2].endswith("): not bf16 rounding; token rows keep the fixed tolerance")
+    assert [p.split(":")[0] for p in got["problems"][3:]] == ["ours_vs_vllm"] * 2 + ["ours_vs_ref"] * 3 + \
+        ["vllm_vs_ref"] * 3
     # without the reference the fixed 2e-2 applies: the two files are 3.8% apart
     assert any(p.startswith("ours_vs_vllm: block relative error") for p in peerfiles.compare(doc)["problems"])
 

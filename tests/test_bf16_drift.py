@@ -45,3 +45,41 @@ def test_layer_ids_outside_the_run_are_refused():
     r = subprocess.run([sys.executable, "-m", "bench.bf16_drift", "--num-layers", "1", "--tokens", "4"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "error: layer ids [2, 16, 29, 32] are not within 0..1" in r.stderr
+
+
+def test_hf_drift_is_hf_own_bf16_load_against_its_float32_load(tmp_path):
+    """The whole-model mode on the tiny Llama: its per-id errors are those of HF's own
+    bf16 load (``from_pretrained(dtype=bfloat16)``) against its float32 load on the same
+    prompts, computed here without bench code; bf16 rounding, so under 2e-2. A bad
+    --prompt-lens is a one-line usage error."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from bench import bf16_drift
+
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import tiny_models
+
+    path = str(tmp_path / "llama")
+    tiny_models.build_llama(path)
+    res = bf16_drift.hf_drift(path, [40, 300], device="cpu", seed=3, layer_ids=[2, 8])
+    assert res["layer_ids"] == [2, 8] and res["prompt_lens"] == [40, 300]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, tiny_models.VOCAB, (t,), generator=g) for t in (40, 300)]
+    want = [0.0, 0.0]
+    models = {dt: AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval() for dt in (torch.float32, torch.bfloat16)}
+    with torch.no_grad():
+        for p in prompts:
+            f32, b16 = (models[dt](p[None], output_hidden_states=True).hidden_states for dt in models)
+            # id 2: the stream entering layer 2 (id 8 = N, the final norm's input, is not among
+            # HF's hidden_states, which end after the norm: only id 2 is recomputed here)
+            a, b = f32[2][0], b16[2][0].float()
+            want[0] = max(want[0], ((b - a).norm() / a.norm()).item())
+    assert res["hf_bf16_vs_f32"]["slots"][0] == pytest.approx(want[0], rel=1e-4)
+    assert 0 < want[0] < 2e-2 and 0 < res["hf_bf16_vs_f32"]["slots"][1] < 2e-2
+    r = subprocess.run([sys.executable, "-m", "bench.bf16_drift", "--hf-model-dir", path, "--prompt-lens", "5,x"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error: --prompt-lens and --layer-ids take comma-separated integers" in r.stderr

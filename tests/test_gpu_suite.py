@@ -260,6 +260,31 @@ def test_reference_layers_and_the_pre_norm_hook(tmp_path):
     assert not torch.allclose(got[:, 3], final)  # the pre-norm stream, not the normed one
 
 
+def test_reference_bf16_pass_is_hf_own_bf16_load(tmp_path):
+    """``to_dtype(bf16)`` gives the forward of HF's own bf16 load of the checkpoint
+    (``from_pretrained(dtype=torch.bfloat16)``, the independent reference here): the same
+    hidden states at every id, the rotary ``inv_freq`` kept in float32 as that load keeps it
+    (a whole-model cast rounds it to bf16 and moves the rope angles at far positions)."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_models.build_llama(str(tmp_path / "llama"))
+    ref = reference.Reference(str(tmp_path / "llama"), device="cpu")
+    ids = [(7 * i + 3) % tiny_models.VOCAB for i in range(600)]
+    f32 = ref(ids, (1, 4, 8))
+    ref.to_dtype(torch.bfloat16)
+    got = ref(ids, (1, 4, 8))
+    assert ref.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert ref.model.model.rotary_emb.inv_freq.dtype == torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"), dtype=torch.bfloat16).eval()
+    assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = torch.stack([out[1][0], out[4][0]], dim=1).float()
+    torch.testing.assert_close(got[:, :2], want, rtol=0, atol=0)
+    # bf16 rounding, not garbage: within the GPU suite's bf16 tolerance of float32
+    assert 0 < reference.rel_errors(got, f32).block < 2e-2
+
+
 def test_tiny_model_specs_and_build_resolve_layer_ids(tmp_path):
     """llama: default layers of 8 (2,4,5,8), entrypoint launcher, its own reference;
     deepseek and kimi: 1,3,4, direct."""
