@@ -47,7 +47,7 @@ import time
 
 from sglang_ext import config
 
-from bench import ceilings, markdown, peer, plan as planning, report, servers
+from bench import ceilings, markdown, peer, plan as planning, profilers, report, servers
 from bench.models import MODELS
 from bench.noise import parse_cpus
 from bench.runner import Clock, run_model
@@ -160,6 +160,10 @@ def build_parser():
     ap.add_argument("--py-spy-kind", choices=["gil", "wait"], default="gil",
                     help="gil: who holds the GIL (--gil, dump cells); wait: how long each thread "
                          "waits for it (--idle --native, no-dump and dump cells)")
+    ap.add_argument("--py-spy-also", type=_labels, default=[],
+                    help="with --py-spy-kind gil: more processes sampled in the same re-run, "
+                         "comma-separated: frontend (the server's launch process: HTTP server and "
+                         "TokenizerManager), client (this bench's own client threads)")
     ap.add_argument("--torch-profile", type=_labels, default=[],
                     help="cells (PROMPTxCONC) whose nodump, dump and nodump_noise runs are repeated under "
                          "SGLang's torch profiler (/start_profile), summarized by bench/torchprof.py")
@@ -203,6 +207,11 @@ def check_args(ap, args):
         ap.error(problem)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    unknown = [w for w in args.py_spy_also if w not in profilers.ALSO]
+    if unknown:
+        ap.error(f"--py-spy-also: unknown process {unknown[0]!r} (known: {', '.join(profilers.ALSO)})")
+    if args.py_spy_also and args.py_spy_kind == "wait":
+        ap.error("--py-spy-also samples with --gil only; --py-spy-kind wait pauses the process per sample")
     if args.noise_cpus:
         try:
             parse_cpus(args.noise_cpus)

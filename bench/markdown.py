@@ -260,16 +260,29 @@ def _py_spy(label: str, prof: dict) -> List[str]:
             lines += ["", "| share of the scheduler's samples | waiting from (file:line) |", "|---:|---|"]
             lines += [f"| {sh:.3f} | `{fr}` |" for fr, sh in prof["scheduler_wait_top"]]
         return lines
+    lines += _gil_lines(prof, prof.get("window_s", 0))
+    for which, other in (prof.get("also") or {}).items():
+        lines += ["", f"### the same window, {which}: {other.get('process', which)}", ""]
+        if other.get("error"):
+            lines.append(f"- not taken: {other['error'][:300]}")
+        else:
+            lines += _gil_lines(other, prof.get("window_s", 0), top=8)
+    return lines
+
+
+def _gil_lines(prof: dict, window_s: float, top: int = 15) -> List[str]:
+    """A ``--gil`` (or older, active-sample) summary: the window shares, its top leaf
+    frames, and the samples with sglang_ext code on the stack."""
     if prof.get("gil_window_share"):
-        lines.append(f"- {prof.get('samples', 0)} samples with the GIL held, in "
-                     f"{prof.get('window_s', 0):.1f} s; share of the window each thread "
-                     "held the GIL: " + ", ".join(
-                         f"{t} {v:.2f}" for t, v in prof["gil_window_share"].items()))
+        lines = [f"- {prof.get('samples', 0)} samples with the GIL held, in "
+                 f"{window_s:.1f} s; share of the window each thread "
+                 "held the GIL: " + ", ".join(
+                     f"{t} {v:.2f}" for t, v in prof["gil_window_share"].items())]
     else:
-        lines.append(f"- {prof.get('samples', 0)} samples; active share per thread: "
-                     + ", ".join(f"{t} {v:.2f}" for t, v in prof.get("threads", {}).items()))
+        lines = [f"- {prof.get('samples', 0)} samples; active share per thread: "
+                 + ", ".join(f"{t} {v:.2f}" for t, v in prof.get("threads", {}).items())]
     lines += ["", "| share | function (file:line) |", "|---:|---|"]
-    for fn, share in prof.get("top", []):
+    for fn, share in prof.get("top", [])[:top]:
         lines.append(f"| {share:.3f} | `{fn}` |")
     if prof.get("ours"):
         lines += ["", "- samples with sglang_ext code on the stack: "

@@ -124,6 +124,22 @@ def scheduler_pid(server):
     raise RuntimeError("no scheduler process found")
 
 
+# The other processes ``--py-spy-also`` samples beside the scheduler, and how each is found:
+# SGLang's front end (the launch process: its HTTP server and TokenizerManager, which
+# handle every request and response) and the bench's own client (its load threads).
+ALSO = {"frontend": "the server's launch process (HTTP server, TokenizerManager)",
+        "client": "the bench's own process (its client threads)"}
+
+
+def also_pid(server, which):
+    """The pid of ``which`` (a key of ``ALSO``) for ``server``."""
+    if which == "frontend":
+        return server.proc.pid  # tests/gpu/server.launch starts the launch module itself
+    if which == "client":
+        return os.getpid()
+    raise ValueError(f"unknown process {which!r}: one of {', '.join(ALSO)}")
+
+
 def py_spy_wanted(args, cell, r, clock):
     """Whether the cell just measured (``r``, its result) runs again under py-spy: its
     shape is in ``--py-spy``, its mode in ``--py-spy-modes`` (default by ``--py-spy-kind``,
@@ -137,7 +153,7 @@ def py_spy_wanted(args, cell, r, clock):
             and clock.left() > slowdown * r.get("wall_s", 60) + 60)
 
 
-def profile_cell(server, cell, spec, rng, out_stem, kind="gil"):
+def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
     """Run ``cell`` again while py-spy samples the server's scheduler process (all
     threads, ``PY_SPY_RATE`` Hz, without pausing it, ``--gil``: only the thread holding
     the GIL is recorded; the window also holds ~1 s before the load, to attach, and the
@@ -153,7 +169,12 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil"):
     the process for each sample, so the cell runs slower; compare servers A and B under
     the same sampling) and returns ``summarize_gil_wait``: how much of its wall time
     each thread, the scheduler above all, spent waiting for the GIL, which ``--gil``
-    cannot see."""
+    cannot see.
+
+    ``also`` (keys of ``ALSO``, ``--gil`` only): more processes sampled the same way in the
+    same re-run, each summarized under ``out["also"][name]`` (its raw samples in
+    ``out_stem-<name>.txt``), so the window shares say whether the front end or the client
+    was busier than the scheduler."""
     exe = shutil.which("py-spy")
     if not exe:
         return {"error": "py-spy not on PATH"}
@@ -161,15 +182,19 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil"):
         pid = scheduler_pid(server)
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}
-    raw = out_stem + ".txt"
+    targets = {"": (pid, out_stem + ".txt")}  # "": the scheduler
+    if kind != "wait":
+        targets.update({w: (also_pid(server, w), f"{out_stem}-{w}.txt") for w in also})
     t0 = time.monotonic()
     how = ["--idle", "--native"] if kind == "wait" else ["--gil", "--nonblocking"]
-    proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", str(PY_SPY_RATE),
-                             "--format", "raw", "--threads", *how, "--output", raw],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = {w: subprocess.Popen([exe, "record", "--pid", str(p), "--rate", str(PY_SPY_RATE),
+                                  "--format", "raw", "--threads", *how, "--output", raw],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for w, (p, raw) in targets.items()}
     time.sleep(1.0)  # attach before the load starts
-    if proc.poll() is not None:
-        return {"error": f"py-spy exited {proc.returncode}: {proc.stdout.read()[-400:]}"}
+    if procs[""].poll() is not None:
+        logs = {w: _stop(p) for w, p in procs.items()}
+        return {"error": f"py-spy exited {procs[''].returncode}: {logs[''][-400:]}"}
     r = {}
     try:
         r = run_cell(server, cell, spec, rng, cell["mode"])
@@ -177,26 +202,42 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil"):
         r = {"error": f"{type(e).__name__}: {e}"[:300]}
     finally:
         window = time.monotonic() - t0
-        proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
-        try:
-            log = proc.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log = proc.communicate()[0]
-    if not os.path.exists(raw):
-        return {"error": f"py-spy wrote nothing: {log[-400:]}"}
-    with open(raw) as f:
-        text = f.read()
-    out = summarize_gil_wait(text) if kind == "wait" else summarize_py_spy(text)
+        logs = {w: _stop(p) for w, p in procs.items()}
+    summaries = {}
+    for w, (_, raw) in targets.items():
+        if not os.path.exists(raw):
+            summaries[w] = {"error": f"py-spy wrote nothing: {logs[w][-400:]}"}
+            continue
+        with open(raw) as f:
+            text = f.read()
+        summaries[w] = summarize_gil_wait(text) if kind == "wait" else summarize_py_spy(text)
+        summaries[w]["raw"] = os.path.basename(raw)
+        if kind != "wait":
+            summaries[w]["gil_window_share"] = gil_window_share(summaries[w], window)
+    out = summaries.pop("")
+    if out.get("error"):
+        return out
+    for w in summaries:
+        summaries[w]["process"] = ALSO[w]
     out["window_s"] = window
     out["kind"] = kind
-    if kind != "wait":
-        out["gil_window_share"] = gil_window_share(out, window)
     out["cell_prefill_tps_sampled"] = r.get("prefill_tps")
     if r.get("error"):
         out["cell_error"] = r["error"]
-    out["raw"] = os.path.basename(raw)
+    if summaries:
+        out["also"] = summaries
     return out
+
+
+def _stop(proc):
+    """Stop one py-spy (SIGINT: it writes its output on Ctrl-C); returns what it printed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=60)[0] or ""
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0] or ""
 
 
 def torch_profile_wanted(args, cell, r, clock):

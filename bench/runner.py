@@ -315,7 +315,8 @@ class ModelRun:
             # the same cell again, sampled (the measured run above was not)
             stem = f"py-spy-{args.case or args.profile}-{name}-{mode}-{shape}"
             self.results.setdefault("py_spy", {})[f"{name} {mode} {shape}"] = profilers.profile_cell(
-                server, cell, self.spec, self.rng, os.path.join(args.out, stem), args.py_spy_kind)
+                server, cell, self.spec, self.rng, os.path.join(args.out, stem), args.py_spy_kind,
+                getattr(args, "py_spy_also", ()))
             self.clear(mode)
         if profilers.torch_profile_wanted(args, cell, r, clock):
             self.torch_profile(cell, r, server, shape)

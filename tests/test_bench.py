@@ -715,6 +715,61 @@ def test_py_spy_raw_summary():
     assert "share of the window each thread held the GIL: thread (0x1) 0.16, thread (0x2) 0.04" in md
 
 
+def test_py_spy_also_samples_the_front_end_and_the_client_in_the_same_window(tmp_path, monkeypatch):
+    """--py-spy-also frontend,client: one py-spy per process (here a stand-in on PATH that
+    writes one raw sample naming the pid it was given, on SIGINT as py-spy does; one that
+    exits at once is reported with what it printed), all
+    started before the cell's re-run and stopped after it; each summarized with its window
+    share under ``also``, rendered under the scheduler's. Unknown names and the blocking
+    ``wait`` kind are refused."""
+    import os
+    import types
+
+    fake = tmp_path / "bin" / "py-spy"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!{sys.executable}
+import signal, sys, time
+a = sys.argv
+pid, out = a[a.index("--pid") + 1], a[a.index("--output") + 1]
+def done(*_):
+    with open(out, "w") as f:
+        f.write(f"thread (0x1);loop (p{{pid}}.py:1) 20\\n")
+    sys.exit(0)
+signal.signal(signal.SIGINT, done)
+while True:
+    time.sleep(0.05)
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(profilers, "scheduler_pid", lambda server: 4242)
+    monkeypatch.setattr(profilers, "run_cell", lambda *a: {"prefill_tps": 123.0})
+    server = types.SimpleNamespace(proc=types.SimpleNamespace(pid=777))
+    out = profilers.profile_cell(server, {"mode": "dump_early"}, {}, None, str(tmp_path / "s"), "gil",
+                                 ["frontend", "client"])
+    assert out["top"] == [["loop (p4242.py:1)", 1.0]] and out["raw"] == "s.txt"
+    assert out["cell_prefill_tps_sampled"] == 123.0 and out["window_s"] >= 1.0
+    fe, cl = out["also"]["frontend"], out["also"]["client"]
+    assert fe["top"] == [["loop (p777.py:1)", 1.0]] and fe["raw"] == "s-frontend.txt"
+    assert cl["top"] == [["loop (p%d.py:1)" % os.getpid(), 1.0]] and cl["raw"] == "s-client.txt"
+    # 20 samples at 100 Hz over the window
+    assert fe["gil_window_share"]["thread (0x1)"] == pytest.approx(20 / (100 * out["window_s"]))
+    md = markdown.render_markdown({"models": {}, "py_spy": {"m dump_early 512x32": out}})
+    assert "### the same window, frontend: the server's launch process (HTTP server, TokenizerManager)" in md
+    assert "### the same window, client: the bench's own process (its client threads)" in md
+    assert "| 1.000 | `loop (p777.py:1)` |" in md
+    # the wait kind samples the scheduler alone
+    assert "also" not in profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "w"), "wait",
+                                                ["frontend"])
+    fake.write_text(f"#!{sys.executable}\nprint('Permission denied (os error 13)')\nraise SystemExit(1)\n")
+    bad = profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "x"), "gil", ["frontend"])
+    assert bad == {"error": "py-spy exited 1: Permission denied (os error 13)\n"}
+    for argv, msg in ((["--py-spy-also", "tokenizer"], "--py-spy-also: unknown process 'tokenizer' (known: frontend, client)"),
+                      (["--py-spy-also", "frontend", "--py-spy-kind", "wait"], "--py-spy-also samples with --gil only")):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "bench.py"), "--dry-run", *argv],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
+
+
 def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
     """--idle --native raw lines: the thread with event_loop frames is the scheduler;
     samples with a GIL-wait native frame count as waiting, wherever it sits."""
