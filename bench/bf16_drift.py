@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Dict, List, Optional
@@ -95,29 +96,45 @@ def drift(name: str = "llama-8b", tokens: int = 256, seed: int = 0,
 
 def hf_drift(model_dir: str, prompt_lens: List[int], device: str = "cuda", seed: int = 0,
              layer_ids: Optional[List[int]] = None, build: Optional[str] = None) -> Dict:
-    """HF's whole model, not layer by layer: the checkpoint in ``model_dir`` (built there
-    from ``bench.models.MODELS[build]``'s shape and seed when it has no weights) through
+    """HF's whole model, not layer by layer: the checkpoint in ``model_dir`` through
     tests/gpu/reference.py's float32 forward, then its bf16 forward (``to_dtype``: the
     parameters cast, the rope's ``inv_freq`` kept in float32), on one prompt of random
     token ids per length in ``prompt_lens``: the HF-bf16-vs-float32 error that
     ``bench.peerfiles`` scales its tolerances by, on the device the engines ran on.
-    ``layer_ids`` default to ``MODELS[build]``'s, else [N]. Returns ``{"model_dir",
-    "device", "prompt_lens", "seed", "layer_ids", "hf_bf16_vs_f32": {"slots": [largest
-    per layer id over the prompts], "block", "token"}, "seconds"}``. Raises OSError for a
-    directory without a checkpoint and no ``build``."""
+    ``build`` (a key of ``bench.models.MODELS``): first build that shape with its seed's
+    random weights into ``model_dir``, which must then hold no model (bench.py builds the
+    same). ``layer_ids`` (ids 0..N, as tests/gpu/reference.py numbers them) default to
+    ``MODELS[build]``'s, else [N]. Returns ``{"model_dir", "device", "prompt_lens", "seed",
+    "layer_ids", "hf_bf16_vs_f32": {"slots": [largest per layer id over the prompts],
+    "block", "token"}, "seconds"}``. Raises OSError (no checkpoint there; a model there to
+    build over), ValueError (a prompt length below 1, a layer id outside 0..N)."""
     import torch
 
     from bench import models
 
     t0 = time.time()
+    config = os.path.join(model_dir, "config.json")
+    if any(t < 1 for t in prompt_lens) or not prompt_lens:
+        raise ValueError(f"prompt lengths must be >= 1 (got {prompt_lens})")
     if build:
+        if os.path.exists(config):
+            raise OSError(f"{model_dir} already holds a model (config.json): building {build} there would "
+                          "mix random weights into it; name an empty or new directory")
         models.build(build, model_dir)
+    try:
+        with open(config) as f:
+            n = int(json.load(f)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError) as e:
+        raise OSError(f"{model_dir} holds no HF checkpoint ({config}: {getattr(e, 'strerror', None) or e}); "
+                      "pass --build to build --model's shape there") from None
+    ids = sorted(set(layer_ids or (MODELS[build]["layer_ids"] if build else [n])))
+    if ids[0] < 0 or ids[-1] > n:
+        raise ValueError(f"layer ids {ids} are not within 0..{n} (the stream entering layer k, or N = {n}: "
+                         "after the last layer, before the final norm)")
     reference = gpu_suite_module("reference")
     ref = reference.Reference(model_dir, device)
-    n, vocab = ref.num_layers, ref.model.config.vocab_size
-    ids = sorted(set(layer_ids or (MODELS[build]["layer_ids"] if build else [n])))
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, vocab, (t,), generator=g).tolist() for t in prompt_lens]
+    prompts = [torch.randint(0, ref.model.config.vocab_size, (t,), generator=g).tolist() for t in prompt_lens]
     try:
         blocks = [ref(p, ids) for p in prompts]
         ref.to_dtype(torch.bfloat16)
@@ -140,8 +157,11 @@ def main(argv=None):
     ap.add_argument("--layer-ids", default=None,
                     help="comma-separated ids 0..N (default: the model's dump layers up to N)")
     ap.add_argument("--out", help="write the result as JSON here too")
-    ap.add_argument("--hf-model-dir", help="instead: HF's whole model in this directory (built there from "
-                    "--model's shape when it has no weights), float32 against its own bf16 forward (hf_drift)")
+    ap.add_argument("--hf-model-dir", help="instead: the HF checkpoint in this directory, float32 against its "
+                    "own bf16 forward, whole model (hf_drift)")
+    ap.add_argument("--build", action="store_true",
+                    help="with --hf-model-dir: first build --model's shape there with random weights, as "
+                         "bench.py does (the directory must hold no model)")
     ap.add_argument("--prompt-lens", default="512,2048,777", help="with --hf-model-dir: one prompt per length")
     ap.add_argument("--device", default="auto", help="with --hf-model-dir (auto: cuda when there is one)")
     args = ap.parse_args(argv)
@@ -151,7 +171,7 @@ def main(argv=None):
             ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
         except ValueError:
             ap.error("--prompt-lens and --layer-ids take comma-separated integers")
-        return _main_hf(args, lens, ids)
+        return _main_hf(ap, args, lens, ids)
     try:
         ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
         res = drift(args.model, args.tokens, args.seed, ids, args.num_layers)
@@ -168,11 +188,18 @@ def main(argv=None):
     return 0
 
 
-def _main_hf(args, lens, ids):
+def _main_hf(ap, args, lens, ids):
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    res = hf_drift(args.hf_model_dir, lens, device, args.seed, ids, args.model)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {device}: torch sees no CUDA device here")
+    if device != "cpu" and not device.startswith("cuda"):
+        ap.error(f"--device {device}: cpu, cuda or cuda:N")
+    try:
+        res = hf_drift(args.hf_model_dir, lens, device, args.seed, ids, args.model if args.build else None)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
     print(f"{res['model_dir']} on {device}, prompts {lens} ({res['seconds']} s): HF bf16 vs float32 per layer id")
     print("".join(f"{k:>10}" for k in res["layer_ids"]))
     print("".join(f"{e:10.2e}" for e in res["hf_bf16_vs_f32"]["slots"]))

@@ -104,11 +104,14 @@ def _load(path: str, ids: List[int], layer_ids: List[int], hidden_size: int, who
 # (llama-8b: 1.9e-2 at id 2 to 7.9e-2 at id 32, bench/bf16_drift.py), which no engine can
 # beat, while a wrong layer or token shows as a multiple of it.
 BASELINE_FACTOR = 1.5
-# ... but only where HF's bf16 error is bf16 rounding: above this (at a layer id, or its
-# worst token row) the baseline is itself broken (seen: the rotary inv_freq cast to bf16
-# with the weights, 0.39-0.89 off float32 on llama-8b, which scaled every tolerance past
-# 0.5), so it is a problem of its own and that tolerance stays the fixed one.
+# ... but only where HF's bf16 error is bf16 rounding: above this at a layer id (or above
+# BASELINE_TOKEN_MAX for its worst token row, which runs higher: 9.3e-2 on llama-8b where
+# the ids reach 7.0e-2) the baseline is itself broken (seen: the rotary inv_freq cast to
+# bf16 with the weights, 0.39-0.89 off float32 on llama-8b, which scaled every tolerance
+# past 0.5), so it is a problem of its own and that tolerance stays the fixed one. NaN
+# counts as broken.
 BASELINE_MAX = 0.15
+BASELINE_TOKEN_MAX = 0.3
 
 
 def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none", device: str = "cuda") -> dict:
@@ -126,8 +129,8 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     error (each engine against float32, and the two against each other) must then be within
     ``tolerance["slots"]``: per layer slot max(the block tolerance, ``BASELINE_FACTOR`` x
     HF bf16's error there), and per token row max(the row tolerance, the factor x HF bf16's
-    worst row). An HF bf16 error above ``BASELINE_MAX`` is not rounding: it is a problem
-    and scales nothing."""
+    worst row). An HF bf16 error above ``BASELINE_MAX`` (token rows: ``BASELINE_TOKEN_MAX``)
+    or NaN is not rounding: it is a problem and scales nothing. A NaN in any file fails."""
     checks = gpu_suite_module("checks")
     refmod = gpu_suite_module("reference")
     layer_ids, hidden = doc["layer_ids"], doc["hidden_size"]
@@ -138,7 +141,7 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     def add(key, got, want, where):
         err = refmod.rel_errors(got, want)
         worst[key].add(err, where)
-        slots[key] = [max(a, b) for a, b in zip(slots[key], err.slots)]
+        slots[key] = [a if a != a or a >= b else b for a, b in zip(slots[key], err.slots)]  # NaN stays
 
     problems: List[str] = []
     keys = {}
@@ -180,15 +183,15 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     base = worst["hf_bf16_vs_ref"]
     if base.files:  # tolerances scaled by HF's own bf16 error, slot by slot
         for k, e in zip(layer_ids, slots["hf_bf16_vs_ref"]):
-            if e > BASELINE_MAX:
+            if not e <= BASELINE_MAX:
                 problems.append(f"hf_bf16_vs_ref: layer id {k}: HF's own bf16 forward is {e:.3e} off float32 "
                                 f"(> {BASELINE_MAX:g}: not bf16 rounding; that layer id keeps the fixed tolerance)")
-        if base.token > BASELINE_MAX:
-            problems.append(f"hf_bf16_vs_ref: per-token relative error {base.token:.3e} > {BASELINE_MAX:g} "
+        if not base.token <= BASELINE_TOKEN_MAX:
+            problems.append(f"hf_bf16_vs_ref: per-token relative error {base.token:.3e} > {BASELINE_TOKEN_MAX:g} "
                             f"({base.token_where}): not bf16 rounding; token rows keep the fixed tolerance")
         tol_slots = [max(checks.TOL_BLOCK, BASELINE_FACTOR * e) if e <= BASELINE_MAX else checks.TOL_BLOCK
                      for e in slots["hf_bf16_vs_ref"]]
-        tol_token = max(checks.TOL_TOKEN, BASELINE_FACTOR * base.token) if base.token <= BASELINE_MAX \
+        tol_token = max(checks.TOL_TOKEN, BASELINE_FACTOR * base.token) if base.token <= BASELINE_TOKEN_MAX \
             else checks.TOL_TOKEN
         out["tolerance"].update({"slots": tol_slots, "token_scaled": tol_token, "factor": BASELINE_FACTOR})
         for key in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref"):
@@ -196,16 +199,18 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
             if not w.files:
                 continue
             for k, e, tol in zip(layer_ids, slots[key], tol_slots):
-                if e > tol:
+                if not e <= tol:
                     problems.append(f"{key}: layer id {k}: relative error {e:.3e} > {tol:.3e} "
                                     f"(max({checks.TOL_BLOCK:g}, {BASELINE_FACTOR:g} x HF bf16's))")
-            if w.token > tol_token:
+            if not w.token <= tol_token:
                 problems.append(f"{key}: per-token relative error {w.token:.3e} > {tol_token:.3e} "
                                 f"({w.token_where})")
     else:
         for key in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref"):
             if worst[key].files:
                 problems += [f"{key}: {x}" for x in worst[key].problems()]
+    if not doc["pairs"]:
+        problems.append("no prompt pairs to compare")
     out["problems"] = problems
     out["pass"] = not problems and "ours_vs_vllm" in out
     return out

@@ -184,7 +184,10 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
         return {"error": f"{type(e).__name__}: {e}"}
     targets = {"": (pid, out_stem + ".txt")}  # "": the scheduler
     if kind != "wait":
-        targets.update({w: (also_pid(server, w), f"{out_stem}-{w}.txt") for w in also})
+        targets.update({w: (also_pid(server, w), f"{out_stem}-{w}.txt") for w in dict.fromkeys(also)})
+    for _, raw in targets.values():  # an earlier run's samples must not pass for this one's
+        if os.path.exists(raw):
+            os.remove(raw)
     t0 = time.monotonic()
     how = ["--idle", "--native"] if kind == "wait" else ["--gil", "--nonblocking"]
     procs = {w: subprocess.Popen([exe, "record", "--pid", str(p), "--rate", str(PY_SPY_RATE),
@@ -193,7 +196,7 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
              for w, (p, raw) in targets.items()}
     time.sleep(1.0)  # attach before the load starts
     if procs[""].poll() is not None:
-        logs = {w: _stop(p) for w, p in procs.items()}
+        logs = _stop(procs)
         return {"error": f"py-spy exited {procs[''].returncode}: {logs[''][-400:]}"}
     r = {}
     try:
@@ -202,7 +205,7 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
         r = {"error": f"{type(e).__name__}: {e}"[:300]}
     finally:
         window = time.monotonic() - t0
-        logs = {w: _stop(p) for w, p in procs.items()}
+        logs = _stop(procs)
     summaries = {}
     for w, (_, raw) in targets.items():
         if not os.path.exists(raw):
@@ -214,30 +217,36 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
         summaries[w]["raw"] = os.path.basename(raw)
         if kind != "wait":
             summaries[w]["gil_window_share"] = gil_window_share(summaries[w], window)
+    for w in summaries:
+        if w:
+            summaries[w]["process"] = ALSO[w]
     out = summaries.pop("")
+    if summaries:
+        out["also"] = summaries
     if out.get("error"):
         return out
-    for w in summaries:
-        summaries[w]["process"] = ALSO[w]
     out["window_s"] = window
     out["kind"] = kind
     out["cell_prefill_tps_sampled"] = r.get("prefill_tps")
     if r.get("error"):
         out["cell_error"] = r["error"]
-    if summaries:
-        out["also"] = summaries
     return out
 
 
-def _stop(proc):
-    """Stop one py-spy (SIGINT: it writes its output on Ctrl-C); returns what it printed."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        return proc.communicate(timeout=60)[0] or ""
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()[0] or ""
+def _stop(procs):
+    """Stop the py-spys of ``procs`` (name -> Popen) together (SIGINT to all first: each
+    writes its output on Ctrl-C); returns what each printed."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    logs = {}
+    for w, proc in procs.items():
+        try:
+            logs[w] = proc.communicate(timeout=60)[0] or ""
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            logs[w] = proc.communicate()[0] or ""
+    return logs
 
 
 def torch_profile_wanted(args, cell, r, clock):

@@ -757,6 +757,12 @@ while True:
     assert "### the same window, frontend: the server's launch process (HTTP server, TokenizerManager)" in md
     assert "### the same window, client: the bench's own process (its client threads)" in md
     assert "| 1.000 | `loop (p777.py:1)` |" in md
+    # an extra py-spy that writes nothing is reported so, never with an earlier run's samples
+    (tmp_path / "s-client.txt").write_text("thread (0x9);stale (old.py:1) 99\n")
+    fake.write_text(fake.read_text().replace("def done(*_):", "def done(*_):\n    if pid != '4242': sys.exit(0)"))
+    out = profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "s"), "gil", ["client", "client"])
+    assert list(out["also"]) == ["client"] and out["also"]["client"]["error"].startswith("py-spy wrote nothing")
+    assert out["top"] == [["loop (p4242.py:1)", 1.0]]
     # the wait kind samples the scheduler alone
     assert "also" not in profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "w"), "wait",
                                                 ["frontend"])

@@ -496,10 +496,28 @@ def test_deep_model_tolerances_scale_with_hf_bf16_error(tmp_path, monkeypatch):
         "(> 0.15: not bf16 rounding; that layer id keeps the fixed tolerance)",
         "hf_bf16_vs_ref: layer id 16: HF's own bf16 forward is 4.000e-01 off float32 "
         "(> 0.15: not bf16 rounding; that layer id keeps the fixed tolerance)"]
-    assert got["problems"][2].startswith("hf_bf16_vs_ref: per-token relative error 4.000e-01 > 0.15 (prompt 0 (5 ")
+    assert got["problems"][2].startswith("hf_bf16_vs_ref: per-token relative error 4.000e-01 > 0.3 (prompt 0 (5 ")
     assert got["problems"][2].endswith("): not bf16 rounding; token rows keep the fixed tolerance")
     assert [p.split(":")[0] for p in got["problems"][3:]] == ["ours_vs_vllm"] * 2 + ["ours_vs_ref"] * 3 + \
         ["vllm_vs_ref"] * 3
+    # a NaN in HF's bf16 pass is a broken baseline too; a NaN in vLLM's file fails with or
+    # without the reference; no pairs at all is a failure with a reason
+    monkeypatch.setattr(FakeReference, "to_dtype", lambda self, dtype: setattr(self, "scale", float("nan")))
+    got = peerfiles.compare(doc, "unused", "hf", "cpu")
+    assert got["tolerance"]["slots"] == [0.02, 0.02] and got["pass"] is False
+    assert got["problems"][0] == ("hf_bf16_vs_ref: layer id 2: HF's own bf16 forward is nan off float32 "
+                                  "(> 0.15: not bf16 rounding; that layer id keeps the fixed tolerance)")
+    nan_doc = json.loads(json.dumps(doc))
+    _save(tmp_path / "vllm-nan.safetensors", block * float("nan"), ids)
+    nan_doc["pairs"][0]["vllm"] = str(tmp_path / "vllm-nan.safetensors")
+    got = peerfiles.compare(nan_doc)
+    assert got["pass"] is False and got["problems"][0].startswith("ours_vs_vllm: block relative error nan > 0.02")
+    monkeypatch.setattr(FakeReference, "to_dtype", lambda self, dtype: setattr(self, "scale", 1.05))
+    got = peerfiles.compare(nan_doc, "unused", "hf", "cpu")
+    assert got["pass"] is False and "vllm_vs_ref: layer id 2: relative error nan > 7.500e-02 " \
+        "(max(0.02, 1.5 x HF bf16's))" in got["problems"]
+    empty = peerfiles.compare(dict(doc, pairs=[]))
+    assert empty["pass"] is False and empty["problems"] == ["no prompt pairs to compare"]
     # without the reference the fixed 2e-2 applies: the two files are 3.8% apart
     assert any(p.startswith("ours_vs_vllm: block relative error") for p in peerfiles.compare(doc)["problems"])
 

@@ -1,5 +1,6 @@
 """bench/bf16_drift.py on a CPU: one decoder layer of Llama-3.1-8B's shape, three streams."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -80,6 +81,20 @@ def test_hf_drift_is_hf_own_bf16_load_against_its_float32_load(tmp_path):
             want[0] = max(want[0], ((b - a).norm() / a.norm()).item())
     assert res["hf_bf16_vs_f32"]["slots"][0] == pytest.approx(want[0], rel=1e-4)
     assert 0 < want[0] < 2e-2 and 0 < res["hf_bf16_vs_f32"]["slots"][1] < 2e-2
-    r = subprocess.run([sys.executable, "-m", "bench.bf16_drift", "--hf-model-dir", path, "--prompt-lens", "5,x"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "error: --prompt-lens and --layer-ids take comma-separated integers" in r.stderr
+    # a directory without a checkpoint is refused, never built into unless --build says so;
+    # --build over a model is refused; bad ids, lengths and devices are one-line errors
+    for argv, msg in (
+            (["--hf-model-dir", path, "--prompt-lens", "5,x"], "--prompt-lens and --layer-ids take comma-separated"),
+            (["--hf-model-dir", str(tmp_path / "none")], f"{tmp_path / 'none'} holds no HF checkpoint"),
+            (["--hf-model-dir", path, "--build"], f"{path} already holds a model (config.json): building llama-8b"),
+            (["--hf-model-dir", path, "--layer-ids", "2,9", "--device", "cpu"], "layer ids [2, 9] are not within 0..8"),
+            (["--hf-model-dir", path, "--prompt-lens", "16,0", "--device", "cpu"], "prompt lengths must be >= 1"),
+            (["--hf-model-dir", path, "--device", "tpu"], "--device tpu: cpu, cuda or cuda:N")):
+        r = subprocess.run([sys.executable, "-m", "bench.bf16_drift", *argv], cwd=REPO, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert r.returncode == 2 and f"error: {msg}" in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+    assert not (tmp_path / "none").exists()
+    r = subprocess.run([sys.executable, "-m", "bench.bf16_drift", "--hf-model-dir", path, "--device", "cuda"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 2 and "error: --device cuda: torch sees no CUDA device here" in r.stderr

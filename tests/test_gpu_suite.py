@@ -235,6 +235,25 @@ def test_compare_file_checks_shape_ids_layers_and_errors(tmp_path):
     assert far.block == pytest.approx(0.5, rel=0.01) and far.problems()[0].startswith("block relative error 4.99")
 
 
+def test_worst_fails_a_file_with_nan_or_inf_whatever_comes_after():
+    """A NaN (or inf) anywhere in a dumped block makes its relative errors NaN (inf); the
+    worst over the files keeps it and every tolerance fails, even after clean files."""
+    ref = torch.ones(4, 2, 8)
+    bad = ref.clone()
+    bad[1, 0, 3] = float("nan")
+    w = checks.Worst()
+    w.add(reference.rel_errors(ref * 1.001, ref), "clean")
+    w.add(reference.rel_errors(bad, ref), "nan")
+    w.add(reference.rel_errors(ref * 1.001, ref), "clean again")
+    assert w.problems() == ["block relative error nan > 0.02 (nan)",
+                            "per-token relative error nan > 0.05 (nan, token row 1, layer slot 0)"]
+    bad[1, 0, 3] = float("inf")
+    w = checks.Worst()
+    w.add(reference.rel_errors(bad, ref), "inf")
+    assert [p.split(" (")[0] for p in w.problems()] == ["block relative error inf > 0.02",
+                                                        "per-token relative error inf > 0.05"]
+
+
 def test_reference_layers_and_the_pre_norm_hook(tmp_path):
     """The tiny Llama built for real on the CPU: id k < N is the residual entering decoder
     layer k (checked with a pre-hook on that layer, independent of output_hidden_states),

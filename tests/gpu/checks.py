@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 import time
@@ -22,7 +23,9 @@ TOL_TOKEN = 5e-2  # for every single token row (one token, one layer slot)
 
 @dataclass
 class Worst:
-    """The largest block and per-token errors seen over several files, and where."""
+    """The largest block and per-token errors seen over several files, and where. A NaN
+    error (a NaN or infinite value in a file) counts as the worst and stays: it fails every
+    tolerance."""
 
     block: float = 0.0
     token: float = 0.0
@@ -32,17 +35,17 @@ class Worst:
 
     def add(self, err: RelError, where: str) -> None:
         self.files += 1
-        if err.block >= self.block:
+        if math.isnan(err.block) or err.block >= self.block:
             self.block, self.block_where = err.block, where
-        if err.token >= self.token:
+        if math.isnan(err.token) or err.token >= self.token:
             self.token, self.token_where = err.token, f"{where}, token row {err.at[0]}, layer slot {err.at[1]}"
 
     def problems(self, tol_block: float = TOL_BLOCK, tol_token: Optional[float] = TOL_TOKEN) -> List[str]:
         """One line per exceeded tolerance (``tol_token`` None: the block only)."""
         out = []
-        if self.block > tol_block:
+        if not self.block <= tol_block:  # NaN too
             out.append(f"block relative error {self.block:.3e} > {tol_block:g} ({self.block_where})")
-        if tol_token is not None and self.token > tol_token:
+        if tol_token is not None and not self.token <= tol_token:
             out.append(f"per-token relative error {self.token:.3e} > {tol_token:g} ({self.token_where})")
         return out
 
