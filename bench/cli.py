@@ -210,6 +210,8 @@ def check_args(ap, args):
     unknown = [w for w in args.py_spy_also if w not in profilers.ALSO]
     if unknown:
         ap.error(f"--py-spy-also: unknown process {unknown[0]!r} (known: {', '.join(profilers.ALSO)})")
+    if args.py_spy_also and not args.py_spy:
+        ap.error("--py-spy-also samples during the --py-spy cells; --py-spy names none")
     if args.py_spy_also and args.py_spy_kind == "wait":
         ap.error("--py-spy-also samples with --gil only; --py-spy-kind wait pauses the process per sample")
     if args.noise_cpus:

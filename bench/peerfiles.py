@@ -238,6 +238,8 @@ def main(argv=None):
             doc = json.load(f)
         if not isinstance(doc, dict) or not {"layer_ids", "hidden_size", "pairs"} <= set(doc):
             raise ValueError("it is not a pairs.json of collect() (layer_ids, hidden_size, pairs)")
+        if not doc["layer_ids"]:
+            raise ValueError("its layer_ids list is empty")
     except (OSError, ValueError) as e:
         ap.error(f"{args.pairs}: {getattr(e, 'strerror', None) or e}")
     out = compare(doc, args.model_path, args.reference, device)

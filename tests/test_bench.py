@@ -770,7 +770,8 @@ while True:
     bad = profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "x"), "gil", ["frontend"])
     assert bad == {"error": "py-spy exited 1: Permission denied (os error 13)\n"}
     for argv, msg in ((["--py-spy-also", "tokenizer"], "--py-spy-also: unknown process 'tokenizer' (known: frontend, client)"),
-                      (["--py-spy-also", "frontend", "--py-spy-kind", "wait"], "--py-spy-also samples with --gil only")):
+                      (["--py-spy-also", "frontend", "--py-spy-kind", "wait"], "--py-spy-also samples with --gil only"),
+                      (["--py-spy-also", "client", "--py-spy", ""], "--py-spy names none")):
         r = subprocess.run([sys.executable, str(REPO / "bench" / "bench.py"), "--dry-run", *argv],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]

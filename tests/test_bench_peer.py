@@ -119,9 +119,11 @@ def test_bad_input_to_the_peer_tools_is_one_sentence(tmp_path, capsys):
     assert e.value.code == 2 and "--vllm-args \"'--x\": No closing quotation" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("[1")
     (tmp_path / "other.json").write_text("{}")
+    (tmp_path / "noids.json").write_text('{"layer_ids": [], "hidden_size": 8, "pairs": []}')
     for path, says in ((tmp_path / "none.json", "No such file or directory"),
                        (tmp_path / "bad.json", "Expecting"),
-                       (tmp_path / "other.json", "it is not a pairs.json of collect()")):
+                       (tmp_path / "other.json", "it is not a pairs.json of collect()"),
+                       (tmp_path / "noids.json", "its layer_ids list is empty")):
         with pytest.raises(SystemExit) as e:
             peerfiles.main([str(path), str(tmp_path / "out.json"), "--device", "cpu"])
         err = capsys.readouterr().err
