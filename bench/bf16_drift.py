@@ -34,6 +34,16 @@ STREAMS = ("f32", "bf16_sdpa", "bf16_eager")
 PAIRS = (("bf16_sdpa", "f32"), ("bf16_eager", "f32"), ("bf16_sdpa", "bf16_eager"))
 
 
+def _layer_ids(ids: List[int], n: int, asked: List[int]) -> List[int]:
+    """``ids`` sorted and deduplicated; ValueError when none is left or one is outside 0..N
+    (``asked``: what to name when none is left)."""
+    ids = sorted(set(ids))
+    if not ids or ids[0] < 0 or ids[-1] > n:
+        raise ValueError(f"layer ids {ids or asked} are not within 0..{n} (the stream entering layer k, "
+                         f"or N = {n}: after the last layer, before the final norm); pass layer_ids")
+    return ids
+
+
 def drift(name: str = "llama-8b", tokens: int = 256, seed: int = 0,
           layer_ids: Optional[List[int]] = None, num_layers: Optional[int] = None) -> Dict:
     """Run model ``name``'s shape (``num_layers`` overrides its depth, for quick checks)
@@ -49,10 +59,7 @@ def drift(name: str = "llama-8b", tokens: int = 256, seed: int = 0,
     if spec["arch"] != "llama":
         raise ValueError(f"{name} is not a Llama (bf16_drift builds Llama decoder layers only)")
     n = num_layers or spec["num_layers"]
-    ids = sorted(set(layer_ids or [k for k in spec["layer_ids"] if k <= n]))
-    if not ids or ids[0] < 0 or ids[-1] > n:
-        raise ValueError(f"layer ids {ids or spec['layer_ids']} are not within 0..{n} (the stream entering "
-                         f"layer k, or N = {n}: after the last); pass layer_ids")
+    ids = _layer_ids(layer_ids or [k for k in spec["layer_ids"] if k <= n], n, spec["layer_ids"])
     cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden_size"],
                       intermediate_size=spec["intermediate_size"], num_hidden_layers=n,
                       num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"],
@@ -127,24 +134,21 @@ def hf_drift(model_dir: str, prompt_lens: List[int], device: str = "cuda", seed:
     except (OSError, ValueError, KeyError) as e:
         raise OSError(f"{model_dir} holds no HF checkpoint ({config}: {getattr(e, 'strerror', None) or e}); "
                       "pass --build to build --model's shape there") from None
-    ids = sorted(set(layer_ids or (MODELS[build]["layer_ids"] if build else [n])))
-    if ids[0] < 0 or ids[-1] > n:
-        raise ValueError(f"layer ids {ids} are not within 0..{n} (the stream entering layer k, or N = {n}: "
-                         "after the last layer, before the final norm)")
+    ids = _layer_ids(layer_ids or (MODELS[build]["layer_ids"] if build else [n]), n, layer_ids or [])
     reference = gpu_suite_module("reference")
+    worst = gpu_suite_module("checks").Worst()  # over the prompts, NaN kept
     ref = reference.Reference(model_dir, device)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, ref.model.config.vocab_size, (t,), generator=g).tolist() for t in prompt_lens]
     try:
         blocks = [ref(p, ids) for p in prompts]
         ref.to_dtype(torch.bfloat16)
-        errs = [reference.rel_errors(ref(p, ids), b) for p, b in zip(prompts, blocks)]
+        for p, b in zip(prompts, blocks):
+            worst.add(reference.rel_errors(ref(p, ids), b), f"{len(p)} tokens")
     finally:
         ref.close()
     return {"model_dir": model_dir, "device": device, "prompt_lens": list(prompt_lens), "seed": seed,
-            "layer_ids": ids,
-            "hf_bf16_vs_f32": {"slots": [max(e.slots[i] for e in errs) for i in range(len(ids))],
-                               "block": max(e.block for e in errs), "token": max(e.token for e in errs)},
+            "layer_ids": ids, "hf_bf16_vs_f32": {"slots": worst.slots, "block": worst.block, "token": worst.token},
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -165,23 +169,23 @@ def main(argv=None):
     ap.add_argument("--prompt-lens", default="512,2048,777", help="with --hf-model-dir: one prompt per length")
     ap.add_argument("--device", default="auto", help="with --hf-model-dir (auto: cuda when there is one)")
     args = ap.parse_args(argv)
-    if args.hf_model_dir:
-        try:
-            lens = [int(x) for x in args.prompt_lens.split(",")]
-            ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
-        except ValueError:
-            ap.error("--prompt-lens and --layer-ids take comma-separated integers")
-        return _main_hf(ap, args, lens, ids)
     try:
+        lens = [int(x) for x in args.prompt_lens.split(",")] if args.hf_model_dir else None
         ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
-        res = drift(args.model, args.tokens, args.seed, ids, args.num_layers)
-    except ValueError as e:
-        ap.error(str(e))
-    print(f"{res['model']} ({res['num_layers']} layers, {res['tokens']} tokens, seed {res['seed']}, "
-          f"{res['seconds']} s): relative error per layer id")
-    print(f"{'pair':28}" + "".join(f"{k:>10}" for k in res["layer_ids"]))
-    for pair, errs in res["errors"].items():
-        print(f"{pair:28}" + "".join(f"{e:10.2e}" for e in errs))
+    except ValueError:
+        ap.error("--prompt-lens and --layer-ids take comma-separated integers")
+    if args.hf_model_dir:
+        res = _main_hf(ap, args, lens, ids)
+    else:
+        try:
+            res = drift(args.model, args.tokens, args.seed, ids, args.num_layers)
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"{res['model']} ({res['num_layers']} layers, {res['tokens']} tokens, seed {res['seed']}, "
+              f"{res['seconds']} s): relative error per layer id")
+        print(f"{'pair':28}" + "".join(f"{k:>10}" for k in res["layer_ids"]))
+        for pair, errs in res["errors"].items():
+            print(f"{pair:28}" + "".join(f"{e:10.2e}" for e in errs))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
@@ -189,6 +193,7 @@ def main(argv=None):
 
 
 def _main_hf(ap, args, lens, ids):
+    """``--hf-model-dir``: check the device, run ``hf_drift``, print it; returns its result."""
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -203,10 +208,7 @@ def _main_hf(ap, args, lens, ids):
     print(f"{res['model_dir']} on {device}, prompts {lens} ({res['seconds']} s): HF bf16 vs float32 per layer id")
     print("".join(f"{k:>10}" for k in res["layer_ids"]))
     print("".join(f"{e:10.2e}" for e in res["hf_bf16_vs_f32"]["slots"]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
+    return res
 
 
 if __name__ == "__main__":

@@ -114,13 +114,18 @@ BASELINE_MAX = 0.15
 BASELINE_TOKEN_MAX = 0.3
 
 
+def _scaled(fixed: float, baseline: float, cap: float) -> float:
+    """A tolerance: max(``fixed``, ``BASELINE_FACTOR`` x HF bf16's ``baseline`` error) where
+    that baseline is bf16 rounding (at most ``cap``), else ``fixed`` (NaN too)."""
+    return max(fixed, BASELINE_FACTOR * baseline) if baseline <= cap else fixed
+
+
 def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none", device: str = "cuda") -> dict:
     """Compare the pairs of ``doc`` (``pairs.json``'s content). Returns ``{"prompts",
     "prompt_lens", "layer_ids", "keys": {"ours", "vllm"}, "ours_vs_vllm", "ours_vs_ref",
     "vllm_vs_ref", "hf_bf16_vs_ref" (each ``{"block", "token", "block_where",
-    "token_where", "files", "slots"}``: the largest relative errors,
-    ``tests/gpu/checks.Worst``, and per layer slot the largest over the prompts,
-    ``RelError.slots``), "tolerance", "reference", "problems", "pass"}``.
+    "token_where", "files", "slots"}``: the largest relative errors over the prompts,
+    ``tests/gpu/checks.Worst``, per layer slot too), "tolerance", "reference", "problems", "pass"}``.
 
     Without the reference, ``pass`` when every file has the right keys, shapes and token
     ids and vLLM's against ours is within tests/gpu/checks.py's bf16 tolerances. With
@@ -136,12 +141,9 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     layer_ids, hidden = doc["layer_ids"], doc["hidden_size"]
     ref = refmod.Reference(model_path, device) if reference == "hf" else None
     worst = {k: checks.Worst() for k in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref", "hf_bf16_vs_ref")}
-    slots = {k: [0.0] * len(layer_ids) for k in worst}
 
     def add(key, got, want, where):
-        err = refmod.rel_errors(got, want)
-        worst[key].add(err, where)
-        slots[key] = [a if a != a or a >= b else b for a, b in zip(slots[key], err.slots)]  # NaN stays
+        worst[key].add(refmod.rel_errors(got, want), where)
 
     problems: List[str] = []
     keys = {}
@@ -179,26 +181,24 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     for key, w in worst.items():
         if w.files:
             out[key] = {"block": w.block, "token": w.token, "block_where": w.block_where,
-                        "token_where": w.token_where, "files": w.files, "slots": slots[key]}
+                        "token_where": w.token_where, "files": w.files, "slots": w.slots}
     base = worst["hf_bf16_vs_ref"]
     if base.files:  # tolerances scaled by HF's own bf16 error, slot by slot
-        for k, e in zip(layer_ids, slots["hf_bf16_vs_ref"]):
+        for k, e in zip(layer_ids, base.slots):
             if not e <= BASELINE_MAX:
                 problems.append(f"hf_bf16_vs_ref: layer id {k}: HF's own bf16 forward is {e:.3e} off float32 "
                                 f"(> {BASELINE_MAX:g}: not bf16 rounding; that layer id keeps the fixed tolerance)")
         if not base.token <= BASELINE_TOKEN_MAX:
             problems.append(f"hf_bf16_vs_ref: per-token relative error {base.token:.3e} > {BASELINE_TOKEN_MAX:g} "
                             f"({base.token_where}): not bf16 rounding; token rows keep the fixed tolerance")
-        tol_slots = [max(checks.TOL_BLOCK, BASELINE_FACTOR * e) if e <= BASELINE_MAX else checks.TOL_BLOCK
-                     for e in slots["hf_bf16_vs_ref"]]
-        tol_token = max(checks.TOL_TOKEN, BASELINE_FACTOR * base.token) if base.token <= BASELINE_TOKEN_MAX \
-            else checks.TOL_TOKEN
+        tol_slots = [_scaled(checks.TOL_BLOCK, e, BASELINE_MAX) for e in base.slots]
+        tol_token = _scaled(checks.TOL_TOKEN, base.token, BASELINE_TOKEN_MAX)
         out["tolerance"].update({"slots": tol_slots, "token_scaled": tol_token, "factor": BASELINE_FACTOR})
         for key in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref"):
             w = worst[key]
             if not w.files:
                 continue
-            for k, e, tol in zip(layer_ids, slots[key], tol_slots):
+            for k, e, tol in zip(layer_ids, w.slots, tol_slots):
                 if not e <= tol:
                     problems.append(f"{key}: layer id {k}: relative error {e:.3e} > {tol:.3e} "
                                     f"(max({checks.TOL_BLOCK:g}, {BASELINE_FACTOR:g} x HF bf16's))")

@@ -209,17 +209,17 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
     summaries = {}
     for w, (_, raw) in targets.items():
         if not os.path.exists(raw):
-            summaries[w] = {"error": f"py-spy wrote nothing: {logs[w][-400:]}"}
-            continue
-        with open(raw) as f:
-            text = f.read()
-        summaries[w] = summarize_gil_wait(text) if kind == "wait" else summarize_py_spy(text)
-        summaries[w]["raw"] = os.path.basename(raw)
-        if kind != "wait":
-            summaries[w]["gil_window_share"] = gil_window_share(summaries[w], window)
-    for w in summaries:
+            got = {"error": f"py-spy wrote nothing: {logs[w][-400:]}"}
+        else:
+            with open(raw) as f:
+                text = f.read()
+            got = summarize_gil_wait(text) if kind == "wait" else summarize_py_spy(text)
+            got["raw"] = os.path.basename(raw)
+            if kind != "wait":
+                got["gil_window_share"] = gil_window_share(got, window)
         if w:
-            summaries[w]["process"] = ALSO[w]
+            got["process"] = ALSO[w]
+        summaries[w] = got
     out = summaries.pop("")
     if summaries:
         out["also"] = summaries

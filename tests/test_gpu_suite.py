@@ -7,6 +7,7 @@ line and lifecycle, leftovers, log and results parsing) behave on hand-made inpu
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -247,6 +248,8 @@ def test_worst_fails_a_file_with_nan_or_inf_whatever_comes_after():
     w.add(reference.rel_errors(ref * 1.001, ref), "clean again")
     assert w.problems() == ["block relative error nan > 0.02 (nan)",
                             "per-token relative error nan > 0.05 (nan, token row 1, layer slot 0)"]
+    # per layer slot: the NaN stays in slot 0, slot 1 keeps the clean files' 1e-3
+    assert math.isnan(w.slots[0]) and w.slots[1] == pytest.approx(1e-3, rel=1e-2)
     bad[1, 0, 3] = float("inf")
     w = checks.Worst()
     w.add(reference.rel_errors(bad, ref), "inf")

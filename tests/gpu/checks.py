@@ -23,22 +23,24 @@ TOL_TOKEN = 5e-2  # for every single token row (one token, one layer slot)
 
 @dataclass
 class Worst:
-    """The largest block and per-token errors seen over several files, and where. A NaN
-    error (a NaN or infinite value in a file) counts as the worst and stays: it fails every
-    tolerance."""
+    """The largest block and per-token errors seen over several files, and where, and per
+    layer slot the largest ``RelError.slots`` (files of one layout). A NaN error (a NaN or
+    infinite value in a file) counts as the worst and stays: it fails every tolerance."""
 
     block: float = 0.0
     token: float = 0.0
     block_where: str = ""
     token_where: str = ""
     files: int = 0
+    slots: List[float] = field(default_factory=list)
 
     def add(self, err: RelError, where: str) -> None:
         self.files += 1
-        if math.isnan(err.block) or err.block >= self.block:
+        if _worse(err.block, self.block):
             self.block, self.block_where = err.block, where
-        if math.isnan(err.token) or err.token >= self.token:
+        if _worse(err.token, self.token):
             self.token, self.token_where = err.token, f"{where}, token row {err.at[0]}, layer slot {err.at[1]}"
+        self.slots = [e if _worse(e, w) else w for e, w in zip(err.slots, self.slots or [0.0] * len(err.slots))]
 
     def problems(self, tol_block: float = TOL_BLOCK, tol_token: Optional[float] = TOL_TOKEN) -> List[str]:
         """One line per exceeded tolerance (``tol_token`` None: the block only)."""
@@ -54,6 +56,11 @@ class Worst:
         record_property("max_rel_err", self.block)
         record_property("max_rel_err_per_token", self.token)
         record_property("files_compared", self.files)
+
+
+def _worse(err: float, worst: float) -> bool:
+    """Whether ``err`` replaces ``worst``: it is NaN, or not smaller (a NaN worst stays)."""
+    return math.isnan(err) or (not math.isnan(worst) and err >= worst)
 
 
 def compare_file(rec, ids, layer_ids, hidden_size, ref_block, where: str, worst: Worst) -> List[str]:
