@@ -38,14 +38,18 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False):
+               api="sglang", wait_files=False, waits=None):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
     ``early`` (mode dump_early): each request asks to be answered before its file is
     complete (``format.WAIT_PARAM``), as ``sglang_ext.client`` does; a thread waits for
-    its previous file's lock after sending its next prompt (one file pending per
-    thread), and the wall time ends when every file is complete.
+    its previous file's lock after its next answer (one file pending per thread), and the
+    wall time ends when every file is complete. ``waits`` (a dict): gets
+    ``file_wait_s``, the seconds the client threads spent in those waits, summed over
+    threads (a thread waiting has no request in flight, so the closed loop runs below
+    ``concurrency`` for that long), and ``tail_wait_s``, the wait for the last files
+    after the last answer.
 
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
@@ -66,7 +70,7 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
-    pending = []
+    pending, waited = [], []  # list.append is atomic under the GIL
 
     def one(i):
         t = time.perf_counter()
@@ -81,7 +85,9 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
             path = json.loads(content)["meta_info"].get("hidden_states_path")
             prev, slot.prev = getattr(slot, "prev", None), path
             if prev:
+                t_wait = time.perf_counter()
                 fmt.wait_complete(prev, timeout=timeout)
+                waited.append(time.perf_counter() - t_wait)
             if path:
                 pending.append(path)
         # JSON responses run to 100s of MB: keep the first (and failures) only
@@ -91,26 +97,42 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(len(bodies))))
+    t_tail = time.perf_counter()
     for path in pending:  # the last file of each thread (the rest return at once)
         fmt.wait_complete(path, timeout=timeout)
-    return time.perf_counter() - t0, results
+    t1 = time.perf_counter()
+    if waits is not None:
+        waits.update(file_wait_s=sum(waited), tail_wait_s=t1 - t_tail)
+    return t1 - t0, results
 
 
-def run_cell(server, cell, spec, rng, mode, trace_path=None):
+def cell_prompts(cell, spec, rng):
+    """The random prompts of one cell: ``cell["requests"]`` lists of token ids."""
+    return make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
+
+
+def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``; for
-    json, the responses' bytes and one's nested shape; ``error`` when requests failed)."""
-    prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
+    dump_early, the client's file waits (``send_batch``'s ``waits``, and
+    ``file_wait_share``: their sum over concurrency x wall); for json, the responses'
+    bytes and one's nested shape; ``error`` when requests failed). ``prompts``: made
+    beforehand (``cell_prompts``), else here (not timed either way)."""
+    if prompts is None:
+        prompts = cell_prompts(cell, spec, rng)
     offset = trace_size(trace_path)
+    waits = {}
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
-                               **api_args(mode))
+                               waits=waits, **api_args(mode))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
            "requests": len(prompts)}
     out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
+    if mode == "dump_early":
+        out.update(waits, file_wait_share=waits["file_wait_s"] / (cell["concurrency"] * wall))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
     if mode in report.DUMP_MODES and not bad:

@@ -98,6 +98,8 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             f"{num(json_mb, '{:.1f}')} | {num(hc.get('dump_vs_nodump'), '{:.3f}')} | "
             f"{num(hc.get('dump_vs_bound'), '{:.3f}')} |"
         )
+    waits = sorted((c for c in m.get("cells", []) if c.get("file_wait_share") is not None),
+                   key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0))
     lines += [
         "",
         f"- dump_vs_nodump: min {num(h.get('dump_vs_nodump_min'), '{:.3f}')}, geometric mean "
@@ -105,6 +107,13 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         + (f"; early answers (dump_early): min {num(h.get('dump_early_vs_nodump_min'), '{:.3f}')}, "
            f"geometric mean {num(h.get('dump_early_vs_nodump_geomean'), '{:.3f}')}"
            if h.get("dump_early_vs_nodump_min") is not None else ""),
+        *(["- pooled over the rounds (sum of tokens / sum of wall, each mode's): " + "; ".join(
+            f"{x['mode']} {x['prompt_len']}x{x['concurrency']} {x['dump_vs_nodump_pooled']:.3f}"
+            f" ({x['rounds']} rounds)" for x in h["pooled"])] if h.get("pooled") else []),
+        *(["- early answers, the client threads' waits for an earlier file (share of"
+           " concurrency x wall; a waiting thread has no request in flight): " + ", ".join(
+            f"{c['prompt_len']}x{c['concurrency']}" + (f" #{c['rep']}" if "rep" in c else "")
+            + f" {c['file_wait_share']:.3f}" for c in waits)] if waits else []),
         f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
         f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}",
     ]

@@ -18,7 +18,7 @@ import subprocess
 import time
 
 from bench import torchprof
-from bench.loadgen import run_cell
+from bench.loadgen import cell_prompts, run_cell
 
 PY_SPY_RATE = 100  # samples per second
 
@@ -188,6 +188,8 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
     for _, raw in targets.values():  # an earlier run's samples must not pass for this one's
         if os.path.exists(raw):
             os.remove(raw)
+    # made before sampling: ~1 s of the client's Python per 1M tokens, not the load's
+    prompts = cell_prompts(cell, spec, rng)
     t0 = time.monotonic()
     how = ["--idle", "--native"] if kind == "wait" else ["--gil", "--nonblocking"]
     procs = {w: subprocess.Popen([exe, "record", "--pid", str(p), "--rate", str(PY_SPY_RATE),
@@ -200,7 +202,7 @@ def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
         return {"error": f"py-spy exited {procs[''].returncode}: {logs[''][-400:]}"}
     r = {}
     try:
-        r = run_cell(server, cell, spec, rng, cell["mode"])
+        r = run_cell(server, cell, spec, rng, cell["mode"], prompts=prompts)
     except Exception as e:  # noqa: BLE001 - a failed profile must not end the model's cells
         r = {"error": f"{type(e).__name__}: {e}"[:300]}
     finally:
@@ -271,12 +273,13 @@ def torch_profile_cell(server, cell, spec, rng, trace_dir, tag, max_requests):
     small["prompt_tokens"] = small["requests"] * cell["prompt_len"]
     shutil.rmtree(trace_dir, ignore_errors=True)
     base = f"http://127.0.0.1:{server.port}"
+    prompts = cell_prompts(small, spec, rng)  # before the profiler starts, as in profile_cell
     try:
         requests.post(f"{base}/start_profile", timeout=120, json={
             "output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": False,
             "record_shapes": False, "profile_id": tag}).raise_for_status()
         try:
-            r = run_cell(server, small, spec, rng, cell["mode"])
+            r = run_cell(server, small, spec, rng, cell["mode"], prompts=prompts)
         finally:
             requests.post(f"{base}/stop_profile", timeout=300).raise_for_status()
         t0 = time.monotonic()

@@ -166,7 +166,8 @@ def find_cell(cells, mode, prompt_len, concurrency, rep=ANY_REP):
 
 
 def headline(results: dict) -> Dict[str, dict]:
-    """Per model: ``dump_vs_nodump`` (per cell, plus min and geometric mean),
+    """Per model: ``dump_vs_nodump`` (per cell, plus min and geometric mean; ``pooled``:
+    per shape over the rounds, ``pooled_ratios``, with each mode's worst shape),
     ``dump_vs_json`` at 2k/conc 8, ``writer_vs_ceiling`` (per prompt length, and at 2k),
     and per dump cell the bound ``min((a), W/B)`` the target compares (b) with."""
     ceil = results.get("ceilings", {})
@@ -204,6 +205,7 @@ def headline(results: dict) -> Dict[str, dict]:
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
         r, r_early, r_fp8 = ratios("dump"), ratios("dump_early"), ratios("dump_fp8")
+        pooled = pooled_ratios(cells)
         rows = peer_rows(cells)
         fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
         for x in (c for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]):
@@ -242,6 +244,10 @@ def headline(results: dict) -> Dict[str, dict]:
             "dump_early_vs_nodump_min": min(r_early) if r_early else None,
             "dump_early_vs_nodump_geomean": (
                 math.exp(sum(map(math.log, r_early)) / len(r_early)) if r_early else None),
+            "pooled": pooled,
+            **{f"{mode}_vs_nodump_pooled_min": min((x["dump_vs_nodump_pooled"] for x in pooled
+                                                     if x["mode"] == mode), default=None)
+               for mode in ("dump", "dump_early")},
             "dump_fp8_vs_nodump_min": min(r_fp8) if r_fp8 else None,
             "dump_fp8_vs_nodump_geomean": (
                 math.exp(sum(map(math.log, r_fp8)) / len(r_fp8)) if r_fp8 else None),
@@ -255,6 +261,32 @@ def headline(results: dict) -> Dict[str, dict]:
         if rows:
             out[model].update(peer=rows, **peer_summary(rows, ratios("vllm_dump")))
     return out
+
+
+def pooled_ratios(cells: List[dict]) -> List[dict]:
+    """Per dump mode and shape (prompt length, concurrency): its tokens/s pooled over the
+    rounds (``--repeat``) that have both it and their own no-dump cell, over the no-dump
+    cells' pooled the same way (sum of prompt tokens / sum of wall seconds, each mode's).
+    One round's ratio carries that round's noise (a stalled cell moves it by 0.3 either
+    way on the stress models); pooling weighs each round by its length and leaves the
+    systematic cost. ``rounds``: how many rounds went in. Rows in the order of the cells."""
+    sums: Dict[tuple, List[float]] = {}
+    for b in cells:
+        if b.get("mode") not in DUMP_MODES or b.get("error") or not b.get("wall_s"):
+            continue
+        a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"],
+                      b.get("rep"))
+        if not a or not a.get("wall_s"):
+            continue
+        s = sums.setdefault((b["mode"], b["prompt_len"], b["concurrency"]), [0.0, 0.0, 0.0, 0.0, 0])
+        s[0] += b["prompt_tokens"]
+        s[1] += b["wall_s"]
+        s[2] += a["prompt_tokens"]
+        s[3] += a["wall_s"]
+        s[4] += 1
+    return [{"mode": mode, "prompt_len": plen, "concurrency": conc, "rounds": n,
+             "dump_vs_nodump_pooled": (tb / wb) / (ta / wa)}
+            for (mode, plen, conc), (tb, wb, ta, wa, n) in sums.items()]
 
 
 def geomean(xs: List[float]) -> Optional[float]:

@@ -131,6 +131,34 @@ def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
     assert noise.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
 
 
+def test_pooled_ratio_weighs_rounds_by_their_length():
+    """The pooled ratio of a shape is (sum of the dump's tokens / sum of its wall) over
+    (the same for its own rounds' no-dump cells): a stalled round counts for its seconds,
+    not as one ratio of two; rounds without their own no-dump cell stay out."""
+    res = sample()
+    res["models"]["m"]["cells"] = [
+        cell("nodump", 512, 32, 100_000.0, rep=0), cell("dump_early", 512, 32, 50_000.0, rep=0),
+        cell("nodump", 512, 32, 200_000.0, rep=1), cell("dump_early", 512, 32, 200_000.0, rep=1),
+        cell("dump_early", 512, 32, 1_000.0, rep=2),  # its nodump failed: not paired
+        cell("nodump", 512, 32, 1.0, rep=2, error="HTTP 500"),
+        cell("nodump", 2048, 8, 100_000.0, rep=0), cell("dump", 2048, 8, 90_000.0, rep=0),
+    ]
+    h = report.headline(res)["m"]
+    # 512x32: dump_early 4096 tokens in 0.08192 + 0.02048 s; nodump in 0.04096 + 0.02048 s
+    want = (2 * 2048 / (2048 / 50_000 + 2048 / 200_000)) / (2 * 2048 / (2048 / 100_000 + 2048 / 200_000))
+    assert want == pytest.approx(0.6)  # where the rounds' ratios (0.5 and 1.0) average 0.75
+    assert h["pooled"] == [
+        {"mode": "dump_early", "prompt_len": 512, "concurrency": 32, "rounds": 2,
+         "dump_vs_nodump_pooled": pytest.approx(want)},
+        {"mode": "dump", "prompt_len": 2048, "concurrency": 8, "rounds": 1,
+         "dump_vs_nodump_pooled": pytest.approx(0.9)}]
+    assert h["dump_early_vs_nodump_pooled_min"] == pytest.approx(0.6)
+    assert h["dump_vs_nodump_pooled_min"] == pytest.approx(0.9)
+    md = markdown.render_markdown(res | {"headline": {"m": h}, "targets": []})
+    assert ("- pooled over the rounds (sum of tokens / sum of wall, each mode's): dump_early 512x32 0.600"
+            " (2 rounds); dump 2048x8 0.900 (1 rounds)") in md
+
+
 def test_torch_trace_summary_splits_the_scheduler_thread_time():
     def x(cat, name, ts, dur, tid=1, pid=9):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
@@ -621,6 +649,13 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     # ends when every file is complete, so all 16 are there and counted
     e = cells[("dump_early", 16, 1)]
     assert e["files"] == 16 and e["wall_s"] >= 0.05
+    # the client's waits for files: after each answer (conc 1), for the file before it,
+    # written 50 ms after its own answer: 15 waits of 50 ms less one request's latency
+    assert 0.1 < e["file_wait_s"] < e["wall_s"] and 0 <= e["tail_wait_s"] < e["wall_s"]
+    assert e["file_wait_share"] == pytest.approx(e["file_wait_s"] / e["wall_s"])
+    assert "file_wait_s" not in cells[("dump", 16, 1)]
+    md = (out / res_path.name.replace(".json", ".md")).read_text()
+    assert f"waits for an earlier file (share of concurrency x wall; a waiting thread has no request in flight): 16x1 {e['file_wait_share']:.3f}, 16x8" in md
     assert e["file_bytes"] == cells[("dump", 16, 1)]["file_bytes"]
     j = cells[("json", 2048, 8)]
     assert j["requests"] == 2 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 2 * 2048 * 8 * 5
@@ -742,12 +777,15 @@ while True:
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.setattr(profilers, "scheduler_pid", lambda server: 4242)
-    monkeypatch.setattr(profilers, "run_cell", lambda *a: {"prefill_tps": 123.0})
+    made, got = [], []
+    monkeypatch.setattr(profilers, "cell_prompts", lambda *a: made.append([[5, 6]]) or made[-1])
+    monkeypatch.setattr(profilers, "run_cell", lambda *a, prompts: got.append(prompts) or {"prefill_tps": 123.0})
     server = types.SimpleNamespace(proc=types.SimpleNamespace(pid=777))
     out = profilers.profile_cell(server, {"mode": "dump_early"}, {}, None, str(tmp_path / "s"), "gil",
                                  ["frontend", "client"])
     assert out["top"] == [["loop (p4242.py:1)", 1.0]] and out["raw"] == "s.txt"
     assert out["cell_prefill_tps_sampled"] == 123.0 and out["window_s"] >= 1.0
+    assert got == made and got[0] is made[0]  # the prompts were made before, not in the window
     fe, cl = out["also"]["frontend"], out["also"]["client"]
     assert fe["top"] == [["loop (p777.py:1)", 1.0]] and fe["raw"] == "s-frontend.txt"
     assert cl["top"] == [["loop (p%d.py:1)" % os.getpid(), 1.0]] and cl["raw"] == "s-client.txt"
