@@ -253,9 +253,9 @@ def _stop(procs):
 
 def torch_profile_wanted(args, cell, r, clock):
     """Whether the cell just measured runs again under the torch profiler: a nodump,
-    dump or nodump_noise cell of a ``--torch-profile`` shape that did not fail, with time
+    dump, dump_early or nodump_noise cell of a ``--torch-profile`` shape that did not fail, with time
     for ~3 of its runs left."""
-    return (cell["mode"] in ("nodump", "dump", "nodump_noise")
+    return (cell["mode"] in ("nodump", "dump", "dump_early", "nodump_noise")
             and f"{cell['prompt_len']}x{cell['concurrency']}" in args.torch_profile
             and not r.get("error") and clock.left() > 3 * r.get("wall_s", 60) + 90)
 

@@ -815,6 +815,24 @@ while True:
         assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
 
 
+def test_torch_profile_takes_every_mode_of_one_engine_but_json():
+    """--torch-profile re-runs the nodump, dump, dump_early and nodump_noise cells of its
+    shapes (early answers do the same GPU work as dump, answered sooner), when time is left."""
+    import types
+
+    args = cli.build_parser().parse_args(["--torch-profile", "2048x8"])
+    clock = types.SimpleNamespace(left=lambda: 1000.0)
+    for mode, want in (("nodump", True), ("dump", True), ("dump_early", True), ("nodump_noise", True),
+                       ("json", False), ("vllm_dump", False)):
+        cell = {"mode": mode, "prompt_len": 2048, "concurrency": 8}
+        assert profilers.torch_profile_wanted(args, cell, {"wall_s": 1.0}, clock) is want, mode
+    cell = {"mode": "dump_early", "prompt_len": 512, "concurrency": 8}
+    assert not profilers.torch_profile_wanted(args, cell, {"wall_s": 1.0}, clock)
+    cell = {"mode": "dump_early", "prompt_len": 2048, "concurrency": 8}
+    assert not profilers.torch_profile_wanted(args, cell, {"wall_s": 1.0, "error": "x"}, clock)
+    assert not profilers.torch_profile_wanted(args, cell, {"wall_s": 400.0}, clock)
+
+
 def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
     """--idle --native raw lines: the thread with event_loop frames is the scheduler;
     samples with a GIL-wait native frame count as waiting, wherever it sits."""
