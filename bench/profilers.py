@@ -140,17 +140,19 @@ def also_pid(server, which):
     raise ValueError(f"unknown process {which!r}: one of {', '.join(ALSO)}")
 
 
-def py_spy_wanted(args, cell, r, clock):
-    """Whether the cell just measured (``r``, its result) runs again under py-spy: its
-    shape is in ``--py-spy``, its mode in ``--py-spy-modes`` (default by ``--py-spy-kind``,
-    gil: dump cells; wait: no-dump too), it did not fail, and the slowed re-run fits
-    before the deadline."""
+def py_spy_need_s(args, cell, r):
+    """Seconds the py-spy re-run of the cell just measured (``r``, its result) needs
+    before the deadline, or None when it is not asked for: its shape is in ``--py-spy``,
+    its mode in ``--py-spy-modes`` (default by ``--py-spy-kind``, gil: dump cells; wait:
+    no-dump too), and it did not fail. Sampling slows the re-run (``--gil`` ~2x, the
+    blocking ``wait`` kind 25-29x, measured 2026-12-01), plus a minute to attach and stop."""
     label = f"{cell['prompt_len']}x{cell['concurrency']}"
     sampled = tuple(getattr(args, "py_spy_modes", None) or
                     (("dump", "nodump") if args.py_spy_kind == "wait" else ("dump",)))
-    slowdown = 30 if args.py_spy_kind == "wait" else 2  # blocking sampling: 25-29x (2026-12-01)
-    return (cell["mode"] in sampled and label in args.py_spy and not r.get("error")
-            and clock.left() > slowdown * r.get("wall_s", 60) + 60)
+    if cell["mode"] not in sampled or label not in args.py_spy or r.get("error"):
+        return None
+    slowdown = 30 if args.py_spy_kind == "wait" else 2
+    return slowdown * r.get("wall_s", 60) + 60
 
 
 def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):
@@ -251,13 +253,15 @@ def _stop(procs):
     return logs
 
 
-def torch_profile_wanted(args, cell, r, clock):
-    """Whether the cell just measured runs again under the torch profiler: a nodump,
-    dump, dump_early or nodump_noise cell of a ``--torch-profile`` shape that did not fail, with time
-    for ~3 of its runs left."""
-    return (cell["mode"] in ("nodump", "dump", "dump_early", "nodump_noise")
-            and f"{cell['prompt_len']}x{cell['concurrency']}" in args.torch_profile
-            and not r.get("error") and clock.left() > 3 * r.get("wall_s", 60) + 90)
+def torch_profile_need_s(args, cell, r):
+    """Seconds the torch-profiled re-run of the cell just measured needs before the
+    deadline (~3 of its runs, and the trace's writing and reading), or None when it is not
+    asked for: a nodump, dump, dump_early or nodump_noise cell of a ``--torch-profile``
+    shape that did not fail."""
+    if (cell["mode"] not in ("nodump", "dump", "dump_early", "nodump_noise")
+            or f"{cell['prompt_len']}x{cell['concurrency']}" not in args.torch_profile or r.get("error")):
+        return None
+    return 3 * r.get("wall_s", 60) + 90
 
 
 def torch_profile_cell(server, cell, spec, rng, trace_dir, tag, max_requests):

@@ -311,17 +311,28 @@ class ModelRun:
         self.clear(mode)
         self.m["cells"].append(r)
         shape = f"{cell['prompt_len']}x{cell['concurrency']}"
-        if profilers.py_spy_wanted(args, cell, r, clock):
+        if self.fits(profilers.py_spy_need_s(args, cell, r), f"py-spy of {label}"):
             # the same cell again, sampled (the measured run above was not)
             stem = f"py-spy-{args.case or args.profile}-{name}-{mode}-{shape}"
             self.results.setdefault("py_spy", {})[f"{name} {mode} {shape}"] = profilers.profile_cell(
                 server, cell, self.spec, self.rng, os.path.join(args.out, stem), args.py_spy_kind,
                 getattr(args, "py_spy_also", ()))
             self.clear(mode)
-        if profilers.torch_profile_wanted(args, cell, r, clock):
+        if self.fits(profilers.torch_profile_need_s(args, cell, r), f"torch profile of {label}"):
             self.torch_profile(cell, r, server, shape)
         print(cell_line(label, r), flush=True)
         self.save()
+
+    def fits(self, need_s, what):
+        """Whether a profile asked for (``need_s`` not None) fits before the deadline; one
+        that does not is listed in the results' ``skipped``, as a skipped cell is."""
+        if need_s is None:
+            return False
+        if self.clock.left() > need_s:
+            return True
+        self.skipped.append(f"{what} (deadline: {self.clock.left():.0f} s left, it needs ~{need_s:.0f} s)")
+        print(f"  skip {what}: deadline", flush=True)
+        return False
 
     def torch_profile(self, cell, r, server, shape):
         args, name, mode = self.args, self.name, cell["mode"]

@@ -817,20 +817,32 @@ while True:
 
 def test_torch_profile_takes_every_mode_of_one_engine_but_json():
     """--torch-profile re-runs the nodump, dump, dump_early and nodump_noise cells of its
-    shapes (early answers do the same GPU work as dump, answered sooner), when time is left."""
+    shapes (early answers do the same GPU work as dump, answered sooner); the time it
+    needs: ~3 runs of the cell plus 90 s."""
+    args = cli.build_parser().parse_args(["--torch-profile", "2048x8"])
+    for mode, want in (("nodump", 93.0), ("dump", 93.0), ("dump_early", 93.0), ("nodump_noise", 93.0),
+                       ("json", None), ("vllm_dump", None)):
+        cell = {"mode": mode, "prompt_len": 2048, "concurrency": 8}
+        assert profilers.torch_profile_need_s(args, cell, {"wall_s": 1.0}) == want, mode
+    cell = {"mode": "dump_early", "prompt_len": 512, "concurrency": 8}
+    assert profilers.torch_profile_need_s(args, cell, {"wall_s": 1.0}) is None
+    cell = {"mode": "dump_early", "prompt_len": 2048, "concurrency": 8}
+    assert profilers.torch_profile_need_s(args, cell, {"wall_s": 1.0, "error": "x"}) is None
+
+
+def test_a_profile_that_does_not_fit_is_listed_as_skipped():
+    """A run on the H200 (torchprof-conc8-deepseek) asked for torch profiles that its
+    deadline left no time for, and its results said nothing: now they are listed."""
     import types
 
-    args = cli.build_parser().parse_args(["--torch-profile", "2048x8"])
-    clock = types.SimpleNamespace(left=lambda: 1000.0)
-    for mode, want in (("nodump", True), ("dump", True), ("dump_early", True), ("nodump_noise", True),
-                       ("json", False), ("vllm_dump", False)):
-        cell = {"mode": mode, "prompt_len": 2048, "concurrency": 8}
-        assert profilers.torch_profile_wanted(args, cell, {"wall_s": 1.0}, clock) is want, mode
-    cell = {"mode": "dump_early", "prompt_len": 512, "concurrency": 8}
-    assert not profilers.torch_profile_wanted(args, cell, {"wall_s": 1.0}, clock)
-    cell = {"mode": "dump_early", "prompt_len": 2048, "concurrency": 8}
-    assert not profilers.torch_profile_wanted(args, cell, {"wall_s": 1.0, "error": "x"}, clock)
-    assert not profilers.torch_profile_wanted(args, cell, {"wall_s": 400.0}, clock)
+    from bench import runner
+
+    run = runner.ModelRun.__new__(runner.ModelRun)
+    run.clock, run.skipped = types.SimpleNamespace(left=lambda: 69.4), []
+    assert run.fits(None, "torch profile of x") is False and run.skipped == []
+    assert run.fits(60.0, "py-spy of deepseek-tiny dump 512x8") is True
+    assert run.fits(93.0, "torch profile of deepseek-tiny dump_early 2048x8") is False
+    assert run.skipped == ["torch profile of deepseek-tiny dump_early 2048x8 (deadline: 69 s left, it needs ~93 s)"]
 
 
 def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
@@ -890,16 +902,10 @@ def test_py_spy_samples_the_modes_asked():
     cells); without it, dump cells (gil) or dump and nodump (wait); never a cell whose
     shape is not in --py-spy, that failed, or whose slowed re-run would pass the deadline."""
 
-    class Clock:
-        def __init__(self, left):
-            self._left = left
-
-        def left(self):
-            return self._left
-
     def wanted(argv, mode, shape=(512, 8), r=None, left=1000.0):
         cell = {"mode": mode, "prompt_len": shape[0], "concurrency": shape[1]}
-        return profilers.py_spy_wanted(_args(argv), cell, r or {"wall_s": 10}, Clock(left))
+        need = profilers.py_spy_need_s(_args(argv), cell, r or {"wall_s": 10})
+        return need is not None and left > need
 
     assert wanted(["--py-spy", "512x8"], "dump")
     assert not wanted(["--py-spy", "512x8"], "dump_early")
