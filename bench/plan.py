@@ -12,7 +12,7 @@ import shlex
 
 from sglang_ext import config
 
-from bench import peer, report, servers
+from bench import peer, profilers, report, servers
 from bench.models import MODELS, file_bytes
 
 PROFILES = {
@@ -31,6 +31,10 @@ MODES = GRID_MODES + ("json",)
 # assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
 # compile) beyond ours (70-121 s seen on the H200, one after another)
 EST_VLLM_STARTUP_S = 70
+# assumptions for the profile re-runs: seconds beyond the cell's own run (py-spy's attach
+# and stop; the torch trace's writing and reading)
+EST_PY_SPY_EXTRA_S = 5
+EST_TORCH_TRACE_S = 20
 # the file comparison after the servers stop: its own run (30 s) and HF's float32 reference
 # (its start and ~2 s per layer to load the model): an assumption, which the runner also
 # keeps free before the deadline (runner.ModelRun.reserve_s)
@@ -107,15 +111,19 @@ def make_plan(args):
                 cells.append(dict(json_cell))
         if "json" in modes and head not in grid:
             cells.append(dict(json_cell))
+        build_s = 0 if args.no_build else spec["est_build_s"]
+        clock = est_total + build_s + spec["est_startup_s"] + 20  # when the first cell starts
         for c in cells:
             tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
             if c["mode"] in report.DUMP_MODES:
                 c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"], c["mode"] == "dump_fp8")
+            clock += c["est_s"]
+            clock += plan_profiles(args, c, plan["deadline_s"] - clock)
         kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
         cmds = {which: servers.server_cmd(args, name, which) for which in kinds}
-        est = spec["est_startup_s"] + 20 + sum(c["est_s"] for c in cells) + 10
-        build_s = 0 if args.no_build else spec["est_build_s"]
+        est = (spec["est_startup_s"] + 20 + 10
+               + sum(c["est_s"] + sum(p["est_s"] for p in c.get("profiles", []) if p["fits"]) for c in cells))
         est += build_s
         est += EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
         est += peer_files_s(spec, args.peer_reference) if peer_files_wanted(modes, name) else 0
@@ -125,6 +133,31 @@ def make_plan(args):
             plan["models"][name]["peer_unsupported"] = no_peer
     plan["est_total_s"] = round(est_total)
     return plan
+
+
+def plan_profiles(args, cell, left_s):
+    """The profile re-runs asked for after ``cell`` (``cell["profiles"]``: what, its
+    estimated seconds, and ``fits``: whether the ``left_s`` seconds the estimate leaves
+    before the deadline when the cell ends cover what the runner asks to have free,
+    ``profilers.*_need_s``); returns the seconds of those that fit."""
+    r = {"wall_s": cell["est_s"]}
+    asked = []
+    need = profilers.py_spy_need_s(args, cell, r)
+    if need is not None:
+        slow = 30 if args.py_spy_kind == "wait" else 2
+        asked.append({"what": "py-spy", "need_s": need, "est_s": slow * cell["est_s"] + EST_PY_SPY_EXTRA_S})
+    need = profilers.torch_profile_need_s(args, cell, r)
+    if need is not None:
+        share = min(1.0, args.torch_profile_requests / max(cell["requests"], 1))
+        asked.append({"what": "torch profile", "need_s": need,
+                      "est_s": round(share * cell["est_s"] + EST_TORCH_TRACE_S, 1)})
+    spent = 0.0
+    for p in asked:
+        p["fits"] = left_s - spent > p["need_s"]
+        spent += p["est_s"] if p["fits"] else 0.0
+    if asked:
+        cell["profiles"] = asked
+    return spent
 
 
 def peer_files_wanted(modes, name):
@@ -156,5 +189,9 @@ def print_plan(plan):
             mode = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
             print(f"  {mode:16} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
                   f"{c['prompt_tokens']:8} {gib:>8} {c['est_s']:6}")
+            for p in c.get("profiles", []):
+                print(f"    + {p['what']}: ~{p['est_s']} s" + (
+                    "" if p["fits"] else f"; LIKELY SKIPPED: it needs {p['need_s']:.0f} s before the "
+                    "deadline when its cell ends (raise --deadline-s)"))
     print(f"\nestimated total: ~{plan['est_total_s']} s (throughputs and start-up times are "
           f"assumptions; the deadline skips what does not fit)")

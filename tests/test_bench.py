@@ -830,6 +830,35 @@ def test_torch_profile_takes_every_mode_of_one_engine_but_json():
     assert profilers.torch_profile_need_s(args, cell, {"wall_s": 1.0, "error": "x"}) is None
 
 
+def test_the_plan_says_which_profiles_the_deadline_leaves_no_time_for(capsys):
+    """--dry-run counts the profile re-runs in its estimate and marks the ones that the
+    estimated clock leaves too little time for (the runner asks for ``*_need_s`` free when
+    their cell ends): torchprof-conc8-deepseek's deadline of 250 s skipped both its torch
+    profiles on the H200; 540 s leaves room for all four."""
+    argv = ["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump_early", "--prompt-lens", "2048,512",
+            "--concurrency", "8", "--cell-tokens", "262144", "--skip-ceilings", "--py-spy", "",
+            "--torch-profile", "2048x8,512x8", "--torch-profile-requests", "32"]
+    tight = plan.make_plan(_args(argv + ["--deadline-s", "250"]))
+    roomy = plan.make_plan(_args(argv + ["--deadline-s", "540"]))
+    cells = roomy["models"]["deepseek-tiny"]["cells"]
+    profiles = [p for c in cells for p in c["profiles"]]
+    assert [p["what"] for p in profiles] == ["torch profile"] * 4 and all(p["fits"] for p in profiles)
+    # 32 of the cell's 128 requests (2k) or 512 (512), plus the trace's 20 s
+    assert profiles[0]["est_s"] == round(32 / 128 * cells[0]["est_s"] + plan.EST_TORCH_TRACE_S, 1)
+    assert profiles[0]["need_s"] == 3 * cells[0]["est_s"] + 90
+    assert not any(p["fits"] for c in tight["models"]["deepseek-tiny"]["cells"] for p in c["profiles"])
+    assert roomy["est_total_s"] == pytest.approx(tight["est_total_s"] + sum(p["est_s"] for p in profiles), abs=1)
+    plan.print_plan(tight)
+    out = capsys.readouterr().out
+    assert out.count("LIKELY SKIPPED: it needs") == 4 and "(raise --deadline-s)" in out
+    spy = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--py-spy", "512x1",
+                                "--deadline-s", "3000"]))
+    [c] = [c for c in spy["models"]["deepseek-tiny"]["cells"] if c.get("profiles")]
+    assert (c["mode"], c["prompt_len"], c["concurrency"]) == ("dump", 512, 1)
+    assert c["profiles"] == [{"what": "py-spy", "need_s": 2 * c["est_s"] + 60,
+                              "est_s": 2 * c["est_s"] + plan.EST_PY_SPY_EXTRA_S, "fits": True}]
+
+
 def test_a_profile_that_does_not_fit_is_listed_as_skipped():
     """A run on the H200 (torchprof-conc8-deepseek) asked for torch profiles that its
     deadline left no time for, and its results said nothing: now they are listed."""
