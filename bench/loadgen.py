@@ -115,8 +115,9 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``; for
-    dump_early, the client's file waits (``send_batch``'s ``waits``, and
-    ``file_wait_share``: their sum over concurrency x wall); for json, the responses'
+    dump_early without failed requests, the client's file waits (``send_batch``'s
+    ``waits``, and ``file_wait_share``: their sum over the threads that had requests
+    (concurrency, or fewer requests) x wall); for json, the responses'
     bytes and one's nested shape; ``error`` when requests failed). ``prompts``: made
     beforehand (``cell_prompts``), else here (not timed either way)."""
     if prompts is None:
@@ -131,8 +132,9 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
            "requests": len(prompts)}
     out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
-    if mode == "dump_early":
-        out.update(waits, file_wait_share=waits["file_wait_s"] / (cell["concurrency"] * wall))
+    if mode == "dump_early" and not bad:
+        threads = min(cell["concurrency"], len(prompts))  # the pool's threads that had requests
+        out.update(waits, file_wait_share=waits["file_wait_s"] / (threads * wall))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
     if mode in report.DUMP_MODES and not bad:

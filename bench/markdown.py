@@ -109,7 +109,8 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
            if h.get("dump_early_vs_nodump_min") is not None else ""),
         *(["- pooled over the rounds (sum of tokens / sum of wall, each mode's): " + "; ".join(
             f"{x['mode']} {x['prompt_len']}x{x['concurrency']} {x['dump_vs_nodump_pooled']:.3f}"
-            f" ({x['rounds']} rounds)" for x in h["pooled"])] if h.get("pooled") else []),
+            f" ({x['rounds']} rounds)" for x in h["pooled"])]
+          if any(x["rounds"] > 1 for x in h.get("pooled") or []) else []),
         *(["- early answers, the client threads' waits for an earlier file (share of"
            " concurrency x wall; a waiting thread has no request in flight): " + ", ".join(
             f"{c['prompt_len']}x{c['concurrency']}" + (f" #{c['rep']}" if "rep" in c else "")

@@ -112,7 +112,10 @@ def make_plan(args):
         if "json" in modes and head not in grid:
             cells.append(dict(json_cell))
         build_s = 0 if args.no_build else spec["est_build_s"]
-        clock = est_total + build_s + spec["est_startup_s"] + 20  # when the first cell starts
+        kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
+        vllm_s = EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
+        # when the first cell starts (every server is up before it)
+        clock = est_total + build_s + spec["est_startup_s"] + vllm_s + 20
         for c in cells:
             tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
@@ -120,12 +123,11 @@ def make_plan(args):
                 c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"], c["mode"] == "dump_fp8")
             clock += c["est_s"]
             clock += plan_profiles(args, c, plan["deadline_s"] - clock)
-        kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
         cmds = {which: servers.server_cmd(args, name, which) for which in kinds}
         est = (spec["est_startup_s"] + 20 + 10
                + sum(c["est_s"] + sum(p["est_s"] for p in c.get("profiles", []) if p["fits"]) for c in cells))
         est += build_s
-        est += EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
+        est += vllm_s
         est += peer_files_s(spec, args.peer_reference) if peer_files_wanted(modes, name) else 0
         est_total += est
         plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est), "build_s": build_s}
@@ -192,6 +194,6 @@ def print_plan(plan):
             for p in c.get("profiles", []):
                 print(f"    + {p['what']}: ~{p['est_s']} s" + (
                     "" if p["fits"] else f"; LIKELY SKIPPED: it needs {p['need_s']:.0f} s before the "
-                    "deadline when its cell ends (raise --deadline-s)"))
+                    "deadline when its cell ends, and the estimate leaves less (raise --deadline-s)"))
     print(f"\nestimated total: ~{plan['est_total_s']} s (throughputs and start-up times are "
           f"assumptions; the deadline skips what does not fit)")

@@ -245,9 +245,9 @@ def headline(results: dict) -> Dict[str, dict]:
             "dump_early_vs_nodump_geomean": (
                 math.exp(sum(map(math.log, r_early)) / len(r_early)) if r_early else None),
             "pooled": pooled,
-            **{f"{mode}_vs_nodump_pooled_min": min((x["dump_vs_nodump_pooled"] for x in pooled
-                                                     if x["mode"] == mode), default=None)
-               for mode in ("dump", "dump_early")},
+            **{f"{mode}_vs_nodump_pooled_min": min(x["dump_vs_nodump_pooled"] for x in pooled
+                                                    if x["mode"] == mode)
+               for mode in dict.fromkeys(x["mode"] for x in pooled)},
             "dump_fp8_vs_nodump_min": min(r_fp8) if r_fp8 else None,
             "dump_fp8_vs_nodump_geomean": (
                 math.exp(sum(map(math.log, r_fp8)) / len(r_fp8)) if r_fp8 else None),

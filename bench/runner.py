@@ -313,8 +313,10 @@ class ModelRun:
         shape = f"{cell['prompt_len']}x{cell['concurrency']}"
         if self.fits(profilers.py_spy_need_s(args, cell, r), f"py-spy of {label}"):
             # the same cell again, sampled (the measured run above was not)
-            stem = f"py-spy-{args.case or args.profile}-{name}-{mode}-{shape}"
-            self.results.setdefault("py_spy", {})[f"{name} {mode} {shape}"] = profilers.profile_cell(
+            rep = cell.get("rep")  # one profile per round, as the torch profiles
+            stem = f"py-spy-{args.case or args.profile}-{name}-{mode}-{shape}" + (f"-{rep}" if rep is not None else "")
+            key = f"{name} {mode} {shape}" + (f" #{rep}" if rep is not None else "")
+            self.results.setdefault("py_spy", {})[key] = profilers.profile_cell(
                 server, cell, self.spec, self.rng, os.path.join(args.out, stem), args.py_spy_kind,
                 getattr(args, "py_spy_also", ()))
             self.clear(mode)

@@ -669,6 +669,23 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     assert "dump/nodump min" in proc.stdout
 
 
+def test_every_round_keeps_its_own_py_spy_profile(tmp_path, monkeypatch):
+    """--repeat with --py-spy: each round's re-run is kept under its own key (and raw file),
+    as the torch profiles are; one key for all rounds kept only the last round's
+    (frontend-profile-deepseek on the H200: 12 re-runs, 4 kept). Here without py-spy on
+    PATH each profile is an error entry, one per round."""
+    import os
+
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
+                           if not os.path.exists(os.path.join(d, "py-spy")))
+    monkeypatch.setenv("PATH", path)
+    _, _, _, res_path = rehearse(tmp_path, "--prompt-lens", "16", "--concurrency", "1", "--cell-tokens", "32",
+                                 "--modes", "nodump,dump_early", "--repeat", "2", "--py-spy", "16x1",
+                                 "--py-spy-modes", "dump_early", "--deadline-s", "3000")
+    res = json.loads(res_path.read_text())
+    assert res["py_spy"] == {f"deepseek-tiny dump_early 16x1 #{r}": {"error": "py-spy not on PATH"} for r in (0, 1)}
+
+
 def test_ceilings_phase_runs_on_cpu(tmp_path):
     """The ceilings sub-program (``python -m bench.ceilings``: safetensors writes from
     threads, DumpWriter start/copy_rows/finish) on CPU tensors: without CUDA the copy
@@ -777,15 +794,19 @@ while True:
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.setattr(profilers, "scheduler_pid", lambda server: 4242)
-    made, got = [], []
-    monkeypatch.setattr(profilers, "cell_prompts", lambda *a: made.append([[5, 6]]) or made[-1])
+    made, got, order = [], [], []
+    monkeypatch.setattr(profilers, "cell_prompts",
+                        lambda *a: order.append("prompts") or made.append([[5, 6]]) or made[-1])
     monkeypatch.setattr(profilers, "run_cell", lambda *a, prompts: got.append(prompts) or {"prefill_tps": 123.0})
+    popen = subprocess.Popen
+    monkeypatch.setattr(profilers.subprocess, "Popen", lambda *a, **k: order.append("py-spy") or popen(*a, **k))
     server = types.SimpleNamespace(proc=types.SimpleNamespace(pid=777))
     out = profilers.profile_cell(server, {"mode": "dump_early"}, {}, None, str(tmp_path / "s"), "gil",
                                  ["frontend", "client"])
     assert out["top"] == [["loop (p4242.py:1)", 1.0]] and out["raw"] == "s.txt"
     assert out["cell_prefill_tps_sampled"] == 123.0 and out["window_s"] >= 1.0
-    assert got == made and got[0] is made[0]  # the prompts were made before, not in the window
+    # the prompts were made before the py-spys started, not in their window
+    assert got == made and got[0] is made[0] and order == ["prompts", "py-spy", "py-spy", "py-spy"]
     fe, cl = out["also"]["frontend"], out["also"]["client"]
     assert fe["top"] == [["loop (p777.py:1)", 1.0]] and fe["raw"] == "s-frontend.txt"
     assert cl["top"] == [["loop (p%d.py:1)" % os.getpid(), 1.0]] and cl["raw"] == "s-client.txt"
@@ -834,7 +855,8 @@ def test_the_plan_says_which_profiles_the_deadline_leaves_no_time_for(capsys):
     """--dry-run counts the profile re-runs in its estimate and marks the ones that the
     estimated clock leaves too little time for (the runner asks for ``*_need_s`` free when
     their cell ends): torchprof-conc8-deepseek's deadline of 250 s skipped both its torch
-    profiles on the H200; 540 s leaves room for all four."""
+    profiles on the H200 (all four: 2 shapes x nodump and dump_early); 540 s leaves room
+    for them."""
     argv = ["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump_early", "--prompt-lens", "2048,512",
             "--concurrency", "8", "--cell-tokens", "262144", "--skip-ceilings", "--py-spy", "",
             "--torch-profile", "2048x8,512x8", "--torch-profile-requests", "32"]
@@ -851,6 +873,25 @@ def test_the_plan_says_which_profiles_the_deadline_leaves_no_time_for(capsys):
     plan.print_plan(tight)
     out = capsys.readouterr().out
     assert out.count("LIKELY SKIPPED: it needs") == 4 and "(raise --deadline-s)" in out
+    # the clock runs on across models (and the ceilings phase): the same profiles of a
+    # second model come later, after the first model's run, and no longer fit
+    two = plan.make_plan(_args([*argv, "--models", "deepseek-tiny,llama-mid", "--deadline-s", "540"]))
+    first = two["models"]["deepseek-tiny"]["cells"]
+    assert all(p["fits"] for c in first for p in c["profiles"])
+    assert not any(p["fits"] for c in two["models"]["llama-mid"]["cells"] for p in c["profiles"])
+    later = plan.make_plan(_args([a for a in argv if a != "--skip-ceilings"] + ["--deadline-s", "540"]))
+    assert [p["fits"] for c in later["models"]["deepseek-tiny"]["cells"] for p in c["profiles"]] == [True] * 4
+    assert later["est_total_s"] == pytest.approx(roomy["est_total_s"] + 25, abs=1)
+    # vLLM's servers start before the first cell too
+    spec = models.MODELS["llama-8b"]
+    base = ["--quick", "--models", "llama-8b", "--prompt-lens", "2048", "--concurrency", "8", "--skip-ceilings",
+            "--py-spy", "", "--torch-profile", "2048x8"]
+    [c] = [c for c in plan.make_plan(_args(base + ["--modes", "nodump"]))["models"]["llama-8b"]["cells"]]
+    start = spec["est_build_s"] + spec["est_startup_s"] + 20 + c["est_s"]
+    deadline = str(int(start + c["profiles"][0]["need_s"] + plan.EST_VLLM_STARTUP_S / 2))
+    ours = plan.make_plan(_args(base + ["--modes", "nodump", "--deadline-s", deadline]))["models"]["llama-8b"]
+    both = plan.make_plan(_args(base + ["--modes", "nodump,vllm_nodump", "--deadline-s", deadline]))["models"]["llama-8b"]
+    assert ours["cells"][0]["profiles"][0]["fits"] and not both["cells"][0]["profiles"][0]["fits"]
     spy = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--py-spy", "512x1",
                                 "--deadline-s", "3000"]))
     [c] = [c for c in spy["models"]["deepseek-tiny"]["cells"] if c.get("profiles")]
@@ -861,7 +902,8 @@ def test_the_plan_says_which_profiles_the_deadline_leaves_no_time_for(capsys):
 
 def test_a_profile_that_does_not_fit_is_listed_as_skipped():
     """A run on the H200 (torchprof-conc8-deepseek) asked for torch profiles that its
-    deadline left no time for, and its results said nothing: now they are listed."""
+    deadline left no time for, and its results said nothing: now they are listed. A
+    profile runs only with strictly more time left than it needs (as the plan assumes)."""
     import types
 
     from bench import runner
@@ -870,8 +912,28 @@ def test_a_profile_that_does_not_fit_is_listed_as_skipped():
     run.clock, run.skipped = types.SimpleNamespace(left=lambda: 69.4), []
     assert run.fits(None, "torch profile of x") is False and run.skipped == []
     assert run.fits(60.0, "py-spy of deepseek-tiny dump 512x8") is True
+    assert run.fits(69.4, "py-spy of deepseek-tiny dump 512x8") is False  # strictly more left, as the plan
     assert run.fits(93.0, "torch profile of deepseek-tiny dump_early 2048x8") is False
-    assert run.skipped == ["torch profile of deepseek-tiny dump_early 2048x8 (deadline: 69 s left, it needs ~93 s)"]
+    assert run.skipped[-1] == "torch profile of deepseek-tiny dump_early 2048x8 (deadline: 69 s left, it needs ~93 s)"
+
+
+def test_torch_profile_prompts_are_made_before_the_profiler_starts(monkeypatch, tmp_path):
+    import types
+
+    import requests
+
+    order = []
+    monkeypatch.setattr(profilers, "cell_prompts", lambda *a: order.append("prompts") or [[5, 6]])
+
+    def post(url, **kw):
+        order.append(url.rsplit("/", 1)[-1])
+        raise requests.ConnectionError("no server here")
+
+    monkeypatch.setattr(requests, "post", post)
+    cell = {"mode": "dump_early", "prompt_len": 2, "concurrency": 1, "requests": 1}
+    out = profilers.torch_profile_cell(types.SimpleNamespace(port=1), cell, {"vocab": 10}, None,
+                                       str(tmp_path / "t"), "tag", 4)
+    assert order == ["prompts", "start_profile"] and out["error"].startswith("ConnectionError")
 
 
 def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
@@ -931,10 +993,15 @@ def test_py_spy_samples_the_modes_asked():
     cells); without it, dump cells (gil) or dump and nodump (wait); never a cell whose
     shape is not in --py-spy, that failed, or whose slowed re-run would pass the deadline."""
 
+    import types
+
+    from bench import runner
+
     def wanted(argv, mode, shape=(512, 8), r=None, left=1000.0):
         cell = {"mode": mode, "prompt_len": shape[0], "concurrency": shape[1]}
-        need = profilers.py_spy_need_s(_args(argv), cell, r or {"wall_s": 10})
-        return need is not None and left > need
+        run = runner.ModelRun.__new__(runner.ModelRun)
+        run.clock, run.skipped = types.SimpleNamespace(left=lambda: left), []
+        return run.fits(profilers.py_spy_need_s(_args(argv), cell, r or {"wall_s": 10}), "py-spy")
 
     assert wanted(["--py-spy", "512x8"], "dump")
     assert not wanted(["--py-spy", "512x8"], "dump_early")
