@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 
-from bench import peer, report
+from bench import peer, report, serverlog
 
 _local = threading.local()
 
@@ -115,7 +115,9 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``; for
-    dump_early without failed requests, the client's file waits (``send_batch``'s
+    SGLang servers, ``prefill_batches``: ``serverlog.batch_stats`` of the prefill batches
+    its log states during the cell; for dump_early without
+    failed requests, the client's file waits (``send_batch``'s
     ``waits``, and ``file_wait_share``: their sum over the threads that had requests
     (concurrency, or fewer requests) x wall); for json, the responses'
     bytes and one's nested shape; ``error`` when requests failed). ``prompts``: made
@@ -123,6 +125,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     if prompts is None:
         prompts = cell_prompts(cell, spec, rng)
     offset = trace_size(trace_path)
+    log_offset = trace_size(getattr(server, "log_path", None))
     waits = {}
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
@@ -132,6 +135,9 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
            "requests": len(prompts)}
     out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
+    batches = serverlog.batch_stats(serverlog.prefill_batches(serverlog.log_since(server, log_offset)))
+    if batches:
+        out["prefill_batches"] = batches
     if mode == "dump_early" and not bad:
         threads = min(cell["concurrency"], len(prompts))  # the pool's threads that had requests
         out.update(waits, file_wait_share=waits["file_wait_s"] / (threads * wall))

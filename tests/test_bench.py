@@ -645,6 +645,8 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     assert d["file_check"]["hidden_states"]["shape"] == [2048, 4, 64]
     assert d["file_check"]["layer_ids"] == "[1, 2, 3, 4]"
     assert cells[("dump", 16, 1)]["requests"] == 16  # 256 tokens / 16
+    # the fake logs one prefill batch per request, as SGLang's scheduler does per batch
+    assert all(c["prefill_batches"]["batches"] == c["requests"] for c in cells.values()), m["cells"]
     # early answers: the fake writes each file 50 ms after answering; the cell's wall time
     # ends when every file is complete, so all 16 are there and counted
     e = cells[("dump_early", 16, 1)]
@@ -719,6 +721,48 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     assert w["files_per_rep"] == 63 and w["failures"] == 0 and len(w["gbps_reps"]) == 2
     assert hs < w["file_bytes"] <= hs + 64 * 8 + 4096  # header padded to format.DATA_ALIGN
     assert not (tmp_path / "kimi-bench-ceiling").exists()
+
+
+def test_prefill_batches_from_sglang_log_lines():
+    """SGLang's prefill lines (these three from server B's log of run rounds-deepseek, plus
+    one with no time since the previous): tokens / input throughput = the ms since the
+    previous prefill batch; only batches after one that left requests queued count as busy."""
+    from bench import serverlog
+
+    log = """[2026-12-02 02:25:20] Prefill batch, #new-seq: 10, #new-token: 5120, #cached-token: 0, token usage: 0.00, #running-req: 10, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 290872.45
+[2026-12-02 02:25:20] Prefill batch, #new-seq: 12, #new-token: 6144, #cached-token: 0, token usage: 0.00, #running-req: 10, #queue-req: 2, #pending-token: 0, cuda graph: False, input throughput (token/s): 299427.87
+[2026-12-02 02:25:20] INFO:     127.0.0.1:53798 - "POST /generate HTTP/1.1" 200 OK
+[2026-12-02 02:25:20] Prefill batch, #new-seq: 16, #new-token: 8192, #cached-token: 0, token usage: 0.00, #running-req: 2, #queue-req: 0, #pending-token: 1024, cuda graph: False, input throughput (token/s): 310523.08
+[2026-12-02 02:25:20] Prefill batch, #new-seq: 1, #new-token: 512, #cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 0.00
+"""
+    got = serverlog.prefill_batches(log)
+    assert [(t, q) for t, _, q in got] == [(5120, 0), (6144, 2), (8192, 0)]
+    assert got[0][1] == pytest.approx(5120 / 290872.45 * 1e3)
+    st = serverlog.batch_stats(got)
+    # one busy batch: the 8192-token one, after the batch that left 2 queued
+    assert st == {"batches": 3, "queued_share": pytest.approx(1 / 3), "busy_batches": 1, "busy_tokens": 8192,
+                  "busy_ms_per_1k_tokens": pytest.approx(1e6 / 310523.08)}
+    assert serverlog.batch_stats([]) is None
+    assert serverlog.batch_stats(got[:1])["busy_ms_per_1k_tokens"] is None
+    res = sample()
+    res["models"]["m"]["cells"] = [cell("nodump", 2048, 8, 100_000.0, rep=0, prefill_batches=st),
+                                   cell("dump_early", 2048, 8, 90_000.0, rep=0,
+                                        prefill_batches=dict(st, busy_ms_per_1k_tokens=4.0, busy_batches=7))]
+    md = markdown.render_markdown(res | {"headline": report.headline(res), "targets": []})
+    assert (" one leaving requests queued (SGLang's log, median; batches): 2048x8 nodump #0 3.22 (1), "
+            "2048x8 dump_early #0 4.00 (7)") in md
+
+
+def test_copyprobe_says_it_needs_cuda_in_one_line():
+    """bench.copyprobe runs on the GPU host only; here (no CUDA) it says so, no traceback."""
+    import os
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the probe itself")
+    r = subprocess.run([sys.executable, "-m", "bench.copyprobe", "--reps", "2"], capture_output=True, text=True,
+                       timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert r.returncode == 1 and r.stderr.strip() == "bench.copyprobe: needs CUDA", r.stderr[-500:]
 
 
 def test_stage_stats_joins_file_and_response_events():
