@@ -135,7 +135,8 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
            "requests": len(prompts)}
     out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
-    batches = serverlog.batch_stats(serverlog.prefill_batches(serverlog.log_since(server, log_offset)))
+    batches = serverlog.batch_stats(serverlog.prefill_batches(
+        serverlog.read_since(getattr(server, "log_path", None), log_offset)))
     if batches:
         out["prefill_batches"] = batches
     if mode == "dump_early" and not bad:
@@ -239,14 +240,8 @@ def clear_dump_dir(path):
 
 def read_trace(path, offset):
     """KIMI_SGLANG_TRACE lines appended to ``path`` after byte ``offset``."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return []
     out = []
-    for x in data.decode(errors="replace").splitlines():
+    for x in serverlog.read_since(path, offset).splitlines():
         try:
             out.append(json.loads(x))
         except ValueError:  # a line still being written

@@ -98,6 +98,9 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             f"{num(json_mb, '{:.1f}')} | {num(hc.get('dump_vs_nodump'), '{:.3f}')} | "
             f"{num(hc.get('dump_vs_bound'), '{:.3f}')} |"
         )
+    def shape(c, mode=""):
+        return f"{c['prompt_len']}x{c['concurrency']}{mode}" + (f" #{c['rep']}" if "rep" in c else "")
+
     def in_order(cells):
         return sorted(cells, key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
                                             ORDER.get(c["mode"], 9)))
@@ -118,12 +121,11 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
           if any(x["rounds"] > 1 for x in h.get("pooled") or []) else []),
         *(["- early answers, the client threads' waits for an earlier file (share of"
            " concurrency x wall; a waiting thread has no request in flight): " + ", ".join(
-            f"{c['prompt_len']}x{c['concurrency']}" + (f" #{c['rep']}" if "rep" in c else "")
-            + f" {c['file_wait_share']:.3f}" for c in waits)] if waits else []),
+            f"{shape(c)} {c['file_wait_share']:.3f}" for c in waits)] if waits else []),
         *(["- the scheduler's milliseconds per 1000 prompt tokens in prefill batches that followed"
            " one leaving requests queued (SGLang's log, median; batches): " + ", ".join(
-            f"{c['prompt_len']}x{c['concurrency']} {c['mode']}" + (f" #{c['rep']}" if "rep" in c else "")
-            + f" {c['prefill_batches']['busy_ms_per_1k_tokens']:.2f} ({c['prefill_batches']['busy_batches']})"
+            f"{shape(c, ' ' + c['mode'])} {c['prefill_batches']['busy_ms_per_1k_tokens']:.2f}"
+            f" ({c['prefill_batches']['busy_batches']})"
             for c in busy)] if busy else []),
         f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
         f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}",

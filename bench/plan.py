@@ -124,10 +124,8 @@ def make_plan(args):
             clock += c["est_s"]
             clock += plan_profiles(args, c, plan["deadline_s"] - clock)
         cmds = {which: servers.server_cmd(args, name, which) for which in kinds}
-        est = (spec["est_startup_s"] + 20 + 10
-               + sum(c["est_s"] + sum(p["est_s"] for p in c.get("profiles", []) if p["fits"]) for c in cells))
-        est += build_s
-        est += vllm_s
+        # build, start-up, the cells and the profiles that fit (the clock), then the stop
+        est = clock - est_total + 10
         est += peer_files_s(spec, args.peer_reference) if peer_files_wanted(modes, name) else 0
         est_total += est
         plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est), "build_s": build_s}
@@ -146,8 +144,8 @@ def plan_profiles(args, cell, left_s):
     asked = []
     need = profilers.py_spy_need_s(args, cell, r)
     if need is not None:
-        slow = 30 if args.py_spy_kind == "wait" else 2
-        asked.append({"what": "py-spy", "need_s": need, "est_s": slow * cell["est_s"] + EST_PY_SPY_EXTRA_S})
+        asked.append({"what": "py-spy", "need_s": need,
+                      "est_s": profilers.py_spy_slowdown(args.py_spy_kind) * cell["est_s"] + EST_PY_SPY_EXTRA_S})
     need = profilers.torch_profile_need_s(args, cell, r)
     if need is not None:
         share = min(1.0, args.torch_profile_requests / max(cell["requests"], 1))

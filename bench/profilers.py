@@ -140,19 +140,24 @@ def also_pid(server, which):
     raise ValueError(f"unknown process {which!r}: one of {', '.join(ALSO)}")
 
 
+def py_spy_slowdown(kind):
+    """How much slower a cell runs under py-spy of ``kind`` (``--py-spy-kind``): ``gil``
+    (non-blocking) ~2x; ``wait`` (blocking ``--idle --native``) 25-29x, measured 2026-12-01."""
+    return 30 if kind == "wait" else 2
+
+
 def py_spy_need_s(args, cell, r):
     """Seconds the py-spy re-run of the cell just measured (``r``, its result) needs
     before the deadline, or None when it is not asked for: its shape is in ``--py-spy``,
     its mode in ``--py-spy-modes`` (default by ``--py-spy-kind``, gil: dump cells; wait:
-    no-dump too), and it did not fail. Sampling slows the re-run (``--gil`` ~2x, the
-    blocking ``wait`` kind 25-29x, measured 2026-12-01), plus a minute to attach and stop."""
+    no-dump too), and it did not fail: the slowed re-run (``py_spy_slowdown``) plus a
+    minute to attach and stop."""
     label = f"{cell['prompt_len']}x{cell['concurrency']}"
     sampled = tuple(getattr(args, "py_spy_modes", None) or
                     (("dump", "nodump") if args.py_spy_kind == "wait" else ("dump",)))
     if cell["mode"] not in sampled or label not in args.py_spy or r.get("error"):
         return None
-    slowdown = 30 if args.py_spy_kind == "wait" else 2
-    return slowdown * r.get("wall_s", 60) + 60
+    return py_spy_slowdown(args.py_spy_kind) * r.get("wall_s", 60) + 60
 
 
 def profile_cell(server, cell, spec, rng, out_stem, kind="gil", also=()):

@@ -310,18 +310,14 @@ class ModelRun:
             r["rep"] = cell["rep"]
         self.clear(mode)
         self.m["cells"].append(r)
-        shape = f"{cell['prompt_len']}x{cell['concurrency']}"
         if self.fits(profilers.py_spy_need_s(args, cell, r), f"py-spy of {label}"):
-            # the same cell again, sampled (the measured run above was not)
-            rep = cell.get("rep")  # one profile per round, as the torch profiles
-            stem = f"py-spy-{args.case or args.profile}-{name}-{mode}-{shape}" + (f"-{rep}" if rep is not None else "")
-            key = f"{name} {mode} {shape}" + (f" #{rep}" if rep is not None else "")
-            self.results.setdefault("py_spy", {})[key] = profilers.profile_cell(
-                server, cell, self.spec, self.rng, os.path.join(args.out, stem), args.py_spy_kind,
-                getattr(args, "py_spy_also", ()))
+            # the same cell again, sampled (the measured run above was not); one per round
+            self.results.setdefault("py_spy", {})[label] = profilers.profile_cell(
+                server, cell, self.spec, self.rng, os.path.join(args.out, f"py-spy-{self.profile_tag(cell)}"),
+                args.py_spy_kind, getattr(args, "py_spy_also", ()))
             self.clear(mode)
         if self.fits(profilers.torch_profile_need_s(args, cell, r), f"torch profile of {label}"):
-            self.torch_profile(cell, r, server, shape)
+            self.torch_profile(cell, r, server)
         print(cell_line(label, r), flush=True)
         self.save()
 
@@ -336,11 +332,16 @@ class ModelRun:
         print(f"  skip {what}: deadline", flush=True)
         return False
 
-    def torch_profile(self, cell, r, server, shape):
-        args, name, mode = self.args, self.name, cell["mode"]
+    def profile_tag(self, cell):
+        """The file-name tag of a cell's profiles (py-spy's samples, the torch trace):
+        run, model, mode, shape and, with ``--repeat``, round."""
         rep = cell.get("rep")
-        key = f"{name} {mode} {shape}" + (f" #{rep}" if rep is not None else "")
-        tag = f"{args.case or args.profile}-{name}-{mode}-{shape}" + (f"-{rep}" if rep is not None else "")
+        return (f"{self.args.case or self.args.profile}-{self.name}-{cell['mode']}-"
+                f"{cell['prompt_len']}x{cell['concurrency']}" + (f"-{rep}" if rep is not None else ""))
+
+    def torch_profile(self, cell, r, server):
+        args, mode = self.args, cell["mode"]
+        key, tag = label_of(self.name, cell), self.profile_tag(cell)
         trace_dir = os.path.join(args.workdir, "torch-profile", tag)
         try:
             def profiled():

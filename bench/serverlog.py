@@ -1,7 +1,7 @@
 """What an SGLang server's log says about the scheduler's work, read between two points
 of the log (one cell): its prefill batches, their sizes and the time between them.
 
-Pure functions of the log's text (``log_since`` reads it); ``loadgen.run_cell`` records
+Pure functions of the log's text (``read_since`` reads it); ``loadgen.run_cell`` records
 ``batch_stats`` per cell, ``markdown`` shows it, ``tests/test_bench.py`` feeds real lines.
 """
 
@@ -45,9 +45,9 @@ def prefill_batches(log_text):
     return out
 
 
-def log_since(server, offset):
-    """What the server's log (``server.log_path``, if it has one) got after byte ``offset``."""
-    path = getattr(server, "log_path", None)
+def read_since(path, offset):
+    """The text appended to the file at ``path`` after byte ``offset`` ("" when there is
+    no such file, or no path)."""
     if not path:
         return ""
     try:
