@@ -105,6 +105,33 @@ def _ints(text):
     return [int(x) for x in text.split(",")]
 
 
+def _cpu_map(text):
+    """``"A=0-4,B=5-9"`` (``--server-cpus``) -> {"A": "0-4", "B": "5-9"}: a server of
+    ``servers.KINDS`` and its CPUs in ``taskset -c`` syntax (commas inside a list are
+    fine: ``A=0,2,4,B=1,3``)."""
+    entries = []
+    for tok in (t for t in text.split(",") if t):
+        if "=" in tok:
+            entries.append(tok)
+        elif entries:
+            entries[-1] += "," + tok
+        else:
+            raise argparse.ArgumentTypeError(f"{tok!r}: expected SERVER=CPUS, e.g. A=0-4,B=5-9")
+    out = {}
+    for e in entries:
+        which, cpus = e.split("=", 1)
+        try:
+            parse_cpus(cpus)
+        except ValueError:
+            cpus = None
+        if which not in servers.KINDS or cpus is None:
+            raise argparse.ArgumentTypeError(
+                f"{e!r}: expected SERVER=CPUS, SERVER one of {', '.join(servers.KINDS)} and CPUS "
+                f"as for taskset -c (e.g. 0-4 or 0,2,4)")
+        out[which] = cpus
+    return out
+
+
 def _labels(text):
     return [x for x in text.split(",") if x]
 
@@ -123,10 +150,13 @@ def build_parser():
                          "server D with --dump-hidden-states-dtype fp8), nodump_noise: "
                          "(a) while another process writes dump-sized files into --dump-root, "
                          "paced as --noise-gbps says, and the peer vLLM's vllm_nodump and "
-                         "vllm_dump (servers V and W; Llama workloads only)")
+                         "vllm_dump (servers V and W; Llama workloads only); nodump_twin: (a) on "
+                         "server T, A's twin (the spread between two identical servers)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell of the grid (not the JSON cell) this many times, "
                          "interleaved (cells carry 'rep'; ratios pair cells of one repetition)")
+    ap.add_argument("--counterbalance", action="store_true",
+                    help="with --repeat: odd rounds run a shape's modes in reverse order")
     ap.add_argument("--noise-gbps", type=float, default=0,
                     help="nodump_noise's write rate in GB/s (0: the dump cell's bytes per prompt "
                          "token x the no-dump cell's tokens/s, same shape and round)")
@@ -143,6 +173,12 @@ def build_parser():
     ap.add_argument("--mem-fraction-static", type=float, default=0.3)
     ap.add_argument("--max-host-mb", type=int, default=0,
                     help=f"--dump-hidden-states-max-host-mb (default: the server's {config.DEFAULT_MAX_HOST_MB})")
+    ap.add_argument("--max-total-tokens", type=int, default=0,
+                    help="SGLang's --max-total-tokens for every SGLang server: equal KV pools "
+                         "(default: each its own, from the memory free when it starts)")
+    ap.add_argument("--server-cpus", type=_cpu_map, default={},
+                    help="CPUs per server, as for taskset -c: e.g. A=0-4,B=5-9,T=10-14 (its "
+                         "processes inherit them; default: any)")
     ap.add_argument("--chunked-prefill-size", type=int, default=0, help="(default: SGLang's, 8192 on an H200)")
     ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs on (longer start-up)")
     ap.add_argument("--sleep-on-idle", action="store_true")
@@ -165,13 +201,13 @@ def build_parser():
                          "comma-separated: frontend (the server's launch process: HTTP server and "
                          "TokenizerManager), client (this bench's own client threads)")
     ap.add_argument("--torch-profile", type=_labels, default=[],
-                    help="cells (PROMPTxCONC) whose nodump, dump, dump_early and nodump_noise runs are repeated under "
+                    help="cells (PROMPTxCONC) whose nodump, nodump_twin, dump, dump_early and nodump_noise runs are repeated under "
                          "SGLang's torch profiler (/start_profile), summarized by bench/torchprof.py")
     ap.add_argument("--torch-profile-requests", type=int, default=96,
                     help="requests of each torch-profiled run (traces grow with them)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
-    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000],
-                    help="ports of servers A, B (and C, D, and vLLM's V, W)")
+    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000, 37000],
+                    help="ports of servers A, B (and C, D, vLLM's V, W, and A's twin T)")
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0,
                     help="vLLM's --gpu-memory-utilization (default: --mem-fraction-static's number)")
     ap.add_argument("--vllm-args", default="",

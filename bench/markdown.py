@@ -63,8 +63,8 @@ def _ceilings(ceil: dict) -> List[str]:
     return lines
 
 
-ORDER = {"nodump": 0, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4, "vllm_nodump": 5,
-         "vllm_dump": 6}
+ORDER = {"nodump": 0, "nodump_twin": 0.5, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4,
+         "vllm_nodump": 5, "vllm_dump": 6}
 
 
 def _model(model: str, m: dict, h: dict) -> List[str]:
@@ -119,6 +119,10 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             f"{x['mode']} {x['prompt_len']}x{x['concurrency']} {x['dump_vs_nodump_pooled']:.3f}"
             f" ({x['rounds']} rounds)" for x in h["pooled"])]
           if any(x["rounds"] > 1 for x in h.get("pooled") or []) else []),
+        *([f"- control, two identical servers (nodump_twin on T over nodump on A), per cell: "
+           f"{h['nodump_twin_vs_nodump_range'][0]:.3f} to {h['nodump_twin_vs_nodump_range'][1]:.3f}"
+           " (a dump's ratio within this spread is not told apart from no cost)"]
+          if h.get("nodump_twin_vs_nodump_range") else []),
         *(["- early answers, the client threads' waits for an earlier file (share of"
            " concurrency x wall; a waiting thread has no request in flight): " + ", ".join(
             f"{shape(c)} {c['file_wait_share']:.3f}" for c in waits)] if waits else []),

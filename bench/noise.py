@@ -37,14 +37,15 @@ def parse_cpus(text):
 def noise_rate(cells, cell, args):
     """Bytes/s the noise process of a ``nodump_noise`` cell aims at: ``--noise-gbps`` if
     given; else what a dump running at no-dump speed would write: the dump cell's file
-    bytes per prompt token (same shape and round) x the no-dump cell's prompt tokens/s.
+    bytes per prompt token (same shape and round; mode dump's, else dump_early's:
+    ``report.paced_by``) x the no-dump cell's prompt tokens/s.
     (The dump cell's own GB/s would be lower by its slowdown: at that rate the noise would
     write fewer bytes per token than the dump.) 0 (as fast as it can) when either cell is
     missing."""
     if args.noise_gbps:
         return args.noise_gbps * 1e9
     shape = (cell["prompt_len"], cell["concurrency"], cell.get("rep"))
-    b, a = report.find_cell(cells, "dump", *shape), report.find_cell(cells, "nodump", *shape)
+    b, a = report.paced_by(cells, *shape), report.find_cell(cells, "nodump", *shape)
     if not (b and a and b.get("file_bytes") and b.get("prompt_tokens") and a.get("prefill_tps")):
         return 0.0
     return b["file_bytes"] / b["prompt_tokens"] * a["prefill_tps"]

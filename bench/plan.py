@@ -24,13 +24,16 @@ PROFILES = {
 }
 
 # Modes whose cells run at every (prompt length, concurrency) of the grid, in the order
-# they alternate within a shape: (a), (b), (b'), (b fp8), (a) beside noise, then the peer
-# vLLM's (a) and (b). ``json`` (c) runs once, at the headline shape.
-GRID_MODES = ("nodump", "dump", "dump_early", "dump_fp8", "nodump_noise") + peer.PEER_MODES
+# they alternate within a shape: (a), (a) on A's twin T, (b), (b'), (b fp8), (a) beside
+# noise, then the peer vLLM's (a) and (b). ``json`` (c) runs once, at the headline shape.
+GRID_MODES = ("nodump", "nodump_twin", "dump", "dump_early", "dump_fp8", "nodump_noise") + peer.PEER_MODES
 MODES = GRID_MODES + ("json",)
 # assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
 # compile) beyond ours (70-121 s seen on the H200, one after another)
 EST_VLLM_STARTUP_S = 70
+# and a third or fourth SGLang server's (C, D, T) beyond the first two's overlapped start
+# (B and D started in 80-150 s after A, one after another, on the H200)
+EST_EXTRA_SGLANG_STARTUP_S = 60
 # assumptions for the profile re-runs: seconds beyond the cell's own run (py-spy's attach
 # and stop; the torch trace's writing and reading)
 EST_PY_SPY_EXTRA_S = 5
@@ -71,7 +74,10 @@ def make_plan(args):
     "writer_reps", "writer_threads", "max_host_mb"}``. Cells in run order: the headline
     shape (2k prompts, concurrency 8: nodump, dump, ..., json) first, so that a run cut
     short by the deadline still has it; then the rest, a shape's modes one after another
-    (nodump and dump alternate), ``--repeat`` rounds interleaved."""
+    (nodump and dump alternate), ``--repeat`` rounds interleaved; with ``--counterbalance``
+    every odd round runs its modes in reverse order (A B, B A, ...), so that a drift over
+    the run does not favour the mode that runs first (nodump_noise, paced by its round's
+    dump and no-dump cells, stays last)."""
     prof = PROFILES[args.profile]
     cell_tokens = args.cell_tokens or prof["cell_tokens"]
     min_rounds = args.min_rounds or prof["min_rounds"]
@@ -102,7 +108,11 @@ def make_plan(args):
             scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for rep in range(args.repeat):
-                for mode in GRID_MODES:
+                order = GRID_MODES
+                if getattr(args, "counterbalance", False) and rep % 2:
+                    # reversed, but nodump_noise stays last: it is paced by its round's cells
+                    order = tuple(m for m in GRID_MODES[::-1] if m != "nodump_noise") + ("nodump_noise",)
+                for mode in order:
                     if mode in modes and not (no_peer and peer.is_peer(mode)):
                         cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
                                       "requests": n, "prompt_tokens": n * plen}
@@ -114,6 +124,7 @@ def make_plan(args):
         build_s = 0 if args.no_build else spec["est_build_s"]
         kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
         vllm_s = EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
+        vllm_s += EST_EXTRA_SGLANG_STARTUP_S * max(0, sum(servers.api_of(w) == "sglang" for w in kinds) - 2)
         # when the first cell starts (every server is up before it)
         clock = est_total + build_s + spec["est_startup_s"] + vllm_s + 20
         for c in cells:

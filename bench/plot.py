@@ -3,12 +3,14 @@
     python bench/plot.py bench/results/2026-11-29-h200-quick.json [-o out.png]
     python -m bench.plot ...  (the same, from the repository root)
 
-Top row, per model: prefill tokens/s of every (prompt length, concurrency) cell for
+Top row, per model: prefill tokens/s of every (prompt length, concurrency) shape (over
+``--repeat``'s rounds pooled: their tokens over their wall seconds) for
 nodump (a), dump (b), early answers (b'), fp8 dumps, JSON (c) and the peer vLLM's (a) and
 (b) (hatched), log scale where they span more than 10x, with the hardware bound W/B of each cell
 (W = min(pinned D2H, /dev/shm write), B = dump bytes per prompt token) as a marker.
-Bottom row: (b)/min((a), W/B) per cell and dump mode against the 0.95 target (vLLM's
-against its own (a)); where vLLM's dump ran, black diamonds: its (b) over ours, shape by
+Bottom row: (b)/min((a), W/B) per shape and dump mode against the 0.95 target (vLLM's
+against its own (a); over several rounds the pooled (b)/(a)), and the control
+nodump_twin's (a on T)/(a); where vLLM's dump ran, black diamonds: its (b) over ours, shape by
 shape (no target: a comparison, drawn when the run has no (a) too).
 The GPU host has no matplotlib; run this where it is installed.
 """
@@ -27,16 +29,29 @@ if __name__ == "__main__" and not __package__:  # python bench/plot.py: the pack
 
 from bench import markdown, report  # noqa: E402
 
-COLORS = {"nodump": "#4c72b0", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
+COLORS = {"nodump": "#4c72b0", "nodump_twin": "#93a8d0", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
           "json": "#c44e52", "vllm_nodump": "#4c72b0", "vllm_dump": "#dd8452"}
-MODES = ("nodump", "dump", "dump_early", "dump_fp8", "json", "vllm_nodump", "vllm_dump")
-LABELS = {"nodump": "(a) no dump", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
+MODES = ("nodump", "nodump_twin", "dump", "dump_early", "dump_fp8", "json", "vllm_nodump", "vllm_dump")
+LABELS = {"nodump": "(a) no dump", "nodump_twin": "(a) no dump, A's twin T", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
           "dump_fp8": "(b) dump, fp8", "json": "(c) JSON", "vllm_nodump": "vLLM (a) no dump",
           "vllm_dump": "vLLM (b) extract_hidden_states"}
 # the peer's bars: our colours, hatched
 STYLE = {"vllm_nodump": {"hatch": "//", "edgecolor": "white"}, "vllm_dump": {"hatch": "//", "edgecolor": "white"}}
-RATIOS = (("dump", "(b)/min((a), W/B)"), ("dump_early", "(b')/min((a), W/B)"),
+RATIOS = (("nodump_twin", "(a on T)/(a): the control"), ("dump", "(b)/min((a), W/B)"), ("dump_early", "(b')/min((a), W/B)"),
           ("dump_fp8", "(b fp8)/min((a), W/B)"), ("vllm_dump", "vLLM (b)/min(vLLM (a), W/B)"))
+
+
+def pooled_tps(cells, mode):
+    """{(prompt_len, concurrency): tokens/s} of ``mode``'s cells, over the rounds
+    (``--repeat``) pooled: sum of prompt tokens / sum of wall seconds (one cell: its own)."""
+    sums = {}
+    for c in cells:
+        if c["mode"] == mode and c.get("prefill_tps"):
+            s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
+            wall = c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
+            s[0] += c["prompt_tokens"]
+            s[1] += wall
+    return {k: t / w for k, (t, w) in sums.items() if w}
 
 
 def _label(prompt_len, concurrency):
@@ -64,8 +79,7 @@ def plot(results: dict, path: str) -> str:
         shown = [mode for mode in MODES if any(c["mode"] == mode for c in cells)]
         width = 0.8 / max(len(shown), 1)
         for k, mode in enumerate(shown):
-            pts = [(x[(c["prompt_len"], c["concurrency"])], c["prefill_tps"])
-                   for c in cells if c["mode"] == mode]
+            pts = [(x[key], tps) for key, tps in pooled_tps(cells, mode).items()]
             ax.bar([p[0] + (k - (len(shown) - 1) / 2) * width for p in pts], [p[1] for p in pts],
                    width, label=LABELS[mode], color=COLORS[mode], **STYLE.get(mode, {}))
         hc = [c for c in head.get(model, {}).get("cells", [])
@@ -90,9 +104,17 @@ def plot(results: dict, path: str) -> str:
         ratios = [(mode, label) for mode, label in RATIOS
                   if any(c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None for c in hcells)]
         rw = 0.8 / max(len(ratios), 1)
+        drawn_ratios = []
+        pooled = {(p["mode"], p["prompt_len"], p["concurrency"]): p["dump_vs_nodump_pooled"]
+                  for p in head.get(model, {}).get("pooled") or [] if p["rounds"] > 1}
         for k, (mode, label) in enumerate(ratios):
-            r = [(x[(c["prompt_len"], c["concurrency"])], c["dump_vs_bound"])
-                 for c in hcells if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None]
+            r = {}
+            for c in hcells:  # one bar per shape: the pooled (b)/(a) over rounds, else the cell's (b)/bound
+                if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None:
+                    key = (c["prompt_len"], c["concurrency"])
+                    r[key] = pooled.get((mode, *key), c["dump_vs_bound"])
+            r = [(x[key], v) for key, v in r.items()]
+            drawn_ratios += [v for _, v in r]
             ax.bar([p[0] + (k - (len(ratios) - 1) / 2) * rw for p in r], [p[1] for p in r], rw,
                    color=COLORS[mode], label=label, **STYLE.get(mode, {}))
         # the peer's own dump throughput over ours, shape by shape (vLLM's modes ran)
@@ -104,7 +126,7 @@ def plot(results: dict, path: str) -> str:
                        label="(b) vLLM / (b) ours")
         if ratios:  # the target is the dump's against its bound, not the engines' ratio
             ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
-        ax.set_ylim(0, 1.2)
+        ax.set_ylim(0, max([1.2] + [v + 0.05 for v in drawn_ratios]))
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
         ax.set_ylabel("dump throughput ratio")
         ax.legend(fontsize=8)

@@ -14,7 +14,7 @@ Results layout (what ``cli`` writes, what ``markdown`` and ``plot`` read)::
                                                          "fallocate": gbps, "prealloc_write": gbps}},
                   "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
      "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
-                            "cells": [{"mode": "nodump"|"dump"|"dump_early"|"nodump_noise"
+                            "cells": [{"mode": "nodump"|"nodump_twin"|"dump"|"dump_early"|"nodump_noise"
                                                |"json"|"vllm_nodump"|"vllm_dump", "prompt_len",
                                        "concurrency", "rep" (--repeat > 1), "requests",
                                        "prompt_tokens", "wall_s",
@@ -48,6 +48,10 @@ TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
 DUMP_MODES = ("dump", "dump_early", "dump_fp8", "vllm_dump")
 # the no-dump mode each dump mode's ratio divides by (the same engine's)
 BASE_MODE = {"vllm_dump": "vllm_nodump"}
+# modes whose ratio to no-dump is a control, not a dump's cost: nodump_twin (server T, A's
+# twin) measures how far two identical servers differ in one run
+CONTROL_MODES = ("nodump_twin",)
+RATIO_MODES = DUMP_MODES + CONTROL_MODES
 JSON_PROMPT_LEN = 2048
 JSON_CONCURRENCY = 8
 
@@ -165,8 +169,17 @@ def find_cell(cells, mode, prompt_len, concurrency, rep=ANY_REP):
     return None
 
 
+def paced_by(cells, prompt_len, concurrency, rep=ANY_REP):
+    """The dump cell (mode dump's, else dump_early's: the same bytes per token) that a
+    ``nodump_noise`` cell of that shape and round is paced by and read beside; or None."""
+    return (find_cell(cells, "dump", prompt_len, concurrency, rep)
+            or find_cell(cells, "dump_early", prompt_len, concurrency, rep))
+
+
 def headline(results: dict) -> Dict[str, dict]:
-    """Per model: ``dump_vs_nodump`` (per cell, plus min and geometric mean; ``pooled``:
+    """Per model: ``dump_vs_nodump`` (per cell, plus min and geometric mean; a
+    ``nodump_twin`` cell's ratio is the control's, ``nodump_twin_vs_nodump_range`` its
+    lowest and highest; ``pooled``:
     per shape over the rounds, ``pooled_ratios``, with each mode's worst shape),
     ``dump_vs_json`` at 2k/conc 8, ``writer_vs_ceiling`` (per prompt length, and at 2k),
     and per dump cell the bound ``min((a), W/B)`` the target compares (b) with."""
@@ -177,12 +190,10 @@ def headline(results: dict) -> Dict[str, dict]:
     for model, m in results.get("models", {}).items():
         cells = m.get("cells", [])
         per_cell = []
-        for b in (c for c in cells if c.get("mode") in DUMP_MODES and not c.get("error")):
+        for b in (c for c in cells if c.get("mode") in RATIO_MODES and not c.get("error")):
             a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"],
                           b.get("rep"))
-            bytes_per_token = (
-                b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
-            )
+            bytes_per_token = b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
             file_bytes = b["file_bytes"] / b["requests"] if b.get("file_bytes") else None
             w = ceiling_w(d2h, nearest(shm, file_bytes) if file_bytes else None)
             w_tps = w * 1e9 / bytes_per_token if (w and bytes_per_token) else None
@@ -204,7 +215,7 @@ def headline(results: dict) -> Dict[str, dict]:
             return [x["dump_vs_nodump"] for x in per_cell
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
-        r, r_early, r_fp8 = ratios("dump"), ratios("dump_early"), ratios("dump_fp8")
+        r, r_early, r_fp8, r_twin = (ratios(m) for m in ("dump", "dump_early", "dump_fp8", "nodump_twin"))
         pooled = pooled_ratios(cells)
         rows = peer_rows(cells)
         fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
@@ -224,7 +235,7 @@ def headline(results: dict) -> Dict[str, dict]:
         noise = []
         for n in (c for c in cells if c.get("mode") == "nodump_noise" and not c.get("error")):
             shape = (n["prompt_len"], n["concurrency"], n.get("rep"))
-            a, b = find_cell(cells, "nodump", *shape), find_cell(cells, "dump", *shape)
+            a, b = find_cell(cells, "nodump", *shape), paced_by(cells, *shape)
             noise.append({
                 "prompt_len": n["prompt_len"], "concurrency": n["concurrency"],
                 **({"rep": n["rep"]} if "rep" in n else {}),
@@ -240,17 +251,16 @@ def headline(results: dict) -> Dict[str, dict]:
             "cells": per_cell,
             **({"noise": noise} if noise else {}),
             "dump_vs_nodump_min": min(r) if r else None,
-            "dump_vs_nodump_geomean": math.exp(sum(map(math.log, r)) / len(r)) if r else None,
+            "dump_vs_nodump_geomean": geomean(r),
             "dump_early_vs_nodump_min": min(r_early) if r_early else None,
-            "dump_early_vs_nodump_geomean": (
-                math.exp(sum(map(math.log, r_early)) / len(r_early)) if r_early else None),
+            "dump_early_vs_nodump_geomean": geomean(r_early),
             "pooled": pooled,
             **{f"{mode}_vs_nodump_pooled_min": min(x["dump_vs_nodump_pooled"] for x in pooled
                                                     if x["mode"] == mode)
                for mode in dict.fromkeys(x["mode"] for x in pooled)},
+            **({"nodump_twin_vs_nodump_range": [min(r_twin), max(r_twin)]} if r_twin else {}),
             "dump_fp8_vs_nodump_min": min(r_fp8) if r_fp8 else None,
-            "dump_fp8_vs_nodump_geomean": (
-                math.exp(sum(map(math.log, r_fp8)) / len(r_fp8)) if r_fp8 else None),
+            "dump_fp8_vs_nodump_geomean": geomean(r_fp8),
             "fp8_vs_bf16_bytes_per_token_max": max(fp8_bytes) if fp8_bytes else None,
             "dump_vs_json": ratio(
                 b_json["prefill_tps"] if b_json else None, c_json["prefill_tps"] if c_json else None
@@ -264,15 +274,15 @@ def headline(results: dict) -> Dict[str, dict]:
 
 
 def pooled_ratios(cells: List[dict]) -> List[dict]:
-    """Per dump mode and shape (prompt length, concurrency): its tokens/s pooled over the
-    rounds (``--repeat``) that have both it and their own no-dump cell, over the no-dump
-    cells' pooled the same way (sum of prompt tokens / sum of wall seconds, each mode's).
+    """Per dump mode (and control mode, ``CONTROL_MODES``) and shape (prompt length,
+    concurrency): its tokens/s pooled over the rounds (``--repeat``) that have both it and
+    their own no-dump cell, over the no-dump cells' pooled the same way (sum of prompt tokens / sum of wall seconds, each mode's).
     One round's ratio carries that round's noise (a stalled cell moves it by 0.3 either
     way on the stress models); pooling weighs each round by its length and leaves the
     systematic cost. ``rounds``: how many rounds went in. Rows in the order of the cells."""
     sums: Dict[tuple, List[float]] = {}
     for b in cells:
-        if b.get("mode") not in DUMP_MODES or b.get("error") or not b.get("wall_s"):
+        if b.get("mode") not in RATIO_MODES or b.get("error") or not b.get("wall_s"):
             continue
         a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"],
                       b.get("rep"))

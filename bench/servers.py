@@ -13,6 +13,9 @@ and the run's options, and differ only in their last flags:
 - C: plus ``--enable-return-hidden-states``; serves ``json`` with ``--json-server separate``.
 - D: B's flags plus ``--dump-hidden-states-dtype fp8`` (the dtype is per server); serves
   ``dump_fp8``.
+- T: A's twin, started the same way on its own port; serves ``nodump_twin``, the no-dump
+  load again. Its ratio to A is what two identical servers differ by in this run (start
+  order, KV pool, CPU placement): the spread against which a dump mode's ratio is read.
 - V and W: the peer, vLLM (``bench.peer``: its own command line and environment, the same
   model files). V serves ``vllm_nodump``; W, with vLLM's extract_hidden_states and its
   example connector writing into ``<dump root>/kimi-bench-<model>-vllm``, ``vllm_dump``.
@@ -62,6 +65,8 @@ def sglang_command(args, name, which, extra):
         cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     if args.sleep_on_idle:
         cmd += ["--sleep-on-idle"]
+    if args.max_total_tokens:
+        cmd += ["--max-total-tokens", str(args.max_total_tokens)]
     return cmd + extra
 
 
@@ -105,12 +110,13 @@ KINDS = {
     "V": Kind(4, lambda args, name, which: [], command=vllm_command, api="vllm", env=peer.vllm_env),
     "W": Kind(5, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
               dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
+    "T": Kind(6, lambda args, name, which: []),
 }
 
 # the server of each mode (json: A, or C with --json-server separate)
 MODE_SERVER = {"nodump": "A", "nodump_noise": "A", "json": "A",
                "dump": "B", "dump_early": "B", "dump_fp8": "D",
-               "vllm_nodump": "V", "vllm_dump": "W"}
+               "vllm_nodump": "V", "vllm_dump": "W", "nodump_twin": "T"}
 
 
 def server_for(args, mode):
@@ -126,8 +132,8 @@ def port_of(args, which):
 
 def ports_problem(args, modes):
     """Why ``--ports`` is too short for the servers of ``modes`` (an error message), or None."""
-    words = ["first", "second", "third", "fourth", "fifth", "sixth"]
-    counts = ["one", "two", "three", "four", "five", "six"]
+    words = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh"]
+    counts = ["one", "two", "three", "four", "five", "six", "seven"]
     for mode in modes:
         which = server_for(args, mode)
         i = KINDS[which].port_index
@@ -138,9 +144,13 @@ def ports_problem(args, modes):
 
 
 def server_cmd(args, name, which):
-    """The command line of server ``which`` of model ``name``."""
+    """The command line of server ``which`` of model ``name``; under ``taskset -c CPUS``
+    where ``--server-cpus`` gives that server CPUs (its processes inherit them: the
+    scheduler, the front end, the dump's writer process)."""
     kind = KINDS[which]
-    return kind.command(args, name, which, kind.flags(args, name, which))
+    cmd = kind.command(args, name, which, kind.flags(args, name, which))
+    cpus = (getattr(args, "server_cpus", None) or {}).get(which)
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
 
 
 def dumps(which):

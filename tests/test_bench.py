@@ -129,6 +129,13 @@ def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
     assert noise.noise_rate(cells, {"prompt_len": 512, "concurrency": 32, "rep": 0}, args) == 0.0
     args = cli.build_parser().parse_args(["--noise-gbps", "1.5"])
     assert noise.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
+    # without mode dump, dump_early's cell paces the noise and is read beside it
+    early = [dict(c, mode="dump_early") if c["mode"] == "dump" else c for c in cells]
+    args = cli.build_parser().parse_args([])
+    assert noise.noise_rate(early, {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 8192 * 200_000
+    res_e = {"models": {"m": dict(res["models"]["m"], cells=early)}}
+    n = {x["rep"]: x for x in report.headline(res_e)["m"]["noise"]}
+    assert n[0]["dump_vs_nodump"] == pytest.approx(0.5) and n[1]["dump_bytes_per_token"] == 8192
 
 
 def test_pooled_ratio_weighs_rounds_by_their_length():
@@ -379,7 +386,7 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4", "--chunked-prefill-size", "512"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
         "nodump": "A", "nodump_noise": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "C",
-        "vllm_nodump": "V", "vllm_dump": "W"}
+        "vllm_nodump": "V", "vllm_dump": "W", "nodump_twin": "T"}
     assert servers.server_for(_args([]), "json") == "A"
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABCD"}
     launcher = gpu_suite_module("server")
@@ -563,7 +570,7 @@ def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=())
 
     pytest.importorskip("requests")
     ports = []
-    for _ in range(6):
+    for _ in range(7):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
@@ -1078,6 +1085,100 @@ def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
     md = markdown.render_markdown({"models": {}, "py_spy": {"m nodump 2048x32": dict(s, kind="wait", window_s=2.0)}})
     assert "scheduler thread waiting for the GIL: 0.400 of its samples" in md
     assert "| thread (0x2) | 8 | 0.500 |" in md and "| 0.300 | `recv (zmq.py:5)` |" in md
+
+
+def test_twin_control_counterbalanced_rounds_equal_pools_and_pinned_cpus(tmp_path):
+    """nodump_twin runs the no-dump load on server T, started exactly as A but for its
+    port; --counterbalance reverses a shape's modes in odd rounds; --max-total-tokens goes
+    to every SGLang server; --server-cpus puts a server under taskset. The twin's ratio is
+    reported as a control (per cell, its range, pooled), never as a dump target."""
+    from bench import servers
+
+    args = _args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,nodump_twin,dump_early",
+                  "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "3", "--counterbalance",
+                  "--max-total-tokens", "100000", "--server-cpus", "A=0-3,T=4,6", "--skip-ceilings"])
+    planned = plan.make_plan(args)["models"]["deepseek-tiny"]
+    a, t, b = (planned["servers"][w] for w in "ATB")
+    assert a[:3] == ["taskset", "-c", "0-3"] and t[:3] == ["taskset", "-c", "4,6"] and b[0] != "taskset"
+    a, t = a[3:], t[3:]
+    assert a[:a.index("--port")] == t[:t.index("--port")] and a[a.index("--port") + 2:] == t[t.index("--port") + 2:]
+    assert t[t.index("--port") + 1] == str(args.ports[6])
+    for cmd in (a, t, b):
+        assert cmd[cmd.index("--max-total-tokens") + 1] == "100000"
+    order = [(c["mode"], c["rep"]) for c in planned["cells"]]
+    assert order == [("nodump", 0), ("nodump_twin", 0), ("dump_early", 0),
+                     ("dump_early", 1), ("nodump_twin", 1), ("nodump", 1),
+                     ("nodump", 2), ("nodump_twin", 2), ("dump_early", 2)]
+    noisy = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump_early,nodump_noise",
+                                  "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "2",
+                                  "--counterbalance"]))
+    # the noise is paced by its round's dump and no-dump cells: last in every round
+    assert [c["mode"] for c in noisy["models"]["deepseek-tiny"]["cells"]] == [
+        "nodump", "dump_early", "nodump_noise", "dump_early", "nodump", "nodump_noise"]
+    plain = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump",
+                                  "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "2"]))
+    assert [c["mode"] for c in plain["models"]["deepseek-tiny"]["cells"]] == ["nodump", "dump"] * 2
+    assert "--max-total-tokens" not in plain["models"]["deepseek-tiny"]["servers"]["A"]
+    assert servers.server_for(args, "nodump_twin") == "T" and not servers.dumps("T")
+    for bad in ("A", "Z=1", "A=x"):
+        with pytest.raises(SystemExit):
+            _args(["--server-cpus", bad])
+
+    # the control in the results: hand-made cells, two rounds (A faster, then T faster)
+    def cell(mode, rep, tps):
+        return {"mode": mode, "prompt_len": 2048, "concurrency": 8, "rep": rep, "requests": 8,
+                "prompt_tokens": 16384, "wall_s": 16384 / tps, "prefill_tps": tps}
+
+    res = {"models": {"m": {"cells": [cell("nodump", 0, 100.0), cell("nodump_twin", 0, 80.0),
+                                      cell("dump_early", 0, 90.0), cell("dump_early", 1, 60.0),
+                                      cell("nodump_twin", 1, 150.0), cell("nodump", 1, 100.0)]}}}
+    h = report.headline(res)["m"]
+    assert h["nodump_twin_vs_nodump_range"] == [pytest.approx(0.8), pytest.approx(1.5)]
+    pooled = {x["mode"]: x["dump_vs_nodump_pooled"] for x in h["pooled"]}
+    # tokens / wall pooled: T 32768 / (204.8 + 109.2) s over A 32768 / 327.68 s
+    assert pooled["nodump_twin"] == pytest.approx(327.68 / (16384 / 80 + 16384 / 150))
+    assert h["dump_early_vs_nodump_min"] == pytest.approx(0.6) and h["dump_vs_nodump_min"] is None
+    assert all("twin" not in t["target"] for t in report.targets(res, {"m": h}))
+    md = markdown.render_markdown(dict(res, headline={"m": h}))
+    assert "control, two identical servers (nodump_twin on T over nodump on A), per cell: 0.800 to 1.500" in md
+    assert "nodump_twin 2048x8" in md
+
+
+def test_plot_pools_the_rounds_of_a_shape():
+    """The plot's bar of a shape run in several rounds is their tokens over their wall
+    seconds (not the last round's drawn over the others)."""
+    from bench.plot import pooled_tps
+
+    cells = [{"mode": "nodump", "prompt_len": 2048, "concurrency": 8, "prompt_tokens": 1000, "wall_s": 1.0,
+              "prefill_tps": 1000.0},
+             {"mode": "nodump", "prompt_len": 2048, "concurrency": 8, "prompt_tokens": 1000, "wall_s": 3.0,
+              "prefill_tps": 333.3},
+             {"mode": "dump", "prompt_len": 2048, "concurrency": 8, "prompt_tokens": 500, "wall_s": 1.0,
+              "prefill_tps": 500.0}]
+    assert pooled_tps(cells, "nodump") == {(2048, 8): pytest.approx(500.0)}
+    assert pooled_tps(cells, "dump") == {(2048, 8): pytest.approx(500.0)}
+    assert pooled_tps(cells, "json") == {}
+
+
+def test_rehearsal_twin_server_runs_the_control(tmp_path):
+    """The fake servers A, B and T: every cell measured, T's log kept, the control's ratio
+    in the headline and the Markdown."""
+    proc, out, shm, res_path = rehearse(
+        tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
+        "--modes", "nodump,nodump_twin,dump_early", "--repeat", "2", "--counterbalance",
+        "--max-total-tokens", "50000", "--py-spy", "")
+    res = json.loads(res_path.read_text())
+    m = res["models"]["deepseek-tiny"]
+    assert [(c["mode"], c["rep"]) for c in m["cells"]] == [
+        ("nodump", 0), ("nodump_twin", 0), ("dump_early", 0), ("dump_early", 1), ("nodump_twin", 1), ("nodump", 1)]
+    assert not any(c.get("error") for c in m["cells"])
+    assert "--max-total-tokens" in m["servers"]["T"] and "--dump-hidden-states-dir" not in m["servers"]["T"]
+    assert (out / "server-deepseek-tiny-T.log").exists()
+    h = res["headline"]["deepseek-tiny"]
+    lo, hi = h["nodump_twin_vs_nodump_range"]
+    assert 0 < lo <= hi
+    assert "control, two identical servers" in (out / res_path.name).with_suffix(".md").read_text()
+    assert list(shm.iterdir()) == []
 
 
 def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):
