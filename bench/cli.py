@@ -272,7 +272,8 @@ def new_results(args, plan, gpu, date):
         | {"prompt_lens": args.prompt_lens, "concurrency": args.concurrency,
            "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None,
            "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static,
-           "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus}
+           "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus,
+           "writer_cpus": os.environ.get("KIMI_SGLANG_WRITER_CPUS") or None}
         | ({"vllm_gpu_memory_utilization": peer.gpu_memory_utilization(args), "vllm_args": args.vllm_args,
             "peer_reference": args.peer_reference}
            if any(peer.is_peer(m) for m in plan["modes"]) else {}),

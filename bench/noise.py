@@ -20,18 +20,16 @@ import sys
 import threading
 import time
 
+from sglang_ext import config
+
 from bench import child_env, module_argv, report
 
 
 def parse_cpus(text):
-    """``"8-15,20"`` -> {8, ..., 15, 20} (the ``taskset -c`` list syntax); raises ValueError."""
-    cpus = set()
-    for part in (p for p in text.split(",") if p):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    if not cpus:
-        raise ValueError(f"empty CPU list {text!r}")
-    return cpus
+    """``"8-15,20"`` -> {8, ..., 15, 20} (the ``taskset -c`` list syntax, as the server's
+    ``KIMI_SGLANG_WRITER_CPUS``: ``sglang_ext.config.parse_cpu_list``, not checked against
+    this host: the plan may be for another); raises ValueError."""
+    return set(config.parse_cpu_list(text, "CPU list", this_host=False))
 
 
 def noise_rate(cells, cell, args):

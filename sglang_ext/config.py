@@ -163,17 +163,44 @@ def env_number(name: str, default: float, unit: str = "seconds", minimum: Option
     return number
 
 
+def parse_cpu_list(text: str, name: str, this_host: bool = True) -> Tuple[int, ...]:
+    """A CPU list in ``taskset -c`` / cpuset syntax (``"8-15,20"``) as sorted unique CPU
+    numbers ``(8, ..., 15, 20)``. Raises ``DumpConfigError`` naming ``name`` for bad
+    syntax, an empty list, a reversed range, or (``this_host``) a CPU this host does not
+    have (at or above ``os.cpu_count()``)."""
+    cpus = set()
+    for part in (p.strip() for p in str(text).split(",")):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise DumpConfigError(f"{name}: {part!r} is not a CPU number or range "
+                                  f"(expected a taskset -c list, e.g. 8-15 or 0,2,4)") from None
+        if first < 0 or last < first:
+            raise DumpConfigError(f"{name}: {part!r} is not a CPU range (expected e.g. 8-15)")
+        cpus.update(range(first, last + 1))
+    have = os.cpu_count() or 1
+    beyond = sorted(c for c in cpus if c >= have) if this_host else []
+    if beyond:
+        raise DumpConfigError(f"{name}: this host has CPUs 0-{have - 1}, not {beyond[:8]}")
+    return tuple(sorted(cpus))
+
+
 def env_settings() -> dict:
     """The writer's environment settings, validated: ``writer_threads``
     (``KIMI_SGLANG_WRITER_THREADS``, threads of the writer process, >= 1),
     ``drain_timeout_s`` (``KIMI_SGLANG_DRAIN_TIMEOUT_S``, how long shutdown waits for
-    queued writes) and ``stats_interval_s`` (``KIMI_SGLANG_STATS_INTERVAL_S``, seconds
-    between counter log lines; 0 logs only at shutdown). Raises ``DumpConfigError``."""
+    queued writes), ``stats_interval_s`` (``KIMI_SGLANG_STATS_INTERVAL_S``, seconds
+    between counter log lines; 0 logs only at shutdown) and ``writer_cpus``
+    (``KIMI_SGLANG_WRITER_CPUS``, the CPUs the writer process runs on, a ``taskset -c``
+    list; None: the scheduler's). Raises ``DumpConfigError``."""
     threads = env_number("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS, "threads", 1)
     if threads != int(threads) or threads > MAX_WRITER_THREADS:
         raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number of threads "
                               f"from 1 to {MAX_WRITER_THREADS}, got {threads:g}")
+    cpus = os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip()
     return {
+        "writer_cpus": parse_cpu_list(cpus, "KIMI_SGLANG_WRITER_CPUS") if cpus else None,
         "writer_threads": int(threads),
         "drain_timeout_s": env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
                                       minimum=0),
@@ -200,6 +227,7 @@ class DumpConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     hidden_states_dtype: str = "auto"
+    writer_cpus: Optional[Tuple[int, ...]] = None
 
     @classmethod
     def from_server_args(cls, server_args) -> "DumpConfig":

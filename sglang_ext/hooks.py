@@ -209,11 +209,13 @@ def setup_model(model_runner) -> None:
             drain_timeout_s=config.drain_timeout_s,
             stats_interval_s=config.stats_interval_s,
             hidden_states_dtype=config.hidden_states_dtype,
+            cpus=config.writer_cpus,
         )
     _DUMPER = dumper
     logger.info(
-        "hidden-state dump: layers %s of %d into %s (writer rank: %s)",
+        "hidden-state dump: layers %s of %d into %s (writer rank: %s%s)",
         list(layer_ids), num_layers, config.directory, is_writer,
+        f"; writer process on CPUs {list(config.writer_cpus)}" if is_writer and config.writer_cpus else "",
     )
 
 

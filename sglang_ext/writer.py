@@ -100,10 +100,12 @@ class DumpWriter:
     ``stats_interval_s``: seconds between the writer process's counter log lines;
     ``hidden_states_dtype``: ``"auto"`` (rows as they come), ``"bf16"`` (cast to
     bfloat16 on the device before the copy) or ``"fp8"`` (``quant.quantize_fp8`` on the
-    device before the copy: fp8 rows plus float32 scales per token and layer slot).
+    device before the copy: fp8 rows plus float32 scales per token and layer slot);
+    ``cpus``: the CPUs the writer process (and its threads) run on
+    (``KIMI_SGLANG_WRITER_CPUS``), or ``None`` for the scheduler's.
 
     Raises ``OSError`` when the arena cannot be made and ``RuntimeError`` when the writer
-    process does not start.
+    process does not start (also when it may not run on ``cpus``).
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class DumpWriter:
         stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
         register_atexit: bool = True,
         hidden_states_dtype: str = "auto",
+        cpus: Optional[Sequence[int]] = None,
     ):
         if hidden_states_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"hidden_states_dtype must be auto, bf16 or fp8, got {hidden_states_dtype!r}")
@@ -128,6 +131,7 @@ class DumpWriter:
         self.num_slots = len(layer_ids)
         self.dir_fd = dir_fd
         self.threads = int(threads)
+        self.cpus = tuple(int(c) for c in cpus) if cpus else None
         self.drain_timeout_s = drain_timeout_s
         self.metrics_model_name = metrics_model_name
         self.stats_interval_s = stats_interval_s
@@ -189,14 +193,26 @@ class DumpWriter:
                "--stats-interval", str(self.stats_interval_s)]
         if self.metrics_model_name is not None:
             cmd += ["--metrics-model-name", str(self.metrics_model_name)]
+        if self.cpus:
+            cmd += ["--cpus", ",".join(map(str, self.cpus))]
+        proc = None
         try:
-            self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.arena_fd, self.dir_fd),
-                                          stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.arena_fd, self.dir_fd),
+                                    stdin=subprocess.DEVNULL)
+            if self.cpus:
+                # at once, before its interpreter starts any thread (it sets them again itself)
+                os.sched_setaffinity(proc.pid, self.cpus)
         except OSError as e:
             mine.close()
-            raise RuntimeError(f"cannot start the hidden-state writer process: {e}") from None
+            if proc is None:
+                raise RuntimeError(f"cannot start the hidden-state writer process: {e}") from None
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"cannot start the hidden-state writer process on CPUs "
+                               f"{list(self.cpus)} (KIMI_SGLANG_WRITER_CPUS): {e.strerror or e}") from None
         finally:
             theirs.close()
+        self._proc = proc
         self._sock = mine
         self._sock.setblocking(False)
 

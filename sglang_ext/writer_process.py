@@ -486,7 +486,14 @@ def main(argv=None) -> int:
                    help="seconds between counter log lines (0: none)")
     p.add_argument("--metrics-model-name", default=None,
                    help="publish Prometheus metrics (sglang_ext.metrics) with this model_name")
+    p.add_argument("--cpus", default=None,
+                   help="comma-separated CPUs to run on (KIMI_SGLANG_WRITER_CPUS, parsed by the scheduler)")
     args = p.parse_args(argv)
+    if args.cpus:  # before any thread starts: they inherit it
+        try:
+            os.sched_setaffinity(0, [int(c) for c in args.cpus.split(",")])
+        except OSError:
+            pass  # the scheduler set it already (or refused to start this process)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="[%(asctime)s kimi-sglang writer] %(message)s")

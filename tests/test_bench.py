@@ -1160,9 +1160,10 @@ def test_plot_pools_the_rounds_of_a_shape():
     assert pooled_tps(cells, "json") == {}
 
 
-def test_rehearsal_twin_server_runs_the_control(tmp_path):
+def test_rehearsal_twin_server_runs_the_control(tmp_path, monkeypatch):
     """The fake servers A, B and T: every cell measured, T's log kept, the control's ratio
-    in the headline and the Markdown."""
+    in the headline and the Markdown; the writer's CPUs recorded."""
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_CPUS", "0")
     proc, out, shm, res_path = rehearse(
         tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
         "--modes", "nodump,nodump_twin,dump_early", "--repeat", "2", "--counterbalance",
@@ -1173,6 +1174,7 @@ def test_rehearsal_twin_server_runs_the_control(tmp_path):
         ("nodump", 0), ("nodump_twin", 0), ("dump_early", 0), ("dump_early", 1), ("nodump_twin", 1), ("nodump", 1)]
     assert not any(c.get("error") for c in m["cells"])
     assert "--max-total-tokens" in m["servers"]["T"] and "--dump-hidden-states-dir" not in m["servers"]["T"]
+    assert res["config"]["writer_cpus"] == "0"
     assert (out / "server-deepseek-tiny-T.log").exists()
     h = res["headline"]["deepseek-tiny"]
     lo, hi = h["nodump_twin_vs_nodump_range"]

@@ -25,6 +25,7 @@ from sglang_ext import format as fmt
 from sglang_ext import hooks
 from sglang_ext import metrics as dump_metrics
 from sglang_ext import writer_process
+from sglang_ext.writer import DumpWriter
 from sglang_ext.config import DumpConfigError, check_directory, env_settings
 from test_format import RIDS
 from test_hooks import (Req, finish, idle, inject_writer, make_runner, reference,
@@ -592,7 +593,9 @@ def test_writer_settings_come_from_the_environment_and_bad_values_name_the_varia
     monkeypatch.setenv("KIMI_SGLANG_DRAIN_TIMEOUT_S", "2.5")
     monkeypatch.setenv("KIMI_SGLANG_STATS_INTERVAL_S", "0")
     monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "3")
-    assert env_settings() == {"writer_threads": 3, "drain_timeout_s": 2.5, "stats_interval_s": 0}
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_CPUS", "0")
+    assert env_settings() == {"writer_threads": 3, "drain_timeout_s": 2.5, "stats_interval_s": 0,
+                              "writer_cpus": (0,)}
     for name, value, message in [("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon", "number of seconds"),
                                  ("KIMI_SGLANG_DRAIN_TIMEOUT_S", "-1", ">= 0"),
                                  ("KIMI_SGLANG_WRITER_THREADS", "0", ">= 1"),
@@ -600,14 +603,76 @@ def test_writer_settings_come_from_the_environment_and_bad_values_name_the_varia
                                  ("KIMI_SGLANG_STATS_INTERVAL_S", "nan?", "number"),
                                  ("KIMI_SGLANG_STATS_INTERVAL_S", "nan", "finite number"),
                                  ("KIMI_SGLANG_WRITER_THREADS", "inf", "finite number"),
-                                 ("KIMI_SGLANG_WRITER_THREADS", "1e9", "from 1 to 256")]:
+                                 ("KIMI_SGLANG_WRITER_THREADS", "1e9", "from 1 to 256"),
+                                 ("KIMI_SGLANG_WRITER_CPUS", "0-x", "not a CPU number or range"),
+                                 ("KIMI_SGLANG_WRITER_CPUS", "3-1", "not a CPU range"),
+                                 ("KIMI_SGLANG_WRITER_CPUS", "0,", "not a CPU number"),
+                                 ("KIMI_SGLANG_WRITER_CPUS", str(os.cpu_count()),
+                                  f"this host has CPUs 0-{os.cpu_count() - 1}, not [{os.cpu_count()}]")]:
         monkeypatch.setenv(name, value)
         with pytest.raises(DumpConfigError, match=f"{name}.*{re.escape(message)}"):
             env_settings()
         monkeypatch.delenv(name)
     monkeypatch.delenv("KIMI_SGLANG_DRAIN_TIMEOUT_S", raising=False)
     monkeypatch.delenv("KIMI_SGLANG_STATS_INTERVAL_S", raising=False)
-    assert env_settings() == {"writer_threads": 8, "drain_timeout_s": 30, "stats_interval_s": 60}
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_CPUS", " ")  # blank: unset
+    assert env_settings() == {"writer_threads": 8, "drain_timeout_s": 30, "stats_interval_s": 60,
+                              "writer_cpus": None}
+
+
+def _allowed_cpus(pid):
+    """{thread id: its Cpus_allowed_list} of every thread of process ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            out[tid] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list"))
+    return out
+
+
+def test_writer_process_runs_on_the_cpus_asked_and_a_refused_set_fails_the_start(tmp_path, monkeypatch):
+    """KIMI_SGLANG_WRITER_CPUS (DumpWriter ``cpus``): the writer process and every one of
+    its threads run on those CPUs only, not the scheduler's, and still write the file; CPUs
+    the kernel refuses fail the start with a sentence naming the variable, leaving no
+    process behind."""
+    last = os.cpu_count() - 1
+    d = tmp_path / "d"
+    d.mkdir()
+    fd = fmt.open_dump_dir(str(d))
+    w = DumpWriter(fd, arena_bytes=1 << 20, threads=3, layer_ids=[2, 4], num_layers=4, cpus=[last],
+                   register_atexit=False)
+    try:
+        p = w.start("r", [1, 2, 3, 4], 8, torch.float32)
+        rows = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+        w.copy_rows(rows, [(p, 0, 4)])
+        w.finish(p, fmt.reserve(fd, "r"))
+        assert w.wait_idle(10)
+        allowed = _allowed_cpus(w.pid)
+        assert len(allowed) >= 4 and set(allowed.values()) == {str(last)}  # main + 3 writer threads (+ acks)
+        assert _allowed_cpus(os.getpid())[str(os.getpid())] != str(last) or os.cpu_count() == 1
+        [name] = [n for n in os.listdir(d) if n.endswith(".safetensors")]
+        from safetensors.torch import load_file
+
+        got = load_file(str(d / name))["hidden_states"]
+        assert torch.equal(got.reshape(4, 8), rows)
+    finally:
+        assert w.close(10)
+
+    spawned = []
+    real_popen = subprocess.Popen
+
+    def popen(*a, **k):
+        spawned.append(real_popen(*a, **k))
+        return spawned[-1]
+
+    def refuse(pid, cpus):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    with pytest.raises(RuntimeError, match=r"on CPUs \[0\] \(KIMI_SGLANG_WRITER_CPUS\): Invalid argument"):
+        DumpWriter(fd, arena_bytes=1 << 20, threads=1, layer_ids=[2, 4], num_layers=4, cpus=[0],
+                   register_atexit=False)
+    assert len(spawned) == 1 and spawned[0].poll() is not None  # killed and reaped
 
 
 # ---- malformed request fields --------------------------------------------------------------
