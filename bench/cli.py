@@ -121,15 +121,35 @@ def _cpu_map(text):
     for e in entries:
         which, cpus = e.split("=", 1)
         try:
-            parse_cpus(cpus)
+            cpus = _cpu_text(parse_cpus(cpus))  # what taskset gets, normalized
         except ValueError:
             cpus = None
         if which not in servers.KINDS or cpus is None:
             raise argparse.ArgumentTypeError(
                 f"{e!r}: expected SERVER=CPUS, SERVER one of {', '.join(servers.KINDS)} and CPUS "
                 f"as for taskset -c (e.g. 0-4 or 0,2,4)")
+        if which in out:
+            raise argparse.ArgumentTypeError(f"server {which} appears twice")
         out[which] = cpus
     return out
+
+
+def _cpu_text(cpus):
+    """{0, 1, 2, 3, 6} -> "0-3,6" (taskset -c syntax)."""
+    runs = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive number of tokens")
+    return value
 
 
 def _labels(text):
@@ -173,7 +193,7 @@ def build_parser():
     ap.add_argument("--mem-fraction-static", type=float, default=0.3)
     ap.add_argument("--max-host-mb", type=int, default=0,
                     help=f"--dump-hidden-states-max-host-mb (default: the server's {config.DEFAULT_MAX_HOST_MB})")
-    ap.add_argument("--max-total-tokens", type=int, default=0,
+    ap.add_argument("--max-total-tokens", type=_positive, default=0,
                     help="SGLang's --max-total-tokens for every SGLang server: equal KV pools "
                          "(default: each its own, from the memory free when it starts)")
     ap.add_argument("--server-cpus", type=_cpu_map, default={},
@@ -238,6 +258,15 @@ def check_args(ap, args):
         peer.gpu_memory_utilization(args)  # splits --vllm-args too
     except ValueError as e:
         ap.error(str(e))
+    kinds = {servers.server_for(args, m) for m in modes}
+    if set(args.server_cpus) - kinds:
+        ap.error(f"--server-cpus: server(s) {', '.join(sorted(set(args.server_cpus) - kinds))} not in this "
+                 f"run (its modes start {', '.join(sorted(kinds))})")
+    if args.counterbalance and args.repeat < 2:
+        ap.error("--counterbalance needs --repeat 2 or more (it reverses every other round)")
+    if args.counterbalance and args.repeat % 2:
+        print(f"note: --counterbalance with --repeat {args.repeat}: one more round runs forward "
+              f"than reversed", file=sys.stderr)
     problem = servers.ports_problem(args, modes) or servers.memory_problem(args, modes)
     if problem:
         ap.error(problem)
@@ -273,7 +302,9 @@ def new_results(args, plan, gpu, date):
            "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None,
            "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static,
            "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus,
-           "writer_cpus": os.environ.get("KIMI_SGLANG_WRITER_CPUS") or None}
+           "writer_cpus": os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip() or None,
+           "counterbalance": args.counterbalance, "server_cpus": args.server_cpus or None,
+           "max_total_tokens": args.max_total_tokens or None}
         | ({"vllm_gpu_memory_utilization": peer.gpu_memory_utilization(args), "vllm_args": args.vllm_args,
             "peer_reference": args.peer_reference}
            if any(peer.is_peer(m) for m in plan["modes"]) else {}),

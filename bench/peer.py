@@ -85,7 +85,7 @@ def kv_transfer_config(dump_dir: str, threads: int) -> dict:
 
 def dump_flags(name: str, dump_dir: str) -> List[str]:
     """The flags that make server W extract: both configs as JSON."""
-    threads = config.env_settings()["writer_threads"]
+    threads = config.env_settings(this_host=False)["writer_threads"]
     return ["--speculative-config", json.dumps(speculative_config(MODELS[name]["layer_ids"])),
             "--kv-transfer-config", json.dumps(kv_transfer_config(dump_dir, threads))]
 

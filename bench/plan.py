@@ -58,7 +58,7 @@ def peer_files_s(spec, reference):
 def writer_threads():
     """Threads of the writer process (and of the ceilings' writes):
     ``KIMI_SGLANG_WRITER_THREADS`` as the server reads it (sglang_ext.config, default 8)."""
-    return config.env_settings()["writer_threads"]
+    return config.env_settings(this_host=False)["writer_threads"]
 
 
 def cell_requests(prompt_len, concurrency, cell_tokens, min_rounds):

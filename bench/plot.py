@@ -89,8 +89,7 @@ def plot(results: dict, path: str) -> str:
                        [c["w_tps"] for c in hc], marker="_", s=400, color="k", label="W/B bound")
         # log only where the bars span orders of magnitude (the JSON path's ~1k tokens/s
         # beside ~40k): on a narrow range a log axis cut above zero makes 0.8x look like 0.1x
-        drawn = [c["prefill_tps"] for c in cells if c["mode"] in shown and c.get("prefill_tps")] + \
-            [c["w_tps"] for c in hc]
+        drawn = [t for mode in shown for t in pooled_tps(cells, mode).values()] + [c["w_tps"] for c in hc]
         if drawn and max(drawn) > 10 * min(drawn):
             ax.set_yscale("log")
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
@@ -113,6 +112,8 @@ def plot(results: dict, path: str) -> str:
                 if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None:
                     key = (c["prompt_len"], c["concurrency"])
                     r[key] = pooled.get((mode, *key), c["dump_vs_bound"])
+            if any((mode, *key) in pooled for key in r):
+                label = label.split("/")[0] + "/(a), pooled over rounds"
             r = [(x[key], v) for key, v in r.items()]
             drawn_ratios += [v for _, v in r]
             ax.bar([p[0] + (k - (len(ratios) - 1) / 2) * rw for p in r], [p[1] for p in r], rw,

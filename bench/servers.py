@@ -13,8 +13,8 @@ and the run's options, and differ only in their last flags:
 - C: plus ``--enable-return-hidden-states``; serves ``json`` with ``--json-server separate``.
 - D: B's flags plus ``--dump-hidden-states-dtype fp8`` (the dtype is per server); serves
   ``dump_fp8``.
-- T: A's twin, started the same way on its own port; serves ``nodump_twin``, the no-dump
-  load again. Its ratio to A is what two identical servers differ by in this run (start
+- T: A's twin, A's flags (its JSON switch too, when A has it) on its own port; serves
+  ``nodump_twin``, the no-dump load again. Its ratio to A is what two identical servers differ by in this run (start
   order, KV pool, CPU placement): the spread against which a dump mode's ratio is read.
 - V and W: the peer, vLLM (``bench.peer``: its own command line and environment, the same
   model files). V serves ``vllm_nodump``; W, with vLLM's extract_hidden_states and its
@@ -110,7 +110,7 @@ KINDS = {
     "V": Kind(4, lambda args, name, which: [], command=vllm_command, api="vllm", env=peer.vllm_env),
     "W": Kind(5, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
               dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
-    "T": Kind(6, lambda args, name, which: []),
+    "T": Kind(6, _a_flags),
 }
 
 # the server of each mode (json: A, or C with --json-server separate)

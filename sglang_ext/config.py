@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 DEFAULT_MAX_HOST_MB = 4096
 DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
 MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only costs memory
+MAX_CPUS = 1 << 16  # CPU numbers parse_cpu_list accepts when not checked against this host
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
 DEFAULT_STATS_INTERVAL_S = 60.0
 # --dump-hidden-states-dtype: auto = the model's dtype; bf16 = cast on the device;
@@ -168,39 +170,40 @@ def parse_cpu_list(text: str, name: str, this_host: bool = True) -> Tuple[int, .
     numbers ``(8, ..., 15, 20)``. Raises ``DumpConfigError`` naming ``name`` for bad
     syntax, an empty list, a reversed range, or (``this_host``) a CPU this host does not
     have (at or above ``os.cpu_count()``)."""
+    have = os.cpu_count() or 1
+    limit = have if this_host else MAX_CPUS
     cpus = set()
     for part in (p.strip() for p in str(text).split(",")):
-        lo, sep, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi if sep else lo)
-        except ValueError:
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part, flags=re.ASCII)
+        if not m:
             raise DumpConfigError(f"{name}: {part!r} is not a CPU number or range "
-                                  f"(expected a taskset -c list, e.g. 8-15 or 0,2,4)") from None
-        if first < 0 or last < first:
+                                  f"(expected a taskset -c list, e.g. 8-15 or 0,2,4)")
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+        if last < first:
             raise DumpConfigError(f"{name}: {part!r} is not a CPU range (expected e.g. 8-15)")
+        if last >= limit:  # checked before expanding: a typo must not build a huge set
+            raise DumpConfigError(f"{name}: {part!r} names CPUs beyond "
+                                  + (f"this host's 0-{have - 1}" if this_host else f"{MAX_CPUS - 1}"))
         cpus.update(range(first, last + 1))
-    have = os.cpu_count() or 1
-    beyond = sorted(c for c in cpus if c >= have) if this_host else []
-    if beyond:
-        raise DumpConfigError(f"{name}: this host has CPUs 0-{have - 1}, not {beyond[:8]}")
     return tuple(sorted(cpus))
 
 
-def env_settings() -> dict:
+def env_settings(this_host: bool = True) -> dict:
     """The writer's environment settings, validated: ``writer_threads``
     (``KIMI_SGLANG_WRITER_THREADS``, threads of the writer process, >= 1),
     ``drain_timeout_s`` (``KIMI_SGLANG_DRAIN_TIMEOUT_S``, how long shutdown waits for
     queued writes), ``stats_interval_s`` (``KIMI_SGLANG_STATS_INTERVAL_S``, seconds
     between counter log lines; 0 logs only at shutdown) and ``writer_cpus``
     (``KIMI_SGLANG_WRITER_CPUS``, the CPUs the writer process runs on, a ``taskset -c``
-    list; None: the scheduler's). Raises ``DumpConfigError``."""
+    list; None: the scheduler's; ``this_host``: checked against this host's CPUs, which a
+    plan made for another host skips). Raises ``DumpConfigError``."""
     threads = env_number("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS, "threads", 1)
     if threads != int(threads) or threads > MAX_WRITER_THREADS:
         raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number of threads "
                               f"from 1 to {MAX_WRITER_THREADS}, got {threads:g}")
     cpus = os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip()
     return {
-        "writer_cpus": parse_cpu_list(cpus, "KIMI_SGLANG_WRITER_CPUS") if cpus else None,
+        "writer_cpus": parse_cpu_list(cpus, "KIMI_SGLANG_WRITER_CPUS", this_host) if cpus else None,
         "writer_threads": int(threads),
         "drain_timeout_s": env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
                                       minimum=0),

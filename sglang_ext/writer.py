@@ -38,7 +38,7 @@ import torch
 
 from sglang_ext import arena as arena_mod
 from sglang_ext import format as fmt
-from sglang_ext import quant, trace, wire
+from sglang_ext import config, quant, trace, wire
 from sglang_ext.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_STATS_INTERVAL_S
 from sglang_ext.writer_process import SHUTDOWN_MESSAGE, TMP_PREFIX, mark_dead
 
@@ -132,6 +132,8 @@ class DumpWriter:
         self.dir_fd = dir_fd
         self.threads = int(threads)
         self.cpus = tuple(int(c) for c in cpus) if cpus else None
+        if self.cpus and not all(0 <= c < config.MAX_CPUS for c in self.cpus):
+            raise ValueError(f"cpus must be CPU numbers from 0 to {config.MAX_CPUS - 1}, got {list(self.cpus)}")
         self.drain_timeout_s = drain_timeout_s
         self.metrics_model_name = metrics_model_name
         self.stats_interval_s = stats_interval_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -368,8 +369,10 @@ def _args(argv):
 
 
 def test_dry_run_prints_the_plan_without_torch():
+    # a plan for a larger host: the writer's CPUs are the GPU host's, not this one's
+    env = dict(os.environ, KIMI_SGLANG_WRITER_CPUS=f"{os.cpu_count()}-{os.cpu_count() + 3}")
     out = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--dry-run", "--quick"],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, env=env).stdout
     assert "server B:" in out and "--dump-hidden-states-dir /dev/shm/kimi-bench-llama-mid" in out
     assert "estimated total" in out
 
@@ -1120,9 +1123,21 @@ def test_twin_control_counterbalanced_rounds_equal_pools_and_pinned_cpus(tmp_pat
     assert [c["mode"] for c in plain["models"]["deepseek-tiny"]["cells"]] == ["nodump", "dump"] * 2
     assert "--max-total-tokens" not in plain["models"]["deepseek-tiny"]["servers"]["A"]
     assert servers.server_for(args, "nodump_twin") == "T" and not servers.dumps("T")
-    for bad in ("A", "Z=1", "A=x"):
+    # T is A's twin with the JSON switch too, when A serves json
+    js = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,nodump_twin,dump,json"]))
+    a, t = (js["models"]["deepseek-tiny"]["servers"][w] for w in "AT")
+    assert "--enable-return-hidden-states" in t and a[a.index("--port") + 2:] == t[t.index("--port") + 2:]
+    # what taskset gets is the parsed list, normalized
+    assert _args(["--server-cpus", "A= 0 ,2-3,5,B=1"]).server_cpus == {"A": "0,2-3,5", "B": "1"}
+    for bad in ("A", "Z=1", "A=x", "A=1_0", "A=0,A=1", "A=0-99999999999"):
         with pytest.raises(SystemExit):
             _args(["--server-cpus", bad])
+    with pytest.raises(SystemExit):
+        _args(["--max-total-tokens", "-5"])
+    for argv in (["--server-cpus", "C=0"], ["--counterbalance"]):  # C not started; one round
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--dry-run", "--quick", "--modes", "nodump,dump", *argv])
+        assert e.value.code == 2
 
     # the control in the results: hand-made cells, two rounds (A faster, then T faster)
     def cell(mode, rep, tps):
@@ -1174,7 +1189,8 @@ def test_rehearsal_twin_server_runs_the_control(tmp_path, monkeypatch):
         ("nodump", 0), ("nodump_twin", 0), ("dump_early", 0), ("dump_early", 1), ("nodump_twin", 1), ("nodump", 1)]
     assert not any(c.get("error") for c in m["cells"])
     assert "--max-total-tokens" in m["servers"]["T"] and "--dump-hidden-states-dir" not in m["servers"]["T"]
-    assert res["config"]["writer_cpus"] == "0"
+    assert res["config"]["writer_cpus"] == "0" and res["config"]["counterbalance"] is True
+    assert res["config"]["max_total_tokens"] == 50000
     assert (out / "server-deepseek-tiny-T.log").exists()
     h = res["headline"]["deepseek-tiny"]
     lo, hi = h["nodump_twin_vs_nodump_range"]

@@ -608,7 +608,11 @@ def test_writer_settings_come_from_the_environment_and_bad_values_name_the_varia
                                  ("KIMI_SGLANG_WRITER_CPUS", "3-1", "not a CPU range"),
                                  ("KIMI_SGLANG_WRITER_CPUS", "0,", "not a CPU number"),
                                  ("KIMI_SGLANG_WRITER_CPUS", str(os.cpu_count()),
-                                  f"this host has CPUs 0-{os.cpu_count() - 1}, not [{os.cpu_count()}]")]:
+                                  f"'{os.cpu_count()}' names CPUs beyond this host's 0-{os.cpu_count() - 1}"),
+                                 # refused before it is expanded: a typo builds no giant set
+                                 ("KIMI_SGLANG_WRITER_CPUS", "0-99999999999", "names CPUs beyond"),
+                                 ("KIMI_SGLANG_WRITER_CPUS", "1_0", "not a CPU number"),
+                                 ("KIMI_SGLANG_WRITER_CPUS", "\u0663", "not a CPU number")]:
         monkeypatch.setenv(name, value)
         with pytest.raises(DumpConfigError, match=f"{name}.*{re.escape(message)}"):
             env_settings()
@@ -668,6 +672,11 @@ def test_writer_process_runs_on_the_cpus_asked_and_a_refused_set_fails_the_start
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(subprocess, "Popen", popen)
+    for bad in ([-1], [1 << 40]):  # through the API: refused before anything starts
+        with pytest.raises(ValueError, match="cpus must be CPU numbers"):
+            DumpWriter(fd, arena_bytes=1 << 20, threads=1, layer_ids=[2, 4], num_layers=4, cpus=bad,
+                       register_atexit=False)
+    assert spawned == []
     monkeypatch.setattr(os, "sched_setaffinity", refuse)
     with pytest.raises(RuntimeError, match=r"on CPUs \[0\] \(KIMI_SGLANG_WRITER_CPUS\): Invalid argument"):
         DumpWriter(fd, arena_bytes=1 << 20, threads=1, layer_ids=[2, 4], num_layers=4, cpus=[0],
