@@ -325,7 +325,10 @@ TORCH_ROWS = [("requests profiled", "requests", "{:.0f}"),
               ("cudaLaunchKernel mean (us)", "launch_us_mean", "{:.2f}"),
               ("launches per 1M tokens", "launches_per_mtok", "{:.0f}"),
               ("GPU busy", "gpu_busy_ms_per_mtok", "{:.0f}"),
-              ("longest single op (ms)", "longest_op_ms", "{:.1f}")]
+              ("longest single op (ms)", "longest_op_ms", "{:.1f}"),
+              # torchprof.copies_behind (runs since 2026-12-02's tenth session)
+              ("rows copies (device to host, > 1 MiB)", "large_d2h", "{:.0f}"),
+              ("result copies queued behind one", "small_d2h_behind_large", "{:.0f}")]
 
 
 def _torch_profile(tprof: dict) -> List[str]:
@@ -342,10 +345,10 @@ def _torch_profile(tprof: dict) -> List[str]:
         return lines
     keys = list(ok)
     for k in keys:
-        ok[k] = dict(ok[k], longest_op_ms=(ok[k].get("longest_op") or {}).get("ms"))
+        ok[k] = dict(ok[k], longest_op_ms=(ok[k].get("longest_op") or {}).get("ms"), **(ok[k].get("copies") or {}))
     lines += ["| | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
     lines += [f"| {label} | " + " | ".join(num(ok[k].get(field), fmt) for k in keys) + " |"
-              for label, field, fmt in TORCH_ROWS]
+              for label, field, fmt in TORCH_ROWS if any(field in ok[k] for k in keys)]
     for field, title in (("top_ops_ms_per_mtok", "top-level ATen ops"),
                          ("api_ms_per_mtok", "CUDA API calls")):
         names = []

@@ -48,6 +48,21 @@ def _union_us(intervals: Iterable[tuple]) -> float:
     return total
 
 
+def copies_behind(events: List[dict], large: int = 1 << 20, slack_us: float = 5.0) -> Dict[str, int]:
+    """Device-to-host copies of at most ``large`` bytes on streams that carry no larger
+    one (SGLang's result copies, beside the dump's rows copies), and how many of them
+    started while a larger copy ran or within ``slack_us`` of its end: queued behind it
+    on the copy engine (``bench/copyprobe.py`` measures what that costs)."""
+    d2h = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
+           and "DtoH" in e.get("name", "") and "dur" in e]
+    big = [e for e in d2h if (e.get("args") or {}).get("bytes", 0) > large]
+    streams = {(e.get("args") or {}).get("stream") for e in big}
+    small = [e for e in d2h if (e.get("args") or {}).get("bytes", 0) <= large
+             and (e.get("args") or {}).get("stream") not in streams]
+    behind = sum(any(b["ts"] <= e["ts"] <= b["ts"] + b["dur"] + slack_us for b in big) for e in small)
+    return {"small_d2h": len(small), "small_d2h_behind_large": behind, "large_d2h": len(big)}
+
+
 def summarize(events: List[dict], prompt_tokens: int, top: int = 12) -> Dict:
     """``events``: a trace's ``traceEvents``; ``prompt_tokens``: tokens prefilled in the
     profiled window. Returns milliseconds per 1M prompt tokens (``*_ms_per_mtok``) and
@@ -105,4 +120,5 @@ def summarize(events: List[dict], prompt_tokens: int, top: int = 12) -> Dict:
         # synchronization) distorts "in ops": shown so that a reader can tell
         "longest_op": {"name": longest["name"], "ms": longest["dur"] / 1e3},
         "other_threads": dict(sorted(others.items(), key=lambda kv: -kv[1]["ops_ms_per_mtok"])[:8]),
+        "copies": copies_behind(xs),
     }
