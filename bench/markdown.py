@@ -328,7 +328,8 @@ TORCH_ROWS = [("requests profiled", "requests", "{:.0f}"),
               ("longest single op (ms)", "longest_op_ms", "{:.1f}"),
               # torchprof.copies_behind (runs since 2026-12-02's tenth session)
               ("rows copies (device to host, > 1 MiB)", "large_d2h", "{:.0f}"),
-              ("result copies queued behind one", "small_d2h_behind_large", "{:.0f}")]
+              ("result copies queued behind one", "small_d2h_behind_large", "{:.0f}"),
+              ("result copies while one ran", "small_d2h_during_large", "{:.0f}")]
 
 
 def _torch_profile(tprof: dict) -> List[str]:

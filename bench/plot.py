@@ -112,8 +112,10 @@ def plot(results: dict, path: str) -> str:
                 if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None:
                     key = (c["prompt_len"], c["concurrency"])
                     r[key] = pooled.get((mode, *key), c["dump_vs_bound"])
-            if any((mode, *key) in pooled for key in r):
+            if r and all((mode, *key) in pooled for key in r):
                 label = label.split("/")[0] + "/(a), pooled over rounds"
+            elif any((mode, *key) in pooled for key in r):
+                label += "; pooled (b)/(a) where several rounds"
             r = [(x[key], v) for key, v in r.items()]
             drawn_ratios += [v for _, v in r]
             ax.bar([p[0] + (k - (len(ratios) - 1) / 2) * rw for p in r], [p[1] for p in r], rw,

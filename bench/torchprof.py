@@ -49,18 +49,22 @@ def _union_us(intervals: Iterable[tuple]) -> float:
 
 
 def copies_behind(events: List[dict], large: int = 1 << 20, slack_us: float = 5.0) -> Dict[str, int]:
-    """Device-to-host copies of at most ``large`` bytes on streams that carry no larger
-    one (SGLang's result copies, beside the dump's rows copies), and how many of them
-    started while a larger copy ran or within ``slack_us`` of its end: queued behind it
-    on the copy engine (``bench/copyprobe.py`` measures what that costs)."""
+    """Device-to-host copies of known size: those over ``large`` bytes (the dump's rows
+    copies) and, on streams that carry none of them, the small ones (SGLang's result
+    copies); how many small ones started within ``slack_us`` after a large one ended
+    (queued behind it on the copy engine: ``bench/copyprobe.py`` measures what that costs)
+    and how many started while one ran (beside it). A server whose own copies exceed
+    ``large`` (``--enable-return-hidden-states``) has its result copies' stream taken for
+    a rows stream: read this on dump servers and plain no-dump ones."""
     d2h = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
-           and "DtoH" in e.get("name", "") and "dur" in e]
-    big = [e for e in d2h if (e.get("args") or {}).get("bytes", 0) > large]
-    streams = {(e.get("args") or {}).get("stream") for e in big}
-    small = [e for e in d2h if (e.get("args") or {}).get("bytes", 0) <= large
-             and (e.get("args") or {}).get("stream") not in streams]
-    behind = sum(any(b["ts"] <= e["ts"] <= b["ts"] + b["dur"] + slack_us for b in big) for e in small)
-    return {"small_d2h": len(small), "small_d2h_behind_large": behind, "large_d2h": len(big)}
+           and "DtoH" in e.get("name", "") and "dur" in e and "bytes" in (e.get("args") or {})]
+    big = [e for e in d2h if e["args"]["bytes"] > large]
+    streams = {e["args"].get("stream") for e in big}
+    small = [e for e in d2h if e["args"]["bytes"] <= large and e["args"].get("stream") not in streams]
+    behind = sum(any(b["ts"] + b["dur"] <= e["ts"] <= b["ts"] + b["dur"] + slack_us for b in big) for e in small)
+    during = sum(any(b["ts"] <= e["ts"] < b["ts"] + b["dur"] for b in big) for e in small)
+    return {"small_d2h": len(small), "small_d2h_behind_large": behind, "small_d2h_during_large": during,
+            "large_d2h": len(big)}
 
 
 def summarize(events: List[dict], prompt_tokens: int, top: int = 12) -> Dict:

@@ -174,7 +174,7 @@ def parse_cpu_list(text: str, name: str, this_host: bool = True) -> Tuple[int, .
     limit = have if this_host else MAX_CPUS
     cpus = set()
     for part in (p.strip() for p in str(text).split(",")):
-        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part, flags=re.ASCII)
+        m = re.fullmatch(r"([0-9]{1,9})(?:-([0-9]{1,9}))?", part, flags=re.ASCII)
         if not m:
             raise DumpConfigError(f"{name}: {part!r} is not a CPU number or range "
                                   f"(expected a taskset -c list, e.g. 8-15 or 0,2,4)")

@@ -199,26 +199,31 @@ def test_torch_trace_summary_splits_the_scheduler_thread_time():
     assert r["gpu_busy_ms_per_mtok"] == pytest.approx(0.225)  # (350 + 100) us / 2
     assert r["other_threads"] == {"2": {"ops": 1, "ops_ms_per_mtok": pytest.approx(0.025)}}
     assert r["longest_op"] == {"name": "aten::linear", "ms": 0.4}
-    assert r["copies"] == {"small_d2h": 1, "small_d2h_behind_large": 0, "large_d2h": 0}
+    assert r["copies"] == {"small_d2h": 0, "small_d2h_behind_large": 0, "small_d2h_during_large": 0,
+                           "large_d2h": 0}  # its copy has no size: not counted
     with pytest.raises(ValueError, match="no cpu_op"):
         torchprof.summarize([x("kernel", "k", 0, 1)], 10)
 
 
 def test_torch_trace_counts_result_copies_queued_behind_the_rows_copies():
-    """A small device-to-host copy on another stream that starts while a rows copy (> 1
-    MiB) runs, or within 5 us of its end, counts as queued behind it; the dump's own small
-    copies (the rows' stream) and copies that start later do not."""
+    """A small device-to-host copy on another stream that starts within 5 us after a rows
+    copy (> 1 MiB) ends counts as queued behind it, one that starts while it runs as beside
+    it; the dump's own small copies (the rows' stream), copies that start later and copies
+    of unknown size do not count."""
     def d2h(ts, dur, nbytes, stream):
         return {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": ts, "dur": dur,
                 "args": {"bytes": nbytes, "stream": stream}}
 
     events = [d2h(0, 800, 64 << 20, 21), d2h(803, 2, 8, 21),  # rows, then the dump's sequence copy
               d2h(500, 2, 32, 33), d2h(804, 2, 32, 33), d2h(2000, 2, 32, 33),  # SGLang's result copies
-              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 10, "dur": 5, "args": {"bytes": 8}}]
-    assert torchprof.copies_behind(events) == {"small_d2h": 3, "small_d2h_behind_large": 2, "large_d2h": 1}
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 10, "dur": 5, "args": {"bytes": 8}},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 801, "dur": 5}]  # no size
+    assert torchprof.copies_behind(events) == {"small_d2h": 3, "small_d2h_behind_large": 1,
+                                               "small_d2h_during_large": 1, "large_d2h": 1}
     prof = {"window_ms_per_mtok": 1.0, "copies": torchprof.copies_behind(events)}
     md = markdown.render_markdown({"models": {}, "torch_profile": {"m dump_early 2048x8": prof}})
-    assert "| result copies queued behind one | 2 |" in md and "| rows copies (device to host, > 1 MiB) | 1 |" in md
+    assert "| result copies queued behind one | 1 |" in md and "| rows copies (device to host, > 1 MiB) | 1 |" in md
+    assert "| result copies while one ran | 1 |" in md
     old = markdown.render_markdown({"models": {}, "torch_profile": {"m dump_early 2048x8": {"window_ms_per_mtok": 1.0}}})
     assert "queued behind" not in old  # results from before it render as they were
 
