@@ -109,7 +109,7 @@ def make_plan(args):
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for rep in range(args.repeat):
                 order = GRID_MODES
-                if getattr(args, "counterbalance", False) and rep % 2:
+                if args.counterbalance and rep % 2:
                     # reversed, but nodump_noise stays last: it is paced by its round's cells
                     order = tuple(m for m in GRID_MODES[::-1] if m != "nodump_noise") + ("nodump_noise",)
                 for mode in order:

@@ -77,9 +77,10 @@ def plot(results: dict, path: str) -> str:
         x = {k: i for i, k in enumerate(keys)}
         ax = axes[0][j]
         shown = [mode for mode in MODES if any(c["mode"] == mode for c in cells)]
+        bars = {mode: pooled_tps(cells, mode) for mode in shown}
         width = 0.8 / max(len(shown), 1)
         for k, mode in enumerate(shown):
-            pts = [(x[key], tps) for key, tps in pooled_tps(cells, mode).items()]
+            pts = [(x[key], tps) for key, tps in bars[mode].items()]
             ax.bar([p[0] + (k - (len(shown) - 1) / 2) * width for p in pts], [p[1] for p in pts],
                    width, label=LABELS[mode], color=COLORS[mode], **STYLE.get(mode, {}))
         hc = [c for c in head.get(model, {}).get("cells", [])
@@ -89,7 +90,7 @@ def plot(results: dict, path: str) -> str:
                        [c["w_tps"] for c in hc], marker="_", s=400, color="k", label="W/B bound")
         # log only where the bars span orders of magnitude (the JSON path's ~1k tokens/s
         # beside ~40k): on a narrow range a log axis cut above zero makes 0.8x look like 0.1x
-        drawn = [t for mode in shown for t in pooled_tps(cells, mode).values()] + [c["w_tps"] for c in hc]
+        drawn = [t for b in bars.values() for t in b.values()] + [c["w_tps"] for c in hc]
         if drawn and max(drawn) > 10 * min(drawn):
             ax.set_yscale("log")
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)

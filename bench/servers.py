@@ -149,7 +149,7 @@ def server_cmd(args, name, which):
     scheduler, the front end, the dump's writer process)."""
     kind = KINDS[which]
     cmd = kind.command(args, name, which, kind.flags(args, name, which))
-    cpus = (getattr(args, "server_cpus", None) or {}).get(which)
+    cpus = args.server_cpus.get(which)
     return ["taskset", "-c", cpus, *cmd] if cpus else cmd
 
 
