@@ -44,7 +44,8 @@ The server answers a request once its file is complete, unless the request's
 ``sampling_params.custom_params`` holds ``{"hidden_states_wait": false}`` (``WAIT_PARAM``):
 then it answers as soon as the name is reserved, with ``hidden_states_pending: true``
 (``PENDING_KEY``), and the client waits on the lock itself, as ``sglang_ext.client`` does,
-sending its next prompt meanwhile.
+sending its next prompt meanwhile. A request whose ``custom_params`` holds
+``{"hidden_states_dump": false}`` (``DUMP_PARAM``) is not dumped: no file, no path.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 FORMAT_VERSION = "kimi-sglang/1"
 # Request and response keys (the only place they are spelled).
 WAIT_PARAM = "hidden_states_wait"  # request: custom_params key; false = answer early
+DUMP_PARAM = "hidden_states_dump"  # request: custom_params key; false = not dumped
 PATH_KEY = "hidden_states_path"  # response meta_info: the file (absolute path)
 ERROR_KEY = "hidden_states_error"  # response meta_info: why there is no file
 PENDING_KEY = "hidden_states_pending"  # response meta_info: true = wait on <path>.lock

@@ -36,7 +36,8 @@ from sglang_ext.config import DumpConfig, DumpConfigError, resolve_layer_ids
 
 logger = logging.getLogger(__name__)
 
-PATH_KEY, ERROR_KEY, WAIT_PARAM, PENDING_KEY = fmt.PATH_KEY, fmt.ERROR_KEY, fmt.WAIT_PARAM, fmt.PENDING_KEY
+PATH_KEY, ERROR_KEY, PENDING_KEY = fmt.PATH_KEY, fmt.ERROR_KEY, fmt.PENDING_KEY
+WAIT_PARAM, DUMP_PARAM = fmt.WAIT_PARAM, fmt.DUMP_PARAM
 _REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
 _SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
@@ -251,7 +252,10 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
     run (``DumpWriter.copy_rows``); chunked prefill: each chunk's rows go to their place
     in the request's file; a request whose last prompt row is in this batch gets its name
     reserved and its path recorded for the response. Requests that fail here get
-    ``hidden_states_error`` instead of a path; the batch is never interrupted.
+    ``hidden_states_error`` instead of a path; the batch is never interrupted. A request
+    whose ``custom_params`` holds ``{"hidden_states_dump": false}`` (``format.DUMP_PARAM``;
+    only JSON false) is skipped: its rows were captured with the batch's, nothing is
+    copied or written, its response carries no dump keys.
     """
     d = _DUMPER
     if d is None or not d.is_writer or not batch.forward_mode.is_extend():
@@ -270,7 +274,8 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
             continue
         state = getattr(req, _REQ_ATTR, None)
         if state is None:
-            state = _ReqDump()
+            # done at once: the request asked not to be dumped (decided at its first chunk)
+            state = _ReqDump(done=_custom_param(req, DUMP_PARAM) is False)
             setattr(req, _REQ_ATTR, state)
         if state.done:
             continue
@@ -359,8 +364,13 @@ def _finish(d: _Dumper, req, state: _ReqDump) -> None:
 
 def _wants_wait(req) -> bool:
     """False when the request asked to be answered before its file is complete."""
+    return _custom_param(req, WAIT_PARAM) is not False
+
+
+def _custom_param(req, key: str):
+    """``sampling_params.custom_params[key]`` of SGLang's Req, or None."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return not (isinstance(params, dict) and params.get(WAIT_PARAM) is False)
+    return params.get(key) if isinstance(params, dict) else None
 
 
 def _drop(d: _Dumper, state: _ReqDump) -> None:

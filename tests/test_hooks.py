@@ -623,3 +623,21 @@ def test_speculators_fp8_reader_loads_our_files_unchanged(dump, tmp_path):
 def test_bad_dtype_names_the_flag(dump):
     with pytest.raises(DumpConfigError, match="--dump-hidden-states-dtype: 'fp4' is not one of auto, bf16, fp8"):
         hooks.setup_model(make_runner(dump, dtype="fp4"))
+
+
+def test_requests_that_ask_not_to_be_dumped_are_skipped(dump):
+    """custom_params hidden_states_dump=false: no file, no dump keys in the response, over
+    both chunks of a chunked prefill; the batch's other requests keep their own rows (the
+    skipped rows sit before theirs in the packed batch). Only JSON false skips."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    skipped, kept, string = Req("skip", 6, 1), Req("keep", 3, 2), Req("string", 2, 3)
+    skipped.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_dump": False})
+    string.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_dump": "false"})
+    run_extend([(skipped, 0, 4), (kept, 0, 3)], [2, 4])
+    run_extend([(skipped, 4, 6), (string, 0, 2)], [2, 4])
+    assert skipped.customized_info is None and finish(skipped) == {}
+    for req in (kept, string):
+        assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
+    stats = idle()
+    assert stats["files_written"] == 2 and stats["failures"] == 0
+    assert not any(n.startswith("skip") for n in os.listdir(dump))
