@@ -23,6 +23,7 @@ in the order a run uses them:
 - ``cli``        the command line and the whole run, the results file.
 - ``report``     the numbers of a results file (ratios, targets); ``markdown`` its tables;
                  ``plot`` its PNG (matplotlib).
+- ``pooled``     tokens/s pooled over the rounds and ratios of pooled rates.
 
 Nothing here imports torch at module level: the plan, the report and the tests run on
 any machine. Sub-programs run with this package's parent on ``PYTHONPATH``

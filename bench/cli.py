@@ -171,7 +171,9 @@ def build_parser():
                          "(a) while another process writes dump-sized files into --dump-root, "
                          "paced as --noise-gbps says, and the peer vLLM's vllm_nodump and "
                          "vllm_dump (servers V and W; Llama workloads only); nodump_twin: (a) on "
-                         "server T, A's twin (the spread between two identical servers)")
+                         "server T, A's twin (the spread between two identical servers); dump_skip: "
+                         "(a) on B, each request with custom_params hidden_states_dump=false "
+                         "(captured by the forward, not copied or written: B's own no-dump rate)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell of the grid (not the JSON cell) this many times, "
                          "interleaved (cells carry 'rep'; ratios pair cells of one repetition)")

@@ -38,7 +38,7 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, waits=None):
+               api="sglang", wait_files=False, waits=None, skip_dump=False):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
@@ -49,7 +49,8 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     ``file_wait_s``, the seconds the client threads spent in those waits, summed over
     threads (a thread waiting has no request in flight, so the closed loop runs below
     ``concurrency`` for that long), and ``tail_wait_s``, the wait for the last files
-    after the last answer.
+    after the last answer. ``skip_dump`` (mode dump_skip): each request asks not to be
+    dumped (``format.DUMP_PARAM``).
 
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
@@ -67,6 +68,8 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
             body["return_hidden_states"] = True
         if early:
             body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
+        if skip_dump:
+            body["sampling_params"]["custom_params"] = {fmt.DUMP_PARAM: False}
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
@@ -129,7 +132,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     waits = {}
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
-                               waits=waits, **api_args(mode))
+                               waits=waits, skip_dump=(mode == "dump_skip"), **api_args(mode))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
@@ -144,6 +147,11 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
         out.update(waits, file_wait_share=waits["file_wait_s"] / (threads * wall))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
+    elif mode == "dump_skip":
+        dumped = sum(1 for r in results if "hidden_states_path" in json.loads(r[3])["meta_info"])
+        if dumped:  # a series without hidden_states_dump: the cell would measure a dump
+            out["error"] = (f"{dumped} of {len(results)} requests were dumped although they asked "
+                            f"not to be (custom_params hidden_states_dump=false)")
     if mode in report.DUMP_MODES and not bad:
         paths, errors = [], []
         for r in results:

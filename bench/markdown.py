@@ -63,7 +63,7 @@ def _ceilings(ceil: dict) -> List[str]:
     return lines
 
 
-ORDER = {"nodump": 0, "nodump_twin": 0.5, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4,
+ORDER = {"nodump": 0, "nodump_twin": 0.5, "dump_skip": 0.7, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4,
          "vllm_nodump": 5, "vllm_dump": 6}
 
 
@@ -119,6 +119,9 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             f"{x['mode']} {x['prompt_len']}x{x['concurrency']} {x['dump_vs_nodump_pooled']:.3f}"
             f" ({x['rounds']} rounds)" for x in h["pooled"])]
           if any(x["rounds"] > 1 for x in h.get("pooled") or []) else []),
+        *(["- on B against itself (over dump_skip, B's requests not dumped; pooled alike): " + "; ".join(
+            f"{x['mode']} {x['prompt_len']}x{x['concurrency']} {x['vs_skip_pooled']:.3f} ({x['rounds']} rounds)"
+            for x in h["pooled_vs_skip"])] if h.get("pooled_vs_skip") else []),
         *([f"- control, two identical servers (nodump_twin on T over nodump on A), per cell: "
            f"{h['nodump_twin_vs_nodump_range'][0]:.3f} to {h['nodump_twin_vs_nodump_range'][1]:.3f}"
            " (a dump's ratio within this spread is not told apart from no cost)"]

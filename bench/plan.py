@@ -24,9 +24,9 @@ PROFILES = {
 }
 
 # Modes whose cells run at every (prompt length, concurrency) of the grid, in the order
-# they alternate within a shape: (a), (a) on A's twin T, (b), (b'), (b fp8), (a) beside
-# noise, then the peer vLLM's (a) and (b). ``json`` (c) runs once, at the headline shape.
-GRID_MODES = ("nodump", "nodump_twin", "dump", "dump_early", "dump_fp8", "nodump_noise") + peer.PEER_MODES
+# they alternate within a shape: (a), (a) on A's twin T, (a) on B (its requests not
+# dumped), (b), (b'), (b fp8), (a) beside noise, then the peer vLLM's (a) and (b). ``json`` (c) runs once, at the headline shape.
+GRID_MODES = ("nodump", "nodump_twin", "dump_skip", "dump", "dump_early", "dump_fp8", "nodump_noise") + peer.PEER_MODES
 MODES = GRID_MODES + ("json",)
 # assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
 # compile) beyond ours (70-121 s seen on the H200, one after another)

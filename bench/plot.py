@@ -9,8 +9,8 @@ nodump (a), dump (b), early answers (b'), fp8 dumps, JSON (c) and the peer vLLM'
 (b) (hatched), log scale where they span more than 10x, with the hardware bound W/B of each cell
 (W = min(pinned D2H, /dev/shm write), B = dump bytes per prompt token) as a marker.
 Bottom row: (b)/min((a), W/B) per shape and dump mode against the 0.95 target (vLLM's
-against its own (a); over several rounds the pooled (b)/(a)), and the control
-nodump_twin's (a on T)/(a); where vLLM's dump ran, black diamonds: its (b) over ours, shape by
+against its own (a); over several rounds the pooled (b)/(a)), and the controls
+nodump_twin's (a on T)/(a) and dump_skip's (a on B)/(a); where vLLM's dump ran, black diamonds: its (b) over ours, shape by
 shape (no target: a comparison, drawn when the run has no (a) too).
 The GPU host has no matplotlib; run this where it is installed.
 """
@@ -28,30 +28,19 @@ if __name__ == "__main__" and not __package__:  # python bench/plot.py: the pack
     sys.path.insert(0, os.path.dirname(_here))
 
 from bench import markdown, report  # noqa: E402
+from bench.pooled import pooled_tps  # noqa: E402
 
-COLORS = {"nodump": "#4c72b0", "nodump_twin": "#93a8d0", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
+COLORS = {"nodump": "#4c72b0", "nodump_twin": "#93a8d0", "dump_skip": "#a8c8a0", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
           "json": "#c44e52", "vllm_nodump": "#4c72b0", "vllm_dump": "#dd8452"}
-MODES = ("nodump", "nodump_twin", "dump", "dump_early", "dump_fp8", "json", "vllm_nodump", "vllm_dump")
-LABELS = {"nodump": "(a) no dump", "nodump_twin": "(a) no dump, A's twin T", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
+MODES = ("nodump", "nodump_twin", "dump_skip", "dump", "dump_early", "dump_fp8", "json", "vllm_nodump", "vllm_dump")
+LABELS = {"nodump": "(a) no dump", "nodump_twin": "(a) no dump, A's twin T",
+          "dump_skip": "(a) on B, hidden_states_dump=false", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
           "dump_fp8": "(b) dump, fp8", "json": "(c) JSON", "vllm_nodump": "vLLM (a) no dump",
           "vllm_dump": "vLLM (b) extract_hidden_states"}
 # the peer's bars: our colours, hatched
 STYLE = {"vllm_nodump": {"hatch": "//", "edgecolor": "white"}, "vllm_dump": {"hatch": "//", "edgecolor": "white"}}
-RATIOS = (("nodump_twin", "(a on T)/(a): the control"), ("dump", "(b)/min((a), W/B)"), ("dump_early", "(b')/min((a), W/B)"),
+RATIOS = (("nodump_twin", "(a on T)/(a): the control"), ("dump_skip", "(a on B)/(a): B not dumping"), ("dump", "(b)/min((a), W/B)"), ("dump_early", "(b')/min((a), W/B)"),
           ("dump_fp8", "(b fp8)/min((a), W/B)"), ("vllm_dump", "vLLM (b)/min(vLLM (a), W/B)"))
-
-
-def pooled_tps(cells, mode):
-    """{(prompt_len, concurrency): tokens/s} of ``mode``'s cells, over the rounds
-    (``--repeat``) pooled: sum of prompt tokens / sum of wall seconds (one cell: its own)."""
-    sums = {}
-    for c in cells:
-        if c["mode"] == mode and c.get("prefill_tps"):
-            s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
-            wall = c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
-            s[0] += c["prompt_tokens"]
-            s[1] += wall
-    return {k: t / w for k, (t, w) in sums.items() if w}
 
 
 def _label(prompt_len, concurrency):

@@ -14,7 +14,7 @@ Results layout (what ``cli`` writes, what ``markdown`` and ``plot`` read)::
                                                          "fallocate": gbps, "prealloc_write": gbps}},
                   "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
      "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
-                            "cells": [{"mode": "nodump"|"nodump_twin"|"dump"|"dump_early"|"nodump_noise"
+                            "cells": [{"mode": "nodump"|"nodump_twin"|"dump_skip"|"dump"|"dump_early"|"nodump_noise"
                                                |"json"|"vllm_nodump"|"vllm_dump", "prompt_len",
                                        "concurrency", "rep" (--repeat > 1), "requests",
                                        "prompt_tokens", "wall_s",
@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Iterable, List, Optional
 
+from bench.pooled import pooled_ratios
+
 # Targets of issue #7.
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
@@ -49,8 +51,11 @@ DUMP_MODES = ("dump", "dump_early", "dump_fp8", "vllm_dump")
 # the no-dump mode each dump mode's ratio divides by (the same engine's)
 BASE_MODE = {"vllm_dump": "vllm_nodump"}
 # modes whose ratio to no-dump is a control, not a dump's cost: nodump_twin (server T, A's
-# twin) measures how far two identical servers differ in one run
-CONTROL_MODES = ("nodump_twin",)
+# twin) measures how far two identical servers differ in one run; dump_skip (server B, its
+# requests not dumped: custom_params hidden_states_dump=false) is B's own no-dump rate
+CONTROL_MODES = ("nodump_twin", "dump_skip")
+# B's modes read against dump_skip, the same server and process (``vs_skip_pooled``)
+SKIP_COMPARED = ("dump", "dump_early")
 RATIO_MODES = DUMP_MODES + CONTROL_MODES
 JSON_PROMPT_LEN = 2048
 JSON_CONCURRENCY = 8
@@ -180,7 +185,8 @@ def headline(results: dict) -> Dict[str, dict]:
     """Per model: ``dump_vs_nodump`` (per cell, plus min and geometric mean; a
     ``nodump_twin`` cell's ratio is the control's, ``nodump_twin_vs_nodump_range`` its
     lowest and highest; ``pooled``:
-    per shape over the rounds, ``pooled_ratios``, with each mode's worst shape),
+    per shape over the rounds, ``pooled.pooled_ratios``, with each mode's worst shape;
+    ``pooled_vs_skip``: dump and dump_early over dump_skip, pooled alike, where it ran),
     ``dump_vs_json`` at 2k/conc 8, ``writer_vs_ceiling`` (per prompt length, and at 2k),
     and per dump cell the bound ``min((a), W/B)`` the target compares (b) with."""
     ceil = results.get("ceilings", {})
@@ -216,7 +222,8 @@ def headline(results: dict) -> Dict[str, dict]:
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
         r, r_early, r_fp8, r_twin = (ratios(m) for m in ("dump", "dump_early", "dump_fp8", "nodump_twin"))
-        pooled = pooled_ratios(cells)
+        pooled = pooled_ratios(cells, RATIO_MODES, lambda mode: BASE_MODE.get(mode, "nodump"))
+        vs_skip = pooled_ratios(cells, SKIP_COMPARED, lambda mode: "dump_skip", key="vs_skip_pooled")
         rows = peer_rows(cells)
         fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
         for x in (c for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]):
@@ -255,6 +262,7 @@ def headline(results: dict) -> Dict[str, dict]:
             "dump_early_vs_nodump_min": min(r_early) if r_early else None,
             "dump_early_vs_nodump_geomean": geomean(r_early),
             "pooled": pooled,
+            **({"pooled_vs_skip": vs_skip} if vs_skip else {}),
             **{f"{mode}_vs_nodump_pooled_min": min(x["dump_vs_nodump_pooled"] for x in pooled
                                                     if x["mode"] == mode)
                for mode in dict.fromkeys(x["mode"] for x in pooled)},
@@ -271,32 +279,6 @@ def headline(results: dict) -> Dict[str, dict]:
         if rows:
             out[model].update(peer=rows, **peer_summary(rows, ratios("vllm_dump")))
     return out
-
-
-def pooled_ratios(cells: List[dict]) -> List[dict]:
-    """Per dump mode (and control mode, ``CONTROL_MODES``) and shape (prompt length,
-    concurrency): its tokens/s pooled over the rounds (``--repeat``) that have both it and
-    their own no-dump cell, over the no-dump cells' pooled the same way (sum of prompt tokens / sum of wall seconds, each mode's).
-    One round's ratio carries that round's noise (a stalled cell moves it by 0.3 either
-    way on the stress models); pooling weighs each round by its length and leaves the
-    systematic cost. ``rounds``: how many rounds went in. Rows in the order of the cells."""
-    sums: Dict[tuple, List[float]] = {}
-    for b in cells:
-        if b.get("mode") not in RATIO_MODES or b.get("error") or not b.get("wall_s"):
-            continue
-        a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"],
-                      b.get("rep"))
-        if not a or not a.get("wall_s"):
-            continue
-        s = sums.setdefault((b["mode"], b["prompt_len"], b["concurrency"]), [0.0, 0.0, 0.0, 0.0, 0])
-        s[0] += b["prompt_tokens"]
-        s[1] += b["wall_s"]
-        s[2] += a["prompt_tokens"]
-        s[3] += a["wall_s"]
-        s[4] += 1
-    return [{"mode": mode, "prompt_len": plen, "concurrency": conc, "rounds": n,
-             "dump_vs_nodump_pooled": (tb / wb) / (ta / wa)}
-            for (mode, plen, conc), (tb, wb, ta, wa, n) in sums.items()]
 
 
 def geomean(xs: List[float]) -> Optional[float]:

@@ -9,7 +9,8 @@ and the run's options, and differ only in their last flags:
 - A: plain; plus ``--enable-return-hidden-states`` while it also serves ``json``.
   Serves ``nodump``, ``nodump_noise`` and (``--json-server shared``) ``json``.
 - B: plus the dump flags (``--dump-hidden-states-dir <dump root>/kimi-bench-<model>``).
-  Serves ``dump`` and ``dump_early``.
+  Serves ``dump``, ``dump_early`` and ``dump_skip`` (its requests ask not to be dumped:
+  B's own no-dump rate, with no process difference to its dump modes).
 - C: plus ``--enable-return-hidden-states``; serves ``json`` with ``--json-server separate``.
 - D: B's flags plus ``--dump-hidden-states-dtype fp8`` (the dtype is per server); serves
   ``dump_fp8``.
@@ -115,7 +116,7 @@ KINDS = {
 
 # the server of each mode (json: A, or C with --json-server separate)
 MODE_SERVER = {"nodump": "A", "nodump_noise": "A", "json": "A",
-               "dump": "B", "dump_early": "B", "dump_fp8": "D",
+               "dump": "B", "dump_early": "B", "dump_skip": "B", "dump_fp8": "D",
                "vllm_nodump": "V", "vllm_dump": "W", "nodump_twin": "T"}
 
 

@@ -10,7 +10,8 @@ bench/bench.py's orchestration on a CPU: the same flags, /health and /generate w
   'hidden-state dump: {...}' snapshot line as sglang_ext's writer does. A request with
   ``custom_params {"hidden_states_wait": false}`` is answered at once with
   ``hidden_states_pending: true`` while ``<path>.lock`` is held (flock); the file follows
-  50 ms later, then the lock goes, as sglang_ext.format's protocol says.
+  50 ms later, then the lock goes, as sglang_ext.format's protocol says. A request with
+  ``custom_params {"hidden_states_dump": false}`` is not dumped.
 - ``--enable-return-hidden-states`` and ``return_hidden_states: true``: answers
   ``meta_info.hidden_states`` as a ``[T, 8]`` nested list.
 - ``/start_profile`` and ``/stop_profile``: on stop, writes
@@ -188,8 +189,8 @@ def main():
                 if not args.enable_return_hidden_states:
                     return self.reply(400, {"error": "return_hidden_states is off"})
                 meta["hidden_states"] = [[[0.125] * 8 for _ in ids]]
-            if args.dump_hidden_states_dir:
-                params = (req.get("sampling_params") or {}).get("custom_params") or {}
+            params = (req.get("sampling_params") or {}).get("custom_params") or {}
+            if args.dump_hidden_states_dir and params.get("hidden_states_dump") is not False:
                 early = params.get("hidden_states_wait") is False
                 meta["hidden_states_path"] = dump(ids, early)
                 if early:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -404,7 +406,7 @@ def test_dry_run_prints_the_plan_without_torch():
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     """Every mode has its server (A: nodump, nodump_noise, json shared; B: dump,
-    dump_early; C: json separate; D: dump_fp8; vLLM's V and W, tests/test_bench_peer.py);
+    dump_early, dump_skip; C: json separate; D: dump_fp8; vLLM's V and W, tests/test_bench_peer.py);
     all of our kinds carry tests/gpu/server.py's shared flags and the run's options, then
     only what makes the kind; dumping kinds get their own directory and the writer's
     environment."""
@@ -413,8 +415,8 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     args = _args(["--modes", ",".join(plan.MODES), "--json-server", "separate", "--max-host-mb", "1024",
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4", "--chunked-prefill-size", "512"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
-        "nodump": "A", "nodump_noise": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "C",
-        "vllm_nodump": "V", "vllm_dump": "W", "nodump_twin": "T"}
+        "nodump": "A", "nodump_noise": "A", "dump": "B", "dump_early": "B", "dump_skip": "B",
+        "dump_fp8": "D", "json": "C", "vllm_nodump": "V", "vllm_dump": "W", "nodump_twin": "T"}
     assert servers.server_for(_args([]), "json") == "A"
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABCD"}
     launcher = gpu_suite_module("server")
@@ -1187,7 +1189,7 @@ def test_twin_control_counterbalanced_rounds_equal_pools_and_pinned_cpus(tmp_pat
 def test_plot_pools_the_rounds_of_a_shape():
     """The plot's bar of a shape run in several rounds is their tokens over their wall
     seconds (not the last round's drawn over the others)."""
-    from bench.plot import pooled_tps
+    from bench.pooled import pooled_tps
 
     cells = [{"mode": "nodump", "prompt_len": 2048, "concurrency": 8, "prompt_tokens": 1000, "wall_s": 1.0,
               "prefill_tps": 1000.0},
@@ -1222,6 +1224,42 @@ def test_rehearsal_twin_server_runs_the_control(tmp_path, monkeypatch):
     assert 0 < lo <= hi
     assert "control, two identical servers" in (out / res_path.name).with_suffix(".md").read_text()
     assert list(shm.iterdir()) == []
+
+
+def test_dump_skip_is_b_not_dumping_and_the_control_of_b_itself(tmp_path, monkeypatch):
+    """mode dump_skip: B's requests ask not to be dumped (the fake server then writes no
+    file; any file would fail the cell); the headline pools dump_early over dump_skip,
+    round by round, beside the usual ratios over A, and the Markdown says so."""
+    proc, out, shm, res_path = rehearse(
+        tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
+        "--modes", "nodump,dump_skip,dump_early", "--repeat", "2", "--py-spy", "")
+    res = json.loads(res_path.read_text())
+    cells = res["models"]["deepseek-tiny"]["cells"]
+    assert [c["mode"] for c in cells] == ["nodump", "dump_skip", "dump_early"] * 2
+    assert not any(c.get("error") for c in cells)
+    assert not any("file_bytes" in c for c in cells if c["mode"] == "dump_skip")
+    h = res["headline"]["deepseek-tiny"]
+    [row] = h["pooled_vs_skip"]
+    skip, early = ([c for c in cells if c["mode"] == m] for m in ("dump_skip", "dump_early"))
+    rate = [sum(c["prompt_tokens"] for c in cs) / sum(c["wall_s"] for c in cs) for cs in (early, skip)]
+    assert (row["mode"], row["rounds"]) == ("dump_early", 2)
+    assert row["vs_skip_pooled"] == pytest.approx(rate[0] / rate[1])
+    assert "dump_skip" in {x["mode"] for x in h["pooled"]}
+    assert "on B against itself (over dump_skip" in res_path.with_suffix(".md").read_text()
+
+    # a server that dumps anyway (a series without hidden_states_dump): the cell fails
+    seen = []
+
+    def dumped_anyway(port, prompts, concurrency, **kw):
+        seen.append(kw)
+        body = json.dumps({"meta_info": {"hidden_states_path": "/x.safetensors"}}).encode()
+        return 1.0, [(0.1, 200, len(body), body) for _ in prompts]
+
+    monkeypatch.setattr(loadgen, "send_batch", dumped_anyway)
+    r = loadgen.run_cell(types.SimpleNamespace(port=1), {"prompt_len": 4, "concurrency": 1, "requests": 2},
+                         {"vocab": 100}, random.Random(0), "dump_skip")
+    assert seen[0]["skip_dump"] is True and not seen[0]["early"]
+    assert r["error"] == "2 of 2 requests were dumped although they asked not to be (custom_params hidden_states_dump=false)"
 
 
 def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):

@@ -33,7 +33,7 @@ from sglang_ext import format as fmt  # noqa: E402
 
 CORE = ["test_concurrent_32_mixed", "test_longer_than_chunk_700", "test_just_over_chunk_257",
         "test_shared_prefix_pair", "test_max_new_tokens_8", "test_same_rid_twice",
-        "test_early_answers_mixed_16", "test_index_one_line_per_file"]
+        "test_early_answers_mixed_16", "test_not_dumped_beside_dumped_16", "test_index_one_line_per_file"]
 CLIENTS = ["test_openai_v1_completions_vllm_protocol", "test_extract_cli_200_validate",
            "test_speculators_own_generator"]
 FAULTS = ["test_client_disconnect", "test_malformed_400", "test_hostile_rids_http", "test_same_rid_at_once",

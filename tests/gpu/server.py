@@ -217,13 +217,15 @@ class Server:
         return requests.post(self.url + path, json=body, timeout=timeout)
 
     def generate(self, ids, max_new_tokens: int = 1, rid: Optional[str] = None,
-                 early: bool = False) -> dict:
+                 early: bool = False, dump: bool = True) -> dict:
         """/generate with ``input_ids`` at temperature 0; ``early``: answered once the
-        file's name is reserved (sglang_ext.format.WAIT_PARAM). Raises
-        requests.HTTPError on a non-2xx answer."""
+        file's name is reserved (sglang_ext.format.WAIT_PARAM); ``dump=False``: asks not
+        to be dumped (format.DUMP_PARAM). Raises requests.HTTPError on a non-2xx answer."""
         body = {"input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-        if early:
-            body["sampling_params"]["custom_params"] = {"hidden_states_wait": False}
+        custom = {**({"hidden_states_wait": False} if early else {}),
+                  **({} if dump else {"hidden_states_dump": False})}
+        if custom:
+            body["sampling_params"]["custom_params"] = custom
         if rid is not None:
             body["rid"] = rid
         r = self.post(body)

@@ -30,6 +30,7 @@ class Req:
     max_new_tokens: int = 1
     rid: Optional[str] = None
     early: bool = False  # answered once the name is reserved (hidden_states_pending)
+    dump: bool = True  # False: asks not to be dumped (custom_params hidden_states_dump)
 
 
 def rand_ids(rng, n):
@@ -39,9 +40,9 @@ def rand_ids(rng, n):
 def send(server, reqs, sequential=False):
     """The answers (JSON) to ``reqs``, in order; concurrently unless ``sequential``."""
     if sequential:
-        return [server.generate(q.ids, q.max_new_tokens, q.rid, q.early) for q in reqs]
+        return [server.generate(q.ids, q.max_new_tokens, q.rid, q.early, q.dump) for q in reqs]
     with cf.ThreadPoolExecutor(len(reqs)) as pool:
-        futs = [pool.submit(server.generate, q.ids, q.max_new_tokens, q.rid, q.early) for q in reqs]
+        futs = [pool.submit(server.generate, q.ids, q.max_new_tokens, q.rid, q.early, q.dump) for q in reqs]
         return [f.result() for f in futs]
 
 
@@ -56,6 +57,11 @@ def check_answers(server, reqs, answers, reference, tiny_model, record_property,
         where = f"{case} request {i} ({len(q.ids)} tokens{', early' if q.early else ''})"
         meta = res["meta_info"]
         path = meta.get("hidden_states_path")
+        if not q.dump:
+            keys = sorted(k for k in meta if k.startswith("hidden_states"))
+            if keys:
+                problems.add(f"{where}: asked not to be dumped, answered with {keys}")
+            continue
         if meta.get("hidden_states_pending", False) != q.early:
             problems.add(f"{where}: hidden_states_pending {meta.get('hidden_states_pending')!r}, "
                          f"want {q.early}")
@@ -126,6 +132,13 @@ class TestCore:
         batches carry no pending flag and wait as before."""
         reqs = [Req(rand_ids(rng, rng.randrange(8, 900)), early=i % 2 == 0) for i in range(16)]
         self._run(server, reqs, reference, tiny_model, record_property, "early_answers_mixed_16")
+
+    def test_not_dumped_beside_dumped_16(self, server, reference, tiny_model, rng, record_property):
+        """16 concurrent prompts of 8-899 tokens, every third asking not to be dumped
+        (custom_params hidden_states_dump=false): those answers carry no dump keys and
+        leave no file; the others, in the same batches, still equal the reference."""
+        reqs = [Req(rand_ids(rng, rng.randrange(8, 900)), dump=i % 3 != 0) for i in range(16)]
+        self._run(server, reqs, reference, tiny_model, record_property, "not_dumped_beside_dumped_16")
 
     def test_index_one_line_per_file(self, server, record_property):
         """index.jsonl has one line per file; every file an answer named exists; the only
