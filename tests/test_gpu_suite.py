@@ -462,6 +462,20 @@ def test_start_server_failure_raises_with_the_log_tail(tmp_path):
                                 port=_free_port(), env=env, timeout_s=60)
 
 
+def test_log_tail_leaves_out_our_health_polls(tmp_path):
+    """A start-up that times out while /health answers 503 shows what the server printed
+    last, not 40 lines of the access log of our own polls."""
+    import types
+
+    log = tmp_path / "s.log"
+    log.write_text("[t] Uvicorn running on http://127.0.0.1:1\n"
+                   + '[t] INFO:     127.0.0.1:5 - "GET /health HTTP/1.1" 503 Service Unavailable\n' * 60
+                   + "[t] Disable CP decode attention TP\n"
+                   + '[t] INFO:     127.0.0.1:5 - "GET /health HTTP/1.1" 503 Service Unavailable\n' * 3)
+    tail = gpu_server.Server.log_tail(types.SimpleNamespace(log_path=str(log)))
+    assert tail == "[t] Uvicorn running on http://127.0.0.1:1\n[t] Disable CP decode attention TP\n"
+
+
 def test_wait_until_times_out_and_stop_all_ends_every_group(tmp_path):
     """The lifecycle the benchmark uses for its two to four servers: launch returns at
     once; a server that never gets ready is a StartupTimeout with its log's tail; one that

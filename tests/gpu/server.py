@@ -203,9 +203,11 @@ class Server:
             return ""
 
     def log_tail(self, n: int = 40) -> str:
+        """The log's last ``n`` lines, without the access-log lines of our own ``/health``
+        polls (two a second while the server starts: they would fill the tail)."""
         try:
             with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
+                return "".join([ln for ln in f.readlines() if '"GET /health ' not in ln][-n:])
         except OSError:
             return ""
 
