@@ -223,7 +223,7 @@ def build_parser():
                          "comma-separated: frontend (the server's launch process: HTTP server and "
                          "TokenizerManager), client (this bench's own client threads)")
     ap.add_argument("--torch-profile", type=_labels, default=[],
-                    help="cells (PROMPTxCONC) whose nodump, nodump_twin, dump, dump_early and nodump_noise runs are repeated under "
+                    help="cells (PROMPTxCONC) whose nodump, nodump_twin, dump_skip, dump, dump_early and nodump_noise runs are repeated under "
                          "SGLang's torch profiler (/start_profile), summarized by bench/torchprof.py")
     ap.add_argument("--torch-profile-requests", type=int, default=96,
                     help="requests of each torch-profiled run (traces grow with them)")

@@ -66,10 +66,9 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if return_hidden_states:
             body["return_hidden_states"] = True
-        if early:
-            body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
-        if skip_dump:
-            body["sampling_params"]["custom_params"] = {fmt.DUMP_PARAM: False}
+        custom = {**({fmt.WAIT_PARAM: False} if early else {}), **({fmt.DUMP_PARAM: False} if skip_dump else {})}
+        if custom:
+            body["sampling_params"]["custom_params"] = custom
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
@@ -148,7 +147,10 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
     elif mode == "dump_skip":
-        dumped = sum(1 for r in results if "hidden_states_path" in json.loads(r[3])["meta_info"])
+        from sglang_ext import format as fmt
+
+        dump_keys = (fmt.PATH_KEY, fmt.ERROR_KEY, fmt.PENDING_KEY)
+        dumped = sum(1 for r in results if set(dump_keys) & set(json.loads(r[3])["meta_info"]))
         if dumped:  # a series without hidden_states_dump: the cell would measure a dump
             out["error"] = (f"{dumped} of {len(results)} requests were dumped although they asked "
                             f"not to be (custom_params hidden_states_dump=false)")

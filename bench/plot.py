@@ -30,7 +30,7 @@ if __name__ == "__main__" and not __package__:  # python bench/plot.py: the pack
 from bench import markdown, report  # noqa: E402
 from bench.pooled import pooled_tps  # noqa: E402
 
-COLORS = {"nodump": "#4c72b0", "nodump_twin": "#93a8d0", "dump_skip": "#a8c8a0", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
+COLORS = {"nodump": "#4c72b0", "nodump_twin": "#93a8d0", "dump_skip": "#8c8c8c", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
           "json": "#c44e52", "vllm_nodump": "#4c72b0", "vllm_dump": "#dd8452"}
 MODES = ("nodump", "nodump_twin", "dump_skip", "dump", "dump_early", "dump_fp8", "json", "vllm_nodump", "vllm_dump")
 LABELS = {"nodump": "(a) no dump", "nodump_twin": "(a) no dump, A's twin T",

@@ -29,7 +29,7 @@ def pooled_ratios(cells: List[dict], modes: Iterable[str], base_of: Callable[[st
     over the rounds that have both its cell and ``base_of(mode)``'s (error-free, with a
     wall time), over the base cells' pooled the same way. Rows ``{"mode", "prompt_len",
     "concurrency", "rounds", key}`` in the order of the cells; a round's base cell is the
-    first error-free one of its mode, shape and ``rep``."""
+    first error-free one with a wall time of its mode, shape and ``rep``."""
     modes = tuple(modes)
     ok = [c for c in cells if not c.get("error") and c.get("wall_s")]
     first: Dict[tuple, dict] = {}

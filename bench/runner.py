@@ -91,8 +91,10 @@ class ModelRun:
         self.results["phases"][f"{self.name}/{key}"] = round(time.monotonic() - t0, 1)
 
     def clear(self, mode):
-        if mode in report.DUMP_MODES:
-            loadgen.clear_dump_dir(self.dirs[servers.server_for(self.args, mode)])
+        """Empty ``mode``'s server's dump directory before its cell (dump_skip's too)."""
+        which = servers.server_for(self.args, mode)
+        if servers.dumps(which):
+            loadgen.clear_dump_dir(self.dirs[which])
 
     def run(self):
         args, name = self.args, self.name

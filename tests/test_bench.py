@@ -1250,16 +1250,17 @@ def test_dump_skip_is_b_not_dumping_and_the_control_of_b_itself(tmp_path, monkey
     # a server that dumps anyway (a series without hidden_states_dump): the cell fails
     seen = []
 
-    def dumped_anyway(port, prompts, concurrency, **kw):
+    def dumped_anyway(port, prompts, concurrency, **kw):  # one file, one failed write, one plain
         seen.append(kw)
-        body = json.dumps({"meta_info": {"hidden_states_path": "/x.safetensors"}}).encode()
-        return 1.0, [(0.1, 200, len(body), body) for _ in prompts]
+        bodies = [json.dumps({"meta_info": m}).encode() for m in (
+            {"hidden_states_path": "/x.safetensors"}, {"hidden_states_error": "OSError: full"}, {})]
+        return 1.0, [(0.1, 200, len(b), b) for b in bodies[:len(prompts)]]
 
     monkeypatch.setattr(loadgen, "send_batch", dumped_anyway)
-    r = loadgen.run_cell(types.SimpleNamespace(port=1), {"prompt_len": 4, "concurrency": 1, "requests": 2},
+    r = loadgen.run_cell(types.SimpleNamespace(port=1), {"prompt_len": 4, "concurrency": 1, "requests": 3},
                          {"vocab": 100}, random.Random(0), "dump_skip")
     assert seen[0]["skip_dump"] is True and not seen[0]["early"]
-    assert r["error"] == "2 of 2 requests were dumped although they asked not to be (custom_params hidden_states_dump=false)"
+    assert r["error"] == "2 of 3 requests were dumped although they asked not to be (custom_params hidden_states_dump=false)"
 
 
 def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):

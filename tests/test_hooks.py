@@ -630,14 +630,18 @@ def test_requests_that_ask_not_to_be_dumped_are_skipped(dump):
     both chunks of a chunked prefill; the batch's other requests keep their own rows (the
     skipped rows sit before theirs in the packed batch). Only JSON false skips."""
     hooks.setup_model(make_runner(dump, layers="2,4"))
-    skipped, kept, string = Req("skip", 6, 1), Req("keep", 3, 2), Req("string", 2, 3)
+    skipped, kept = Req("skip", 6, 1), Req("keep", 3, 2)
     skipped.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_dump": False})
-    string.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_dump": "false"})
+    others = []  # dumped: not JSON false (0 == False in Python), or no dict at all
+    for i, params in enumerate(["false", 0, None, [False], "x"]):
+        others.append(Req(f"other{i}", 2, 3 + i))
+        others[-1].sampling_params = types.SimpleNamespace(
+            custom_params=params if params in ("x", [False]) else {"hidden_states_dump": params})
     run_extend([(skipped, 0, 4), (kept, 0, 3)], [2, 4])
-    run_extend([(skipped, 4, 6), (string, 0, 2)], [2, 4])
+    run_extend([(skipped, 4, 6)] + [(r, 0, 2) for r in others], [2, 4])
     assert skipped.customized_info is None and finish(skipped) == {}
-    for req in (kept, string):
+    for req in [kept] + others:
         assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
     stats = idle()
-    assert stats["files_written"] == 2 and stats["failures"] == 0
+    assert stats["files_written"] == 1 + len(others) and stats["failures"] == 0
     assert not any(n.startswith("skip") for n in os.listdir(dump))

@@ -137,8 +137,16 @@ class TestCore:
         """16 concurrent prompts of 8-899 tokens, every third asking not to be dumped
         (custom_params hidden_states_dump=false): those answers carry no dump keys and
         leave no file; the others, in the same batches, still equal the reference."""
+        from sglang_ext import format as fmt
+
+        def files():
+            return sum(n.endswith(".safetensors") for n in os.listdir(server.dump_dir))
+
         reqs = [Req(rand_ids(rng, rng.randrange(8, 900)), dump=i % 3 != 0) for i in range(16)]
+        before, lines = files(), len(fmt.read_index(server.dump_dir))
         self._run(server, reqs, reference, tiny_model, record_property, "not_dumped_beside_dumped_16")
+        dumped = sum(q.dump for q in reqs)
+        assert (files() - before, len(fmt.read_index(server.dump_dir)) - lines) == (dumped, dumped)
 
     def test_index_one_line_per_file(self, server, record_property):
         """index.jsonl has one line per file; every file an answer named exists; the only
