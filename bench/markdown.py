@@ -75,8 +75,11 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         "",
         f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})",
         "",
+        "The last two columns divide the row's tokens/s (a dump's (b); a control's no-dump"
+        " rate on T or B) by (a) of its round and by min((a), W/B).",
+        "",
         "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | GB/s written |"
-        " JSON MB/resp | (b)/(a) | (b)/bound |",
+        " JSON MB/resp | row/(a) | row/bound |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in sorted(m.get("cells", []),
