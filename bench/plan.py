@@ -146,6 +146,19 @@ def make_plan(args):
     return plan
 
 
+def cell_need_s(cell, done):
+    """Seconds a grid cell needs left before the deadline to start: twice its expected run
+    plus 15. Expected: the longest wall time among the error-free cells of its shape
+    (prompt length, concurrency; any mode but json) in ``done``, the run's cells so far;
+    before any, the plan's estimate ``est_s`` (an assumed rate: for deepseek-tiny's 1M-token
+    cells 7.7 s, where `writer-cpus-deepseek` measured 3.0-3.9 s at 2k x 8 and 10.8-14.2 s
+    at 512 x 8)."""
+    walls = [c["wall_s"] for c in done
+             if c.get("wall_s") and not c.get("error") and "json" not in (c.get("mode"), cell.get("mode"))
+             and (c.get("prompt_len"), c.get("concurrency")) == (cell["prompt_len"], cell["concurrency"])]
+    return 2 * (max(walls) if walls else cell["est_s"]) + 15
+
+
 def plan_profiles(args, cell, left_s):
     """The profile re-runs asked for after ``cell`` (``cell["profiles"]``: what, its
     estimated seconds, and ``fits``: whether the ``left_s`` seconds the estimate leaves

@@ -293,7 +293,7 @@ class ModelRun:
     def run_cell(self, cell):
         args, name, clock = self.args, self.name, self.clock
         label = label_of(name, cell)
-        need = cell["est_s"] * 2 + 15 + self.reserve_s()
+        need = planning.cell_need_s(cell, self.m["cells"]) + self.reserve_s()
         if clock.left() < need:
             self.skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
             print(f"  skip {label}: deadline", flush=True)

@@ -1336,3 +1336,19 @@ def test_kv_pool_read_from_both_engines_logs_and_a_short_one_is_said():
     m["cells"][0]["concurrency"] = 8
     assert [ln for ln in markdown._model("llama-8b", m, {}) if "KV pool" in ln] == [
         "- KV pool (tokens): A 104806, B 57590, V 94272"]
+
+
+def test_a_cell_needs_twice_its_shapes_longest_measured_run():
+    """Before its shape has run, a cell needs twice the plan's estimate plus 15 s before
+    the deadline; after, twice the longest error-free wall time of its shape (any mode
+    but json), so a run whose cells go faster than assumed starts more of them."""
+    cell = {"mode": "dump_early", "prompt_len": 2048, "concurrency": 8, "est_s": 7.7}
+    done = [{"mode": "nodump", "prompt_len": 2048, "concurrency": 8, "wall_s": 3.0},
+            {"mode": "nodump_twin", "prompt_len": 2048, "concurrency": 8, "wall_s": 3.9},
+            {"mode": "dump", "prompt_len": 2048, "concurrency": 8, "wall_s": 60.0, "error": "x"},
+            {"mode": "json", "prompt_len": 2048, "concurrency": 8, "wall_s": 90.0},
+            {"mode": "nodump", "prompt_len": 512, "concurrency": 8, "wall_s": 14.2}]
+    assert plan.cell_need_s(cell, []) == pytest.approx(2 * 7.7 + 15)
+    assert plan.cell_need_s(cell, done) == pytest.approx(2 * 3.9 + 15)
+    assert plan.cell_need_s(dict(cell, prompt_len=512), done) == pytest.approx(2 * 14.2 + 15)
+    assert plan.cell_need_s(dict(cell, mode="json"), done) == pytest.approx(2 * 7.7 + 15)
