@@ -149,8 +149,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     elif mode == "dump_skip":
         from sglang_ext import format as fmt
 
-        dump_keys = (fmt.PATH_KEY, fmt.ERROR_KEY, fmt.PENDING_KEY)
-        dumped = sum(1 for r in results if set(dump_keys) & set(json.loads(r[3])["meta_info"]))
+        dumped = sum(1 for r in results if set(fmt.RESPONSE_KEYS) & set(json.loads(r[3])["meta_info"]))
         if dumped:  # a series without hidden_states_dump: the cell would measure a dump
             out["error"] = (f"{dumped} of {len(results)} requests were dumped although they asked "
                             f"not to be (custom_params hidden_states_dump=false)")

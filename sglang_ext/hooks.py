@@ -416,7 +416,7 @@ async def finish_response(meta_info: dict) -> None:
     """
     # Upstream pads a key that another request of the same output batch has with None
     # (output_streamer): [None] means "not set for this request".
-    for key in (ERROR_KEY, PATH_KEY, PENDING_KEY):
+    for key in fmt.RESPONSE_KEYS:
         if key in meta_info:
             value = _first(meta_info[key])
             if value is None:
