@@ -179,6 +179,10 @@ def build_parser():
                          "interleaved (cells carry 'rep'; ratios pair cells of one repetition)")
     ap.add_argument("--counterbalance", action="store_true",
                     help="with --repeat: odd rounds run a shape's modes in reverse order")
+    ap.add_argument("--twin-custom-params", action="store_true",
+                    help="nodump_twin's requests carry dump_early's custom_params "
+                         "(hidden_states_wait=false, ignored by a server without dump): the "
+                         "twin over A is then what SGLang's handling of custom_params costs")
     ap.add_argument("--noise-gbps", type=float, default=0,
                     help="nodump_noise's write rate in GB/s (0: the dump cell's bytes per prompt "
                          "token x the no-dump cell's tokens/s, same shape and round)")
@@ -306,7 +310,7 @@ def new_results(args, plan, gpu, date):
            "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus,
            "writer_cpus": os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip() or None,
            "counterbalance": args.counterbalance, "server_cpus": args.server_cpus or None,
-           "max_total_tokens": args.max_total_tokens or None}
+           "max_total_tokens": args.max_total_tokens or None, "twin_custom_params": args.twin_custom_params}
         | ({"vllm_gpu_memory_utilization": peer.gpu_memory_utilization(args), "vllm_args": args.vllm_args,
             "peer_reference": args.peer_reference}
            if any(peer.is_peer(m) for m in plan["modes"]) else {}),

@@ -38,7 +38,7 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, waits=None, skip_dump=False):
+               api="sglang", wait_files=False, waits=None, skip_dump=False, wait_param=False):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
@@ -50,7 +50,11 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     threads (a thread waiting has no request in flight, so the closed loop runs below
     ``concurrency`` for that long), and ``tail_wait_s``, the wait for the last files
     after the last answer. ``skip_dump`` (mode dump_skip): each request asks not to be
-    dumped (``format.DUMP_PARAM``).
+    dumped (``format.DUMP_PARAM``). ``wait_param`` (nodump_twin with
+    ``--twin-custom-params``): each request carries dump_early's ``custom_params``
+    (``format.WAIT_PARAM`` false), which a server without dump ignores, and nothing
+    waits for files: the twin then carries what SGLang's own handling of a request's
+    ``custom_params`` costs (on 0.5.17 a reference cycle per request, below 0.5.22 ungated).
 
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
@@ -66,7 +70,7 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if return_hidden_states:
             body["return_hidden_states"] = True
-        custom = {**({fmt.WAIT_PARAM: False} if early else {}), **({fmt.DUMP_PARAM: False} if skip_dump else {})}
+        custom = {**({fmt.WAIT_PARAM: False} if early or wait_param else {}), **({fmt.DUMP_PARAM: False} if skip_dump else {})}
         if custom:
             body["sampling_params"]["custom_params"] = custom
         bodies.append(json.dumps(body).encode())
@@ -113,7 +117,7 @@ def cell_prompts(cell, spec, rng):
     return make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
 
 
-def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
+def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, twin_custom_params=False):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``; for
@@ -123,7 +127,9 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     ``waits``, and ``file_wait_share``: their sum over the threads that had requests
     (concurrency, or fewer requests) x wall); for json, the responses'
     bytes and one's nested shape; ``error`` when requests failed). ``prompts``: made
-    beforehand (``cell_prompts``), else here (not timed either way)."""
+    beforehand (``cell_prompts``), else here (not timed either way).
+    ``twin_custom_params``: nodump_twin's requests carry dump_early's ``custom_params``
+    (``send_batch``'s ``wait_param``)."""
     if prompts is None:
         prompts = cell_prompts(cell, spec, rng)
     offset = trace_size(trace_path)
@@ -131,7 +137,8 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     waits = {}
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
-                               waits=waits, skip_dump=(mode == "dump_skip"), **api_args(mode))
+                               waits=waits, skip_dump=(mode == "dump_skip"),
+                               wait_param=(twin_custom_params and mode == "nodump_twin"), **api_args(mode))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],

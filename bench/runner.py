@@ -273,8 +273,8 @@ class ModelRun:
         try:
             if mode != "nodump_noise":
                 traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
-                return loadgen.run_cell(server, cell, self.spec, self.rng, mode,
-                                        trace_path=self.trace_path if traced else None)
+                return loadgen.run_cell(server, cell, self.spec, self.rng, mode, trace_path=self.trace_path
+                                        if traced else None, twin_custom_params=self.args.twin_custom_params)
             noise = self.noise_for(cell, noise_rate(self.m["cells"], cell, self.args))
             with noise:
                 r = loadgen.run_cell(server, cell, self.spec, self.rng, mode)

@@ -11,6 +11,9 @@ mechanism (never a version number) and uses it:
   ``resolving_view`` so earlier steps' decisions are seen.
 - **the attention-TP rank** of a model runner: ``model_runner.ps`` (0.5.17) or
   ``sglang.srt.runtime_context.get_parallel()`` (0.5.2x).
+- **a request's reference to itself** in its ``custom_params`` (``release_request_cycle``):
+  0.5.17 puts a strong one into every dict; 0.5.22 only with a custom logit processor,
+  0.5.23 a weak proxy.
 
 Without SGLang installed (unit tests with stand-in objects) the 0.5.17 behaviour
 applies: plain attribute reads and writes.
@@ -61,3 +64,30 @@ def attn_tp_rank(model_runner) -> int:
         ps = get_parallel()
     rank = getattr(ps, "attn_tp_rank", None)
     return int(ps.tp_rank if rank is None else rank)
+
+
+# The key Req.__init__ adds to a request's custom_params for custom logit processors
+# (python/sglang/srt/managers/schedule_batch.py; sampling/custom_logit_processor.py reads it).
+_REQ_KEY = "__req__"
+
+
+def release_request_cycle(req) -> None:
+    """Drop ``custom_params["__req__"]`` from SGLang's ``req`` where it is a strong
+    reference that nothing will read.
+
+    0.5.17's ``Req.__init__`` adds ``"__req__": self`` to the ``custom_params`` of every
+    request that has a dict there: a reference cycle (Req -> sampling_params ->
+    custom_params -> Req), so a finished request, with its token-id lists, is freed by a
+    cyclic garbage collection pass instead of its refcount. Only custom logit processors
+    read the entry; 0.5.22 adds it only for them, 0.5.23 as a ``weakref.proxy``. Dumped
+    requests carry ``custom_params`` whenever they ask for an early answer
+    (``format.WAIT_PARAM``) or no dump (``format.DUMP_PARAM``). The dict is the request's
+    own (``Req.__init__`` built it with ``|`` on a copy of the sampling params), so the
+    entry is removed in place; a request with a custom logit processor, or an entry that
+    is not ``req`` itself (0.5.23's proxy), is left as it is.
+    """
+    if getattr(req, "custom_logit_processor", None) is not None:
+        return
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    if isinstance(params, dict) and params.get(_REQ_KEY) is req:
+        del params[_REQ_KEY]

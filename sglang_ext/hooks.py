@@ -277,6 +277,7 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
             # done at once: the request asked not to be dumped (decided at its first chunk)
             state = _ReqDump(done=_custom_param(req, DUMP_PARAM) is False)
             setattr(req, _REQ_ATTR, state)
+            compat.release_request_cycle(req)
         if state.done:
             continue
         if req.finished():  # aborted while its prefill was in flight

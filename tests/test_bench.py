@@ -1263,6 +1263,32 @@ def test_dump_skip_is_b_not_dumping_and_the_control_of_b_itself(tmp_path, monkey
     assert r["error"] == "2 of 3 requests were dumped although they asked not to be (custom_params hidden_states_dump=false)"
 
 
+def test_twin_custom_params_sends_dump_early_custom_params_to_the_twin_only(monkeypatch):
+    """--twin-custom-params: nodump_twin's request bodies carry dump_early's custom_params
+    (the wait key false) and its cell waits for no file; without it, and in every other
+    no-dump mode, the bodies carry no custom_params."""
+    from sglang_ext import format as fmt
+
+    posted = []
+
+    class Session:
+        def post(self, url, data, timeout, headers):
+            posted.append(json.loads(data))
+            return types.SimpleNamespace(status_code=200, content=b'{"meta_info": {}}')
+
+    monkeypatch.setattr(loadgen, "_session", Session)
+    cell = {"prompt_len": 4, "concurrency": 1, "requests": 2}
+    sent = {}
+    for mode, flag in (("nodump_twin", True), ("nodump_twin", False), ("nodump", True)):
+        posted.clear()
+        r = loadgen.run_cell(types.SimpleNamespace(port=1), cell, {"vocab": 100}, random.Random(0), mode,
+                             twin_custom_params=flag)
+        assert not r.get("error") and len(posted) == 2
+        sent[mode, flag] = [b["sampling_params"].get("custom_params") for b in posted]
+    assert sent["nodump_twin", True] == [{fmt.WAIT_PARAM: False}] * 2
+    assert sent["nodump_twin", False] == sent["nodump", True] == [None] * 2
+
+
 def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):
     """mode dump_fp8 runs on a fourth server (D, --dump-hidden-states-dtype fp8) beside
     dump on B; the cells report bytes per prompt token and the headline their ratio."""

@@ -620,6 +620,38 @@ def test_speculators_fp8_reader_loads_our_files_unchanged(dump, tmp_path):
         assert torch.equal(item["verifier_last_hidden_states"], ours[:, 2, :])
 
 
+def test_a_request_freed_by_refcount_despite_custom_params_self_reference(dump):
+    """SGLang 0.5.17 puts ``"__req__": req`` into every request's custom_params (a cycle):
+    the hook drops it at the request's first chunk, so the finished request dies by its
+    refcount with the garbage collector off; a request with a custom logit processor keeps
+    it, and a weak proxy (0.5.23) is left alone. The early answer still reads its key."""
+    import gc
+    import weakref
+
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    early, skipped, processed, proxied = (Req(n, 3, i) for i, n in enumerate(("early", "skip", "clp", "proxy")))
+    for req, key in ((early, fmt.WAIT_PARAM), (skipped, fmt.DUMP_PARAM), (processed, fmt.WAIT_PARAM)):
+        req.sampling_params = types.SimpleNamespace(custom_params={key: False, "__req__": req})
+    processed.custom_logit_processor = "some.module:Processor"
+    proxied.sampling_params = types.SimpleNamespace(custom_params={"__req__": weakref.proxy(proxied)})
+    run_extend([(early, 0, 3), (skipped, 0, 3), (processed, 0, 3), (proxied, 0, 3)], [2, 4])
+    assert early.sampling_params.custom_params == {fmt.WAIT_PARAM: False}
+    assert skipped.sampling_params.custom_params == {fmt.DUMP_PARAM: False}
+    assert processed.sampling_params.custom_params["__req__"] is processed
+    assert isinstance(proxied.sampling_params.custom_params["__req__"], weakref.ProxyType)
+    meta = finish(early)
+    assert meta[fmt.PENDING_KEY] is True
+    assert fmt.wait_complete(meta["hidden_states_path"], timeout=10) is None
+    assert torch.equal(fmt.load(meta["hidden_states_path"]).hidden_states, reference(early, [2, 4]))
+    gone = weakref.ref(early)
+    gc.disable()
+    try:
+        del early
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_bad_dtype_names_the_flag(dump):
     with pytest.raises(DumpConfigError, match="--dump-hidden-states-dtype: 'fp4' is not one of auto, bf16, fp8"):
         hooks.setup_model(make_runner(dump, dtype="fp4"))
