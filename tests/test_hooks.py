@@ -474,8 +474,9 @@ def test_plain_request_padded_with_pending_none_still_waits_for_its_file(dump):
 
 
 def test_a_dropped_request_holds_no_arena_memory(dump):
-    """SGLang's Req.__init__ stores the Req in its own custom_params["__req__"], so a request
-    dropped between prefill chunks is freed only by the cycle collector. Its rows are in
+    """SGLang 0.5.17's Req.__init__ stores the Req in its own custom_params["__req__"]; with a
+    custom logit processor (which reads it, so the hook keeps it) a request dropped between
+    prefill chunks is freed only by the cycle collector. Its rows are in
     the writer's temporary file already, not in the arena: the next request, which needs
     most of the arena, goes through without any collection; the temporary file goes when
     the cycle is collected."""
@@ -486,6 +487,7 @@ def test_a_dropped_request_holds_no_arena_memory(dump):
         a = Req("cyclic", n, 1)
         a.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
         a.sampling_params.custom_params["__req__"] = a
+        a.custom_logit_processor = "some.module:Processor"
         run_extend([(a, 0, n // 2)], [2, 4])  # its first chunk; then SGLang drops it
         del a
         b = Req("next", n, 2)
