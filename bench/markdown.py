@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import List
 
+from bench.modes import MODES
 from bench.report import DUMP_MODES, headline, mib, num, targets
 
 
@@ -63,8 +64,7 @@ def _ceilings(ceil: dict) -> List[str]:
     return lines
 
 
-ORDER = {"nodump": 0, "nodump_twin": 0.5, "dump_skip": 0.7, "dump": 1, "dump_early": 2, "nodump_noise": 3, "json": 4,
-         "vllm_nodump": 5, "vllm_dump": 6}
+ORDER = {m.name: i for i, m in enumerate(MODES)}  # within a round: bench/modes.py
 
 
 def _model(model: str, m: dict, h: dict) -> List[str]:
@@ -84,7 +84,7 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
     ]
     for c in sorted(m.get("cells", []),
                     key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
-                                   ORDER.get(c["mode"], 9))):
+                                   ORDER.get(c["mode"], len(ORDER)))):
         label = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
         if c.get("error"):
             lines.append(f"| {c['prompt_len']} | {c['concurrency']} | {label} | "
@@ -106,7 +106,7 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
 
     def in_order(cells):
         return sorted(cells, key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
-                                            ORDER.get(c["mode"], 9)))
+                                            ORDER.get(c["mode"], len(ORDER))))
 
     waits = in_order(c for c in m.get("cells", []) if c.get("file_wait_share") is not None)
     busy = in_order(c for c in m.get("cells", [])

@@ -36,9 +36,10 @@ from typing import List, Optional
 
 from sglang_ext import config
 
+from bench import modes
 from bench.models import MODELS, model_path
 
-PEER_MODES = ("vllm_nodump", "vllm_dump")
+PEER_MODES = modes.names(peer=True)
 SERVED_NAME = "kimi-bench"  # --served-model-name; the requests' "model"
 DEFAULT_MODULE = "vllm.entrypoints.openai.api_server"
 ENV_PYTHON = "KIMI_BENCH_VLLM_PYTHON"

@@ -12,6 +12,7 @@ import shlex
 
 from sglang_ext import config
 
+from bench import modes as registry
 from bench import peer, profilers, report, servers
 from bench.models import MODELS, file_bytes
 
@@ -26,8 +27,8 @@ PROFILES = {
 # Modes whose cells run at every (prompt length, concurrency) of the grid, in the order
 # they alternate within a shape: (a), (a) on A's twin T, (a) on B (its requests not
 # dumped), (b), (b'), (b fp8), (a) beside noise, then the peer vLLM's (a) and (b). ``json`` (c) runs once, at the headline shape.
-GRID_MODES = ("nodump", "nodump_twin", "dump_skip", "dump", "dump_early", "dump_fp8", "nodump_noise") + peer.PEER_MODES
-MODES = GRID_MODES + ("json",)
+GRID_MODES = registry.names(grid=True)
+MODES = tuple(registry.BY_NAME)
 # assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
 # compile) beyond ours (70-121 s seen on the H200, one after another)
 EST_VLLM_STARTUP_S = 70

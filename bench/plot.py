@@ -27,20 +27,15 @@ if __name__ == "__main__" and not __package__:  # python bench/plot.py: the pack
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
-from bench import markdown, report  # noqa: E402
+from bench import markdown, modes, report  # noqa: E402
 from bench.pooled import pooled_tps  # noqa: E402
 
-COLORS = {"nodump": "#4c72b0", "nodump_twin": "#93a8d0", "dump_skip": "#8c8c8c", "dump": "#dd8452", "dump_early": "#55a868", "dump_fp8": "#8172b3",
-          "json": "#c44e52", "vllm_nodump": "#4c72b0", "vllm_dump": "#dd8452"}
-MODES = ("nodump", "nodump_twin", "dump_skip", "dump", "dump_early", "dump_fp8", "json", "vllm_nodump", "vllm_dump")
-LABELS = {"nodump": "(a) no dump", "nodump_twin": "(a) no dump, A's twin T",
-          "dump_skip": "(a) on B, hidden_states_dump=false", "dump": "(b) dump", "dump_early": "(b') dump, early answers",
-          "dump_fp8": "(b) dump, fp8", "json": "(c) JSON", "vllm_nodump": "vLLM (a) no dump",
-          "vllm_dump": "vLLM (b) extract_hidden_states"}
-# the peer's bars: our colours, hatched
-STYLE = {"vllm_nodump": {"hatch": "//", "edgecolor": "white"}, "vllm_dump": {"hatch": "//", "edgecolor": "white"}}
-RATIOS = (("nodump_twin", "(a on T)/(a): the control"), ("dump_skip", "(a on B)/(a): B not dumping"), ("dump", "(b)/min((a), W/B)"), ("dump_early", "(b')/min((a), W/B)"),
-          ("dump_fp8", "(b fp8)/min((a), W/B)"), ("vllm_dump", "vLLM (b)/min(vLLM (a), W/B)"))
+# drawn: the modes with a label (bench/modes.py), in its order; the peer's bars: our colours, hatched
+MODES = tuple(m.name for m in modes.MODES if m.label)
+COLORS = {m.name: m.color for m in modes.MODES if m.label}
+LABELS = {m.name: m.label for m in modes.MODES if m.label}
+STYLE = {m.name: {"hatch": "//", "edgecolor": "white"} for m in modes.MODES if m.peer}
+RATIOS = tuple((m.name, m.ratio_label) for m in modes.MODES if m.ratio_label)
 
 
 def _label(prompt_len, concurrency):

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 
-from bench import torchprof
+from bench import modes, torchprof
 from bench.loadgen import cell_prompts, run_cell
 
 PY_SPY_RATE = 100  # samples per second
@@ -261,9 +261,9 @@ def _stop(procs):
 def torch_profile_need_s(args, cell, r):
     """Seconds the torch-profiled re-run of the cell just measured needs before the
     deadline (~3 of its runs, and the trace's writing and reading), or None when it is not
-    asked for: a nodump, nodump_twin, dump_skip, dump, dump_early or nodump_noise cell of a ``--torch-profile``
+    asked for: a cell of a mode with ``torch_profile`` (bench/modes.py) of a ``--torch-profile``
     shape that did not fail."""
-    if (cell["mode"] not in ("nodump", "nodump_twin", "dump_skip", "dump", "dump_early", "nodump_noise")
+    if (cell["mode"] not in modes.names(torch_profile=True)
             or f"{cell['prompt_len']}x{cell['concurrency']}" not in args.torch_profile or r.get("error")):
         return None
     return 3 * r.get("wall_s", 60) + 90

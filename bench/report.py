@@ -39,21 +39,20 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Iterable, List, Optional
 
+from bench import modes
 from bench.pooled import pooled_ratios
 
 # Targets of issue #7.
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
 TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
-# (b): answered after the file; (b'): answered early; (b fp8): server D, --dump-hidden-states-dtype fp8;
-# the peer's (b): vLLM's extract_hidden_states, done when its file is (bench.peer)
-DUMP_MODES = ("dump", "dump_early", "dump_fp8", "vllm_dump")
+# which modes are a dump's cost, which a control's, and each one's no-dump base: bench/modes.py
+DUMP_MODES = modes.names(dumps=True)
 # the no-dump mode each dump mode's ratio divides by (the same engine's)
-BASE_MODE = {"vllm_dump": "vllm_nodump"}
-# modes whose ratio to no-dump is a control, not a dump's cost: nodump_twin (server T, A's
-# twin) measures how far two identical servers differ in one run; dump_skip (server B, its
-# requests not dumped: custom_params hidden_states_dump=false) is B's own no-dump rate
-CONTROL_MODES = ("nodump_twin", "dump_skip")
+BASE_MODE = {m.name: m.base for m in modes.MODES if m.base != "nodump"}
+# modes whose ratio to no-dump is a control, not a dump's cost (nodump_twin: two identical
+# servers; dump_skip: B's own no-dump rate)
+CONTROL_MODES = modes.names(control=True)
 # B's modes read against dump_skip, the same server and process (``vs_skip_pooled``)
 SKIP_COMPARED = ("dump", "dump_early")
 RATIO_MODES = DUMP_MODES + CONTROL_MODES

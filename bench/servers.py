@@ -32,8 +32,8 @@ Starting, waiting and stopping is tests/gpu/server.py's launcher (``launch``,
 
 Adding a kind of server (as V and W were, issue 23) is: a ``Kind`` whose ``command``
 builds its argv (the launcher only needs ``--port`` and ``/health``) and whose ``env``
-gives its environment, the next ``--ports`` entry, its mode in ``MODE_SERVER`` and
-``plan.GRID_MODES`` (``report.DUMP_MODES`` if it dumps), and in ``loadgen`` the request
+gives its environment, the next ``--ports`` entry, its mode in ``bench/modes.py``
+(``dumps=True`` if it dumps), and in ``loadgen`` the request
 that mode sends and where its file is found (``api``).
 """
 
@@ -45,7 +45,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from bench import gpu_suite_module, peer
+from bench import gpu_suite_module, modes, peer
 from bench.models import MODELS, model_path
 
 launcher = gpu_suite_module("server")  # tests/gpu/server.py: one launcher for both
@@ -115,9 +115,7 @@ KINDS = {
 }
 
 # the server of each mode (json: A, or C with --json-server separate)
-MODE_SERVER = {"nodump": "A", "nodump_noise": "A", "json": "A",
-               "dump": "B", "dump_early": "B", "dump_skip": "B", "dump_fp8": "D",
-               "vllm_nodump": "V", "vllm_dump": "W", "nodump_twin": "T"}
+MODE_SERVER = {m.name: m.server for m in modes.MODES}
 
 
 def server_for(args, mode):

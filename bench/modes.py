@@ -1,0 +1,60 @@
+"""Every benchmark mode in one table: what its cells measure, which server serves them,
+how the report reads them and how the plot draws them.
+
+The order of ``MODES`` is the grid's (``plan``: each shape's modes run in it; an odd
+round of ``--counterbalance`` reverses it, ``nodump_noise`` staying last), the Markdown's
+within a round and the plot's bars. Adding a mode is one ``Mode`` here, plus the request
+it sends (``loadgen``) and, for a new kind of server, its ``servers.KINDS`` entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    server: str  # the servers.KINDS key serving it (json: A, or C with --json-server separate)
+    label: str = ""  # the plot's legend; "" = not drawn
+    color: str = ""
+    ratio_label: str = ""  # the plot's ratio panel; "" = no ratio drawn
+    dumps: bool = False  # its cells write files: their ratio is a dump's cost
+    control: bool = False  # its ratio to no-dump is a control's, not a cost
+    base: str = "nodump"  # the no-dump mode its ratio divides by (the same engine's)
+    peer: bool = False  # served by vLLM (bench.peer)
+    grid: bool = True  # run for every shape and round (json: once, at 2k x 8)
+    torch_profile: bool = False  # --torch-profile may re-run it under SGLang's profiler
+
+
+MODES: Tuple[Mode, ...] = (
+    Mode("nodump", "A", "(a) no dump", "#4c72b0", torch_profile=True),
+    # A's twin T, started with A's flags: how far two identical servers differ in one run
+    Mode("nodump_twin", "T", "(a) no dump, A's twin T", "#93a8d0", "(a on T)/(a): the control",
+         control=True, torch_profile=True),
+    # B's requests not dumped (custom_params hidden_states_dump=false): B's own no-dump rate
+    Mode("dump_skip", "B", "(a) on B, hidden_states_dump=false", "#8c8c8c", "(a on B)/(a): B not dumping",
+         control=True, torch_profile=True),
+    # (b): answered after the file
+    Mode("dump", "B", "(b) dump", "#dd8452", "(b)/min((a), W/B)", dumps=True, torch_profile=True),
+    # (b'): answered early
+    Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True,
+         torch_profile=True),
+    # (b fp8): server D, --dump-hidden-states-dtype fp8
+    Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True),
+    # (a) while another process writes dump-sized files (bench.noise)
+    Mode("nodump_noise", "A", torch_profile=True),
+    # (c): upstream's JSON return_hidden_states
+    Mode("json", "A", "(c) JSON", "#c44e52", grid=False),
+    Mode("vllm_nodump", "V", "vLLM (a) no dump", "#4c72b0", peer=True),
+    # the peer's (b): vLLM's extract_hidden_states, done when its file is
+    Mode("vllm_dump", "W", "vLLM (b) extract_hidden_states", "#dd8452", "vLLM (b)/min(vLLM (a), W/B)",
+         dumps=True, base="vllm_nodump", peer=True),
+)
+BY_NAME: Dict[str, Mode] = {m.name: m for m in MODES}
+
+
+def names(**flags: bool) -> Tuple[str, ...]:
+    """The names of the modes whose fields equal ``flags`` (e.g. ``dumps=True``), in order."""
+    return tuple(m.name for m in MODES if all(getattr(m, k) == v for k, v in flags.items()))
