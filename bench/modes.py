@@ -26,6 +26,7 @@ class Mode:
     peer: bool = False  # served by vLLM (bench.peer)
     grid: bool = True  # run for every shape and round (json: once, at 2k x 8)
     torch_profile: bool = False  # --torch-profile may re-run it under SGLang's profiler
+    skip_compared: bool = False  # also read against dump_skip, on the same server (vs_skip_pooled)
 
 
 MODES: Tuple[Mode, ...] = (
@@ -37,10 +38,11 @@ MODES: Tuple[Mode, ...] = (
     Mode("dump_skip", "B", "(a) on B, hidden_states_dump=false", "#8c8c8c", "(a on B)/(a): B not dumping",
          control=True, torch_profile=True),
     # (b): answered after the file
-    Mode("dump", "B", "(b) dump", "#dd8452", "(b)/min((a), W/B)", dumps=True, torch_profile=True),
+    Mode("dump", "B", "(b) dump", "#dd8452", "(b)/min((a), W/B)", dumps=True, torch_profile=True,
+         skip_compared=True),
     # (b'): answered early
     Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True,
-         torch_profile=True),
+         torch_profile=True, skip_compared=True),
     # (b fp8): server D, --dump-hidden-states-dtype fp8
     Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True),
     # (a) while another process writes dump-sized files (bench.noise)

@@ -54,7 +54,7 @@ BASE_MODE = {m.name: m.base for m in modes.MODES if m.base != "nodump"}
 # servers; dump_skip: B's own no-dump rate)
 CONTROL_MODES = modes.names(control=True)
 # B's modes read against dump_skip, the same server and process (``vs_skip_pooled``)
-SKIP_COMPARED = ("dump", "dump_early")
+SKIP_COMPARED = modes.names(skip_compared=True)
 RATIO_MODES = DUMP_MODES + CONTROL_MODES
 JSON_PROMPT_LEN = 2048
 JSON_CONCURRENCY = 8
