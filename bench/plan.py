@@ -25,8 +25,8 @@ PROFILES = {
 }
 
 # Modes whose cells run at every (prompt length, concurrency) of the grid, in the order
-# they alternate within a shape: (a), (a) on A's twin T, (a) on B (its requests not
-# dumped), (b), (b'), (b fp8), (a) beside noise, then the peer vLLM's (a) and (b). ``json`` (c) runs once, at the headline shape.
+# they alternate within a shape (bench/modes.py's); ``json`` (c) runs once, at the
+# headline shape.
 GRID_MODES = registry.names(grid=True)
 MODES = tuple(registry.BY_NAME)
 # assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
