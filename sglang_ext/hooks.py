@@ -369,9 +369,13 @@ def on_prefill_output() -> None:
             opened = []
         for take in opened:
             if take.reservation is not None:
-                pending, take.state.pending = take.state.pending, None
+                try:
+                    d.writer.finish(take.state.pending, take.reservation)
+                except Exception as e:  # noqa: BLE001
+                    _fail_take(d, take, e)
+                    continue
+                take.state.pending = None
                 _detach(take.state)
-                d.writer.finish(pending, take.reservation)
     d.writer.flush()
     if t0 is not None:
         # deferred: t_named (on_prefill_result returned) and t_output (this call began)
