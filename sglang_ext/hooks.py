@@ -26,6 +26,7 @@ attention-TP rank 0 of the target model writes; other ranks keep their rows on t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import weakref
@@ -262,6 +263,7 @@ class _HandOver:
 
     hidden: Any  # the batch's packed rows (kept alive until they are copied)
     takes: List[_Take]
+    deferred: bool  # the batch's outputs are (being) streamed before on_prefill_output
     t0: Optional[float] = None  # trace: when on_prefill_result began
     t_named: Optional[float] = None  # trace, deferred: when it returned
 
@@ -327,7 +329,7 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
             _fail(d, req, state, e)
             continue
         takes.append(take)
-    d.handover = _HandOver(hidden, takes, t0, trace.now() if defer and t0 is not None else None)
+    d.handover = _HandOver(hidden, takes, defer, t0, trace.now() if defer and t0 is not None else None)
     if not defer:
         on_prefill_output()
 
@@ -344,38 +346,49 @@ def on_prefill_output() -> None:
         return
     d.handover = None
     t0 = trace.now() if trace.enabled() else None
-    opened = []
-    for take in work.takes:
-        try:
-            _open(d, take.req, take.state, work.hidden)
-        except Exception as e:  # noqa: BLE001
-            _fail_take(d, take, e)
-            continue
-        opened.append(take)
-    if opened:
-        try:
-            # ready=True: the forward that produced these rows has finished when this hook
-            # runs. Under overlap scheduling, process_batch_result_prefill first
-            # synchronizes result.copy_done, recorded on the copy stream after it waited
-            # for the forward stream; without overlap (copy_done None) its
-            # next_token_ids.tolist() has synchronized the stream the forward ran on.
-            # (0.5.17 and 0.5.23; tests/test_patches.py and tests/test_nightly.py check
-            # that the sync precedes the hook.) So the copy need not queue behind what the
-            # scheduler stream holds now, e.g. the next batch's forward.
-            d.writer.copy_rows(work.hidden, [(t.state.pending, t.start, t.rows) for t in opened], ready=True)
-        except Exception as e:  # noqa: BLE001 - the batch's dumped requests fail, it goes on
+    settled = set()  # ids of the takes whose file is queued or failed
+    try:
+        opened = []
+        for take in work.takes:
+            try:
+                _open(d, take.req, take.state, work.hidden)
+            except Exception as e:  # noqa: BLE001
+                _fail_take(d, take, e, work.deferred)
+                settled.add(id(take))
+                continue
+            opened.append(take)
+        if opened:
+            try:
+                # ready=True: the forward that produced these rows has finished when this hook
+                # runs. Under overlap scheduling, process_batch_result_prefill first
+                # synchronizes result.copy_done, recorded on the copy stream after it waited
+                # for the forward stream; without overlap (copy_done None) its
+                # next_token_ids.tolist() has synchronized the stream the forward ran on.
+                # (0.5.17 and 0.5.23; tests/test_patches.py and tests/test_nightly.py check
+                # that the sync precedes the hook.) So the copy need not queue behind what the
+                # scheduler stream holds now, e.g. the next batch's forward.
+                d.writer.copy_rows(work.hidden, [(t.state.pending, t.start, t.rows) for t in opened], ready=True)
+            except Exception as e:  # noqa: BLE001 - the batch's dumped requests fail, it goes on
+                for take in opened:
+                    _fail_take(d, take, e, work.deferred)
+                    settled.add(id(take))
+                opened = []
             for take in opened:
-                _fail_take(d, take, e)
-            opened = []
-        for take in opened:
-            if take.reservation is not None:
-                try:
-                    d.writer.finish(take.state.pending, take.reservation)
-                except Exception as e:  # noqa: BLE001
-                    _fail_take(d, take, e)
-                    continue
-                take.state.pending = None
-                _detach(take.state)
+                if take.reservation is not None:
+                    try:
+                        d.writer.finish(take.state.pending, take.reservation)
+                    except Exception as e:  # noqa: BLE001
+                        _fail_take(d, take, e, work.deferred)
+                        continue
+                    finally:
+                        settled.add(id(take))
+                    take.state.pending = None
+                    _detach(take.state)
+    except BaseException as e:  # an unexpected error: no named file may be left unsettled
+        for take in work.takes:
+            if take.reservation is not None and id(take) not in settled:
+                _fail_take(d, take, e, work.deferred)
+        raise
     d.writer.flush()
     if t0 is not None:
         # deferred: t_named (on_prefill_result returned) and t_output (this call began)
@@ -426,17 +439,40 @@ def _fail(d: _Dumper, req, state: _ReqDump, e: BaseException) -> None:
     _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
 
 
-def _fail_take(d: _Dumper, take: _Take, e: BaseException) -> None:
-    """A failure after ``on_prefill_result``: before the request's name was reserved it
-    goes into the response (not yet sent: a later chunk finishes it); after, into the
-    file's ``<name>.error`` (the response may be out already)."""
-    if take.reservation is None:
+def _fail_take(d: _Dumper, take: _Take, e: BaseException, streamed: bool) -> None:
+    """A failure in ``on_prefill_output``. Before the request's name was reserved (a middle
+    chunk), or while its response is not sent yet (``streamed`` False: one call), the
+    response says it (``hidden_states_error``; the reservation is given back); once the
+    response may be out (deferred), the file's ``<name>.error`` does."""
+    if take.reservation is None or not streamed:
+        if take.reservation is not None:
+            fmt.cancel(take.reservation)
+            for key in (PATH_KEY, PENDING_KEY):
+                (take.req.customized_info or {}).pop(key, None)
         _fail(d, take.req, take.state, e)
         return
     logger.error("hidden-state dump for rid %r failed: %s", take.req.rid, e)
     _drop(d, take.state)
     fmt.fail(take.reservation, f"{type(e).__name__}: {e}")
     d.writer.stats.failures += 1
+
+
+def _settle_at_exit() -> None:
+    """At the scheduler process's exit (atexit; a normal exit or an exception that ends the
+    scheduler, not a signal that kills it): the named
+    files of a batch whose ``on_prefill_output`` never came fail with a message instead
+    of leaving their waiters a lock that goes with nothing behind it."""
+    d = _DUMPER
+    work = d.handover if d is not None else None
+    if work is None:
+        return
+    d.handover = None
+    for take in work.takes:
+        if take.reservation is not None:
+            fmt.fail(take.reservation, "the server stopped before the hidden-state file was written")
+
+
+atexit.register(_settle_at_exit)
 
 
 def _name(d: _Dumper, req, state: _ReqDump):

@@ -728,6 +728,44 @@ def test_failure_after_the_name_is_reserved_is_the_files_error(dump):
     assert not [n for n in os.listdir(dump) if n.endswith(".safetensors")]
 
 
+def test_one_call_failure_after_naming_answers_with_the_error_and_leaves_nothing(dump):
+    """Without defer (v0.5.23's single call) the response is not out when the writer
+    refuses a one-chunk request: it says hidden_states_error, early answer or not, and the
+    reserved name is given back (no lock, no .error file)."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    early, ok = Req("early", 3, 1), Req("ok", 3, 2)
+    early.origin_input_ids[1] = 1 << 70
+    early.sampling_params = types.SimpleNamespace(custom_params={fmt.WAIT_PARAM: False})
+    run_extend([(early, 0, 3), (ok, 0, 3)], [2, 4])
+    meta = finish(early)
+    assert set(meta) == {"hidden_states_error"} and "OverflowError" in meta["hidden_states_error"]
+    assert torch.equal(fmt.load(finish(ok)["hidden_states_path"]).hidden_states, reference(ok, [2, 4]))
+    assert sorted(os.listdir(dump)) == sorted([os.path.basename(finish(ok)["hidden_states_path"]), "index.jsonl"])
+
+
+def test_deferred_files_never_handed_over_fail_at_exit_or_on_an_escaping_error(dump, monkeypatch):
+    """The scheduler ending between the two calls (the atexit hook), or an error escaping
+    on_prefill_output (here KeyboardInterrupt out of the copy): every named file of the
+    batch fails with a message in <path>.error, so its waiter is told why."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    a = Req("a", 3, 1)
+    run_extend([(a, 0, 3)], [2, 4], defer=True)
+    path_a = a.customized_info["hidden_states_path"][0]
+    hooks._settle_at_exit()
+    assert "server stopped" in fmt.wait_complete(path_a, timeout=5)
+    assert hooks._DUMPER.handover is None
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hooks._DUMPER.writer, "copy_rows", interrupted)
+    b, c = Req("b", 3, 2), Req("c", 5, 3)
+    run_extend([(b, 0, 3), (c, 0, 2)], [2, 4], defer=True)
+    with pytest.raises(KeyboardInterrupt):
+        hooks.on_prefill_output()
+    assert "KeyboardInterrupt" in fmt.wait_complete(b.customized_info["hidden_states_path"][0], timeout=5)
+    assert not [n for n in os.listdir(dump) if n.endswith((".safetensors", fmt.LOCK_SUFFIX))]
+
+
 def test_bad_dtype_names_the_flag(dump):
     with pytest.raises(DumpConfigError, match="--dump-hidden-states-dtype: 'fp4' is not one of auto, bf16, fp8"):
         hooks.setup_model(make_runner(dump, dtype="fp4"))
