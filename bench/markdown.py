@@ -263,6 +263,9 @@ def _stages(results: dict) -> List[str]:
                 continue
             cells = [num(st.get(k, {}).get("p50"), "{:.1f}") + " / " + num(st.get(k, {}).get("p99"), "{:.1f}")
                      for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
+            if st.get("hook_on_path"):  # a deferring series: the part before the outputs
+                cells[0] += (f" ({num(st['hook_on_path'].get('p50'), '{:.1f}')} / "
+                             f"{num(st['hook_on_path'].get('p99'), '{:.1f}')} before the outputs)")
             rows.append(
                 f"| {model}{' (early)' if c['mode'] == 'dump_early' else ''} | {c['prompt_len']} | "
                 f"{c['concurrency']} | " + " | ".join(cells)

@@ -107,7 +107,9 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     ``response_wait`` (the finished request waiting for its file in the tokenizer
     manager), ``poll_lag`` (file released -> the tokenizer manager sees it complete; slightly
     negative when the writer stamps ``t_released`` after the waiter saw the lock go), ``hook`` (scheduler
-    thread time per extend batch in ``on_prefill_result``), plus ``files``,
+    thread time per extend batch in ``on_prefill_result``, and ``on_prefill_output`` where a
+    series defers it; then also ``hook_on_path``, the part before the batch's outputs are
+    streamed, and ``hook_on_path_share``), plus ``files``,
     ``ready_before_response`` (share of files complete before their request finished)
     and, with ``wall_s``, ``hook_share`` (hook time / wall time). Empty dict without
     file events.
@@ -116,7 +118,11 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     if not files:
         return {}
     resp = {e["name"]: e for e in events if e.get("event") == "response"}
-    hooks = [e["t1"] - e["t0"] for e in events if e.get("event") == "hook" and "t0" in e and "t1" in e]
+    hook_events = [e for e in events if e.get("event") == "hook" and "t0" in e and "t1" in e]
+    # deferred (t_named, t_output): the outputs were streamed between the hook's two calls
+    hooks = [e["t1"] - e["t0"] - (e["t_output"] - e["t_named"]) if "t_output" in e else e["t1"] - e["t0"]
+             for e in hook_events]
+    on_path = [e["t_named"] - e["t0"] if "t_output" in e else e["t1"] - e["t0"] for e in hook_events]
 
     def ms(values):
         values = [v * 1000 for v in values]
@@ -133,8 +139,12 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
         sum(f["t_released"] <= r["t_meta"] for f, r in joined) / len(joined) if joined else None
     )
     out["hook"] = ms(hooks)
+    if any("t_output" in e for e in hook_events):
+        out["hook_on_path"] = ms(on_path)
     if wall_s:
         out["hook_share"] = sum(hooks) / wall_s
+        if "hook_on_path" in out:
+            out["hook_on_path_share"] = sum(on_path) / wall_s
     return out
 
 

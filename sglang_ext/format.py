@@ -430,6 +430,16 @@ def complete(res: Reservation) -> None:
     os.close(res.lock_fd)
 
 
+def cancel(res: Reservation) -> None:
+    """Give back a reservation that nothing was written for and whose name no response
+    carries: drop the lock, leave no file. Never raises."""
+    _unlink_quiet(res.dir_fd, res.lock_name)
+    try:
+        os.close(res.lock_fd)
+    except OSError:
+        pass
+
+
 def fail(res: Reservation, message: str) -> None:
     """Release a reservation whose write failed: leave ``<name>.error``, drop the lock.
 

@@ -8,7 +8,10 @@ server_args.py               ``check_server_args(server_args)`` from __post_init
 model_runner.py              ``setup_model(model_runner)`` before CUDA-graph capture
 forward_batch_info.py        ``capture_hidden_mode(batch, model_runner, mode)``
 scheduler.py                 ``is_enabled()``: keep per-request extend lengths
-batch_result_processor.py    ``on_prefill_result(batch, logits_output, lens)``
+batch_result_processor.py    ``on_prefill_result(batch, logits_output, lens, defer=True)``
+                             before the batch's outputs are streamed, then
+                             ``on_prefill_output()`` after (v0.5.23: one call,
+                             without ``defer``: both parts at once)
 tokenizer_manager.py         ``await finish_response(meta_info)``
 serving_completions.py       ``openai_completion_extras(response, ret)``
 ===========================  ====================================================
@@ -23,6 +26,7 @@ attention-TP rank 0 of the target model writes; other ranks keep their rows on t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import weakref
@@ -58,6 +62,7 @@ class _Dumper:
     capture_full: Any  # CaptureHiddenMode.FULL
     writer: Any = None  # DumpWriter on the writing rank
     dir_fd: Optional[int] = None
+    handover: Any = None  # _HandOver: a batch on_prefill_result saw, for on_prefill_output
 
 
 _DUMPER: Optional[_Dumper] = None
@@ -238,10 +243,33 @@ def capture_hidden_mode(batch, model_runner, mode):
 class _ReqDump:
     pending: Any = None  # writer.PendingDump while rows arrive
     release: Any = None  # weakref.finalize abandoning the request if the Req is dropped
-    done: bool = False  # file queued (or error recorded): later prefills are ignored
+    done: bool = False  # file named (or error recorded): later prefills are ignored
 
 
-def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[List[int]]) -> None:
+@dataclass
+class _Take:
+    """One request's rows of an extend batch, between ``on_prefill_result`` and the hand-over."""
+
+    req: Any
+    state: _ReqDump
+    start: int  # first row in the batch's packed rows
+    rows: int  # how many of them
+    reservation: Any = None  # format.Reservation when these are the request's last rows
+
+
+@dataclass
+class _HandOver:
+    """What ``on_prefill_result(..., defer=True)`` leaves for ``on_prefill_output``."""
+
+    hidden: Any  # the batch's packed rows (kept alive until they are copied)
+    takes: List[_Take]
+    deferred: bool  # the batch's outputs are (being) streamed before on_prefill_output
+    t0: Optional[float] = None  # trace: when on_prefill_result began
+    t_named: Optional[float] = None  # trace, deferred: when it returned
+
+
+def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[List[int]],
+                      defer: bool = False) -> None:
     """Hand this extend batch's rows to the writer.
 
     ``logits_output.hidden_states``: ``[sum(extend lens), num_layers * hidden_size]``,
@@ -251,21 +279,31 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
     The rows of the batch's dumped requests go to the arena in one copy per contiguous
     run (``DumpWriter.copy_rows``); chunked prefill: each chunk's rows go to their place
     in the request's file; a request whose last prompt row is in this batch gets its name
-    reserved and its path recorded for the response. Requests that fail here get
-    ``hidden_states_error`` instead of a path; the batch is never interrupted. A request
-    whose ``custom_params`` holds ``{"hidden_states_dump": false}`` (``format.DUMP_PARAM``;
-    only JSON false) is skipped: its rows were captured with the batch's, nothing is
-    copied or written, its response carries no dump keys.
+    reserved and its path recorded for the response. Requests that fail before their
+    name is reserved get ``hidden_states_error`` instead of a path; after it, the failure
+    is the file's (``<path>.error``: a waiting response reports it as
+    ``hidden_states_error``, an early answer's client finds it when the lock goes). The
+    batch is never interrupted. A request whose ``custom_params`` holds
+    ``{"hidden_states_dump": false}`` (``format.DUMP_PARAM``; only JSON false) is skipped:
+    its rows were captured with the batch's, nothing is copied or written, its response
+    carries no dump keys.
+
+    ``defer=True`` (a series that also calls ``on_prefill_output`` once the batch's
+    outputs are streamed): only what the responses need happens here (checks, the name
+    reservations, the paths); opening new requests in the arena, the rows copy and the
+    message to the writer wait for ``on_prefill_output``, off the answers' path.
     """
     d = _DUMPER
     if d is None or not d.is_writer or not batch.forward_mode.is_extend():
         return
+    if d.handover is not None:  # the previous batch's on_prefill_output never came
+        on_prefill_output()
     t0 = trace.now() if trace.enabled() else None
     hidden = logits_output.hidden_states
     lens = extend_input_len_per_req or []
     decoding = set(map(id, batch.decoding_reqs or []))
     prefix_lens = batch.prefix_lens or [0] * len(batch.reqs)
-    segments, taken = [], []
+    takes = []
     offset = 0
     for i, req in enumerate(batch.reqs):
         n = lens[i] if i < len(lens) else 0
@@ -284,36 +322,79 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
             _drop(d, state)
             continue
         try:
-            take = _prepare(d, req, state, hidden, n, prefix_lens[i])
+            take = _Take(req, state, start, _check(d, req, state, hidden, n, prefix_lens[i]))
+            if prefix_lens[i] + take.rows == len(req.origin_input_ids):
+                take.reservation = _name(d, req, state)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
             _fail(d, req, state, e)
             continue
-        segments.append((state.pending, start, take))
-        taken.append((req, state))
-    if segments:
-        try:
-            # ready=True: the forward that produced these rows has finished when this hook
-            # runs. Under overlap scheduling, process_batch_result_prefill first
-            # synchronizes result.copy_done, recorded on the copy stream after it waited
-            # for the forward stream; without overlap (copy_done None) its
-            # next_token_ids.tolist() has synchronized the stream the forward ran on.
-            # (0.5.17 and 0.5.23; tests/test_patches.py and tests/test_nightly.py check
-            # that the sync precedes the hook.) So the copy need not queue behind what the
-            # scheduler stream holds now, e.g. the next batch's forward.
-            d.writer.copy_rows(hidden, segments, ready=True)
-        except Exception as e:  # noqa: BLE001 - the batch's dumped requests fail, it goes on
-            for req, state in taken:
-                _fail(d, req, state, e)
-            taken = []
-        for req, state in taken:
-            if state.pending.rows == state.pending.num_tokens:
-                try:
-                    _finish(d, req, state)
-                except Exception as e:  # noqa: BLE001
-                    _fail(d, req, state, e)
+        takes.append(take)
+    d.handover = _HandOver(hidden, takes, defer, t0, trace.now() if defer and t0 is not None else None)
+    if not defer:
+        on_prefill_output()
+
+
+def on_prefill_output() -> None:
+    """The rest of the batch that ``on_prefill_result`` saw: open its new requests in the
+    arena (their token ids), copy its rows, queue the finished files and send it all to
+    the writer process. Called by ``on_prefill_result`` itself unless deferred; a series
+    that defers calls it after the batch's outputs are streamed. Returns at once when
+    nothing is handed over."""
+    d = _DUMPER
+    work = d.handover if d is not None else None
+    if work is None:
+        return
+    d.handover = None
+    t0 = trace.now() if trace.enabled() else None
+    settled = set()  # ids of the takes whose file is queued or failed
+    try:
+        opened = []
+        for take in work.takes:
+            try:
+                _open(d, take.req, take.state, work.hidden)
+            except Exception as e:  # noqa: BLE001
+                _fail_take(d, take, e, work.deferred)
+                settled.add(id(take))
+                continue
+            opened.append(take)
+        if opened:
+            try:
+                # ready=True: the forward that produced these rows has finished when this hook
+                # runs. Under overlap scheduling, process_batch_result_prefill first
+                # synchronizes result.copy_done, recorded on the copy stream after it waited
+                # for the forward stream; without overlap (copy_done None) its
+                # next_token_ids.tolist() has synchronized the stream the forward ran on.
+                # (0.5.17 and 0.5.23; tests/test_patches.py and tests/test_nightly.py check
+                # that the sync precedes the hook.) So the copy need not queue behind what the
+                # scheduler stream holds now, e.g. the next batch's forward.
+                d.writer.copy_rows(work.hidden, [(t.state.pending, t.start, t.rows) for t in opened], ready=True)
+            except Exception as e:  # noqa: BLE001 - the batch's dumped requests fail, it goes on
+                for take in opened:
+                    _fail_take(d, take, e, work.deferred)
+                    settled.add(id(take))
+                opened = []
+            for take in opened:
+                if take.reservation is not None:
+                    try:
+                        d.writer.finish(take.state.pending, take.reservation)
+                    except Exception as e:  # noqa: BLE001
+                        _fail_take(d, take, e, work.deferred)
+                        continue
+                    finally:
+                        settled.add(id(take))
+                    take.state.pending = None
+                    _detach(take.state)
+    except BaseException as e:  # an unexpected error: no named file may be left unsettled
+        for take in work.takes:
+            if take.reservation is not None and id(take) not in settled:
+                _fail_take(d, take, e, work.deferred)
+        raise
     d.writer.flush()
     if t0 is not None:
-        trace.record("hook", reqs=len(taken), t0=t0, t1=trace.now())
+        # deferred: t_named (on_prefill_result returned) and t_output (this call began)
+        # bound the outputs' streaming, which is not the hook's time
+        deferred = {"t_named": work.t_named, "t_output": t0} if work.t_named is not None else {}
+        trace.record("hook", reqs=len(opened), t0=t0 if work.t0 is None else work.t0, t1=trace.now(), **deferred)
 
 
 def _is_internal(rid) -> bool:
@@ -321,9 +402,9 @@ def _is_internal(rid) -> bool:
     return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)
 
 
-def _prepare(d: _Dumper, req, state: _ReqDump, hidden, n: int, prefix_len: int) -> int:
-    """Check this chunk against what was sent; open the request at its first chunk.
-    Returns how many of its ``n`` rows to take (rows past the prompt are not dumped)."""
+def _check(d: _Dumper, req, state: _ReqDump, hidden, n: int, prefix_len: int) -> int:
+    """Check this chunk against what was sent. Returns how many of its ``n`` rows to
+    take (rows past the prompt are not dumped)."""
     num_tokens = len(req.origin_input_ids)
     if hidden is None:
         raise RuntimeError("the forward captured no hidden states for this batch")
@@ -337,13 +418,18 @@ def _prepare(d: _Dumper, req, state: _ReqDump, hidden, n: int, prefix_len: int) 
             f"extend starts at token {prefix_len} but {done_rows} rows were dumped "
             f"(prefix reuse is not supported while dumping)"
         )
-    if state.pending is None:
-        state.pending = d.writer.start(req.rid, req.origin_input_ids, hidden.shape[1], hidden.dtype)
-        # A request dropped between chunks (aborted while waiting or retracted) never
-        # reaches this hook again: drop its file when SGLang lets go of the Req.
-        state.release = weakref.finalize(req, d.writer.abandon, state.pending)
-        state.release.atexit = False
     return min(n, num_tokens - done_rows)
+
+
+def _open(d: _Dumper, req, state: _ReqDump, hidden) -> None:
+    """Open the request in the writer at its first chunk (its token ids into the arena)."""
+    if state.pending is not None:
+        return
+    state.pending = d.writer.start(req.rid, req.origin_input_ids, hidden.shape[1], hidden.dtype)
+    # A request dropped between chunks (aborted while waiting or retracted) never
+    # reaches this hook again: drop its file when SGLang lets go of the Req.
+    state.release = weakref.finalize(req, d.writer.abandon, state.pending)
+    state.release.atexit = False
 
 
 def _fail(d: _Dumper, req, state: _ReqDump, e: BaseException) -> None:
@@ -353,14 +439,50 @@ def _fail(d: _Dumper, req, state: _ReqDump, e: BaseException) -> None:
     _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
 
 
-def _finish(d: _Dumper, req, state: _ReqDump) -> None:
+def _fail_take(d: _Dumper, take: _Take, e: BaseException, streamed: bool) -> None:
+    """A failure in ``on_prefill_output``. Before the request's name was reserved (a middle
+    chunk), or while its response is not sent yet (``streamed`` False: one call), the
+    response says it (``hidden_states_error``; the reservation is given back); once the
+    response may be out (deferred), the file's ``<name>.error`` does."""
+    if take.reservation is None or not streamed:
+        if take.reservation is not None:
+            fmt.cancel(take.reservation)
+            for key in (PATH_KEY, PENDING_KEY):
+                (take.req.customized_info or {}).pop(key, None)
+        _fail(d, take.req, take.state, e)
+        return
+    logger.error("hidden-state dump for rid %r failed: %s", take.req.rid, e)
+    _drop(d, take.state)
+    fmt.fail(take.reservation, f"{type(e).__name__}: {e}")
+    d.writer.stats.failures += 1
+
+
+def _settle_at_exit() -> None:
+    """At the scheduler process's exit (atexit; a normal exit or an exception that ends the
+    scheduler, not a signal that kills it): the named
+    files of a batch whose ``on_prefill_output`` never came fail with a message instead
+    of leaving their waiters a lock that goes with nothing behind it."""
+    d = _DUMPER
+    work = d.handover if d is not None else None
+    if work is None:
+        return
+    d.handover = None
+    for take in work.takes:
+        if take.reservation is not None:
+            fmt.fail(take.reservation, "the server stopped before the hidden-state file was written")
+
+
+atexit.register(_settle_at_exit)
+
+
+def _name(d: _Dumper, req, state: _ReqDump):
+    """Reserve the finished request's file name and record its path for the response."""
     reservation = fmt.reserve(d.dir_fd, req.rid)
-    pending, state.pending, state.done = state.pending, None, True
-    _detach(state)
-    d.writer.finish(pending, reservation)
+    state.done = True
     _set_info(req, PATH_KEY, os.path.join(d.config.directory, reservation.name))
     if not _wants_wait(req):
         _set_info(req, PENDING_KEY, True)
+    return reservation
 
 
 def _wants_wait(req) -> bool:

@@ -124,10 +124,12 @@ def pristine(wheel, tmp_path_factory) -> Path:
 
 
 def assert_rows_ready_at_hook(batch_result_processor: Path) -> None:
-    """The invariant behind ``copy_rows(..., ready=True)`` in ``hooks._take_rows``: in the
-    patched ``process_batch_result_prefill``, ``result.copy_done.synchronize()`` (the
-    event SGLang records after the forward, before its own device-to-host copies) runs
-    before our hook, so the rows the hook copies are complete on the GPU."""
+    """The invariant behind ``copy_rows(..., ready=True)`` in ``hooks.on_prefill_output``:
+    in the patched ``process_batch_result_prefill``, ``result.copy_done.synchronize()``
+    (the event SGLang records after the forward, before its own device-to-host copies)
+    runs before our hook, so the rows the hook copies are complete on the GPU. A series
+    that defers (``defer=True``) calls ``on_prefill_output()`` after the batch's outputs
+    are streamed, in the same function."""
     text = batch_result_processor.read_text()
     start = text.index("    def process_batch_result_prefill(")
     end = text.find("\n    def ", start + 1)
@@ -136,6 +138,10 @@ def assert_rows_ready_at_hook(batch_result_processor: Path) -> None:
     hook = body.find("dump_hooks.on_prefill_result(")
     assert hook > 0, "the hook call is not in process_batch_result_prefill"
     assert 0 < sync < hook, "copy_done is no longer synchronized before the hook"
+    if "defer=True" in body[hook:body.find(")", hook)]:
+        streamed = body.find("self.output_streamer.stream_output(", hook)
+        output = body.find("dump_hooks.on_prefill_output()")
+        assert 0 < streamed < output, "a deferring hook's second call is not after the outputs are streamed"
 
 
 @pytest.fixture(autouse=True)

@@ -900,6 +900,22 @@ def test_stage_stats_joins_file_and_response_events():
     assert report.stage_stats([{"event": "hook", "t0": 0, "t1": 1}]) == {}
 
 
+def test_stage_stats_of_a_deferring_series_leave_the_streaming_out():
+    """A deferred hook's line (t_named, t_output: the outputs streamed in between): its
+    time is the two calls' without the gap; hook_on_path is the first call's; the
+    Markdown's hook cell shows both."""
+    ev = [{"event": "hook", "reqs": 2, "t0": 0.1, "t_named": 0.1005, "t_output": 0.104, "t1": 0.1055},
+          {"event": "hook", "reqs": 1, "t0": 0.2, "t1": 0.201},  # the inline form beside it
+          {"event": "file", "name": "a.safetensors", "t_start": 0.0, "t_submit": 0.001}]
+    st = report.stage_stats(ev, wall_s=0.1)
+    assert st["hook"]["p50"] == pytest.approx(1.5) and st["hook_share"] == pytest.approx(0.03)
+    assert st["hook_on_path"]["p99"] == pytest.approx(0.995) and st["hook_on_path_share"] == pytest.approx(0.015)
+    assert "hook_on_path" not in report.stage_stats(ev[1:], wall_s=0.1)
+    results = {"models": {"m": {"cells": [{"mode": "dump_early", "prompt_len": 8, "concurrency": 1, "stages": st}]}}}
+    [row] = [r for r in markdown._stages(results) if r.startswith("| m (early)")]
+    assert "1.5 / 2.0 (0.8 / 1.0 before the outputs)" in row
+
+
 def test_py_spy_raw_summary():
     raw = "\n".join([
         "thread (0x1);loop (s.py:1);hook (h.py:2);copy (w.py:3) 6",

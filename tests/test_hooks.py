@@ -59,8 +59,10 @@ def reference(req, layer_ids, start=0, stop=None):
     return req.seed * 1e4 + t * 100 + s * 10 + h / 10
 
 
-def run_extend(reqs_and_spans, layer_ids, decoding=(), mode=None):
-    """One extend batch: [(req, start, stop)] token spans; returns what the hook got."""
+def run_extend(reqs_and_spans, layer_ids, decoding=(), mode=None, defer=False):
+    """One extend batch: [(req, start, stop)] token spans; returns what the hook got.
+    ``defer``: only the first of a deferring series' two calls (``on_prefill_output``
+    is then the test's to make)."""
     rows, lens, prefix = [], [], []
     for req, start, stop in reqs_and_spans:
         if req in decoding:
@@ -78,7 +80,7 @@ def run_extend(reqs_and_spans, layer_ids, decoding=(), mode=None):
         prefix_lens=prefix,
     )
     out = types.SimpleNamespace(hidden_states=torch.cat(rows).to(torch.float32))
-    hooks.on_prefill_result(batch, out, lens)
+    hooks.on_prefill_result(batch, out, lens, **({"defer": True} if defer else {}))
 
 
 class Decoder(torch.nn.Module):
@@ -652,6 +654,116 @@ def test_a_request_freed_by_refcount_despite_custom_params_self_reference(dump):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_deferred_batch_names_its_files_first_and_copies_after_its_outputs(dump, monkeypatch):
+    """defer=True: on_prefill_result checks the batch and reserves the finished requests'
+    names (the lock is there, the paths are in the responses) but opens, copies and sends
+    nothing; on_prefill_output does, and the files equal the rows, over a chunked prefill
+    beside a one-chunk request."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    copies = []
+    real_copy = hooks._DUMPER.writer.copy_rows
+    monkeypatch.setattr(hooks._DUMPER.writer, "copy_rows", lambda *a, **k: (copies.append(1), real_copy(*a, **k)))
+    long, short = Req("long", 7, 1), Req("short", 3, 2)
+    short.sampling_params = types.SimpleNamespace(custom_params={fmt.WAIT_PARAM: False})
+    run_extend([(long, 0, 4), (short, 0, 3)], [2, 4], defer=True)
+    assert not copies and hooks._DUMPER.writer.snapshot()["files_written"] == 0
+    assert long.customized_info is None and long._kimi_sglang_dump.pending is None  # not opened yet
+    path = short.customized_info["hidden_states_path"][0]
+    assert short.customized_info["hidden_states_pending"] == [True]
+    assert os.path.exists(path + fmt.LOCK_SUFFIX) and not os.path.exists(path)
+    hooks.on_prefill_output()
+    assert copies == [1] and hooks._DUMPER.handover is None
+    assert fmt.wait_complete(path, timeout=10) is None
+    assert torch.equal(fmt.load(path).hidden_states, reference(short, [2, 4]))
+    run_extend([(long, 4, 7)], [2, 4], defer=True)
+    hooks.on_prefill_output()
+    hooks.on_prefill_output()  # a second call finds nothing handed over
+    assert torch.equal(fmt.load(finish(long)["hidden_states_path"]).hidden_states, reference(long, [2, 4]))
+    stats = idle()
+    assert stats["files_written"] == 2 and stats["failures"] == 0
+
+
+def test_deferred_batch_whose_second_call_never_came_is_handed_over_by_the_next(dump):
+    """A deferring series whose on_prefill_output was skipped (an exception in between):
+    the next batch's on_prefill_result hands the previous one over first."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    a, b = Req("a", 5, 1), Req("b", 3, 2)
+    run_extend([(a, 0, 3)], [2, 4], defer=True)
+    run_extend([(a, 3, 5), (b, 0, 3)], [2, 4], defer=True)
+    hooks.on_prefill_output()
+    for req in (a, b):
+        assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
+
+
+def test_failure_after_the_name_is_reserved_is_the_files_error(dump):
+    """What fails in on_prefill_output after the response was streamed (here: token ids
+    that do not fit int64, which the writer refuses when it opens the request; then the
+    writer closed between the two calls, as at SIGTERM) reaches the client as the
+    file's <path>.error: a waiting response reports hidden_states_error, an early
+    answer's wait_complete returns it. A request that fails at a middle chunk keeps
+    its error in the response; nothing is left under a final name."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    bad, early, middle = Req("bad", 3, 1), Req("early", 3, 2), Req("middle", 6, 3)
+    bad.origin_input_ids[1] = 1 << 63
+    early.origin_input_ids[0] = -(1 << 64)
+    early.sampling_params = types.SimpleNamespace(custom_params={fmt.WAIT_PARAM: False})
+    middle.origin_input_ids[5] = 1 << 70
+    run_extend([(bad, 0, 3), (early, 0, 3), (middle, 0, 3)], [2, 4], defer=True)
+    early_path = early.customized_info["hidden_states_path"][0]
+    hooks.on_prefill_output()
+    assert "OverflowError" in fmt.wait_complete(early_path, timeout=10)
+    meta = finish(bad)
+    assert "hidden_states_path" not in meta and "OverflowError" in meta["hidden_states_error"]
+    run_extend([(middle, 3, 6)], [2, 4], defer=True)  # ignored: it failed at its first chunk
+    hooks.on_prefill_output()
+    assert "OverflowError" in finish(middle)["hidden_states_error"]
+    late = Req("late", 4, 4)
+    run_extend([(late, 0, 4)], [2, 4], defer=True)
+    late_path = late.customized_info["hidden_states_path"][0]
+    hooks._DUMPER.writer.close(timeout=10)
+    hooks.on_prefill_output()
+    assert "RuntimeError" in fmt.wait_complete(late_path, timeout=10)
+    assert not [n for n in os.listdir(dump) if n.endswith(".safetensors")]
+
+
+def test_one_call_failure_after_naming_answers_with_the_error_and_leaves_nothing(dump):
+    """Without defer (v0.5.23's single call) the response is not out when the writer
+    refuses a one-chunk request: it says hidden_states_error, early answer or not, and the
+    reserved name is given back (no lock, no .error file)."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    early, ok = Req("early", 3, 1), Req("ok", 3, 2)
+    early.origin_input_ids[1] = 1 << 70
+    early.sampling_params = types.SimpleNamespace(custom_params={fmt.WAIT_PARAM: False})
+    run_extend([(early, 0, 3), (ok, 0, 3)], [2, 4])
+    meta = finish(early)
+    assert set(meta) == {"hidden_states_error"} and "OverflowError" in meta["hidden_states_error"]
+    assert torch.equal(fmt.load(finish(ok)["hidden_states_path"]).hidden_states, reference(ok, [2, 4]))
+    assert sorted(os.listdir(dump)) == sorted([os.path.basename(finish(ok)["hidden_states_path"]), "index.jsonl"])
+
+
+def test_deferred_files_never_handed_over_fail_at_exit_or_on_an_escaping_error(dump, monkeypatch):
+    """The scheduler ending between the two calls (the atexit hook), or an error escaping
+    on_prefill_output (here KeyboardInterrupt out of the copy): every named file of the
+    batch fails with a message in <path>.error, so its waiter is told why."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    a = Req("a", 3, 1)
+    run_extend([(a, 0, 3)], [2, 4], defer=True)
+    path_a = a.customized_info["hidden_states_path"][0]
+    hooks._settle_at_exit()
+    assert "server stopped" in fmt.wait_complete(path_a, timeout=5)
+    assert hooks._DUMPER.handover is None
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hooks._DUMPER.writer, "copy_rows", interrupted)
+    b, c = Req("b", 3, 2), Req("c", 5, 3)
+    run_extend([(b, 0, 3), (c, 0, 2)], [2, 4], defer=True)
+    with pytest.raises(KeyboardInterrupt):
+        hooks.on_prefill_output()
+    assert "KeyboardInterrupt" in fmt.wait_complete(b.customized_info["hidden_states_path"][0], timeout=5)
+    assert not [n for n in os.listdir(dump) if n.endswith((".safetensors", fmt.LOCK_SUFFIX))]
 
 
 def test_bad_dtype_names_the_flag(dump):

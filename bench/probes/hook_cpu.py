@@ -12,7 +12,12 @@ second pass with the collector off) and the functions with the most own time (cP
 a third pass). Files go to a temporary
 directory under ``--dir`` (default /dev/shm) and are removed as it goes.
 
-    python bench/probes/hook_cpu.py [--batches 300] [--reqs 4] [--tokens 2048]
+``--defer``: the hook in two calls, as v0.5.17 series 4 makes them
+(``on_prefill_result(..., defer=True)`` before the outputs are streamed,
+``on_prefill_output()`` after); the times are then also given for the first call alone,
+the part on the answers' path.
+
+    python bench/probes/hook_cpu.py [--batches 300] [--reqs 4] [--tokens 2048] [--defer]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reqs", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ap.add_argument("--defer", action="store_true", help="two calls, as v0.5.17 series 4 makes them")
     args = ap.parse_args(argv)
     d = tempfile.mkdtemp(prefix="hook-probe-", dir=args.dir)
     hooks.setup_model(th.make_runner(d, num_layers=4, layers="1,2,3,4", max_mb=512))
@@ -58,7 +64,7 @@ def main(argv=None) -> int:
                                   prefix_lens=[0] * args.reqs)
         return b, types.SimpleNamespace(hidden_states=rows), [args.tokens] * args.reqs
 
-    def run(n, prof=None, tracked=None):
+    def run(n, prof=None, tracked=None, on_path=None):
         times = []
         for k in range(n):
             b, out, lens = batch(k)
@@ -66,10 +72,15 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             if prof:
                 prof.enable()
-            hooks.on_prefill_result(b, out, lens)
+            hooks.on_prefill_result(b, out, lens, **({"defer": True} if args.defer else {}))
+            t_named = time.perf_counter()
+            if args.defer:
+                hooks.on_prefill_output()
             if prof:
                 prof.disable()
             times.append(time.perf_counter() - t)
+            if on_path is not None:
+                on_path.append(t_named - t)
             if tracked is not None:
                 tracked.append(gc.get_count()[0] - c0)
             if k % 50 == 49:  # keep the directory small
@@ -81,10 +92,12 @@ def main(argv=None) -> int:
 
     try:
         run(20)  # warm-up
-        t = run(args.batches)
-        q = [1e3 * t[int(p * (len(t) - 1))] for p in (0.5, 0.9, 0.99)]
-        print(f"hook per batch of {args.reqs} x {args.tokens} tokens, {len(t)} batches: "
-              f"median {q[0]:.3f} ms, p90 {q[1]:.3f} ms, p99 {q[2]:.3f} ms")
+        on_path = []
+        t = run(args.batches, on_path=on_path)
+        for what, v in [("hook", t)] + ([("before the outputs", sorted(on_path))] if args.defer else []):
+            q = [1e3 * v[int(p * (len(v) - 1))] for p in (0.5, 0.9, 0.99)]
+            print(f"{what} per batch of {args.reqs} x {args.tokens} tokens, {len(v)} batches: "
+                  f"median {q[0]:.3f} ms, p90 {q[1]:.3f} ms, p99 {q[2]:.3f} ms")
         tracked = []
         gc.collect()
         gc.disable()
