@@ -220,9 +220,24 @@ def setup_model(model_runner) -> None:
     _DUMPER = dumper
     logger.info(
         "hidden-state dump: layers %s of %d into %s (writer rank: %s%s)",
-        list(layer_ids), num_layers, config.directory, is_writer,
-        f"; writer process on CPUs {list(config.writer_cpus)}" if is_writer and config.writer_cpus else "",
+        list(layer_ids), num_layers, config.directory, is_writer, _writer_cpus_note(is_writer, config.writer_cpus),
     )
+
+
+def _writer_cpus_note(is_writer: bool, writer_cpus) -> str:
+    """The start line's word on where the writer process runs: the CPUs asked for, or,
+    when the scheduler is confined to fewer CPUs than the host has (taskset, a cpuset),
+    that the writer shares them, which can cost the dump much of its speed on a busy
+    scheduler (docs/performance.md, "the writer on the server's CPUs")."""
+    if not is_writer:
+        return ""
+    if writer_cpus:
+        return f"; writer process on CPUs {list(writer_cpus)}"
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < (os.cpu_count() or len(mine)):
+        return (f"; writer process on the scheduler's {len(mine)} CPUs {mine}: "
+                "KIMI_SGLANG_WRITER_CPUS gives it CPUs of its own")
+    return ""
 
 
 # ---- every forward ------------------------------------------------------------------

@@ -186,6 +186,23 @@ def test_setup_turns_on_default_layers(dump):
     assert hooks.is_enabled()
 
 
+def test_start_line_says_where_the_writer_runs(dump, monkeypatch, caplog):
+    """The start line names the CPUs the writer was given (KIMI_SGLANG_WRITER_CPUS), or,
+    when the scheduler is confined to fewer CPUs than the host has, that the writer
+    shares them and which variable moves it; nothing when the scheduler may use all, and
+    nothing on a rank without a writer."""
+    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: {0})
+    with caplog.at_level("INFO", logger="sglang_ext.hooks"):
+        hooks.setup_model(make_runner(dump, layers="2,4"))
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hidden-state dump: layers")]
+    assert line.endswith("(writer rank: True; writer process on the scheduler's 1 CPUs [0]: "
+                         "KIMI_SGLANG_WRITER_CPUS gives it CPUs of its own)"), line
+    assert hooks._writer_cpus_note(True, (2, 3)) == "; writer process on CPUs [2, 3]"
+    assert hooks._writer_cpus_note(False, None) == ""
+    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: set(range(os.cpu_count())))
+    assert hooks._writer_cpus_note(True, None) == ""
+
+
 def test_setup_finds_language_model_of_a_multimodal_wrapper(dump):
     inner = make_runner(dump, layers="3,31,59,61", num_layers=61)
     wrapper = types.SimpleNamespace(language_model=inner.model)
