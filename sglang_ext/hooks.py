@@ -228,15 +228,17 @@ def _writer_cpus_note(is_writer: bool, writer_cpus) -> str:
     """The start line's word on where the writer process runs: the CPUs asked for, or,
     when the scheduler is confined to fewer CPUs than the host has (taskset, a cpuset),
     that the writer shares them, which can cost the dump much of its speed on a busy
-    scheduler (docs/performance.md, "the writer on the server's CPUs")."""
+    scheduler (docs/performance.md, "the writer on the server's CPUs"). Nothing where
+    the platform has no CPU affinity (``os.sched_getaffinity``: Linux)."""
     if not is_writer:
         return ""
     if writer_cpus:
         return f"; writer process on CPUs {list(writer_cpus)}"
-    mine = sorted(os.sched_getaffinity(0))
-    if len(mine) < (os.cpu_count() or len(mine)):
+    affinity = getattr(os, "sched_getaffinity", None)
+    mine = sorted(affinity(0)) if affinity else []
+    if mine and len(mine) < (os.cpu_count() or len(mine)):
         return (f"; writer process on the scheduler's {len(mine)} CPUs {mine}: "
-                "KIMI_SGLANG_WRITER_CPUS gives it CPUs of its own")
+                "KIMI_SGLANG_WRITER_CPUS can name others it may use")
     return ""
 
 

@@ -191,15 +191,17 @@ def test_start_line_says_where_the_writer_runs(dump, monkeypatch, caplog):
     when the scheduler is confined to fewer CPUs than the host has, that the writer
     shares them and which variable moves it; nothing when the scheduler may use all, and
     nothing on a rank without a writer."""
-    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.delenv("KIMI_SGLANG_WRITER_CPUS", raising=False)
+    monkeypatch.setattr(hooks.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     with caplog.at_level("INFO", logger="sglang_ext.hooks"):
         hooks.setup_model(make_runner(dump, layers="2,4"))
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hidden-state dump: layers")]
     assert line.endswith("(writer rank: True; writer process on the scheduler's 1 CPUs [0]: "
-                         "KIMI_SGLANG_WRITER_CPUS gives it CPUs of its own)"), line
+                         "KIMI_SGLANG_WRITER_CPUS can name others it may use)"), line
     assert hooks._writer_cpus_note(True, (2, 3)) == "; writer process on CPUs [2, 3]"
     assert hooks._writer_cpus_note(False, None) == ""
-    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: set(range(os.cpu_count())))
+    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert hooks._writer_cpus_note(True, None) == ""
 
 
