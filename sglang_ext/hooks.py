@@ -272,6 +272,7 @@ class _Take:
     start: int  # first row in the batch's packed rows
     rows: int  # how many of them
     reservation: Any = None  # format.Reservation when these are the request's last rows
+    settled: bool = False  # on_prefill_output queued its file or failed it
 
 
 @dataclass
@@ -363,7 +364,6 @@ def on_prefill_output() -> None:
         return
     d.handover = None
     t0 = trace.now() if trace.enabled() else None
-    settled = set()  # ids of the takes whose file is queued or failed
     try:
         opened = []
         for take in work.takes:
@@ -371,7 +371,7 @@ def on_prefill_output() -> None:
                 _open(d, take.req, take.state, work.hidden)
             except Exception as e:  # noqa: BLE001
                 _fail_take(d, take, e, work.deferred)
-                settled.add(id(take))
+                take.settled = True
                 continue
             opened.append(take)
         if opened:
@@ -388,7 +388,7 @@ def on_prefill_output() -> None:
             except Exception as e:  # noqa: BLE001 - the batch's dumped requests fail, it goes on
                 for take in opened:
                     _fail_take(d, take, e, work.deferred)
-                    settled.add(id(take))
+                    take.settled = True
                 opened = []
             for take in opened:
                 if take.reservation is not None:
@@ -398,12 +398,12 @@ def on_prefill_output() -> None:
                         _fail_take(d, take, e, work.deferred)
                         continue
                     finally:
-                        settled.add(id(take))
+                        take.settled = True
                     take.state.pending = None
                     _detach(take.state)
     except BaseException as e:  # an unexpected error: no named file may be left unsettled
         for take in work.takes:
-            if take.reservation is not None and id(take) not in settled:
+            if take.reservation is not None and not take.settled:
                 _fail_take(d, take, e, work.deferred)
         raise
     d.writer.flush()
