@@ -6,7 +6,10 @@ process gets the descriptor at spawn). On CUDA the scheduler registers the mappi
 ``cudaHostRegister`` once at start-up, so device-to-host copies into it are asynchronous
 DMA like copies into ``pin_memory`` tensors, with no per-request pinned allocation.
 
-The first page holds one int64 at offset 0: the copy sequence number (``SEQ_OFFSET``).
+The first page holds one int64 at offset 0: the copy sequence number (``SEQ_OFFSET``),
+and from ``PROGRESS_OFFSET`` one int64 per writer thread: how many ops it has carried out
+(the only bytes the writer process writes, through its own small mapping,
+``attach_progress``), which the scheduler's watchdog reads.
 The scheduler enqueues, on its copy stream after a batch's row copies, a copy of the
 batch's sequence number into it; stream order makes it land only after those rows. The
 writer process reads rows of a batch once it sees that number (``wait_seq``): no CUDA in
@@ -28,6 +31,10 @@ from typing import List, Optional, Tuple
 
 HEADER_BYTES = 4096
 SEQ_OFFSET = 0
+# Progress counters of the writer process: one int64 per writer thread (ops carried out),
+# from PROGRESS_OFFSET to the end of the first page; the scheduler's watchdog sums them.
+PROGRESS_OFFSET = 64
+PROGRESS_SLOTS = (HEADER_BYTES - PROGRESS_OFFSET) // 8
 ALIGN = 512  # every range starts on a 512-byte boundary (DMA- and sector-friendly)
 
 
@@ -146,3 +153,24 @@ def wait_seq(mm: mmap.mmap, seq: int, timeout: float) -> bool:
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
     return True
+
+
+def attach_progress(fd: int) -> mmap.mmap:
+    """Map the arena's first page writable (in the writer process): the progress counters."""
+    return mmap.mmap(fd, HEADER_BYTES)
+
+
+def bump_progress(page: mmap.mmap, slot: int) -> None:
+    """One more op carried out by writer thread ``slot`` (each thread owns its slot)."""
+    off = PROGRESS_OFFSET + 8 * (slot % PROGRESS_SLOTS)
+    struct.pack_into("<q", page, off, struct.unpack_from("<q", page, off)[0] + 1)
+
+
+def read_progress(mm: mmap.mmap) -> int:
+    """Ops carried out by the writer process so far: the sum of its threads' counters."""
+    return sum(struct.unpack_from(f"<{PROGRESS_SLOTS}q", mm, PROGRESS_OFFSET))
+
+
+def reset_progress(mm: mmap.mmap) -> None:
+    """Zero the counters (before a new writer process starts)."""
+    mm[PROGRESS_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - PROGRESS_OFFSET)

@@ -27,6 +27,7 @@ MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only
 MAX_CPUS = 1 << 16  # CPU numbers parse_cpu_list accepts when not checked against this host
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
 DEFAULT_STATS_INTERVAL_S = 60.0
+DEFAULT_WATCHDOG_S = 60.0  # a writer process holding ops that carries out none this long is replaced
 # --dump-hidden-states-dtype: auto = the model's dtype; bf16 = cast on the device;
 # fp8 = float8_e4m3fn plus float32 scales per token and layer (sglang_ext.quant).
 DTYPE_CHOICES = ("auto", "bf16", "fp8")
@@ -208,6 +209,7 @@ def env_settings(this_host: bool = True) -> dict:
         "drain_timeout_s": env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
                                       minimum=0),
         "stats_interval_s": env_number("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S),
+        "watchdog_s": env_number("KIMI_SGLANG_WATCHDOG_S", DEFAULT_WATCHDOG_S, minimum=0.1),
     }
 
 
@@ -231,6 +233,7 @@ class DumpConfig:
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     hidden_states_dtype: str = "auto"
     writer_cpus: Optional[Tuple[int, ...]] = None
+    watchdog_s: float = DEFAULT_WATCHDOG_S
 
     @classmethod
     def from_server_args(cls, server_args) -> "DumpConfig":

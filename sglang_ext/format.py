@@ -194,6 +194,27 @@ def printable_rid(rid: str) -> str:
     return rid.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# Longest rid a dump takes: it is stored in the file's metadata and travels to the writer
+# process in one socket message (``wire.MAX_MESSAGE``); a longer one fails its own request.
+MAX_RID_CHARS = 8192
+
+
+def check_rid(rid) -> None:
+    """Raise ``TypeError`` for a rid that is not a str and ``ValueError`` for one longer
+    than ``MAX_RID_CHARS`` characters (that request fails; nothing else does)."""
+    if not isinstance(rid, str):
+        raise TypeError(f"rid must be str, got {type(rid).__name__}")
+    if len(rid) > MAX_RID_CHARS:
+        raise ValueError(f"rid is {len(rid)} characters long; a dumped request's rid may have "
+                         f"at most {MAX_RID_CHARS} (it is stored in the file's metadata)")
+
+
+def brief_rid(rid, limit: int = 120) -> str:
+    """``repr(rid)`` cut to about ``limit`` characters, for log lines (a client picks the rid)."""
+    text = repr(rid)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def build_metadata(
     *,
     rid: str,
@@ -425,19 +446,18 @@ def append_index(dir_fd: int, record: Mapping[str, Any]) -> None:
 
 
 def complete(res: Reservation) -> None:
-    """Release a reservation whose file is in place: unlink the lock, then drop the flock."""
-    _unlink_quiet(res.dir_fd, res.lock_name)
-    os.close(res.lock_fd)
+    """Release a reservation whose file is in place: unlink the lock, then drop the flock.
+    Never raises: a lock file that cannot be unlinked (a directory made read-only) is
+    released all the same (waiters test the flock) and ``clean_stale`` removes it later."""
+    _unlink_never_raises(res.dir_fd, res.lock_name)
+    _close_never_raises(res.lock_fd)
 
 
 def cancel(res: Reservation) -> None:
     """Give back a reservation that nothing was written for and whose name no response
     carries: drop the lock, leave no file. Never raises."""
-    _unlink_quiet(res.dir_fd, res.lock_name)
-    try:
-        os.close(res.lock_fd)
-    except OSError:
-        pass
+    _unlink_never_raises(res.dir_fd, res.lock_name)
+    _close_never_raises(res.lock_fd)
 
 
 def fail(res: Reservation, message: str) -> None:
@@ -459,18 +479,31 @@ def fail(res: Reservation, message: str) -> None:
             os.close(fd)
     except OSError:
         pass
-    _unlink_quiet(res.dir_fd, res.tmp_name)
-    _unlink_quiet(res.dir_fd, res.lock_name)
-    try:
-        os.close(res.lock_fd)
-    except OSError:
-        pass
+    _unlink_never_raises(res.dir_fd, res.tmp_name)
+    _unlink_never_raises(res.dir_fd, res.lock_name)
+    _close_never_raises(res.lock_fd)
 
 
 def _unlink_quiet(dir_fd: int, name: str) -> None:
     try:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
+        pass
+
+
+def _unlink_never_raises(dir_fd: int, name: str) -> None:
+    """Unlink ``name`` if possible (a read-only directory, a directory planted at the
+    name: it stays, and the lock is released all the same)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def _close_never_raises(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
         pass
 
 
@@ -489,7 +522,7 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
         if (name.startswith(TMP_PREFIX) and name.endswith(SUFFIX + TMP_SUFFIX)) or (
             _SAFETENSORS_TMP.fullmatch(name)
         ):
-            _unlink_quiet(dir_fd, name)
+            _unlink_never_raises(dir_fd, name)  # a directory planted there stays: never fatal
             removed["tmp"] += 1
         elif name.endswith(SUFFIX + LOCK_SUFFIX):
             try:

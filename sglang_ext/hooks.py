@@ -216,6 +216,7 @@ def setup_model(model_runner) -> None:
             stats_interval_s=config.stats_interval_s,
             hidden_states_dtype=config.hidden_states_dtype,
             cpus=config.writer_cpus,
+            watchdog_s=config.watchdog_s,
         )
     _DUMPER = dumper
     logger.info(
@@ -423,6 +424,7 @@ def _check(d: _Dumper, req, state: _ReqDump, hidden, n: int, prefix_len: int) ->
     """Check this chunk against what was sent. Returns how many of its ``n`` rows to
     take (rows past the prompt are not dumped)."""
     num_tokens = len(req.origin_input_ids)
+    fmt.check_rid(req.rid)
     if hidden is None:
         raise RuntimeError("the forward captured no hidden states for this batch")
     if prefix_len == 0 and state.pending is not None and state.pending.rows:
@@ -450,7 +452,7 @@ def _open(d: _Dumper, req, state: _ReqDump, hidden) -> None:
 
 
 def _fail(d: _Dumper, req, state: _ReqDump, e: BaseException) -> None:
-    logger.error("hidden-state dump for rid %r failed: %s", req.rid, e)
+    logger.error("hidden-state dump for rid %s failed: %s", fmt.brief_rid(req.rid), e)
     _drop(d, state)
     state.done = True
     _set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
@@ -468,7 +470,7 @@ def _fail_take(d: _Dumper, take: _Take, e: BaseException, streamed: bool) -> Non
                 (take.req.customized_info or {}).pop(key, None)
         _fail(d, take.req, take.state, e)
         return
-    logger.error("hidden-state dump for rid %r failed: %s", take.req.rid, e)
+    logger.error("hidden-state dump for rid %s failed: %s", fmt.brief_rid(take.req.rid), e)
     _drop(d, take.state)
     fmt.fail(take.reservation, f"{type(e).__name__}: {e}")
     d.writer.stats.failures += 1

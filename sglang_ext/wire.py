@@ -30,10 +30,11 @@ Writer -> scheduler (acknowledgements), pickled lists of events:
 from __future__ import annotations
 
 import array
+import errno
 import os
 import pickle
 import socket
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, NamedTuple, Sequence, Tuple
 
 BEGIN, ROWS, FINISH, ABANDON, CLOSE = "begin", "rows", "finish", "abandon", "close"
 DONE_PIECE, WROTE, FAILED = "piece", "wrote", "failed"
@@ -58,10 +59,21 @@ def socket_pair() -> Tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def pack(seq: int, ops: Sequence[tuple], fds: Sequence[int]) -> List[Tuple[bytes, List[int]]]:
+class Message(NamedTuple):
+    """One datagram: the pickled ``(seq, ops)``, the lock descriptors of its FINISH ops
+    (in order) and the ops themselves (what fails if this message cannot be sent)."""
+
+    blob: bytes
+    fds: List[int]
+    ops: List[tuple]
+
+
+def pack(seq: int, ops: Sequence[tuple], fds: Sequence[int]) -> List[Message]:
     """Split ``ops`` (with the descriptors of their FINISH ops, in order) into messages
-    of at most ``MAX_MESSAGE`` bytes and ``MAX_FDS`` descriptors each."""
-    out: List[Tuple[bytes, List[int]]] = []
+    of at most ``MAX_MESSAGE`` bytes and ``MAX_FDS`` descriptors each. An op larger than
+    ``MAX_MESSAGE`` by itself goes alone (its send may then fail with ``EMSGSIZE``, a
+    fault of that message: ``is_message_fault``)."""
+    out: List[Message] = []
     fd_iter = iter(fds)
     group: List[tuple] = []
     group_fds: List[int] = []
@@ -69,14 +81,14 @@ def pack(seq: int, ops: Sequence[tuple], fds: Sequence[int]) -> List[Tuple[bytes
     for op in ops:
         blob = _estimate(op)
         if group and (size + blob > MAX_MESSAGE or (op[0] == FINISH and len(group_fds) >= MAX_FDS)):
-            out.append((pickle.dumps((seq, group), protocol=pickle.HIGHEST_PROTOCOL), group_fds))
+            out.append(Message(pickle.dumps((seq, group), protocol=pickle.HIGHEST_PROTOCOL), group_fds, group))
             group, group_fds, size = [], [], 0
         group.append(op)
         size += blob
         if op[0] == FINISH:
             group_fds.append(next(fd_iter))
     if group:
-        out.append((pickle.dumps((seq, group), protocol=pickle.HIGHEST_PROTOCOL), group_fds))
+        out.append(Message(pickle.dumps((seq, group), protocol=pickle.HIGHEST_PROTOCOL), group_fds, group))
     return out
 
 
@@ -86,8 +98,23 @@ def _estimate(op: tuple) -> int:
     return sum(4 * len(x) + 16 if isinstance(x, str) else 64 for x in op)
 
 
+# errnos of a send that failed for a reason of the message itself (too large, too many
+# descriptors), not of the peer: the writer is healthy and must not be replaced for it.
+MESSAGE_FAULTS = (errno.EMSGSIZE, errno.ETOOMANYREFS, errno.EINVAL)
+
+
+def is_message_fault(e: OSError) -> bool:
+    """True when a failed ``send`` says nothing about the peer (see ``MESSAGE_FAULTS``)."""
+    return not isinstance(e, BlockingIOError) and e.errno in MESSAGE_FAULTS
+
+
 def send(sock: socket.socket, blob: bytes, fds: Sequence[int] = ()) -> None:
-    """One message; raises ``OSError`` (``BrokenPipeError`` when the peer is gone)."""
+    """One message; raises ``OSError`` (``BrokenPipeError`` when the peer is gone,
+    ``EMSGSIZE`` for a message the socket or the receiver (``RECV_BYTES``) cannot take:
+    ``is_message_fault``)."""
+    if len(blob) > RECV_BYTES:
+        raise OSError(errno.EMSGSIZE, f"a {len(blob)}-byte message is larger than the "
+                                      f"{RECV_BYTES} bytes the receiver reads")
     if fds:
         sock.sendmsg([blob], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     else:
@@ -96,9 +123,10 @@ def send(sock: socket.socket, blob: bytes, fds: Sequence[int] = ()) -> None:
 
 def recv(sock: socket.socket, flags: int = 0) -> Tuple[Any, List[int]]:
     """One message: ``(payload, descriptors)``; ``(None, [])`` when the peer closed.
-    Raises ``BlockingIOError`` for ``MSG_DONTWAIT`` with nothing to read."""
+    Raises ``BlockingIOError`` for ``MSG_DONTWAIT`` with nothing to read and
+    ``BadMessage`` for a message cut short or not unpicklable (its descriptors closed)."""
     fds = array.array("i")
-    data, anc, _, _ = sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * fds.itemsize), flags)
+    data, anc, msg_flags, _ = sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * fds.itemsize), flags)
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
@@ -106,7 +134,18 @@ def recv(sock: socket.socket, flags: int = 0) -> Tuple[Any, List[int]]:
         for fd in fds:
             close_quiet(fd)
         return None, []
-    return pickle.loads(data), list(fds)
+    try:
+        if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise ValueError("the message was cut short")
+        return pickle.loads(data), list(fds)
+    except Exception as e:  # noqa: BLE001 - whatever unpickling raises
+        for fd in fds:
+            close_quiet(fd)
+        raise BadMessage(f"a {len(data)}-byte message could not be read: {e}") from None
+
+
+class BadMessage(ValueError):
+    """A message that arrived but cannot be read (cut short, not a pickle)."""
 
 
 def close_quiet(fd: int) -> None:

@@ -28,8 +28,10 @@ import logging
 import os
 import select
 import socket
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -39,12 +41,14 @@ import torch
 from sglang_ext import arena as arena_mod
 from sglang_ext import format as fmt
 from sglang_ext import config, quant, trace, wire
-from sglang_ext.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_STATS_INTERVAL_S
+from sglang_ext.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_STATS_INTERVAL_S, DEFAULT_WATCHDOG_S
 from sglang_ext.writer_process import SHUTDOWN_MESSAGE, TMP_PREFIX, mark_dead
 
 logger = logging.getLogger(__name__)
 
 DIED_MESSAGE = "the hidden-state writer process died before the file was written"
+STUCK_MESSAGE = ("the hidden-state writer process made no progress for {seconds:g} s "
+                 "(KIMI_SGLANG_WATCHDOG_S) and was replaced before the file was written")
 START_TIMEOUT_S = 60.0
 
 
@@ -102,7 +106,10 @@ class DumpWriter:
     bfloat16 on the device before the copy) or ``"fp8"`` (``quant.quantize_fp8`` on the
     device before the copy: fp8 rows plus float32 scales per token and layer slot);
     ``cpus``: the CPUs the writer process (and its threads) run on
-    (``KIMI_SGLANG_WRITER_CPUS``), or ``None`` for the scheduler's.
+    (``KIMI_SGLANG_WRITER_CPUS``), or ``None`` for the scheduler's; ``watchdog_s``:
+    seconds the writer process may hold ops without carrying out any
+    (``KIMI_SGLANG_WATCHDOG_S``) before a watchdog thread kills it (a stopped process, a
+    write blocked for good): its files fail, a new one starts (``None``: no watchdog).
 
     Raises ``OSError`` when the arena cannot be made and ``RuntimeError`` when the writer
     process does not start (also when it may not run on ``cpus``).
@@ -124,6 +131,7 @@ class DumpWriter:
         register_atexit: bool = True,
         hidden_states_dtype: str = "auto",
         cpus: Optional[Sequence[int]] = None,
+        watchdog_s: Optional[float] = DEFAULT_WATCHDOG_S,
     ):
         if hidden_states_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"hidden_states_dtype must be auto, bf16 or fp8, got {hidden_states_dtype!r}")
@@ -165,7 +173,13 @@ class DumpWriter:
         self.generation = 0
         self._proc: Optional[subprocess.Popen] = None
         self._sock: Optional[socket.socket] = None
+        self._ops_sent = 0  # ops this generation's writer was sent (watchdog)
+        self._stuck: Optional[str] = None  # set by the watchdog before it kills the writer
         self._spawn()
+        self.watchdog_s = watchdog_s
+        self._stop_watchdog = threading.Event()
+        if watchdog_s:
+            threading.Thread(target=self._watchdog, name="hs-writer-watchdog", daemon=True).start()
         self._atexit = register_atexit
         if register_atexit:
             atexit.register(self._close_at_exit)
@@ -181,6 +195,9 @@ class DumpWriter:
         return self._proc.pid if self._proc is not None else None
 
     def _spawn(self) -> None:
+        arena_mod.reset_progress(self._mm)
+        self._ops_sent = 0
+        self._stuck = None
         mine, theirs = wire.socket_pair()
         root = os.path.dirname(os.path.dirname(os.path.abspath(fmt.__file__)))
         # The package's root goes to the end of the child's sys.path (after the standard
@@ -227,7 +244,11 @@ class DumpWriter:
             proc.kill()
             code = proc.wait()
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        failed = self._forget_writer(f"{DIED_MESSAGE} ({how})")
+        stuck = self._stuck
+        if stuck is not None:
+            how = f"killed by the watchdog: {stuck}"
+        failed = self._forget_writer(
+            STUCK_MESSAGE.format(seconds=self.watchdog_s) if stuck is not None else f"{DIED_MESSAGE} ({how})")
         logger.error("hidden-state dump: the writer process (pid %s) ended (%s); %d files in "
                      "flight failed%s", proc.pid if proc else None, how, failed,
                      "" if self._closed else "; starting a new one")
@@ -263,13 +284,51 @@ class DumpWriter:
             self._sock.close()
             self._sock = None
         prefix = f"{TMP_PREFIX}{self.tag}-"
-        for name in os.listdir(self.dir_fd):
+        try:
+            names = os.listdir(self.dir_fd)
+        except OSError as e:
+            logger.error("hidden-state dump: cannot list the dump directory to remove the writer's "
+                         "temporary files: %s", e)
+            names = []
+        for name in names:
             if name.startswith(prefix):
                 try:
                     os.unlink(name, dir_fd=self.dir_fd)
                 except FileNotFoundError:
                     pass
+                except OSError as e:  # e.g. a directory planted there: clean_stale retries later
+                    logger.warning("hidden-state dump: cannot remove %s: %s", name, e)
         return failed
+
+    def _watchdog(self) -> None:
+        """Kill a writer process that holds ops and carries out none for ``watchdog_s``
+        (stopped, or blocked for good). It runs beside the scheduler thread and only
+        sends SIGKILL: the scheduler thread notices the death where it always does
+        (a waiting send, backpressure, the next batch) and fails what it held; the
+        kernel drops the dead process's locks at once, so waiters are answered."""
+        interval = min(1.0, self.watchdog_s / 4)
+        seen, since, gen = -1, time.monotonic(), -1
+        while not self._stop_watchdog.wait(interval):
+            proc, now = self._proc, time.monotonic()
+            if self._closed or proc is None or self._mm is None:
+                continue
+            try:
+                done = arena_mod.read_progress(self._mm)
+            except (ValueError, TypeError, BufferError):  # closed meanwhile
+                continue
+            if gen != self.generation or done != seen or self._ops_sent <= done:
+                seen, since, gen = done, now, self.generation
+                continue
+            if now - since >= self.watchdog_s and proc.poll() is None:
+                self._stuck = f"{self._ops_sent - done} ops in hand, none carried out for {now - since:.0f} s"
+                logger.error("hidden-state dump: the writer process (pid %d) made no progress for "
+                             "%.0f s with %d ops in hand; killing it (KIMI_SGLANG_WATCHDOG_S)",
+                             proc.pid, now - since, self._ops_sent - done)
+                try:
+                    proc.send_signal(signal.SIGKILL)
+                except OSError:
+                    pass
+                since = now
 
     # ---- scheduler thread -------------------------------------------------------------
     def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:
@@ -280,8 +339,9 @@ class DumpWriter:
         bfloat16 / float8_e4m3fn under ``hidden_states_dtype`` bf16 / fp8.
 
         Raises ``TypeError`` for a rid that is not a str and for token ids that are not
-        int64 (``OverflowError`` too), ``ValueError`` when the token ids alone exceed
-        the arena, ``RuntimeError`` after ``close``.
+        int64 (``OverflowError`` too), ``ValueError`` for a rid longer than
+        ``format.MAX_RID_CHARS`` and when the token ids alone exceed the arena, ``RuntimeError``
+        after ``close``.
         """
         if self.hidden_states_dtype == "fp8":
             dtype = quant.FP8_DTYPE
@@ -289,8 +349,7 @@ class DumpWriter:
             dtype = torch.bfloat16
         if self._closed:
             raise RuntimeError(SHUTDOWN_MESSAGE)
-        if not isinstance(rid, str):
-            raise TypeError(f"rid must be str, got {type(rid).__name__}")
+        fmt.check_rid(rid)
         ids = array.array("q", token_ids)
         nbytes = len(ids) * 8
         if nbytes > self.extents.capacity:
@@ -491,17 +550,55 @@ class DumpWriter:
                     self._seq_host.copy_(self._seq_dev, non_blocking=True)
             else:
                 arena_mod.write_seq(self._mm, seq)
-        try:
-            for blob, fds in wire.pack(seq, out.ops, out.fds):
-                self._send_blocking(blob, fds)
-        except (OSError, WriterDied) as e:
-            for fd in out.fds:
-                wire.close_quiet(fd)
-            if not isinstance(e, WriterDied):
+        messages = wire.pack(seq, out.ops, out.fds)
+        for i, msg in enumerate(messages):
+            try:
+                self._send_blocking(msg.blob, msg.fds)
+            except OSError as e:
+                if wire.is_message_fault(e) and self._proc.poll() is None:
+                    self._refuse(msg, e)  # that message's requests fail; the writer goes on
+                    continue
+                for m in messages[i:]:
+                    for fd in m.fds:
+                        wire.close_quiet(fd)
                 self._writer_died()
-            return
-        for fd in out.fds:  # the writer holds the locks now
-            os.close(fd)
+                return
+            except WriterDied:
+                for m in messages[i:]:
+                    for fd in m.fds:
+                        wire.close_quiet(fd)
+                return
+            self._ops_sent += sum(op[0] != wire.CLOSE for op in msg.ops)
+            for fd in msg.fds:  # the writer holds these locks now
+                os.close(fd)
+
+    def _refuse(self, msg: "wire.Message", e: OSError) -> None:
+        """A message the socket would not take for a reason of its own (``EMSGSIZE``): its
+        arena ranges come back, its finished files fail with the reason, and the writer
+        (which never saw it) goes on; later ops of its requests fail there (no rows)."""
+        fds = iter(msg.fds)
+        failed = 0
+        for op in msg.ops:
+            kind = op[0]
+            if kind in (wire.BEGIN, wire.ROWS):
+                self._give_back(op[6] if kind == wire.BEGIN else op[4])
+            elif kind == wire.FINISH:
+                self._outstanding.pop(op[1], None)
+                fmt.fail(fmt.Reservation(self.dir_fd, op[2], next(fds)),
+                         f"the message to the hidden-state writer was refused: {e.strerror or e}")
+                failed += 1
+        self.stats.failures += failed
+        logger.error("hidden-state dump: a %d-byte message to the writer process was refused (%s); "
+                     "%d files failed, the writer goes on", len(msg.blob), e.strerror or e, failed)
+
+    def _give_back(self, piece_id: int) -> None:
+        """One op naming arena range ``piece_id`` is done with it; free it at the last."""
+        piece = self._pieces.get(piece_id)
+        if piece is not None:
+            piece.refs -= 1
+            if piece.refs <= 0:
+                del self._pieces[piece_id]
+                self.extents.free(piece.off, piece.nbytes)
 
     def _send_blocking(self, blob: bytes, fds: Sequence[int]) -> None:
         while True:
@@ -542,6 +639,9 @@ class DumpWriter:
                 events, _ = wire.recv(self._sock, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 break
+            except wire.BadMessage as e:
+                logger.error("hidden-state dump: an acknowledgement from the writer was lost: %s", e)
+                continue
             except OSError:
                 events = None
             if events is None:  # the writer process is gone
@@ -549,13 +649,8 @@ class DumpWriter:
                 break
             for ev in events:
                 kind = ev[0]
-                if kind == wire.DONE_PIECE:
-                    piece = self._pieces.get(ev[1])  # (DONE_PIECE, piece, data bytes)
-                    if piece is not None:
-                        piece.refs -= 1
-                        if piece.refs <= 0:
-                            del self._pieces[ev[1]]
-                            self.extents.free(piece.off, piece.nbytes)
+                if kind == wire.DONE_PIECE:  # (DONE_PIECE, piece, data bytes)
+                    self._give_back(ev[1])
                 elif kind == wire.WROTE:
                     self._outstanding.pop(ev[1], None)
                     wrote += 1
@@ -614,6 +709,7 @@ class DumpWriter:
         if self._closed:
             return not self._outstanding
         self._closed = True
+        self._stop_watchdog.set()
         proc = self._proc
         if self._sock is not None:
             self._out.ops.append((wire.CLOSE, float(timeout)))

@@ -42,6 +42,7 @@ import logging
 import os
 import pickle
 import queue
+import secrets
 import select
 import signal
 import socket
@@ -65,8 +66,9 @@ TMP_PREFIX = ".kimi-"
 
 
 def tmp_name(tag: str, key: int) -> str:
-    """The temporary file of request ``key`` of writer ``tag`` (``clean_stale`` matches it)."""
-    return f"{TMP_PREFIX}{tag}-{key}{fmt.SUFFIX}{fmt.TMP_SUFFIX}"
+    """The temporary file of request ``key`` of writer ``tag`` (``clean_stale`` matches
+    it); a random part makes it unguessable, so nothing can be planted there in advance."""
+    return f"{TMP_PREFIX}{tag}-{key}-{secrets.token_hex(6)}{fmt.SUFFIX}{fmt.TMP_SUFFIX}"
 
 
 def row_bytes(row_width: int, dtype: str) -> int:
@@ -117,28 +119,34 @@ class Writer:
     # ---- ops ----------------------------------------------------------------------
     def handle(self, op: tuple, fd: Optional[int], lost: bool = False) -> None:
         """Carry out one op. ``lost``: its arena data never arrived (``COPY_TIMEOUT_S``):
-        the request fails instead of writing what the arena holds."""
+        the request fails instead of writing what the arena holds. Never raises for a
+        request's own failure: it becomes that request's error (its FINISH fails); the
+        arena range an op names is acknowledged whatever happens."""
         kind = op[0]
         if kind == wire.BEGIN:
             _, key, rid, num_tokens, row_width, dtype, piece, token_off, times = op
-            job = self.jobs[key] = _Job(rid=rid, num_tokens=num_tokens, times=dict(times or {}),
-                                        row_bytes=row_bytes(row_width, dtype),
-                                        scale_row_bytes=scale_row_bytes(len(self.layer_ids), dtype))
-            if lost:
-                job.error = LOST_MESSAGE
-            elif not self.abort:
-                self._guard(job, self._begin, job, key, row_width, dtype, token_off)
-            self._ack((wire.DONE_PIECE, piece, num_tokens * 8))
+            try:
+                job = self.jobs[key] = _Job(rid=rid, num_tokens=num_tokens, times=dict(times or {}),
+                                            row_bytes=row_bytes(row_width, dtype),
+                                            scale_row_bytes=scale_row_bytes(len(self.layer_ids), dtype))
+                if lost:
+                    job.error = LOST_MESSAGE
+                elif not self.abort:
+                    self._guard(job, self._begin, job, key, row_width, dtype, token_off)
+            finally:
+                self._ack((wire.DONE_PIECE, piece, num_tokens * 8))
         elif kind == wire.ROWS:
             _, key, row0, nrows, piece, off = op[:6]
             job = self.jobs.get(key)
-            if job is not None and lost and job.error is None:
-                job.error = LOST_MESSAGE
-                self._discard(job)
-            if job is not None and job.error is None and not self.abort:
-                self._guard(job, self._rows, job, row0, nrows, off, op[6] if len(op) > 6 else None)
-            self._ack((wire.DONE_PIECE, piece,
-                       nrows * (job.row_bytes + job.scale_row_bytes if job is not None else 0)))
+            try:
+                if job is not None and lost and job.error is None:
+                    job.error = LOST_MESSAGE
+                    self._discard(job)
+                if job is not None and job.error is None and not self.abort:
+                    self._guard(job, self._rows, job, row0, nrows, off, op[6] if len(op) > 6 else None)
+            finally:
+                self._ack((wire.DONE_PIECE, piece,
+                           nrows * (job.row_bytes + job.scale_row_bytes if job is not None else 0)))
         elif kind == wire.FINISH:
             _, key, name, times = op
             job = self.jobs.pop(key, None)
@@ -169,8 +177,9 @@ class Writer:
         job.base = layout.offsets[fmt.KEY_HIDDEN_STATES]
         job.scale_base = layout.offsets.get(fmt.KEY_SCALES, 0)
         job.size = layout.size
-        job.tmp = tmp_name(self.tag, key)
-        job.fd = fmt.create_tmp(self.dir_fd, job.tmp)
+        tmp = tmp_name(self.tag, key)
+        job.fd = fmt.create_tmp(self.dir_fd, tmp)
+        job.tmp = tmp  # only once it is ours: _discard unlinks nothing else
         fmt.pwrite_all(job.fd, layout.header, 0)
         ids = specs[-1].nbytes
         fmt.pwrite_all(job.fd, self.view[token_off:token_off + ids], layout.offsets[fmt.KEY_TOKEN_IDS])
@@ -206,15 +215,12 @@ class Writer:
             fmt.publish(self.dir_fd, job.tmp, res.name)
             job.tmp = ""
             t_written = trace.now()
-            fmt.append_index(self.dir_fd, {
-                "rid": job.rid, "file": res.name, "num_tokens": job.num_tokens,
-                "bytes": job.size, "layer_ids": json.dumps(self.layer_ids),
-            })
+            self._index(job, res.name)
             fmt.complete(res)
         except Exception as e:  # noqa: BLE001 - reported through .error and the ack
             message = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
-            logger.error("hidden-state dump for rid %r failed: %s",
-                         job.rid if job is not None else key, message)
+            logger.error("hidden-state dump for rid %s failed: %s",
+                         fmt.brief_rid(job.rid if job is not None else key), message)
             if job is not None:
                 self._discard(job)
             fmt.fail(res, message)
@@ -230,16 +236,60 @@ class Writer:
                          **dict(job.times, **(times or {})), t_picked=t_picked, t_copied=t_copied,
                          t_written=t_written, t_released=trace.now())
 
+    def _index(self, job: _Job, name: str) -> None:
+        """Append the file's index line. If that fails, the request fails as a whole: the
+        file, still locked (no waiter has seen it), is unlinked and the error raised, so
+        the response, the counters, the index and the directory agree. Only if even the
+        unlink fails does the file stay, then counted as written without its line."""
+        try:
+            fmt.append_index(self.dir_fd, {
+                "rid": job.rid, "file": name, "num_tokens": job.num_tokens,
+                "bytes": job.size, "layer_ids": json.dumps(self.layer_ids),
+            })
+        except OSError as e:
+            try:
+                os.unlink(name, dir_fd=self.dir_fd)
+            except OSError as e2:
+                logger.error("hidden-state dump: %s is complete but its index line failed (%s) "
+                             "and it cannot be removed (%s); it stays, without an index line",
+                             name, e, e2)
+                return
+            raise OSError(e.errno, f"the index line could not be written ({e.strerror or e}); "
+                                   f"the file was removed") from None
+
     def _discard(self, job: _Job) -> None:
+        """Drop a request's temporary file; never raises (what cannot be removed now is a
+        leftover ``format.clean_stale`` removes at the next start)."""
         if job.fd is not None:
-            os.close(job.fd)
+            try:
+                os.close(job.fd)
+            except OSError:
+                pass
             job.fd = None
         if job.tmp:
             try:
                 os.unlink(job.tmp, dir_fd=self.dir_fd)
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                logger.warning("hidden-state dump: cannot remove %s: %s", job.tmp, e)
             job.tmp = ""
+
+    def failed_op(self, op: tuple, fd: Optional[int], e: BaseException) -> None:
+        """What an op that raised past ``handle``'s own handling leaves: its request fails
+        (a FINISH answers FAILED, releasing the lock with ``<name>.error``)."""
+        logger.error("hidden-state dump: op %s of request %s failed: %s: %s", op[0], op[1],
+                     type(e).__name__, e)
+        job = self.jobs.pop(op[1], None) if op[0] in (wire.FINISH, wire.ABANDON) else self.jobs.get(op[1])
+        if job is not None:
+            job.error = job.error or f"{type(e).__name__}: {e}"
+            self._discard(job)
+        if op[0] == wire.FINISH and fd is not None:
+            message = f"{type(e).__name__}: {e}"
+            fmt.fail(fmt.Reservation(self.dir_fd, op[2], fd), message)
+            if self.metrics is not None:
+                self.metrics.failed()
+            self._ack((wire.FAILED, op[1], op[2], message))
 
     def discard_all(self) -> None:
         """Unlink the temporary files of requests that never got their FINISH."""
@@ -256,10 +306,14 @@ class Writer:
 
 
 class _Thread:
-    """One writer thread with its own queue, so a request's ops run in order."""
+    """One writer thread with its own queue, so a request's ops run in order. ``progress``:
+    the arena's first page (``arena.attach_progress``), where it counts the ops it has
+    carried out for the scheduler's watchdog (slot ``i``), or None."""
 
-    def __init__(self, i: int, writer: Writer):
+    def __init__(self, i: int, writer: Writer, progress=None):
+        self.i = i
         self.writer = writer
+        self.progress = progress
         self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"hs-writer-{i}", daemon=True)
         self.thread.start()
@@ -270,7 +324,12 @@ class _Thread:
             if item is None:
                 self.writer.discard_all()
                 return
-            self.writer.handle(*item)
+            try:
+                self.writer.handle(*item)
+            except Exception as e:  # noqa: BLE001 - a bug in one op must not end the thread
+                self.writer.failed_op(item[0], item[1], e)
+            if self.progress is not None:
+                arena_mod.bump_progress(self.progress, self.i)
 
 
 class _Levels:
@@ -333,14 +392,14 @@ class _Levels:
 
 def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer_ids,
           num_layers: int, extra: dict, drain_timeout: float, metrics=None,
-          stats_interval_s: float = 0.0) -> int:
+          stats_interval_s: float = 0.0, progress=None) -> int:
     """Receive and carry out ops until CLOSE or the scheduler's end closes; returns the
     number of writes still running at the drain deadline (0 when all ended)."""
     acks: Deque[tuple] = deque()
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     workers = [
         _Thread(i, Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
-                          extra=extra, acks=acks, wake=wake_w, metrics=metrics))
+                          extra=extra, acks=acks, wake=wake_w, metrics=metrics), progress)
         for i in range(max(1, threads))
     ]
     levels = _Levels(metrics, stats_interval_s, len(layer_ids))
@@ -364,6 +423,9 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
                     msg, fds = wire.recv(sock, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
+                except wire.BadMessage as e:  # the scheduler bounds its messages: a bug, not a reason to stop
+                    logger.error("hidden-state dump: %s; its ops are lost (their files fail)", e)
+                    continue
                 except OSError:
                     msg, fds = None, []
                 if msg is None:  # the scheduler is gone
@@ -508,7 +570,8 @@ def main(argv=None) -> int:
     late = serve(sock, mm, args.dir_fd, threads=args.threads, tag=args.tag,
                  layer_ids=meta["layer_ids"], num_layers=meta["num_layers"],
                  extra=meta.get("extra", {}), drain_timeout=args.drain_timeout,
-                 metrics=metrics, stats_interval_s=args.stats_interval)
+                 metrics=metrics, stats_interval_s=args.stats_interval,
+                 progress=arena_mod.attach_progress(args.arena_fd))
     if late:
         logger.warning("%d writes still running at the drain deadline; they leave only "
                        "temporary files and locks, removed at the next start", late)

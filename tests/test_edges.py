@@ -1,0 +1,261 @@
+"""The writer at its edges (issue 36): a client's huge rid, cleanup errors, a stuck writer
+process, an index line that cannot be written. Each request still ends in exactly one
+outcome (a complete file or an error in its response) and the writer keeps serving.
+
+Driven as the patched scheduler drives it (tests/test_hooks.py's stand-ins), with a
+real writer process; faults are injected into that process (``inject_writer``) or made
+with real signals and real FIFOs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from sglang_ext import format as fmt
+from sglang_ext import hooks
+from test_faults import _teardown, assert_complete_or_error, leftovers, slow_writes
+from test_hooks import Req, finish, idle, inject_writer, make_runner, run_extend, wait_for
+
+IDS = [2, 4]
+
+
+@pytest.fixture
+def dump(tmp_path):
+    d = tmp_path / "hs"
+    d.mkdir()
+    yield d
+    _teardown()
+
+
+def files(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(fmt.SUFFIX))
+
+
+# ---- 1: a large rid ----------------------------------------------------------------------
+def test_a_huge_rid_fails_its_own_request_and_the_writer_lives(dump):
+    """A 1 MB rid (an HTTP field any client sets) fails that request with a sentence; the
+    request beside it in the batch gets its file; the writer process is not replaced."""
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    writer = hooks._DUMPER.writer
+    pid = writer.pid
+    huge, plain = Req("r" * 1_000_000, 4, 1), Req("plain", 4, 2)
+    run_extend([(huge, 0, 4), (plain, 0, 4)], IDS)
+    assert f"at most {fmt.MAX_RID_CHARS}" in finish(huge)["hidden_states_error"]
+    assert assert_complete_or_error(plain, finish(plain), dump)
+    snap = idle()
+    assert writer.pid == pid and snap["writer_restarts"] == 0 and snap["host_bytes_in_use"] == 0
+
+
+def test_a_message_the_socket_refuses_fails_its_requests_not_the_writer(dump, monkeypatch):
+    """Past the rid check (lifted here), an op too large for one socket message is refused
+    by the kernel (EMSGSIZE): that is the message's fault, not the writer's. Its request
+    fails, its arena range comes back, the other requests of the batch and the next
+    batch are written by the same writer process."""
+    monkeypatch.setattr(fmt, "MAX_RID_CHARS", 10**8)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    writer = hooks._DUMPER.writer
+    pid = writer.pid
+    huge, plain = Req("r" * 2_000_000, 4, 1), Req("plain", 4, 2)
+    run_extend([(plain, 0, 4), (huge, 0, 4)], IDS)
+    assert finish(huge)["hidden_states_error"]
+    assert assert_complete_or_error(plain, finish(plain), dump)
+    after = Req("after", 4, 3)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+    snap = idle()
+    assert writer.pid == pid and snap["writer_restarts"] == 0
+    assert snap["host_bytes_in_use"] == 0 and snap["failures"] == 1 and snap["files_written"] == 2
+    assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
+
+
+# ---- 2: cleanup errors -------------------------------------------------------------------
+# While $BREAK exists, the writer process cannot rename nor unlink temporary files (as in
+# a directory made read-only between two chunks of a request).
+CLEANUP_FAILS = """
+    import os
+    from sglang_ext import format as fmt
+    _publish, _unlink = fmt.publish, os.unlink
+    def publish(*a, **k):
+        if os.path.exists(os.environ["BREAK"]):
+            raise PermissionError(13, "Permission denied")
+        return _publish(*a, **k)
+    def unlink(path, *a, **k):
+        if os.path.exists(os.environ["BREAK"]) and str(path).endswith(".tmp"):
+            raise PermissionError(13, "Permission denied")
+        return _unlink(path, *a, **k)
+    fmt.publish, os.unlink = publish, unlink
+"""
+
+
+def test_a_cleanup_error_fails_the_request_and_the_writer_thread_goes_on(dump, monkeypatch, tmp_path):
+    """The rename and the temporary file's unlink fail with EACCES: the request gets an
+    error (not a hang), the failure is counted, and the same single writer thread writes
+    the next request once the directory is usable again; ``close`` does not raise."""
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "1")
+    flag = tmp_path / "break"
+    flag.touch()
+    inject_writer(monkeypatch, tmp_path, CLEANUP_FAILS, BREAK=str(flag))
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("ro", 6, 1)
+    run_extend([(req, 0, 3)], IDS)
+    run_extend([(req, 3, 6)], IDS)
+    assert "Permission denied" in finish(req)["hidden_states_error"]
+    assert idle()["failures"] == 1
+    flag.unlink()
+    after = Req("after", 4, 2)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+    assert hooks._DUMPER.writer.close(timeout=5) is True
+
+
+def test_a_directory_planted_at_the_temporary_name_fails_that_request_only(dump, monkeypatch, tmp_path):
+    """Temporary names carry a random part, so none can be planted in advance; with the
+    name forced (as a neighbour who guessed it), the request whose name is taken gets an
+    error, the writer thread survives, and ``close`` does not raise."""
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "1")
+    planted = ".kimi-planted.safetensors.tmp"
+    inject_writer(monkeypatch, tmp_path, f"""
+        import os
+        from sglang_ext import writer_process
+        _real = writer_process.tmp_name
+        def tmp_name(tag, key):
+            return {planted!r} if key == 0 else _real(tag, key)
+        writer_process.tmp_name = tmp_name
+    """)
+    (dump / planted).mkdir()
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    first, second = Req("first", 4, 1), Req("second", 4, 2)
+    run_extend([(first, 0, 4)], IDS)
+    assert finish(first)["hidden_states_error"]
+    run_extend([(second, 0, 4)], IDS)
+    assert assert_complete_or_error(second, finish(second), dump)
+    assert (dump / planted).is_dir()
+    assert hooks._DUMPER.writer.close(timeout=5) is True
+
+
+def test_temporary_names_cannot_be_guessed():
+    from sglang_ext import writer_process
+
+    names = {writer_process.tmp_name("1-0", 7) for _ in range(50)}
+    assert len(names) == 50 and all(n.startswith(".kimi-1-0-7-") for n in names)
+
+
+# ---- 3: the watchdog ---------------------------------------------------------------------
+def _gone(pid, timeout=10):
+    def dead():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1][0] in "ZX"
+        except FileNotFoundError:
+            return True
+    return wait_for(dead, timeout)
+
+
+def test_a_stopped_writer_is_replaced_and_its_requests_fail_in_bounded_time(dump, monkeypatch, tmp_path):
+    """SIGSTOP to the writer process while it holds a file: within the watchdog time
+    (KIMI_SGLANG_WATCHDOG_S) its waiting response gets an error, the process is killed,
+    the next batch starts a new one, which writes."""
+    monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "1")
+    slow_writes(monkeypatch, tmp_path, 0.5)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    writer = hooks._DUMPER.writer
+    pid = writer.pid
+    req = Req("held", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    meta = finish(req, timeout=20)
+    assert time.monotonic() - t0 < 10
+    assert meta.get("hidden_states_error"), meta
+    assert _gone(pid)
+    after = Req("after", 4, 2)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+    assert writer.pid != pid and writer.snapshot()["writer_restarts"] == 1
+    assert files(dump) == [f"{fmt.safe_stem('after')}{fmt.SUFFIX}"]
+    assert "made no progress" in (dump / f"{fmt.safe_stem('held')}{fmt.SUFFIX}{fmt.ERROR_SUFFIX}").read_text()
+
+
+def test_the_scheduler_waiting_on_a_stopped_writer_is_freed_by_the_watchdog(dump, monkeypatch):
+    """Backpressure on a stopped writer: the arena (1 MiB) is full and the writer never
+    gives it back; the scheduler's wait ends within the watchdog time, that batch's
+    requests fail, and the server goes on with a new writer process."""
+    monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "1")
+    hooks.setup_model(make_runner(dump, num_layers=8, layers="2,4", max_mb=1))
+    writer = hooks._DUMPER.writer
+    pid = writer.pid
+    os.kill(pid, signal.SIGSTOP)
+    reqs = [Req(f"big-{i}", 4096, i + 1) for i in range(4)]  # 4 x 4096 x 2 x 16 x 4 B = 4 MiB
+    t0 = time.monotonic()
+    run_extend([(r, 0, 4096) for r in reqs], IDS)
+    assert time.monotonic() - t0 < 10
+    metas = [finish(r, timeout=20) for r in reqs]
+    assert all(m.get("hidden_states_error") for m in metas), metas
+    assert _gone(pid) and writer.snapshot()["writer_restarts"] == 1
+    after = Req("after", 4, 9)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+
+
+def test_a_fifo_planted_at_the_index_blocks_nothing(dump, monkeypatch):
+    """A FIFO at ``index.jsonl`` (a neighbour's trap: opening it for writing blocks
+    without a reader): the request whose index line it takes fails within the watchdog
+    time at worst, and once it is removed the next request is written and indexed."""
+    monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "2")
+    os.mkfifo(dump / fmt.INDEX_NAME)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("fifo", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    t0 = time.monotonic()
+    assert finish(req, timeout=20).get("hidden_states_error")
+    assert time.monotonic() - t0 < 10
+    assert files(dump) == []
+    os.unlink(dump / fmt.INDEX_NAME)
+    after = Req("after", 4, 2)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+    assert [r["file"] for r in fmt.read_index(str(dump))] == [f"{fmt.safe_stem('after')}{fmt.SUFFIX}"]
+
+
+def test_a_slow_writer_that_makes_progress_is_not_killed(dump, monkeypatch, tmp_path):
+    """The watchdog measures progress, not time: one writer thread taking 0.4 s a file
+    for 8 files (3.2 s in all, past a 1 s watchdog) is never replaced."""
+    monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "1")
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "1")
+    slow_writes(monkeypatch, tmp_path, 0.4)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    reqs = [Req(f"slow-{i}", 4, i + 1) for i in range(8)]
+    run_extend([(r, 0, 4) for r in reqs], IDS)
+    assert all(assert_complete_or_error(r, finish(r, timeout=30), dump) for r in reqs)
+    assert idle()["writer_restarts"] == 0
+
+
+# ---- 8: one outcome per request ----------------------------------------------------------
+INDEX_FAILS = """
+    from sglang_ext import format as fmt
+    def append_index(*a, **k):
+        raise OSError(28, "No space left on device")
+    fmt.append_index = append_index
+"""
+
+
+def test_an_index_line_that_cannot_be_written_fails_the_request_as_a_whole(dump, monkeypatch, tmp_path):
+    """The index line fails after the rename: the request fails everywhere alike: its
+    response carries the error, no file stays under its name, no index line, one
+    failure and no file counted."""
+    inject_writer(monkeypatch, tmp_path, INDEX_FAILS)
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("noindex", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    meta = finish(req)
+    assert "index line could not be written" in meta["hidden_states_error"]
+    assert "hidden_states_path" not in meta
+    assert files(dump) == [] and fmt.read_index(str(dump)) == []
+    snap = idle()
+    assert snap["failures"] == 1 and snap["files_written"] == 0
+    assert torch.equal(torch.tensor(0), torch.tensor(len(leftovers(dump))))
