@@ -29,13 +29,26 @@ planted at a name or swapped in for the directory after start-up):
 
 1. ``reserve()`` picks a name from the rid (``safe_stem``) that neither a finished file
    nor a write in flight holds, by creating ``<name>.safetensors.lock`` with
-   ``O_CREAT|O_EXCL|O_NOFOLLOW`` and holding an exclusive ``flock`` on it.
+   ``O_CREAT|O_EXCL|O_NOFOLLOW`` and holding an exclusive ``flock`` on it. Its cost does
+   not grow with the number of earlier files of the rid (O(1) calls while one process
+   names them, O(log n) after others took n names).
 2. ``write_reserved()`` writes ``.<name>.safetensors.tmp`` and
    renames it to ``<name>.safetensors``: a reader never sees a partial file under the
    final name. Then one line goes to ``index.jsonl`` (``rid``, ``file``, ``num_tokens``,
-   ``bytes``, ``layer_ids``).
+   ``bytes``, ``layer_ids``), whole or not at all: a write cut short (disk full) is
+   truncated away under a ``flock`` on the index and raised as ``OSError``, so the
+   index never holds a torn line.
 3. The lock file is unlinked and released. On failure the temporary file is removed,
    ``<name>.safetensors.error`` receives the message, and the lock is released.
+
+Every file created here (data, temporary, lock, error, index) gets mode ``file_mode()``:
+0600 unless ``KIMI_SGLANG_FILE_MODE`` says otherwise (e.g. ``0640``), the umask applying
+on top; a dump is not readable by other users by default. Every open of an entry in the
+directory uses ``O_NOFOLLOW|O_NONBLOCK`` and accepts only a regular file
+(``open_regular``): a FIFO, directory or socket planted at a name is refused with an
+``OSError`` that says what was found, never waited on. Headers are read with
+safetensors' 100 MB bound and parsed defensively (``read_header``): a crafted file is
+``DumpFormatError``, never ``MemoryError`` or ``RecursionError``.
 
 A client waits for a file by waiting on its lock (``wait_complete``): this is the
 completion protocol of vLLM's hidden-states connector, which speculators' client uses.
@@ -722,8 +735,9 @@ def _try_lock_released(path: str) -> bool:
 def wait_complete(path: str, timeout: float = 600.0) -> Optional[str]:
     """Block until the writer has released ``path``; ``None`` on success, else the error.
 
-    Raises ``TimeoutError`` after ``timeout`` seconds. Blocking ``flock`` would be
-    simplest, but polling with a short back-off lets the same code serve asyncio.
+    Raises ``TimeoutError`` after ``timeout`` seconds, ``OSError`` when something not a
+    regular file sits at the lock's name. Blocking ``flock`` would be simplest, but
+    polling with a short back-off lets the same code serve asyncio.
     """
     deadline = time.monotonic() + timeout
     delay = POLL_FIRST_S
