@@ -29,13 +29,26 @@ planted at a name or swapped in for the directory after start-up):
 
 1. ``reserve()`` picks a name from the rid (``safe_stem``) that neither a finished file
    nor a write in flight holds, by creating ``<name>.safetensors.lock`` with
-   ``O_CREAT|O_EXCL|O_NOFOLLOW`` and holding an exclusive ``flock`` on it.
+   ``O_CREAT|O_EXCL|O_NOFOLLOW`` and holding an exclusive ``flock`` on it. Its cost does
+   not grow with the number of earlier files of the rid (O(1) calls while one process
+   names them, O(log n) after others took n names).
 2. ``write_reserved()`` writes ``.<name>.safetensors.tmp`` and
    renames it to ``<name>.safetensors``: a reader never sees a partial file under the
    final name. Then one line goes to ``index.jsonl`` (``rid``, ``file``, ``num_tokens``,
-   ``bytes``, ``layer_ids``).
+   ``bytes``, ``layer_ids``), whole or not at all: a write cut short (disk full) is
+   truncated away under a ``flock`` on the index and raised as ``OSError``, so the
+   index never holds a torn line.
 3. The lock file is unlinked and released. On failure the temporary file is removed,
    ``<name>.safetensors.error`` receives the message, and the lock is released.
+
+Every file created here (data, temporary, lock, error, index) gets mode ``file_mode()``:
+0600 unless ``KIMI_SGLANG_FILE_MODE`` says otherwise (e.g. ``0640``), the umask applying
+on top; a dump is not readable by other users by default. Every open of an entry in the
+directory uses ``O_NOFOLLOW|O_NONBLOCK`` and accepts only a regular file
+(``open_regular``): a FIFO, directory or socket planted at a name is refused with an
+``OSError`` that says what was found, never waited on. Headers are read with
+safetensors' 100 MB bound and parsed defensively (``read_header``): a crafted file is
+``DumpFormatError``, never ``MemoryError`` or ``RecursionError``.
 
 A client waits for a file by waiting on its lock (``wait_complete``): this is the
 completion protocol of vLLM's hidden-states connector, which speculators' client uses.
@@ -55,11 +68,15 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
+import stat
 import struct
+import threading
 import time
 import unicodedata
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -96,6 +113,90 @@ _SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9_]{6,}")
 
 class DumpFormatError(ValueError):
     """A file does not follow the contract above (missing key, bad shape or dtype)."""
+
+
+# The permission bits of every file created here (data, temporary, lock, error, index):
+# owner read and write only, unless the environment asks for more (e.g. 0640 to let a
+# group of trainers read the dumps). It is the ``mode`` argument of ``os.open``, so the
+# process's umask still applies.
+FILE_MODE_ENV = "KIMI_SGLANG_FILE_MODE"
+DEFAULT_FILE_MODE = 0o600
+_FILE_MODE = re.compile(r"[0-7]{3,4}")
+
+
+def file_mode() -> int:
+    """The mode files are created with: ``KIMI_SGLANG_FILE_MODE`` (an octal string of 3 or
+    4 digits, e.g. ``0640``) or 0o600 when it is unset or empty.
+
+    Raises ``ValueError`` (one sentence naming the variable) for a value that is not 3-4
+    octal digits, lacks owner read and write (0600: the server rewrites and the client
+    reads its own files), or has bits beyond 0777 (setuid, setgid, sticky).
+    """
+    raw = os.environ.get(FILE_MODE_ENV, "")
+    if not raw:
+        return DEFAULT_FILE_MODE
+    mode = int(raw, 8) if _FILE_MODE.fullmatch(raw) else -1
+    if mode < 0 or mode > 0o777 or mode & 0o600 != 0o600:
+        raise ValueError(
+            f"{FILE_MODE_ENV} must be an octal file mode of 3 or 4 digits that includes owner "
+            f"read and write (0600) and nothing beyond 0777, such as 0600 or 0640; got {raw!r}"
+        )
+    return mode
+
+
+# Every open of an entry in the dump directory: never through a symlink at the name, and
+# never blocking on a FIFO (an open of a FIFO waits for its other end unless O_NONBLOCK;
+# on a regular file O_NONBLOCK has no effect).
+_OPEN_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISLNK, "a symbolic link"))
+
+
+def _not_regular(name: str, st_mode: int) -> OSError:
+    kind = next((word for test, word in _KINDS if test(st_mode)), "of an unknown type")
+    return OSError(f"{name} is {kind}, not a regular file")
+
+
+def open_regular(
+    name: str,
+    flags: int,
+    *,
+    dir_fd: Optional[int] = None,
+    mode: Optional[int] = None,
+    follow: bool = False,
+) -> int:
+    """``os.open(name, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)`` that returns only a
+    regular file's descriptor; ``mode`` defaults to ``file_mode()``.
+
+    Raises ``OSError`` "``<name>`` is a FIFO, not a regular file" (or a directory, a
+    socket, ...) for anything else, without blocking on a FIFO; ``OSError`` (``ELOOP``)
+    for a symlink at ``name`` unless ``follow`` (then its target must be regular); and
+    what ``os.open`` raises otherwise (``FileNotFoundError``, ``FileExistsError`` with
+    ``O_EXCL``, ``ENOSPC``, ...).
+    """
+    flags |= _OPEN_SAFE if not follow else (os.O_NONBLOCK | os.O_CLOEXEC)
+    if mode is None:
+        mode = file_mode() if flags & os.O_CREAT else 0
+    try:
+        fd = os.open(name, flags, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: a FIFO opened to write with nobody reading
+            raise
+        try:
+            st_mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=follow).st_mode
+        except OSError:
+            raise e from None
+        raise _not_regular(name, st_mode) from None
+    try:
+        st_mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st_mode):
+        os.close(fd)
+        raise _not_regular(name, st_mode)
+    return fd
 
 
 def safe_stem(rid: str) -> str:
@@ -151,32 +252,74 @@ def open_dump_dir(path: str) -> int:
     return fd
 
 
+# Where the next name of a stem is likely free, per (directory, stem), for the process:
+# a rid reused 10k times must not cost 10k tries per request on the scheduler thread.
+# Only a hint: the exclusive create decides, so a stale or racing hint costs tries, never
+# a wrong name. Bounded (least recently used stems are forgotten).
+_NEXT_HINT: "OrderedDict[Tuple[int, int, str], int]" = OrderedDict()
+_NEXT_HINT_MAX = 4096
+_NEXT_HINT_LOCK = threading.Lock()
+_MAX_TRIES = 64  # galloping: covers counters up to 2**62 past the hint
+
+
+def _candidate(stem: str, n: int) -> str:
+    return f"{stem}{SUFFIX}" if n == 0 else f"{stem}-{n}{SUFFIX}"
+
+
+def _take(dir_fd: int, name: str, mode: int) -> Optional[int]:
+    """The held lock's descriptor if ``name`` was free and is now ours, else ``None``."""
+    if lexists_at(dir_fd, name):
+        return None
+    try:
+        lock_fd = open_regular(name + LOCK_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                               dir_fd=dir_fd, mode=mode)
+    except FileExistsError:
+        return None
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    # A write of that name may have finished (or failed) between the check and the lock.
+    if lexists_at(dir_fd, name) or lexists_at(dir_fd, name + ERROR_SUFFIX):
+        _unlink_quiet(dir_fd, name + LOCK_SUFFIX)
+        os.close(lock_fd)
+        return None
+    return lock_fd
+
+
 def reserve(dir_fd: int, rid: str) -> Reservation:
     """Hold a fresh file name for ``rid``; never one a finished or in-flight file has.
 
-    Tries ``<stem>.safetensors``, then ``<stem>-1.safetensors``, ... The lock file is
-    created exclusively (a symlink or any entry already at that name counts as taken).
-    Raises ``OSError`` when the directory cannot take a new entry (e.g. ``ENOSPC``).
+    The name is ``<stem>.safetensors`` when that is free, else ``<stem>-<n>.safetensors``
+    for some n >= 1 (not necessarily the smallest free one: names need not be dense).
+    The lock file is created exclusively (a symlink or any entry already at that name
+    counts as taken), with ``file_mode()``. n starts where this process last found a free
+    one for the stem, then gallops (+1, +2, +4, ...): O(1) calls per reservation while
+    this process names a rid's files, O(log n) after others took n names.
+    Raises ``OSError`` when the directory cannot take a new entry (e.g. ``ENOSPC``),
+    ``ValueError`` for a bad ``KIMI_SGLANG_FILE_MODE``.
     """
     stem = safe_stem(rid)
-    for n in range(0, 1 << 20):
-        name = f"{stem}{SUFFIX}" if n == 0 else f"{stem}-{n}{SUFFIX}"
-        try:
-            lock_fd = os.open(
-                name + LOCK_SUFFIX,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
-                dir_fd=dir_fd,
-            )
-        except FileExistsError:
-            continue
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        if lexists_at(dir_fd, name) or lexists_at(dir_fd, name + ERROR_SUFFIX):
-            os.unlink(name + LOCK_SUFFIX, dir_fd=dir_fd)
-            os.close(lock_fd)
-            continue
-        return Reservation(dir_fd=dir_fd, name=name, lock_fd=lock_fd)
-    raise OSError(errno.EEXIST, f"no free file name for rid {rid!r}")
+    mode = file_mode()
+    st = os.fstat(dir_fd)
+    key = (st.st_dev, st.st_ino, stem)
+    n = 0
+    lock_fd = _take(dir_fd, _candidate(stem, 0), mode)
+    if lock_fd is None:
+        with _NEXT_HINT_LOCK:
+            base = _NEXT_HINT.get(key, 1)
+        step = 0
+        for _ in range(_MAX_TRIES):
+            n = base + step
+            lock_fd = _take(dir_fd, _candidate(stem, n), mode)
+            if lock_fd is not None:
+                break
+            step = step * 2 if step else 1
+        else:
+            raise OSError(errno.EEXIST, f"no free file name for rid {rid!r}")
+    with _NEXT_HINT_LOCK:
+        _NEXT_HINT[key] = n + 1
+        _NEXT_HINT.move_to_end(key)
+        while len(_NEXT_HINT) > _NEXT_HINT_MAX:
+            _NEXT_HINT.popitem(last=False)
+    return Reservation(dir_fd=dir_fd, name=_candidate(stem, n), lock_fd=lock_fd)
 
 
 def lexists_at(dir_fd: int, name: str) -> bool:
@@ -327,16 +470,17 @@ def dtype_metadata(dtype: str) -> Dict[str, str]:
 def create_tmp(dir_fd: int, tmp_name: str) -> int:
     """Create ``tmp_name`` in the dump directory for writing; returns its descriptor.
 
-    Exclusive and not following symlinks: an entry already at that name (a planted
-    symlink, a leftover) is unlinked (the link itself, never its target) and the create
-    retried once. Raises ``OSError`` (e.g. ``ENOSPC``).
+    Exclusive and not following symlinks, with ``file_mode()``: an entry already at that
+    name (a planted symlink, a leftover) is unlinked (the link itself, never its target)
+    and the create retried once. Raises ``OSError`` (e.g. ``ENOSPC``).
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    mode = file_mode()
     try:
-        return os.open(tmp_name, flags, 0o644, dir_fd=dir_fd)
+        return open_regular(tmp_name, flags, dir_fd=dir_fd, mode=mode)
     except FileExistsError:
         _unlink_quiet(dir_fd, tmp_name)
-        return os.open(tmp_name, flags, 0o644, dir_fd=dir_fd)
+        return open_regular(tmp_name, flags, dir_fd=dir_fd, mode=mode)
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:
@@ -430,19 +574,59 @@ def check_tensors(hidden_states: Any, token_ids: Any, scales: Any = None) -> Non
         )
 
 
+# How long ``append_index`` waits for another process's lock on the index (each holds it
+# for one write) before it gives up.
+INDEX_LOCK_TIMEOUT_S = 10.0
+
+
 def append_index(dir_fd: int, record: Mapping[str, Any]) -> None:
-    """Append one JSON line to ``index.jsonl`` (one ``write`` with ``O_APPEND``)."""
+    """Append one JSON line to ``index.jsonl``, whole or not at all.
+
+    One ``write`` with ``O_APPEND`` under an exclusive ``flock`` on the index (writers of
+    several servers may share a directory): a write that is cut short (disk full, file
+    size limit) or fails is undone by truncating the index back to its size before it, so
+    the index never holds a torn line. Raises ``OSError`` naming ``index.jsonl`` then (the
+    caller makes it the request's error), when the index is not a regular file (a FIFO
+    planted there: refused without blocking), or when its lock stays held longer than
+    ``INDEX_LOCK_TIMEOUT_S``.
+    """
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode("ascii")
-    fd = os.open(
-        INDEX_NAME,
-        os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o644,
-        dir_fd=dir_fd,
-    )
+    fd = open_regular(INDEX_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, dir_fd=dir_fd)
     try:
-        os.write(fd, line)
+        _lock_bounded(fd, INDEX_LOCK_TIMEOUT_S, INDEX_NAME)
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, f"only {written} of {len(line)} bytes were written")
+        except OSError as e:
+            why = e.strerror or str(e)
+            try:
+                os.ftruncate(fd, size)
+            except OSError as t:
+                raise OSError(e.errno, f"{INDEX_NAME}: a line of {len(line)} bytes could not be "
+                              f"written ({why}), and cutting the index back to {size} bytes "
+                              f"failed too ({t.strerror}): it may end in a partial line") from None
+            raise OSError(e.errno, f"{INDEX_NAME}: a line of {len(line)} bytes could not be "
+                          f"written ({why}); the index is left as it was") from None
     finally:
-        os.close(fd)
+        os.close(fd)  # also releases the flock
+
+
+def _lock_bounded(fd: int, timeout: float, name: str) -> None:
+    """Take an exclusive ``flock`` on ``fd``, polling; ``OSError`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    delay = POLL_FIRST_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(errno.EAGAIN, f"{name} stayed locked by another process for "
+                              f"more than {timeout:g} s") from None
+            time.sleep(delay)
+            delay = min(delay * 1.5, POLL_MAX_S)
 
 
 def complete(res: Reservation) -> None:
@@ -463,21 +647,18 @@ def cancel(res: Reservation) -> None:
 def fail(res: Reservation, message: str) -> None:
     """Release a reservation whose write failed: leave ``<name>.error``, drop the lock.
 
-    Never raises: if even the error file cannot be written (disk full), a waiter that
-    finds neither the file nor the error reports the file as missing.
+    Never raises: if even the error file cannot be written (disk full, or something not a
+    regular file sits at its name, which is left alone), a waiter that finds neither the
+    file nor a readable error reports the file as missing.
     """
     try:
-        fd = os.open(
-            res.name + ERROR_SUFFIX,
-            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-            dir_fd=res.dir_fd,
-        )
+        fd = open_regular(res.name + ERROR_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                          dir_fd=res.dir_fd)
         try:
-            os.write(fd, message.encode("utf-8", "replace")[:4096])
+            os.write(fd, message.encode("utf-8", "replace")[:ERROR_MAX_BYTES])
         finally:
             os.close(fd)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a bad KIMI_SGLANG_FILE_MODE
         pass
     _unlink_never_raises(res.dir_fd, res.tmp_name)
     _unlink_never_raises(res.dir_fd, res.lock_name)
@@ -515,7 +696,8 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
     per DP rank: they all start before the server takes requests).
 
     Called once at start-up by each writing rank. A lock is stale when an exclusive
-    non-blocking ``flock`` on it succeeds. Returns counts ``{"tmp": n, "lock": m}``.
+    non-blocking ``flock`` on it succeeds; an entry with a lock's name that is not a
+    regular file (a planted FIFO) is left alone. Returns counts ``{"tmp": n, "lock": m}``.
     """
     removed = {"tmp": 0, "lock": 0}
     for name in os.listdir(dir_fd):
@@ -526,7 +708,7 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
             removed["tmp"] += 1
         elif name.endswith(SUFFIX + LOCK_SUFFIX):
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                fd = open_regular(name, os.O_RDONLY, dir_fd=dir_fd)
             except OSError:
                 continue
             try:
@@ -540,6 +722,9 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
     return removed
 
 
+# The longest message ``fail`` leaves (bytes of UTF-8) and ``_wait_outcome`` reads back.
+ERROR_MAX_BYTES = 4096
+
 # Lock polling: first check after 0.2 ms, then 1.5x longer each time, at most 5 ms
 # apart, so a finished write is seen within ~5 ms: the cap is added to a waiting
 # response's latency, which at concurrency 1 is throughput (docs/verification.md).
@@ -552,16 +737,23 @@ def _wait_outcome(path: str) -> Optional[str]:
     if os.path.lexists(path):
         return None
     try:
-        with open(path + ERROR_SUFFIX, encoding="utf-8", errors="replace") as f:
-            return f.read() or "hidden-state write failed"
+        fd = open_regular(path + ERROR_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:
         return f"hidden-state file {path} is missing"
+    except OSError as e:
+        return f"hidden-state file {path} is missing, and its error file cannot be read: {e}"
+    try:
+        text = os.read(fd, ERROR_MAX_BYTES).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+    return text or "hidden-state write failed"
 
 
 def _try_lock_released(path: str) -> bool:
-    """True when nobody holds ``<path>.lock`` (it is gone, or a shared flock succeeds)."""
+    """True when nobody holds ``<path>.lock`` (it is gone, or a shared flock succeeds).
+    Raises ``OSError`` when the lock's name holds something not a regular file."""
     try:
-        fd = os.open(path + LOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path + LOCK_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:
         return True
     try:
@@ -576,8 +768,9 @@ def _try_lock_released(path: str) -> bool:
 def wait_complete(path: str, timeout: float = 600.0) -> Optional[str]:
     """Block until the writer has released ``path``; ``None`` on success, else the error.
 
-    Raises ``TimeoutError`` after ``timeout`` seconds. Blocking ``flock`` would be
-    simplest, but polling with a short back-off lets the same code serve asyncio.
+    Raises ``TimeoutError`` after ``timeout`` seconds, ``OSError`` when something not a
+    regular file sits at the lock's name. Blocking ``flock`` would be simplest, but
+    polling with a short back-off lets the same code serve asyncio.
     """
     deadline = time.monotonic() + timeout
     delay = POLL_FIRST_S
@@ -626,23 +819,42 @@ def load(path: str, dequantize: Any = False) -> DumpRecord:
     ``True`` returns float32 ``hidden_states = fp8 * scale`` (``quant.dequantize``) and
     ``scales=None``; a torch dtype (``torch.bfloat16``) dequantizes to that dtype, as
     hs-connectors' ``FP8Transfer`` does. Other files ignore ``dequantize``.
-    """
-    from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
-        keys = set(f.keys())
-        missing = {KEY_HIDDEN_STATES, KEY_TOKEN_IDS} - keys
-        if missing:
-            raise DumpFormatError(f"{path}: missing keys {sorted(missing)}")
-        meta = f.metadata() or {}
-        hs = f.get_tensor(KEY_HIDDEN_STATES)
-        ids = f.get_tensor(KEY_TOKEN_IDS)
-        scales = f.get_tensor(KEY_SCALES) if KEY_SCALES in keys else None
+    Anything the safetensors library refuses (a header too long or not JSON, offsets past
+    the end of a truncated file, an unknown dtype) is ``DumpFormatError`` naming ``path``
+    too. ``path`` may be a symlink; what it names must be a regular file (a FIFO is
+    refused with ``OSError``, never waited on). ``FileNotFoundError`` and other
+    ``OSError`` when it cannot be opened.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    fd = open_regular(path, os.O_RDONLY, follow=True)
+    try:
+        # Through the descriptor checked above, so nothing swapped in at ``path`` since
+        # (a FIFO) is opened by the library.
+        with safe_open(f"/proc/self/fd/{fd}", framework="pt") as f:
+            keys = set(f.keys())
+            missing = {KEY_HIDDEN_STATES, KEY_TOKEN_IDS} - keys
+            if missing:
+                raise DumpFormatError(f"{path}: missing keys {sorted(missing)}")
+            meta = f.metadata() or {}
+            hs = f.get_tensor(KEY_HIDDEN_STATES)
+            ids = f.get_tensor(KEY_TOKEN_IDS)
+            scales = f.get_tensor(KEY_SCALES) if KEY_SCALES in keys else None
+    except DumpFormatError:
+        raise
+    except (SafetensorError, ValueError, TypeError, RuntimeError, OverflowError,
+            RecursionError, KeyError) as e:
+        # RuntimeError / TypeError: torch refusing what the header declares.
+        raise DumpFormatError(f"{path}: not a readable safetensors file "
+                              f"({type(e).__name__}: {e})") from None
+    finally:
+        os.close(fd)
     check_tensors(hs, ids, scales)
     if "layer_ids" in meta:
         try:
             layer_ids = json.loads(meta["layer_ids"])
-        except ValueError:
+        except (ValueError, RecursionError):
             layer_ids = None
         if (
             not isinstance(layer_ids, list)
@@ -664,38 +876,99 @@ def load(path: str, dequantize: Any = False) -> DumpRecord:
     return DumpRecord(hidden_states=hs, token_ids=ids, metadata=dict(meta), scales=scales)
 
 
+# The longest header read: safetensors' own limit (``MAX_HEADER_SIZE = 100_000_000`` in
+# the Rust crate's src/tensor.rs; its readers refuse a longer one as ``HeaderTooLarge``).
+MAX_HEADER_BYTES = 100_000_000
+# safetensors' numbers are u64 (shapes, offsets): at most 20 digits.
+_MAX_INT_DIGITS = 20
+
+
+def _header_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise ValueError(f"integer of {len(text)} digits")
+    return int(text)
+
+
+def _header_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:32]} out of range")
+    return value
+
+
+def _header_constant(text: str) -> float:
+    raise ValueError(f"{text} is not JSON")
+
+
 def read_header(dir_fd: int, name: str) -> Dict[str, Any]:
     """The JSON header of safetensors file ``name`` in the dump directory (tensor entries
-    and ``__metadata__``), without reading the tensors. Raises ``DumpFormatError`` for a
-    file too short or whose header is not JSON, ``OSError`` when it cannot be read."""
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    and ``__metadata__``), without reading the tensors.
+
+    Raises ``DumpFormatError`` naming the file for a file too short, a header length over
+    ``MAX_HEADER_BYTES`` (safetensors' limit) or past the end of the file, a header that
+    is not UTF-8 JSON (nesting too deep for the parser, NaN/Infinity, numbers no u64 or
+    finite float holds), not an object, or whose ``__metadata__`` is not a str -> str
+    object; ``OSError`` when it cannot be read or is not a regular file (never blocks on
+    a FIFO, never follows a symlink).
+    """
+    fd = open_regular(name, os.O_RDONLY, dir_fd=dir_fd)
     try:
+        size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
         if len(head) < 8:
             raise DumpFormatError(f"{name}: shorter than a safetensors header")
         (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise DumpFormatError(f"{name}: header length {n} is over safetensors' limit of "
+                                  f"{MAX_HEADER_BYTES} bytes")
+        if n > size - 8:
+            raise DumpFormatError(f"{name}: header length {n} runs past the end of the file "
+                                  f"({size} bytes)")
         text = os.pread(fd, n, 8)
     finally:
         os.close(fd)
+    if len(text) != n:
+        raise DumpFormatError(f"{name}: the file shrank while its header was read")
     try:
-        return json.loads(text)
-    except ValueError:
-        raise DumpFormatError(f"{name}: the safetensors header is not JSON") from None
+        header = json.loads(text.decode("utf-8"), parse_int=_header_int,
+                            parse_float=_header_float, parse_constant=_header_constant)
+    except (ValueError, RecursionError, OverflowError) as e:
+        # ValueError includes UnicodeDecodeError; RecursionError: '[[[[...' deeper than
+        # the parser's stack.
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise DumpFormatError(f"{name}: the safetensors header is not valid JSON ({why})") from None
+    if not isinstance(header, dict):
+        raise DumpFormatError(f"{name}: the safetensors header is a JSON "
+                              f"{type(header).__name__}, not an object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise DumpFormatError(f"{name}: the header's __metadata__ is not an object of strings")
+    return header
 
 
 def index_record(dir_fd: int, name: str, size: int) -> Dict[str, Any]:
-    """The ``index.jsonl`` record of file ``name`` (``size`` bytes), from its header."""
+    """The ``index.jsonl`` record of file ``name`` (``size`` bytes), from its header.
+    Raises what ``read_header`` raises, and ``DumpFormatError`` when the header has no
+    ``hidden_states`` entry whose ``shape`` is a non-empty list of non-negative ints."""
     header = read_header(dir_fd, name)
     meta = header.get("__metadata__", {})
-    return {"rid": meta.get("rid"), "file": name,
-            "num_tokens": header[KEY_HIDDEN_STATES]["shape"][0], "bytes": size,
+    entry = header.get(KEY_HIDDEN_STATES)
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not (isinstance(shape, list) and shape
+            and all(type(d) is int and d >= 0 for d in shape)):
+        raise DumpFormatError(f"{name}: the header has no {KEY_HIDDEN_STATES} entry with a "
+                              f"shape of non-negative ints")
+    return {"rid": meta.get("rid"), "file": name, "num_tokens": shape[0], "bytes": size,
             "layer_ids": meta.get("layer_ids")}
 
 
 def read_index(directory: str) -> list:
-    """All records of ``<directory>/index.jsonl``, in write order."""
-    path = os.path.join(directory, INDEX_NAME)
-    if not os.path.exists(path):
+    """All records of ``<directory>/index.jsonl``, in write order (``[]`` when there is
+    none). Raises ``OSError`` when it is not a regular file (never blocks on a FIFO) and
+    ``ValueError`` for a line that is not JSON."""
+    try:
+        fd = open_regular(os.path.join(directory, INDEX_NAME), os.O_RDONLY)
+    except FileNotFoundError:
         return []
-    with open(path, encoding="utf-8") as f:
+    with os.fdopen(fd, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
