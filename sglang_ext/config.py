@@ -1,5 +1,8 @@
-"""What to dump: the dump directory, the layer ids, the host-memory cap, the file dtype.
-Validated here.
+"""What to dump: the dump directory, the layer ids, the host-memory cap, the file dtype,
+and the writer's environment settings (``KIMI_SGLANG_*``, ``env_settings``). Validated
+here, at start-up: a bad value is a ``DumpConfigError``, one sentence naming the flag or
+variable. Numbers are ASCII digits only (``int``/``float`` also take other scripts'
+digits and underscores).
 
 Layer ids follow SGLang's aux-capture convention (``layers_to_capture`` in
 ``python/sglang/srt/models/llama.py`` and ``deepseek_v2.py``): id ``k`` is the residual
@@ -50,7 +53,8 @@ def parse_layer_ids(text: Optional[str]) -> Optional[Tuple[int, ...]]:
     """Parse ``--dump-hidden-states-layers`` (``"2,16,29,32"``) into sorted unique ids.
 
     ``None`` or ``""`` means "the default" (``default_layer_ids``, once N is known).
-    Raises ``DumpConfigError`` for non-integers, negative or zero ids and duplicates.
+    Raises ``DumpConfigError`` for anything but ASCII decimal integers, negative or zero
+    ids and duplicates.
     The range check against N happens in ``resolve_layer_ids``.
     """
     if text is None or str(text).strip() == "":
@@ -58,7 +62,9 @@ def parse_layer_ids(text: Optional[str]) -> Optional[Tuple[int, ...]]:
     ids = []
     for part in str(text).split(","):
         part = part.strip()
-        try:
+        try:  # int() alone also takes other scripts' digits, '_' and '+': plain 0-9 only
+            if not re.fullmatch(r"-?[0-9]+", part, flags=re.ASCII):
+                raise ValueError(part)
             value = int(part)
         except ValueError:
             raise DumpConfigError(

@@ -195,3 +195,10 @@ def test_directory_owned_by_another_user_is_refused_even_for_root(tmp_path):
                               f"not by this server's user (uid 0)"), msg
         assert "\n" not in msg
     assert list(d.iterdir()) == []  # refused before the write probe
+
+
+@pytest.mark.parametrize("text", ["\u0663", "2,\uff11\uff16", "1_6", "+2", "2,16,29,32\u0663"])
+def test_layer_ids_take_ascii_digits_only(text):
+    # int() takes other scripts' digits, underscores and a sign: a layer id is plain 0-9.
+    with pytest.raises(DumpConfigError, match=r"^--dump-hidden-states-layers: .* is not an integer layer id"):
+        parse_layer_ids(text)
