@@ -113,17 +113,51 @@ class Extents:
         return off, n
 
 
+class ArenaError(OSError):
+    """The arena cannot be made (``create``): one sentence naming the size, the step
+    that failed and why, and ``--dump-hidden-states-max-host-mb``, the flag the size
+    comes from; ``errno`` is the system call's (None for a size past ``off_t``)."""
+
+
 def create(size: int) -> Tuple[int, mmap.mmap]:
     """A new arena of ``size`` usable bytes: ``(fd, mapping)``; the descriptor is not
-    inheritable (pass it with ``subprocess.Popen(pass_fds=...)``). Raises ``OSError``."""
-    fd = os.memfd_create("kimi-sglang-arena", os.MFD_CLOEXEC)
+    inheritable (pass it with ``subprocess.Popen(pass_fds=...)``).
+
+    Raises ``ArenaError`` (an ``OSError``) when the kernel refuses the memfd, its size or
+    the mapping (ENOMEM for more address space or memory than the host has), or when
+    ``size`` is past what a file offset holds; the message names the size and the
+    server flag it comes from, so that start-up fails with a sentence instead of a bare
+    ``[Errno 12] Cannot allocate memory``.
+    """
+    step = "memfd_create"
+    fd = -1
     try:
+        fd = os.memfd_create("kimi-sglang-arena", os.MFD_CLOEXEC)
+        step = "ftruncate"
         os.ftruncate(fd, HEADER_BYTES + int(size))
+        step = "mmap"
         mm = mmap.mmap(fd, HEADER_BYTES + int(size))
+    except (OSError, OverflowError, ValueError) as e:
+        if fd >= 0:
+            os.close(fd)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else f"the size is too large ({e})"
+        err = ArenaError(
+            f"cannot allocate the {_mib(size)} host arena ({step}: {reason}); it is this "
+            f"writer rank's share of --dump-hidden-states-max-host-mb: give a smaller value"
+        )
+        err.errno = getattr(e, "errno", None)
+        raise err from None
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         raise
     return fd, mm
+
+
+def _mib(size: int) -> str:
+    """``size`` bytes as whole MiB, or bytes below 1 MiB (for messages)."""
+    size = int(size)
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size}-byte"
 
 
 def attach(fd: int, size: int) -> mmap.mmap:

@@ -1,5 +1,8 @@
-"""What to dump: the dump directory, the layer ids, the host-memory cap, the file dtype.
-Validated here.
+"""What to dump: the dump directory, the layer ids, the host-memory cap, the file dtype,
+and the writer's environment settings (``KIMI_SGLANG_*``, ``env_settings``). Validated
+here, at start-up: a bad value is a ``DumpConfigError``, one sentence naming the flag or
+variable. Numbers are ASCII digits only (``int``/``float`` also take other scripts'
+digits and underscores).
 
 Layer ids follow SGLang's aux-capture convention (``layers_to_capture`` in
 ``python/sglang/srt/models/llama.py`` and ``deepseek_v2.py``): id ``k`` is the residual
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -27,7 +31,15 @@ MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only
 MAX_CPUS = 1 << 16  # CPU numbers parse_cpu_list accepts when not checked against this host
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
 DEFAULT_STATS_INTERVAL_S = 60.0
-DEFAULT_WATCHDOG_S = 60.0  # a writer process holding ops that carries out none this long is replaced
+DEFAULT_WATCHDOG_S = 60.0  # a writer process without progress this long is declared stuck
+# The most any seconds setting takes: one day. Longer is a typo (milliseconds for seconds),
+# and past threading.TIMEOUT_MAX (~292 years) Python's waits raise OverflowError at shutdown.
+MAX_SECONDS = 86400.0
+DEFAULT_FILE_MODE = 0o600  # dump files: the server's user only (KIMI_SGLANG_FILE_MODE)
+# A number as a person types it: ASCII digits, an optional sign, fraction and exponent.
+# float() alone also takes other scripts' digits ('\u0663' is 3.0) and underscores ('1_0').
+_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|nan)",
+                     re.ASCII | re.IGNORECASE)
 # --dump-hidden-states-dtype: auto = the model's dtype; bf16 = cast on the device;
 # fp8 = float8_e4m3fn plus float32 scales per token and layer (sglang_ext.quant).
 DTYPE_CHOICES = ("auto", "bf16", "fp8")
@@ -41,7 +53,8 @@ def parse_layer_ids(text: Optional[str]) -> Optional[Tuple[int, ...]]:
     """Parse ``--dump-hidden-states-layers`` (``"2,16,29,32"``) into sorted unique ids.
 
     ``None`` or ``""`` means "the default" (``default_layer_ids``, once N is known).
-    Raises ``DumpConfigError`` for non-integers, negative or zero ids and duplicates.
+    Raises ``DumpConfigError`` for anything but ASCII decimal integers, negative or zero
+    ids and duplicates.
     The range check against N happens in ``resolve_layer_ids``.
     """
     if text is None or str(text).strip() == "":
@@ -49,7 +62,9 @@ def parse_layer_ids(text: Optional[str]) -> Optional[Tuple[int, ...]]:
     ids = []
     for part in str(text).split(","):
         part = part.strip()
-        try:
+        try:  # int() alone also takes other scripts' digits, '_' and '+': plain 0-9 only
+            if not re.fullmatch(r"-?[0-9]+", part, flags=re.ASCII):
+                raise ValueError(part)
             value = int(part)
         except ValueError:
             raise DumpConfigError(
@@ -111,21 +126,32 @@ def resolve_layer_ids(ids: Optional[Sequence[int]], num_layers: int) -> Tuple[in
 
 
 def check_directory(path: Optional[str]) -> str:
-    """Validate ``--dump-hidden-states-dir``; returns its real path.
+    """Validate ``--dump-hidden-states-dir``; returns its real path (symlinks resolved).
 
-    Raises ``DumpConfigError`` if it is missing, not a directory or not writable (tested
-    by creating and removing a file, which also catches read-only mounts).
+    Raises ``DumpConfigError``, one sentence naming the flag and the path, if it is
+    missing, not a directory, not owned by this server's user (``os.geteuid()``; a
+    directory of another user is refused even for root), writable by group or others
+    without the sticky bit, or not writable (tested by creating and removing a file,
+    which also catches read-only mounts). The ownership and mode rules are OpenSSH's
+    ``StrictModes`` for its own files: whoever may rename or replace files in the
+    directory can swap a finished dump for their own or read what lands there, so the
+    directory must be the server user's, and a shared one (``/tmp``, ``/dev/shm``: mode
+    1777) only with the sticky bit, which stops others renaming or removing our files.
+    Only the directory itself is checked, not its parents: the server opens it once at
+    start-up and works through that descriptor. ``mkdir -p DIR`` under umask 022 (0755)
+    and ``mkdir -m 700 DIR`` pass; under umask 002 (0775) it is refused (chmod g-w).
     """
     if not path:
         raise DumpConfigError("--dump-hidden-states-dir: empty path")
     if not os.path.exists(path):
         raise DumpConfigError(
             f"--dump-hidden-states-dir: {path!r} does not exist; create it first "
-            f"(mkdir -p {path})"
+            f"(mkdir -m 700 -p {path})"
         )
     if not os.path.isdir(path):
         raise DumpConfigError(f"--dump-hidden-states-dir: {path!r} is not a directory")
     real = os.path.realpath(path)
+    check_directory_owner(real, path)
     probe = os.path.join(real, f".kimi-sglang-probe-{os.getpid()}")
     try:
         with open(probe, "wb"):
@@ -138,6 +164,32 @@ def check_directory(path: Optional[str]) -> str:
     return real
 
 
+def check_directory_owner(real: str, shown: Optional[str] = None) -> None:
+    """Refuse a dump directory (``real``, resolved) that is not owned by this process's
+    effective user or is writable by group or others without the sticky bit
+    (``check_directory`` says why). Raises ``DumpConfigError`` naming the flag and
+    ``shown`` (default ``real``), the path as the user wrote it."""
+    shown = real if shown is None else shown
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise DumpConfigError(f"--dump-hidden-states-dir: cannot stat {shown!r}: {e.strerror}") from None
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise DumpConfigError(
+            f"--dump-hidden-states-dir: {shown!r} is owned by uid {st.st_uid}, not by this "
+            f"server's user (uid {me}), who could then have its dumps replaced or read; use a "
+            f"directory of your own (mkdir -m 700 DIR)"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        raise DumpConfigError(
+            f"--dump-hidden-states-dir: {shown!r} is writable by group or others (mode "
+            f"{mode:04o}) without the sticky bit, so they could replace its dumps; "
+            f"chmod go-w {shown} (or chmod +t for a shared directory)"
+        )
+
+
 def writer_ranks(server_args) -> int:
     """How many processes of one server write dump files: ``--dp-size``. Each DP rank is a
     scheduler of its own whose attention-TP rank 0 writes the requests that DP rank served:
@@ -147,23 +199,39 @@ def writer_ranks(server_args) -> int:
     return max(1, int(getattr(server_args, "dp_size", 1) or 1))
 
 
-def env_number(name: str, default: float, unit: str = "seconds", minimum: Optional[float] = None) -> float:
+def env_number(name: str, default: float, unit: str = "seconds", minimum: Optional[float] = None,
+               maximum: Optional[float] = None, above: Optional[float] = None) -> float:
     """``float`` of environment variable ``name`` (``default`` when unset or blank).
 
-    Raises ``DumpConfigError`` naming the variable and ``unit`` for anything that is not
-    a number, or is below ``minimum``."""
+    Raises ``DumpConfigError``, one sentence naming the variable and ``unit``, for
+    anything that is not a finite number written in ASCII (other scripts' digits and
+    ``1_000`` are refused, though ``float`` takes them), or that is below ``minimum``,
+    not above ``above`` or above ``maximum``."""
     value = os.environ.get(name, "")
     if not value.strip():
         return default
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
+    number = float(value) if _NUMBER.fullmatch(value.strip()) else math.nan
     if not math.isfinite(number):
         raise DumpConfigError(f"{name} must be a finite number of {unit}, got {value!r}")
     if minimum is not None and number < minimum:
         raise DumpConfigError(f"{name} must be >= {minimum:g} {unit}, got {value!r}")
+    if above is not None and number <= above:
+        raise DumpConfigError(f"{name} must be > {above:g} {unit}, got {value!r}")
+    if maximum is not None and number > maximum:
+        raise DumpConfigError(f"{name} must be at most {maximum:g} {unit}, got {value!r}")
     return number
+
+
+def env_file_mode() -> int:
+    """``KIMI_SGLANG_FILE_MODE`` checked at start-up (``format.file_mode`` owns its
+    meaning: the permission bits of every file the dump creates, default 0600, the umask
+    applied); raises ``DumpConfigError``, one sentence naming the variable."""
+    from sglang_ext import format as fmt
+
+    try:
+        return fmt.file_mode()
+    except ValueError as e:
+        raise DumpConfigError(str(e)) from None
 
 
 def parse_cpu_list(text: str, name: str, this_host: bool = True) -> Tuple[int, ...]:
@@ -191,13 +259,18 @@ def parse_cpu_list(text: str, name: str, this_host: bool = True) -> Tuple[int, .
 
 def env_settings(this_host: bool = True) -> dict:
     """The writer's environment settings, validated: ``writer_threads``
-    (``KIMI_SGLANG_WRITER_THREADS``, threads of the writer process, >= 1),
-    ``drain_timeout_s`` (``KIMI_SGLANG_DRAIN_TIMEOUT_S``, how long shutdown waits for
-    queued writes), ``stats_interval_s`` (``KIMI_SGLANG_STATS_INTERVAL_S``, seconds
-    between counter log lines; 0 logs only at shutdown) and ``writer_cpus``
-    (``KIMI_SGLANG_WRITER_CPUS``, the CPUs the writer process runs on, a ``taskset -c``
-    list; None: the scheduler's; ``this_host``: checked against this host's CPUs, which a
-    plan made for another host skips). Raises ``DumpConfigError``."""
+    (``KIMI_SGLANG_WRITER_THREADS``, threads of the writer process, 1 to
+    ``MAX_WRITER_THREADS``), ``drain_timeout_s`` (``KIMI_SGLANG_DRAIN_TIMEOUT_S``, how long
+    shutdown waits for queued writes, >= 0), ``stats_interval_s``
+    (``KIMI_SGLANG_STATS_INTERVAL_S``, seconds between counter log lines, >= 0; 0 logs
+    only at shutdown), ``watchdog_s`` (``KIMI_SGLANG_WATCHDOG_S``, seconds without
+    progress before a writer process is declared stuck, > 0), ``file_mode``
+    (``KIMI_SGLANG_FILE_MODE``, permission bits of the files the dump creates, the umask
+    still applies; ``env_file_mode``) and ``writer_cpus`` (``KIMI_SGLANG_WRITER_CPUS``,
+    the CPUs the writer process runs on, a ``taskset -c`` list; None: the scheduler's;
+    ``this_host``: checked against this host's CPUs, which a plan made for another host
+    skips). Seconds are at most ``MAX_SECONDS``. Raises ``DumpConfigError``, one sentence
+    naming the variable."""
     threads = env_number("KIMI_SGLANG_WRITER_THREADS", DEFAULT_WRITER_THREADS, "threads", 1)
     if threads != int(threads) or threads > MAX_WRITER_THREADS:
         raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number of threads "
@@ -207,10 +280,22 @@ def env_settings(this_host: bool = True) -> dict:
         "writer_cpus": parse_cpu_list(cpus, "KIMI_SGLANG_WRITER_CPUS", this_host) if cpus else None,
         "writer_threads": int(threads),
         "drain_timeout_s": env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
-                                      minimum=0),
-        "stats_interval_s": env_number("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S),
-        "watchdog_s": env_number("KIMI_SGLANG_WATCHDOG_S", DEFAULT_WATCHDOG_S, minimum=0.1),
+                                      minimum=0, maximum=MAX_SECONDS),
+        "stats_interval_s": env_number("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S,
+                                       minimum=0, maximum=MAX_SECONDS),
+        "watchdog_s": env_number("KIMI_SGLANG_WATCHDOG_S", DEFAULT_WATCHDOG_S,
+                                 above=0, maximum=MAX_SECONDS),
+        "file_mode": env_file_mode(),
     }
+
+
+def physical_memory_bytes() -> Optional[int]:
+    """This host's physical memory in bytes (``sysconf``), or None where it cannot say."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
 
 
 @dataclass(frozen=True)
@@ -222,7 +307,8 @@ class DumpConfig:
     ``--dump-hidden-states-max-host-mb`` (the server's cap, MiB) divided by
     ``writer_ranks``, so that the arenas together stay under the cap. Rows stream through
     it chunk by chunk, so a prompt larger than the arena still goes through.
-    ``hidden_states_dtype``: ``--dump-hidden-states-dtype`` (``parse_dtype``).
+    ``hidden_states_dtype``: ``--dump-hidden-states-dtype`` (``parse_dtype``). The rest
+    come from the environment (``env_settings``).
     """
 
     directory: str
@@ -234,18 +320,28 @@ class DumpConfig:
     hidden_states_dtype: str = "auto"
     writer_cpus: Optional[Tuple[int, ...]] = None
     watchdog_s: float = DEFAULT_WATCHDOG_S
+    file_mode: int = DEFAULT_FILE_MODE
 
     @classmethod
     def from_server_args(cls, server_args) -> "DumpConfig":
         """Build from SGLang's ``ServerArgs`` and the environment (``env_settings``);
-        raises ``DumpConfigError`` (also when the cap leaves a writer rank less than 1 MiB)."""
+        raises ``DumpConfigError`` (also when the cap leaves a writer rank less than 1 MiB,
+        or is more than this host's physical memory: the arenas are allocated and pinned
+        at start-up, and a cap past the memory would fail there as a bare ENOMEM)."""
         directory = check_directory(server_args.dump_hidden_states_dir)
         layer_ids = parse_layer_ids(getattr(server_args, "dump_hidden_states_layers", None))
         dtype = parse_dtype(getattr(server_args, "dump_hidden_states_dtype", None))
         max_mb = getattr(server_args, "dump_hidden_states_max_host_mb", DEFAULT_MAX_HOST_MB)
-        if not isinstance(max_mb, int) or max_mb < 1:
+        if not isinstance(max_mb, int) or isinstance(max_mb, bool) or max_mb < 1:
             raise DumpConfigError(
                 f"--dump-hidden-states-max-host-mb: must be a positive integer, got {max_mb!r}"
+            )
+        physical = physical_memory_bytes()
+        if physical is not None and max_mb > physical >> 20:
+            raise DumpConfigError(
+                f"--dump-hidden-states-max-host-mb: {max_mb} MiB is more than this host's "
+                f"physical memory ({physical >> 20} MiB); the arena is allocated and pinned "
+                f"at start-up, so give at most that (default {DEFAULT_MAX_HOST_MB})"
             )
         writers = writer_ranks(server_args)
         if max_mb < writers:

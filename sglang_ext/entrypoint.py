@@ -21,11 +21,17 @@ it is exec'd as given, so ``docker run IMAGE python -m sglang.launch_server
 ...`` behaves as in upstream's image.
 
 Environment knobs: ``KIMI_SGLANG_MODEL`` (model path, default
-``/models/Kimi-K2.5``), ``KIMI_SGLANG_PORT`` (default 30000, also read by the
+``/models/Kimi-K2.5``), ``KIMI_SGLANG_PORT`` (1-65535, default 30000, also read by the
 image's HEALTHCHECK), ``KIMI_SGLANG_COMPUTE_CAP`` (comma list of compute
 capabilities, one per GPU; replaces ``nvidia-smi`` detection),
-``KIMI_SGLANG_GPU_COUNT`` (replaces the detected GPU count used for ``--tp``),
-``KIMI_SGLANG_NO_PROFILE``.
+``KIMI_SGLANG_GPU_COUNT`` (1-64, replaces the detected GPU count used for ``--tp``),
+``KIMI_SGLANG_NO_PROFILE``. Numbers are ASCII digits; a bad value is one sentence
+naming the variable and exit status 1.
+
+``--dump-hidden-states-dir DIR``: made here (``mkdir -p``, DIR itself 0700) when
+missing, and refused (one sentence, exit status 2) when it is not this user's or is
+writable by group or others without the sticky bit, as the patched server would
+refuse it (``config.check_directory``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ from typing import Callable, Mapping, Sequence
 LAUNCH_MODULE = "sglang.launch_server"
 DEFAULT_MODEL = "/models/Kimi-K2.5"
 DEFAULT_PORT = "30000"
+# The most GPUs one host's --tp-size may name (KIMI_SGLANG_GPU_COUNT, KIMI_SGLANG_COMPUTE_CAP):
+# the count is of the GPUs this host sees, and the largest single hosts have 16 (HGX-2,
+# DGX-2); 64 leaves room while refusing a typo such as 80 for 8.
+MAX_GPUS = 64
 
 # Attention backends that must not run on SM120 (see the sm120 profile's sources).
 SM120_BAD_ATTENTION = {
@@ -184,7 +194,8 @@ PROFILES: tuple[Profile, ...] = (KIMI_K25, SM120)
 # ---------------------------------------------------------------------------
 
 Runner = Callable[[Sequence[str]], str]
-_CAP = re.compile(r"\d+\.\d+")  # nvidia-smi's compute_cap, e.g. "12.0"
+_CAP = re.compile(r"[0-9]{1,3}\.[0-9]{1,3}", re.ASCII)  # nvidia-smi's compute_cap, e.g. "12.0"
+_UINT = re.compile(r"[0-9]{1,9}", re.ASCII)  # int() and str.isdigit() take other scripts' digits too
 
 
 def _run_nvidia_smi(cmd: Sequence[str]) -> str:
@@ -194,9 +205,11 @@ def _run_nvidia_smi(cmd: Sequence[str]) -> str:
 def detect_compute_caps(environ: Mapping[str, str], runner: Runner | None = None) -> tuple[str, ...]:
     """Compute capabilities of the visible GPUs (``()`` when unknown).
 
-    ``KIMI_SGLANG_COMPUTE_CAP`` (comma list) wins; otherwise ``nvidia-smi
-    --query-gpu=compute_cap --format=csv,noheader``, narrowed to
-    ``CUDA_VISIBLE_DEVICES`` when that lists numeric indices.
+    ``KIMI_SGLANG_COMPUTE_CAP`` (comma list of ``MAJOR.MINOR`` in ASCII digits, at most
+    ``MAX_GPUS``) wins; otherwise ``nvidia-smi --query-gpu=compute_cap
+    --format=csv,noheader``, narrowed to ``CUDA_VISIBLE_DEVICES`` when that lists numeric
+    (ASCII) indices. Raises ``SystemExit`` with one sentence for a bad
+    ``KIMI_SGLANG_COMPUTE_CAP``.
     """
     forced = environ.get("KIMI_SGLANG_COMPUTE_CAP", "").strip()
     if forced:
@@ -205,6 +218,9 @@ def detect_compute_caps(environ: Mapping[str, str], runner: Runner | None = None
         if bad or not caps:
             raise SystemExit(f"kimi-sglang: KIMI_SGLANG_COMPUTE_CAP must be a comma list of "
                              f"compute capabilities, one per GPU (e.g. 12.0,12.0), got {forced!r}")
+        if len(caps) > MAX_GPUS:
+            raise SystemExit(f"kimi-sglang: KIMI_SGLANG_COMPUTE_CAP must be a list of at most "
+                             f"{MAX_GPUS} compute capabilities (one host's GPUs), got {len(caps)}")
         return caps
     if runner is None:
         if shutil.which("nvidia-smi") is None:
@@ -218,7 +234,7 @@ def detect_compute_caps(environ: Mapping[str, str], runner: Runner | None = None
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() not in ("", "all"):
         ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if all(i.isdigit() for i in ids):
+        if all(_UINT.fullmatch(i) for i in ids):
             caps = [caps[int(i)] for i in ids if int(i) < len(caps)]
         else:  # UUIDs / MIG ids: keep the count only
             caps = caps[: len(ids)]
@@ -226,16 +242,27 @@ def detect_compute_caps(environ: Mapping[str, str], runner: Runner | None = None
 
 
 def make_context(environ: Mapping[str, str], compute_caps: Sequence[str] | None = None, runner: Runner | None = None) -> Context:
+    """The facts the profiles decide on: compute capabilities, GPU count, model, port.
+
+    ``KIMI_SGLANG_GPU_COUNT`` (1 to ``MAX_GPUS``) replaces the detected count,
+    ``KIMI_SGLANG_PORT`` (1 to 65535; passed on as a plain decimal) the default port.
+    Both take ASCII digits only: ``str.isdigit`` and ``int`` also take other scripts'
+    digits, which would reach SGLang as given or raise. Raises ``SystemExit`` with one
+    sentence naming the variable."""
     caps = tuple(compute_caps) if compute_caps is not None else detect_compute_caps(environ, runner)
     count: int | None = len(caps) or None
-    if environ.get("KIMI_SGLANG_GPU_COUNT", "").strip():
-        raw = environ["KIMI_SGLANG_GPU_COUNT"].strip()
-        if not raw.isdigit() or int(raw) < 1:
-            raise SystemExit(f"kimi-sglang: KIMI_SGLANG_GPU_COUNT must be a positive integer, got {raw!r}")
+    raw = (environ.get("KIMI_SGLANG_GPU_COUNT") or "").strip()
+    if raw:
+        if not (_UINT.fullmatch(raw) and 1 <= int(raw) <= MAX_GPUS):
+            raise SystemExit(f"kimi-sglang: KIMI_SGLANG_GPU_COUNT must be a whole number of GPUs "
+                             f"from 1 to {MAX_GPUS} (this host's), got {raw!r}")
         count = int(raw)
     port = (environ.get("KIMI_SGLANG_PORT") or "").strip()
-    if port and not (port.isdigit() and 0 < int(port) < 65536):
-        raise SystemExit(f"kimi-sglang: KIMI_SGLANG_PORT must be a TCP port number, got {port!r}")
+    if port:
+        if not (_UINT.fullmatch(port) and 1 <= int(port) <= 65535):
+            raise SystemExit(f"kimi-sglang: KIMI_SGLANG_PORT must be a TCP port number from 1 to "
+                             f"65535, got {port!r}")
+        port = str(int(port))
     return Context(
         compute_caps=caps,
         gpu_count=count,
@@ -389,7 +416,8 @@ def build_launch(
 # The server flags patch 0001 adds (SGLang's --help lists them too, among 2,000 lines).
 DUMP_FLAGS = (
     ("--dump-hidden-states-dir DIR", "turn dumping on: one safetensors file per request in DIR "
-     "(created here if missing; /dev/shm/... keeps it in RAM)"),
+     "(made 0700 if missing; must be yours, writable by others only if sticky; "
+     "/dev/shm/... keeps it in RAM)"),
     ("--dump-hidden-states-layers IDS", "comma list of layer ids, default 2,N/2,N-3,N"),
     ("--dump-hidden-states-max-host-mb MB", "host memory for rows waiting to be written "
      "(default 4096); when full, prefill waits for the writer"),
@@ -446,6 +474,29 @@ def help_text(profiles: Sequence[Profile] = PROFILES) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prepare_dump_dir(path: str) -> int:
+    """Make the dump directory if missing (``mkdir -p``; the last level 0700, the umask
+    applying as to any ``mkdir``) and refuse one the patched server would refuse: not
+    owned by this user, writable by group or others without the sticky bit, or not
+    writable (``config.check_directory``, OpenSSH's ``StrictModes`` rules). Returns 0, or
+    2 after one sentence on stderr."""
+    from sglang_ext.config import DumpConfigError, check_directory
+
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        why = "it is a file" if isinstance(exc, FileExistsError) else (exc.strerror or str(exc))
+        print(f"kimi-sglang: --dump-hidden-states-dir {path}: cannot make the "
+              f"directory ({why})", file=sys.stderr)
+        return 2
+    try:
+        check_directory(path)
+    except DumpConfigError as exc:
+        print(f"kimi-sglang: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -466,14 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(launch.render())
         return 0
     if launch.dump_dir:
-        # The patched server refuses a missing dump dir; create it (mkdir -p).
-        try:
-            os.makedirs(launch.dump_dir, exist_ok=True)
-        except OSError as exc:
-            why = "it is a file" if isinstance(exc, FileExistsError) else (exc.strerror or str(exc))
-            print(f"kimi-sglang: --dump-hidden-states-dir {launch.dump_dir}: cannot make the "
-                  f"directory ({why})", file=sys.stderr)
-            return 2
+        code = prepare_dump_dir(launch.dump_dir)
+        if code:
+            return code
     print(f"kimi-sglang: profiles: {', '.join(launch.applied) or '(none)'}; exec: {launch.render()}", file=sys.stderr, flush=True)
     os.execvpe(launch.argv[0], launch.argv, launch.env)
     return 127  # not reached

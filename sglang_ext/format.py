@@ -133,9 +133,9 @@ def file_mode() -> int:
     reads its own files), or has bits beyond 0777 (setuid, setgid, sticky).
     """
     raw = os.environ.get(FILE_MODE_ENV, "")
-    if not raw:
+    if not raw.strip():
         return DEFAULT_FILE_MODE
-    mode = int(raw, 8) if _FILE_MODE.fullmatch(raw) else -1
+    mode = int(raw.strip(), 8) if _FILE_MODE.fullmatch(raw.strip()) else -1
     if mode < 0 or mode > 0o777 or mode & 0o600 != 0o600:
         raise ValueError(
             f"{FILE_MODE_ENV} must be an octal file mode of 3 or 4 digits that includes owner "

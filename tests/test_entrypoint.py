@@ -313,3 +313,105 @@ def test_unusable_dump_dir_is_one_sentence_and_exit_2(tmp_path, make_bad, capsys
     assert f"--dump-hidden-states-dir {bad}: cannot make the directory" in err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("kimi-sglang: --dump")
     assert (tmp_path / "afile").read_text() == "x"
+
+
+# ---- settings: one sentence each, ASCII digits only, sane ranges (issue 36, item 10) ----
+
+@pytest.mark.parametrize("name, value, words", [
+    ("KIMI_SGLANG_GPU_COUNT", "\u0663", "a whole number of GPUs from 1 to 64"),  # Arabic-Indic 3
+    ("KIMI_SGLANG_GPU_COUNT", "\uff18", "a whole number of GPUs from 1 to 64"),  # fullwidth 8
+    ("KIMI_SGLANG_GPU_COUNT", "\u00b2", "a whole number of GPUs from 1 to 64"),  # superscript 2
+    ("KIMI_SGLANG_GPU_COUNT", "65", "a whole number of GPUs from 1 to 64"),
+    ("KIMI_SGLANG_GPU_COUNT", "100000000000000000000", "a whole number of GPUs from 1 to 64"),
+    ("KIMI_SGLANG_GPU_COUNT", "-1", "a whole number of GPUs from 1 to 64"),
+    ("KIMI_SGLANG_PORT", "\uff13\uff10\uff10\uff10\uff10", "a TCP port number from 1 to 65535"),
+    ("KIMI_SGLANG_PORT", "\u0663\u0660\u0660\u0660\u0660", "a TCP port number from 1 to 65535"),
+    ("KIMI_SGLANG_PORT", "\u00b2", "a TCP port number from 1 to 65535"),
+    ("KIMI_SGLANG_PORT", "0", "a TCP port number from 1 to 65535"),
+    ("KIMI_SGLANG_COMPUTE_CAP", "\uff11\uff12.\uff10", "a comma list of compute capabilities"),
+    ("KIMI_SGLANG_COMPUTE_CAP", ",".join(["12.0"] * 65), "at most 64"),
+])
+def test_bad_setting_is_one_sentence_naming_it(name, value, words):
+    env = {"KIMI_SGLANG_COMPUTE_CAP": "9.0", name: value}
+    with pytest.raises(SystemExit) as e:
+        ep.make_context(env)
+    msg = str(e.value.code)
+    assert msg.startswith(f"kimi-sglang: {name} must be ") and words in msg, msg
+    assert repr(value) in msg or name == "KIMI_SGLANG_COMPUTE_CAP"
+    assert "\n" not in msg
+
+
+def test_ascii_settings_still_work_and_port_is_normalised():
+    ctx = ep.make_context({"KIMI_SGLANG_COMPUTE_CAP": "9.0", "KIMI_SGLANG_GPU_COUNT": " 64 ",
+                           "KIMI_SGLANG_PORT": "030000"})
+    assert (ctx.gpu_count, ctx.port) == (64, "30000")
+    assert ep.make_context({"KIMI_SGLANG_COMPUTE_CAP": "10.0,10.0", "KIMI_SGLANG_PORT": "65535"}).port == "65535"
+
+
+def test_cuda_visible_devices_with_non_ascii_digits_keeps_the_count():
+    # '\u00b2'.isdigit() is True but int('\u00b2') raises: such ids are not indices.
+    ctx = ep.make_context({"CUDA_VISIBLE_DEVICES": "\u00b2,\u0663"}, runner=lambda cmd: "12.0\n9.0\n9.0\n")
+    assert ctx.compute_caps == ("12.0", "9.0") and ctx.gpu_count == 2
+
+
+# ---- the dump directory the entrypoint makes or is given (issue 36, item 6) ----
+
+def exec_main(tmp_path, dump, umask=0o022):
+    """Run ep.main in a child (its exec goes to a fake python that records its argv)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    out = tmp_path / "argv"
+    fake = bin_dir / "fakepy"
+    fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {out}\n')
+    fake.chmod(0o755)
+    code = (
+        f"import os, sys; os.umask({umask}); from sglang_ext import entrypoint as ep; "
+        f"orig = ep.build_launch; ep.build_launch = lambda a: orig(a, python={str(fake)!r}); "
+        "sys.exit(ep.main(sys.argv[1:]))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KIMI_SGLANG_", "NCCL_"))}
+    env["KIMI_SGLANG_COMPUTE_CAP"] = "9.0"
+    r = subprocess.run([sys.executable, "-c", code, "--dump-hidden-states-dir", str(dump)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return r, out
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o000])
+def test_dump_dir_is_made_0700(tmp_path, umask):
+    dump = tmp_path / "deep" / "hs"
+    r, out = exec_main(tmp_path, dump, umask)
+    assert r.returncode == 0, r.stderr
+    assert oct(dump.stat().st_mode & 0o7777) == oct(0o700)
+    assert out.read_text().splitlines()[:2] == ["-m", "sglang.launch_server"]
+
+
+@pytest.mark.parametrize("mode, ok", [(0o777, False), (0o775, False), (0o1777, True), (0o755, True)])
+def test_existing_dump_dir_writable_by_others_is_refused(tmp_path, mode, ok):
+    dump = tmp_path / "hs"
+    dump.mkdir()
+    dump.chmod(mode)
+    r, out = exec_main(tmp_path, dump)
+    if ok:
+        assert r.returncode == 0, r.stderr
+        assert out.exists()
+        return
+    assert r.returncode == 2 and not out.exists()
+    err = r.stderr.strip().splitlines()
+    assert err[-1] == (f"kimi-sglang: --dump-hidden-states-dir: {str(dump)!r} is writable by group or "
+                       f"others (mode {mode:04o}) without the sticky bit, so they could replace its "
+                       f"dumps; chmod go-w {dump} (or chmod +t for a shared directory)"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_existing_dump_dir_of_another_user_is_refused(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root (CI runs the tests as root)")
+    dump = tmp_path / "hs"
+    dump.mkdir(mode=0o700)
+    os.chown(dump, 65534, 65534)
+    r, out = exec_main(tmp_path, dump)
+    assert r.returncode == 2 and not out.exists()
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"kimi-sglang: --dump-hidden-states-dir: {str(dump)!r} is owned by uid 65534, not by this "
+        f"server's user (uid 0)"), r.stderr
+    assert "Traceback" not in r.stderr
