@@ -66,7 +66,9 @@ class Server:
     (answer without a path, as an unpatched server does), "hang" (never answer).
     ``write_delay_s``: with an early-answer request, answer at once with the name reserved
     (``.lock`` held) and write that much later (the first ``delay_first`` requests only;
-    None: all). The first ``hang_first`` requests get their file written, then no answer."""
+    None: all). The first ``hang_first`` requests get their file written, then no answer.
+    ``answer_path``: None, or ``f(request number from 1, path written) -> path answered``
+    (a hostile server naming another file). ``GET /health`` answers 200, as SGLang's does."""
 
     def __init__(self, dump_dir: Path, mode: str = "dump"):
         self.dump_dir = str(dump_dir)
@@ -79,11 +81,17 @@ class Server:
         self.status = 200
         self.lock = threading.Lock()
         self.release = threading.Event()
+        self.answer_path = None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
+
+            def do_GET(self):
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -142,6 +150,8 @@ class Server:
             threading.Thread(target=later, daemon=True).start()
             return 200, {"text": "x", "meta_info": {"hidden_states_path": path, fmt.PENDING_KEY: True}}
         write_file(path, ids)
+        if self.answer_path is not None:
+            path = self.answer_path(n, path)
         return 200, {"text": "x", "meta_info": {"hidden_states_path": path}}
 
 
@@ -532,10 +542,23 @@ def test_tokenizer_without_transformers_is_one_sentence(server, tmp_path):
                                 f"installed here (pip install transformers)")
 
 
+class _HealthOnly(BaseHTTPRequestHandler):
+    """Answers ``GET /health`` (so extract's probe passes) and nothing else: POST gets
+    http.server's HTTP 501 HTML page."""
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
 def test_an_html_error_page_is_quoted_short_on_one_line(tmp_path):
     """http.server answers POST with HTTP 501 and its HTML error page (~450 bytes, many
     lines); each retry line quotes at most 200 characters of it, on one line."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _HealthOnly)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
