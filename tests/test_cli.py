@@ -179,8 +179,9 @@ def write_jsonl(path: Path, data, masks=None, blank_after=None) -> str:
     return str(path)
 
 
-def cli(*args, timeout=60, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def cli(*args, timeout=60, env=None, **kw) -> subprocess.CompletedProcess:
+    """``python -m sglang_ext ARGS`` from this checkout; ``env``: variables to add."""
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "sglang_ext", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout, **kw)
 
@@ -439,20 +440,23 @@ def test_the_pending_journal_stays_small_and_survives_a_restart(tmp_path, monkey
     dump = tmp_path / "dump"
     dump.mkdir()
     p = PendingFiles(str(tmp_path), rank=1)
+    def name(i):  # the server's name for rid r<i>
+        return fmt.safe_stem(f"r{i}") + fmt.SUFFIX
+
     for i in range(100):
         p.sent(f"r{i}")
-        p.named(f"r{i}", str(dump / f"f{i}.safetensors"))
+        p.named(f"r{i}", str(dump / name(i)))
         if i % 10:
             p.settled(f"r{i}")
     p.sent("never-answered")
     lines = open(journal_path(str(tmp_path), 1)).read().splitlines()
     assert len(lines) <= 10 + 1 + 10  # one compaction's worth, the dir line, what is pending
     again = PendingFiles(str(tmp_path), rank=1)
-    assert again.rids == {**{f"r{i}": str(dump / f"f{i}.safetensors") for i in range(0, 100, 10)},
+    assert again.rids == {**{f"r{i}": str(dump / name(i)) for i in range(0, 100, 10)},
                           "never-answered": None}
     assert again.dump_dirs == [str(dump)]
     # what they left: a file for r0 and one for the never-answered rid (by its safe name)
-    write_file(str(dump / "f0.safetensors"), [1])
+    write_file(str(dump / name(0)), [1])
     write_file(str(dump / (fmt.safe_stem("never-answered") + fmt.SUFFIX)), [1])
     assert again.sweep(forget_unanswered=True) == (2, [])
     assert os.listdir(dump) == [] and again.rids == {}
