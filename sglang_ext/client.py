@@ -9,12 +9,28 @@ One line per sample goes to ``OUT/manifest.jsonl``.
 
 Guarantees:
 
-- ``hs_<i>.safetensors`` only ever appears complete and checked: the server's file is
-  first moved to ``OUT/.hs_<i>.safetensors.tmp`` (``os.rename`` on the same filesystem,
-  else copy + unlink), checked there, then renamed onto the final name.
-- Resume: an index whose ``hs_<i>.safetensors`` exists and passes the check is skipped
-  (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files are removed
-  at start. A file that fails the check is extracted again and replaced atomically.
+- Start: one ``GET URL/health`` before any row is sent. Nothing answers: "cannot reach
+  URL: is the server up?"; an answer that is not SGLang's (SGLang answers 200, or 503
+  while starting): "URL is not an SGLang server", quoting at most a short brief of the
+  answer. Either is one line and exit 3 at once.
+- ``hs_<i>.safetensors`` only ever appears complete, checked and a regular file: the
+  server's file is first moved to ``OUT/.hs_<i>.safetensors.tmp`` (``rename`` on the
+  same filesystem, else a copy through a descriptor opened ``O_NOFOLLOW`` + unlink),
+  checked there, then renamed onto the final name. Never a symlink kept as a result.
+- The server's answer is not trusted: extract moves and deletes only regular files
+  directly in the dump directory (``--dump-dir``, else the directory of the run's first
+  answer, fixed for the run; held open, files taken by name relative to it), whose name
+  is the server's name for that request (``<safe_stem(rid)>[-n].safetensors``), never
+  through a symlink (``lstat``, ``O_NOFOLLOW``, ``fstat``). An answer naming anything
+  else (a path outside, a symlink, a FIFO, another name) is that row's error and the
+  named file is left alone. The journal (``sglang_ext.pending``) deletes only such files.
+- Files extract creates (``hs_<i>``, the manifest, the journal, temporary files) get
+  mode 0600, or ``KIMI_SGLANG_FILE_MODE`` (octal, e.g. ``0640``; the server reads the
+  same variable), the umask applied; an invalid value is one sentence, exit 2.
+- Resume: an index whose ``hs_<i>.safetensors`` is a regular file and passes the check
+  is skipped (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files
+  are removed at start. A file that fails the check, or anything but a regular file at
+  that name (a FIFO, a symlink: never opened), is extracted again and replaced atomically.
 - Retries: a failed request (connection error, HTTP error, ``hidden_states_error``, a file
   that fails the check) is retried ``--max-retries`` times with exponential backoff
   (``--backoff * 2**(attempt-1)`` seconds, capped at ``--max-backoff``, with jitter). After
@@ -438,7 +454,7 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
                 try:
                     os.fchmod(fd, mode)
                 except PermissionError:  # another user's file: keep a copy of our own
-                    kept = tmp + ".c"
+                    kept = f".{final_name(index)}.tmp.{uuid.uuid4().hex[:8]}"  # clean_tmp's pattern
                     _copy_fd(fd, out_fd, kept, mode)
                     os.unlink(tmp, dir_fd=out_fd)
                     tmp = kept
@@ -1049,11 +1065,16 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
         formatter_class=_DefaultsHelp,
     )
-    p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--endpoint", required=True,
+                   help="server base URL, e.g. http://127.0.0.1:30000; probed once with GET "
+                        "/health before any row: unreachable or not SGLang is one line, exit 3")
     p.add_argument("--data", required=True,
                    help="JSONL with input_ids (or messages + --tokenizer), or a "
                         "datasets.save_to_disk directory (speculators prepare-data output)")
-    p.add_argument("--out", required=True, help="output directory (hs_<i>.safetensors, manifest.jsonl)")
+    p.add_argument("--out", required=True,
+                   help="output directory (hs_<i>.safetensors, manifest.jsonl), files created "
+                        "with mode 0600 or env KIMI_SGLANG_FILE_MODE (octal, e.g. 0640), the "
+                        "umask applied; results are always regular files")
     p.add_argument("--dump-dir", default=None,
                    help="the server's --dump-hidden-states-dir as this machine sees it: extract "
                         "moves and deletes only regular files directly in it that carry the "

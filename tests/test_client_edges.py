@@ -301,3 +301,9 @@ def test_the_journal_and_copies_across_filesystems_get_the_mode(tmp_path):
         assert stat.S_IMODE(os.stat(journal_path(str(tmp_path), 0)).st_mode) == 0o640
     finally:
         os.umask(old)
+
+
+def test_help_names_the_new_guarantees():
+    text = " ".join(cli("extract", "--help").stdout.split())
+    for words in ("--dump-dir", "only regular files", "KIMI_SGLANG_FILE_MODE", "GET /health"):
+        assert words in text, words
