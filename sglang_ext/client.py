@@ -9,12 +9,28 @@ One line per sample goes to ``OUT/manifest.jsonl``.
 
 Guarantees:
 
-- ``hs_<i>.safetensors`` only ever appears complete and checked: the server's file is
-  first moved to ``OUT/.hs_<i>.safetensors.tmp`` (``os.rename`` on the same filesystem,
-  else copy + unlink), checked there, then renamed onto the final name.
-- Resume: an index whose ``hs_<i>.safetensors`` exists and passes the check is skipped
-  (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files are removed
-  at start. A file that fails the check is extracted again and replaced atomically.
+- Start: one ``GET URL/health`` before any row is sent. Nothing answers: "cannot reach
+  URL: is the server up?"; an answer that is not SGLang's (SGLang answers 200, or 503
+  while starting): "URL is not an SGLang server", quoting at most a short brief of the
+  answer. Either is one line and exit 3 at once.
+- ``hs_<i>.safetensors`` only ever appears complete, checked and a regular file: the
+  server's file is first moved to ``OUT/.hs_<i>.safetensors.tmp`` (``rename`` on the
+  same filesystem, else a copy through a descriptor opened ``O_NOFOLLOW`` + unlink),
+  checked there, then renamed onto the final name. Never a symlink kept as a result.
+- The server's answer is not trusted: extract moves and deletes only regular files
+  directly in the dump directory (``--dump-dir``, else the directory of the run's first
+  answer, fixed for the run; held open, files taken by name relative to it), whose name
+  is the server's name for that request (``<safe_stem(rid)>[-n].safetensors``), never
+  through a symlink (``lstat``, ``O_NOFOLLOW``, ``fstat``). An answer naming anything
+  else (a path outside, a symlink, a FIFO, another name) is that row's error and the
+  named file is left alone. The journal (``sglang_ext.pending``) deletes only such files.
+- Files extract creates (``hs_<i>``, the manifest, the journal, temporary files) get
+  mode 0600, or ``KIMI_SGLANG_FILE_MODE`` (octal, e.g. ``0640``; the server reads the
+  same variable), the umask applied; an invalid value is one sentence, exit 2.
+- Resume: an index whose ``hs_<i>.safetensors`` is a regular file and passes the check
+  is skipped (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files
+  are removed at start. A file that fails the check, or anything but a regular file at
+  that name (a FIFO, a symlink: never opened), is extracted again and replaced atomically.
 - Retries: a failed request (connection error, HTTP error, ``hidden_states_error``, a file
   that fails the check) is retried ``--max-retries`` times with exponential backoff
   (``--backoff * 2**(attempt-1)`` seconds, capped at ``--max-backoff``, with jitter). After
@@ -46,7 +62,7 @@ import math
 import os
 import random
 import re
-import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -56,7 +72,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from sglang_ext import format as fmt
-from sglang_ext.pending import PendingFiles
+from sglang_ext.pending import PendingFiles, server_name_ok, unlink_regular
 
 MANIFEST_NAME = "manifest.jsonl"
 _FINAL = re.compile(r"hs_(\d+)\.safetensors")
@@ -230,8 +246,118 @@ def endpoint_error(url: str) -> Optional[str]:
 
 
 # ---- files ----------------------------------------------------------------------------
+FILE_MODE_ENV = "KIMI_SGLANG_FILE_MODE"
+DEFAULT_FILE_MODE = 0o600  # hidden states are the model's activations: the owner's only
+
+
+def file_mode(environ=None) -> int:
+    """The mode extract creates its files with, the umask applied: ``KIMI_SGLANG_FILE_MODE``
+    (an octal string such as ``0640``; the server reads the same variable) or 0600.
+
+    Raises ``ValueError`` (one sentence naming the variable) for anything but an octal
+    mode of at most 0777 that lets the owner read and write (resuming reads the files
+    back). An empty value counts as unset. The umask is read once, here (at start-up,
+    before any thread runs)."""
+    value = (os.environ if environ is None else environ).get(FILE_MODE_ENV, "")
+    mode = DEFAULT_FILE_MODE
+    if value.strip():
+        text = value.strip().lower()
+        text = text[2:] if text.startswith("0o") else text
+        if not re.fullmatch(r"[0-7]{1,4}", text) or int(text, 8) > 0o777 \
+                or int(text, 8) & 0o600 != 0o600:
+            raise ValueError(f"{FILE_MODE_ENV}={value!r} is not a file mode: give an octal mode "
+                             f"from 0600 to 0777 that lets the owner read and write, e.g. 0600 "
+                             f"or 0640")
+        mode = int(text, 8)
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 class CheckError(ValueError):
     """A hidden-state file does not match its request."""
+
+
+class NotRegularError(CheckError):
+    """A name holds something else than a regular file (a symlink, a FIFO, a directory)."""
+
+
+def kind_of(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words (``a FIFO``)."""
+    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                        (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def open_regular(name: str, dir_fd: Optional[int] = None, shown: Optional[str] = None) -> int:
+    """Open ``name`` read-only when it is a regular file; returns the descriptor.
+
+    Never follows a symlink at the name (``O_NOFOLLOW``) and never blocks on a FIFO
+    (``O_NONBLOCK``); the type is checked on the open descriptor (``fstat``), so what is
+    checked is what is read. Raises ``NotRegularError`` naming ``shown`` (default
+    ``name``) and what it is, ``FileNotFoundError`` when it is gone."""
+    shown = shown or name
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularError(f"{shown} is not a regular file (a symbolic link)") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):
+            raise NotRegularError(f"{shown} is not a regular file "
+                                  f"({'a socket' if e.errno == errno.ENXIO else 'a directory'})") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularError(f"{shown} is not a regular file ({kind_of(st.st_mode)})")
+    return fd
+
+
+def regular_or_why(path: str) -> Optional[str]:
+    """None when ``path`` is a regular file (not a symlink to one), else what it is, in
+    words; FileNotFoundError when nothing is there. ``lstat`` only: never opens it."""
+    mode = os.lstat(path).st_mode
+    return None if stat.S_ISREG(mode) else kind_of(mode)
+
+
+class DumpDir:
+    """The server's dump directory as this machine sees it, pinned for the run.
+
+    ``path`` as given (``--dump-dir``) or the directory of the run's first answer; ``fd``
+    an open descriptor of it: every file is taken by its bare name relative to ``fd``
+    (``rename``/``open``/``unlink`` ``*at``), so no symlink on the way redirects a move or
+    a delete. An answer belongs to it when its directory is the same directory (device
+    and inode) and its name is the server's name for the request (``server_name_of``)."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.identity = (st.st_dev, st.st_ino)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def server_name_of(self, rid: str, path: str) -> str:
+        """The bare name of ``rid``'s file from the server's ``path``. Raises ``RequestError``
+        (this row's error) when ``path`` is not in this directory or its name is not one
+        the server gives ``rid`` (``<safe_stem(rid)>[-n].safetensors``)."""
+        directory, name = os.path.split(path)
+        try:
+            st = os.stat(directory or ".")
+            inside = (st.st_dev, st.st_ino) == self.identity
+        except OSError:
+            inside = False
+        if not inside:
+            raise RequestError(f"hidden_states_path {path} is not in the dump directory "
+                               f"{self.path}: not taken")
+        if not server_name_ok(rid, name):
+            raise RequestError(f"hidden_states_path {path} is not the server's name for request "
+                               f"{rid} ({fmt.safe_stem(rid)}[-n]{fmt.SUFFIX}): not taken")
+        return name
 
 
 def check_file(path: str, input_ids: List[int], full: bool) -> int:
@@ -273,35 +399,97 @@ def check_file(path: str, input_ids: List[int], full: bool) -> int:
     return len(input_ids)
 
 
-def move_into_place(src: str, out_dir: str, index: int, input_ids: List[int], full: bool) -> int:
-    """Move the server's file to ``out_dir/hs_<index>.safetensors``; returns its size.
-
-    ``src`` goes to a temporary name in ``out_dir`` first (rename, or copy + unlink across
-    filesystems), is checked there, and only then renamed onto the final name, so the
-    final name never holds a partial or unchecked file. On a failed check the temporary
-    file is removed and ``CheckError`` raised.
-    """
-    tmp = os.path.join(out_dir, f".{final_name(index)}.tmp.{uuid.uuid4().hex[:8]}")
+def _copy_fd(src_fd: int, out_fd: int, tmp_name: str, mode: int) -> None:
+    """Copy an open file into a new ``tmp_name`` in ``out_fd``'s directory (created
+    ``O_EXCL|O_NOFOLLOW`` with ``mode``), flushed to disk."""
+    dst = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                  mode, dir_fd=out_fd)
     try:
+        offset = 0
+        while True:
+            chunk = os.pread(src_fd, 1 << 20, offset)
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst, view):]
+            offset += len(chunk)
+        os.fsync(dst)
+    finally:
+        os.close(dst)
+
+
+def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_ids: List[int],
+                    full: bool, mode: int = DEFAULT_FILE_MODE) -> int:
+    """Move the server's file ``name`` (in ``dump``) to ``out_dir/hs_<index>.safetensors``;
+    returns its size.
+
+    Only a regular file is taken (a symlink, FIFO, ... raises ``NotRegularError`` and is
+    left where it is). It goes to a temporary name in ``out_dir`` first (rename, or across
+    filesystems a copy through a descriptor opened ``O_NOFOLLOW`` and then the unlink of
+    that same file), is made a regular file of this user with ``mode``, is checked there,
+    and only then renamed onto the final name: the final name never holds a partial,
+    unchecked or linked file. On a failed check the temporary file is removed and
+    ``CheckError`` raised.
+    """
+    shown = os.path.join(dump.path, name)
+    tmp = f".{final_name(index)}.tmp.{uuid.uuid4().hex[:8]}"
+    out_fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st_mode = os.stat(name, dir_fd=dump.fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise NotRegularError(f"the server's file {shown} is not a regular file "
+                                  f"({kind_of(st_mode)}): left where it is")
         try:
-            os.rename(src, tmp)
+            os.rename(name, tmp, src_dir_fd=dump.fd, dst_dir_fd=out_fd)
+            moved = True
         except OSError as e:
             if e.errno != errno.EXDEV:  # another filesystem
                 raise
-            shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.unlink(src)
-        check_file(tmp, input_ids, full)
-        size = os.stat(tmp).st_size
-        os.rename(tmp, os.path.join(out_dir, final_name(index)))
+            moved = False
+        if moved:
+            # What was renamed is checked in OUT, where nobody else swaps it any more.
+            fd = open_regular(tmp, out_fd, shown=f"the server's file {shown}")
+            try:
+                try:
+                    os.fchmod(fd, mode)
+                except PermissionError:  # another user's file: keep a copy of our own
+                    kept = f".{final_name(index)}.tmp.{uuid.uuid4().hex[:8]}"  # clean_tmp's pattern
+                    _copy_fd(fd, out_fd, kept, mode)
+                    os.unlink(tmp, dir_fd=out_fd)
+                    tmp = kept
+            finally:
+                os.close(fd)
+        else:
+            fd = open_regular(name, dump.fd, shown=f"the server's file {shown}")
+            try:
+                _copy_fd(fd, out_fd, tmp, mode)
+                st = os.fstat(fd)
+                now = os.stat(name, dir_fd=dump.fd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # the file copied, not a swap
+                    os.unlink(name, dir_fd=dump.fd)
+            finally:
+                os.close(fd)
+        tmp_path = os.path.join(out_dir, tmp)
+        check_file(tmp_path, input_ids, full)
+        size = os.stat(tmp, dir_fd=out_fd, follow_symlinks=False).st_size
+        os.rename(tmp, final_name(index), src_dir_fd=out_fd, dst_dir_fd=out_fd)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        unlink_regular(out_fd, tmp) or _unlink_quiet(out_fd, tmp)
+        os.close(out_fd)
         raise
+    os.close(out_fd)
     return size
+
+
+def _unlink_quiet(dir_fd: int, name: str) -> bool:
+    """Remove our own temporary name whatever it holds (a swapped-in link or FIFO that was
+    moved into OUT: the entry goes, never what it points to)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return False
 
 
 def clean_tmp(out_dir: str) -> int:
@@ -338,10 +526,12 @@ def read_manifest(out_dir: str) -> Dict[int, Dict[str, Any]]:
     return records
 
 
-def append_manifest(out_dir: str, record: Dict[str, Any]) -> None:
-    """One ``write`` with ``O_APPEND``: lines from concurrent writers never interleave."""
+def append_manifest(out_dir: str, record: Dict[str, Any], mode: int = DEFAULT_FILE_MODE) -> None:
+    """One ``write`` with ``O_APPEND``: lines from concurrent writers never interleave.
+    A new manifest is created with ``mode`` (umask applied)."""
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
-    fd = os.open(os.path.join(out_dir, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(os.path.join(out_dir, MANIFEST_NAME),
+                 os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.write(fd, line)
     finally:
@@ -375,6 +565,8 @@ class Options:
     validate: bool = False
     rid_prefix: str = "extract"
     early_answers: bool = True
+    dump: Optional[DumpDir] = None  # --dump-dir, else the first answer's directory (set then)
+    file_mode: int = DEFAULT_FILE_MODE  # of every file created in out_dir (umask applied)
 
 
 @dataclass
@@ -405,6 +597,40 @@ def _brief(text: str) -> str:
     ``...``: an HTML error page must not flood stderr once per retry."""
     flat = " ".join(text.split())
     return flat if len(flat) <= BRIEF_CHARS else flat[:BRIEF_CHARS] + "..."
+
+
+PROBE_TIMEOUT_S = 30.0  # at most: a server that has not answered GET /health by then is not up
+
+
+async def probe(endpoint: str, timeout: float) -> Tuple[Optional[str], Optional[str]]:
+    """One ``GET <endpoint>/health`` before any row is sent: ``(error, note)``, each one
+    sentence or None.
+
+    error: nothing answers (refused, no route, no answer within ``timeout``): "cannot
+    reach URL: is the server up?"; something answers but not as SGLang does (SGLang's
+    ``/health`` answers 200, or 503 while it starts or is unhealthy): "URL is not an SGLang
+    server", quoting a short brief of the answer (``_brief``). note: the 503 case, where
+    the run goes on (the rows' own retries cover a server that is starting)."""
+    import aiohttp
+
+    url = endpoint.rstrip("/") + "/health"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(url) as resp:
+                status = resp.status
+                body = (await resp.content.read(4096)).decode("utf-8", errors="replace")
+    except asyncio.TimeoutError:
+        return f"cannot reach {endpoint}: is the server up? (no answer to GET {url} within {timeout:g} s)", None
+    except (aiohttp.ClientError, OSError) as e:
+        return f"cannot reach {endpoint}: is the server up? ({type(e).__name__}: {_one_line(e)})", None
+    if status == 200:
+        return None, None
+    if status == 503:
+        return None, (f"note: GET {url} answered HTTP 503: the server is starting or unhealthy; "
+                      f"sending rows anyway")
+    return (f"{endpoint} is not an SGLang server: GET {url} answered HTTP {status} "
+            f"({_brief(body) or 'empty body'}); pass the base URL of SGLang's server, e.g. "
+            f"http://127.0.0.1:30000"), None
 
 
 async def request_once(session, opts: Options, row: Row, attempt: int,
@@ -460,24 +686,39 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
         raise FatalError(f"the server at {opts.endpoint} is not dumping hidden states: its "
                          f"answer has no meta_info.hidden_states_path (start it with "
                          f"--dump-hidden-states-dir DIR); answer: {_brief(text)}")
-    pending.named(rid, path)
-    if not os.path.isdir(os.path.dirname(path)):
-        raise FatalError(f"the server writes to {os.path.dirname(path)}, which does not exist "
-                         f"on this machine: run extract where the server's "
-                         f"--dump-hidden-states-dir is visible under the same path")
+    if opts.dump is None:  # no --dump-dir: the first answer's directory, fixed for the run
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            raise FatalError(f"the server writes to {directory}, which does not exist "
+                             f"on this machine: run extract where the server's "
+                             f"--dump-hidden-states-dir is visible under the same path")
+        opts.dump = DumpDir(directory)
+        pending.dump_dir(opts.dump.path)
+    dump = opts.dump
+    name = dump.server_name_of(rid, path)  # else this row's error: nothing is touched
+    local = os.path.join(dump.path, name)
+    pending.named(rid, local)
+    for suffix in (fmt.LOCK_SUFFIX, fmt.ERROR_SUFFIX):  # a FIFO there would block the wait
+        try:
+            mode = os.stat(name + suffix, dir_fd=dump.fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise RequestError(f"{local}{suffix} is not a regular file ({kind_of(mode)}): "
+                               f"not waited on")
     # Complete once <path>.lock is gone (at once from a server that waited itself).
-    error = await fmt.wait_complete_async(path, timeout=opts.timeout)
+    error = await fmt.wait_complete_async(local, timeout=opts.timeout)
     if error is not None:
         # The message is in hand and the row is tried again under a new rid: remove the
         # server's <path>.error so failed tries do not pile up in the dump directory.
         try:
-            os.unlink(path + fmt.ERROR_SUFFIX)
+            unlink_regular(dump.fd, name + fmt.ERROR_SUFFIX)
         except OSError:
             pass
-        if not os.path.lexists(path):
+        if not fmt.lexists_at(dump.fd, name):
             pending.settled(rid)
         raise RequestError(error)
-    return rid, path
+    return rid, name
 
 
 async def extract_one(session, opts: Options, row: Row, stats: Stats,
@@ -493,18 +734,19 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
         if abort.is_set():
             return None
         try:
-            rid, src = await request_once(session, opts, row, attempt, http_slots, pending)
+            rid, name = await request_once(session, opts, row, attempt, http_slots, pending)
             try:
                 size = await asyncio.to_thread(
-                    move_into_place, src, opts.out_dir, row.index, row.input_ids, opts.validate
+                    move_into_place, opts.dump, name, opts.out_dir, row.index, row.input_ids,
+                    opts.validate, opts.file_mode,
                 )
             finally:
-                if not os.path.lexists(src):
+                if not fmt.lexists_at(opts.dump.fd, name):
                     pending.settled(rid)
             return {
                 "index": row.index,
                 "num_tokens": len(row.input_ids),
-                "source": src,
+                "source": os.path.join(opts.dump.path, name),
                 "file": final_name(row.index),
                 "bytes": size,
             }
@@ -558,7 +800,16 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 if abort.is_set():
                     continue
                 target = os.path.join(opts.out_dir, final_name(row.index))
-                if os.path.exists(target):
+                try:
+                    not_regular = regular_or_why(target)
+                except FileNotFoundError:
+                    not_regular = exists = None
+                else:
+                    exists = True
+                if not_regular:  # a FIFO, a symlink, ...: never opened, replaced atomically
+                    print(f"re-extracting {final_name(row.index)}: it is not a regular file "
+                          f"({not_regular})", file=sys.stderr)
+                elif exists:
                     try:
                         n = await asyncio.to_thread(check_file, target, row.input_ids, opts.validate)
                     except CheckError as e:
@@ -569,7 +820,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                             rec = {"index": row.index, "num_tokens": n, "source": None,
                                    "file": final_name(row.index),
                                    "bytes": os.stat(target).st_size}
-                            append_manifest(opts.out_dir, rec)
+                            append_manifest(opts.out_dir, rec, opts.file_mode)
                             manifest[row.index] = rec
                         tick()
                         continue
@@ -597,7 +848,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                     if rec is None:  # aborted while it was being tried
                         continue
                     consecutive = 0
-                    append_manifest(opts.out_dir, rec)
+                    append_manifest(opts.out_dir, rec, opts.file_mode)
                     manifest[row.index] = rec
                     stats.done += 1
                     stats.tokens += rec["num_tokens"]
@@ -638,6 +889,17 @@ def rank_rows(data: str, tokenizer, world_size: int, rank: int) -> Iterator[Row]
 
 
 def main(args) -> int:
+    """``sglang-ext extract``: the exit codes of the module doc."""
+    held: List[Options] = []  # whose dump directory (if any) is closed at the end
+    try:
+        return _main(args, held)
+    finally:
+        for opts in held:
+            if opts.dump is not None:
+                opts.dump.close()
+
+
+def _main(args, held: List["Options"]) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         print("error: need --world-size >= 1 and 0 <= --rank < --world-size", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -656,6 +918,20 @@ def main(args) -> int:
     if not os.path.exists(args.data):
         print(f"error: --data {args.data} does not exist", file=sys.stderr)
         return EXIT_BAD_INPUT
+    try:
+        mode = file_mode()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    dump = None
+    if args.dump_dir is not None:
+        try:
+            dump = DumpDir(args.dump_dir)
+            held.append(Options(endpoint=args.endpoint, out_dir=args.out, dump=dump))
+        except OSError:
+            print(f"error: --dump-dir {args.dump_dir} is not a directory (pass the server's "
+                  f"--dump-hidden-states-dir as this machine sees it)", file=sys.stderr)
+            return EXIT_BAD_INPUT
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -680,14 +956,31 @@ def main(args) -> int:
     if n_rows == 0:
         print(f"error: --data {args.data} has no rows; nothing to extract", file=sys.stderr)
         return EXIT_BAD_INPUT
+    unreachable, note = asyncio.run(probe(args.endpoint, min(args.timeout, PROBE_TIMEOUT_S)))
+    if unreachable:
+        print(f"error: {unreachable}", file=sys.stderr)
+        return EXIT_ABORTED
+    if note:
+        print(note, file=sys.stderr)
     try:
         os.makedirs(args.out, exist_ok=True)
         removed = clean_tmp(args.out)
         with tempfile.TemporaryFile(dir=args.out, prefix=".extract-probe-"):
             pass  # hs_<i>, the manifest and the journal are all written here
-        pending = PendingFiles(args.out, args.rank)
+        manifest_kind = None
+        try:
+            manifest_kind = regular_or_why(os.path.join(args.out, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+        pending = PendingFiles(args.out, args.rank, mode)
+        if dump is not None:
+            pending.dump_dir(dump.path)
     except OSError as e:
         print(f"error: --out {args.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if manifest_kind:
+        print(f"error: --out {args.out}: {MANIFEST_NAME} is not a regular file ({manifest_kind}); "
+              f"remove it and run again", file=sys.stderr)
         return EXIT_BAD_INPUT
     if removed:
         print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
@@ -697,7 +990,9 @@ def main(args) -> int:
         max_retries=args.max_retries, backoff=args.backoff, max_backoff=args.max_backoff,
         max_consecutive_failures=args.max_consecutive_failures, timeout=args.timeout,
         validate=args.validate, rid_prefix=args.rid_prefix, early_answers=not args.no_early_answers,
+        dump=dump, file_mode=mode,
     )
+    held[:] = [opts]
     stats = Stats()
     total = len(range(args.rank, n_rows, args.world_size))
     rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
@@ -770,11 +1065,21 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
         formatter_class=_DefaultsHelp,
     )
-    p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--endpoint", required=True,
+                   help="server base URL, e.g. http://127.0.0.1:30000; probed once with GET "
+                        "/health before any row: unreachable or not SGLang is one line, exit 3")
     p.add_argument("--data", required=True,
                    help="JSONL with input_ids (or messages + --tokenizer), or a "
                         "datasets.save_to_disk directory (speculators prepare-data output)")
-    p.add_argument("--out", required=True, help="output directory (hs_<i>.safetensors, manifest.jsonl)")
+    p.add_argument("--out", required=True,
+                   help="output directory (hs_<i>.safetensors, manifest.jsonl), files created "
+                        "with mode 0600 or env KIMI_SGLANG_FILE_MODE (octal, e.g. 0640), the "
+                        "umask applied; results are always regular files")
+    p.add_argument("--dump-dir", default=None,
+                   help="the server's --dump-hidden-states-dir as this machine sees it: extract "
+                        "moves and deletes only regular files directly in it that carry the "
+                        "server's name for the request; an answer naming anything else fails "
+                        "its row (default: the directory of the first answer, fixed for the run)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path for rows with messages (apply_chat_template)")
     p.add_argument("--concurrency", type=int, default=32,
                    help="HTTP requests in flight; up to as many more files may be waited on "

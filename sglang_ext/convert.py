@@ -45,7 +45,8 @@ config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers`
 ``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
 rows whose ``input_ids`` differ from the file's ``token_ids``, torch not installed), each
 with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
-safetensors file).
+safetensors file, or an ``hs_<i>.safetensors`` that is not a regular file: a FIFO there
+is never opened, so it cannot hang the run).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import importlib.util
 import json
 import os
 import re
+import stat
 import sys
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -70,6 +72,23 @@ _SRC = re.compile(r"hs_(\d+)\.safetensors")
 
 class ConvertError(ValueError):
     pass
+
+
+def not_regular(path: str) -> Optional[str]:
+    """None when ``path`` is (or links to) a regular file, else what it is in words (``a
+    FIFO``), read with ``stat`` without opening it: opening a FIFO would block for good."""
+    from sglang_ext.client import kind_of
+
+    mode = os.stat(path).st_mode
+    return None if stat.S_ISREG(mode) else kind_of(mode)
+
+
+def require_regular(path: str) -> None:
+    """Raise ``ConvertError`` (one sentence) unless ``path`` is a regular file."""
+    what = not_regular(path)
+    if what:
+        raise ConvertError(f"{path} is not a regular file ({what}); remove it and run extract "
+                           f"again with the same --out to replace it")
 
 
 def specforge_path(dst: str, index: int) -> str:
@@ -149,7 +168,10 @@ def read_file_headers(src: str, indices: Sequence[int]) -> Dict[int, Tuple[list,
     out: Dict[int, Tuple[list, dict]] = {}
     for index in indices:
         try:
-            with safe_open(os.path.join(src, f"hs_{index}.safetensors"), framework="numpy") as f:
+            path = os.path.join(src, f"hs_{index}.safetensors")
+            if not_regular(path):  # a FIFO would block the open: reported when converted
+                continue
+            with safe_open(path, framework="numpy") as f:
                 out[index] = (f.get_tensor(fmt.KEY_TOKEN_IDS).tolist(), dict(f.metadata() or {}))
         except Exception:  # noqa: BLE001 - a truncated or foreign file: reported when converted
             continue
@@ -239,6 +261,7 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str,
 
     from safetensors import SafetensorError
 
+    require_regular(path)
     try:
         rec = fmt.load(path, dequantize=torch.bfloat16)  # fp8 files: fp8 * scale, as FP8Transfer
     except SafetensorError as e:  # a truncated or foreign file

@@ -17,12 +17,24 @@ out while the server was still writing. This module keeps a journal of such requ
 ``extract`` sweeps at start (leftovers of a killed run) and at the end (timed-out tries,
 Ctrl-C); the journal is deleted once nothing is pending. One run per rank and output
 directory at a time (two would share a journal).
+
+What a sweep deletes is bounded, whatever the journal says (a journal is only as good as
+the answers it recorded): only entries of a dump directory the journal names in a ``dir``
+record (``dump_dir()``), whose name is the server's name for that request
+(``server_name_ok``: ``<safe_stem(rid)>[-n].safetensors``, plus ``.error``), and that are
+regular files (``lstat``, never following a symlink; a FIFO or a symlink is left alone).
+The lock is tested without blocking (``O_NONBLOCK|O_NOFOLLOW``, regular files only).
+The journal is created with the mode it is given (``extract``'s file mode, umask applied).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import re
+import stat
 from typing import Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
@@ -32,13 +44,53 @@ def journal_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f".extract-pending-rank{rank}.jsonl")
 
 
-def _lock_held(path: str) -> bool:
-    """True while a writer holds ``<path>.lock``."""
+# The server's name for a request's file (format.reserve): the rid's safe stem, a
+# collision counter, the suffix. The stem holds the rid's own hash, so no file the
+# server did not write for this rid has this name.
+_COUNTER = r"(?:-[0-9]+)?"
+
+
+def server_name_ok(rid: str, name: str) -> bool:
+    """True when ``name`` (a bare file name) is one the server may give ``rid``'s file:
+    ``<format.safe_stem(rid)>[-n].safetensors``."""
+    pattern = re.escape(fmt.safe_stem(rid)) + _COUNTER + re.escape(fmt.SUFFIX)
+    return re.fullmatch(pattern, name) is not None
+
+
+def _lock_held(dir_fd: int, name: str) -> Optional[bool]:
+    """True while a writer holds ``<name>.lock`` in the directory, False when it is free or
+    gone, None when the lock name holds something else than a regular file (not a
+    writer's lock: leave that name alone). Never blocks, never follows a symlink."""
     try:
-        fmt.wait_complete(path, timeout=0)
-    except TimeoutError:
+        fd = os.open(name + fmt.LOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # symlink, socket, directory
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
         return True
-    return False
+    finally:
+        os.close(fd)
+
+
+def unlink_regular(dir_fd: int, name: str) -> bool:
+    """Remove ``name`` from the directory when it is a regular file (not followed: a
+    symlink, FIFO or directory there stays); True when something was removed."""
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _unlink(path: str) -> bool:
@@ -54,8 +106,9 @@ class PendingFiles:
 
     COMPACT_EVERY = 4096  # journal lines appended before it is rewritten with what is pending
 
-    def __init__(self, out_dir: str, rank: int):
+    def __init__(self, out_dir: str, rank: int, mode: int = 0o600):
         self.path = journal_path(out_dir, rank)
+        self.mode = mode  # of the journal file, before the umask
         self.rids: Dict[str, Optional[str]] = {}  # rid -> server path (None: not answered yet)
         self.dump_dirs: List[str] = []
         self._appended = 0
@@ -81,8 +134,6 @@ class PendingFiles:
             elif isinstance(rec.get("rid"), str):
                 path = rec.get("path") if isinstance(rec.get("path"), str) else None
                 self.rids[rec["rid"]] = path or self.rids.get(rec["rid"])
-                if path:
-                    self._add_dir(os.path.dirname(path))
 
     def _add_dir(self, directory: str) -> None:
         if directory not in self.dump_dirs:
@@ -90,7 +141,7 @@ class PendingFiles:
 
     def _append(self, rec: dict) -> None:
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, self.mode)
         try:
             os.write(fd, line)
         finally:
@@ -105,7 +156,9 @@ class PendingFiles:
             _unlink(self.path)
             return
         tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        _unlink(tmp)  # a leftover keeps its own mode; O_EXCL below makes a fresh one
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.mode)
+        with open(fd, "w", encoding="utf-8") as f:
             for d in self.dump_dirs:
                 f.write(json.dumps({"dir": d}) + "\n")
             for rid, path in self.rids.items():
@@ -113,24 +166,37 @@ class PendingFiles:
                                    separators=(",", ":")) + "\n")
         os.replace(tmp, self.path)
 
+    def dump_dir(self, directory: str) -> None:
+        """Journal the run's dump directory: the only one whose files a sweep removes."""
+        if directory not in self.dump_dirs:
+            self._add_dir(directory)
+            self._append({"dir": directory})
+
     def sent(self, rid: str) -> None:
         self.rids[rid] = None
         self._append({"rid": rid})
 
     def named(self, rid: str, path: str) -> None:
+        """The server named ``rid``'s file ``path``: a checked name in the run's dump
+        directory (``extract`` checks an answer before it journals it)."""
         self.rids[rid] = path
-        self._add_dir(os.path.dirname(path))
+        self.dump_dir(os.path.dirname(path))
         self._append({"rid": rid, "path": path})
 
     def settled(self, rid: str) -> None:
         if self.rids.pop(rid, "absent") != "absent":
             self._append({"done": rid})
 
-    def _candidates(self, rid: str, path: Optional[str]) -> List[str]:
-        if path:
-            return [path]
+    def _candidates(self, rid: str, path: Optional[str]) -> List[Tuple[str, str]]:
+        """``(dump dir, name)`` where ``rid``'s file may be: the answered path when it is a
+        server's name for ``rid`` in a journaled dump directory, else (never answered, or
+        an answer that is not such a name) the first name the server gives ``rid`` in
+        every journaled dump directory."""
+        if path and os.path.dirname(path) in self.dump_dirs \
+                and server_name_ok(rid, os.path.basename(path)):
+            return [(os.path.dirname(path), os.path.basename(path))]
         name = fmt.safe_stem(rid) + fmt.SUFFIX
-        return [os.path.join(d, name) for d in self.dump_dirs]
+        return [(d, name) for d in self.dump_dirs]
 
     def sweep(self, forget_unanswered: bool) -> Tuple[int, List[str]]:
         """Remove what unsettled requests left; returns ``(files removed, files still being
@@ -139,19 +205,36 @@ class PendingFiles:
         still be working on them, so they stay for the next run's sweep)."""
         removed = 0
         busy: List[str] = []
-        for rid, path in list(self.rids.items()):
-            found = busy_here = False
-            for p in self._candidates(rid, path):
-                if _lock_held(p):
-                    busy.append(p)
-                    busy_here = True
+        dir_fds: Dict[str, Optional[int]] = {}
+        try:
+            for rid, path in list(self.rids.items()):
+                found = busy_here = False
+                for directory, name in self._candidates(rid, path):
+                    if directory not in dir_fds:
+                        try:
+                            dir_fds[directory] = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+                        except OSError:  # gone, or not visible here: nothing to remove
+                            dir_fds[directory] = None
+                    dir_fd = dir_fds[directory]
+                    if dir_fd is None:
+                        continue
+                    held = _lock_held(dir_fd, name)
+                    if held:
+                        busy.append(os.path.join(directory, name))
+                        busy_here = True
+                        continue
+                    if held is None:  # not a writer's lock at that name: touch nothing
+                        continue
+                    for entry in (name, name + fmt.ERROR_SUFFIX):
+                        if unlink_regular(dir_fd, entry):
+                            removed += 1
+                            found = True
+                if busy_here or (path is None and not found and not forget_unanswered):
                     continue
-                for name in (p, p + fmt.ERROR_SUFFIX):
-                    if _unlink(name):
-                        removed += 1
-                        found = True
-            if busy_here or (path is None and not found and not forget_unanswered):
-                continue
-            self.rids.pop(rid)
+                self.rids.pop(rid)
+        finally:
+            for fd in dir_fds.values():
+                if fd is not None:
+                    os.close(fd)
         self._rewrite()
         return removed, busy

@@ -66,7 +66,9 @@ class Server:
     (answer without a path, as an unpatched server does), "hang" (never answer).
     ``write_delay_s``: with an early-answer request, answer at once with the name reserved
     (``.lock`` held) and write that much later (the first ``delay_first`` requests only;
-    None: all). The first ``hang_first`` requests get their file written, then no answer."""
+    None: all). The first ``hang_first`` requests get their file written, then no answer.
+    ``answer_path``: None, or ``f(request number from 1, path written) -> path answered``
+    (a hostile server naming another file). ``GET /health`` answers 200, as SGLang's does."""
 
     def __init__(self, dump_dir: Path, mode: str = "dump"):
         self.dump_dir = str(dump_dir)
@@ -79,11 +81,17 @@ class Server:
         self.status = 200
         self.lock = threading.Lock()
         self.release = threading.Event()
+        self.answer_path = None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
+
+            def do_GET(self):
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -142,6 +150,8 @@ class Server:
             threading.Thread(target=later, daemon=True).start()
             return 200, {"text": "x", "meta_info": {"hidden_states_path": path, fmt.PENDING_KEY: True}}
         write_file(path, ids)
+        if self.answer_path is not None:
+            path = self.answer_path(n, path)
         return 200, {"text": "x", "meta_info": {"hidden_states_path": path}}
 
 
@@ -169,8 +179,9 @@ def write_jsonl(path: Path, data, masks=None, blank_after=None) -> str:
     return str(path)
 
 
-def cli(*args, timeout=60, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def cli(*args, timeout=60, env=None, **kw) -> subprocess.CompletedProcess:
+    """``python -m sglang_ext ARGS`` from this checkout; ``env``: variables to add."""
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "sglang_ext", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout, **kw)
 
@@ -429,20 +440,23 @@ def test_the_pending_journal_stays_small_and_survives_a_restart(tmp_path, monkey
     dump = tmp_path / "dump"
     dump.mkdir()
     p = PendingFiles(str(tmp_path), rank=1)
+    def name(i):  # the server's name for rid r<i>
+        return fmt.safe_stem(f"r{i}") + fmt.SUFFIX
+
     for i in range(100):
         p.sent(f"r{i}")
-        p.named(f"r{i}", str(dump / f"f{i}.safetensors"))
+        p.named(f"r{i}", str(dump / name(i)))
         if i % 10:
             p.settled(f"r{i}")
     p.sent("never-answered")
     lines = open(journal_path(str(tmp_path), 1)).read().splitlines()
     assert len(lines) <= 10 + 1 + 10  # one compaction's worth, the dir line, what is pending
     again = PendingFiles(str(tmp_path), rank=1)
-    assert again.rids == {**{f"r{i}": str(dump / f"f{i}.safetensors") for i in range(0, 100, 10)},
+    assert again.rids == {**{f"r{i}": str(dump / name(i)) for i in range(0, 100, 10)},
                           "never-answered": None}
     assert again.dump_dirs == [str(dump)]
     # what they left: a file for r0 and one for the never-answered rid (by its safe name)
-    write_file(str(dump / "f0.safetensors"), [1])
+    write_file(str(dump / name(0)), [1])
     write_file(str(dump / (fmt.safe_stem("never-answered") + fmt.SUFFIX)), [1])
     assert again.sweep(forget_unanswered=True) == (2, [])
     assert os.listdir(dump) == [] and again.rids == {}
@@ -532,10 +546,23 @@ def test_tokenizer_without_transformers_is_one_sentence(server, tmp_path):
                                 f"installed here (pip install transformers)")
 
 
+class _HealthOnly(BaseHTTPRequestHandler):
+    """Answers ``GET /health`` (so extract's probe passes) and nothing else: POST gets
+    http.server's HTTP 501 HTML page."""
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
 def test_an_html_error_page_is_quoted_short_on_one_line(tmp_path):
     """http.server answers POST with HTTP 501 and its HTML error page (~450 bytes, many
     lines); each retry line quotes at most 200 characters of it, on one line."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _HealthOnly)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"

@@ -95,6 +95,8 @@ class FakeServer:
                 if self.path == "/v1/models":
                     self.reply(200, {"object": "list", "data": [
                         {"id": "fake-model", "object": "model", "created": 0, "owned_by": "t"}]})
+                elif self.path == "/health":  # SGLang's; extract probes it before any row
+                    self.reply(200, {})
                 else:
                     self.reply(404, {"error": "not found"})
 
@@ -381,23 +383,34 @@ def test_validate_catches_non_finite_and_wrong_ids(server, tmp_path):
 
 
 def test_move_across_filesystems_copies_then_unlinks(tmp_path, monkeypatch):
+    """rename fails with EXDEV: the file is copied through a descriptor into a new file of
+    the asked mode, then the server's file is unlinked."""
     ids = [1, 2, 3]
-    src = tmp_path / "src.safetensors"
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    name = fmt.safe_stem("r") + fmt.SUFFIX
+    src = dump / name
     save_file({"hidden_states": reference(ids), "token_ids": torch.tensor(ids)}, str(src))
+    os.chmod(src, 0o644)
     out = tmp_path / "out"
     out.mkdir()
     real_rename = os.rename
 
     def rename(a, b, *args, **kw):
-        if str(a) == str(src):
+        if a == name:
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return real_rename(a, b, *args, **kw)
 
     monkeypatch.setattr(os, "rename", rename)
-    client.move_into_place(str(src), str(out), 7, ids, full=True)
+    d = client.DumpDir(str(dump))
+    try:
+        client.move_into_place(d, name, str(out), 7, ids, full=True, mode=0o600)
+    finally:
+        d.close()
     assert not src.exists()
     assert_file(out / "hs_7.safetensors", ids)
     assert os.listdir(out) == ["hs_7.safetensors"]
+    assert os.stat(out / "hs_7.safetensors").st_mode & 0o777 == 0o600
 
 
 def test_messages_need_a_tokenizer(server, tmp_path, capsys):

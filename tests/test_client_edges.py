@@ -1,0 +1,309 @@
+"""extract and convert at the edges: a hostile server, hostile neighbours in the dump and
+output directories (symlinks, FIFOs, names that are not the server's), a wrong endpoint,
+and the mode of what extract creates.
+
+The server is tests/test_cli.py's stand-in for the patched SGLang's ``/generate`` (files
+written by hand under ``format.safe_stem(rid)``), here told to answer other paths. Every
+command runs in a subprocess with a timeout, so a regression that blocks on a FIFO fails
+instead of hanging the suite. Nothing here mocks the file system: real symlinks, real
+FIFOs (``os.mkfifo``), real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from test_cli import Server, cli, extract_args, reference_bf16, rows, write_file, write_jsonl
+
+from sglang_ext import format as fmt
+from sglang_ext.pending import PendingFiles, journal_path
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path / "dump")
+    yield s
+    s.close()
+
+
+def user_file(tmp_path, name="thesis.safetensors"):
+    """A file of the user's, outside any dump directory, a valid dump file of row 0 (so a
+    client that checked it would even accept it)."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    path = home / name
+    write_file(str(path), rows(1)[0])
+    return path, path.read_bytes()
+
+
+def result_is_regular_and_right(out, i, ids):
+    st = os.lstat(out / f"hs_{i}.safetensors")
+    assert stat.S_ISREG(st.st_mode), f"hs_{i} is not a regular file: {stat.filemode(st.st_mode)}"
+    raw = (out / f"hs_{i}.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert raw[8 + n:8 + n + len(reference_bf16(ids))] == reference_bf16(ids)
+
+
+# ---- item 4: extract moves and deletes only the server's own files --------------------------
+@pytest.mark.parametrize("dump_dir_flag", [True, False])
+def test_an_answer_naming_a_file_outside_the_dump_dir_is_that_rows_error(server, tmp_path, dump_dir_flag):
+    """Every answer names the user's file (its own file is written, then another path is
+    answered). With --dump-dir the path is outside it; without, the first answer fixes the
+    dump directory to the user's folder, but the name is not the server's name for the
+    request. Either way the user's file is neither moved nor deleted."""
+    victim, before = user_file(tmp_path)
+    server.answer_path = lambda n, path: str(victim)
+    extra = ["--dump-dir", server.dump_dir] if dump_dir_flag else []
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(2)), tmp_path / "out",
+                          "--max-retries", 1, *extra), timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert victim.read_bytes() == before
+    assert not list((tmp_path / "out").glob("hs_*"))
+    reason = "is not in the dump directory" if dump_dir_flag else "is not the server's name for request"
+    assert reason in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_symlink_named_by_the_server_is_never_followed_nor_kept(server, tmp_path):
+    """The server's file is a symlink (under the server's own name) to the user's file:
+    the row fails, the user's file stays, OUT holds no symlink (items 4 and 5)."""
+    victim, before = user_file(tmp_path)
+
+    def link(n, path):
+        os.unlink(path)
+        os.symlink(victim, path)
+        return path
+
+    server.answer_path = link
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0), timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert victim.read_bytes() == before
+    assert "is not a regular file" in r.stderr, r.stderr
+    out = tmp_path / "out"
+    assert not [n for n in os.listdir(out) if os.path.islink(out / n)]
+    assert not list(out.glob("hs_*"))
+
+
+def test_a_fifo_named_by_the_server_fails_the_row_without_hanging(server, tmp_path):
+    def fifo(n, path):
+        os.unlink(path)
+        os.mkfifo(path)
+        return path
+
+    server.answer_path = fifo
+    t0 = time.monotonic()
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0), timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "is not a regular file" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_another_file_in_the_dump_dir_is_not_taken(server, tmp_path):
+    """The answer names a file in the dump directory that is not the request's (another
+    client's): it stays where it is."""
+    other = os.path.join(server.dump_dir, "someone-else.safetensors")
+    write_file(other, rows(1)[0])
+    server.answer_path = lambda n, path: other
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0, "--dump-dir", server.dump_dir), timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert os.path.isfile(other)
+    assert "is not the server's name for request" in r.stderr, r.stderr
+
+
+def test_a_journal_naming_a_users_file_does_not_delete_it(tmp_path):
+    """A journal as a killed older client left it, naming (for an unsettled request) a
+    user's file outside the dump directory and a symlink in it: the next start-up sweep
+    deletes neither the file nor what the link points to."""
+    victim, before = user_file(tmp_path)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    rid_a, rid_b = "extract-0-0-0123abcd", "extract-1-0-4567cdef"
+    link = dump / (fmt.safe_stem(rid_b) + fmt.SUFFIX)
+    os.symlink(victim, link)
+    with open(journal_path(str(out), 0), "w") as f:
+        for rec in ({"dir": str(dump)}, {"rid": rid_a}, {"rid": rid_a, "path": str(victim)},
+                    {"rid": rid_b}):
+            f.write(json.dumps(rec) + "\n")
+    p = PendingFiles(str(out), 0)
+    p.sweep(forget_unanswered=True)
+    assert victim.read_bytes() == before
+    assert p.rids == {}  # nothing left to retry forever
+
+
+def test_a_good_run_with_dump_dir_takes_every_file(server, tmp_path):
+    data = rows(5)
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), out,
+                          "--dump-dir", server.dump_dir, "--concurrency", 2), timeout=60)
+    assert r.returncode == 0, r.stderr
+    for i, ids in enumerate(data):
+        result_is_regular_and_right(out, i, ids)
+    assert os.listdir(server.dump_dir) == []
+
+
+def test_a_dump_dir_that_does_not_exist_is_one_sentence(server, tmp_path):
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--dump-dir", tmp_path / "nope"), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: --dump-dir {tmp_path / 'nope'} is not a directory (pass the server's "
+        f"--dump-hidden-states-dir as this machine sees it)"]
+    assert server.requests == 0
+
+
+# ---- item 12: a FIFO in OUT neither hangs extract nor convert ---------------------------------
+def test_a_fifo_at_a_result_name_is_re_extracted_without_hanging(server, tmp_path):
+    data = rows(3)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "hs_1.safetensors")
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), out), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "re-extracting hs_1.safetensors: it is not a regular file" in r.stderr, r.stderr
+    for i, ids in enumerate(data):
+        result_is_regular_and_right(out, i, ids)
+
+
+def test_a_symlink_at_a_result_name_is_replaced_by_a_regular_file(server, tmp_path):
+    data = rows(1)
+    victim, before = user_file(tmp_path)  # a valid file for row 0
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / "hs_0.safetensors")
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), out), timeout=60)
+    assert r.returncode == 0, r.stderr
+    result_is_regular_and_right(out, 0, data[0])
+    assert victim.read_bytes() == before
+
+
+@pytest.mark.parametrize("with_masks", [False, True])
+def test_convert_names_a_fifo_in_src_in_one_sentence_without_hanging(tmp_path, with_masks):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_file(str(src / "hs_0.safetensors"), [1, 2, 3])
+    os.mkfifo(src / "hs_1.safetensors")
+    extra = []
+    if with_masks:  # the headers are read before any record is written
+        extra = ["--loss-mask-from", write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3]] * 2,
+                                                 masks=[[0, 1, 1]] * 2)]
+    r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm", *extra,
+            timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: {src / 'hs_1.safetensors'} is not a regular file (a FIFO); remove it and run "
+        f"extract again with the same --out to replace it")
+
+
+# ---- item 13: a wrong endpoint is named at once ----------------------------------------------
+def test_a_closed_port_is_one_line_at_once(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    r = cli("extract", "--endpoint", url, "--data", write_jsonl(tmp_path / "d.jsonl", rows(3)),
+            "--out", tmp_path / "out", "--no-progress", timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert time.monotonic() - t0 < 10
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: cannot reach {url}: is the server up? ("), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+class _Html501(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+
+def test_an_http_server_that_is_not_sglang_is_one_line_at_once(tmp_path):
+    """http.server answers every GET and POST with HTTP 501 and an HTML page."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Html501)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        t0 = time.monotonic()
+        r = cli("extract", "--endpoint", url, "--data", write_jsonl(tmp_path / "d.jsonl", rows(3)),
+                "--out", tmp_path / "out", "--no-progress", timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert r.returncode == 3, r.stderr
+    assert elapsed < 10
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {url} is not an SGLang server: GET {url}/health answered "
+                               f"HTTP 501 (<!DOCTYPE HTML"), r.stderr
+    # the page is quoted as a brief of 200 characters (+ "..."), the rest is the sentence
+    assert "</html>" not in r.stderr and len(lines[0]) < 203 + 2 * len(url) + 150
+
+
+# ---- item 6: extract's outputs are not world-readable -----------------------------------------
+def _modes(out):
+    return {n: stat.S_IMODE(os.lstat(out / n).st_mode) for n in os.listdir(out)}
+
+
+def test_outputs_are_0600_by_default_and_follow_kimi_sglang_file_mode(server, tmp_path):
+    data = rows(2)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    old = os.umask(0o022)
+    try:
+        r = cli(*extract_args(server, path, tmp_path / "out"), timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert _modes(tmp_path / "out") == {"hs_0.safetensors": 0o600, "hs_1.safetensors": 0o600,
+                                            "manifest.jsonl": 0o600}
+        r = cli(*extract_args(server, path, tmp_path / "out2"), timeout=60,
+                env=dict(KIMI_SGLANG_FILE_MODE="0640"))
+        assert r.returncode == 0, r.stderr
+        assert set(_modes(tmp_path / "out2").values()) == {0o640}
+        os.umask(0o027)  # the umask still applies to the mode asked for
+        r = cli(*extract_args(server, path, tmp_path / "out3"), timeout=60,
+                env=dict(KIMI_SGLANG_FILE_MODE="0666"))
+        assert r.returncode == 0, r.stderr
+        assert set(_modes(tmp_path / "out3").values()) == {0o640}
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("value", ["0999", "rw-r-----", "01777", "0400"])
+def test_an_invalid_file_mode_is_one_sentence(server, tmp_path, value):
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out"),
+            timeout=60, env=dict(KIMI_SGLANG_FILE_MODE=value))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: KIMI_SGLANG_FILE_MODE={value!r} is not a file mode: give an octal mode from "
+        f"0600 to 0777 that lets the owner read and write, e.g. 0600 or 0640"]
+    assert server.requests == 0
+
+
+def test_the_journal_and_copies_across_filesystems_get_the_mode(tmp_path):
+    """The journal is created with the mode it is given (umask applied)."""
+    old = os.umask(0o022)
+    try:
+        p = PendingFiles(str(tmp_path), 0, mode=0o640)
+        p.sent("r")
+        assert stat.S_IMODE(os.stat(journal_path(str(tmp_path), 0)).st_mode) == 0o640
+        p.named("r", str(tmp_path / (fmt.safe_stem("r") + fmt.SUFFIX)))
+        p._rewrite()
+        assert stat.S_IMODE(os.stat(journal_path(str(tmp_path), 0)).st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_help_names_the_new_guarantees():
+    text = " ".join(cli("extract", "--help").stdout.split())
+    for words in ("--dump-dir", "only regular files", "KIMI_SGLANG_FILE_MODE", "GET /health"):
+        assert words in text, words
