@@ -246,29 +246,15 @@ def endpoint_error(url: str) -> Optional[str]:
 
 
 # ---- files ----------------------------------------------------------------------------
-FILE_MODE_ENV = "KIMI_SGLANG_FILE_MODE"
-DEFAULT_FILE_MODE = 0o600  # hidden states are the model's activations: the owner's only
+DEFAULT_FILE_MODE = fmt.DEFAULT_FILE_MODE
 
 
-def file_mode(environ=None) -> int:
-    """The mode extract creates its files with, the umask applied: ``KIMI_SGLANG_FILE_MODE``
-    (an octal string such as ``0640``; the server reads the same variable) or 0600.
-
-    Raises ``ValueError`` (one sentence naming the variable) for anything but an octal
-    mode of at most 0777 that lets the owner read and write (resuming reads the files
-    back). An empty value counts as unset. The umask is read once, here (at start-up,
-    before any thread runs)."""
-    value = (os.environ if environ is None else environ).get(FILE_MODE_ENV, "")
-    mode = DEFAULT_FILE_MODE
-    if value.strip():
-        text = value.strip().lower()
-        text = text[2:] if text.startswith("0o") else text
-        if not re.fullmatch(r"[0-7]{1,4}", text) or int(text, 8) > 0o777 \
-                or int(text, 8) & 0o600 != 0o600:
-            raise ValueError(f"{FILE_MODE_ENV}={value!r} is not a file mode: give an octal mode "
-                             f"from 0600 to 0777 that lets the owner read and write, e.g. 0600 "
-                             f"or 0640")
-        mode = int(text, 8)
+def file_mode() -> int:
+    """The mode extract creates its files with: ``format.file_mode()`` (0600, or
+    ``KIMI_SGLANG_FILE_MODE``, the same variable the server reads) with the umask applied,
+    read once, at start-up, before any thread runs. Raises ``ValueError``, one sentence
+    naming the variable."""
+    mode = fmt.file_mode()
     umask = os.umask(0)
     os.umask(umask)
     return mode & ~umask

@@ -216,6 +216,13 @@ def safe_stem(rid: str) -> str:
     return f"{text}-{digest}" if text else f"req-{digest}"
 
 
+def is_name_for(rid: str, name: str) -> bool:
+    """True when ``name`` (a bare file name) is one ``reserve`` may give ``rid``'s file:
+    ``<safe_stem(rid)>[-n].safetensors``. Clients check a server's answer with it before
+    they move or delete anything."""
+    return re.fullmatch(re.escape(safe_stem(rid)) + r"(?:-[0-9]+)?" + re.escape(SUFFIX), name) is not None
+
+
 @dataclass
 class Reservation:
     """A name held for one request's file: the lock file exists and we hold its flock."""

@@ -33,7 +33,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import stat
 from typing import Dict, List, Optional, Tuple
 
@@ -47,14 +46,11 @@ def journal_path(out_dir: str, rank: int) -> str:
 # The server's name for a request's file (format.reserve): the rid's safe stem, a
 # collision counter, the suffix. The stem holds the rid's own hash, so no file the
 # server did not write for this rid has this name.
-_COUNTER = r"(?:-[0-9]+)?"
 
 
 def server_name_ok(rid: str, name: str) -> bool:
-    """True when ``name`` (a bare file name) is one the server may give ``rid``'s file:
-    ``<format.safe_stem(rid)>[-n].safetensors``."""
-    pattern = re.escape(fmt.safe_stem(rid)) + _COUNTER + re.escape(fmt.SUFFIX)
-    return re.fullmatch(pattern, name) is not None
+    """``format.is_name_for``: ``name`` is one the server may give ``rid``'s file."""
+    return fmt.is_name_for(rid, name)
 
 
 def _lock_held(dir_fd: int, name: str) -> Optional[bool]:

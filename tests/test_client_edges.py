@@ -284,8 +284,8 @@ def test_an_invalid_file_mode_is_one_sentence(server, tmp_path, value):
             timeout=60, env=dict(KIMI_SGLANG_FILE_MODE=value))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
-        f"error: KIMI_SGLANG_FILE_MODE={value!r} is not a file mode: give an octal mode from "
-        f"0600 to 0777 that lets the owner read and write, e.g. 0600 or 0640"]
+        "error: KIMI_SGLANG_FILE_MODE must be an octal file mode of 3 or 4 digits that includes owner "
+        f"read and write (0600) and nothing beyond 0777, such as 0600 or 0640; got {value!r}"]
     assert server.requests == 0
 
 
