@@ -791,7 +791,7 @@ def _fail_orphan(dir_fd: int, name: str, message: str) -> Optional[int]:
     except FileNotFoundError:
         size = None
     try:
-        fd = os.open(name + fmt.LOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = fmt.open_regular(name + fmt.LOCK_SUFFIX, os.O_RDONLY, dir_fd=dir_fd)
     except OSError:
         return size
     if size is None:
