@@ -268,6 +268,9 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str,
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConvertError(f"{path} is not a readable safetensors file ({detail}); run extract "
                            f"again with the same --out to replace it") from None
+    except fmt.DumpFormatError as e:  # format.load names the file and what it found
+        raise ConvertError(f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}; run extract "
+                           f"again with the same --out to replace it") from None
     hs, ids = rec.hidden_states, rec.token_ids
     if hs.shape[1] < 2:
         raise ConvertError(f"{path}: {hs.shape[1]} layer slot(s); need aux layers plus the last")

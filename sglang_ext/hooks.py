@@ -317,6 +317,7 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
         return
     if d.handover is not None:  # the previous batch's on_prefill_output never came
         on_prefill_output()
+    d.writer.poll()  # a writer that ended since the last batch is replaced before this one
     t0 = trace.now() if trace.enabled() else None
     hidden = logits_output.hidden_states
     lens = extend_input_len_per_req or []

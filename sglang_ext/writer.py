@@ -331,6 +331,15 @@ class DumpWriter:
                 since = now
 
     # ---- scheduler thread -------------------------------------------------------------
+    def poll(self) -> None:
+        """Notice a writer process that has ended (killed by the watchdog, or dead) before a
+        batch hands it new work: what it held fails, a new one starts, and the batch's new
+        requests go to that one. One ``waitpid(WNOHANG)``; call once per batch."""
+        if self._sock is not None and not self._closed and self._proc.poll() is not None:
+            self._read_acks()  # what it said before it ended, then its end (may replace it)
+            if self._sock is not None and self._proc.poll() is not None:
+                self._peer_gone()
+
     def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:
         """Open a request of ``len(token_ids)`` prompt tokens whose rows are
         ``row_width`` elements of ``dtype``; its token ids go to the arena now.

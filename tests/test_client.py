@@ -737,8 +737,8 @@ def test_convert_names_a_corrupt_file_and_leaves_no_empty_dst(tmp_path, capsys):
     dst = tmp_path / "dst"
     assert main(["convert", "--to", "specforge", str(src), str(dst), "--no-final-norm"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: {src / 'hs_0.safetensors'} is not a readable safetensors file (Error "
-                   f"while deserializing header: header too small); run extract again with the "
+    assert err == (f"error: {src / 'hs_0.safetensors'}: not a readable safetensors file (SafetensorError: "
+                   f"Error while deserializing header: header too small); run extract again with the "
                    f"same --out to replace it")
     assert not dst.exists()
     # the good files before it are converted and kept (a rerun resumes); the bad one is named

@@ -111,13 +111,13 @@ def test_max_host_mb_above_physical_memory_is_refused(tmp_path, clean_env):
     ("KIMI_SGLANG_WATCHDOG_S", "1e9", "at most 86400 seconds"),
     ("KIMI_SGLANG_FILE_MODE", "0400", "owner read and write (0600)"),
     ("KIMI_SGLANG_FILE_MODE", "200", "owner read and write (0600)"),
-    ("KIMI_SGLANG_FILE_MODE", "1600", "only permission bits (0777)"),
-    ("KIMI_SGLANG_FILE_MODE", "4700", "only permission bits (0777)"),
-    ("KIMI_SGLANG_FILE_MODE", "0o600", "3 or 4 octal digits"),
-    ("KIMI_SGLANG_FILE_MODE", "680", "3 or 4 octal digits"),
-    ("KIMI_SGLANG_FILE_MODE", "00600", "3 or 4 octal digits"),
-    ("KIMI_SGLANG_FILE_MODE", "\u0666\u0660\u0660", "3 or 4 octal digits"),
-    ("KIMI_SGLANG_FILE_MODE", "-600", "3 or 4 octal digits"),
+    ("KIMI_SGLANG_FILE_MODE", "1600", "nothing beyond 0777"),
+    ("KIMI_SGLANG_FILE_MODE", "4700", "nothing beyond 0777"),
+    ("KIMI_SGLANG_FILE_MODE", "0o600", "of 3 or 4 digits"),
+    ("KIMI_SGLANG_FILE_MODE", "680", "of 3 or 4 digits"),
+    ("KIMI_SGLANG_FILE_MODE", "00600", "of 3 or 4 digits"),
+    ("KIMI_SGLANG_FILE_MODE", "\u0666\u0660\u0660", "of 3 or 4 digits"),
+    ("KIMI_SGLANG_FILE_MODE", "-600", "of 3 or 4 digits"),
 ])
 def test_bad_env_setting_is_one_sentence_naming_it(clean_env, name, value, words):
     clean_env.setenv(name, value)

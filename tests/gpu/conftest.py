@@ -192,9 +192,11 @@ def _launch(request, tiny_model, options, log_dir, group, env=None):
 @pytest.fixture(scope="module")
 def server(request, tiny_model, server_options, server_log_dir):
     """The patched server of this test module and model, started once for the module
-    (server.Server). A test that ends it (SIGTERM) must be the module's last for that model."""
+    (server.Server), with the module's ``SERVER_ENV`` (a dict) added to its environment. A
+    test that ends it (SIGTERM) must be the module's last for that model."""
     group = request.module.__name__.replace("test_gpu_", "")
-    srv = _launch(request, tiny_model, server_options, server_log_dir, group)
+    srv = _launch(request, tiny_model, server_options, server_log_dir, group,
+                  getattr(request.module, "SERVER_ENV", None))
     yield srv
     srv.stop()
 

@@ -18,6 +18,9 @@ from checks import Problems, leftovers, unloadable_files, wait_no_leftovers, wri
 from test_gpu_core import rand_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.models("llama", "deepseek")]  # kimi: the core group only
+# A writer process that makes no progress this long is replaced (test_writer_stopped).
+WATCHDOG_S = 5
+SERVER_ENV = {"KIMI_SGLANG_WATCHDOG_S": str(WATCHDOG_S)}
 
 METRICS = ("kimi_sglang:dump_files_written_total", "kimi_sglang:dump_bytes_written_total",
            "kimi_sglang:dump_failures_total", "kimi_sglang:dump_queue_depth",
@@ -181,6 +184,82 @@ def test_writer_killed(server, rng, record_property):
         problems.add(f"no new writer process: before {before}, after {after}")
     serves_and_leaves_nothing(server, prompts[0][:100], "after the kill", problems)
     problems.check("writer killed")
+
+
+def test_huge_rid(server, rng, record_property):
+    """A 1 MB rid (any client can send one) beside ordinary requests: that request's
+    response carries hidden_states_error naming the limit, the others get their files,
+    and the writer process is the same one afterwards (it was never replaced)."""
+    from sglang_ext import format as fmt
+
+    problems = Problems()
+    before = writer_pids()
+    prompts = [rand_ids(rng, 200) for _ in range(4)]
+    with cf.ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(server.post, {"input_ids": x, "rid": ("h" * 1_000_000) if i == 0 else f"beside-{i}",
+                                          "sampling_params": {"max_new_tokens": 1}})
+                for i, x in enumerate(prompts)]
+        rs = [f.result() for f in futs]
+    for i, (ids, r) in enumerate(zip(prompts, rs)):
+        meta = r.json().get("meta_info", {}) if r.status_code == 200 else {}
+        if i == 0:
+            if f"at most {fmt.MAX_RID_CHARS}" not in str(meta.get("hidden_states_error")):
+                problems.add(f"huge rid: HTTP {r.status_code}, meta {str(meta)[:200]} (want the limit named)")
+        elif not meta.get("hidden_states_path") or fmt.load(meta["hidden_states_path"]).token_ids.tolist() != ids:
+            problems.add(f"request beside the huge rid: HTTP {r.status_code} {r.text[:200]}")
+    after = writer_pids()
+    record_property("writer_pids", [before, after])
+    if after != before:
+        problems.add(f"the writer process was replaced: before {before}, after {after}")
+    serves_and_leaves_nothing(server, prompts[1], "after the huge rid", problems)
+    problems.check("huge rid")
+
+
+def test_writer_stopped(server, rng, record_property):
+    """SIGSTOP to the writer process during a burst of 16 prompts of 3000 tokens (a writer
+    that is alive and makes no progress): within the watchdog time (KIMI_SGLANG_WATCHDOG_S,
+    5 s here) it is killed; every response names a complete file or carries
+    hidden_states_error, none waits for good; a new writer process serves the next
+    request with a file; nothing temporary stays."""
+    from sglang_ext import format as fmt
+
+    problems = Problems()
+    before = writer_pids()
+    if len(before) != 1:
+        problems.add(f"expected one writer process, found {before}")
+        problems.check("writer stopped")
+    prompts = [rand_ids(rng, 3000) for _ in range(16)]
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(16) as pool:
+        futs = [pool.submit(server.post, {"input_ids": x, "rid": f"wstop-{i}",
+                                          "sampling_params": {"max_new_tokens": 1}}, 120)
+                for i, x in enumerate(prompts)]
+        time.sleep(0.3)
+        os.kill(before[0], signal.SIGSTOP)
+        rs = [f.result() for f in futs]
+    answered_s = time.time() - t0
+    files = errors = 0
+    for ids, r in zip(prompts, rs):
+        meta = r.json().get("meta_info", {}) if r.status_code == 200 else {}
+        if meta.get("hidden_states_path"):
+            if fmt.load(meta["hidden_states_path"]).token_ids.tolist() != ids:
+                problems.add(f"{meta['hidden_states_path']}: token ids differ")
+            files += 1
+        elif meta.get("hidden_states_error"):
+            errors += 1
+        else:
+            problems.add(f"a response with neither file nor error: HTTP {r.status_code} {r.text[:200]}")
+    record_property("files", files)
+    record_property("errors", errors)
+    record_property("answered_s", round(answered_s, 1))
+    if answered_s > WATCHDOG_S + 60:
+        problems.add(f"the burst took {answered_s:.0f} s to answer (watchdog {WATCHDOG_S} s)")
+    serves_and_leaves_nothing(server, prompts[0][:100], "after the stop", problems)
+    after = writer_pids()
+    record_property("writer_pids", [before, after])
+    if len(after) != 1 or after == before:
+        problems.add(f"no new writer process: before {before}, after {after}")
+    problems.check("writer stopped")
 
 
 def test_sigterm_in_flight(server, rng, record_property):
