@@ -31,6 +31,7 @@ from sglang_ext.patchtool.series import load_series
 from sglang_ext.patchtool.wheel import sha256_of
 
 from conftest import assert_rows_ready_at_hook, fetch_wheel_or_skip
+from test_warmup import assert_warmup_named_before_post
 
 REPO = Path(__file__).resolve().parents[1]
 # Read at import time: conftest's session fixture points KIMI_SGLANG_CACHE at a
@@ -202,6 +203,11 @@ def parse23(site, args):
 @pytest.mark.network
 def test_v0523_hook_sees_finished_rows(site23):
     assert_rows_ready_at_hook(site23 / "sglang/srt/managers/scheduler_components/batch_result_processor.py")
+
+
+@pytest.mark.network
+def test_v0523_warmup_request_is_named_before_it_is_sent(site23):
+    assert_warmup_named_before_post(site23 / "sglang/srt/entrypoints/http_server.py")
 
 
 @pytest.mark.network
