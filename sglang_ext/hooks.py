@@ -14,6 +14,8 @@ batch_result_processor.py    ``on_prefill_result(batch, logits_output, lens, def
                              without ``defer``: both parts at once)
 tokenizer_manager.py         ``await finish_response(meta_info)``
 serving_completions.py       ``openai_completion_extras(response, ret)``
+http_server.py               ``json_data = warmup_request(server_args, json_data)``
+                             right before the server's warm-up POST
 ===========================  ====================================================
 
 Every function returns at once when dumping is off. SGLang is imported lazily so this
@@ -29,6 +31,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -45,6 +48,9 @@ WAIT_PARAM, DUMP_PARAM = fmt.WAIT_PARAM, fmt.DUMP_PARAM
 _REQ_ATTR = "_kimi_sglang_dump"  # per-request state, stored on SGLang's Req
 _SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
+# Names SGLang's own start-up warm-up request (warmup_request), which must not leave a
+# file and an index line in a user's dump directory at every start.
+WARMUP_RID_PREFIX = "kimi-sglang-warmup-"
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
 FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
@@ -129,6 +135,28 @@ def check_server_args(server_args) -> None:
             "so every prompt token is computed and dumped"
         )
         compat.adjust_server_args(server_args, _SOURCE, disable_radix_cache=True)
+
+
+def warmup_request(server_args, json_data: dict) -> dict:
+    """The body of SGLang's start-up warm-up request (``_execute_server_warmup``), with a
+    ``rid`` of ``WARMUP_RID_PREFIX`` + uuid hex when dumping is on, so its prompt leaves no
+    file and no index line (``_is_internal``); unchanged when dumping is off.
+
+    ``json_data``: a ``/generate`` body (``text`` a str or a list of str, ``input_ids`` a
+    list of ints or a list of lists: a batch, one prompt per DP rank, gets a list of
+    rids), or a ``/v1/chat/completions`` body (``messages``: one rid). Any other body (no
+    prompt field) is returned unchanged. Modified in place and returned. A client's own
+    rid that starts with ``WARMUP_RID_PREFIX`` is not dumped either (docs/faults.md).
+    """
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return json_data
+    prompt = json_data.get("text", json_data.get("input_ids"))
+    if prompt is None and "messages" not in json_data:
+        return json_data
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    rids = [WARMUP_RID_PREFIX + uuid.uuid4().hex for _ in (prompt if batch else [None])]
+    json_data["rid"] = rids if batch else rids[0]
+    return json_data
 
 
 def _find_decoder(model) -> Tuple[Any, Any]:
@@ -417,8 +445,9 @@ def on_prefill_output() -> None:
 
 
 def _is_internal(rid) -> bool:
-    """SGLang's own health-check requests (``/health_generate``) are not dumped."""
-    return isinstance(rid, str) and rid.startswith(HEALTH_CHECK_RID_PREFIX)
+    """SGLang's own requests are not dumped: health checks (``/health_generate``) and the
+    start-up warm-up (``warmup_request``). A client rid with either prefix is not either."""
+    return isinstance(rid, str) and rid.startswith((HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX))
 
 
 def _check(d: _Dumper, req, state: _ReqDump, hidden, n: int, prefix_len: int) -> int:

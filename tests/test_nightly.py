@@ -31,6 +31,7 @@ from sglang_ext.patchtool.series import load_series
 from sglang_ext.patchtool.wheel import sha256_of
 
 from conftest import assert_rows_ready_at_hook, fetch_wheel_or_skip
+from test_warmup import assert_warmup_named_before_post
 
 REPO = Path(__file__).resolve().parents[1]
 # Read at import time: conftest's session fixture points KIMI_SGLANG_CACHE at a
@@ -143,12 +144,14 @@ def test_v0523_against_neighbour_matches_git(capsys, persistent_cache, tmp_path)
 
     # What 0.5.22 is known to give (a fixed release, so this is stable): 0.5.23 grew
     # the aux-capture fields next to which 0001 declares ours, and reordered
-    # model_runner's imports; 0002/0004/0005 apply at offsets.
+    # model_runner's imports; 0002/0004/0005 apply at offsets. 0.5.23 also grew
+    # http_server's imports (uvicorn's Multiprocess, load_pointer_head) around 0007's.
     failing = {k[:4]: v[1] for k, v in want.items() if v[0] == "fails"}
     assert failing == {
         "0001": {("python/sglang/srt/arg_groups/fields/exec_.py", 1),
                  ("python/sglang/srt/arg_groups/pipeline.py", 1)},
         "0003": {("python/sglang/srt/model_executor/model_runner.py", 1)},
+        "0007": {("python/sglang/srt/entrypoints/http_server.py", 1)},
     }
     assert rc == 1 and report["state"] == "conflict"
     assert report["patches"][2]["note"] == "checked without 0001"
@@ -202,6 +205,11 @@ def parse23(site, args):
 @pytest.mark.network
 def test_v0523_hook_sees_finished_rows(site23):
     assert_rows_ready_at_hook(site23 / "sglang/srt/managers/scheduler_components/batch_result_processor.py")
+
+
+@pytest.mark.network
+def test_v0523_warmup_request_is_named_before_it_is_sent(site23):
+    assert_warmup_named_before_post(site23 / "sglang/srt/entrypoints/http_server.py")
 
 
 @pytest.mark.network

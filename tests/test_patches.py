@@ -21,6 +21,7 @@ import pytest
 from sglang_ext.__main__ import main
 
 from conftest import SERIES_DIR, assert_rows_ready_at_hook, fetch_wheel_or_skip
+from test_warmup import assert_warmup_named_before_post
 
 SCHED = "python/sglang/srt/managers/scheduler.py"
 
@@ -194,6 +195,7 @@ def test_series_applies_to_site_packages_and_twice_is_noop(capsys, wheel, tmp_pa
     assert "dump_hidden_states_dir" in (sp / "sglang/srt/server_args.py").read_text()
     assert_series_in(sp, strip_python=True)
     assert_rows_ready_at_hook(sp / "sglang/srt/managers/scheduler_components/batch_result_processor.py")
+    assert_warmup_named_before_post(sp / "sglang/srt/entrypoints/http_server.py")
 
     before = tree_hashes(sp)
     rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", sp)
