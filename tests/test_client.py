@@ -750,7 +750,7 @@ def test_convert_names_a_corrupt_file_and_leaves_no_empty_dst(tmp_path, capsys):
     masks = write_jsonl(tmp_path / "d.jsonl", [ids, [1]], [[1, 1, 1], [1]])
     assert main(["convert", "--to", "specforge", str(src), str(dst), "--no-final-norm",
                  "--loss-mask-from", masks]) == 1
-    assert "hs_1.safetensors is not a readable safetensors file" in capsys.readouterr().err
+    assert "hs_1.safetensors: not a readable safetensors file" in capsys.readouterr().err
     assert os.listdir(dst / "rows_0-5000") == ["data_0.ckpt"]
 
 
