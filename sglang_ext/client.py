@@ -413,7 +413,8 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
     Only a regular file is taken (a symlink, FIFO, ... raises ``NotRegularError`` and is
     left where it is). It goes to a temporary name in ``out_dir`` first (rename, or across
     filesystems a copy through a descriptor opened ``O_NOFOLLOW`` and then the unlink of
-    that same file), is made a regular file of this user with ``mode``, is checked there,
+    that same file), is made a regular file of this user with ``mode`` (copied when another
+    name links it or another user owns it), is checked there,
     and only then renamed onto the final name: the final name never holds a partial,
     unchecked or linked file. On a failed check the temporary file is removed and
     ``CheckError`` raised.
@@ -437,13 +438,17 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
             # What was renamed is checked in OUT, where nobody else swaps it any more.
             fd = open_regular(tmp, out_fd, shown=f"the server's file {shown}")
             try:
-                try:
-                    os.fchmod(fd, mode)
-                except PermissionError:  # another user's file: keep a copy of our own
+                st = os.fstat(fd)
+                if st.st_nlink != 1 or st.st_uid != os.geteuid():
+                    # Another name links it (a hard link elsewhere) or another user owns it:
+                    # whoever holds that could change it after the check, and a chmod would
+                    # reach through the link. Keep a copy of our own instead.
                     kept = f".{final_name(index)}.tmp.{uuid.uuid4().hex[:8]}"  # clean_tmp's pattern
                     _copy_fd(fd, out_fd, kept, mode)
                     os.unlink(tmp, dir_fd=out_fd)
                     tmp = kept
+                else:
+                    os.fchmod(fd, mode)
             finally:
                 os.close(fd)
         else:

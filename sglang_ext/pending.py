@@ -111,11 +111,12 @@ class PendingFiles:
         self._read()
 
     def _read(self) -> None:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                lines = f.readlines()
+        try:  # never through a symlink, never blocking on a FIFO planted there
+            fd = fmt.open_regular(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return
+        with open(fd, encoding="utf-8") as f:
+            lines = f.readlines()
         for line in lines:
             try:
                 rec = json.loads(line)
@@ -137,7 +138,7 @@ class PendingFiles:
 
     def _append(self, rec: dict) -> None:
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, self.mode)
+        fd = fmt.open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode=self.mode)
         try:
             os.write(fd, line)
         finally:

@@ -307,3 +307,44 @@ def test_help_names_the_new_guarantees():
     text = " ".join(cli("extract", "--help").stdout.split())
     for words in ("--dump-dir", "only regular files", "KIMI_SGLANG_FILE_MODE", "GET /health"):
         assert words in text, words
+
+
+# ---- found by review: the journal and linked files -------------------------------------------
+def test_a_fifo_at_the_journal_is_one_sentence_without_hanging(server, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(journal_path(str(out), 0))
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), out), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: --out {out}: cannot write there ({journal_path(str(out), 0)} is a FIFO, not a regular file)"]
+
+
+def test_a_server_file_linked_elsewhere_is_copied_and_the_link_left_alone(server, tmp_path):
+    """The server's file also has a hard link outside the dump directory (a neighbour who
+    can rewrite it later, or a chmod that would reach it): the result is a copy of our own
+    (one link, our user, our mode) and the linked file keeps its mode and bytes."""
+    data = rows(1)
+    home = tmp_path / "home"
+    home.mkdir()
+    linked = home / "neighbour.safetensors"
+
+    def answer(n, path):
+        os.link(path, linked)
+        os.chmod(linked, 0o666)
+        return path
+
+    server.answer_path = answer
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), out), timeout=60)
+    assert r.returncode == 0, r.stderr
+    result_is_regular_and_right(out, 0, data[0])
+    st = os.lstat(out / "hs_0.safetensors")
+    assert st.st_nlink == 1 and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600 & ~_umask()
+    assert stat.S_IMODE(os.lstat(linked).st_mode) == 0o666 and os.lstat(linked).st_nlink == 1
+
+
+def _umask():
+    m = os.umask(0)
+    os.umask(m)
+    return m
