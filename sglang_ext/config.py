@@ -32,6 +32,9 @@ MAX_CPUS = 1 << 16  # CPU numbers parse_cpu_list accepts when not checked agains
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
 DEFAULT_STATS_INTERVAL_S = 60.0
 DEFAULT_WATCHDOG_S = 60.0  # a writer process without progress this long is declared stuck
+# Below a second the watchdog would poll the writer's counters many times a second and take
+# any one op (a chunk's write, a rename) for a stop.
+MIN_WATCHDOG_S = 1.0
 # The most any seconds setting takes: one day. Longer is a typo (milliseconds for seconds),
 # and past threading.TIMEOUT_MAX (~292 years) Python's waits raise OverflowError at shutdown.
 MAX_SECONDS = 86400.0
@@ -284,7 +287,7 @@ def env_settings(this_host: bool = True) -> dict:
         "stats_interval_s": env_number("KIMI_SGLANG_STATS_INTERVAL_S", DEFAULT_STATS_INTERVAL_S,
                                        minimum=0, maximum=MAX_SECONDS),
         "watchdog_s": env_number("KIMI_SGLANG_WATCHDOG_S", DEFAULT_WATCHDOG_S,
-                                 above=0, maximum=MAX_SECONDS),
+                                 minimum=MIN_WATCHDOG_S, maximum=MAX_SECONDS),
         "file_mode": env_file_mode(),
     }
 

@@ -587,8 +587,11 @@ class DumpWriter:
         (which never saw it) goes on; later ops of its requests fail there (no rows)."""
         fds = iter(msg.fds)
         failed = 0
+        keys = []
         for op in msg.ops:
             kind = op[0]
+            if kind in (wire.BEGIN, wire.ROWS, wire.FINISH):
+                keys.append(op[1])
             if kind in (wire.BEGIN, wire.ROWS):
                 self._give_back(op[6] if kind == wire.BEGIN else op[4])
             elif kind == wire.FINISH:
@@ -597,6 +600,9 @@ class DumpWriter:
                          f"the message to the hidden-state writer was refused: {e.strerror or e}")
                 failed += 1
         self.stats.failures += failed
+        # The writer may hold these requests' temporary files (an earlier message opened
+        # them): it drops them; a later FINISH of theirs then fails there (no rows).
+        self._out.ops.extend((wire.ABANDON, key) for key in dict.fromkeys(keys))
         logger.error("hidden-state dump: a %d-byte message to the writer process was refused (%s); "
                      "%d files failed, the writer goes on", len(msg.blob), e.strerror or e, failed)
 
@@ -811,7 +817,7 @@ def _fail_orphan(dir_fd: int, name: str, message: str) -> Optional[int]:
         indexed = any(r.get("file") == name for r in fmt.read_index(f"/proc/self/fd/{dir_fd}"))
         if not indexed:
             fmt.append_index(dir_fd, fmt.index_record(dir_fd, name, size))
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - an index someone edited must not stop the scheduler
         logger.error("hidden-state dump: cannot index %s after its writer died: %s", name, e)
     fmt.complete(fmt.Reservation(dir_fd, name, fd))
     return size

@@ -103,8 +103,9 @@ def test_max_host_mb_above_physical_memory_is_refused(tmp_path, clean_env):
     ("KIMI_SGLANG_DRAIN_TIMEOUT_S", "1_0", "must be a finite number of seconds"),
     ("KIMI_SGLANG_WRITER_THREADS", "\uff13", "must be a finite number of threads"),  # fullwidth 3
     ("KIMI_SGLANG_WRITER_THREADS", "nan", "must be a finite number of threads"),
-    ("KIMI_SGLANG_WATCHDOG_S", "0", "must be > 0 seconds"),
-    ("KIMI_SGLANG_WATCHDOG_S", "-5", "must be > 0 seconds"),
+    ("KIMI_SGLANG_WATCHDOG_S", "0", "must be >= 1 seconds"),
+    ("KIMI_SGLANG_WATCHDOG_S", "1e-9", "must be >= 1 seconds"),
+    ("KIMI_SGLANG_WATCHDOG_S", "-5", "must be >= 1 seconds"),
     ("KIMI_SGLANG_WATCHDOG_S", "inf", "must be a finite number of seconds"),
     ("KIMI_SGLANG_WATCHDOG_S", "nan", "must be a finite number of seconds"),
     ("KIMI_SGLANG_WATCHDOG_S", "\u0666\u0660", "must be a finite number of seconds"),

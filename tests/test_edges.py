@@ -259,3 +259,57 @@ def test_an_index_line_that_cannot_be_written_fails_the_request_as_a_whole(dump,
     snap = idle()
     assert snap["failures"] == 1 and snap["files_written"] == 0
     assert torch.equal(torch.tensor(0), torch.tensor(len(leftovers(dump))))
+
+
+# ---- found by review ---------------------------------------------------------------------
+def test_a_refused_message_leaves_no_temporary_file_of_its_requests(dump, monkeypatch):
+    """A request whose first chunk reached the writer and whose second chunk's message is
+    refused (``ETOOMANYREFS``, as the kernel answers a process over its descriptor limit):
+    the request fails, and the writer drops the temporary file the first chunk opened."""
+    import errno
+
+    from sglang_ext import wire
+
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    writer = hooks._DUMPER.writer
+    pid = writer.pid
+    req = Req("split", 8, 1)
+    run_extend([(req, 0, 4)], IDS)
+    real_send = wire.send
+
+    def send(sock, blob, fds=()):
+        if fds:
+            raise OSError(errno.ETOOMANYREFS, "Too many references")
+        return real_send(sock, blob, fds)
+
+    monkeypatch.setattr(wire, "send", send)
+    run_extend([(req, 4, 8)], IDS)
+    monkeypatch.setattr(wire, "send", real_send)
+    assert "refused" in finish(req)["hidden_states_error"]
+    writer.flush()  # the next batch carries the writer's ABANDON
+    snap = idle()
+    assert writer.pid == pid and snap["writer_restarts"] == 0 and snap["host_bytes_in_use"] == 0
+    assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
+
+
+def test_an_index_line_that_is_not_an_object_does_not_stop_the_scheduler(dump, monkeypatch, tmp_path):
+    """The writer dies between a file's rename and its lock's release while index.jsonl
+    holds a line that is not a JSON object: settling the orphan logs, it never raises into
+    the scheduler; the file counts as written and the next request is served."""
+    inject_writer(monkeypatch, tmp_path, """
+        import os, signal
+        from sglang_ext import format as fmt
+        _real = fmt.complete
+        def complete(*a):
+            os.kill(os.getpid(), signal.SIGKILL)
+        fmt.complete = complete
+    """)
+    (dump / fmt.INDEX_NAME).write_text("5\n")
+    hooks.setup_model(make_runner(dump, layers="2,4"))
+    req = Req("orphan", 4, 1)
+    run_extend([(req, 0, 4)], IDS)
+    assert assert_complete_or_error(req, finish(req), dump)
+    monkeypatch.delenv("PYTHONPATH")  # the next writer is a healthy one
+    after = Req("after", 4, 2)
+    run_extend([(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)

@@ -603,7 +603,7 @@ def test_writer_settings_come_from_the_environment_and_bad_values_name_the_varia
     for name, value, message in [("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon", "number of seconds"),
                                  ("KIMI_SGLANG_DRAIN_TIMEOUT_S", "-1", ">= 0"),
                                  ("KIMI_SGLANG_WRITER_THREADS", "0", ">= 1"),
-                                 ("KIMI_SGLANG_WATCHDOG_S", "0", "> 0 seconds"),
+                                 ("KIMI_SGLANG_WATCHDOG_S", "0", ">= 1 seconds"),
                                  ("KIMI_SGLANG_WATCHDOG_S", "inf", "finite number"),
                                  ("KIMI_SGLANG_WRITER_THREADS", "2.5", "whole number"),
                                  ("KIMI_SGLANG_STATS_INTERVAL_S", "nan?", "number"),
