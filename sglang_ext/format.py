@@ -772,8 +772,31 @@ def _try_lock_released(path: str) -> bool:
         os.close(fd)
 
 
+# A lock file that nobody holds while neither the file nor its error exists: its writer
+# died holding it (the kernel dropped the flock). The server's side settles it (writes the
+# error, removes the lock) within about a second (writer.DumpWriter's watchdog thread);
+# a waiter gives it this long before it reports the file missing.
+SETTLE_S = 3.0
+
+
+def _settled(path: str, unsettled_since: Optional[float]) -> Tuple[bool, Optional[float]]:
+    """``(done, unsettled_since)``: done once the lock is released and its outcome is
+    there (the file, its error, or the lock gone), or ``SETTLE_S`` after it was first seen
+    released without one."""
+    if not _try_lock_released(path):
+        return False, None
+    if os.path.lexists(path) or os.path.lexists(path + ERROR_SUFFIX) or not os.path.lexists(path + LOCK_SUFFIX):
+        return True, unsettled_since
+    now = time.monotonic()
+    if unsettled_since is None:
+        return False, now
+    return now - unsettled_since >= SETTLE_S, unsettled_since
+
+
 def wait_complete(path: str, timeout: float = 600.0) -> Optional[str]:
-    """Block until the writer has released ``path``; ``None`` on success, else the error.
+    """Block until the writer has released ``path``; ``None`` on success, else the error
+    (``<path>.error``'s text; if the writer died and nobody settled the file within
+    ``SETTLE_S``, that it is missing).
 
     Raises ``TimeoutError`` after ``timeout`` seconds, ``OSError`` when something not a
     regular file sits at the lock's name. Blocking ``flock`` would be simplest, but
@@ -781,11 +804,13 @@ def wait_complete(path: str, timeout: float = 600.0) -> Optional[str]:
     """
     deadline = time.monotonic() + timeout
     delay = POLL_FIRST_S
-    while not _try_lock_released(path):
+    done, since = _settled(path, None)
+    while not done:
         if time.monotonic() > deadline:
             raise TimeoutError(f"hidden-state file {path} not complete after {timeout}s")
         time.sleep(delay)
         delay = min(delay * 1.5, POLL_MAX_S)
+        done, since = _settled(path, since)
     return _wait_outcome(path)
 
 
@@ -793,11 +818,13 @@ async def wait_complete_async(path: str, timeout: float = 600.0) -> Optional[str
     """``wait_complete`` for an event loop (never blocks the loop)."""
     deadline = time.monotonic() + timeout
     delay = POLL_FIRST_S
-    while not _try_lock_released(path):
+    done, since = _settled(path, None)
+    while not done:
         if time.monotonic() > deadline:
             raise TimeoutError(f"hidden-state file {path} not complete after {timeout}s")
         await asyncio.sleep(delay)
         delay = min(delay * 1.5, POLL_MAX_S)
+        done, since = _settled(path, since)
     return _wait_outcome(path)
 
 

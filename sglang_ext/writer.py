@@ -174,6 +174,7 @@ class DumpWriter:
         self._proc: Optional[subprocess.Popen] = None
         self._sock: Optional[socket.socket] = None
         self._ops_sent = 0  # ops this generation's writer was sent (watchdog)
+        self._settle_lock = threading.Lock()  # _forget_writer and the watchdog's _settle_dead
         self._stuck: Optional[str] = None  # set by the watchdog before it kills the writer
         self._spawn()
         self.watchdog_s = watchdog_s
@@ -243,7 +244,7 @@ class DumpWriter:
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        how = _how(code)
         stuck = self._stuck
         if stuck is not None:
             how = f"killed by the watchdog: {stuck}"
@@ -266,15 +267,16 @@ class DumpWriter:
         if self._stream is not None:
             self._stream.synchronize()  # no copy may still land in a range handed out again
         failed = 0
-        for name in self._outstanding.values():
-            size = _fail_orphan(self.dir_fd, name, message)
-            if size is None:
-                failed += 1
-            else:
-                self.stats.files += 1
-                self.stats.bytes += size
+        with self._settle_lock:  # the watchdog thread may be settling the same files
+            for name in self._outstanding.values():
+                size = _fail_orphan(self.dir_fd, name, message)
+                if size is None:
+                    failed += 1
+                else:
+                    self.stats.files += 1
+                    self.stats.bytes += size
+            self._outstanding.clear()
         self.stats.failures += failed
-        self._outstanding.clear()
         self._pieces.clear()
         for fd in self._out.fds:
             os.close(fd)
@@ -301,26 +303,43 @@ class DumpWriter:
         return failed
 
     def _watchdog(self) -> None:
-        """Kill a writer process that holds ops and carries out none for ``watchdog_s``
-        (stopped, or blocked for good). It runs beside the scheduler thread and only
-        sends SIGKILL: the scheduler thread notices the death where it always does
-        (a waiting send, backpressure, the next batch) and fails what it held; the
-        kernel drops the dead process's locks at once, so waiters are answered."""
+        """Beside the scheduler thread, once a ``min(1, watchdog_s / 4)`` s:
+
+        - kill a writer process that holds ops and carries out none for ``watchdog_s``
+          (stopped, or blocked for good; progress is an op carried out, so one op, a
+          chunk's write or a rename, longer than that counts as a stop too);
+        - settle the files of a writer process that has ended, whatever ended it: each
+          gets ``<name>.error`` (or, renamed already, its index line) and its lock goes,
+          so a waiting response has its sentence within about a second
+          (``format.SETTLE_S``) even when no batch comes.
+
+        The scheduler thread notices the death where it always does (a waiting send,
+        backpressure, the next batch: ``poll``), counts what failed and starts a new one.
+        """
         interval = min(1.0, self.watchdog_s / 4)
-        seen, since, gen = -1, time.monotonic(), -1
+        seen, since, gen, settled = -1, time.monotonic(), -1, -1
         while not self._stop_watchdog.wait(interval):
-            proc, now = self._proc, time.monotonic()
+            proc, now, current = self._proc, time.monotonic(), self.generation
             if self._closed or proc is None or self._mm is None:
+                continue
+            if proc.poll() is not None:
+                if settled != current:
+                    settled = current
+                    self._settle_dead(proc, current)
                 continue
             try:
                 done = arena_mod.read_progress(self._mm)
             except (ValueError, TypeError, BufferError):  # closed meanwhile
                 continue
-            if gen != self.generation or done != seen or self._ops_sent <= done:
-                seen, since, gen = done, now, self.generation
+            if gen != current or done != seen or self._ops_sent <= done:
+                seen, since, gen = done, now, current
                 continue
-            if now - since >= self.watchdog_s and proc.poll() is None:
-                self._stuck = f"{self._ops_sent - done} ops in hand, none carried out for {now - since:.0f} s"
+            if now - since >= self.watchdog_s:
+                stuck = f"{self._ops_sent - done} ops in hand, none carried out for {now - since:.0f} s"
+                with self._settle_lock:
+                    if self._proc is not proc:
+                        continue
+                    self._stuck = stuck
                 logger.error("hidden-state dump: the writer process (pid %d) made no progress for "
                              "%.0f s with %d ops in hand; killing it (KIMI_SGLANG_WATCHDOG_S)",
                              proc.pid, now - since, self._ops_sent - done)
@@ -329,6 +348,18 @@ class DumpWriter:
                 except OSError:
                     pass
                 since = now
+
+    def _settle_dead(self, proc: subprocess.Popen, generation: int) -> None:
+        """(Watchdog thread) the files writer ``proc`` of ``generation`` held, settled as
+        ``_forget_writer`` settles them; nothing if the scheduler thread got there first."""
+        with self._settle_lock:
+            if self._proc is not proc or self.generation != generation:
+                return
+            code = proc.returncode
+            message = (STUCK_MESSAGE.format(seconds=self.watchdog_s) if self._stuck is not None
+                       else f"{DIED_MESSAGE} ({_how(code)})")
+            for name in list(self._outstanding.values()):
+                _fail_orphan(self.dir_fd, name, message)
 
     # ---- scheduler thread -------------------------------------------------------------
     def poll(self) -> None:
@@ -770,6 +801,11 @@ class DumpWriter:
             self.close()
         except Exception as e:  # noqa: BLE001 - never fail interpreter shutdown
             logger.error("hidden-state dump: closing the writer failed: %s", e)
+
+
+def _how(code: Optional[int]) -> str:
+    """A process's end in words: ``signal 9`` or ``exit code 1``."""
+    return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _runs(segments):
