@@ -740,9 +740,16 @@ POLL_MAX_S = 0.005
 
 
 def _wait_outcome(path: str) -> Optional[str]:
-    """After the lock is gone: ``None`` if the file is there, else the error message."""
-    if os.path.lexists(path):
-        return None
+    """After the lock is gone: ``None`` if the file is there (a regular file: anything else
+    at its name is not the writer's), else the error message."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if stat.S_ISREG(st.st_mode):
+            return None
+        return f"hidden-state file {_not_regular(path, st.st_mode)}: not the writer's file"
     try:
         fd = open_regular(path + ERROR_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:

@@ -399,3 +399,15 @@ def test_directory_at_index_name_is_refused(dump_dir):
     (d / fmt.INDEX_NAME).mkdir()
     with pytest.raises(OSError, match="index.jsonl"):
         fmt.append_index(fd, {"rid": "a"})
+
+
+def test_a_waiter_does_not_take_a_fifo_at_the_final_name_for_the_file(tmp_path):
+    """Found by review: once the lock is gone, only a regular file at the final name is
+    success; a FIFO (or a directory) put there is reported, not answered as the file."""
+    path = tmp_path / "x.safetensors"
+    os.mkfifo(path)
+    error = fmt.wait_complete(str(path), timeout=5)
+    assert error == f"hidden-state file {path} is a FIFO, not a regular file: not the writer's file"
+    os.unlink(path)
+    path.mkdir()
+    assert "is a directory" in fmt.wait_complete(str(path), timeout=5)
