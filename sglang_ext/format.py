@@ -749,7 +749,8 @@ def _wait_outcome(path: str) -> Optional[str]:
     if st is not None:
         if stat.S_ISREG(st.st_mode):
             return None
-        return f"hidden-state file {_not_regular(path, st.st_mode)}: not the writer's file"
+        kind = next((word for test, word in _KINDS if test(st.st_mode)), "of an unknown type")
+        return f"hidden-state file {path} is not a regular file ({kind}): not the writer's file"
     try:
         fd = open_regular(path + ERROR_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:

@@ -331,7 +331,8 @@ def test_a_writer_killed_while_the_scheduler_is_idle_answers_its_waiters_with_th
     os.kill(writer.pid, sig.SIGKILL)
     meta = finish(req, timeout=20)
     assert "writer process died" in meta.get("hidden_states_error", ""), meta
-    assert not (dump / f"{fmt.safe_stem('killed')}{fmt.SUFFIX}{fmt.LOCK_SUFFIX}").exists()
+    # the .error comes first, then the lock goes (format.fail): the waiter may be between
+    assert wait_for(lambda: not (dump / f"{fmt.safe_stem('killed')}{fmt.SUFFIX}{fmt.LOCK_SUFFIX}").exists())
     after = Req("after", 4, 2)
     run_extend([(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)

@@ -407,7 +407,7 @@ def test_a_waiter_does_not_take_a_fifo_at_the_final_name_for_the_file(tmp_path):
     path = tmp_path / "x.safetensors"
     os.mkfifo(path)
     error = fmt.wait_complete(str(path), timeout=5)
-    assert error == f"hidden-state file {path} is a FIFO, not a regular file: not the writer's file"
+    assert error == f"hidden-state file {path} is not a regular file (a FIFO): not the writer's file"
     os.unlink(path)
     path.mkdir()
-    assert "is a directory" in fmt.wait_complete(str(path), timeout=5)
+    assert "is not a regular file (a directory)" in fmt.wait_complete(str(path), timeout=5)
