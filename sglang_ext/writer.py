@@ -244,12 +244,8 @@ class DumpWriter:
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
-        how = _how(code)
-        stuck = self._stuck
-        if stuck is not None:
-            how = f"killed by the watchdog: {stuck}"
-        failed = self._forget_writer(
-            STUCK_MESSAGE.format(seconds=self.watchdog_s) if stuck is not None else f"{DIED_MESSAGE} ({how})")
+        how = _how(code) if self._stuck is None else f"killed by the watchdog: {self._stuck}"
+        failed = self._forget_writer(self._death_message(code))
         logger.error("hidden-state dump: the writer process (pid %s) ended (%s); %d files in "
                      "flight failed%s", proc.pid if proc else None, how, failed,
                      "" if self._closed else "; starting a new one")
@@ -355,21 +351,23 @@ class DumpWriter:
         with self._settle_lock:
             if self._proc is not proc or self.generation != generation:
                 return
-            code = proc.returncode
-            message = (STUCK_MESSAGE.format(seconds=self.watchdog_s) if self._stuck is not None
-                       else f"{DIED_MESSAGE} ({_how(code)})")
+            message = self._death_message(proc.returncode)
             for name in list(self._outstanding.values()):
                 _fail_orphan(self.dir_fd, name, message)
+
+    def _death_message(self, code: Optional[int]) -> str:
+        """What the files of a writer process that ended with ``code`` fail with."""
+        if self._stuck is not None:
+            return STUCK_MESSAGE.format(seconds=self.watchdog_s)
+        return f"{DIED_MESSAGE} ({_how(code)})"
 
     # ---- scheduler thread -------------------------------------------------------------
     def poll(self) -> None:
         """Notice a writer process that has ended (killed by the watchdog, or dead) before a
         batch hands it new work: what it held fails, a new one starts, and the batch's new
         requests go to that one. One ``waitpid(WNOHANG)``; call once per batch."""
-        if self._sock is not None and not self._closed and self._proc.poll() is not None:
-            self._read_acks()  # what it said before it ended, then its end (may replace it)
-            if self._sock is not None and self._proc.poll() is not None:
-                self._peer_gone()
+        if not self._closed:
+            self._notice_end()
 
     def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:
         """Open a request of ``len(token_ids)`` prompt tokens whose rows are
@@ -594,19 +592,15 @@ class DumpWriter:
         for i, msg in enumerate(messages):
             try:
                 self._send_blocking(msg.blob, msg.fds)
-            except OSError as e:
-                if wire.is_message_fault(e) and self._proc.poll() is None:
+            except (OSError, WriterDied) as e:
+                if isinstance(e, OSError) and wire.is_message_fault(e) and self._proc.poll() is None:
                     self._refuse(msg, e)  # that message's requests fail; the writer goes on
                     continue
                 for m in messages[i:]:
                     for fd in m.fds:
                         wire.close_quiet(fd)
-                self._writer_died()
-                return
-            except WriterDied:
-                for m in messages[i:]:
-                    for fd in m.fds:
-                        wire.close_quiet(fd)
+                if not isinstance(e, WriterDied):
+                    self._writer_died()
                 return
             self._ops_sent += sum(op[0] != wire.CLOSE for op in msg.ops)
             for fd in msg.fds:  # the writer holds these locks now
@@ -665,9 +659,14 @@ class DumpWriter:
         poller.register(self._sock, select.POLLIN | (select.POLLOUT if writable else 0))
         poller.poll(timeout * 1000)
         self._read_acks()
+        self._notice_end()
+
+    def _notice_end(self) -> None:
+        """If the writer process has ended: read what it said before it ended, then settle
+        its end (``_peer_gone``), unless reading already did (and started a new one)."""
         if self._sock is not None and self._proc.poll() is not None:
-            self._read_acks()  # what it said before it ended, then its end
-            if self._sock is not None:
+            self._read_acks()
+            if self._sock is not None and self._proc.poll() is not None:
                 self._peer_gone()
 
     def _peer_gone(self) -> None:

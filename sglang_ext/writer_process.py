@@ -280,12 +280,12 @@ class Writer:
         (a FINISH answers FAILED, releasing the lock with ``<name>.error``)."""
         logger.error("hidden-state dump: op %s of request %s failed: %s: %s", op[0], op[1],
                      type(e).__name__, e)
+        message = f"{type(e).__name__}: {e}"
         job = self.jobs.pop(op[1], None) if op[0] in (wire.FINISH, wire.ABANDON) else self.jobs.get(op[1])
         if job is not None:
-            job.error = job.error or f"{type(e).__name__}: {e}"
+            job.error = job.error or message
             self._discard(job)
         if op[0] == wire.FINISH and fd is not None:
-            message = f"{type(e).__name__}: {e}"
             fmt.fail(fmt.Reservation(self.dir_fd, op[2], fd), message)
             if self.metrics is not None:
                 self.metrics.failed()
