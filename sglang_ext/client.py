@@ -269,13 +269,8 @@ class NotRegularError(CheckError):
 
 
 def kind_of(mode: int) -> str:
-    """What a non-regular ``st_mode`` is, in words (``a FIFO``)."""
-    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-                        (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
-                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return words
-    return "not a regular file"
+    """What a non-regular ``st_mode`` is, in words (``a FIFO``): ``format.kind_of``."""
+    return fmt.kind_of(mode, "not a regular file")
 
 
 def open_regular(name: str, dir_fd: Optional[int] = None, shown: Optional[str] = None) -> int:

@@ -153,9 +153,13 @@ _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSO
           (stat.S_ISLNK, "a symbolic link"))
 
 
+def kind_of(st_mode: int, unknown: str = "of an unknown type") -> str:
+    """What a non-regular ``st_mode`` is, in words (``a FIFO``); ``unknown`` otherwise."""
+    return next((word for test, word in _KINDS if test(st_mode)), unknown)
+
+
 def _not_regular(name: str, st_mode: int) -> OSError:
-    kind = next((word for test, word in _KINDS if test(st_mode)), "of an unknown type")
-    return OSError(f"{name} is {kind}, not a regular file")
+    return OSError(f"{name} is {kind_of(st_mode)}, not a regular file")
 
 
 def open_regular(
@@ -749,8 +753,7 @@ def _wait_outcome(path: str) -> Optional[str]:
     if st is not None:
         if stat.S_ISREG(st.st_mode):
             return None
-        kind = next((word for test, word in _KINDS if test(st.st_mode)), "of an unknown type")
-        return f"hidden-state file {path} is not a regular file ({kind}): not the writer's file"
+        return f"hidden-state file {path} is not a regular file ({kind_of(st.st_mode)}): not the writer's file"
     try:
         fd = open_regular(path + ERROR_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:
