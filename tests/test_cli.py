@@ -61,6 +61,20 @@ def write_file(path: str, ids) -> None:
         f.write(struct.pack("<Q", len(header)) + header + hs + struct.pack(f"<{len(ids)}q", *ids))
 
 
+
+class _HealthOnly(BaseHTTPRequestHandler):
+    """Answers ``GET /health`` (so extract's probe passes) and nothing else: POST gets
+    http.server's HTTP 501 HTML page."""
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
 class Server:
     """``/generate`` on 127.0.0.1. ``mode``: "dump" (write, then answer the path), "nodump"
     (answer without a path, as an unpatched server does), "hang" (never answer).
@@ -84,15 +98,7 @@ class Server:
         self.answer_path = None
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                self.send_response(200 if self.path == "/health" else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
+        class Handler(_HealthOnly):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 code, obj = server.generate(body)
@@ -544,19 +550,6 @@ def test_tokenizer_without_transformers_is_one_sentence(server, tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"error: --tokenizer {tmp_path} needs transformers, which is not "
                                 f"installed here (pip install transformers)")
-
-
-class _HealthOnly(BaseHTTPRequestHandler):
-    """Answers ``GET /health`` (so extract's probe passes) and nothing else: POST gets
-    http.server's HTTP 501 HTML page."""
-
-    def log_message(self, *a):
-        pass
-
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
 
 
 def test_an_html_error_page_is_quoted_short_on_one_line(tmp_path):
