@@ -78,7 +78,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 # The series' status and base.toml are read by the project's own patch tooling
-# (sglang_ext/patchtool/series.py; Python 3.11+ for tomllib).
+# (sglang_ext/tools/patchtool/series.py; Python 3.11+ for tomllib).
 py=${PYTHON:-python3}
 "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
     || die "needs Python 3.11+ (tomllib) to read base.toml; '$py' is not (set PYTHON=python3.11 or newer)"
@@ -102,7 +102,7 @@ toml="patches/$base/base.toml"
 assignments=$(series_py - "patches/$base" <<'PY'
 import shlex, sys
 from pathlib import Path
-from sglang_ext.patchtool.series import SeriesError, load_base, series_status
+from sglang_ext.tools.patchtool.series import SeriesError, load_base, series_status
 toml = Path(sys.argv[1], "base.toml")
 try:
     base = load_base(toml)

@@ -43,7 +43,7 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     results per request: (latency_s, status, response bytes, content or None).
 
     ``early`` (mode dump_early): each request asks to be answered before its file is
-    complete (``format.WAIT_PARAM``), as ``sglang_ext.client`` does; a thread waits for
+    complete (``format.WAIT_PARAM``), as ``sglang_ext.client.extract`` does; a thread waits for
     its previous file's lock after its next answer (one file pending per thread), and the
     wall time ends when every file is complete. ``waits`` (a dict): gets
     ``file_wait_s``, the seconds the client threads spent in those waits, summed over

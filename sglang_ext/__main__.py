@@ -19,9 +19,9 @@ import sys
 
 # command -> (module providing it, one-line help), in the order `--help` lists them.
 COMMANDS = {
-    "patches": ("sglang_ext.patches", "check/apply/maintain the SGLang patch series"),
-    "extract": ("sglang_ext.client", "send a dataset to a dumping server; collect hs_<i>.safetensors"),
-    "convert": ("sglang_ext.convert", "convert hs_<i>.safetensors to another trainer's format (SpecForge)"),
+    "patches": ("sglang_ext.tools.patches", "check/apply/maintain the SGLang patch series"),
+    "extract": ("sglang_ext.client.extract", "send a dataset to a dumping server; collect hs_<i>.safetensors"),
+    "convert": ("sglang_ext.client.convert", "convert hs_<i>.safetensors to another trainer's format (SpecForge)"),
 }
 
 

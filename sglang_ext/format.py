@@ -56,7 +56,7 @@ completion protocol of vLLM's hidden-states connector, which speculators' client
 The server answers a request once its file is complete, unless the request's
 ``sampling_params.custom_params`` holds ``{"hidden_states_wait": false}`` (``WAIT_PARAM``):
 then it answers as soon as the name is reserved, with ``hidden_states_pending: true``
-(``PENDING_KEY``), and the client waits on the lock itself, as ``sglang_ext.client`` does,
+(``PENDING_KEY``), and the client waits on the lock itself, as ``sglang_ext.client.extract`` does,
 sending its next prompt meanwhile. A request whose ``custom_params`` holds
 ``{"hidden_states_dump": false}`` (``DUMP_PARAM``) is not dumped: no file, no path.
 """

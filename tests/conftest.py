@@ -37,7 +37,7 @@ def pytest_configure(config):
 
 def fetch_wheel_or_skip(version, base, cache):
     """``fetch_wheel``, skipping the calling test only when PyPI is unreachable."""
-    from sglang_ext.patchtool.wheel import WheelError, fetch_wheel
+    from sglang_ext.tools.patchtool.wheel import WheelError, fetch_wheel
 
     try:
         return fetch_wheel(version, base, cache)
@@ -49,7 +49,7 @@ def fetch_wheel_or_skip(version, base, cache):
 
 @pytest.fixture(scope="session")
 def series():
-    from sglang_ext.patchtool.series import load_series
+    from sglang_ext.tools.patchtool.series import load_series
 
     return load_series(SERIES_DIR)
 
@@ -65,7 +65,7 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def wheel(series, cache_dir):
     """The sha256-verified 0.5.17 wheel: /tmp/wh when present, else downloaded."""
-    from sglang_ext.patchtool.wheel import fetch_wheel, verify_wheel
+    from sglang_ext.tools.patchtool.wheel import fetch_wheel, verify_wheel
 
     if PRESEEDED.is_file():
         return verify_wheel(PRESEEDED, series.base)
@@ -81,7 +81,7 @@ def patched_site(tmp_path_factory):
     import subprocess
     import zipfile
 
-    from sglang_ext.patchtool.series import load_series
+    from sglang_ext.tools.patchtool.series import load_series
 
     made = {}
 
@@ -116,7 +116,7 @@ def tiny_models_built(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def pristine(wheel, tmp_path_factory) -> Path:
     """One checkout built by the tool; tests clone it rather than modify it."""
-    from sglang_ext.patchtool.wheel import create_checkout
+    from sglang_ext.tools.patchtool.wheel import create_checkout
 
     dest = tmp_path_factory.mktemp("pristine") / "sglang"
     create_checkout(wheel, dest)

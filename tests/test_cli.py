@@ -221,7 +221,8 @@ def test_every_command_answers_help_and_only_its_module_is_imported():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split("\n")[-2] == "['sglang_ext.__main__', 'sglang_ext.client', 'sglang_ext.format', 'sglang_ext.pending']"
+    assert r.stdout.split("\n")[-2] == ("['sglang_ext.__main__', 'sglang_ext.client', 'sglang_ext.client.extract', "
+                                        "'sglang_ext.client.pending', 'sglang_ext.format']")
 
 
 def test_patches_reads_its_series_on_this_python(tmp_path):
@@ -234,7 +235,7 @@ def test_patches_reads_its_series_on_this_python(tmp_path):
     code = "from sglang_ext.__main__ import _import_command; print(_import_command('patches').__name__)"
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
-    assert r.stdout.strip() == "sglang_ext.patches", r.stderr
+    assert r.stdout.strip() == "sglang_ext.tools.patches", r.stderr
 
 
 # ---- extract ----------------------------------------------------------------------------------
@@ -440,7 +441,7 @@ def test_convert_loss_masks_with_too_few_rows_say_how_many(tmp_path):
 
 
 def test_the_pending_journal_stays_small_and_survives_a_restart(tmp_path, monkeypatch):
-    from sglang_ext.pending import PendingFiles, journal_path
+    from sglang_ext.client.pending import PendingFiles, journal_path
 
     monkeypatch.setattr(PendingFiles, "COMPACT_EVERY", 10)
     dump = tmp_path / "dump"

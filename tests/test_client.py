@@ -38,7 +38,9 @@ from safetensors.torch import save_file
 
 from fake_sglang_server import JsonHandler
 
-from sglang_ext import client, convert, hooks
+from sglang_ext import hooks
+from sglang_ext.client import convert
+from sglang_ext.client import extract as client
 from sglang_ext import format as fmt
 
 LAYERS = [2, 4, 5, 8]  # N = 8: aux [2, N//2, N-3] plus N

@@ -23,7 +23,7 @@ import pytest
 from test_cli import Server, cli, extract_args, reference_bf16, rows, write_file, write_jsonl
 
 from sglang_ext import format as fmt
-from sglang_ext.pending import PendingFiles, journal_path
+from sglang_ext.client.pending import PendingFiles, journal_path
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ and runs the image for real).
 * docker/check-sglang-version.sh and docker/apply-series.sh run against the
   SGLang 0.5.17 wheel unpacked into a fake site-packages, and into a fake
   upstream checkout (python/sglang, as in lmsysorg/sglang images). The apply
-  step needs `python -m sglang_ext patches` (sglang_ext/patches.py, from the
+  step needs `python -m sglang_ext patches` (sglang_ext/tools/patches.py, from the
   patches-tool branch): until that is merged these tests FAIL on purpose.
 """
 
@@ -432,9 +432,9 @@ def test_check_sglang_version_script(sglang_wheel, tmp_path):
 
 
 def require_patches_tool():
-    if importlib.util.find_spec("sglang_ext.patches") is None:
+    if importlib.util.find_spec("sglang_ext.tools.patches") is None:
         pytest.fail(
-            "sglang_ext.patches is not in this tree yet: `python -m sglang_ext patches apply` comes "
+            "sglang_ext.tools.patches is not in this tree yet: `python -m sglang_ext patches apply` comes "
             "from the patches-tool branch. This rehearsal passes once that branch is merged."
         )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext import entrypoint as ep
+from sglang_ext.tools import entrypoint as ep
 
 REPO = Path(__file__).resolve().parents[1]
 SM120x8 = ["12.0"] * 8
@@ -175,7 +175,7 @@ def run_cli(args, env_extra, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KIMI_SGLANG_", "NCCL_"))}
     env.update(env_extra)
     return subprocess.run(
-        [sys.executable, "-m", "sglang_ext.entrypoint", *args],
+        [sys.executable, "-m", "sglang_ext.tools.entrypoint", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )
 
@@ -208,7 +208,7 @@ def test_exec_builds_dump_dir_and_runs_command(tmp_path):
     fake.chmod(0o755)
     dump = tmp_path / "deep" / "hs"
     code = (
-        "import sys; from sglang_ext import entrypoint as ep; "
+        "import sys; from sglang_ext.tools import entrypoint as ep; "
         f"orig = ep.build_launch; ep.build_launch = lambda a: orig(a, python={str(fake)!r}); "
         "sys.exit(ep.main(sys.argv[1:]))"
     )
@@ -238,7 +238,7 @@ def test_console_script_declared():
     import tomllib
 
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert meta["project"]["scripts"]["kimi-sglang"] == "sglang_ext.entrypoint:main"
+    assert meta["project"]["scripts"]["kimi-sglang"] == "sglang_ext.tools.entrypoint:main"
 
 
 @pytest.mark.parametrize("env", [{"KIMI_SGLANG_GPU_COUNT": "abc"}, {"KIMI_SGLANG_GPU_COUNT": "0"},
@@ -365,7 +365,7 @@ def exec_main(tmp_path, dump, umask=0o022):
     fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {out}\n')
     fake.chmod(0o755)
     code = (
-        f"import os, sys; os.umask({umask}); from sglang_ext import entrypoint as ep; "
+        f"import os, sys; os.umask({umask}); from sglang_ext.tools import entrypoint as ep; "
         f"orig = ep.build_launch; ep.build_launch = lambda a: orig(a, python={str(fake)!r}); "
         "sys.exit(ep.main(sys.argv[1:]))"
     )

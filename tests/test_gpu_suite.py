@@ -377,7 +377,7 @@ def test_server_command_lines(tmp_path, monkeypatch):
             "--mem-fraction-static", "0.3", "--chunked-prefill-size", "256", "--cuda-graph-max-bs", "8",
             "--enable-metrics"]
     cmd = gpu_server.server_command(str(with_tok), "/dev/shm/d", None, "entrypoint", python="py")
-    assert cmd == ["py", "-m", "sglang_ext.entrypoint", "--model-path", str(with_tok), *base,
+    assert cmd == ["py", "-m", "sglang_ext.tools.entrypoint", "--model-path", str(with_tok), *base,
                    "--dump-hidden-states-dir", "/dev/shm/d"]
     opts = gpu_server.ServerOptions(tp=2, dp_attention=True, cuda_graph=False, dump_dtype="fp8")
     cmd = gpu_server.server_command(str(no_tok), "/dev/shm/d", "1,3,4", "direct", opts, python="py")

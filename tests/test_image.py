@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.patchtool.series import GPU_VERIFIED, newest_series
+from sglang_ext.tools.patchtool.series import GPU_VERIFIED, newest_series
 
 REPO = Path(__file__).resolve().parents[1]
 # The series CI's venv pins (its SGLang and deps): tests/run.sh installs the SGLang of the
@@ -190,7 +190,7 @@ def wheel():
     conftest's fixture of the patch tests' fixed 0.5.17 wheel)."""
     from conftest import WHEEL_CACHE, fetch_wheel_or_skip
 
-    from sglang_ext.patchtool.series import load_series
+    from sglang_ext.tools.patchtool.series import load_series
 
     base = load_series(REPO / "patches" / SERIES).base
     return fetch_wheel_or_skip(base.version, base, WHEEL_CACHE)

@@ -45,7 +45,7 @@ for extra in ([], ["--cuda-graph", "--chunked-prefill-size", "4096", "--sleep-on
         lines[f"bench-{which}{'-graph' if extra else ''}"] = servers.server_cmd(args, "llama-mid", which)
 out = {"file": sa.__file__, "results": {}}
 for tag, cmd in lines.items():
-    assert cmd[1:3] == ["-m", "sglang.launch_server"] or cmd[1:3] == ["-m", "sglang_ext.entrypoint"], cmd
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] or cmd[1:3] == ["-m", "sglang_ext.tools.entrypoint"], cmd
     argv = cmd[3:]
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.__main__ import main
-from sglang_ext.patchtool.series import load_series
-from sglang_ext.patchtool.wheel import sha256_of
+from sglang_ext.tools.patchtool.series import load_series
+from sglang_ext.tools.patchtool.wheel import sha256_of
 
 from conftest import assert_rows_ready_at_hook, fetch_wheel_or_skip
 from test_warmup import assert_warmup_named_before_post
@@ -250,7 +250,7 @@ def test_v0523_bad_values_give_clear_errors(site23, tmp_path, args, message):
 def test_a_failed_download_says_why_in_a_few_lines():
     """pip's "(from versions: ...)" lists every release of SGLang (160 of them): the error
     keeps pip's ERROR lines with the newest five versions and the count."""
-    from sglang_ext.patchtool.wheel import pip_error
+    from sglang_ext.tools.patchtool.wheel import pip_error
 
     versions = ", ".join(f"0.{i // 10}.{i % 10}" for i in range(40))
     stderr = ("WARNING: Location 'file:///opt/pypi/simple/sglang/' is ignored\n"

@@ -1,6 +1,6 @@
 """Tests of ``python -m sglang_ext patches`` against the real v0.5.17 series and wheel.
 
-Expectations are computed independently of sglang_ext.patchtool: added lines
+Expectations are computed independently of sglang_ext.tools.patchtool: added lines
 and hunk starts are read straight from the diff text, file lists from the
 wheel's zip, per-patch outcomes from running git apply directly.
 """
@@ -126,7 +126,7 @@ def test_checkout_refuses_wheel_with_wrong_sha(capsys, wheel, tmp_path):
 def test_interrupted_checkout_leaves_nothing_it_made(capsys, wheel, tmp_path, monkeypatch, layout):
     """Ctrl-C while git commits the sources (KeyboardInterrupt from run_git, as a SIGINT
     would raise it there): exit 130 and only what was there before is left."""
-    from sglang_ext.patchtool import wheel as wheel_mod
+    from sglang_ext.tools.patchtool import wheel as wheel_mod
 
     real = wheel_mod.run_git
 
@@ -508,8 +508,8 @@ def test_a_downloaded_wheel_the_pins_refuse_is_not_cached(tmp_path, monkeypatch,
     wheel would fail every later run the same way). A pinned download is kept."""
     import subprocess as sp
 
-    from sglang_ext.patchtool import wheel as wheel_mod
-    from sglang_ext.patchtool.wheel import WheelError, fetch_wheel
+    from sglang_ext.tools.patchtool import wheel as wheel_mod
+    from sglang_ext.tools.patchtool.wheel import WheelError, fetch_wheel
 
     payload = b"not the pinned bytes"
     calls = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.__main__ import main
-from sglang_ext.patchtool.series import SeriesError, newest_series, series_status
+from sglang_ext.tools.patchtool.series import SeriesError, newest_series, series_status
 
 REPO = Path(__file__).resolve().parents[1]
 

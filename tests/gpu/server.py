@@ -9,7 +9,7 @@ command line, start (until /health answers), stop, and the HTTP calls the tests 
   tail, SIGTERM then SIGKILL of the whole group). ``start_server`` is the suite's
   launch-and-wait.
 - ``server_command``: the suite's server, ``python -m sglang.launch_server`` as upstream
-  documents it or the container's entrypoint (``python -m sglang_ext.entrypoint``,
+  documents it or the container's entrypoint (``python -m sglang_ext.tools.entrypoint``,
   profiles applied), chunked prefill of ``CHUNK`` tokens.
 
 bench/servers.py builds its own servers (A, B, C, D) from the same pieces; it imports this
@@ -109,7 +109,7 @@ def server_command(model_path: str, dump_dir: str, layers: Optional[str], launch
         raise ValueError(f"launcher must be 'direct' or 'entrypoint', not {launcher!r}")
     if options.tp < 1:
         raise ValueError(f"tp must be >= 1, not {options.tp}")
-    module = "sglang.launch_server" if launcher == "direct" else "sglang_ext.entrypoint"
+    module = "sglang.launch_server" if launcher == "direct" else "sglang_ext.tools.entrypoint"
     cmd = base_command(module, model_path, port, python=python) + [
         "--chunked-prefill-size", str(CHUNK), *cuda_graph_max_bs_flags(8), "--enable-metrics"]
     if not os.path.exists(os.path.join(model_path, "tokenizer.json")):

@@ -23,7 +23,7 @@ Guarantees:
   is the server's name for that request (``<safe_stem(rid)>[-n].safetensors``), never
   through a symlink (``lstat``, ``O_NOFOLLOW``, ``fstat``). An answer naming anything
   else (a path outside, a symlink, a FIFO, another name) is that row's error and the
-  named file is left alone. The journal (``sglang_ext.pending``) deletes only such files.
+  named file is left alone. The journal (``sglang_ext.client.pending``) deletes only such files.
 - Files extract creates (``hs_<i>``, the manifest, the journal, temporary files) get
   mode 0600, or ``KIMI_SGLANG_FILE_MODE`` (octal, e.g. ``0640``; the server reads the
   same variable), the umask applied; an invalid value is one sentence, exit 2.
@@ -41,7 +41,7 @@ Guarantees:
   reason first on stderr.
 - Leftovers: the server's files of requests this client never took (killed or
   interrupted runs, tries that timed out while the server still wrote) are journaled and
-  removed from the dump directory by ``sglang_ext.pending`` (at start and at the end);
+  removed from the dump directory by ``sglang_ext.client.pending`` (at start and at the end);
   files still being written are reported. Ctrl-C ends with one line (exit 130).
 
 Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
@@ -72,7 +72,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from sglang_ext import format as fmt
-from sglang_ext.pending import PendingFiles, server_name_ok, unlink_regular
+from sglang_ext.client.pending import PendingFiles, server_name_ok, unlink_regular
 
 MANIFEST_NAME = "manifest.jsonl"
 _FINAL = re.compile(r"hs_(\d+)\.safetensors")
@@ -1023,7 +1023,7 @@ def _main(args, held: List["Options"]) -> int:
 
 
 def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> List[str]:
-    """Sweep the server files this rank's requests left (see ``sglang_ext.pending``); say
+    """Sweep the server files this rank's requests left (see ``sglang_ext.client.pending``); say
     what was removed and what is still being written. Returns the latter."""
     removed, busy = pending.sweep(forget_unanswered)
     if removed:

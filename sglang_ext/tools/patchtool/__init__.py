@@ -1,4 +1,4 @@
-"""Patch-series tooling behind ``python -m sglang_ext patches`` (CLI in ``sglang_ext.patches``).
+"""Patch-series tooling behind ``python -m sglang_ext patches`` (CLI in ``sglang_ext.tools.patches``).
 
 Modules, one job each:
 

@@ -4,7 +4,7 @@ Verbs: list, checkout, check, apply, revert, import, export, rebase, summary (se
 docs/patches.md).
 check, apply, revert and import without --series take the series made for the
 target's SGLang version (and say so); with no such series, the newest.
-The work is done in ``sglang_ext.patchtool``; this module parses arguments,
+The work is done in ``sglang_ext.tools.patchtool``; this module parses arguments,
 calls it and prints the results. Every verb returns 0 on success, 1 when the
 series does not fit / git stopped, 2 on bad input.
 """

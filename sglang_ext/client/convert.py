@@ -77,7 +77,7 @@ class ConvertError(ValueError):
 def not_regular(path: str) -> Optional[str]:
     """None when ``path`` is (or links to) a regular file, else what it is in words (``a
     FIFO``), read with ``stat`` without opening it: opening a FIFO would block for good."""
-    from sglang_ext.client import kind_of
+    from sglang_ext.client.extract import kind_of
 
     mode = os.stat(path).st_mode
     return None if stat.S_ISREG(mode) else kind_of(mode)
@@ -213,7 +213,7 @@ def load_loss_masks(data: str, indices: Sequence[int],
     file's token ids) a row's ``input_ids`` differ from its file's token ids (the message
     names the row and the first differing position). Rows with ``messages`` instead of
     ``input_ids`` are not compared."""
-    from sglang_ext.client import DataError, iter_rows
+    from sglang_ext.client.extract import DataError, iter_rows
 
     wanted = set(indices)
     masks: Dict[int, list] = {}

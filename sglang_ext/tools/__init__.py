@@ -1,0 +1,7 @@
+"""The tooling around the runtime: never imported by SGLang's processes.
+
+- ``patches``     ``python -m sglang_ext patches``: check/apply/maintain the patch series
+                  (the work is done in ``patchtool``).
+- ``entrypoint``  the container's ``kimi-sglang`` command: SM120 defaults, then SGLang's
+                  own ``launch_server``.
+"""
