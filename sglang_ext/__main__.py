@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sglang-ext {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`... | head`): nothing more to say
+        sys.stderr.close()
+        return 141
 
 
 if __name__ == "__main__":
