@@ -24,6 +24,8 @@ from sglang_ext.client.pending import PendingFiles
 
 @dataclass
 class Options:
+    """The run's settings (``extract``'s flags; ``file_mode`` already has the umask applied)."""
+
     endpoint: str
     out_dir: str
     concurrency: int = 32
@@ -41,6 +43,8 @@ class Options:
 
 @dataclass
 class Stats:
+    """What the run did, for ``extract``'s summary line (bytes: of the files in OUT)."""
+
     total: int = 0
     done: int = 0
     resumed: int = 0
@@ -137,6 +141,11 @@ def _progress(total: int, disable: bool):
 
 async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats,
               pending: PendingFiles) -> None:
+    """Extract ``rows`` (``total`` of them, for the progress bar; ``args.no_progress``):
+    ``2 * concurrency`` workers with early answers (one waits for its file while another's
+    prompt prefills), else ``concurrency``; counts go to ``stats``. Returns when every row
+    is done or failed, or after an abort (``stats.aborted``). Raises what ``rows`` raises
+    (``DataError``) and ``KeyboardInterrupt``, after cancelling the workers."""
     import aiohttp
 
     stats.total = total
