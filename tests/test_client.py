@@ -24,6 +24,7 @@ import asyncio
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,7 +41,11 @@ from fake_sglang_server import JsonHandler
 
 from sglang_ext import hooks
 from sglang_ext.client import convert
-from sglang_ext.client import extract as client
+from sglang_ext.client.checks import CheckError, check_file
+from sglang_ext.client.dumpdir import DumpDir, move_into_place
+from sglang_ext.client.extract import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED
+from sglang_ext.client.http import backoff_delay
+from sglang_ext.client.manifest import MANIFEST_NAME
 from sglang_ext import format as fmt
 
 LAYERS = [2, 4, 5, 8]  # N = 8: aux [2, N//2, N-3] plus N
@@ -225,8 +230,13 @@ def assert_file(path, ids):
     assert torch.equal(rec.hidden_states, reference(ids))
 
 
+def hs_indices(out) -> set:
+    """The row indices i of the OUT/hs_<i>.safetensors files (listed, not through the client)."""
+    return {int(m.group(1)) for m in map(re.compile(r"hs_(\d+)\.safetensors").fullmatch, os.listdir(out)) if m}
+
+
 def manifest_indices(out):
-    with open(os.path.join(out, client.MANIFEST_NAME)) as f:
+    with open(os.path.join(out, MANIFEST_NAME)) as f:
         return [json.loads(line)["index"] for line in f]
 
 
@@ -240,7 +250,7 @@ def test_extract_writes_every_row_moves_files_and_records_a_manifest(server, tmp
     # moved (renamed), not copied: the server's directory keeps no safetensors file
     assert not [n for n in os.listdir(server.dump_dir) if n.endswith(".safetensors")]
     assert sorted(manifest_indices(out)) == list(range(12))
-    rec = {r["index"]: r for r in map(json.loads, open(out / client.MANIFEST_NAME))}
+    rec = {r["index"]: r for r in map(json.loads, open(out / MANIFEST_NAME))}
     assert rec[3]["num_tokens"] == len(data[3])
     assert rec[3]["source"].startswith(server.dump_dir)
     assert not [n for n in os.listdir(out) if n.startswith(".")]
@@ -305,7 +315,7 @@ def test_retries_with_backoff_then_succeed(server, tmp_path, capsys):
 
 def test_backoff_delay_doubles_and_caps():
     for attempt, base in [(1, 1.0), (2, 2.0), (3, 4.0), (6, 10.0), (9, 10.0)]:
-        d = client.backoff_delay(attempt, 1.0, 10.0)
+        d = backoff_delay(attempt, 1.0, 10.0)
         assert base <= d <= base * 1.25
 
 
@@ -314,7 +324,7 @@ def test_too_few_retries_fail_the_samples(server, tmp_path):
     out = tmp_path / "out"
     rc = extract(server, write_jsonl(tmp_path / "d.jsonl", rows(3)), out, "--max-retries", 1,
                  "--concurrency", 1)
-    assert rc == client.EXIT_FAILED
+    assert rc == EXIT_FAILED
     assert not [n for n in os.listdir(out) if n.startswith("hs_")]
 
 
@@ -323,7 +333,7 @@ def test_abort_after_consecutive_failures(server, tmp_path, capsys):
     out = tmp_path / "out"
     rc = extract(server, write_jsonl(tmp_path / "d.jsonl", rows(50)), out, "--max-retries", 1,
                  "--concurrency", 1, "--max-consecutive-failures", 3)
-    assert rc == client.EXIT_ABORTED
+    assert rc == EXIT_ABORTED
     summary = json.loads(capsys.readouterr().out.split("extract summary: ")[1])
     # --concurrency 1 runs two workers (one may wait on a file): the sample the other one
     # holds when the third failure aborts tries no more (not counted as failed unless its
@@ -338,10 +348,10 @@ def test_sharding_by_index_modulo_world_size(server, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", data)
     out = tmp_path / "out"
     assert extract(server, path, out, "--world-size", 3, "--rank", 1) == 0
-    assert sorted(client.existing_indices(str(out))) == [1, 4, 7, 10]
+    assert sorted(hs_indices(out)) == [1, 4, 7, 10]
     assert extract(server, path, out, "--world-size", 3, "--rank", 0) == 0
     assert extract(server, path, out, "--world-size", 3, "--rank", 2) == 0
-    assert sorted(client.existing_indices(str(out))) == list(range(11))
+    assert sorted(hs_indices(out)) == list(range(11))
     assert sorted(manifest_indices(out)) == list(range(11))
     assert set(server.counts.values()) == {1}  # no row sent twice across ranks
 
@@ -369,19 +379,19 @@ def test_validate_catches_non_finite_and_wrong_ids(server, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", data)
     out = tmp_path / "out"
     # without --validate, wrong token ids are still caught (cheap check), a NaN is not
-    assert extract(server, path, out, "--max-retries", 0) == client.EXIT_FAILED
-    assert sorted(client.existing_indices(str(out))) == [0, 1, 3]
+    assert extract(server, path, out, "--max-retries", 0) == EXIT_FAILED
+    assert sorted(hs_indices(out)) == [0, 1, 3]
     os.unlink(out / "hs_1.safetensors")
     rc = extract(server, path, out, "--max-retries", 1, "--validate")
-    assert rc == client.EXIT_FAILED
-    assert sorted(client.existing_indices(str(out))) == [0, 3]
+    assert rc == EXIT_FAILED
+    assert sorted(hs_indices(out)) == [0, 3]
     assert server.counts[tuple(data[1])] == 3  # 1 (first run) + 2 tries with --validate
-    with pytest.raises(client.CheckError, match="non-finite"):
+    with pytest.raises(CheckError, match="non-finite"):
         p = tmp_path / "nan.safetensors"
         hs = reference(data[1])
         hs[0, 0, 0] = float("inf")
         save_file({"hidden_states": hs, "token_ids": torch.tensor(data[1])}, str(p))
-        client.check_file(str(p), data[1], full=True)
+        check_file(str(p), data[1], full=True)
 
 
 def test_move_across_filesystems_copies_then_unlinks(tmp_path, monkeypatch):
@@ -404,9 +414,9 @@ def test_move_across_filesystems_copies_then_unlinks(tmp_path, monkeypatch):
         return real_rename(a, b, *args, **kw)
 
     monkeypatch.setattr(os, "rename", rename)
-    d = client.DumpDir(str(dump))
+    d = DumpDir(str(dump))
     try:
-        client.move_into_place(d, name, str(out), 7, ids, full=True, mode=0o600)
+        move_into_place(d, name, str(out), 7, ids, full=True, mode=0o600)
     finally:
         d.close()
     assert not src.exists()
@@ -418,7 +428,7 @@ def test_move_across_filesystems_copies_then_unlinks(tmp_path, monkeypatch):
 def test_messages_need_a_tokenizer(server, tmp_path, capsys):
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    assert extract(server, path, tmp_path / "out") == client.EXIT_BAD_INPUT
+    assert extract(server, path, tmp_path / "out") == EXIT_BAD_INPUT
     assert "--tokenizer" in capsys.readouterr().err
 
 
@@ -432,12 +442,12 @@ def test_killed_half_way_then_rerun_writes_every_index_once(server, tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if out.exists() and len(client.existing_indices(str(out))) >= 10:
+        if out.exists() and len(hs_indices(out)) >= 10:
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done_at_kill = client.existing_indices(str(out))
+    done_at_kill = hs_indices(out)
     assert 10 <= len(done_at_kill) < 40, "kill came too late to test anything"
     for i in done_at_kill:  # whatever has a final name is complete and right
         assert_file(out / f"hs_{i}.safetensors", data[i])
@@ -674,7 +684,7 @@ def test_a_tokenizer_that_cannot_be_loaded_is_one_sentence_before_anything_is_se
     (tmp_path / "empty").mkdir()
     for tok in (tmp_path / "nonexistent", tmp_path / "empty"):
         capsys.readouterr()
-        assert extract(server, path, tmp_path / "out", "--tokenizer", tok) == client.EXIT_BAD_INPUT
+        assert extract(server, path, tmp_path / "out", "--tokenizer", tok) == EXIT_BAD_INPUT
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err
         if tok.name == "nonexistent":
@@ -717,7 +727,7 @@ def test_malformed_answers_fail_the_sample_without_hanging_the_run(server, tmp_p
     write_jsonl(tmp_path / "d.jsonl", rows(40))
     rc = extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", 2,
                  "--max-retries", 0, "--max-consecutive-failures", 100)
-    assert rc == client.EXIT_FAILED
+    assert rc == EXIT_FAILED
 
 
 def test_endpoint_without_a_scheme_is_bad_input(tmp_path, capsys):
@@ -726,7 +736,7 @@ def test_endpoint_without_a_scheme_is_bad_input(tmp_path, capsys):
 
     rc = main(["extract", "--endpoint", "127.0.0.1:30000", "--data", str(tmp_path / "d.jsonl"),
                "--out", str(tmp_path / "out"), "--no-progress"])
-    assert rc == client.EXIT_BAD_INPUT
+    assert rc == EXIT_BAD_INPUT
     assert "must start with http:// or https://" in capsys.readouterr().err
 
 
@@ -759,7 +769,7 @@ def test_convert_names_a_corrupt_file_and_leaves_no_empty_dst(tmp_path, capsys):
 def test_input_ids_must_be_non_negative_integers(server, tmp_path, capsys):
     for bad in ("abc", 5, [1.7, 2.2], [True, False], [-1, 2]):
         (tmp_path / "d.jsonl").write_text(json.dumps({"input_ids": bad}) + "\n")
-        assert extract(server, tmp_path / "d.jsonl", tmp_path / "out") == client.EXIT_BAD_INPUT, bad
+        assert extract(server, tmp_path / "d.jsonl", tmp_path / "out") == EXIT_BAD_INPUT, bad
         assert "input_ids must be a list of non-negative integers" in capsys.readouterr().err
 
 
@@ -789,7 +799,7 @@ def test_validate_and_convert_take_fp8_files(tmp_path, capsys):
     path = str(src / "hs_0.safetensors")
     save_file({"hidden_states": q, "hidden_states_scales": scales, "token_ids": torch.tensor(ids)},
               path, metadata=meta)
-    assert client.check_file(path, ids, full=True) == len(ids)
+    assert check_file(path, ids, full=True) == len(ids)
     assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--no-final-norm"]) == 0
     rec = torch.load(tmp_path / "sf" / "rows_0-5000" / "data_0.ckpt", weights_only=True)
     deq = q.to(torch.bfloat16) * scales.to(torch.bfloat16)
@@ -802,6 +812,6 @@ def test_validate_and_convert_take_fp8_files(tmp_path, capsys):
     scales[1, 2] = float("inf")
     save_file({"hidden_states": q, "hidden_states_scales": scales, "token_ids": torch.tensor(ids)},
               bad, metadata=meta)
-    assert client.check_file(bad, ids, full=False) == len(ids)  # cheap check: header only
-    with pytest.raises(client.CheckError, match="non-finite"):
-        client.check_file(bad, ids, full=True)
+    assert check_file(bad, ids, full=False) == len(ids)  # cheap check: header only
+    with pytest.raises(CheckError, match="non-finite"):
+        check_file(bad, ids, full=True)

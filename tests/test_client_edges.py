@@ -348,3 +348,39 @@ def _umask():
     m = os.umask(0)
     os.umask(m)
     return m
+
+
+# ---- files.Staged: the one temporary-name-then-rename of extract, convert and the journal -----
+def test_staged_failure_removes_every_temporary_name_and_keeps_the_final(tmp_path):
+    from sglang_ext.client.files import Staged
+
+    (tmp_path / "hs_1.safetensors").write_bytes(b"old")
+    (tmp_path / "elsewhere").write_bytes(b"not ours")
+    with pytest.raises(RuntimeError, match="check failed"):
+        with Staged(str(tmp_path), "hs_1.safetensors") as staged:
+            tmp, fd = staged.create(0o600)
+            os.write(fd, b"partial")
+            os.close(fd)
+            swapped = staged.name()  # a symlink swapped in at a temporary name: the entry goes
+            os.symlink(tmp_path / "elsewhere", tmp_path / swapped)
+            raise RuntimeError("check failed")
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "hs_1.safetensors"]
+    assert (tmp_path / "hs_1.safetensors").read_bytes() == b"old"
+    assert (tmp_path / "elsewhere").read_bytes() == b"not ours"
+
+
+def test_staged_fixed_name_replaces_a_leftover_and_publishes(tmp_path):
+    from sglang_ext.client.files import Staged
+
+    (tmp_path / "elsewhere").write_bytes(b"not ours")
+    os.symlink(tmp_path / "elsewhere", tmp_path / ".data_0.ckpt.tmp")  # a killed run's leftover
+    with Staged(str(tmp_path), "data_0.ckpt", unique=False) as staged:
+        tmp, fd = staged.create(0o600)
+        assert tmp == ".data_0.ckpt.tmp"
+        os.write(fd, b"record")
+        os.close(fd)
+        staged.publish(tmp)
+    assert sorted(os.listdir(tmp_path)) == ["data_0.ckpt", "elsewhere"]
+    assert (tmp_path / "data_0.ckpt").read_bytes() == b"record"
+    assert (tmp_path / "elsewhere").read_bytes() == b"not ours"
+    assert stat.S_IMODE(os.lstat(tmp_path / "data_0.ckpt").st_mode) == 0o600 & ~_umask()

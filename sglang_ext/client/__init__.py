@@ -1,8 +1,20 @@
 """The client: runs anywhere a dumping server is reachable, never inside SGLang.
 
+Commands (each ``add_parser`` + ``main``, run as ``sglang-ext <command>``):
+
 - ``extract``  send a dataset to a dumping server; collect ``hs_<i>.safetensors`` + manifest.
 - ``convert``  rewrite those files for another trainer (SpecForge).
+
+Their parts, each importing only those listed before it (no cycle):
+
+- ``files``    create, check and remove files safely (``Staged``: temporary name, then rename).
+- ``dataset``  DATA's rows (JSONL or a ``datasets`` folder); ``DataError``.
+- ``checks``   a hidden-state file against its request (``check_file``).
 - ``pending``  the journal of server files a run still owns (resume, cleanup).
+- ``manifest`` OUT: ``hs_<i>`` names, ``manifest.jsonl``, what a rerun keeps.
+- ``dumpdir``  the server's dump directory; moving its file to ``OUT/hs_<i>``.
+- ``http``     the health probe, ``POST /generate``, retry delays, the request errors.
+- ``runner``   the asyncio run: workers, tries, retries, abort.
 
 It reads the server's files through ``sglang_ext.format`` only; nothing here is imported
 by SGLang's processes.

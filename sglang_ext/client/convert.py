@@ -55,11 +55,12 @@ import importlib.util
 import json
 import os
 import re
-import stat
 import sys
 from typing import Dict, Optional, Sequence, Tuple
 
 from sglang_ext import format as fmt
+from sglang_ext.client.dataset import DataError, iter_rows
+from sglang_ext.client.files import Staged, regular_or_why
 
 GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
 NORM_KEYS = (
@@ -74,18 +75,9 @@ class ConvertError(ValueError):
     pass
 
 
-def not_regular(path: str) -> Optional[str]:
-    """None when ``path`` is (or links to) a regular file, else what it is in words (``a
-    FIFO``), read with ``stat`` without opening it: opening a FIFO would block for good."""
-    from sglang_ext.client.extract import kind_of
-
-    mode = os.stat(path).st_mode
-    return None if stat.S_ISREG(mode) else kind_of(mode)
-
-
 def require_regular(path: str) -> None:
     """Raise ``ConvertError`` (one sentence) unless ``path`` is a regular file."""
-    what = not_regular(path)
+    what = regular_or_why(path, follow_symlinks=True)
     if what:
         raise ConvertError(f"{path} is not a regular file ({what}); remove it and run extract "
                            f"again with the same --out to replace it")
@@ -169,8 +161,8 @@ def read_file_headers(src: str, indices: Sequence[int]) -> Dict[int, Tuple[list,
     for index in indices:
         try:
             path = os.path.join(src, f"hs_{index}.safetensors")
-            if not_regular(path):  # a FIFO would block the open: reported when converted
-                continue
+            if regular_or_why(path, follow_symlinks=True):  # a FIFO would block the open:
+                continue  # reported when converted
             with safe_open(path, framework="numpy") as f:
                 out[index] = (f.get_tensor(fmt.KEY_TOKEN_IDS).tolist(), dict(f.metadata() or {}))
         except Exception:  # noqa: BLE001 - a truncated or foreign file: reported when converted
@@ -213,8 +205,6 @@ def load_loss_masks(data: str, indices: Sequence[int],
     file's token ids) a row's ``input_ids`` differ from its file's token ids (the message
     names the row and the first differing position). Rows with ``messages`` instead of
     ``input_ids`` are not compared."""
-    from sglang_ext.client.extract import DataError, iter_rows
-
     wanted = set(indices)
     masks: Dict[int, list] = {}
     n_rows = 0
@@ -302,19 +292,17 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str,
 
 
 def save_atomic(obj, path: str) -> None:
+    """``torch.save(obj)`` to ``path`` through a temporary name (``files.Staged``): ``path``
+    only ever holds a complete record. Made with mode 0666 before the umask, as ``open``."""
     import torch
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
-    try:
-        torch.save(obj, tmp)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    with Staged(directory, name, unique=False) as staged:
+        tmp, fd = staged.create(0o666)
+        with open(fd, "wb") as f:
+            torch.save(obj, f)
+        staged.publish(tmp)
 
 
 def main(args) -> int:

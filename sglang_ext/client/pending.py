@@ -37,6 +37,7 @@ import stat
 from typing import Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
+from sglang_ext.client.files import Staged, unlink_regular
 
 
 def journal_path(out_dir: str, rank: int) -> str:
@@ -75,18 +76,6 @@ def _lock_held(dir_fd: int, name: str) -> Optional[bool]:
         return True
     finally:
         os.close(fd)
-
-
-def unlink_regular(dir_fd: int, name: str) -> bool:
-    """Remove ``name`` from the directory when it is a regular file (not followed: a
-    symlink, FIFO or directory there stays); True when something was removed."""
-    try:
-        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            return False
-        os.unlink(name, dir_fd=dir_fd)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def _unlink(path: str) -> bool:
@@ -152,16 +141,16 @@ class PendingFiles:
         if not self.rids:
             _unlink(self.path)
             return
-        tmp = self.path + ".tmp"
-        _unlink(tmp)  # a leftover keeps its own mode; O_EXCL below makes a fresh one
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.mode)
-        with open(fd, "w", encoding="utf-8") as f:
-            for d in self.dump_dirs:
-                f.write(json.dumps({"dir": d}) + "\n")
-            for rid, path in self.rids.items():
-                f.write(json.dumps({"rid": rid, "path": path} if path else {"rid": rid},
-                                   separators=(",", ":")) + "\n")
-        os.replace(tmp, self.path)
+        directory, final = os.path.split(self.path)
+        with Staged(directory, final, unique=False) as staged:
+            tmp, fd = staged.create(self.mode)
+            with open(fd, "w", encoding="utf-8") as f:
+                for d in self.dump_dirs:
+                    f.write(json.dumps({"dir": d}) + "\n")
+                for rid, path in self.rids.items():
+                    f.write(json.dumps({"rid": rid, "path": path} if path else {"rid": rid},
+                                       separators=(",", ":")) + "\n")
+            staged.publish(tmp)
 
     def dump_dir(self, directory: str) -> None:
         """Journal the run's dump directory: the only one whose files a sweep removes."""

@@ -1,0 +1,169 @@
+"""The server's dump directory as this machine sees it, and taking a file out of it.
+
+The server's answer is not trusted: extract takes only regular files directly in the run's
+dump directory whose name is the server's name for that request, by name relative to a
+descriptor of the directory, never through a symlink (``lstat``, ``O_NOFOLLOW``,
+``fstat``). ``move_into_place`` moves such a file to ``OUT/hs_<i>.safetensors`` through a
+checked temporary file (``files.Staged``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import List
+
+from sglang_ext import format as fmt
+from sglang_ext.client.checks import CheckError, NotRegularError, check_file
+from sglang_ext.client.files import Staged, kind_of
+from sglang_ext.client.manifest import final_name
+from sglang_ext.client.pending import server_name_ok
+
+
+class DumpDir:
+    """The server's dump directory as this machine sees it, pinned for the run.
+
+    ``path`` as given (``--dump-dir``) or the directory of the run's first answer; ``fd``
+    an open descriptor of it: every file is taken by its bare name relative to ``fd``
+    (``rename``/``open``/``unlink`` ``*at``), so no symlink on the way redirects a move or
+    a delete. An answer belongs to it when its directory is the same directory (device
+    and inode) and its name is the server's name for the request (``server_name_of``).
+    Raises ``OSError`` when ``path`` is not a directory."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(self.fd)
+        self.identity = (st.st_dev, st.st_ino)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def server_name_of(self, rid: str, path: str) -> str:
+        """The bare name of ``rid``'s file from the server's ``path``. Raises ``CheckError``
+        (this row's error) when ``path`` is not in this directory or its name is not one
+        the server gives ``rid`` (``<safe_stem(rid)>[-n].safetensors``)."""
+        directory, name = os.path.split(path)
+        try:
+            st = os.stat(directory or ".")
+            inside = (st.st_dev, st.st_ino) == self.identity
+        except OSError:
+            inside = False
+        if not inside:
+            raise CheckError(f"hidden_states_path {path} is not in the dump directory "
+                             f"{self.path}: not taken")
+        if not server_name_ok(rid, name):
+            raise CheckError(f"hidden_states_path {path} is not the server's name for request "
+                             f"{rid} ({fmt.safe_stem(rid)}[-n]{fmt.SUFFIX}): not taken")
+        return name
+
+    def require_waitable(self, name: str) -> None:
+        """Raise ``NotRegularError`` when ``<name>.lock`` or ``<name>.error`` holds something
+        else than a regular file: a FIFO there would block the wait for the file."""
+        for suffix in (fmt.LOCK_SUFFIX, fmt.ERROR_SUFFIX):
+            try:
+                mode = os.stat(name + suffix, dir_fd=self.fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(mode):
+                raise NotRegularError(f"{os.path.join(self.path, name)}{suffix} is not a regular "
+                                      f"file ({kind_of(mode)}): not waited on")
+
+
+def open_regular(name: str, dir_fd: int, shown: str) -> int:
+    """``format.open_regular(name, O_RDONLY)`` in the directory ``dir_fd``: a regular file's
+    descriptor, never through a symlink, never blocking on a FIFO. Raises
+    ``NotRegularError`` "``shown`` is not a regular file (a symbolic link)" for anything
+    else, ``FileNotFoundError`` when it is gone."""
+    try:
+        return fmt.open_regular(name, os.O_RDONLY, dir_fd=dir_fd)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except OSError:
+            raise e from None
+        if stat.S_ISREG(mode):
+            raise
+        raise NotRegularError(f"{shown} is not a regular file ({kind_of(mode)})") from None
+
+
+def _copy_fd(src_fd: int, staged: Staged, mode: int) -> str:
+    """Copy an open file into a new temporary file of ``staged`` (created
+    ``O_EXCL|O_NOFOLLOW`` with ``mode``), flushed to disk; returns its name."""
+    tmp, dst = staged.create(mode)
+    try:
+        offset = 0
+        while True:
+            chunk = os.pread(src_fd, 1 << 20, offset)
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst, view):]
+            offset += len(chunk)
+        os.fsync(dst)
+    finally:
+        os.close(dst)
+    return tmp
+
+
+def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_ids: List[int],
+                    full: bool, mode: int = fmt.DEFAULT_FILE_MODE) -> int:
+    """Move the server's file ``name`` (in ``dump``) to ``out_dir/hs_<index>.safetensors``;
+    returns its size.
+
+    Only a regular file is taken (a symlink, FIFO, ... raises ``NotRegularError`` and is
+    left where it is). It goes to a temporary name in ``out_dir`` first (rename, or across
+    filesystems a copy through a descriptor opened ``O_NOFOLLOW`` and then the unlink of
+    that same file), is made a regular file of this user with ``mode`` (copied when another
+    name links it or another user owns it), is checked there, and only then renamed onto
+    the final name: the final name never holds a partial, unchecked or linked file. On a
+    failed check the temporary file is removed and ``CheckError`` raised.
+    """
+    shown = f"the server's file {os.path.join(dump.path, name)}"
+    with Staged(out_dir, final_name(index)) as staged:
+        st_mode = os.stat(name, dir_fd=dump.fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise NotRegularError(f"{shown} is not a regular file ({kind_of(st_mode)}): "
+                                  f"left where it is")
+        tmp = staged.name()
+        try:
+            os.rename(name, tmp, src_dir_fd=dump.fd, dst_dir_fd=staged.fd)
+            moved = True
+        except OSError as e:
+            if e.errno != errno.EXDEV:  # another filesystem
+                raise
+            moved = False
+        if moved:
+            # What was renamed is checked in OUT, where nobody else swaps it any more.
+            fd = open_regular(tmp, staged.fd, shown)
+            try:
+                st = os.fstat(fd)
+                if st.st_nlink != 1 or st.st_uid != os.geteuid():
+                    # Another name links it (a hard link elsewhere) or another user owns it:
+                    # whoever holds that could change it after the check, and a chmod would
+                    # reach through the link. Keep a copy of our own instead.
+                    kept = _copy_fd(fd, staged, mode)
+                    os.unlink(tmp, dir_fd=staged.fd)
+                    tmp = kept
+                else:
+                    os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+        else:
+            fd = open_regular(name, dump.fd, shown)
+            try:
+                tmp = _copy_fd(fd, staged, mode)
+                st = os.fstat(fd)
+                now = os.stat(name, dir_fd=dump.fd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # the file copied, not a swap
+                    os.unlink(name, dir_fd=dump.fd)
+            finally:
+                os.close(fd)
+        check_file(os.path.join(out_dir, tmp), input_ids, full)
+        size = os.stat(tmp, dir_fd=staged.fd, follow_symlinks=False).st_size
+        staged.publish(tmp)
+    return size

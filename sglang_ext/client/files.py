@@ -1,0 +1,125 @@
+"""Files the client creates, checks and removes: never through a symlink, never a partial
+file under a final name.
+
+- ``file_mode()``: the mode of every file the client creates (format's rule, umask applied);
+- ``kind_of`` / ``regular_or_why``: what a name holds, in words, without opening it (an
+  open of a FIFO blocks for good);
+- ``unlink_regular`` / ``unlink_entry``: remove a name (only a regular file / whatever
+  entry it is, never what a symlink points to);
+- ``Staged``: build a file under a temporary name and rename it onto its final name once
+  complete (``extract``'s ``hs_<i>``, ``convert``'s records, the pending journal).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import uuid
+from typing import List, Optional, Tuple
+
+from sglang_ext import format as fmt
+
+
+def file_mode() -> int:
+    """The mode extract creates its files with: ``format.file_mode()`` (0600, or
+    ``KIMI_SGLANG_FILE_MODE``, the same variable the server reads) with the umask applied,
+    read once, at start-up, before any thread runs. Raises ``ValueError``, one sentence
+    naming the variable."""
+    mode = fmt.file_mode()
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def kind_of(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, in words (``a FIFO``): ``format.kind_of``."""
+    return fmt.kind_of(mode, "not a regular file")
+
+
+def regular_or_why(path: str, follow_symlinks: bool = False) -> Optional[str]:
+    """None when ``path`` is a regular file, else what it is, in words (``a FIFO``);
+    ``FileNotFoundError`` when nothing is there. Never opens it. A symlink is ``a symbolic
+    link`` unless ``follow_symlinks`` (then its target is judged: ``convert`` takes a
+    link to a regular file; ``extract`` never keeps a symlink as a result)."""
+    mode = os.stat(path, follow_symlinks=follow_symlinks).st_mode
+    return None if stat.S_ISREG(mode) else kind_of(mode)
+
+
+def unlink_regular(dir_fd: int, name: str) -> bool:
+    """Remove ``name`` from the directory when it is a regular file (not followed: a
+    symlink, FIFO or directory there stays); True when something was removed."""
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def unlink_entry(dir_fd: int, name: str) -> bool:
+    """Remove our own name whatever it holds (a file, or a link or FIFO swapped in there:
+    the entry goes, never what it points to); True when something was removed. A
+    directory, or a name already gone, is left: False."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return False
+
+
+class Staged:
+    """A file built under a temporary name in ``directory`` and renamed onto ``final`` (in
+    the same directory) only when complete, so ``final`` never holds a partial file::
+
+        with Staged(out_dir, "hs_7.safetensors") as staged:
+            tmp = staged.name()      # fill it: create, rename or copy into it, check it
+            staged.publish(tmp)      # rename(tmp, final): atomic on one filesystem
+
+    Temporary names are hidden, ``.<final>.tmp.<8 hex>`` (``unique``; what ``extract``'s
+    start-up clean-up matches) or ``.<final>.tmp`` (one fixed name, which replaces a killed
+    run's leftover); no second dot for a ``final`` that starts with one. Leaving the block
+    by an exception (Ctrl-C included) removes every temporary name handed out
+    (``unlink_entry``); ``final`` keeps what it held. ``fd`` is
+    an open descriptor of ``directory`` (closed at the end): names are taken relative to
+    it, so no symlink on the way redirects them.
+    """
+
+    def __init__(self, directory: str, final: str, unique: bool = True):
+        self.final = final
+        self.unique = unique
+        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._names: List[str] = []
+
+    def __enter__(self) -> "Staged":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None:
+                for name in self._names:
+                    unlink_entry(self.fd, name)
+        finally:
+            os.close(self.fd)
+
+    def name(self) -> str:
+        """A new temporary name (nothing created there yet)."""
+        hidden = self.final if self.final.startswith(".") else "." + self.final
+        tmp = f"{hidden}.tmp" + (f".{uuid.uuid4().hex[:8]}" if self.unique else "")
+        self._names.append(tmp)
+        return tmp
+
+    def create(self, mode: int) -> Tuple[str, int]:
+        """Create a new temporary file (``O_EXCL|O_NOFOLLOW``, ``mode`` before the umask)
+        for writing; returns ``(its name, its descriptor)``. A fixed name's leftover (of a
+        killed run) is removed first."""
+        tmp = self.name()
+        if not self.unique:
+            unlink_entry(self.fd, tmp)
+        return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                            mode, dir_fd=self.fd)
+
+    def publish(self, tmp: str) -> None:
+        """Rename the complete temporary file ``tmp`` onto ``final`` (replacing it)."""
+        os.rename(tmp, self.final, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        self._names.remove(tmp)

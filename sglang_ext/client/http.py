@@ -1,0 +1,152 @@
+"""Talking to the server over HTTP: the start-up probe, ``POST /generate``, retry delays.
+
+Errors: ``RequestError`` (one try failed: retry it), ``RowError`` (HTTP 400, the server
+refused the row: do not retry) and ``FatalError`` (an answer no retry can change: stop the
+run). A quoted answer body is cut to one short line (``dataset.one_line``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any, List, Optional, Tuple
+from urllib.parse import urlsplit
+
+from sglang_ext import format as fmt
+from sglang_ext.client.dataset import one_line
+from sglang_ext.client.pending import PendingFiles
+
+
+class RequestError(RuntimeError):
+    """One try failed (HTTP, connection, server-side dump error, bad file)."""
+
+
+class RowError(RequestError):
+    """The server refused this row itself (HTTP 400): trying it again cannot succeed."""
+
+
+class FatalError(RequestError):
+    """An answer no retry can change (the server is not dumping, its dump directory is not
+    visible here, the endpoint has no /generate): the run stops at once."""
+
+
+def endpoint_error(url: str) -> Optional[str]:
+    """Why ``--endpoint`` is not a usable base URL (one sentence), or None: it must be
+    http(s), parse, name a host and, if it names a port, one in 1..65535."""
+    if not url.startswith(("http://", "https://")):
+        return f"--endpoint {url} must start with http:// or https://"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError: not a number, or above 65535
+    except ValueError as e:
+        return (f"--endpoint {url} is not a valid URL ({e}): pass the server's base URL, "
+                f"e.g. http://127.0.0.1:30000")
+    if not parts.hostname:
+        return (f"--endpoint {url} names no host: pass the server's base URL, "
+                f"e.g. http://127.0.0.1:30000")
+    if port is not None and not 1 <= port <= 65535:
+        return f"--endpoint {url} has port {port}: a port is a number from 1 to 65535"
+    return None
+
+
+def backoff_delay(attempt: int, base: float, cap: float) -> float:
+    """Seconds before retry ``attempt`` (1, 2, ...): ``base * 2**(attempt-1)``, capped,
+    with up to 25% random jitter so that many workers do not retry in lockstep."""
+    delay = min(cap, base * (2 ** (attempt - 1)))
+    return delay * (1 + random.random() * 0.25)
+
+
+BRIEF_CHARS = 200  # an answer's body quoted in a message: whitespace runs joined, then cut
+
+
+def brief(text: str) -> str:
+    """``text`` on one line, cut to ``BRIEF_CHARS`` with ``...``: an HTML error page must
+    not flood stderr once per retry."""
+    return one_line(text, BRIEF_CHARS)
+
+
+PROBE_TIMEOUT_S = 30.0  # at most: a server that has not answered GET /health by then is not up
+
+
+async def probe(endpoint: str, timeout: float) -> Tuple[Optional[str], Optional[str]]:
+    """One ``GET <endpoint>/health`` before any row is sent: ``(error, note)``, each one
+    sentence or None.
+
+    error: nothing answers (refused, no route, no answer within ``timeout``): "cannot
+    reach URL: is the server up?"; something answers but not as SGLang does (SGLang's
+    ``/health`` answers 200, or 503 while it starts or is unhealthy): "URL is not an SGLang
+    server", quoting a short brief of the answer (``brief``). note: the 503 case, where
+    the run goes on (the rows' own retries cover a server that is starting)."""
+    import aiohttp
+
+    url = endpoint.rstrip("/") + "/health"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(url) as resp:
+                status = resp.status
+                body = (await resp.content.read(4096)).decode("utf-8", errors="replace")
+    except asyncio.TimeoutError:
+        return f"cannot reach {endpoint}: is the server up? (no answer to GET {url} within {timeout:g} s)", None
+    except (aiohttp.ClientError, OSError) as e:
+        return f"cannot reach {endpoint}: is the server up? ({type(e).__name__}: {one_line(e)})", None
+    if status == 200:
+        return None, None
+    if status == 503:
+        return None, (f"note: GET {url} answered HTTP 503: the server is starting or unhealthy; "
+                      f"sending rows anyway")
+    return (f"{endpoint} is not an SGLang server: GET {url} answered HTTP {status} "
+            f"({brief(body) or 'empty body'}); pass the base URL of SGLang's server, e.g. "
+            f"http://127.0.0.1:30000"), None
+
+
+async def generate(session, endpoint: str, rid: str, input_ids: List[int], early_answers: bool,
+                   http_slots: asyncio.Semaphore, pending: PendingFiles) -> str:
+    """``POST <endpoint>/generate`` for one prompt; returns the answer's
+    ``meta_info.hidden_states_path`` (a non-empty string, not yet trusted).
+
+    ``early_answers`` asks to be answered once the file's name is reserved
+    (``format.WAIT_PARAM``), before the write. ``http_slots`` bounds the requests in
+    flight (``--concurrency``); ``pending`` journals ``rid`` before it is sent. Raises
+    ``RequestError``: ``RowError`` on HTTP 400, ``FatalError`` on HTTP 404/405 (not the
+    server's base URL) or an answer without a path (the server is not dumping)."""
+    import aiohttp
+
+    sampling: dict = {"max_new_tokens": 1, "temperature": 0}
+    if early_answers:
+        # Answer once the file's name is reserved (format.WAIT_PARAM); the wait for the
+        # write is the caller's, so this HTTP slot is free for the next prompt.
+        sampling["custom_params"] = {fmt.WAIT_PARAM: False}
+    payload: Any = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
+    url = endpoint.rstrip("/") + "/generate"
+    async with http_slots:
+        pending.sent(rid)
+        try:
+            async with session.post(url, json=payload) as resp:
+                body = await resp.read()
+                text = body.decode("utf-8", errors="replace")
+                if resp.status in (404, 405):
+                    raise FatalError(f"POST {url} answered HTTP {resp.status}: --endpoint must be "
+                                     f"the server's base URL (e.g. http://127.0.0.1:30000)")
+                if resp.status == 400:
+                    raise RowError(f"the server refused the row (HTTP 400): {brief(text)}")
+                if resp.status != 200:
+                    raise RequestError(f"HTTP {resp.status}: {brief(text)}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise RequestError(f"{type(e).__name__}: {e}") from None
+    try:
+        meta = json.loads(text)["meta_info"]
+    except (ValueError, KeyError, TypeError):
+        raise RequestError(f"response without meta_info: {brief(text)}") from None
+    if not isinstance(meta, dict):
+        raise RequestError(f"meta_info is not an object: {brief(text)}")
+    if meta.get(fmt.ERROR_KEY):
+        raise RequestError(f"{fmt.ERROR_KEY}: {meta[fmt.ERROR_KEY]}")
+    path = meta.get(fmt.PATH_KEY)
+    if path is not None and (not isinstance(path, str) or not path):
+        raise RequestError(f"hidden_states_path is not a file path: {brief(text)}")
+    if path is None:
+        raise FatalError(f"the server at {endpoint} is not dumping hidden states: its "
+                         f"answer has no meta_info.hidden_states_path (start it with "
+                         f"--dump-hidden-states-dir DIR); answer: {brief(text)}")
+    return path

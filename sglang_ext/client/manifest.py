@@ -1,0 +1,99 @@
+"""OUT, extract's output directory: ``hs_<i>.safetensors``, ``manifest.jsonl`` and resume.
+
+``manifest.jsonl`` holds one JSON line per sample (``record``), appended with one
+``O_APPEND`` write so that lines never interleave; the last line of an index wins and a
+torn last line (a killed run) is ignored. A rerun keeps every ``hs_<i>`` that is a regular
+file and passes ``checks.check_file`` (``existing``), and removes the temporary files a
+killed run left (``clean_tmp``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+from sglang_ext import format as fmt
+from sglang_ext.client.checks import CheckError, check_file
+from sglang_ext.client.files import regular_or_why
+
+MANIFEST_NAME = "manifest.jsonl"
+# files.Staged's temporary names for hs_<i> (unique: a random suffix)
+_TMP = re.compile(r"\.hs_\d+\.safetensors\.tmp(\.[0-9a-f]+)?")
+
+
+def final_name(index: int) -> str:
+    """Row ``index``'s file in OUT: ``hs_<index>.safetensors`` (speculators' layout)."""
+    return f"hs_{index}.safetensors"
+
+
+def record(index: int, num_tokens: int, source: Optional[str], size: int) -> Dict[str, Any]:
+    """A manifest line: ``source`` is the server's path the file came from (None: a file a
+    killed run had already put in place), ``size`` its bytes."""
+    return {"index": index, "num_tokens": num_tokens, "source": source,
+            "file": final_name(index), "bytes": size}
+
+
+class Manifest:
+    """``OUT/manifest.jsonl``: ``records`` (index -> its last record) read at start,
+    ``add`` appends. A new manifest is created with ``mode`` (umask applied)."""
+
+    def __init__(self, out_dir: str, mode: int = fmt.DEFAULT_FILE_MODE):
+        self.path = os.path.join(out_dir, MANIFEST_NAME)
+        self.mode = mode
+        self.records: Dict[int, Dict[str, Any]] = {}
+        if os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(rec, dict) and isinstance(rec.get("index"), int):
+                        self.records[rec["index"]] = rec
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.records
+
+    def add(self, rec: Dict[str, Any]) -> None:
+        """One ``write`` with ``O_APPEND``: lines from concurrent writers never interleave."""
+        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     self.mode)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        self.records[rec["index"]] = rec
+
+
+def existing(out_dir: str, index: int, input_ids: List[int], full: bool) -> Tuple[Optional[int], Optional[str]]:
+    """What a rerun finds at ``OUT/hs_<index>``: ``(tokens, None)`` a regular file that
+    passes ``check_file`` (kept); ``(None, why)`` something to extract again (a file that
+    fails the check, or no regular file: a FIFO, a symlink, never opened); ``(None, None)``
+    nothing."""
+    target = os.path.join(out_dir, final_name(index))
+    try:
+        not_regular = regular_or_why(target)
+    except FileNotFoundError:
+        return None, None
+    if not_regular:
+        return None, f"it is not a regular file ({not_regular})"
+    try:
+        return check_file(target, input_ids, full), None
+    except CheckError as e:
+        return None, str(e)
+
+
+def clean_tmp(out_dir: str) -> int:
+    """Remove ``.hs_<i>.safetensors.tmp*`` left by a killed run; returns how many."""
+    n = 0
+    for name in os.listdir(out_dir):
+        if _TMP.fullmatch(name):
+            try:
+                os.unlink(os.path.join(out_dir, name))
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n

@@ -1,0 +1,240 @@
+"""The run: rows go through a queue to asyncio workers, each row tried until its file is
+``OUT/hs_<i>.safetensors`` (``extract_one``), with retries, resume and the abort rules of
+``extract``'s doc. ``run`` needs aiohttp and tqdm (``extract`` checks both first)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from sglang_ext import format as fmt
+from sglang_ext.client.checks import CheckError
+from sglang_ext.client.dataset import Row
+from sglang_ext.client.dumpdir import DumpDir, move_into_place
+from sglang_ext.client.files import unlink_regular
+from sglang_ext.client.http import FatalError, RequestError, RowError, backoff_delay, generate
+from sglang_ext.client.manifest import Manifest, existing, final_name, record
+from sglang_ext.client.pending import PendingFiles
+
+
+@dataclass
+class Options:
+    """The run's settings (``extract``'s flags; ``file_mode`` already has the umask applied)."""
+
+    endpoint: str
+    out_dir: str
+    concurrency: int = 32
+    max_retries: int = 5
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+    max_consecutive_failures: int = 32
+    timeout: float = 600.0
+    validate: bool = False
+    rid_prefix: str = "extract"
+    early_answers: bool = True
+    dump: Optional[DumpDir] = None  # --dump-dir, else the first answer's directory (set then)
+    file_mode: int = fmt.DEFAULT_FILE_MODE  # of every file created in out_dir (umask applied)
+
+
+@dataclass
+class Stats:
+    """What the run did, for ``extract``'s summary line (bytes: of the files in OUT)."""
+
+    total: int = 0
+    done: int = 0
+    resumed: int = 0
+    failed: int = 0
+    retries: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    failed_indices: List[int] = field(default_factory=list)
+    aborted: Optional[str] = None
+
+
+async def request_once(session, opts: Options, row: Row, attempt: int,
+                       http_slots: asyncio.Semaphore, pending: PendingFiles) -> Tuple[str, str]:
+    """One try: POST /generate for ``row``, then wait for the server's file; returns
+    ``(rid, the file's bare name in opts.dump)``, complete.
+
+    The wait for an HTTP slot is outside ``--timeout``, which bounds the HTTP request and
+    then, separately, the wait for the file's lock. ``pending`` journals the request until
+    its file is taken. Raises ``RequestError`` (``RowError``, ``FatalError`` when retrying
+    cannot help) or ``CheckError`` (the answer names a file that is not taken)."""
+    rid = f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}"
+    path = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
+                          http_slots, pending)
+    if opts.dump is None:  # no --dump-dir: the first answer's directory, fixed for the run
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            raise FatalError(f"the server writes to {directory}, which does not exist "
+                             f"on this machine: run extract where the server's "
+                             f"--dump-hidden-states-dir is visible under the same path")
+        opts.dump = DumpDir(directory)
+        pending.dump_dir(opts.dump.path)
+    dump = opts.dump
+    name = dump.server_name_of(rid, path)  # else this row's error: nothing is touched
+    local = os.path.join(dump.path, name)
+    pending.named(rid, local)
+    dump.require_waitable(name)
+    # Complete once <path>.lock is gone (at once from a server that waited itself).
+    error = await fmt.wait_complete_async(local, timeout=opts.timeout)
+    if error is not None:
+        # The message is in hand and the row is tried again under a new rid: remove the
+        # server's <path>.error so failed tries do not pile up in the dump directory.
+        try:
+            unlink_regular(dump.fd, name + fmt.ERROR_SUFFIX)
+        except OSError:
+            pass
+        if not fmt.lexists_at(dump.fd, name):
+            pending.settled(rid)
+        raise RequestError(error)
+    return rid, name
+
+
+async def extract_one(session, opts: Options, row: Row, stats: Stats,
+                      http_slots: asyncio.Semaphore, pending: PendingFiles,
+                      abort: asyncio.Event) -> Optional[Dict[str, Any]]:
+    """All tries for one row; returns its manifest record, ``None`` if the run was aborted
+    meanwhile, or raises the last error (``FatalError`` / ``RowError`` at once)."""
+    last: Optional[Exception] = None
+    for attempt in range(opts.max_retries + 1):
+        if attempt:
+            stats.retries += 1
+            await asyncio.sleep(backoff_delay(attempt, opts.backoff, opts.max_backoff))
+        if abort.is_set():
+            return None
+        try:
+            rid, name = await request_once(session, opts, row, attempt, http_slots, pending)
+            try:
+                size = await asyncio.to_thread(
+                    move_into_place, opts.dump, name, opts.out_dir, row.index, row.input_ids,
+                    opts.validate, opts.file_mode,
+                )
+            finally:
+                if not fmt.lexists_at(opts.dump.fd, name):
+                    pending.settled(rid)
+            return record(row.index, len(row.input_ids), os.path.join(opts.dump.path, name), size)
+        except FatalError:
+            raise
+        except RowError as e:
+            raise RowError(f"row {row.index}: {e}") from None
+        except (RequestError, CheckError, OSError) as e:
+            last = e
+            if abort.is_set():
+                return None
+            if attempt < opts.max_retries:  # the last try's error is reported by the caller
+                print(f"row {row.index}: try {attempt + 1} failed, retrying: {e}", file=sys.stderr)
+    raise RequestError(f"row {row.index}: {opts.max_retries + 1} tries failed; last: {last}")
+
+
+def _progress(total: int, disable: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sample", dynamic_ncols=True, disable=disable,
+                file=sys.stderr, smoothing=0.1)
+
+
+async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats,
+              pending: PendingFiles) -> None:
+    """Extract ``rows`` (``total`` of them, for the progress bar; ``args.no_progress``):
+    ``2 * concurrency`` workers with early answers (one waits for its file while another's
+    prompt prefills), else ``concurrency``; counts go to ``stats``. Returns when every row
+    is done or failed, or after an abort (``stats.aborted``). Raises what ``rows`` raises
+    (``DataError``) and ``KeyboardInterrupt``, after cancelling the workers."""
+    import aiohttp
+
+    stats.total = total
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * opts.concurrency)
+    abort = asyncio.Event()
+    consecutive = 0
+    manifest = Manifest(opts.out_dir, opts.file_mode)
+    start = time.monotonic()
+    bar = _progress(total, args.no_progress)
+
+    def tick():
+        elapsed = max(time.monotonic() - start, 1e-9)
+        bar.set_postfix_str(
+            f"{stats.tokens / elapsed:,.0f} tok/s, {stats.bytes / 1e9:.2f} GB, "
+            f"{stats.failed} failed", refresh=False)
+        bar.update(1)
+
+    async def worker(session):
+        nonlocal consecutive
+        while True:
+            row = await queue.get()
+            try:
+                if row is None:
+                    return
+                if abort.is_set():
+                    continue
+                n, redo = await asyncio.to_thread(existing, opts.out_dir, row.index, row.input_ids,
+                                                  opts.validate)
+                if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
+                    print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
+                elif n is not None:
+                    stats.resumed += 1
+                    if row.index not in manifest:
+                        size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
+                        manifest.add(record(row.index, n, None, size))
+                    tick()
+                    continue
+                try:
+                    rec = await extract_one(session, opts, row, stats, http_slots, pending, abort)
+                except FatalError as e:
+                    if not abort.is_set():
+                        stats.aborted = f"row {row.index}: {e}"
+                        print(f"error: {stats.aborted}", file=sys.stderr)
+                        abort.set()
+                    continue
+                except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
+                    if not isinstance(e, RequestError):
+                        e = RequestError(f"row {row.index}: {type(e).__name__}: {e}")
+                    stats.failed += 1
+                    stats.failed_indices.append(row.index)
+                    consecutive += 1
+                    print(str(e), file=sys.stderr)
+                    if consecutive >= opts.max_consecutive_failures and not abort.is_set():
+                        stats.aborted = (f"{consecutive} consecutive samples failed "
+                                         f"(--max-consecutive-failures); last: {e}")
+                        print(f"error: {stats.aborted}", file=sys.stderr)
+                        abort.set()
+                else:
+                    if rec is None:  # aborted while it was being tried
+                        continue
+                    consecutive = 0
+                    manifest.add(rec)
+                    stats.done += 1
+                    stats.tokens += rec["num_tokens"]
+                    stats.bytes += rec["bytes"]
+                tick()
+            finally:
+                queue.task_done()
+
+    timeout = aiohttp.ClientTimeout(total=opts.timeout)
+    # Twice as many workers as HTTP requests in flight: while one waits for its file
+    # (answered early, see request_once) another's prompt is already prefilling.
+    n_workers = 2 * opts.concurrency if opts.early_answers else opts.concurrency
+    http_slots = asyncio.Semaphore(opts.concurrency)
+    connector = aiohttp.TCPConnector(limit=n_workers)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        workers = [asyncio.create_task(worker(session)) for _ in range(n_workers)]
+        try:
+            for row in rows:
+                if abort.is_set():
+                    break
+                await queue.put(row)
+            for _ in workers:
+                await queue.put(None)
+            await asyncio.gather(*workers)
+        except BaseException:  # Ctrl-C (cancelled) or bad DATA: stop the workers now
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        finally:
+            bar.close()
