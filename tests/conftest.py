@@ -124,12 +124,13 @@ def pristine(wheel, tmp_path_factory) -> Path:
 
 
 def assert_rows_ready_at_hook(batch_result_processor: Path) -> None:
-    """The invariant behind ``copy_rows(..., ready=True)`` in ``hooks.on_prefill_output``:
-    in the patched ``process_batch_result_prefill``, ``result.copy_done.synchronize()``
-    (the event SGLang records after the forward, before its own device-to-host copies)
-    runs before our hook, so the rows the hook copies are complete on the GPU. A series
-    that defers (``defer=True``) calls ``on_prefill_output()`` after the batch's outputs
-    are streamed, in the same function."""
+    """The invariant behind ``copy_rows(..., ready=True)`` in
+    ``DumpSession.on_prefill_result``: in the patched ``process_batch_result_prefill``,
+    ``result.copy_done.synchronize()`` (the event SGLang records after the forward, before
+    its own device-to-host copies) runs before our hook, so the rows the hook copies are
+    complete on the GPU. A series that still passes ``defer=True`` calls
+    ``on_prefill_output()`` (now a no-op) after the batch's outputs are streamed, in the
+    same function."""
     text = batch_result_processor.read_text()
     start = text.index("    def process_batch_result_prefill(")
     end = text.find("\n    def ", start + 1)
@@ -164,3 +165,46 @@ def dump_dir(tmp_path):
     fd = fmt.open_dump_dir(str(d))
     yield d, fd
     os.close(fd)
+
+
+@pytest.fixture
+def dump(tmp_path):
+    """An empty dump directory, ``tmp_path / "hs"``."""
+    d = tmp_path / "hs"
+    d.mkdir()
+    return d
+
+
+class Sessions:
+    """Dump sessions a test starts (``start``), closed by ``close`` (the ``sessions``
+    fixture calls it after the test) so no writer process outlives its test."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, model_runner):
+        """``DumpSession.start(model_runner)``: what ``hooks.setup_model`` would make."""
+        from sglang_ext.session import DumpSession
+
+        session = DumpSession.start(model_runner)
+        if session is not None:
+            self.started.append(session)
+        return session
+
+    def close(self) -> None:
+        while self.started:
+            self.started.pop().close(timeout=10)
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """A ``Sessions``. The door's session (``hooks.setup_model``) is this test's too:
+    hooks starts the test with none and is given back none; one made is closed."""
+    from sglang_ext import hooks
+
+    monkeypatch.setattr(hooks, "_SESSION", None)
+    made = Sessions()
+    yield made
+    if hooks.session() is not None:
+        made.started.append(hooks.session())
+    made.close()

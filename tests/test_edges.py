@@ -13,23 +13,13 @@ import os
 import signal
 import time
 
-import pytest
 import torch
 
 from sglang_ext import format as fmt
-from sglang_ext import hooks
-from test_faults import _teardown, assert_complete_or_error, leftovers, slow_writes
+from test_faults import assert_complete_or_error, leftovers, slow_writes
 from test_hooks import Req, finish, idle, inject_writer, make_runner, run_extend, wait_for
 
 IDS = [2, 4]
-
-
-@pytest.fixture
-def dump(tmp_path):
-    d = tmp_path / "hs"
-    d.mkdir()
-    yield d
-    _teardown()
 
 
 def files(d):
@@ -37,37 +27,37 @@ def files(d):
 
 
 # ---- 1: a large rid ----------------------------------------------------------------------
-def test_a_huge_rid_fails_its_own_request_and_the_writer_lives(dump):
+def test_a_huge_rid_fails_its_own_request_and_the_writer_lives(dump, sessions):
     """A 1 MB rid (an HTTP field any client sets) fails that request with a sentence; the
     request beside it in the batch gets its file; the writer process is not replaced."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    writer = hooks._DUMPER.writer
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
     pid = writer.pid
     huge, plain = Req("r" * 1_000_000, 4, 1), Req("plain", 4, 2)
-    run_extend([(huge, 0, 4), (plain, 0, 4)], IDS)
+    run_extend(sess, [(huge, 0, 4), (plain, 0, 4)], IDS)
     assert f"at most {fmt.MAX_RID_CHARS}" in finish(huge)["hidden_states_error"]
     assert assert_complete_or_error(plain, finish(plain), dump)
-    snap = idle()
+    snap = idle(sess)
     assert writer.pid == pid and snap["writer_restarts"] == 0 and snap["host_bytes_in_use"] == 0
 
 
-def test_a_message_the_socket_refuses_fails_its_requests_not_the_writer(dump, monkeypatch):
+def test_a_message_the_socket_refuses_fails_its_requests_not_the_writer(dump, monkeypatch, sessions):
     """Past the rid check (lifted here), an op too large for one socket message is refused
     by the kernel (EMSGSIZE): that is the message's fault, not the writer's. Its request
     fails, its arena range comes back, the other requests of the batch and the next
     batch are written by the same writer process."""
     monkeypatch.setattr(fmt, "MAX_RID_CHARS", 10**8)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    writer = hooks._DUMPER.writer
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
     pid = writer.pid
     huge, plain = Req("r" * 2_000_000, 4, 1), Req("plain", 4, 2)
-    run_extend([(plain, 0, 4), (huge, 0, 4)], IDS)
+    run_extend(sess, [(plain, 0, 4), (huge, 0, 4)], IDS)
     assert finish(huge)["hidden_states_error"]
     assert assert_complete_or_error(plain, finish(plain), dump)
     after = Req("after", 4, 3)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
-    snap = idle()
+    snap = idle(sess)
     assert writer.pid == pid and snap["writer_restarts"] == 0
     assert snap["host_bytes_in_use"] == 0 and snap["failures"] == 1 and snap["files_written"] == 2
     assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
@@ -92,7 +82,7 @@ CLEANUP_FAILS = """
 """
 
 
-def test_a_cleanup_error_fails_the_request_and_the_writer_thread_goes_on(dump, monkeypatch, tmp_path):
+def test_a_cleanup_error_fails_the_request_and_the_writer_thread_goes_on(dump, monkeypatch, tmp_path, sessions):
     """The rename and the temporary file's unlink fail with EACCES: the request gets an
     error (not a hang), the failure is counted, and the same single writer thread writes
     the next request once the directory is usable again; ``close`` does not raise."""
@@ -100,20 +90,20 @@ def test_a_cleanup_error_fails_the_request_and_the_writer_thread_goes_on(dump, m
     flag = tmp_path / "break"
     flag.touch()
     inject_writer(monkeypatch, tmp_path, CLEANUP_FAILS, BREAK=str(flag))
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("ro", 6, 1)
-    run_extend([(req, 0, 3)], IDS)
-    run_extend([(req, 3, 6)], IDS)
+    run_extend(sess, [(req, 0, 3)], IDS)
+    run_extend(sess, [(req, 3, 6)], IDS)
     assert "Permission denied" in finish(req)["hidden_states_error"]
-    assert idle()["failures"] == 1
+    assert idle(sess)["failures"] == 1
     flag.unlink()
     after = Req("after", 4, 2)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
-    assert hooks._DUMPER.writer.close(timeout=5) is True
+    assert sess.writer.close(timeout=5) is True
 
 
-def test_a_directory_planted_at_the_temporary_name_fails_that_request_only(dump, monkeypatch, tmp_path):
+def test_a_directory_planted_at_the_temporary_name_fails_that_request_only(dump, monkeypatch, tmp_path, sessions):
     """Temporary names carry a random part, so none can be planted in advance; with the
     name forced (as a neighbour who guessed it), the request whose name is taken gets an
     error, the writer thread survives, and ``close`` does not raise."""
@@ -128,14 +118,14 @@ def test_a_directory_planted_at_the_temporary_name_fails_that_request_only(dump,
         writer_process.tmp_name = tmp_name
     """)
     (dump / planted).mkdir()
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     first, second = Req("first", 4, 1), Req("second", 4, 2)
-    run_extend([(first, 0, 4)], IDS)
+    run_extend(sess, [(first, 0, 4)], IDS)
     assert finish(first)["hidden_states_error"]
-    run_extend([(second, 0, 4)], IDS)
+    run_extend(sess, [(second, 0, 4)], IDS)
     assert assert_complete_or_error(second, finish(second), dump)
     assert (dump / planted).is_dir()
-    assert hooks._DUMPER.writer.close(timeout=5) is True
+    assert sess.writer.close(timeout=5) is True
 
 
 def test_temporary_names_cannot_be_guessed():
@@ -156,17 +146,17 @@ def _gone(pid, timeout=10):
     return wait_for(dead, timeout)
 
 
-def test_a_stopped_writer_is_replaced_and_its_requests_fail_in_bounded_time(dump, monkeypatch, tmp_path):
+def test_a_stopped_writer_is_replaced_and_its_requests_fail_in_bounded_time(dump, monkeypatch, tmp_path, sessions):
     """SIGSTOP to the writer process while it holds a file: within the watchdog time
     (KIMI_SGLANG_WATCHDOG_S) its waiting response gets an error, the process is killed,
     the next batch starts a new one, which writes."""
     monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "1")
     slow_writes(monkeypatch, tmp_path, 0.5)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    writer = hooks._DUMPER.writer
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
     pid = writer.pid
     req = Req("held", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
     meta = finish(req, timeout=20)
@@ -175,65 +165,65 @@ def test_a_stopped_writer_is_replaced_and_its_requests_fail_in_bounded_time(dump
     assert "made no progress for 1 s" in meta.get("hidden_states_error", ""), meta
     assert _gone(pid)
     after = Req("after", 4, 2)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
     assert writer.pid != pid and writer.snapshot()["writer_restarts"] == 1
     assert files(dump) == [f"{fmt.safe_stem('after')}{fmt.SUFFIX}"]
     assert "made no progress" in (dump / f"{fmt.safe_stem('held')}{fmt.SUFFIX}{fmt.ERROR_SUFFIX}").read_text()
 
 
-def test_the_scheduler_waiting_on_a_stopped_writer_is_freed_by_the_watchdog(dump, monkeypatch):
+def test_the_scheduler_waiting_on_a_stopped_writer_is_freed_by_the_watchdog(dump, monkeypatch, sessions):
     """Backpressure on a stopped writer: the arena (1 MiB) is full and the writer never
     gives it back; the scheduler's wait ends within the watchdog time, that batch's
     requests fail, and the server goes on with a new writer process."""
     monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "1")
-    hooks.setup_model(make_runner(dump, num_layers=8, layers="2,4", max_mb=1))
-    writer = hooks._DUMPER.writer
+    sess = sessions.start(make_runner(dump, num_layers=8, layers="2,4", max_mb=1))
+    writer = sess.writer
     pid = writer.pid
     os.kill(pid, signal.SIGSTOP)
     reqs = [Req(f"big-{i}", 4096, i + 1) for i in range(4)]  # 4 x 4096 x 2 x 16 x 4 B = 4 MiB
     t0 = time.monotonic()
-    run_extend([(r, 0, 4096) for r in reqs], IDS)
+    run_extend(sess, [(r, 0, 4096) for r in reqs], IDS)
     assert time.monotonic() - t0 < 10
     metas = [finish(r, timeout=20) for r in reqs]
     assert all(m.get("hidden_states_error") for m in metas), metas
     assert _gone(pid) and writer.snapshot()["writer_restarts"] == 1
     after = Req("after", 4, 9)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
 
 
-def test_a_fifo_planted_at_the_index_blocks_nothing(dump, monkeypatch):
+def test_a_fifo_planted_at_the_index_blocks_nothing(dump, monkeypatch, sessions):
     """A FIFO at ``index.jsonl`` (a neighbour's trap: opening it for writing blocks
     without a reader): the request whose index line it takes fails within the watchdog
     time at worst, and once it is removed the next request is written and indexed."""
     monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "2")
     os.mkfifo(dump / fmt.INDEX_NAME)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("fifo", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     t0 = time.monotonic()
     assert finish(req, timeout=20).get("hidden_states_error")
     assert time.monotonic() - t0 < 10
     assert files(dump) == []
     os.unlink(dump / fmt.INDEX_NAME)
     after = Req("after", 4, 2)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
     assert [r["file"] for r in fmt.read_index(str(dump))] == [f"{fmt.safe_stem('after')}{fmt.SUFFIX}"]
 
 
-def test_a_slow_writer_that_makes_progress_is_not_killed(dump, monkeypatch, tmp_path):
+def test_a_slow_writer_that_makes_progress_is_not_killed(dump, monkeypatch, tmp_path, sessions):
     """The watchdog measures progress, not time: one writer thread taking 0.4 s a file
     for 8 files (3.2 s in all, past a 1 s watchdog) is never replaced."""
     monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "1")
     monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "1")
     slow_writes(monkeypatch, tmp_path, 0.4)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     reqs = [Req(f"slow-{i}", 4, i + 1) for i in range(8)]
-    run_extend([(r, 0, 4) for r in reqs], IDS)
+    run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
     assert all(assert_complete_or_error(r, finish(r, timeout=30), dump) for r in reqs)
-    assert idle()["writer_restarts"] == 0
+    assert idle(sess)["writer_restarts"] == 0
 
 
 # ---- 8: one outcome per request ----------------------------------------------------------
@@ -245,25 +235,25 @@ INDEX_FAILS = """
 """
 
 
-def test_an_index_line_that_cannot_be_written_fails_the_request_as_a_whole(dump, monkeypatch, tmp_path):
+def test_an_index_line_that_cannot_be_written_fails_the_request_as_a_whole(dump, monkeypatch, tmp_path, sessions):
     """The index line fails after the rename: the request fails everywhere alike: its
     response carries the error, no file stays under its name, no index line, one
     failure and no file counted."""
     inject_writer(monkeypatch, tmp_path, INDEX_FAILS)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("noindex", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     meta = finish(req)
     assert "index line could not be written" in meta["hidden_states_error"]
     assert "hidden_states_path" not in meta
     assert files(dump) == [] and fmt.read_index(str(dump)) == []
-    snap = idle()
+    snap = idle(sess)
     assert snap["failures"] == 1 and snap["files_written"] == 0
     assert torch.equal(torch.tensor(0), torch.tensor(len(leftovers(dump))))
 
 
 # ---- found by review ---------------------------------------------------------------------
-def test_a_refused_message_leaves_no_temporary_file_of_its_requests(dump, monkeypatch):
+def test_a_refused_message_leaves_no_temporary_file_of_its_requests(dump, monkeypatch, sessions):
     """A request whose first chunk reached the writer and whose second chunk's message is
     refused (``ETOOMANYREFS``, as the kernel answers a process over its descriptor limit):
     the request fails, and the writer drops the temporary file the first chunk opened."""
@@ -271,11 +261,11 @@ def test_a_refused_message_leaves_no_temporary_file_of_its_requests(dump, monkey
 
     from sglang_ext import wire
 
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    writer = hooks._DUMPER.writer
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
     pid = writer.pid
     req = Req("split", 8, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     real_send = wire.send
 
     def send(sock, blob, fds=()):
@@ -284,16 +274,16 @@ def test_a_refused_message_leaves_no_temporary_file_of_its_requests(dump, monkey
         return real_send(sock, blob, fds)
 
     monkeypatch.setattr(wire, "send", send)
-    run_extend([(req, 4, 8)], IDS)
+    run_extend(sess, [(req, 4, 8)], IDS)
     monkeypatch.setattr(wire, "send", real_send)
     assert "refused" in finish(req)["hidden_states_error"]
     writer.flush()  # the next batch carries the writer's ABANDON
-    snap = idle()
+    snap = idle(sess)
     assert writer.pid == pid and snap["writer_restarts"] == 0 and snap["host_bytes_in_use"] == 0
     assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
 
 
-def test_an_index_line_that_is_not_an_object_does_not_stop_the_scheduler(dump, monkeypatch, tmp_path):
+def test_an_index_line_that_is_not_an_object_does_not_stop_the_scheduler(dump, monkeypatch, tmp_path, sessions):
     """The writer dies between a file's rename and its lock's release while index.jsonl
     holds a line that is not a JSON object: settling the orphan logs, it never raises into
     the scheduler; the file counts as written and the next request is served."""
@@ -306,17 +296,17 @@ def test_an_index_line_that_is_not_an_object_does_not_stop_the_scheduler(dump, m
         fmt.complete = complete
     """)
     (dump / fmt.INDEX_NAME).write_text("5\n")
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("orphan", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     assert assert_complete_or_error(req, finish(req), dump)
     monkeypatch.delenv("PYTHONPATH")  # the next writer is a healthy one
     after = Req("after", 4, 2)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
 
 
-def test_a_writer_killed_while_the_scheduler_is_idle_answers_its_waiters_with_the_reason(dump, monkeypatch, tmp_path):
+def test_a_writer_killed_while_the_scheduler_is_idle_answers_its_waiters_with_the_reason(dump, monkeypatch, tmp_path, sessions):
     """SIGKILL to the writer while a response waits and no batch follows: the watchdog
     thread settles the file (``.error`` with the reason, the lock removed), so the waiting
     response says why instead of "missing"; the next batch then starts a new writer."""
@@ -324,17 +314,17 @@ def test_a_writer_killed_while_the_scheduler_is_idle_answers_its_waiters_with_th
 
     monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "1")
     slow_writes(monkeypatch, tmp_path, 1.0)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    writer = hooks._DUMPER.writer
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
     req = Req("killed", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     os.kill(writer.pid, sig.SIGKILL)
     meta = finish(req, timeout=20)
     assert "writer process died" in meta.get("hidden_states_error", ""), meta
     # the .error comes first, then the lock goes (format.fail): the waiter may be between
     assert wait_for(lambda: not (dump / f"{fmt.safe_stem('killed')}{fmt.SUFFIX}{fmt.LOCK_SUFFIX}").exists())
     after = Req("after", 4, 2)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
-    snap = idle()
+    snap = idle(sess)
     assert snap["failures"] == 1 and snap["writer_restarts"] == 1

@@ -1,6 +1,6 @@
 """Faults and bad input (issue 8): the dump path loses nothing and lets nothing out of DIR.
 
-Every test drives the real code (format, writer, hooks) with stand-ins for SGLang's
+Every test drives the real code (format, writer, the dump session) with stand-ins for SGLang's
 batch and request objects (tests/test_hooks.py's); the outcome of every request is
 checked against the contract: a complete file (it loads, equals the reference) or an
 error in its response, never a partial file under a final name and never an entry
@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from sglang_ext import format as fmt
-from sglang_ext import hooks
 from sglang_ext import metrics as dump_metrics
 from sglang_ext import writer_process
 from sglang_ext.writer import DumpWriter
@@ -32,21 +31,6 @@ from test_hooks import (Req, finish, idle, inject_writer, make_runner, reference
                         run_extend, wait_for)
 
 IDS = [2, 4]
-
-
-@pytest.fixture
-def dump(tmp_path):
-    d = tmp_path / "hs"
-    d.mkdir()
-    yield d
-    _teardown()
-
-
-def _teardown():
-    if hooks._DUMPER is not None and hooks._DUMPER.writer is not None:
-        hooks._DUMPER.writer.close(timeout=10)
-        os.close(hooks._DUMPER.dir_fd)
-    hooks._DUMPER = None
 
 
 def leftovers(d):
@@ -84,11 +68,11 @@ def umount(path):
 
 # ---- rids that try to escape or collide, through the hooks -------------------------------
 @pytest.mark.parametrize("rid", RIDS)
-def test_hostile_rids_through_the_hooks(dump, rid):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_hostile_rids_through_the_hooks(dump, rid, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req(rid, 5, 1)
-    run_extend([(req, 0, 3)], IDS)  # two chunks
-    run_extend([(req, 3, 5)], IDS)
+    run_extend(sess, [(req, 0, 3)], IDS)  # two chunks
+    run_extend(sess, [(req, 3, 5)], IDS)
     meta = finish(req)
     assert assert_complete_or_error(req, meta, dump)
     assert fmt.load(meta["hidden_states_path"]).metadata["rid"] == fmt.printable_rid(rid)
@@ -97,25 +81,25 @@ def test_hostile_rids_through_the_hooks(dump, rid):
 
 
 @pytest.mark.parametrize("rid", [123, ["a", "b"], None, b"bytes"])
-def test_rid_that_is_not_a_string_gets_an_error_not_a_file(dump, rid):
+def test_rid_that_is_not_a_string_gets_an_error_not_a_file(dump, rid, sessions):
     # SGLang refuses a non-string rid with HTTP 400 (see test_malformed_*); a list rid on
     # a single prompt passes its normalization, so the dump path must cope by itself.
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req(rid, 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     meta = finish(req)
     assert "rid must be str" in meta["hidden_states_error"]
-    assert idle()["host_bytes_in_use"] == 0
+    assert idle(sess)["host_bytes_in_use"] == 0
     assert os.listdir(dump) == []
 
 
-def test_same_rid_many_times_at_once_and_alike_rids_keep_every_file(dump, monkeypatch, tmp_path):
+def test_same_rid_many_times_at_once_and_alike_rids_keep_every_file(dump, monkeypatch, tmp_path, sessions):
     slow_writes(monkeypatch, tmp_path, 0.02)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     same = [Req("dup", 3 + i, i + 1) for i in range(8)]
     alike = [Req(r, 4, 20 + i) for i, r in enumerate(["a/b", "a_b", "a\x00b", "a\\b", "a:b"])]
-    run_extend([(r, 0, len(r.origin_input_ids)) for r in same[:4] + alike], IDS)
-    run_extend([(r, 0, len(r.origin_input_ids)) for r in same[4:]], IDS)
+    run_extend(sess, [(r, 0, len(r.origin_input_ids)) for r in same[:4] + alike], IDS)
+    run_extend(sess, [(r, 0, len(r.origin_input_ids)) for r in same[4:]], IDS)
     paths = [finish(r)["hidden_states_path"] for r in same + alike]
     assert len(set(paths)) == len(paths)
     for r, p in zip(same + alike, paths):
@@ -124,25 +108,25 @@ def test_same_rid_many_times_at_once_and_alike_rids_keep_every_file(dump, monkey
 
 
 # ---- the dump directory ------------------------------------------------------------------
-def test_missing_directory_refuses_start_and_vanishing_directory_fails_requests(tmp_path):
+def test_missing_directory_refuses_start_and_vanishing_directory_fails_requests(tmp_path, sessions):
     with pytest.raises(DumpConfigError, match="does not exist"):
-        hooks.setup_model(make_runner(tmp_path / "nope"))
+        sessions.start(make_runner(tmp_path / "nope"))
     d = tmp_path / "hs"
     d.mkdir()
     try:
-        hooks.setup_model(make_runner(d, layers="2,4"))
+        sess = sessions.start(make_runner(d, layers="2,4"))
         os.rmdir(d)  # removed while the server runs
         req = Req("r", 4, 1)
-        run_extend([(req, 0, 4)], IDS)
+        run_extend(sess, [(req, 0, 4)], IDS)
         meta = finish(req)
         assert "hidden_states_path" not in meta and "FileNotFoundError" in meta["hidden_states_error"]
-        assert idle()["host_bytes_in_use"] == 0
+        assert idle(sess)["host_bytes_in_use"] == 0
         assert not d.exists()
     finally:
-        _teardown()
+        sessions.close()
 
 
-def test_unwritable_directory(tmp_path):
+def test_unwritable_directory(tmp_path, sessions):
     d = tmp_path / "ro"
     if not mount_tmpfs(d, "size=1m"):
         pytest.skip("cannot mount tmpfs here (test_config covers the refusal by monkeypatch)")
@@ -151,38 +135,39 @@ def test_unwritable_directory(tmp_path):
         with pytest.raises(DumpConfigError, match="cannot write in .*Read-only file system"):
             check_directory(str(d))
         with pytest.raises(DumpConfigError):
-            hooks.setup_model(make_runner(d))
+            sessions.start(make_runner(d))
         # Writable at start, read-only later: every request gets an error, nothing partial.
         subprocess.run(["mount", "-o", "remount,rw", str(d)], check=True)
-        hooks.setup_model(make_runner(d, layers="2,4"))
+        sess = sessions.start(make_runner(d, layers="2,4"))
         subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
         req = Req("r", 4, 1)
-        run_extend([(req, 0, 4)], IDS)
+        run_extend(sess, [(req, 0, 4)], IDS)
         meta = finish(req)
         assert "Read-only file system" in meta["hidden_states_error"]
         assert os.listdir(d) == []
     finally:
-        _teardown()
+        sessions.close()
         umount(d)
 
 
-def _fill_up(d):
-    """Requests of ~64 KiB each until the 1 MiB filesystem is full, then a few more."""
-    hooks.setup_model(make_runner(d, layers="2,4"))
+def _fill_up(d, sessions):
+    """Requests of ~64 KiB each until the 1 MiB filesystem is full, then a few more:
+    (session, [(req, meta_info)])."""
+    sess = sessions.start(make_runner(d, layers="2,4"))
     reqs = []
     for i in range(24):
         req = Req(f"big-{i}", 1024, i + 1)  # 1024 tokens x 2 slots x 8 x fp32 = 64 KiB
-        run_extend([(req, 0, 1024)], IDS)
+        run_extend(sess, [(req, 0, 1024)], IDS)
         reqs.append((req, finish(req)))
-    return reqs
+    return sess, reqs
 
 
-def _check_full(d, reqs):
+def _check_full(d, sess, reqs):
     ok = [assert_complete_or_error(r, m, d) for r, m in reqs]
     assert any(ok) and not all(ok), "the filesystem should fill up part-way"
     errors = [m["hidden_states_error"] for r, m in reqs if "hidden_states_error" in m]
     assert any("No space left on device" in e for e in errors), errors
-    snap = idle()
+    snap = idle(sess)
     assert leftovers(d) == [] and snap["host_bytes_in_use"] == 0
     assert snap["files_written"] == sum(ok) and snap["failures"] == len(reqs) - sum(ok)
     # Space freed: the next request is written again.
@@ -190,18 +175,18 @@ def _check_full(d, reqs):
         if "hidden_states_path" in m:
             os.unlink(m["hidden_states_path"])
     again = Req("after", 16, 99)
-    run_extend([(again, 0, 16)], IDS)
+    run_extend(sess, [(again, 0, 16)], IDS)
     assert assert_complete_or_error(again, finish(again), d)
 
 
-def test_full_filesystem_real_tmpfs(tmp_path):
+def test_full_filesystem_real_tmpfs(tmp_path, sessions):
     d = tmp_path / "full"
     if not mount_tmpfs(d, "size=1m"):
         pytest.skip("cannot mount tmpfs here: test_full_filesystem_injected_enospc covers it")
     try:
-        _check_full(d, _fill_up(d))
+        _check_full(d, *_fill_up(d, sessions))
     finally:
-        _teardown()
+        sessions.close()
         umount(d)
 
 
@@ -229,38 +214,38 @@ SMALL_DISK = """
 """
 
 
-def test_full_filesystem_injected_enospc(dump, monkeypatch, tmp_path):
+def test_full_filesystem_injected_enospc(dump, monkeypatch, tmp_path, sessions):
     inject_writer(monkeypatch, tmp_path, SMALL_DISK, DISK_DIR=str(dump), DISK_BYTES=str(1 << 20))
-    _check_full(dump, _fill_up(dump))
+    _check_full(dump, *_fill_up(dump, sessions))
 
 
-def test_directory_swapped_for_a_symlink_while_running(tmp_path):
+def test_directory_swapped_for_a_symlink_while_running(tmp_path, sessions):
     d, elsewhere = tmp_path / "hs", tmp_path / "elsewhere"
     d.mkdir()
     elsewhere.mkdir()
     try:
-        hooks.setup_model(make_runner(d, layers="2,4"))
+        sess = sessions.start(make_runner(d, layers="2,4"))
         os.rename(d, tmp_path / "hs-moved")
         os.symlink(elsewhere, d)
         req = Req("r", 4, 1)
-        run_extend([(req, 0, 4)], IDS)
+        run_extend(sess, [(req, 0, 4)], IDS)
         meta = finish(req)
         # The file went through the descriptor into the real (moved) directory, never
         # through the symlink. The tokenizer manager (another process) looks the file up
         # by its configured path, which now leads elsewhere: it answers "missing".
         # The waiter found no lock at the configured path and answered at once; let the
         # writer finish before looking at the real directory.
-        assert hooks._DUMPER.writer.close(timeout=10)
+        assert sess.writer.close(timeout=10)
         assert os.listdir(elsewhere) == []
         [name] = [n for n in os.listdir(tmp_path / "hs-moved") if n.endswith(fmt.SUFFIX)]
         assert torch.equal(fmt.load(str(tmp_path / "hs-moved" / name)).hidden_states, reference(req, IDS))
         assert "hidden_states_path" not in meta and "is missing" in meta["hidden_states_error"]
     finally:
-        _teardown()
+        sessions.close()
 
 
-def test_symlinks_planted_at_every_name_are_never_followed(dump, tmp_path):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_symlinks_planted_at_every_name_are_never_followed(dump, tmp_path, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     stem = fmt.safe_stem("t")
@@ -269,7 +254,7 @@ def test_symlinks_planted_at_every_name_are_never_followed(dump, tmp_path):
                  f".{stem}-2{fmt.SUFFIX}{fmt.TMP_SUFFIX}"):
         os.symlink(victim, dump / name)
     req = Req("t", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     meta = finish(req)
     assert os.path.basename(meta["hidden_states_path"]) == f"{stem}-2{fmt.SUFFIX}"
     assert assert_complete_or_error(req, meta, dump)
@@ -279,18 +264,18 @@ def test_symlinks_planted_at_every_name_are_never_followed(dump, tmp_path):
     os.unlink(dump / fmt.INDEX_NAME)
     os.symlink(victim, dump / fmt.INDEX_NAME)
     req2 = Req("t2", 4, 2)
-    run_extend([(req2, 0, 4)], IDS)
+    run_extend(sess, [(req2, 0, 4)], IDS)
     meta2 = finish(req2)
     assert victim.read_text() == "keep me"
     # The index line is refused, so the request fails as a whole (one outcome per
     # request): its response says why, its file is gone, it counts as failed.
     assert "index line could not be written" in meta2["hidden_states_error"]
     assert not os.path.lexists(dump / f"{fmt.safe_stem('t2')}{fmt.SUFFIX}")
-    assert idle()["failures"] == 1 and idle()["files_written"] == 1
+    assert idle(sess)["failures"] == 1 and idle(sess)["files_written"] == 1
     assert [n for n in leftovers(dump) if not os.path.islink(dump / n)] == []
 
 
-def test_rows_that_never_arrive_fail_the_request_and_write_nothing(dump, monkeypatch, tmp_path):
+def test_rows_that_never_arrive_fail_the_request_and_write_nothing(dump, monkeypatch, tmp_path, sessions):
     """A batch whose device-to-host copy never completes (a hung GPU; here: the copy's
     sequence number is never published): after COPY_TIMEOUT_S the writer fails the
     requests of that batch instead of writing what the arena holds."""
@@ -301,15 +286,15 @@ def test_rows_that_never_arrive_fail_the_request_and_write_nothing(dump, monkeyp
         writer_process.COPY_TIMEOUT_S = 0.3
     """)
     monkeypatch.setattr(arena, "write_seq", lambda mm, seq: None)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("lost", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     assert "never arrived from the GPU" in finish(req)["hidden_states_error"]
     assert not any(n.endswith(fmt.SUFFIX) for n in os.listdir(dump))
     assert wait_for(lambda: leftovers(dump) == [])
 
 
-def test_writer_dying_right_after_a_rename_counts_the_file_and_indexes_it(dump, monkeypatch, tmp_path):
+def test_writer_dying_right_after_a_rename_counts_the_file_and_indexes_it(dump, monkeypatch, tmp_path, sessions):
     """The writer process is killed between a file's rename and its index line: the file
     is complete, so its response names it, the scheduler counts it as written (not
     failed), appends the missing index line and removes the lock; the next writer goes on."""
@@ -325,23 +310,23 @@ def test_writer_dying_right_after_a_rename_counts_the_file_and_indexes_it(dump, 
         fmt.publish = publish
     """, DIE_ONCE=str(tmp_path / "die-once"))
     (tmp_path / "die-once").touch()
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("renamed", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     assert assert_complete_or_error(req, finish(req), dump)
-    snap = idle()
+    snap = idle(sess)
     assert snap["files_written"] == 1 and snap["failures"] == 0 and snap["writer_restarts"] == 1
     assert [r["file"] for r in fmt.read_index(str(dump))] == [f"{fmt.safe_stem('renamed')}{fmt.SUFFIX}"]
     assert fmt.read_index(str(dump))[0]["num_tokens"] == 4
     assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
     after = Req("after", 4, 2)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
 
 
-def test_copy_rows_refuses_rows_outside_the_batch(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    w = hooks._DUMPER.writer
+def test_copy_rows_refuses_rows_outside_the_batch(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    w = sess.writer
     p = w.start("r", [1, 2, 3, 4], 16, torch.float32)
     with pytest.raises(ValueError, match="outside the batch's 4 rows"):
         w.copy_rows(torch.zeros(4, 16), [(p, 2, 4)])
@@ -349,37 +334,37 @@ def test_copy_rows_refuses_rows_outside_the_batch(dump):
 
 
 # ---- clients that leave; aborted requests ------------------------------------------------
-def test_request_dropped_between_chunks_leaves_nothing(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_request_dropped_between_chunks_leaves_nothing(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("left", 8, 1)
-    run_extend([(req, 0, 4)], IDS)  # first chunk, then SGLang drops the request
-    assert idle()["host_bytes_in_use"] == 0
+    run_extend(sess, [(req, 0, 4)], IDS)  # first chunk, then SGLang drops the request
+    assert idle(sess)["host_bytes_in_use"] == 0
     del req
     gc.collect()
     assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
 
 
-def test_aborted_mid_prefill_in_a_mixed_batch(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_aborted_mid_prefill_in_a_mixed_batch(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     gone, stays = Req("gone", 8, 1), Req("stays", 8, 2)
-    run_extend([(gone, 0, 4), (stays, 0, 4)], IDS)
+    run_extend(sess, [(gone, 0, 4), (stays, 0, 4)], IDS)
     gone.aborted = True
-    run_extend([(gone, 4, 8), (stays, 4, 8)], IDS)
+    run_extend(sess, [(gone, 4, 8), (stays, 4, 8)], IDS)
     assert gone.customized_info is None
     assert assert_complete_or_error(stays, finish(stays), dump)
-    assert idle()["host_bytes_in_use"] == 0
+    assert idle(sess)["host_bytes_in_use"] == 0
     assert wait_for(lambda: leftovers(dump) == [])
     assert [n for n in os.listdir(dump) if n.endswith(fmt.SUFFIX)] == [f"{fmt.safe_stem('stays')}{fmt.SUFFIX}"]
 
 
-def test_finished_request_whose_client_left_gets_a_complete_file(dump, monkeypatch, tmp_path):
+def test_finished_request_whose_client_left_gets_a_complete_file(dump, monkeypatch, tmp_path, sessions):
     slow_writes(monkeypatch, tmp_path, 0.2)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("orphan", 6, 1)
-    run_extend([(req, 0, 6)], IDS)
+    run_extend(sess, [(req, 0, 6)], IDS)
     req.aborted = True  # the client disconnects while the file is being written
     del req.customized_info  # nobody waits for the response
-    assert hooks._DUMPER.writer.close(timeout=10)
+    assert sess.writer.close(timeout=10)
     names = os.listdir(dump)
     assert leftovers(dump) == []
     [name] = [n for n in names if n.endswith(fmt.SUFFIX)]
@@ -420,10 +405,10 @@ def slow_writes(monkeypatch, tmp_path, seconds, fail_every=0, at="publish"):
                   FAIL_EVERY=str(fail_every))
 
 
-def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch, tmp_path):
+def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch, tmp_path, sessions):
     monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "4")
     slow_writes(monkeypatch, tmp_path, 0.004, fail_every=97, at="rows")
-    hooks.setup_model(make_runner(dump, layers="2,4", max_mb=1))
+    sess = sessions.start(make_runner(dump, layers="2,4", max_mb=1))
     rng = random.Random(8)
     reqs = [Req(f"burst-{i}", rng.randrange(16, 256), i + 1) for i in range(1000)]
     pending, done = list(reqs), []
@@ -433,14 +418,14 @@ def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch, tmp_
         for r in batch:
             n = len(r.origin_input_ids)
             spans.append((r, 0, n // 2) if n > 128 else (r, 0, n))
-        run_extend(spans, IDS)
+        run_extend(sess, spans, IDS)
         rest = [(r, n0, len(r.origin_input_ids)) for r, _, n0 in spans if n0 < len(r.origin_input_ids)]
         if rest:
-            run_extend(rest, IDS)
+            run_extend(sess, rest, IDS)
         done += batch
     outcomes = [assert_complete_or_error(r, finish(r), dump) for r in done]
     assert len(outcomes) == 1000 and sum(outcomes) == 1000 - 1000 // 97
-    snap = idle()
+    snap = idle(sess)
     assert snap["host_bytes_peak"] <= snap["arena_bytes"] == 1 << 20
     assert snap["backpressure_waits"] > 0, "the burst should have hit the cap"
     assert snap["files_written"] == sum(outcomes) and snap["failures"] == 1000 // 97
@@ -553,42 +538,42 @@ def test_scheduler_killed_mid_write_the_writer_finishes_and_exits(dump, sig, mon
     assert len(files) == 4 and errors == [] and left == []
 
 
-def test_writer_killed_mid_burst_fails_its_files_and_a_new_writer_serves(dump, monkeypatch, tmp_path):
+def test_writer_killed_mid_burst_fails_its_files_and_a_new_writer_serves(dump, monkeypatch, tmp_path, sessions):
     """SIGKILL to the writer process: the files it had not finished get an error in their
     responses (and an .error file), requests still in prefill fail at their next chunk,
     nothing partial stays, and a new writer process writes the next requests."""
     import signal
 
     slow_writes(monkeypatch, tmp_path, 0.5)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    writer = hooks._DUMPER.writer
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
     first_pid = writer.pid
     done = [Req(f"done-{i}", 4, i + 1) for i in range(3)]
     half = Req("half", 8, 9)
-    run_extend([(r, 0, 4) for r in done] + [(half, 0, 4)], IDS)
+    run_extend(sess, [(r, 0, 4) for r in done] + [(half, 0, 4)], IDS)
     os.kill(first_pid, signal.SIGKILL)
     assert gone(first_pid)
     metas = [finish(r) for r in done]
     assert all("writer process" in m.get("hidden_states_error", "") or "missing" in m.get("hidden_states_error", "")
                for m in metas), metas
-    run_extend([(half, 4, 8)], IDS)  # its writer died: the next chunk fails the request
+    run_extend(sess, [(half, 4, 8)], IDS)  # its writer died: the next chunk fails the request
     assert "writer process died" in finish(half)["hidden_states_error"]
     assert writer.pid != first_pid and writer.snapshot()["writer_restarts"] == 1
     after = Req("after", 4, 20)
-    run_extend([(after, 0, 4)], IDS)
+    run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
     assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
     assert [n for n in os.listdir(dump) if n.endswith(fmt.SUFFIX)] == [f"{fmt.safe_stem('after')}{fmt.SUFFIX}"]
 
 
-def test_submit_after_close_fails_the_request_cleanly(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    hooks._DUMPER.writer.close(timeout=1)
+def test_submit_after_close_fails_the_request_cleanly(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    sess.writer.close(timeout=1)
     req = Req("late", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     meta = finish(req)
     assert writer_process.SHUTDOWN_MESSAGE in meta["hidden_states_error"]
-    assert leftovers(dump) == [] and hooks._DUMPER.writer.snapshot()["host_bytes_in_use"] == 0
+    assert leftovers(dump) == [] and sess.writer.snapshot()["host_bytes_in_use"] == 0
 
 
 def test_writer_settings_come_from_the_environment_and_bad_values_name_the_variable(monkeypatch):
@@ -736,7 +721,7 @@ def _prometheus(prom_dir):
             if ln.startswith("kimi_sglang:")}
 
 
-def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, caplog):
+def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, caplog, sessions):
     pytest.importorskip("prometheus_client")
     prom = tmp_path / "prom"
     prom.mkdir()
@@ -760,9 +745,9 @@ def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, capl
     """, GATE=str(gate))
     runner = make_runner(dump, layers="2,4")
     runner.server_args.enable_metrics = True
-    hooks.setup_model(runner)
+    sess = sessions.start(runner)
     reqs = [Req(f"m{i}", 4, i + 1) for i in range(3)]
-    run_extend([(r, 0, 4) for r in reqs], IDS)
+    run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
 
     def value(name):
         return _prometheus(prom).get(f'kimi_sglang:{name}{{model_name="/models/tiny"}}')
@@ -778,7 +763,7 @@ def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, capl
     assert value("dump_bytes_written_total") == sum(sizes)
     assert value("dump_host_bytes_in_use") == 0
     with caplog.at_level("INFO", logger="sglang_ext.writer"):
-        hooks._DUMPER.writer.close(timeout=5)
+        sess.writer.close(timeout=5)
     [line] = [r.getMessage() for r in caplog.records if "writer closed" in r.getMessage()]
     assert "'files_written': 2" in line and "'failures': 1" in line and "'bytes_written'" in line
     assert value("dump_queue_depth") is None, "a writer that exited leaves no gauge behind"
@@ -791,11 +776,11 @@ def test_metrics_only_with_enable_metrics():
     assert dump_metrics.from_server_args(sa) is None
 
 
-def test_periodic_counter_log_interval(dump, monkeypatch, capfd):
+def test_periodic_counter_log_interval(dump, monkeypatch, capfd, sessions):
     monkeypatch.setenv("KIMI_SGLANG_STATS_INTERVAL_S", "0.000001")
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("log", 4, 1)
-    run_extend([(req, 0, 4)], IDS)
+    run_extend(sess, [(req, 0, 4)], IDS)
     finish(req)
     assert wait_for(lambda: "'files_written': 1" in capfd.readouterr().err, timeout=5)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sglang_ext import format as fmt
-from sglang_ext import hooks, quant
+from sglang_ext import hooks, quant, session
 from sglang_ext.config import DumpConfig, DumpConfigError
 
 HIDDEN = 8
@@ -59,10 +59,10 @@ def reference(req, layer_ids, start=0, stop=None):
     return req.seed * 1e4 + t * 100 + s * 10 + h / 10
 
 
-def run_extend(reqs_and_spans, layer_ids, decoding=(), mode=None, defer=False):
-    """One extend batch: [(req, start, stop)] token spans; returns what the hook got.
-    ``defer``: only the first of a deferring series' two calls (``on_prefill_output``
-    is then the test's to make)."""
+def extend_args(reqs_and_spans, layer_ids, decoding=(), mode=None):
+    """(batch, logits_output, extend lens): what the patched scheduler passes the hook for
+    one extend batch of [(req, start, stop)] token spans, rows from ``reference``;
+    ``decoding``: requests that add one decode row."""
     rows, lens, prefix = [], [], []
     for req, start, stop in reqs_and_spans:
         if req in decoding:
@@ -79,8 +79,12 @@ def run_extend(reqs_and_spans, layer_ids, decoding=(), mode=None, defer=False):
         decoding_reqs=list(decoding),
         prefix_lens=prefix,
     )
-    out = types.SimpleNamespace(hidden_states=torch.cat(rows).to(torch.float32))
-    hooks.on_prefill_result(batch, out, lens, **({"defer": True} if defer else {}))
+    return batch, types.SimpleNamespace(hidden_states=torch.cat(rows).to(torch.float32)), lens
+
+
+def run_extend(session, reqs_and_spans, layer_ids, decoding=(), mode=None):
+    """One extend batch through ``session.on_prefill_result`` (``extend_args``)."""
+    session.on_prefill_result(*extend_args(reqs_and_spans, layer_ids, decoding, mode))
 
 
 class Decoder(torch.nn.Module):
@@ -109,17 +113,6 @@ def make_runner(directory, num_layers=8, layers=None, tp_rank=0, max_mb=64, dtyp
         device="cpu",
         gpu_id=0,
     )
-
-
-@pytest.fixture
-def dump(tmp_path):
-    d = tmp_path / "hs"
-    d.mkdir()
-    yield d
-    if hooks._DUMPER is not None and hooks._DUMPER.writer is not None:
-        hooks._DUMPER.writer.close(timeout=10)
-        os.close(hooks._DUMPER.dir_fd)
-    hooks._DUMPER = None
 
 
 def inject_writer(monkeypatch, tmp_path, code, **env):
@@ -155,9 +148,9 @@ PUBLISH_GATED = """
 """
 
 
-def idle(timeout=10):
-    """Wait until the writer process has acknowledged everything; its counters."""
-    w = hooks._DUMPER.writer
+def idle(session, timeout=10):
+    """Wait until the session's writer process has acknowledged everything; its counters."""
+    w = session.writer
     assert w.wait_idle(timeout), "the writer process did not catch up"
     return w.snapshot()
 
@@ -178,61 +171,88 @@ def finish(req, timeout=10):
     return meta
 
 
-def test_setup_turns_on_default_layers(dump):
+def test_setup_turns_on_default_layers(dump, sessions):
     runner = make_runner(dump, num_layers=32)
-    hooks.setup_model(runner)
+    sess = sessions.start(runner)
     assert runner.model.capture_aux_hidden_states is True
     assert runner.model.model.layers_to_capture == [2, 16, 29, 32]
-    assert hooks.is_enabled()
+    assert sess.layer_ids == (2, 16, 29, 32) and sess.is_writer
 
 
-def test_start_line_says_where_the_writer_runs(dump, monkeypatch, caplog):
+def test_the_door_forwards_to_the_session_setup_model_starts(dump, sessions):
+    """hooks, as the patched files call it: off until setup_model (a draft model's runner
+    starts nothing); then capture_hidden_mode and on_prefill_result reach the session it
+    started. defer=True is one call like any other: the file is written by it, and
+    on_prefill_output (the v0.5.17 series' former second call) does nothing."""
+    extend = types.SimpleNamespace(forward_mode=Mode(True))
+    runner, draft = make_runner(dump, layers="2,4"), make_runner(dump, layers="2,4")
+    draft.is_draft_worker = True
+    hooks.setup_model(draft)
+    assert not hooks.is_enabled() and hooks.session() is None
+    assert hooks.capture_hidden_mode(extend, runner, 0) == 0
+    a, b = Req("a", 3, 1), Req("b", 4, 2)
+    hooks.on_prefill_result(*extend_args([(a, 0, 3)], [2, 4]))  # dumping off: nothing
+    assert a.customized_info is None and os.listdir(dump) == []
+    hooks.setup_model(runner)
+    sess = hooks.session()
+    assert hooks.is_enabled() and sess.is_writer
+    assert hooks.capture_hidden_mode(extend, runner, 0) is sess.capture_full
+    hooks.on_prefill_result(*extend_args([(a, 0, 3)], [2, 4]))
+    hooks.on_prefill_result(*extend_args([(b, 0, 4)], [2, 4]), defer=True)
+    assert idle(sess)["files_written"] == 2
+    hooks.on_prefill_output()
+    for req in (a, b):
+        assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
+    assert idle(sess)["files_written"] == 2 and idle(sess)["failures"] == 0
+
+
+def test_start_line_says_where_the_writer_runs(dump, monkeypatch, caplog, sessions):
     """The start line names the CPUs the writer was given (KIMI_SGLANG_WRITER_CPUS), or,
     when the scheduler is confined to fewer CPUs than the host has, that the writer
     shares them and which variable moves it; nothing when the scheduler may use all, and
     nothing on a rank without a writer."""
     monkeypatch.delenv("KIMI_SGLANG_WRITER_CPUS", raising=False)
-    monkeypatch.setattr(hooks.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    with caplog.at_level("INFO", logger="sglang_ext.hooks"):
-        hooks.setup_model(make_runner(dump, layers="2,4"))
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    with caplog.at_level("INFO", logger="sglang_ext.session"):
+        sessions.start(make_runner(dump, layers="2,4"))
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hidden-state dump: layers")]
     assert line.endswith("(writer rank: True; writer process on the scheduler's 1 CPUs [0]: "
                          "KIMI_SGLANG_WRITER_CPUS can name others it may use)"), line
-    assert hooks._writer_cpus_note(True, (2, 3)) == "; writer process on CPUs [2, 3]"
-    assert hooks._writer_cpus_note(False, None) == ""
-    monkeypatch.setattr(hooks.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert hooks._writer_cpus_note(True, None) == ""
+    assert session.writer_cpus_note(True, (2, 3)) == "; writer process on CPUs [2, 3]"
+    assert session.writer_cpus_note(False, None) == ""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert session.writer_cpus_note(True, None) == ""
 
 
-def test_setup_finds_language_model_of_a_multimodal_wrapper(dump):
+def test_setup_finds_language_model_of_a_multimodal_wrapper(dump, sessions):
     inner = make_runner(dump, layers="3,31,59,61", num_layers=61)
     wrapper = types.SimpleNamespace(language_model=inner.model)
     inner.model = wrapper
-    hooks.setup_model(inner)
+    sessions.start(inner)
     assert wrapper.language_model.model.layers_to_capture == [3, 31, 59, 61]
 
 
-def test_setup_refuses_out_of_range_and_unpatched_final_slot(dump):
+def test_setup_refuses_out_of_range_and_unpatched_final_slot(dump, sessions):
     with pytest.raises(DumpConfigError, match="exceed the model's 8 layers"):
-        hooks.setup_model(make_runner(dump, layers="2,9"))
+        sessions.start(make_runner(dump, layers="2,9"))
     runner = make_runner(dump, layers="2,8")
     runner.model.model = torch.nn.Module()
     runner.model.model.layers_to_capture = []
     with pytest.raises(DumpConfigError, match="before the final norm"):
-        hooks.setup_model(runner)
+        sessions.start(runner)
 
 
-def test_one_file_per_request_with_chunked_prefill_and_mixed_batches(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4,8"))
+def test_one_file_per_request_with_chunked_prefill_and_mixed_batches(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4,8"))
     ids = [2, 4, 8]
     a, b, c = Req("a", 10, 1), Req("b", 3, 2), Req("c", 6, 3)
     # Batch 1: b whole, first chunk of a. Batch 2: a's middle chunk, c whole, b decoding.
     # Batch 3: a's last chunk.
-    run_extend([(b, 0, 3), (a, 0, 4)], ids)
+    run_extend(sess, [(b, 0, 3), (a, 0, 4)], ids)
     assert a.customized_info is None, "a middle chunk must not finish the request"
-    run_extend([(a, 4, 8), (c, 0, 6), (b, 0, 0)], ids, decoding=(b,))
-    run_extend([(a, 8, 10)], ids)
+    run_extend(sess, [(a, 4, 8), (c, 0, 6), (b, 0, 0)], ids, decoding=(b,))
+    run_extend(sess, [(a, 8, 10)], ids)
     for req in (a, b, c):
         meta = finish(req)
         assert "hidden_states_error" not in meta, meta
@@ -249,70 +269,70 @@ def test_one_file_per_request_with_chunked_prefill_and_mixed_batches(dump):
     assert {r["file"] for r in index} == {n for n in os.listdir(dump) if n.endswith(".safetensors")}
 
 
-def test_same_rid_twice_keeps_both_files(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_same_rid_twice_keeps_both_files(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     first, second = Req("same", 4, 1), Req("same", 5, 2)
-    run_extend([(first, 0, 4), (second, 0, 5)], [2, 4])
+    run_extend(sess, [(first, 0, 4), (second, 0, 5)], [2, 4])
     p1, p2 = finish(first)["hidden_states_path"], finish(second)["hidden_states_path"]
     assert p1 != p2
     assert torch.equal(fmt.load(p1).hidden_states, reference(first, [2, 4]))
     assert torch.equal(fmt.load(p2).hidden_states, reference(second, [2, 4]))
 
 
-def test_other_tp_ranks_copy_and_write_nothing(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4", tp_rank=1))
-    assert hooks._DUMPER.writer is None
+def test_other_tp_ranks_copy_and_write_nothing(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4", tp_rank=1))
+    assert sess.writer is None
     req = Req("r", 4, 1)
-    run_extend([(req, 0, 4)], [2, 4])
+    run_extend(sess, [(req, 0, 4)], [2, 4])
     assert req.customized_info is None
     assert os.listdir(dump) == []
 
 
-def test_aborted_request_drops_its_temporary_file_and_writes_nothing(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_aborted_request_drops_its_temporary_file_and_writes_nothing(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("gone", 8, 1)
-    run_extend([(req, 0, 4)], [2, 4])
+    run_extend(sess, [(req, 0, 4)], [2, 4])
     # The first chunk is in the writer's temporary file already, out of the arena.
-    assert idle()["host_bytes_in_use"] == 0
+    assert idle(sess)["host_bytes_in_use"] == 0
     assert [n for n in os.listdir(dump) if n.endswith(fmt.TMP_SUFFIX)]
     req.aborted = True
-    run_extend([(req, 4, 8)], [2, 4])
+    run_extend(sess, [(req, 4, 8)], [2, 4])
     assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
     assert req.customized_info is None
 
 
-def test_prefix_reuse_gives_an_error_not_a_short_file(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_prefix_reuse_gives_an_error_not_a_short_file(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("cached", 8, 1)
-    run_extend([(req, 3, 8)], [2, 4])  # a radix-cache hit would start at token 3
+    run_extend(sess, [(req, 3, 8)], [2, 4])  # a radix-cache hit would start at token 3
     meta = finish(req)
     assert "hidden_states_path" not in meta
     assert "prefix reuse" in meta["hidden_states_error"]
     assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
 
 
-def test_retracted_mid_prefill_starts_over(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_retracted_mid_prefill_starts_over(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("again", 6, 1)
-    run_extend([(req, 0, 4)], [2, 4])
-    run_extend([(req, 0, 4)], [2, 4])  # scheduled again from scratch
-    run_extend([(req, 4, 6)], [2, 4])
+    run_extend(sess, [(req, 0, 4)], [2, 4])
+    run_extend(sess, [(req, 0, 4)], [2, 4])  # scheduled again from scratch
+    run_extend(sess, [(req, 4, 6)], [2, 4])
     path = finish(req)["hidden_states_path"]
     assert torch.equal(fmt.load(path).hidden_states, reference(req, [2, 4]))
     assert sorted(os.listdir(dump)) == sorted([os.path.basename(path), fmt.INDEX_NAME])
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_failed_write_reaches_the_response(dump, monkeypatch, tmp_path, early):
+def test_failed_write_reaches_the_response(dump, monkeypatch, tmp_path, early, sessions):
     """Waiting: the response carries hidden_states_error and no path. Answered early
     (custom_params hidden_states_wait=false): the path with hidden_states_pending, and the
     error reaches the client through <path>.error when the lock goes (format.wait_complete)."""
     inject_writer(monkeypatch, tmp_path, PUBLISH_FAILS)
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("full", 4, 1)
     if early:
         req.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
-    run_extend([(req, 0, 4)], [2, 4])
+    run_extend(sess, [(req, 0, 4)], [2, 4])
     meta = finish(req)
     if early:
         assert meta["hidden_states_pending"] is True
@@ -321,48 +341,48 @@ def test_failed_write_reaches_the_response(dump, monkeypatch, tmp_path, early):
         assert "No space left on device" in meta["hidden_states_error"]
         assert "hidden_states_path" not in meta
     assert not any(n.endswith(".safetensors") for n in os.listdir(dump))
-    assert idle()["failures"] == 1
+    assert idle(sess)["failures"] == 1
 
 
-def test_decode_batches_are_ignored_and_capture_mode(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_decode_batches_are_ignored_and_capture_mode(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("d", 4, 1)
-    run_extend([(req, 0, 4)], [2, 4], mode=Mode(extend=False))
+    run_extend(sess, [(req, 0, 4)], [2, 4], mode=Mode(extend=False))
     assert req.customized_info is None
     runner = types.SimpleNamespace(is_draft_worker=False)
-    assert hooks.capture_hidden_mode(types.SimpleNamespace(forward_mode=Mode(True)), runner, 0) is hooks._DUMPER.capture_full
-    assert hooks.capture_hidden_mode(types.SimpleNamespace(forward_mode=Mode(False)), runner, 0) == 0
+    assert sess.capture_hidden_mode(types.SimpleNamespace(forward_mode=Mode(True)), runner, 0) is sess.capture_full
+    assert sess.capture_hidden_mode(types.SimpleNamespace(forward_mode=Mode(False)), runner, 0) == 0
 
 
-def test_decode_rows_of_a_mixed_batch_are_skipped(dump):
+def test_decode_rows_of_a_mixed_batch_are_skipped(dump, sessions):
     # A request decoding inside a mixed (chunked-prefill + decode) batch contributes one
     # row that is not a prompt row, even if its prefill was never seen by the dumper.
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     running, new = Req("running", 4, 1), Req("new", 3, 2)
-    run_extend([(running, 0, 0), (new, 0, 3)], [2, 4], decoding=(running,))
+    run_extend(sess, [(running, 0, 0), (new, 0, 3)], [2, 4], decoding=(running,))
     assert running.customized_info is None
     assert torch.equal(fmt.load(finish(new)["hidden_states_path"]).hidden_states, reference(new, [2, 4]))
 
 
-def test_health_check_requests_are_not_dumped(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_health_check_requests_are_not_dumped(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     probe = Req("HEALTH_CHECK_0123abcd", 1, 1)
-    run_extend([(probe, 0, 1)], [2, 4])
+    run_extend(sess, [(probe, 0, 1)], [2, 4])
     assert probe.customized_info is None
     assert os.listdir(dump) == []
 
 
-def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch):
+def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch, sessions):
     """KIMI_SGLANG_TRACE: one hook line per extend batch, one file line and one response
     line per request, stage times in pipeline order, bytes equal to the file's size."""
     from sglang_ext import trace
 
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv(trace.ENV, str(path))
-    hooks.setup_model(make_runner(dump, layers="2,4,8"))
+    sess = sessions.start(make_runner(dump, layers="2,4,8"))
     a, b = Req("a", 10, 1), Req("b", 3, 2)
-    run_extend([(b, 0, 3), (a, 0, 4)], [2, 4, 8])
-    run_extend([(a, 4, 10)], [2, 4, 8])
+    run_extend(sess, [(b, 0, 3), (a, 0, 4)], [2, 4, 8])
+    run_extend(sess, [(a, 4, 10)], [2, 4, 8])
     metas = {r.rid: finish(r) for r in (a, b)}
     # A file's trace line is written just after its lock is released (which the response
     # waits for), so it may land a moment after finish() returns.
@@ -385,15 +405,13 @@ def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch):
         assert r["error"] is None and r["t_meta"] <= r["t_done"]
         assert f["t_released"] <= r["t_done"]  # the response waited for the file
     monkeypatch.delenv(trace.ENV)  # a server started without the variable
-    hooks._DUMPER.writer.close(timeout=10)
-    os.close(hooks._DUMPER.dir_fd)
-    hooks._DUMPER = None
+    sess.close(timeout=10)
     recorded = len(path.read_text().splitlines())
-    hooks.setup_model(make_runner(dump, layers="2,4,8"))
+    sess = sessions.start(make_runner(dump, layers="2,4,8"))
     c = Req("c", 2, 3)
-    run_extend([(c, 0, 2)], [2, 4, 8])
+    run_extend(sess, [(c, 0, 2)], [2, 4, 8])
     finish(c)
-    idle()
+    idle(sess)
     assert len(path.read_text().splitlines()) == recorded, "tracing off: nothing recorded"
 
 
@@ -410,17 +428,17 @@ def test_trace_to_a_path_that_cannot_be_opened_is_silent(tmp_path, monkeypatch):
     assert not (tmp_path / "missing-dir").exists()
 
 
-def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeypatch, tmp_path):
+def test_request_that_asks_not_to_wait_is_answered_before_its_file(dump, monkeypatch, tmp_path, sessions):
     """custom_params hidden_states_wait=false: the response comes while the writer still
     holds <path>.lock, says hidden_states_pending, and the file is complete once the lock
     is gone (format.wait_complete). Default requests still wait."""
     gate = tmp_path / "gate"
     inject_writer(monkeypatch, tmp_path, PUBLISH_GATED, GATE=str(gate))
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     early, normal = Req("early", 5, 1), Req("normal", 3, 2)
     early.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
     normal.sampling_params = types.SimpleNamespace(custom_params={"other": 1})
-    run_extend([(early, 0, 5), (normal, 0, 3)], [2, 4])
+    run_extend(sess, [(early, 0, 5), (normal, 0, 3)], [2, 4])
     meta = finish(early, timeout=2)  # would time out if it waited for the gated write
     path = meta["hidden_states_path"]
     assert meta["hidden_states_pending"] is True
@@ -494,14 +512,14 @@ def test_plain_request_padded_with_pending_none_still_waits_for_its_file(dump):
     os.close(fd)
 
 
-def test_a_dropped_request_holds_no_arena_memory(dump):
+def test_a_dropped_request_holds_no_arena_memory(dump, sessions):
     """SGLang 0.5.17's Req.__init__ stores the Req in its own custom_params["__req__"]; with a
     custom logit processor (which reads it, so the hook keeps it) a request dropped between
     prefill chunks is freed only by the cycle collector. Its rows are in
     the writer's temporary file already, not in the arena: the next request, which needs
     most of the arena, goes through without any collection; the temporary file goes when
     the cycle is collected."""
-    hooks.setup_model(make_runner(dump, layers="2,4", max_mb=1))
+    sess = sessions.start(make_runner(dump, layers="2,4", max_mb=1))
     n = (1 << 20) // (2 * HIDDEN * 4) * 3 // 4  # float32 rows: 3/4 of the 1 MiB arena
     gc.disable()
     try:
@@ -509,10 +527,10 @@ def test_a_dropped_request_holds_no_arena_memory(dump):
         a.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_wait": False})
         a.sampling_params.custom_params["__req__"] = a
         a.custom_logit_processor = "some.module:Processor"
-        run_extend([(a, 0, n // 2)], [2, 4])  # its first chunk; then SGLang drops it
+        run_extend(sess, [(a, 0, n // 2)], [2, 4])  # its first chunk; then SGLang drops it
         del a
         b = Req("next", n, 2)
-        t = threading.Thread(target=run_extend, args=([(b, 0, n)], [2, 4]), daemon=True)
+        t = threading.Thread(target=run_extend, args=(sess, [(b, 0, n)], [2, 4]), daemon=True)
         t.start()
         t.join(10)
         assert not t.is_alive(), "the scheduler thread stayed blocked on the arena"
@@ -524,12 +542,12 @@ def test_a_dropped_request_holds_no_arena_memory(dump):
     assert wait_for(lambda: not [n for n in os.listdir(dump) if n.endswith(fmt.TMP_SUFFIX)])
 
 
-def test_token_ids_of_every_int64_value_round_trip_and_others_fail_the_request(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_token_ids_of_every_int64_value_round_trip_and_others_fail_the_request(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     good, bad = Req("good", 5, 1), Req("bad", 3, 2)
     good.origin_input_ids = [0, 1, 2**40, 2**63 - 1, -(2**63)]
     bad.origin_input_ids = [1, 2**63, 3]
-    run_extend([(bad, 0, 3), (good, 0, 5)], [2, 4])
+    run_extend(sess, [(bad, 0, 3), (good, 0, 5)], [2, 4])
     assert "OverflowError" in finish(bad)["hidden_states_error"]
     rec = fmt.load(finish(good)["hidden_states_path"])
     assert rec.token_ids.dtype == torch.int64 and rec.token_ids.tolist() == good.origin_input_ids
@@ -542,13 +560,13 @@ def fp8_bound(x, scales):
     return (2.0 ** -4 * x.abs() + 2.0 ** -10 * scales) * (1 + 1e-6)
 
 
-def test_fp8_files_round_trip_within_the_stated_bound(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4,8", dtype="fp8"))
+def test_fp8_files_round_trip_within_the_stated_bound(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4,8", dtype="fp8"))
     ids = [2, 4, 8]
     a, b, c = Req("a", 10, 1), Req("b", 3, 2), Req("c", 6, 3)
-    run_extend([(b, 0, 3), (a, 0, 4)], ids)  # chunked prefill, mixed batch, as above
-    run_extend([(a, 4, 8), (c, 0, 6), (b, 0, 0)], ids, decoding=(b,))
-    run_extend([(a, 8, 10)], ids)
+    run_extend(sess, [(b, 0, 3), (a, 0, 4)], ids)  # chunked prefill, mixed batch, as above
+    run_extend(sess, [(a, 4, 8), (c, 0, 6), (b, 0, 0)], ids, decoding=(b,))
+    run_extend(sess, [(a, 8, 10)], ids)
     for req in (a, b, c):
         meta = finish(req)
         assert "hidden_states_error" not in meta, meta
@@ -572,14 +590,14 @@ def test_fp8_files_round_trip_within_the_stated_bound(dump):
         assert torch.equal(rec.hidden_states.view(torch.uint8), q.view(t, 3, -1).view(torch.uint8))
 
 
-def test_fp8_file_holds_about_half_the_bytes_of_bf16(dump, tmp_path):
+def test_fp8_file_holds_about_half_the_bytes_of_bf16(dump, tmp_path, sessions):
     sizes = {}
     for dtype in ("bf16", "fp8"):
         d = tmp_path / dtype
         d.mkdir()
-        hooks.setup_model(make_runner(d, layers="2,4,8", dtype=dtype))
+        sess = sessions.start(make_runner(d, layers="2,4,8", dtype=dtype))
         req = Req(f"r-{dtype}", 300, 1)
-        run_extend([(req, 0, 300)], [2, 4, 8])
+        run_extend(sess, [(req, 0, 300)], [2, 4, 8])
         path = finish(req)["hidden_states_path"]
         rec = fmt.load(path, dequantize=True)
         want = reference(req, [2, 4, 8])
@@ -589,23 +607,21 @@ def test_fp8_file_holds_about_half_the_bytes_of_bf16(dump, tmp_path):
         else:
             assert (rec.hidden_states - want).abs().max() <= 2 ** -4 * want.abs().max()
         sizes[dtype] = os.path.getsize(path)
-        hooks._DUMPER.writer.close(timeout=10)
-        os.close(hooks._DUMPER.dir_fd)
-        hooks._DUMPER = None
+        sess.close(timeout=10)
     # per token: bf16 2*L*H + 8 (ids); fp8 L*H + 4*L (scales) + 8; plus one 4 KiB header
     slots, t = 3, 300
     assert sizes["bf16"] == 4096 + t * (2 * slots * HIDDEN + 8)
     assert sizes["fp8"] == 4096 + t * (slots * HIDDEN + 4 * slots + 8)
 
 
-def test_speculators_fp8_reader_loads_our_files_unchanged(dump, tmp_path):
+def test_speculators_fp8_reader_loads_our_files_unchanged(dump, tmp_path, sessions):
     """hs-connectors' FP8Transfer (speculators' --hidden-states-backend fp8), directly
     and through speculators' training dataset, gives exactly our dequantization."""
     from hs_connectors.transfer import FP8Transfer, HiddenStatesBackend
 
-    hooks.setup_model(make_runner(dump, layers="2,4,8", dtype="fp8"))
+    sess = sessions.start(make_runner(dump, layers="2,4,8", dtype="fp8"))
     reqs = [Req(f"s{i}", 5 + 3 * i, i + 1) for i in range(3)]
-    run_extend([(r, 0, len(r.origin_input_ids)) for r in reqs], [2, 4, 8])
+    run_extend(sess, [(r, 0, len(r.origin_input_ids)) for r in reqs], [2, 4, 8])
     hs_dir = tmp_path / "speculators-hs"
     hs_dir.mkdir()
     for i, r in enumerate(reqs):  # speculators' cached-sample names
@@ -643,7 +659,7 @@ def test_speculators_fp8_reader_loads_our_files_unchanged(dump, tmp_path):
         assert torch.equal(item["verifier_last_hidden_states"], ours[:, 2, :])
 
 
-def test_a_request_freed_by_refcount_despite_custom_params_self_reference(dump):
+def test_a_request_freed_by_refcount_despite_custom_params_self_reference(dump, sessions):
     """SGLang 0.5.17 puts ``"__req__": req`` into every request's custom_params (a cycle):
     the hook drops it at the request's first chunk, so the finished request dies by its
     refcount with the garbage collector off; a request with a custom logit processor keeps
@@ -651,13 +667,13 @@ def test_a_request_freed_by_refcount_despite_custom_params_self_reference(dump):
     import gc
     import weakref
 
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     early, skipped, processed, proxied = (Req(n, 3, i) for i, n in enumerate(("early", "skip", "clp", "proxy")))
     for req, key in ((early, fmt.WAIT_PARAM), (skipped, fmt.DUMP_PARAM), (processed, fmt.WAIT_PARAM)):
         req.sampling_params = types.SimpleNamespace(custom_params={key: False, "__req__": req})
     processed.custom_logit_processor = "some.module:Processor"
     proxied.sampling_params = types.SimpleNamespace(custom_params={"__req__": weakref.proxy(proxied)})
-    run_extend([(early, 0, 3), (skipped, 0, 3), (processed, 0, 3), (proxied, 0, 3)], [2, 4])
+    run_extend(sess, [(early, 0, 3), (skipped, 0, 3), (processed, 0, 3), (proxied, 0, 3)], [2, 4])
     assert early.sampling_params.custom_params == {fmt.WAIT_PARAM: False}
     assert skipped.sampling_params.custom_params == {fmt.DUMP_PARAM: False}
     assert processed.sampling_params.custom_params["__req__"] is processed
@@ -675,126 +691,74 @@ def test_a_request_freed_by_refcount_despite_custom_params_self_reference(dump):
         gc.enable()
 
 
-def test_deferred_batch_names_its_files_first_and_copies_after_its_outputs(dump, monkeypatch):
-    """defer=True: on_prefill_result checks the batch and reserves the finished requests'
-    names (the lock is there, the paths are in the responses) but opens, copies and sends
-    nothing; on_prefill_output does, and the files equal the rows, over a chunked prefill
-    beside a one-chunk request."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    copies = []
-    real_copy = hooks._DUMPER.writer.copy_rows
-    monkeypatch.setattr(hooks._DUMPER.writer, "copy_rows", lambda *a, **k: (copies.append(1), real_copy(*a, **k)))
-    long, short = Req("long", 7, 1), Req("short", 3, 2)
-    short.sampling_params = types.SimpleNamespace(custom_params={fmt.WAIT_PARAM: False})
-    run_extend([(long, 0, 4), (short, 0, 3)], [2, 4], defer=True)
-    assert not copies and hooks._DUMPER.writer.snapshot()["files_written"] == 0
-    assert long.customized_info is None and long._kimi_sglang_dump.pending is None  # not opened yet
-    path = short.customized_info["hidden_states_path"][0]
-    assert short.customized_info["hidden_states_pending"] == [True]
-    assert os.path.exists(path + fmt.LOCK_SUFFIX) and not os.path.exists(path)
-    hooks.on_prefill_output()
-    assert copies == [1] and hooks._DUMPER.handover is None
-    assert fmt.wait_complete(path, timeout=10) is None
-    assert torch.equal(fmt.load(path).hidden_states, reference(short, [2, 4]))
-    run_extend([(long, 4, 7)], [2, 4], defer=True)
-    hooks.on_prefill_output()
-    hooks.on_prefill_output()  # a second call finds nothing handed over
-    assert torch.equal(fmt.load(finish(long)["hidden_states_path"]).hidden_states, reference(long, [2, 4]))
-    stats = idle()
-    assert stats["files_written"] == 2 and stats["failures"] == 0
-
-
-def test_deferred_batch_whose_second_call_never_came_is_handed_over_by_the_next(dump):
-    """A deferring series whose on_prefill_output was skipped (an exception in between):
-    the next batch's on_prefill_result hands the previous one over first."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    a, b = Req("a", 5, 1), Req("b", 3, 2)
-    run_extend([(a, 0, 3)], [2, 4], defer=True)
-    run_extend([(a, 3, 5), (b, 0, 3)], [2, 4], defer=True)
-    hooks.on_prefill_output()
-    for req in (a, b):
-        assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
-
-
-def test_failure_after_the_name_is_reserved_is_the_files_error(dump):
-    """What fails in on_prefill_output after the response was streamed (here: token ids
-    that do not fit int64, which the writer refuses when it opens the request; then the
-    writer closed between the two calls, as at SIGTERM) reaches the client as the
-    file's <path>.error: a waiting response reports hidden_states_error, an early
-    answer's wait_complete returns it. A request that fails at a middle chunk keeps
-    its error in the response; nothing is left under a final name."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_a_request_the_writer_refuses_or_a_closed_writer_answers_with_the_error(dump, sessions):
+    """Token ids that do not fit int64 (the writer refuses them when it opens the request),
+    at a request's only chunk or its first, or a writer closed (as at SIGTERM): the
+    response says hidden_states_error, early answer or not, and no name stays reserved
+    (no lock, no .error file); a request that failed at its first chunk ignores the rest."""
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     bad, early, middle = Req("bad", 3, 1), Req("early", 3, 2), Req("middle", 6, 3)
     bad.origin_input_ids[1] = 1 << 63
     early.origin_input_ids[0] = -(1 << 64)
     early.sampling_params = types.SimpleNamespace(custom_params={fmt.WAIT_PARAM: False})
     middle.origin_input_ids[5] = 1 << 70
-    run_extend([(bad, 0, 3), (early, 0, 3), (middle, 0, 3)], [2, 4], defer=True)
-    early_path = early.customized_info["hidden_states_path"][0]
-    hooks.on_prefill_output()
-    assert "OverflowError" in fmt.wait_complete(early_path, timeout=10)
-    meta = finish(bad)
-    assert "hidden_states_path" not in meta and "OverflowError" in meta["hidden_states_error"]
-    run_extend([(middle, 3, 6)], [2, 4], defer=True)  # ignored: it failed at its first chunk
-    hooks.on_prefill_output()
+    run_extend(sess, [(bad, 0, 3), (early, 0, 3), (middle, 0, 3)], [2, 4])
+    for req in (bad, early):
+        meta = finish(req)
+        assert set(meta) == {"hidden_states_error"} and "OverflowError" in meta["hidden_states_error"], meta
+    run_extend(sess, [(middle, 3, 6)], [2, 4])  # ignored: it failed at its first chunk
     assert "OverflowError" in finish(middle)["hidden_states_error"]
     late = Req("late", 4, 4)
-    run_extend([(late, 0, 4)], [2, 4], defer=True)
-    late_path = late.customized_info["hidden_states_path"][0]
-    hooks._DUMPER.writer.close(timeout=10)
-    hooks.on_prefill_output()
-    assert "RuntimeError" in fmt.wait_complete(late_path, timeout=10)
-    assert not [n for n in os.listdir(dump) if n.endswith(".safetensors")]
+    sess.writer.close(timeout=10)
+    run_extend(sess, [(late, 0, 4)], [2, 4])
+    meta = finish(late)
+    assert set(meta) == {"hidden_states_error"} and "RuntimeError" in meta["hidden_states_error"], meta
+    assert not [n for n in os.listdir(dump) if n.endswith((fmt.SUFFIX, fmt.LOCK_SUFFIX, fmt.ERROR_SUFFIX))]
 
 
-def test_one_call_failure_after_naming_answers_with_the_error_and_leaves_nothing(dump):
-    """Without defer (v0.5.23's single call) the response is not out when the writer
-    refuses a one-chunk request: it says hidden_states_error, early answer or not, and the
-    reserved name is given back (no lock, no .error file)."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_one_call_failure_after_naming_answers_with_the_error_and_leaves_nothing(dump, sessions):
+    """The response is not out when the writer refuses a one-chunk request (the hook runs
+    before the batch's outputs are streamed): it says hidden_states_error, early answer or
+    not, and the reserved name is given back (no lock, no .error file); the batch's other
+    request is written."""
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     early, ok = Req("early", 3, 1), Req("ok", 3, 2)
     early.origin_input_ids[1] = 1 << 70
     early.sampling_params = types.SimpleNamespace(custom_params={fmt.WAIT_PARAM: False})
-    run_extend([(early, 0, 3), (ok, 0, 3)], [2, 4])
+    run_extend(sess, [(early, 0, 3), (ok, 0, 3)], [2, 4])
     meta = finish(early)
     assert set(meta) == {"hidden_states_error"} and "OverflowError" in meta["hidden_states_error"]
     assert torch.equal(fmt.load(finish(ok)["hidden_states_path"]).hidden_states, reference(ok, [2, 4]))
     assert sorted(os.listdir(dump)) == sorted([os.path.basename(finish(ok)["hidden_states_path"]), "index.jsonl"])
 
 
-def test_deferred_files_never_handed_over_fail_at_exit_or_on_an_escaping_error(dump, monkeypatch):
-    """The scheduler ending between the two calls (the atexit hook), or an error escaping
-    on_prefill_output (here KeyboardInterrupt out of the copy): every named file of the
-    batch fails with a message in <path>.error, so its waiter is told why."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
-    a = Req("a", 3, 1)
-    run_extend([(a, 0, 3)], [2, 4], defer=True)
-    path_a = a.customized_info["hidden_states_path"][0]
-    hooks._settle_at_exit()
-    assert "server stopped" in fmt.wait_complete(path_a, timeout=5)
-    assert hooks._DUMPER.handover is None
+def test_an_error_escaping_the_hook_fails_its_named_requests_and_leaves_no_lock(dump, monkeypatch, sessions):
+    """An error that escapes on_prefill_result (here KeyboardInterrupt out of the copy)
+    propagates, and a request of the batch whose name was reserved answers with it (the
+    name given back), so no waiter is left a lock with nothing behind it."""
+    sess = sessions.start(make_runner(dump, layers="2,4"))
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(hooks._DUMPER.writer, "copy_rows", interrupted)
+    monkeypatch.setattr(sess.writer, "copy_rows", interrupted)
     b, c = Req("b", 3, 2), Req("c", 5, 3)
-    run_extend([(b, 0, 3), (c, 0, 2)], [2, 4], defer=True)
     with pytest.raises(KeyboardInterrupt):
-        hooks.on_prefill_output()
-    assert "KeyboardInterrupt" in fmt.wait_complete(b.customized_info["hidden_states_path"][0], timeout=5)
-    assert not [n for n in os.listdir(dump) if n.endswith((".safetensors", fmt.LOCK_SUFFIX))]
+        run_extend(sess, [(b, 0, 3), (c, 0, 2)], [2, 4])
+    meta = finish(b)
+    assert set(meta) == {"hidden_states_error"} and "KeyboardInterrupt" in meta["hidden_states_error"], meta
+    assert not [n for n in os.listdir(dump) if n.endswith((fmt.SUFFIX, fmt.LOCK_SUFFIX, fmt.ERROR_SUFFIX))]
 
 
-def test_bad_dtype_names_the_flag(dump):
+def test_bad_dtype_names_the_flag(dump, sessions):
     with pytest.raises(DumpConfigError, match="--dump-hidden-states-dtype: 'fp4' is not one of auto, bf16, fp8"):
-        hooks.setup_model(make_runner(dump, dtype="fp4"))
+        sessions.start(make_runner(dump, dtype="fp4"))
 
 
-def test_requests_that_ask_not_to_be_dumped_are_skipped(dump):
+def test_requests_that_ask_not_to_be_dumped_are_skipped(dump, sessions):
     """custom_params hidden_states_dump=false: no file, no dump keys in the response, over
     both chunks of a chunked prefill; the batch's other requests keep their own rows (the
     skipped rows sit before theirs in the packed batch). Only JSON false skips."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     skipped, kept = Req("skip", 6, 1), Req("keep", 3, 2)
     skipped.sampling_params = types.SimpleNamespace(custom_params={"hidden_states_dump": False})
     others = []  # dumped: not JSON false (0 == False in Python), or no dict at all
@@ -802,11 +766,11 @@ def test_requests_that_ask_not_to_be_dumped_are_skipped(dump):
         others.append(Req(f"other{i}", 2, 3 + i))
         others[-1].sampling_params = types.SimpleNamespace(
             custom_params=params if params in ("x", [False]) else {"hidden_states_dump": params})
-    run_extend([(skipped, 0, 4), (kept, 0, 3)], [2, 4])
-    run_extend([(skipped, 4, 6)] + [(r, 0, 2) for r in others], [2, 4])
+    run_extend(sess, [(skipped, 0, 4), (kept, 0, 3)], [2, 4])
+    run_extend(sess, [(skipped, 4, 6)] + [(r, 0, 2) for r in others], [2, 4])
     assert skipped.customized_info is None and finish(skipped) == {}
     for req in [kept] + others:
         assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
-    stats = idle()
+    stats = idle(sess)
     assert stats["files_written"] == 1 + len(others) and stats["failures"] == 0
     assert not any(n.startswith("skip") for n in os.listdir(dump))

@@ -19,7 +19,7 @@ ranks prefill) has no rows but runs the layers and their captures; the packer's
 
 The same probe wraps that model in SGLang's own ``KimiK25ForConditionalGeneration`` (the
 class Kimi-K2.5 is served with; built without ``__init__``) and asks
-``hooks._find_decoder`` for the LM and decoder.
+``session.find_decoder`` for the LM and decoder.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ for mode, layers_to_capture, rows in CASES:
         results.append(dict(ok=False, error=f"{type(e).__name__}: {e}"))
 
 # Kimi-K2.5: SGLang's own wrapper class around a DeepseekV3ForCausalLM holding the model
-# above, built without __init__ (no vision tower, no weights): what hooks._find_decoder
+# above, built without __init__ (no vision tower, no weights): what session.find_decoder
 # sees in model_runner.model when Kimi-K2.5 is served.
 from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
-from sglang_ext import hooks
+from sglang_ext import session
 
 lm = m.DeepseekV3ForCausalLM.__new__(m.DeepseekV3ForCausalLM)
 torch.nn.Module.__init__(lm)
@@ -116,7 +116,7 @@ lm.capture_aux_hidden_states = False
 kimi = KimiK25ForConditionalGeneration.__new__(KimiK25ForConditionalGeneration)
 torch.nn.Module.__init__(kimi)
 kimi.language_model = lm
-found_lm, found_decoder = hooks._find_decoder(kimi)
+found_lm, found_decoder = session.find_decoder(kimi)
 kimi_out = dict(lm=type(found_lm).__name__, decoder=type(found_decoder).__name__,
                 found_the_language_model=found_lm is lm, found_its_model=found_decoder is model,
                 model_alias=kimi.model is lm, kimi_file=sys.modules[KimiK25ForConditionalGeneration.__module__].__file__)
@@ -186,7 +186,7 @@ def test_idle_forward_without_n_is_upstreams(forwards):
 def test_find_decoder_in_kimi_k25_class(forwards):
     """``KimiK25ForConditionalGeneration`` (sglang/srt/models/kimi_k25.py, both releases)
     holds a ``DeepseekV3ForCausalLM`` in ``language_model`` and aliases ``model`` to it
-    (a property); hooks._find_decoder must reach the LM and its DeepseekV2Model."""
+    (a property); session.find_decoder must reach the LM and its DeepseekV2Model."""
     out = forwards["kimi"]
     assert out["kimi_file"].startswith(forwards["site"])
     assert out["model_alias"]  # the wrapper's own `model` property: the LM, not a decoder

@@ -15,7 +15,7 @@ from test_hooks import Req, finish, idle, make_runner, run_extend
 from sglang_ext import format as fmt
 from sglang_ext import hooks
 
-PREFIX = "kimi-sglang-warmup-"  # hooks.WARMUP_RID_PREFIX, spelled out: it is a promise
+PREFIX = "kimi-sglang-warmup-"  # session.WARMUP_RID_PREFIX, spelled out: it is a promise
 RID = re.compile(re.escape(PREFIX) + "[0-9a-f]{32}")
 SAMPLING = {"temperature": 0, "max_new_tokens": 8}
 CHAT = {
@@ -35,17 +35,6 @@ BODIES = [
     ({"sampling_params": SAMPLING, "input_ids": [[10, 11, 12] for _ in range(4)]}, 4),
     (CHAT, None),
 ]
-
-
-@pytest.fixture
-def dump(tmp_path):
-    d = tmp_path / "hs"
-    d.mkdir(mode=0o700)
-    yield d
-    if hooks._DUMPER is not None and hooks._DUMPER.writer is not None:
-        hooks._DUMPER.writer.close(timeout=10)
-        os.close(hooks._DUMPER.dir_fd)
-    hooks._DUMPER = None
 
 
 def server_args(directory):
@@ -71,25 +60,25 @@ def test_a_body_without_a_prompt_is_left_alone(tmp_path):
     assert hooks.warmup_request(server_args(tmp_path), copy.deepcopy(body)) == body
 
 
-def test_warmup_request_leaves_no_file_and_no_index_line_beside_a_dumped_one(dump):
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+def test_warmup_request_leaves_no_file_and_no_index_line_beside_a_dumped_one(dump, sessions):
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     body = hooks.warmup_request(server_args(dump), {"text": ["a", "b"]})
     warm = [Req(rid, 5, 1 + i) for i, rid in enumerate(body["rid"])]
     user = Req("user-1", 6, 7)
-    run_extend([(warm[0], 0, 5), (user, 0, 6), (warm[1], 0, 5)], [2, 4])
+    run_extend(sess, [(warm[0], 0, 5), (user, 0, 6), (warm[1], 0, 5)], [2, 4])
     assert finish(warm[0]) == {} and finish(warm[1]) == {}
     meta = finish(user)
-    assert idle()["files_written"] == 1
+    assert idle(sess)["files_written"] == 1
     names = sorted(os.listdir(dump))
     assert names == sorted([os.path.basename(meta[fmt.PATH_KEY]), fmt.INDEX_NAME])
     assert [r["rid"] for r in fmt.read_index(dump)] == ["user-1"]
 
 
-def test_a_client_rid_with_the_warmup_prefix_is_not_dumped(dump):
+def test_a_client_rid_with_the_warmup_prefix_is_not_dumped(dump, sessions):
     """Documented in docs/faults.md: the prefix is SGLang's; a client that uses it gets no file."""
-    hooks.setup_model(make_runner(dump, layers="2,4"))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req(PREFIX + "mine", 3, 2)
-    run_extend([(req, 0, 3)], [2, 4])
+    run_extend(sess, [(req, 0, 3)], [2, 4])
     assert finish(req) == {}
     assert os.listdir(dump) == []
 

@@ -1,0 +1,141 @@
+"""What a dumped request's response carries, in SGLang's main process.
+
+The scheduler records a request's path (or error) with ``set_info``; SGLang carries it to
+the tokenizer manager in ``meta_info``, where ``finish_response`` waits for the file and
+turns the entry into a plain value; ``openai_completion_extras`` then shapes a
+``/v1/completions`` response as vLLM's hidden-states connector does. ``hooks`` forwards
+SGLang's calls here. pydantic (SGLang's) is imported only when a response is shaped.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from sglang_ext import format as fmt
+from sglang_ext import trace
+
+PATH_KEY, ERROR_KEY, PENDING_KEY = fmt.PATH_KEY, fmt.ERROR_KEY, fmt.PENDING_KEY
+
+
+def set_info(req, key: str, value) -> None:
+    """Record a per-request value where SGLang carries it to ``meta_info``.
+
+    Upstream ships ``req.customized_info[key]`` (a list aligned with output tokens) to
+    the tokenizer manager, which puts it into ``meta_info[key]``;
+    ``finish_response`` turns the list back into the single value.
+    """
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[key] = [value]
+
+
+def drop_info(req, *keys: str) -> None:
+    """Remove ``keys`` that ``set_info`` recorded on ``req`` (absent ones are ignored)."""
+    for key in keys:
+        (req.customized_info or {}).pop(key, None)
+
+
+def _first(value):
+    """The first non-None item of a list (SGLang's per-token padding), else ``value``."""
+    if isinstance(value, list):
+        return next((v for v in value if v is not None), None)
+    return value
+
+
+# ---- tokenizer manager (main process, asyncio) -----------------------------------------
+async def finish_response(meta_info: dict) -> None:
+    """Before a finished request's response goes out: wait for its file, report it.
+
+    ``meta_info[hidden_states_path]`` becomes the file's absolute path once the writer
+    has released it; if the write failed, the key is replaced by ``hidden_states_error``.
+    A request that asked not to wait (``custom_params`` ``hidden_states_wait: false``)
+    is answered at once with the path and ``hidden_states_pending: true``; a failed write
+    then shows as ``<path>.error`` when the lock goes (``format.wait_complete``).
+    """
+    # Upstream pads a key that another request of the same output batch has with None
+    # (output_streamer): [None] means "not set for this request".
+    for key in fmt.RESPONSE_KEYS:
+        if key in meta_info:
+            value = _first(meta_info[key])
+            if value is None:
+                del meta_info[key]
+            else:
+                meta_info[key] = value
+    if PATH_KEY not in meta_info or meta_info.get(PENDING_KEY):
+        return
+    path = meta_info[PATH_KEY]
+    t_meta = trace.now()
+    try:
+        error = await fmt.wait_complete_async(path)
+    except TimeoutError as e:
+        error = str(e)
+    if trace.enabled():
+        trace.record("response", name=os.path.basename(path), t_meta=t_meta, t_done=trace.now(),
+                     error=error)
+    if error is not None:
+        del meta_info[PATH_KEY]
+        meta_info[ERROR_KEY] = error
+
+
+# ---- OpenAI-compatible /v1/completions (main process) ---------------------------------
+class HiddenStatesDumpError(RuntimeError):
+    """The dump of a request failed; SGLang's OpenAI layer answers HTTP 500 (retryable)."""
+
+
+_KV_RESPONSE_CLASSES: dict = {}
+
+
+def _with_kv_transfer_params(cls):
+    """``cls`` (a pydantic response model) plus a ``kv_transfer_params`` field, cached."""
+    sub = _KV_RESPONSE_CLASSES.get(cls)
+    if sub is None:
+        import pydantic
+
+        sub = pydantic.create_model(
+            cls.__name__,
+            __base__=cls,
+            kv_transfer_params=(Optional[Dict[str, Any]], None),
+        )
+        _KV_RESPONSE_CLASSES[cls] = sub
+    return sub
+
+
+def openai_completion_extras(response, ret):
+    """Make a non-streaming ``/v1/completions`` response look like vLLM's with its
+    hidden-states connector, so speculators' offline client works unchanged.
+
+    ``ret``: the generate results the response was built from (their ``meta_info`` holds
+    ``hidden_states_path`` after ``finish_response``). Adds top-level
+    ``kv_transfer_params = {"hidden_states_path": <first choice's file>}`` (plus
+    ``hidden_states_paths``, one per choice, when there are several). The file is complete
+    and its ``.lock`` already gone when this runs (``finish_response`` waited), which
+    speculators reads as "done". (A request with ``custom_params``
+    ``{"hidden_states_wait": false}`` gets the path while the ``.lock`` still exists;
+    speculators' client cannot use that: its lock wait removes the lock file itself.)
+    ``prompt_token_ids`` per choice needs nothing here: SGLang already returns it
+    when the request says ``return_token_ids``.
+
+    A failed dump raises ``HiddenStatesDumpError``: SGLang answers HTTP 500, which
+    speculators' client retries. Without dump keys in ``meta_info`` (dumping off) the
+    response is returned unchanged.
+    """
+    items = ret if isinstance(ret, list) else [ret]
+    metas = [(item or {}).get("meta_info") or {} for item in items]
+    errors = [str(m[ERROR_KEY]) for m in metas if m.get(ERROR_KEY)]
+    if errors:
+        raise HiddenStatesDumpError(f"hidden-state dump failed: {errors[0]}")
+    paths = [m.get(PATH_KEY) for m in metas]
+    if not any(paths):
+        return response
+    params = {PATH_KEY: paths[0]}
+    if len(paths) > 1:
+        params[PATH_KEY + "s"] = paths
+    cls = type(response)
+    sub = _with_kv_transfer_params(cls)
+    fields = {name: getattr(response, name) for name in cls.model_fields}
+    return sub.model_construct(
+        _fields_set=set(response.model_fields_set) | {"kv_transfer_params"},
+        kv_transfer_params=params,
+        **fields,
+    )

@@ -1,0 +1,489 @@
+"""A dump session: what one SGLang scheduler process dumps, and each request's state.
+
+``DumpSession.start(model_runner)`` turns on aux capture of the dump layers in the target
+model and, on the attention-TP rank 0 (the one rank that writes), opens the dump
+directory and starts the writer (``writer.DumpWriter``). Its ``on_prefill_result`` takes
+each extend batch's rows, request by request, chunk by chunk, into that writer. The
+per-request state lives on SGLang's ``Req`` (``REQ_ATTR``), so a request's chunks find it
+batch after batch. ``hooks`` holds the process's live session and forwards SGLang's calls
+to it; tests build sessions directly.
+
+Also here, as the rules of a session: the server options it refuses
+(``check_server_args``) and the requests it never dumps (``is_internal``: SGLang's health
+checks and its start-up warm-up, named by ``name_warmup``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+from sglang_ext import __version__, compat, trace
+from sglang_ext import format as fmt
+from sglang_ext.config import DumpConfig, DumpConfigError, resolve_layer_ids
+from sglang_ext.responses import ERROR_KEY, PATH_KEY, PENDING_KEY, drop_info, set_info
+
+logger = logging.getLogger(__name__)
+
+REQ_ATTR = "_kimi_sglang_dump"  # per-request state (_ReqDump), stored on SGLang's Req
+_SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
+# Names SGLang's own start-up warm-up request (name_warmup), which must not leave a
+# file and an index line in a user's dump directory at every start.
+WARMUP_RID_PREFIX = "kimi-sglang-warmup-"
+
+# Decoder-model classes whose patched forward can capture id N (patch 0002).
+FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
+
+
+# ---- start-up (main process) ------------------------------------------------------------
+def check_server_args(server_args) -> None:
+    """Validate the --dump-hidden-states-* options at start-up; adjust what must be.
+
+    Raises ``DumpConfigError`` (a ``ValueError``: SGLang prints it and exits) for a
+    missing or unwritable directory, bad layer ids, a bad memory cap, and options the
+    dump path does not support (``--enable-return-hidden-states`` /
+    ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
+    disaggregation, attention context parallelism (``--attn-cp-size > 1``), embedding
+    models). Data parallelism, with or without DP attention, is accepted: every DP rank's
+    attention-TP rank 0 writes the requests it served into the same directory (names are
+    reserved through the file system, ``format.reserve``), each within its share of the
+    host cap (``DumpConfig``); with DP attention the files equal a TP=1 server's (GPU
+    runs: docs/verification.md). Turns the radix cache off (a
+    request whose prefix is cached would compute, and so dump, only its suffix) and says
+    so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
+    it would never run). Does nothing when dumping is off.
+    """
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return  # dumping off (0.5.2x runs this step unconditionally)
+    DumpConfig.from_server_args(server_args)
+    view = compat.server_args_view(server_args)
+    refused = {
+        "--enable-return-hidden-states / --return-hidden-states-mode": bool(
+            view.enable_return_hidden_states or view.return_hidden_states_mode
+        ),
+        "--enable-return-aux-hidden-states": bool(
+            getattr(view, "enable_return_aux_hidden_states", False)
+        ),
+        "--speculative-algorithm": bool(getattr(view, "speculative_algorithm", None)),
+        "--pp-size > 1": int(getattr(view, "pp_size", 1) or 1) > 1,
+        "--disaggregation-mode": getattr(view, "disaggregation_mode", "null")
+        not in (None, "null"),
+        # each context-parallel rank is an attention-TP rank 0 too (dp_attention.py:
+        # tp_rank = (dp * cp + cp_rank) * attn_tp + attn_tp_rank): one request, many
+        # writers; not supported until verified
+        "--attn-cp-size > 1": int(getattr(view, "attn_cp_size", 1) or 1) > 1,
+        "--is-embedding": bool(getattr(view, "is_embedding", False)),
+    }
+    bad = [name for name, on in refused.items() if on]
+    if bad:
+        raise DumpConfigError(
+            f"--dump-hidden-states-dir cannot be combined with {', '.join(bad)} "
+            f"(not supported by the dump path yet)"
+        )
+    if not getattr(view, "disable_prefill_cuda_graph", True):
+        # The prefill graphs are captured without hidden-state capture, so every
+        # extend batch would fall back to eager anyway: skip capturing them.
+        logger.info("--dump-hidden-states-dir: prefill CUDA graph off (extend batches run eager)")
+        compat.adjust_server_args(server_args, _SOURCE, disable_prefill_cuda_graph=True)
+    if not view.disable_radix_cache:
+        logger.warning(
+            "--dump-hidden-states-dir: turning the radix cache off (--disable-radix-cache) "
+            "so every prompt token is computed and dumped"
+        )
+        compat.adjust_server_args(server_args, _SOURCE, disable_radix_cache=True)
+
+
+def name_warmup(json_data: dict) -> dict:
+    """Give SGLang's start-up warm-up body a ``rid`` of ``WARMUP_RID_PREFIX`` + uuid hex,
+    so its prompt leaves no file and no index line (``is_internal``).
+
+    ``json_data``: a ``/generate`` body (``text`` a str or a list of str, ``input_ids`` a
+    list of ints or a list of lists: a batch, one prompt per DP rank, gets a list of
+    rids), or a ``/v1/chat/completions`` body (``messages``: one rid). Any other body (no
+    prompt field) is returned unchanged. Modified in place and returned.
+    """
+    prompt = json_data.get("text", json_data.get("input_ids"))
+    if prompt is None and "messages" not in json_data:
+        return json_data
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    rids = [WARMUP_RID_PREFIX + uuid.uuid4().hex for _ in (prompt if batch else [None])]
+    json_data["rid"] = rids if batch else rids[0]
+    return json_data
+
+
+def is_internal(rid) -> bool:
+    """SGLang's own requests are not dumped: health checks (``/health_generate``) and the
+    start-up warm-up (``name_warmup``). A client rid with either prefix is not either."""
+    return isinstance(rid, str) and rid.startswith((HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX))
+
+
+def find_decoder(model) -> Tuple[Any, Any]:
+    """(causal LM with ``capture_aux_hidden_states``, decoder with ``layers_to_capture``).
+
+    Multimodal wrappers such as Kimi-K2.5's ``KimiK25ForConditionalGeneration`` hold the
+    causal LM in ``language_model``. Raises ``DumpConfigError`` for a model without them.
+    """
+    for lm in (model, getattr(model, "language_model", None)):
+        inner = getattr(lm, "model", None)
+        if lm is not None and hasattr(lm, "capture_aux_hidden_states") and hasattr(
+            inner, "layers_to_capture"
+        ):
+            return lm, inner
+    raise DumpConfigError(
+        f"--dump-hidden-states-dir: model {type(model).__name__} has no aux hidden-state "
+        f"capture (capture_aux_hidden_states / model.layers_to_capture)"
+    )
+
+
+def writer_cpus_note(is_writer: bool, writer_cpus) -> str:
+    """The start line's word on where the writer process runs: the CPUs asked for, or,
+    when the scheduler is confined to fewer CPUs than the host has (taskset, a cpuset),
+    that the writer shares them, which can cost the dump much of its speed on a busy
+    scheduler (docs/performance.md, "the writer on the server's CPUs"). Nothing where
+    the platform has no CPU affinity (``os.sched_getaffinity``: Linux)."""
+    if not is_writer:
+        return ""
+    if writer_cpus:
+        return f"; writer process on CPUs {list(writer_cpus)}"
+    affinity = getattr(os, "sched_getaffinity", None)
+    mine = sorted(affinity(0)) if affinity else []
+    if mine and len(mine) < (os.cpu_count() or len(mine)):
+        return (f"; writer process on the scheduler's {len(mine)} CPUs {mine}: "
+                "KIMI_SGLANG_WRITER_CPUS can name others it may use")
+    return ""
+
+
+# ---- per-request state -----------------------------------------------------------------
+@dataclass
+class _ReqDump:
+    pending: Any = None  # writer.PendingDump while rows arrive
+    release: Any = None  # weakref.finalize abandoning the request if the Req is dropped
+    done: bool = False  # file named (or error recorded): later prefills are ignored
+
+
+@dataclass
+class _Take:
+    """One request's rows of an extend batch, from its checks to its file's hand-over."""
+
+    req: Any
+    state: _ReqDump
+    start: int  # first row in the batch's packed rows
+    rows: int  # how many of them
+    reservation: Any = None  # format.Reservation when these are the request's last rows
+    settled: bool = False  # its file queued or failed
+
+
+def _custom_param(req, key: str):
+    """``sampling_params.custom_params[key]`` of SGLang's Req, or None."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return params.get(key) if isinstance(params, dict) else None
+
+
+def _detach(state: _ReqDump) -> None:
+    if state.release is not None:
+        state.release.detach()
+        state.release = None
+
+
+class DumpSession:
+    """One scheduler process's dump of the target model's prompt hidden states.
+
+    ``config``: the validated options; ``layer_ids``: the captured ids (resolved against
+    ``num_layers``; id N is the last layer's output before the final norm);
+    ``metadata``: the file header's strings; ``capture_full``: SGLang's
+    ``CaptureHiddenMode.FULL``. ``writer`` (a ``DumpWriter``) and ``dir_fd`` (the dump
+    directory, ``format.open_dump_dir``) are given on the writing rank only; a session
+    without a writer captures (its rank's forward needs the layers) but writes nothing.
+    """
+
+    def __init__(self, config: DumpConfig, layer_ids: Sequence[int], num_layers: int, metadata: dict,
+                 capture_full: Any, writer: Any = None, dir_fd: Optional[int] = None):
+        self.config = config
+        self.layer_ids = tuple(layer_ids)
+        self.num_layers = num_layers
+        self.metadata = metadata
+        self.capture_full = capture_full
+        self.writer = writer
+        self.dir_fd = dir_fd
+
+    @property
+    def is_writer(self) -> bool:
+        return self.writer is not None
+
+    # ---- start and end ------------------------------------------------------------------
+    @classmethod
+    def start(cls, model_runner) -> Optional["DumpSession"]:
+        """The session of SGLang's ``model_runner``, or None when it dumps nothing
+        (dumping off, or a draft model's runner).
+
+        Turns on aux capture of the dump layers in the target model; on the attention-TP
+        rank 0 opens the dump directory, removes an earlier run's leftovers (logged) and
+        starts the writer process. Raises ``DumpConfigError`` for layer ids the model
+        cannot give and for a directory that cannot be used.
+        """
+        server_args = model_runner.server_args
+        if not getattr(server_args, "dump_hidden_states_dir", None) or model_runner.is_draft_worker:
+            return None
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.version import __version__ as sglang_version
+
+        config = DumpConfig.from_server_args(server_args)
+        lm, decoder = find_decoder(model_runner.model)
+        num_layers = int(model_runner.model_config.num_hidden_layers)
+        layer_ids = resolve_layer_ids(config.layer_ids, num_layers)
+        decoder_classes = {c.__name__ for c in type(decoder).__mro__}
+        if num_layers in layer_ids and not decoder_classes & set(FINAL_NORM_CAPTURE_MODELS):
+            raise DumpConfigError(
+                f"--dump-hidden-states-layers: id {num_layers} (before the final norm) is "
+                f"patched for {', '.join(FINAL_NORM_CAPTURE_MODELS)} only, not "
+                f"{type(decoder).__name__}; pass ids below {num_layers}"
+            )
+        lm.capture_aux_hidden_states = True
+        decoder.layers_to_capture = list(layer_ids)
+
+        session = cls(config, layer_ids, num_layers, capture_full=CaptureHiddenMode.FULL, metadata={
+            "model_path": server_args.model_path,
+            "sglang_version": sglang_version,
+            "sglang_ext_version": __version__,
+            "series": f"v{sglang_version}",
+        })
+        is_writer = compat.attn_tp_rank(model_runner) == 0
+        if is_writer:
+            session._start_writer(model_runner)
+        logger.info(
+            "hidden-state dump: layers %s of %d into %s (writer rank: %s%s)",
+            list(layer_ids), num_layers, config.directory, is_writer,
+            writer_cpus_note(is_writer, config.writer_cpus),
+        )
+        return session
+
+    def _start_writer(self, model_runner) -> None:
+        import torch
+
+        from sglang_ext.metrics import model_name
+        from sglang_ext.writer import DumpWriter
+
+        config = self.config
+        self.dir_fd = fmt.open_dump_dir(config.directory)
+        removed = fmt.clean_stale(self.dir_fd)
+        if any(removed.values()):
+            logger.warning("hidden-state dump: removed leftovers of an earlier run: %s", removed)
+        on_cuda = str(model_runner.device).startswith("cuda")
+        self.writer = DumpWriter(
+            self.dir_fd,
+            arena_bytes=config.max_host_bytes,
+            threads=config.writer_threads,
+            layer_ids=self.layer_ids,
+            num_layers=self.num_layers,
+            metadata=self.metadata,
+            device=torch.device(model_runner.device, model_runner.gpu_id) if on_cuda else None,
+            metrics_model_name=model_name(model_runner.server_args),
+            drain_timeout_s=config.drain_timeout_s,
+            stats_interval_s=config.stats_interval_s,
+            hidden_states_dtype=config.hidden_states_dtype,
+            cpus=config.writer_cpus,
+            watchdog_s=config.watchdog_s,
+        )
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Close the writer (``DumpWriter.close``: queued files are written within
+        ``timeout`` s, the drain timeout by default) and the directory. True when every
+        file was written or failed cleanly; True at once for a session without a writer
+        or one already closed."""
+        ok = True
+        if self.writer is not None:
+            ok = self.writer.close(timeout=timeout)
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+        return ok
+
+    # ---- every forward --------------------------------------------------------------------
+    def capture_hidden_mode(self, batch, model_runner, mode):
+        """``capture_full`` for the target model's extend (prefill) batches, else ``mode``."""
+        if (
+            model_runner.is_draft_worker
+            or not batch.forward_mode.is_extend()
+            or batch.forward_mode.is_target_verify()
+        ):
+            return mode
+        return self.capture_full
+
+    # ---- result processing (scheduler thread) --------------------------------------------
+    def on_prefill_result(self, batch, logits_output, extend_input_len_per_req: Optional[List[int]]) -> None:
+        """Hand this extend batch's rows to the writer, before its outputs are streamed.
+
+        ``logits_output.hidden_states``: ``[sum(extend lens), num_layers * hidden_size]``,
+        the packed aux hidden states of the dump layers, requests in ``batch.reqs`` order.
+        With ``--dump-hidden-states-dtype fp8`` the writer quantizes them on the device
+        (``sglang_ext.quant``, on its copy stream) before the device-to-host copy.
+        The rows of the batch's dumped requests go to the arena in one copy per contiguous
+        run (``DumpWriter.copy_rows``); chunked prefill: each chunk's rows go to their place
+        in the request's file; a request whose last prompt row is in this batch gets its
+        name reserved and its path recorded for the response, and its file queued. A
+        request that fails gets ``hidden_states_error`` instead of a path (a reserved name
+        is given back: its response is not out yet); the batch is never interrupted. A
+        request whose ``custom_params`` holds ``{"hidden_states_dump": false}``
+        (``format.DUMP_PARAM``; only JSON false) is skipped: its rows were captured with the
+        batch's, nothing is copied or written, its response carries no dump keys. Nothing
+        happens on a rank without a writer, or for a batch that is not an extend.
+
+        An exception that escapes (one that is not an ``Exception``, e.g.
+        ``KeyboardInterrupt``) first fails the batch's named requests that were not
+        queued, so no lock is left with nothing behind it.
+        """
+        if self.writer is None or not batch.forward_mode.is_extend():
+            return
+        self.writer.poll()  # a writer that ended since the last batch is replaced before this one
+        t0 = trace.now() if trace.enabled() else None
+        hidden = logits_output.hidden_states
+        takes: List[_Take] = []
+        opened: List[_Take] = []
+        try:
+            self._take(batch, hidden, extend_input_len_per_req or [], takes)
+            opened = self._hand_over(hidden, takes)
+        except BaseException as e:  # an unexpected error: no named file may be left unsettled
+            for take in takes:
+                if take.reservation is not None and not take.settled:
+                    self._fail_take(take, e)
+            raise
+        self.writer.flush()
+        if t0 is not None:
+            trace.record("hook", reqs=len(opened), t0=t0, t1=trace.now())
+
+    def _take(self, batch, hidden, lens: List[int], takes: List[_Take]) -> None:
+        """Check each request's rows of the batch and reserve the names of those it
+        finishes; appends their ``_Take`` to ``takes``. A request that fails here gets
+        its error and is left out."""
+        decoding = set(map(id, batch.decoding_reqs or []))
+        prefix_lens = batch.prefix_lens or [0] * len(batch.reqs)
+        offset = 0
+        for i, req in enumerate(batch.reqs):
+            n = lens[i] if i < len(lens) else 0
+            start, offset = offset, offset + n
+            if id(req) in decoding or req.is_retracted or n == 0 or is_internal(req.rid):
+                continue
+            state = getattr(req, REQ_ATTR, None)
+            if state is None:
+                # done at once: the request asked not to be dumped (decided at its first chunk)
+                state = _ReqDump(done=_custom_param(req, fmt.DUMP_PARAM) is False)
+                setattr(req, REQ_ATTR, state)
+                compat.release_request_cycle(req)
+            if state.done:
+                continue
+            if req.finished():  # aborted while its prefill was in flight
+                self._drop(state)
+                continue
+            try:
+                take = _Take(req, state, start, self._check(req, state, hidden, n, prefix_lens[i]))
+                if prefix_lens[i] + take.rows == len(req.origin_input_ids):
+                    take.reservation = self._name(req, state)
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
+                self._fail(req, state, e)
+                continue
+            takes.append(take)
+
+    def _hand_over(self, hidden, takes: List[_Take]) -> List[_Take]:
+        """Open the new requests in the arena (their token ids), copy the rows and queue
+        the finished files. Returns the takes whose rows were copied."""
+        opened = []
+        for take in takes:
+            try:
+                self._open(take.req, take.state, hidden)
+            except Exception as e:  # noqa: BLE001
+                self._fail_take(take, e)
+                continue
+            opened.append(take)
+        if not opened:
+            return opened
+        try:
+            # ready=True: the forward that produced these rows has finished when this hook
+            # runs. Under overlap scheduling, process_batch_result_prefill first
+            # synchronizes result.copy_done, recorded on the copy stream after it waited
+            # for the forward stream; without overlap (copy_done None) its
+            # next_token_ids.tolist() has synchronized the stream the forward ran on.
+            # (tests/test_patches.py and tests/test_nightly.py check that the sync
+            # precedes the hook.) So the copy need not queue behind what the scheduler
+            # stream holds now, e.g. the next batch's forward.
+            self.writer.copy_rows(hidden, [(t.state.pending, t.start, t.rows) for t in opened], ready=True)
+        except Exception as e:  # noqa: BLE001 - the batch's dumped requests fail, it goes on
+            for take in opened:
+                self._fail_take(take, e)
+            return []
+        for take in opened:
+            if take.reservation is None:
+                continue
+            try:
+                self.writer.finish(take.state.pending, take.reservation)
+            except Exception as e:  # noqa: BLE001
+                self._fail_take(take, e)
+                continue
+            take.settled = True
+            take.state.pending = None
+            _detach(take.state)
+        return opened
+
+    def _check(self, req, state: _ReqDump, hidden, n: int, prefix_len: int) -> int:
+        """Check this chunk against what was sent. Returns how many of its ``n`` rows to
+        take (rows past the prompt are not dumped)."""
+        num_tokens = len(req.origin_input_ids)
+        fmt.check_rid(req.rid)
+        if hidden is None:
+            raise RuntimeError("the forward captured no hidden states for this batch")
+        if prefix_len == 0 and state.pending is not None and state.pending.rows:
+            self._drop(state)  # retracted mid-prefill and started over
+        if state.pending is not None:
+            self.writer.check_current(state.pending)
+        done_rows = state.pending.rows if state.pending is not None else 0
+        if prefix_len != done_rows:
+            raise RuntimeError(
+                f"extend starts at token {prefix_len} but {done_rows} rows were dumped "
+                f"(prefix reuse is not supported while dumping)"
+            )
+        return min(n, num_tokens - done_rows)
+
+    def _open(self, req, state: _ReqDump, hidden) -> None:
+        """Open the request in the writer at its first chunk (its token ids into the arena)."""
+        if state.pending is not None:
+            return
+        state.pending = self.writer.start(req.rid, req.origin_input_ids, hidden.shape[1], hidden.dtype)
+        # A request dropped between chunks (aborted while waiting or retracted) never
+        # reaches this hook again: drop its file when SGLang lets go of the Req.
+        state.release = weakref.finalize(req, self.writer.abandon, state.pending)
+        state.release.atexit = False
+
+    def _name(self, req, state: _ReqDump):
+        """Reserve the finished request's file name and record its path for the response
+        (and ``hidden_states_pending`` when it asked not to wait)."""
+        reservation = fmt.reserve(self.dir_fd, req.rid)
+        state.done = True
+        set_info(req, PATH_KEY, os.path.join(self.config.directory, reservation.name))
+        if _custom_param(req, fmt.WAIT_PARAM) is False:
+            set_info(req, PENDING_KEY, True)
+        return reservation
+
+    def _fail(self, req, state: _ReqDump, e: BaseException) -> None:
+        logger.error("hidden-state dump for rid %s failed: %s", fmt.brief_rid(req.rid), e)
+        self._drop(state)
+        state.done = True
+        set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
+
+    def _fail_take(self, take: _Take, e: BaseException) -> None:
+        """A failure after the checks: a reserved name is given back and its path taken
+        out of the response, which says ``hidden_states_error`` instead."""
+        if take.reservation is not None:
+            fmt.cancel(take.reservation)
+            drop_info(take.req, PATH_KEY, PENDING_KEY)
+        take.settled = True
+        self._fail(take.req, take.state, e)
+
+    def _drop(self, state: _ReqDump) -> None:
+        _detach(state)
+        if state.pending is not None:
+            self.writer.abandon(state.pending)
+            state.pending = None
