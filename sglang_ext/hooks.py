@@ -88,21 +88,12 @@ def capture_hidden_mode(batch, model_runner, mode):
     return _SESSION.capture_hidden_mode(batch, model_runner, mode)
 
 
-def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[List[int]],
-                      defer: bool = False) -> None:
+def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[List[int]]) -> None:
     """Hand this extend batch's rows to the writer (``DumpSession.on_prefill_result``):
     ``logits_output.hidden_states`` is ``[sum(extend lens), num_layers * hidden_size]``,
     requests in ``batch.reqs`` order; finished requests get their path (or
-    ``hidden_states_error``) in ``customized_info``.
-
-    ``defer`` is accepted and ignored: the whole batch is handed over in this one call
-    (a series that still passes ``defer=True`` also calls ``on_prefill_output``, a no-op).
+    ``hidden_states_error``) in ``customized_info``. Called once per batch, before its
+    outputs are streamed (both series).
     """
     if _SESSION is not None:
         _SESSION.on_prefill_result(batch, logits_output, extend_input_len_per_req)
-
-
-def on_prefill_output() -> None:
-    """Does nothing. The v0.5.17 series' former second call (after a batch's outputs are
-    streamed); ``on_prefill_result`` now does the whole batch. To be removed once no
-    series calls it."""

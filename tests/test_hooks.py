@@ -182,8 +182,7 @@ def test_setup_turns_on_default_layers(dump, sessions):
 def test_the_door_forwards_to_the_session_setup_model_starts(dump, sessions):
     """hooks, as the patched files call it: off until setup_model (a draft model's runner
     starts nothing); then capture_hidden_mode and on_prefill_result reach the session it
-    started. defer=True is one call like any other: the file is written by it, and
-    on_prefill_output (the v0.5.17 series' former second call) does nothing."""
+    started, each call writing its batch's files."""
     extend = types.SimpleNamespace(forward_mode=Mode(True))
     runner, draft = make_runner(dump, layers="2,4"), make_runner(dump, layers="2,4")
     draft.is_draft_worker = True
@@ -198,9 +197,7 @@ def test_the_door_forwards_to_the_session_setup_model_starts(dump, sessions):
     assert hooks.is_enabled() and sess.is_writer
     assert hooks.capture_hidden_mode(extend, runner, 0) is sess.capture_full
     hooks.on_prefill_result(*extend_args([(a, 0, 3)], [2, 4]))
-    hooks.on_prefill_result(*extend_args([(b, 0, 4)], [2, 4]), defer=True)
-    assert idle(sess)["files_written"] == 2
-    hooks.on_prefill_output()
+    hooks.on_prefill_result(*extend_args([(b, 0, 4)], [2, 4]))
     for req in (a, b):
         assert torch.equal(fmt.load(finish(req)["hidden_states_path"]).hidden_states, reference(req, [2, 4]))
     assert idle(sess)["files_written"] == 2 and idle(sess)["failures"] == 0
