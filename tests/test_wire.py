@@ -59,10 +59,17 @@ def test_ops_arrive_as_sent_with_their_locks_in_order(pair, tmp_path):
 
 
 def test_many_ops_split_into_messages_within_the_bounds(pair):
+    sched, writer = pair
     ops = [wire.Rows(k, 0, 1, k, 512 * k) for k in range(5000)]
     msgs = wire.pack(1, ops, [])
     assert len(msgs) > 1 and all(len(m.blob) <= wire.MAX_MESSAGE for m in msgs)
-    assert [op for m in msgs for op in pickle.loads(m.blob)[1]] == ops
+    got = []
+    for m in msgs:
+        wire.send(sched, m.blob)
+        seq, part, fds = wire.recv_ops(writer)
+        assert seq == 1 and fds == [] and part == m.ops
+        got += part
+    assert got == ops
 
 
 def test_acks_arrive_as_sent_in_messages_of_bounded_size(pair):
@@ -84,12 +91,15 @@ def test_a_message_of_the_wrong_kind_is_refused_and_its_descriptors_closed(pair,
     lock = os.open(tmp_path / "lock", os.O_CREAT | os.O_RDWR)
     # a Finish's descriptor sent with acks, and ops without their descriptor
     wire.send(writer, wire.pack_acks([wire.DonePiece(0, 1)])[0], [lock])
-    wire.send(sched, pickle.dumps((1, [wire.Finish(0, "x.safetensors")])))
+    wire.send(sched, wire.pack(1, [wire.Finish(0, "x.safetensors")], [lock])[0].blob)
     wire.send(sched, pickle.dumps([("piece", 0, 1)]))
+    wire.send(sched, pickle.dumps((1, [wire.Rows(0, 0, 1, 0, 0)])))  # not as ops travel
     os.close(lock)
     assert wire.recv_acks(sched) == [wire.DonePiece(0, 1)]
     assert _open_to(tmp_path / "lock") == [], "the descriptor that came with acks is closed"
     with pytest.raises(wire.BadMessage, match="1 Finish ops came with 0 descriptors"):
+        wire.recv_ops(writer)
+    with pytest.raises(wire.BadMessage, match="not \\(seq"):
         wire.recv_ops(writer)
     with pytest.raises(wire.BadMessage, match="not \\(seq"):
         wire.recv_ops(writer)
