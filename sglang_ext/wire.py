@@ -10,7 +10,7 @@ Ops (scheduler -> writer) and acknowledgements (writer -> scheduler) are the nam
 tuples below; each side hands them to this module (``pack``/``recv_ops``,
 ``pack_acks``/``recv_acks``), so a field has one name and one place. On the socket each
 travels as a plain tuple ``(code, *fields)`` (``CODES``) and is rebuilt on arrival:
-pickling a named tuple costs a Python call per object, ten times a plain tuple's, on the
+pickling a named tuple costs a Python call per object, several times a plain tuple's, on the
 scheduler thread.
 
 - ``Begin(key, rid, num_tokens, row_width, dtype, piece, token_off, times)``: a
