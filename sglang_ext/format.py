@@ -32,14 +32,18 @@ planted at a name or swapped in for the directory after start-up):
    ``O_CREAT|O_EXCL|O_NOFOLLOW`` and holding an exclusive ``flock`` on it. Its cost does
    not grow with the number of earlier files of the rid (O(1) calls while one process
    names them, O(log n) after others took n names).
-2. ``write_reserved()`` writes ``.<name>.safetensors.tmp`` and
-   renames it to ``<name>.safetensors``: a reader never sees a partial file under the
-   final name. Then one line goes to ``index.jsonl`` (``rid``, ``file``, ``num_tokens``,
-   ``bytes``, ``layer_ids``), whole or not at all: a write cut short (disk full) is
-   truncated away under a ``flock`` on the index and raised as ``OSError``, so the
-   index never holds a torn line.
-3. The lock file is unlinked and released. On failure the temporary file is removed,
-   ``<name>.safetensors.error`` receives the message, and the lock is released.
+2. The writer process (``sglang_ext.writer_process``) writes the file under a temporary
+   name (``tmp_name``: ``.kimi-<writer tag>-<key>-<random>.safetensors.tmp``) laid out
+   by ``file_layout`` (``create_tmp``, ``pwrite_all``) and renames it to
+   ``<name>.safetensors`` (``publish``): a reader never sees a partial file under the
+   final name. Then one line goes to ``index.jsonl`` (``index_record``: ``rid``,
+   ``file``, ``num_tokens``, ``bytes``, ``layer_ids``), whole or not at all: a write cut
+   short (disk full) is truncated away under a ``flock`` on the index and raised as
+   ``OSError``, so the index never holds a torn line.
+3. The lock file is unlinked and released (``complete``). On failure the temporary file
+   is removed, ``<name>.safetensors.error`` receives the message, and the lock is
+   released (``fail``). What a killed writer leaves (temporary files, unheld locks)
+   ``clean_stale`` removes at the next start.
 
 Every file created here (data, temporary, lock, error, index) gets mode ``file_mode()``:
 0600 unless ``KIMI_SGLANG_FILE_MODE`` says otherwise (e.g. ``0640``), the umask applying
@@ -71,6 +75,7 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
 import struct
 import threading
@@ -95,13 +100,17 @@ FP8 = "float8_e4m3fn"
 # Metadata of fp8 files (bf16 files carry neither: their dtype is in the header).
 DTYPE_META_KEY = "hidden_states_dtype"
 SCALE_LAYOUT_KEY = "scale_layout"
-SCALE_LAYOUT = "per_token_per_layer"  # = sglang_ext.quant.SCALE_LAYOUT
+SCALE_LAYOUT = "per_token_per_layer"  # one float32 scale per token and layer slot (quant)
 SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 ERROR_SUFFIX = ".error"
-TMP_PREFIX = "."
+TMP_PREFIX = ".kimi-"  # temporary files: tmp_name; hidden, and ours by their prefix
 TMP_SUFFIX = ".tmp"
 INDEX_NAME = "index.jsonl"
+# What a file still unwritten when the server shut down fails with (its ``.error``),
+# whichever side settles it: the writer process at its drain deadline, the scheduler
+# after the writer process exited.
+SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
 
 # Longest stem taken from the rid; the whole name stays far below NAME_MAX (255 bytes)
 # even with the hash, a collision counter and the longest suffix.
@@ -109,6 +118,9 @@ MAX_STEM_CHARS = 96
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # What safetensors >= 0.8 names its own temporary file while writing (".tmpXXXXXX").
 _SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9_]{6,}")
+# Temporary names of earlier releases, which wrote whole files beside the final name:
+# ``.<name>.safetensors.tmp`` (``name`` from ``safe_stem``, so never starting with a dot).
+_OLD_TMP = re.compile(r"\.[A-Za-z0-9_-][A-Za-z0-9._-]*" + re.escape(SUFFIX + TMP_SUFFIX))
 
 
 class DumpFormatError(ValueError):
@@ -239,9 +251,26 @@ class Reservation:
     def lock_name(self) -> str:
         return self.name + LOCK_SUFFIX
 
-    @property
-    def tmp_name(self) -> str:
-        return TMP_PREFIX + self.name + TMP_SUFFIX
+
+def tmp_prefix(tag: str) -> str:
+    """The start of every temporary name of writer ``tag`` (``tmp_name``): what the
+    scheduler removes when that writer process is gone."""
+    return f"{TMP_PREFIX}{tag}-"
+
+
+def tmp_name(tag: str, key: int) -> str:
+    """The temporary file of request ``key`` of writer ``tag``:
+    ``.kimi-<tag>-<key>-<12 hex>.safetensors.tmp``. The random part makes it
+    unguessable, so nothing can be planted there in advance; ``is_tmp_name`` matches it."""
+    return f"{tmp_prefix(tag)}{key}-{secrets.token_hex(6)}{SUFFIX}{TMP_SUFFIX}"
+
+
+def is_tmp_name(name: str) -> bool:
+    """True for a temporary file a dump leaves when cut off: ours (``tmp_name``, and the
+    ``.<name>.safetensors.tmp`` of earlier releases) and safetensors' own
+    (``.tmpXXXXXX``). ``clean_stale`` removes exactly these."""
+    return ((name.startswith(TMP_PREFIX) and name.endswith(SUFFIX + TMP_SUFFIX))
+            or _OLD_TMP.fullmatch(name) is not None or _SAFETENSORS_TMP.fullmatch(name) is not None)
 
 
 def open_dump_dir(path: str) -> int:
@@ -470,6 +499,21 @@ def dump_tensors(num_tokens: int, num_slots: int, hidden_size: int, dtype: str) 
     return (hs, ids)
 
 
+def row_bytes(row_width: int, dtype: str) -> int:
+    """Bytes of one token's ``hidden_states`` row: ``row_width`` (= layer slots x hidden
+    size) elements of torch dtype name ``dtype``. The same in the arena and in the file.
+    Raises ``DumpFormatError`` for a dtype safetensors cannot hold."""
+    if dtype not in SAFETENSORS_DTYPES:
+        raise DumpFormatError(f"dtype {dtype} has no safetensors code")
+    return int(row_width) * SAFETENSORS_DTYPES[dtype][1]
+
+
+def scale_row_bytes(num_slots: int, dtype: str) -> int:
+    """Bytes of one token's ``hidden_states_scales``: ``num_slots`` float32 when ``dtype``
+    is fp8 (``float8_e4m3fn``), else 0 (no scales)."""
+    return 4 * int(num_slots) if dtype == FP8 else 0
+
+
 def dtype_metadata(dtype: str) -> Dict[str, str]:
     """What a file of ``hidden_states`` dtype ``dtype`` adds to ``__metadata__``:
     ``hidden_states_dtype`` and ``scale_layout`` for fp8, nothing otherwise."""
@@ -478,8 +522,8 @@ def dtype_metadata(dtype: str) -> Dict[str, str]:
     return {}
 
 
-def create_tmp(dir_fd: int, tmp_name: str) -> int:
-    """Create ``tmp_name`` in the dump directory for writing; returns its descriptor.
+def create_tmp(dir_fd: int, tmp: str) -> int:
+    """Create ``tmp`` (a ``tmp_name``) in the dump directory for writing; returns its descriptor.
 
     Exclusive and not following symlinks, with ``file_mode()``: an entry already at that
     name (a planted symlink, a leftover) is unlinked (the link itself, never its target)
@@ -488,10 +532,10 @@ def create_tmp(dir_fd: int, tmp_name: str) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     mode = file_mode()
     try:
-        return open_regular(tmp_name, flags, dir_fd=dir_fd, mode=mode)
+        return open_regular(tmp, flags, dir_fd=dir_fd, mode=mode)
     except FileExistsError:
-        _unlink_quiet(dir_fd, tmp_name)
-        return open_regular(tmp_name, flags, dir_fd=dir_fd, mode=mode)
+        _unlink_quiet(dir_fd, tmp)
+        return open_regular(tmp, flags, dir_fd=dir_fd, mode=mode)
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:
@@ -504,52 +548,9 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def publish(dir_fd: int, tmp_name: str, name: str) -> None:
+def publish(dir_fd: int, tmp: str, name: str) -> None:
     """Rename a fully written temporary file to its final name (atomic)."""
-    os.rename(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-
-
-def write_reserved(
-    res: Reservation,
-    hidden_states: Any,
-    token_ids: Any,
-    metadata: Mapping[str, str],
-    scales: Any = None,
-) -> int:
-    """Write the whole file for a reservation at once; returns its size in bytes.
-
-    ``hidden_states``: torch ``[T, L, H]`` (CPU); ``token_ids``: torch int64 ``[T]``;
-    ``scales``: float32 ``[T, L, 1]`` when ``hidden_states`` is float8_e4m3fn (its
-    ``dtype_metadata`` is added to ``metadata``), else ``None``.
-    The same layout and steps as the writer process (``file_layout``, ``create_tmp``,
-    ``pwrite_all``, ``publish``), for callers that hold the whole tensors. Raises
-    ``DumpFormatError`` on inconsistent shapes and ``OSError`` on I/O failure; in both
-    cases nothing is left under the final name and the temporary file is removed. Does
-    not release the reservation (see ``complete`` / ``fail``).
-    """
-    import torch
-
-    check_tensors(hidden_states, token_ids, scales)
-    dtype = str(hidden_states.dtype).replace("torch.", "")
-    specs = dump_tensors(*hidden_states.shape, dtype)
-    layout = file_layout(specs, {**metadata, **dtype_metadata(dtype)})
-    tensors = (hidden_states, token_ids) if scales is None else (hidden_states, scales, token_ids)
-    fd = None
-    try:
-        fd = create_tmp(res.dir_fd, res.tmp_name)
-        pwrite_all(fd, layout.header, 0)
-        for spec, tensor in zip(specs, tensors):
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            pwrite_all(fd, raw, layout.offsets[spec.name])
-        os.close(fd)
-        fd = None
-        publish(res.dir_fd, res.tmp_name, res.name)
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        _unlink_quiet(res.dir_fd, res.tmp_name)
-        raise
-    return layout.size
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def check_tensors(hidden_states: Any, token_ids: Any, scales: Any = None) -> None:
@@ -671,7 +672,6 @@ def fail(res: Reservation, message: str) -> None:
             os.close(fd)
     except (OSError, ValueError):  # ValueError: a bad KIMI_SGLANG_FILE_MODE
         pass
-    _unlink_never_raises(res.dir_fd, res.tmp_name)
     _unlink_never_raises(res.dir_fd, res.lock_name)
     _close_never_raises(res.lock_fd)
 
@@ -702,7 +702,8 @@ def _close_never_raises(fd: int) -> None:
 def clean_stale(dir_fd: int) -> Dict[str, int]:
     """Remove what an interrupted run left: temporary files and locks nobody holds.
 
-    Temporary files are ours (``.<name>.safetensors.tmp``) and safetensors' own
+    Temporary files are those ``is_tmp_name`` matches: ours (``.kimi-...safetensors.tmp``,
+    and earlier releases' ``.<name>.safetensors.tmp``) and safetensors' own
     (``.tmpXXXXXX``); only the writing ranks of one server may use a dump directory (one
     per DP rank: they all start before the server takes requests).
 
@@ -712,9 +713,7 @@ def clean_stale(dir_fd: int) -> Dict[str, int]:
     """
     removed = {"tmp": 0, "lock": 0}
     for name in os.listdir(dir_fd):
-        if (name.startswith(TMP_PREFIX) and name.endswith(SUFFIX + TMP_SUFFIX)) or (
-            _SAFETENSORS_TMP.fullmatch(name)
-        ):
+        if is_tmp_name(name):
             _unlink_never_raises(dir_fd, name)  # a directory planted there stays: never fatal
             removed["tmp"] += 1
         elif name.endswith(SUFFIX + LOCK_SUFFIX):
@@ -991,10 +990,18 @@ def read_header(dir_fd: int, name: str) -> Dict[str, Any]:
     return header
 
 
-def index_record(dir_fd: int, name: str, size: int) -> Dict[str, Any]:
-    """The ``index.jsonl`` record of file ``name`` (``size`` bytes), from its header.
-    Raises what ``read_header`` raises, and ``DumpFormatError`` when the header has no
-    ``hidden_states`` entry whose ``shape`` is a non-empty list of non-negative ints."""
+def index_record(rid: str, name: str, num_tokens: int, size: int, layer_ids: str) -> Dict[str, Any]:
+    """The ``index.jsonl`` record of file ``name``: its request's ``rid``, ``num_tokens``
+    prompt tokens, ``size`` bytes, ``layer_ids`` as the metadata holds them (a JSON list
+    in a string). The one place its keys are spelled."""
+    return {"rid": rid, "file": name, "num_tokens": num_tokens, "bytes": size, "layer_ids": layer_ids}
+
+
+def index_record_from_header(dir_fd: int, name: str, size: int) -> Dict[str, Any]:
+    """``index_record`` of file ``name`` (``size`` bytes), from its header (for a file
+    whose writer died before it appended the line). Raises what ``read_header`` raises,
+    and ``DumpFormatError`` when the header has no ``hidden_states`` entry whose
+    ``shape`` is a non-empty list of non-negative ints."""
     header = read_header(dir_fd, name)
     meta = header.get("__metadata__", {})
     entry = header.get(KEY_HIDDEN_STATES)
@@ -1003,8 +1010,7 @@ def index_record(dir_fd: int, name: str, size: int) -> Dict[str, Any]:
             and all(type(d) is int and d >= 0 for d in shape)):
         raise DumpFormatError(f"{name}: the header has no {KEY_HIDDEN_STATES} entry with a "
                               f"shape of non-negative ints")
-    return {"rid": meta.get("rid"), "file": name, "num_tokens": shape[0], "bytes": size,
-            "layer_ids": meta.get("layer_ids")}
+    return index_record(meta.get("rid"), name, shape[0], size, meta.get("layer_ids"))
 
 
 def read_index(directory: str) -> list:

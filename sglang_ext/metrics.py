@@ -21,6 +21,7 @@ Names (``kimi_sglang:`` prefix, like SGLang's ``sglang:``), label ``model_name``
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 PREFIX = "kimi_sglang:"
@@ -75,7 +76,15 @@ def model_name(server_args) -> Optional[str]:
     return getattr(server_args, "served_model_name", None) or server_args.model_path
 
 
-def from_server_args(server_args, registry: Any = None) -> Optional[DumpMetrics]:
-    """``DumpMetrics`` when ``--enable-metrics`` is on, else ``None``."""
-    name = model_name(server_args)
-    return None if name is None else DumpMetrics(name, registry=registry)
+def mark_dead(pid: int) -> None:
+    """Drop writer process ``pid``'s gauges from prometheus_client's multiprocess
+    directory (its counters stay), so the server's levels sum over live writers only.
+    Called by the writer process at its exit and by the scheduler for one that died;
+    nothing without ``PROMETHEUS_MULTIPROC_DIR``. Never raises."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)
+        except Exception:  # noqa: BLE001 - observability must not fail the dump path
+            pass

@@ -13,7 +13,8 @@ with one difference: hs-connectors takes one amax per token over all layers
 (``[T, 1, 1]``); we take one per token *and layer slot* (``[T, L, 1]``), because the
 layers' magnitudes differ by orders of magnitude (the last layers' residual streams are
 far larger than the early ones'), and one scale per token would push the small layers
-into e4m3's subnormal range. ``FP8Transfer`` broadcasts either shape.
+into e4m3's subnormal range. ``FP8Transfer`` broadcasts either shape. Files say so in
+their metadata (``format.SCALE_LAYOUT``).
 
 An all-zero (token, slot) has amax 0, so its scale is the 1e-12 floor (as in
 hs-connectors) and every element quantizes to 0 and dequantizes to exactly 0.
@@ -43,8 +44,6 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_FLOOR = 1e-12  # hs_connectors.fp8_utils' clamp: all-zero slots dequantize to 0
-# The file's metadata value for the scales' layout (``format.SCALE_LAYOUT_KEY``).
-SCALE_LAYOUT = "per_token_per_layer"
 BLOCK_ELEMENTS = 1 << 24  # elements per block of rows in quantize_fp8 (64 MiB of float32)
 
 

@@ -42,7 +42,8 @@ from sglang_ext import arena as arena_mod
 from sglang_ext import format as fmt
 from sglang_ext import config, quant, trace, wire
 from sglang_ext.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_STATS_INTERVAL_S, DEFAULT_WATCHDOG_S
-from sglang_ext.writer_process import SHUTDOWN_MESSAGE, TMP_PREFIX, mark_dead
+from sglang_ext.format import SHUTDOWN_MESSAGE
+from sglang_ext.metrics import mark_dead
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ class _Piece:
 
 @dataclass
 class _Outbox:
-    ops: List[tuple] = field(default_factory=list)
-    fds: List[int] = field(default_factory=list)  # lock descriptors of the FINISH ops
+    ops: List[wire.Op] = field(default_factory=list)
+    fds: List[int] = field(default_factory=list)  # lock descriptors of the Finish ops
     copied: bool = False  # ops read arena data copied since the last send
 
 
@@ -188,7 +189,7 @@ class DumpWriter:
     # ---- the writer process -----------------------------------------------------------
     @property
     def tag(self) -> str:
-        """Names this generation's temporary files (``.kimi-<tag>-<key>...tmp``)."""
+        """Names this generation's temporary files (``format.tmp_name``)."""
         return f"{os.getpid()}-{self.generation}"
 
     @property
@@ -281,7 +282,7 @@ class DumpWriter:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        prefix = f"{TMP_PREFIX}{self.tag}-"
+        prefix = fmt.tmp_prefix(self.tag)
         try:
             names = os.listdir(self.dir_fd)
         except OSError as e:
@@ -378,16 +379,15 @@ class DumpWriter:
 
         Raises ``TypeError`` for a rid that is not a str and for token ids that are not
         int64 (``OverflowError`` too), ``ValueError`` for a rid longer than
-        ``format.MAX_RID_CHARS`` and when the token ids alone exceed the arena, ``RuntimeError``
-        after ``close``.
+        ``format.MAX_RID_CHARS`` and when the token ids alone exceed the arena,
+        ``format.DumpFormatError`` (a ``ValueError``) for a dtype safetensors cannot hold,
+        ``RuntimeError`` after ``close``.
         """
-        if self.hidden_states_dtype == "fp8":
-            dtype = quant.FP8_DTYPE
-        elif self.hidden_states_dtype == "bf16":
-            dtype = torch.bfloat16
+        dtype = self._file_dtype(dtype)
         if self._closed:
             raise RuntimeError(SHUTDOWN_MESSAGE)
         fmt.check_rid(rid)
+        fmt.row_bytes(row_width, _dtype_name(dtype))  # a dtype no file can hold fails here
         ids = array.array("q", token_ids)
         nbytes = len(ids) * 8
         if nbytes > self.extents.capacity:
@@ -402,8 +402,8 @@ class DumpWriter:
         if nbytes:
             self._view[off:off + nbytes] = memoryview(ids).cast("B")
         self._pieces[piece].refs = 1
-        self._out.ops.append((wire.BEGIN, pending.key, rid, pending.num_tokens, pending.row_width,
-                              str(dtype).replace("torch.", ""), piece, off, pending.times))
+        self._out.ops.append(wire.Begin(pending.key, rid, pending.num_tokens, pending.row_width,
+                                        _dtype_name(dtype), piece, off, pending.times))
         return pending
 
     def is_current(self, pending: PendingDump) -> bool:
@@ -429,8 +429,8 @@ class DumpWriter:
         Under ``hidden_states_dtype`` fp8 (bf16) the rows are quantized (cast) first, on
         the copy stream, so the copy moves fp8 rows plus their scales: each arena range
         holds the scales (``[n, L]`` float32) of its ``n`` rows, then the rows.
-        Raises ``ValueError`` for rows that overflow a request or do not match its width,
-        ``WriterDied`` when the writer process died meanwhile (the batch's requests fail).
+        Raises ``ValueError`` for rows that overflow a request or do not match its width
+        (``format.DumpFormatError`` for a dtype no file can hold), ``WriterDied`` when the writer process died meanwhile (the batch's requests fail).
         """
         for pending, start, n in segments:
             if start < 0 or n < 0 or start + n > hidden.shape[0]:
@@ -444,9 +444,9 @@ class DumpWriter:
                 raise WriterDied(DIED_MESSAGE)
         src = hidden
         scales = None
-        scale_bytes = 4 * self.num_slots if self.hidden_states_dtype == "fp8" else 0
-        elem = {"fp8": 1, "bf16": 2}.get(self.hidden_states_dtype, hidden.element_size())
-        row_bytes = hidden.shape[1] * elem
+        dtype = _dtype_name(self._file_dtype(hidden.dtype))
+        row_bytes = fmt.row_bytes(hidden.shape[1], dtype)
+        scale_bytes = fmt.scale_row_bytes(self.num_slots, dtype)
         if row_bytes + scale_bytes > self.extents.capacity:
             raise ValueError(f"one token's row ({row_bytes + scale_bytes} bytes) exceeds the {self.extents.capacity}-byte "
                              f"arena (--dump-hidden-states-max-host-mb)")
@@ -475,11 +475,9 @@ class DumpWriter:
                         pending, s, cnt = run[i]
                         lo, hi = max(s, pos), min(s + cnt, piece_end)
                         if lo < hi:
-                            op = (wire.ROWS, pending.key, pending.rows, hi - lo, piece,
-                                  rows_off + (lo - pos) * row_bytes)
-                            if scales is not None:
-                                op += (off + (lo - pos) * scale_bytes,)
-                            self._out.ops.append(op)
+                            self._out.ops.append(wire.Rows(
+                                pending.key, pending.rows, hi - lo, piece, rows_off + (lo - pos) * row_bytes,
+                                None if scales is None else off + (lo - pos) * scale_bytes))
                             self._pieces[piece].refs += 1
                             pending.rows += hi - lo
                         if s + cnt > piece_end:
@@ -490,6 +488,15 @@ class DumpWriter:
                 src.record_stream(self._stream)  # converted rows live on the copy stream
         finally:
             self._busy = False
+
+    def _file_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The file's dtype for rows of ``dtype``: as they come (``auto``), bfloat16
+        (``bf16``) or float8_e4m3fn (``fp8``)."""
+        if self.hidden_states_dtype == "fp8":
+            return quant.FP8_DTYPE
+        if self.hidden_states_dtype == "bf16":
+            return torch.bfloat16
+        return dtype
 
     def _convert(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The rows in the file's dtype, made on the copy stream when on the GPU (the
@@ -516,8 +523,8 @@ class DumpWriter:
             return
         if pending.times is not None:
             pending.times["t_submit"] = trace.now()
-        self._out.ops.append((wire.FINISH, pending.key, reservation.name,
-                              {"t_submit": pending.times["t_submit"]} if pending.times else None))
+        self._out.ops.append(wire.Finish(pending.key, reservation.name,
+                                         {"t_submit": pending.times["t_submit"]} if pending.times else None))
         self._out.fds.append(reservation.lock_fd)
         self._outstanding[pending.key] = reservation.name
 
@@ -527,7 +534,7 @@ class DumpWriter:
         callback (it only queues, unless no batch is being handled)."""
         if self._closed or not self.is_current(pending):
             return
-        self._out.ops.append((wire.ABANDON, pending.key))
+        self._out.ops.append(wire.Abandon(pending.key))
         if not self._busy:
             self.flush()
 
@@ -602,7 +609,7 @@ class DumpWriter:
                 if not isinstance(e, WriterDied):
                     self._writer_died()
                 return
-            self._ops_sent += sum(op[0] != wire.CLOSE for op in msg.ops)
+            self._ops_sent += sum(type(op) is not wire.Close for op in msg.ops)
             for fd in msg.fds:  # the writer holds these locks now
                 os.close(fd)
 
@@ -614,20 +621,20 @@ class DumpWriter:
         failed = 0
         keys = []
         for op in msg.ops:
-            kind = op[0]
-            if kind in (wire.BEGIN, wire.ROWS, wire.FINISH):
-                keys.append(op[1])
-            if kind in (wire.BEGIN, wire.ROWS):
-                self._give_back(op[6] if kind == wire.BEGIN else op[4])
-            elif kind == wire.FINISH:
-                self._outstanding.pop(op[1], None)
-                fmt.fail(fmt.Reservation(self.dir_fd, op[2], next(fds)),
+            kind = type(op)
+            if kind in (wire.Begin, wire.Rows, wire.Finish):
+                keys.append(op.key)
+            if kind in (wire.Begin, wire.Rows):
+                self._give_back(op.piece)
+            elif kind is wire.Finish:
+                self._outstanding.pop(op.key, None)
+                fmt.fail(fmt.Reservation(self.dir_fd, op.name, next(fds)),
                          f"the message to the hidden-state writer was refused: {e.strerror or e}")
                 failed += 1
         self.stats.failures += failed
         # The writer may hold these requests' temporary files (an earlier message opened
         # them): it drops them; a later FINISH of theirs then fails there (no rows).
-        self._out.ops.extend((wire.ABANDON, key) for key in dict.fromkeys(keys))
+        self._out.ops.extend(wire.Abandon(key) for key in dict.fromkeys(keys))
         logger.error("hidden-state dump: a %d-byte message to the writer process was refused (%s); "
                      "%d files failed, the writer goes on", len(msg.blob), e.strerror or e, failed)
 
@@ -681,7 +688,7 @@ class DumpWriter:
         wrote = failed = nbytes = 0
         while self._sock is not None:
             try:
-                events, _ = wire.recv(self._sock, socket.MSG_DONTWAIT)
+                events = wire.recv_acks(self._sock, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 break
             except wire.BadMessage as e:
@@ -693,15 +700,15 @@ class DumpWriter:
                 self._peer_gone()
                 break
             for ev in events:
-                kind = ev[0]
-                if kind == wire.DONE_PIECE:  # (DONE_PIECE, piece, data bytes)
-                    self._give_back(ev[1])
-                elif kind == wire.WROTE:
-                    self._outstanding.pop(ev[1], None)
+                kind = type(ev)
+                if kind is wire.DonePiece:
+                    self._give_back(ev.piece)
+                elif kind is wire.Wrote:
+                    self._outstanding.pop(ev.key, None)
                     wrote += 1
-                    nbytes += ev[3]
-                elif kind == wire.FAILED:
-                    self._outstanding.pop(ev[1], None)
+                    nbytes += ev.nbytes
+                elif kind is wire.Failed:
+                    self._outstanding.pop(ev.key, None)
                     failed += 1
         self.stats.files += wrote
         self.stats.bytes += nbytes
@@ -718,12 +725,9 @@ class DumpWriter:
             self._wait_acks(0.02)
         return not (self._outstanding or self._pieces)
 
-    def queue_depth(self) -> int:
-        """Files sent to the writer and not yet acknowledged."""
-        return len(self._outstanding)
-
     def snapshot(self) -> Dict[str, int]:
-        """Counters: files and bytes written, failures, files in flight (``queue_depth``),
+        """Counters: files and bytes written, failures, files sent to the writer and not
+        yet acknowledged (``queue_depth``),
         arena bytes in use and peak and its size, backpressure waits, writer restarts."""
         return {
             "files_written": self.stats.files,
@@ -757,7 +761,7 @@ class DumpWriter:
         self._stop_watchdog.set()
         proc = self._proc
         if self._sock is not None:
-            self._out.ops.append((wire.CLOSE, float(timeout)))
+            self._out.ops.append(wire.Close(float(timeout)))
             self._send()
         deadline = time.monotonic() + max(0.0, timeout) + 2.0
         while self._sock is not None and proc.poll() is None and time.monotonic() < deadline:
@@ -800,6 +804,11 @@ class DumpWriter:
             self.close()
         except Exception as e:  # noqa: BLE001 - never fail interpreter shutdown
             logger.error("hidden-state dump: closing the writer failed: %s", e)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as ``format`` and ``wire`` name it: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "")
 
 
 def _how(code: Optional[int]) -> str:
@@ -851,7 +860,7 @@ def _fail_orphan(dir_fd: int, name: str, message: str) -> Optional[int]:
     try:
         indexed = any(r.get("file") == name for r in fmt.read_index(f"/proc/self/fd/{dir_fd}"))
         if not indexed:
-            fmt.append_index(dir_fd, fmt.index_record(dir_fd, name, size))
+            fmt.append_index(dir_fd, fmt.index_record_from_header(dir_fd, name, size))
     except Exception as e:  # noqa: BLE001 - an index someone edited must not stop the scheduler
         logger.error("hidden-state dump: cannot index %s after its writer died: %s", name, e)
     fmt.complete(fmt.Reservation(dir_fd, name, fd))

@@ -7,28 +7,28 @@ its own, so nothing it does (system calls, per-file Python) slows the scheduler 
 
 Per request (all names relative to the dump directory's descriptor):
 
-1. ``BEGIN``: create ``.kimi-<tag>-<key>.safetensors.tmp`` exclusively, write the
+1. ``Begin``: create its temporary file (``format.tmp_name``) exclusively, write the
    safetensors header (``format.file_layout``: shapes and metadata are known from the
    first chunk) and the token ids.
-2. ``ROWS``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
+2. ``Rows``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
    chunked prefill produces them (fp8 files: the rows' scales too, a second ``pwrite``);
    the arena range goes back to the scheduler at once, so a prompt longer than the arena
    streams through it.
-3. ``FINISH``: the lock of the reserved final name arrives with the op (the scheduler
+3. ``Finish``: the lock of the reserved final name arrives with the op (the scheduler
    created it, ``format.reserve``); rename the temporary file to the final name, append
    the index line, unlink and release the lock (``format.complete``). Any failure before
    (``ENOSPC``, a vanished directory) ends as ``format.fail``: ``<name>.error`` and the
    lock released, so the waiting response carries the message.
-4. ``ABANDON``: the request went away before its last row: unlink the temporary file.
+4. ``Abandon``: the request went away before its last row: unlink the temporary file.
 
 Requests are spread over ``--threads`` writer threads, all ops of one request on the same
 thread (in order). The main thread receives messages, waits for the arena's sequence
 number before handing out ops that read it, and sends the acknowledgements.
 
-Shutdown: on ``CLOSE`` or when the scheduler's end of the socket closes (the scheduler
+Shutdown: on ``Close`` or when the scheduler's end of the socket closes (the scheduler
 exited or was killed), the ops already received are carried out, within ``--drain-timeout``
-seconds (``CLOSE`` carries its own); at the deadline the finishes not yet started fail
-with ``SHUTDOWN_MESSAGE`` and the process exits. A write cut off leaves only its
+seconds (``Close`` carries its own); at the deadline the finishes not yet started fail
+with ``format.SHUTDOWN_MESSAGE`` and the process exits. A write cut off leaves only its
 temporary file and its lock, which ``format.clean_stale`` removes at the next start;
 never a partial file under a final name. SIGINT is ignored (the server's Ctrl-C reaches
 the scheduler, which closes us); SIGTERM starts the same drain.
@@ -40,9 +40,7 @@ import argparse
 import json
 import logging
 import os
-import pickle
 import queue
-import secrets
 import select
 import signal
 import socket
@@ -59,26 +57,18 @@ from sglang_ext import trace, wire
 
 logger = logging.getLogger("sglang_ext.writer_process")
 
-SHUTDOWN_MESSAGE = "server shut down before the hidden-state file was written"
 COPY_TIMEOUT_S = 600.0  # a batch's device-to-host copy that takes longer: the GPU is hung
 LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
-TMP_PREFIX = ".kimi-"
 
 
-def tmp_name(tag: str, key: int) -> str:
-    """The temporary file of request ``key`` of writer ``tag`` (``clean_stale`` matches
-    it); a random part makes it unguessable, so nothing can be planted there in advance."""
-    return f"{TMP_PREFIX}{tag}-{key}-{secrets.token_hex(6)}{fmt.SUFFIX}{fmt.TMP_SUFFIX}"
-
-
-def row_bytes(row_width: int, dtype: str) -> int:
-    """Bytes of one token's row: ``row_width`` elements of torch dtype ``dtype``."""
-    return int(row_width) * fmt.SAFETENSORS_DTYPES.get(dtype, ("", 0))[1]
-
-
-def scale_row_bytes(num_slots: int, dtype: str) -> int:
-    """Bytes of one token's scales: ``num_slots`` float32 for fp8 rows, else 0."""
-    return 4 * int(num_slots) if dtype == fmt.FP8 else 0
+def _sizes(row_width: int, dtype: str, num_slots: int) -> tuple:
+    """``(row bytes, scale bytes)`` of one token (``format.row_bytes``,
+    ``format.scale_row_bytes``); ``(0, 0)`` for a dtype no file can hold (such a request
+    fails at its header and holds no rows)."""
+    try:
+        return fmt.row_bytes(row_width, dtype), fmt.scale_row_bytes(num_slots, dtype)
+    except fmt.DumpFormatError:
+        return 0, 0
 
 
 @dataclass
@@ -102,7 +92,7 @@ class Writer:
     thread per request; acknowledgements go to ``acks`` (``wire`` events)."""
 
     def __init__(self, dir_fd: int, mm, *, tag: str, layer_ids, num_layers: int, extra: dict,
-                 acks: Deque[tuple], wake, metrics=None):
+                 acks: Deque[wire.Ack], wake, metrics=None):
         self.dir_fd = dir_fd
         self.mm = mm
         self.view = memoryview(mm)
@@ -117,42 +107,40 @@ class Writer:
         self.jobs: Dict[int, _Job] = {}
 
     # ---- ops ----------------------------------------------------------------------
-    def handle(self, op: tuple, fd: Optional[int], lost: bool = False) -> None:
+    def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False) -> None:
         """Carry out one op. ``lost``: its arena data never arrived (``COPY_TIMEOUT_S``):
         the request fails instead of writing what the arena holds. Never raises for a
-        request's own failure: it becomes that request's error (its FINISH fails); the
+        request's own failure: it becomes that request's error (its ``Finish`` fails); the
         arena range an op names is acknowledged whatever happens."""
-        kind = op[0]
-        if kind == wire.BEGIN:
-            _, key, rid, num_tokens, row_width, dtype, piece, token_off, times = op
+        kind = type(op)
+        if kind is wire.Begin:
             try:
-                job = self.jobs[key] = _Job(rid=rid, num_tokens=num_tokens, times=dict(times or {}),
-                                            row_bytes=row_bytes(row_width, dtype),
-                                            scale_row_bytes=scale_row_bytes(len(self.layer_ids), dtype))
+                rows, scales = _sizes(op.row_width, op.dtype, len(self.layer_ids))
+                job = self.jobs[op.key] = _Job(rid=op.rid, num_tokens=op.num_tokens,
+                                               times=dict(op.times or {}),
+                                               row_bytes=rows, scale_row_bytes=scales)
                 if lost:
                     job.error = LOST_MESSAGE
                 elif not self.abort:
-                    self._guard(job, self._begin, job, key, row_width, dtype, token_off)
+                    self._guard(job, self._begin, job, op.key, op.row_width, op.dtype, op.token_off)
             finally:
-                self._ack((wire.DONE_PIECE, piece, num_tokens * 8))
-        elif kind == wire.ROWS:
-            _, key, row0, nrows, piece, off = op[:6]
-            job = self.jobs.get(key)
+                self._ack(wire.DonePiece(op.piece, op.num_tokens * 8))
+        elif kind is wire.Rows:
+            job = self.jobs.get(op.key)
             try:
                 if job is not None and lost and job.error is None:
                     job.error = LOST_MESSAGE
                     self._discard(job)
                 if job is not None and job.error is None and not self.abort:
-                    self._guard(job, self._rows, job, row0, nrows, off, op[6] if len(op) > 6 else None)
+                    self._guard(job, self._rows, job, op.row0, op.nrows, op.off, op.scale_off)
             finally:
-                self._ack((wire.DONE_PIECE, piece,
-                           nrows * (job.row_bytes + job.scale_row_bytes if job is not None else 0)))
-        elif kind == wire.FINISH:
-            _, key, name, times = op
-            job = self.jobs.pop(key, None)
-            self._finish(key, job, fmt.Reservation(self.dir_fd, name, fd), times)
-        elif kind == wire.ABANDON:
-            job = self.jobs.pop(op[1], None)
+                self._ack(wire.DonePiece(op.piece, op.nrows * (job.row_bytes + job.scale_row_bytes
+                                                               if job is not None else 0)))
+        elif kind is wire.Finish:
+            job = self.jobs.pop(op.key, None)
+            self._finish(op.key, job, fmt.Reservation(self.dir_fd, op.name, fd), op.times)
+        elif kind is wire.Abandon:
+            job = self.jobs.pop(op.key, None)
             if job is not None:
                 self._discard(job)
 
@@ -177,7 +165,7 @@ class Writer:
         job.base = layout.offsets[fmt.KEY_HIDDEN_STATES]
         job.scale_base = layout.offsets.get(fmt.KEY_SCALES, 0)
         job.size = layout.size
-        tmp = tmp_name(self.tag, key)
+        tmp = fmt.tmp_name(self.tag, key)
         job.fd = fmt.create_tmp(self.dir_fd, tmp)
         job.tmp = tmp  # only once it is ours: _discard unlinks nothing else
         fmt.pwrite_all(job.fd, layout.header, 0)
@@ -202,7 +190,7 @@ class Writer:
         t_picked = trace.now()
         try:
             if self.abort:
-                raise RuntimeError(SHUTDOWN_MESSAGE)
+                raise RuntimeError(fmt.SHUTDOWN_MESSAGE)
             if job is None:
                 raise RuntimeError("the writer process has no rows for this request")
             if job.error is not None:
@@ -226,11 +214,11 @@ class Writer:
             fmt.fail(res, message)
             if self.metrics is not None:
                 self.metrics.failed()
-            self._ack((wire.FAILED, key, res.name, message))
+            self._ack(wire.Failed(key, res.name, message))
             return
         if self.metrics is not None:
             self.metrics.written(job.size)
-        self._ack((wire.WROTE, key, res.name, job.size))
+        self._ack(wire.Wrote(key, res.name, job.size))
         if trace.enabled():
             trace.record("file", name=res.name, bytes=job.size, rows=job.num_tokens,
                          **dict(job.times, **(times or {})), t_picked=t_picked, t_copied=t_copied,
@@ -242,10 +230,8 @@ class Writer:
         the response, the counters, the index and the directory agree. Only if even the
         unlink fails does the file stay, then counted as written without its line."""
         try:
-            fmt.append_index(self.dir_fd, {
-                "rid": job.rid, "file": name, "num_tokens": job.num_tokens,
-                "bytes": job.size, "layer_ids": json.dumps(self.layer_ids),
-            })
+            fmt.append_index(self.dir_fd, fmt.index_record(job.rid, name, job.num_tokens, job.size,
+                                                           json.dumps(self.layer_ids)))
         except OSError as e:
             try:
                 os.unlink(name, dir_fd=self.dir_fd)
@@ -275,29 +261,30 @@ class Writer:
                 logger.warning("hidden-state dump: cannot remove %s: %s", job.tmp, e)
             job.tmp = ""
 
-    def failed_op(self, op: tuple, fd: Optional[int], e: BaseException) -> None:
+    def failed_op(self, op: wire.Op, fd: Optional[int], e: BaseException) -> None:
         """What an op that raised past ``handle``'s own handling leaves: its request fails
-        (a FINISH answers FAILED, releasing the lock with ``<name>.error``)."""
-        logger.error("hidden-state dump: op %s of request %s failed: %s: %s", op[0], op[1],
-                     type(e).__name__, e)
+        (a ``Finish`` answers ``Failed``, releasing the lock with ``<name>.error``)."""
+        logger.error("hidden-state dump: op %s of request %s failed: %s: %s", type(op).__name__,
+                     op.key, type(e).__name__, e)
         message = f"{type(e).__name__}: {e}"
-        job = self.jobs.pop(op[1], None) if op[0] in (wire.FINISH, wire.ABANDON) else self.jobs.get(op[1])
+        ends = type(op) in (wire.Finish, wire.Abandon)
+        job = self.jobs.pop(op.key, None) if ends else self.jobs.get(op.key)
         if job is not None:
             job.error = job.error or message
             self._discard(job)
-        if op[0] == wire.FINISH and fd is not None:
-            fmt.fail(fmt.Reservation(self.dir_fd, op[2], fd), message)
+        if type(op) is wire.Finish and fd is not None:
+            fmt.fail(fmt.Reservation(self.dir_fd, op.name, fd), message)
             if self.metrics is not None:
                 self.metrics.failed()
-            self._ack((wire.FAILED, op[1], op[2], message))
+            self._ack(wire.Failed(op.key, op.name, message))
 
     def discard_all(self) -> None:
-        """Unlink the temporary files of requests that never got their FINISH."""
+        """Unlink the temporary files of requests that never got their ``Finish``."""
         for job in list(self.jobs.values()):
             self._discard(job)
         self.jobs.clear()
 
-    def _ack(self, event: tuple) -> None:
+    def _ack(self, event: wire.Ack) -> None:
         self.acks.append(event)
         try:
             os.write(self.wake, b"!")
@@ -349,29 +336,30 @@ class _Levels:
         self._last_log = time.monotonic()
         self._dirty = True
 
-    def received(self, op: tuple) -> None:
-        kind = op[0]
-        if kind == wire.BEGIN:
-            self._row_bytes[op[1]] = row_bytes(op[4], op[5]) + scale_row_bytes(self._slots, op[5])
-            self.held += op[3] * 8
-        elif kind == wire.ROWS:
-            self.held += op[3] * self._row_bytes.get(op[1], 0)
-        elif kind == wire.FINISH:
+    def received(self, op: wire.Op) -> None:
+        kind = type(op)
+        if kind is wire.Begin:
+            self._row_bytes[op.key] = sum(_sizes(op.row_width, op.dtype, self._slots))
+            self.held += op.num_tokens * 8
+        elif kind is wire.Rows:
+            self.held += op.nrows * self._row_bytes.get(op.key, 0)
+        elif kind is wire.Finish:
             self.queue_depth += 1
-            self._row_bytes.pop(op[1], None)
-        elif kind == wire.ABANDON:
-            self._row_bytes.pop(op[1], None)
+            self._row_bytes.pop(op.key, None)
+        elif kind is wire.Abandon:
+            self._row_bytes.pop(op.key, None)
         self.peak = max(self.peak, self.held)
         self._dirty = True
 
-    def acked(self, ev: tuple) -> None:
-        if ev[0] == wire.DONE_PIECE:
-            self.held -= ev[2]
-        elif ev[0] == wire.WROTE:
+    def acked(self, ev: wire.Ack) -> None:
+        kind = type(ev)
+        if kind is wire.DonePiece:
+            self.held -= ev.nbytes
+        elif kind is wire.Wrote:
             self.queue_depth -= 1
             self.files += 1
-            self.bytes += ev[3]
-        elif ev[0] == wire.FAILED:
+            self.bytes += ev.nbytes
+        elif kind is wire.Failed:
             self.queue_depth -= 1
             self.failures += 1
         self._dirty = True
@@ -393,9 +381,9 @@ class _Levels:
 def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer_ids,
           num_layers: int, extra: dict, drain_timeout: float, metrics=None,
           stats_interval_s: float = 0.0, progress=None) -> int:
-    """Receive and carry out ops until CLOSE or the scheduler's end closes; returns the
+    """Receive and carry out ops until ``Close`` or the scheduler's end closes; returns the
     number of writes still running at the drain deadline (0 when all ended)."""
-    acks: Deque[tuple] = deque()
+    acks: Deque[wire.Ack] = deque()
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     workers = [
         _Thread(i, Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
@@ -405,7 +393,7 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
     levels = _Levels(metrics, stats_interval_s, len(layer_ids))
     stop = {"timeout": None}
 
-    def on_sigterm(signum, frame):  # drain as for CLOSE
+    def on_sigterm(signum, frame):  # drain as for Close
         stop["timeout"] = drain_timeout
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -420,31 +408,31 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
         if sock.fileno() in ready:
             while True:
                 try:
-                    msg, fds = wire.recv(sock, socket.MSG_DONTWAIT)
+                    msg = wire.recv_ops(sock, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 except wire.BadMessage as e:  # the scheduler bounds its messages: a bug, not a reason to stop
                     logger.error("hidden-state dump: %s; its ops are lost (their files fail)", e)
                     continue
                 except OSError:
-                    msg, fds = None, []
+                    msg = None
                 if msg is None:  # the scheduler is gone
                     out.peer_open = False
                     stop["timeout"] = drain_timeout
                     break
-                seq, ops = msg
+                seq, ops, fds = msg
                 arrived = not seq or arena_mod.wait_seq(mm, seq, timeout=COPY_TIMEOUT_S)
                 if not arrived:  # never write rows that did not land: fail their files
                     logger.error("hidden-state dump: rows of copy %d did not arrive within %.0f s",
                                  seq, COPY_TIMEOUT_S)
                 fds = iter(fds)
                 for op in ops:
-                    if op[0] == wire.CLOSE:
-                        stop["timeout"] = float(op[1])
+                    if type(op) is wire.Close:
+                        stop["timeout"] = float(op.timeout_s)
                         continue
-                    fd = next(fds) if op[0] == wire.FINISH else None
+                    fd = next(fds) if type(op) is wire.Finish else None
                     levels.received(op)
-                    workers[op[1] % len(workers)].queue.put((op, fd, not arrived))
+                    workers[op.key % len(workers)].queue.put((op, fd, not arrived))
         out.send()
         levels.publish()
     # drain: everything received is queued; each thread stops after its queue
@@ -476,16 +464,17 @@ def _fail_queued(w: "_Thread") -> None:
         except queue.Empty:
             return
         if item is not None:
-            w.writer.handle(*item)  # abort is set: FINISH fails, the rest is skipped
+            w.writer.handle(*item)  # abort is set: a Finish fails, the rest is skipped
 
 
 class _Acks:
-    """Sends the writer threads' acknowledgements to the scheduler, never blocking the
-    main thread (what does not fit waits for the next round) except at the very end."""
+    """Sends the writer threads' acknowledgements to the scheduler (``wire.pack_acks``),
+    never blocking the main thread (what does not fit waits for the next round) except at
+    the very end."""
 
-    def __init__(self, sock: socket.socket, acks: Deque[tuple], levels: _Levels):
+    def __init__(self, sock: socket.socket, acks: Deque[wire.Ack], levels: _Levels):
         self.sock, self.acks, self.levels = sock, acks, levels
-        self.unsent: List[tuple] = []
+        self.unsent: List[wire.Ack] = []
         self.peer_open = True
 
     def send(self, block: bool = False) -> None:
@@ -497,8 +486,7 @@ class _Acks:
             self.unsent.clear()
             return
         while self.unsent:
-            batch = self.unsent[:2000]
-            blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            blob, n = wire.pack_acks(self.unsent)
             try:
                 if block:
                     self.sock.settimeout(5.0)
@@ -510,7 +498,7 @@ class _Acks:
             except OSError:
                 self.peer_open = False
                 return
-            del self.unsent[:len(batch)]
+            del self.unsent[:n]
 
 
 def _drain_pipe(fd: int) -> None:
@@ -519,18 +507,6 @@ def _drain_pipe(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
-
-
-def mark_dead(pid: int) -> None:
-    """Drop a writer process's gauges from prometheus_client's multiprocess directory
-    (its counters stay): the server's levels sum over live writers only."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        try:
-            from prometheus_client import multiprocess
-
-            multiprocess.mark_process_dead(pid)
-        except Exception:  # noqa: BLE001 - observability must not fail the dump path
-            pass
 
 
 def main(argv=None) -> int:
@@ -564,7 +540,7 @@ def main(argv=None) -> int:
     mm = arena_mod.attach(args.arena_fd, args.arena_size)
     metrics = None
     if args.metrics_model_name is not None:
-        from sglang_ext.metrics import DumpMetrics
+        from sglang_ext.metrics import DumpMetrics, mark_dead
 
         metrics = DumpMetrics(args.metrics_model_name)
     late = serve(sock, mm, args.dir_fd, threads=args.threads, tag=args.tag,

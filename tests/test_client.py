@@ -2,7 +2,7 @@
 
 The fake server (a ``ThreadingHTTPServer`` on 127.0.0.1) answers ``/generate`` as the
 patched SGLang does: it writes each request's file through ``sglang_ext.format``'s real
-writer path (reserve -> write_reserved -> complete, so the ``.lock`` is gone before the
+writer path (reserve -> write -> complete, so the ``.lock`` is gone before the
 answer) and names it in ``meta_info.hidden_states_path``. Its ``/v1/completions`` builds
 SGLang 0.5.17's own ``CompletionResponse`` (with ``prompt_token_ids`` as SGLang returns
 them for ``return_token_ids``) and passes it through ``hooks.openai_completion_extras``,
@@ -37,6 +37,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dumpfiles import write_dump
 from fake_sglang_server import JsonHandler
 
 from sglang_ext import hooks
@@ -150,7 +151,7 @@ class FakeServer:
             if fail:  # as the writer does when a write fails after an early answer
                 fmt.fail(res, "OSError: [Errno 28] No space left on device")
                 return
-            fmt.write_reserved(res, hs, token_ids, meta)
+            write_dump(res, hs, token_ids, meta)
             fmt.complete(res)
 
         if early and self.early_write_s is not None:

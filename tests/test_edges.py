@@ -111,11 +111,11 @@ def test_a_directory_planted_at_the_temporary_name_fails_that_request_only(dump,
     planted = ".kimi-planted.safetensors.tmp"
     inject_writer(monkeypatch, tmp_path, f"""
         import os
-        from sglang_ext import writer_process
-        _real = writer_process.tmp_name
+        from sglang_ext import format as fmt
+        _real = fmt.tmp_name
         def tmp_name(tag, key):
             return {planted!r} if key == 0 else _real(tag, key)
-        writer_process.tmp_name = tmp_name
+        fmt.tmp_name = tmp_name
     """)
     (dump / planted).mkdir()
     sess = sessions.start(make_runner(dump, layers="2,4"))
@@ -129,9 +129,7 @@ def test_a_directory_planted_at_the_temporary_name_fails_that_request_only(dump,
 
 
 def test_temporary_names_cannot_be_guessed():
-    from sglang_ext import writer_process
-
-    names = {writer_process.tmp_name("1-0", 7) for _ in range(50)}
+    names = {fmt.tmp_name("1-0", 7) for _ in range(50)}
     assert len(names) == 50 and all(n.startswith(".kimi-1-0-7-") for n in names)
 
 

@@ -23,7 +23,6 @@ import torch
 
 from sglang_ext import format as fmt
 from sglang_ext import metrics as dump_metrics
-from sglang_ext import writer_process
 from sglang_ext.writer import DumpWriter
 from sglang_ext.config import DumpConfigError, check_directory, env_settings
 from test_format import RIDS
@@ -517,7 +516,7 @@ def test_shutdown_past_the_deadline_fails_what_is_left_and_leaves_nothing(dump, 
     # file (their waiters get the message); the writer process is gone, and the scheduler
     # removed its temporary files and locks.
     assert files == [] and len(errors) == 6 and left == []
-    assert all(writer_process.SHUTDOWN_MESSAGE in (dump / e).read_text() for e in errors)
+    assert all(fmt.SHUTDOWN_MESSAGE in (dump / e).read_text() for e in errors)
     assert gone(writer_pid)
 
 
@@ -572,7 +571,7 @@ def test_submit_after_close_fails_the_request_cleanly(dump, sessions):
     req = Req("late", 4, 1)
     run_extend(sess, [(req, 0, 4)], IDS)
     meta = finish(req)
-    assert writer_process.SHUTDOWN_MESSAGE in meta["hidden_states_error"]
+    assert fmt.SHUTDOWN_MESSAGE in meta["hidden_states_error"]
     assert leftovers(dump) == [] and sess.writer.snapshot()["host_bytes_in_use"] == 0
 
 
@@ -773,7 +772,7 @@ def test_metrics_only_with_enable_metrics():
     import types
 
     sa = types.SimpleNamespace(enable_metrics=False, model_path="/m", served_model_name=None)
-    assert dump_metrics.from_server_args(sa) is None
+    assert dump_metrics.model_name(sa) is None
 
 
 def test_periodic_counter_log_interval(dump, monkeypatch, capfd, sessions):
@@ -835,7 +834,7 @@ MULTIPROC_LEVELS = textwrap.dedent(r"""
     import sys, types
     from sglang_ext import metrics
     sa = types.SimpleNamespace(enable_metrics=True, model_path="/models/tiny", served_model_name=None)
-    metrics.from_server_args(sa).levels(queue_depth=int(sys.argv[1]), host_bytes_in_use=int(sys.argv[2]))
+    metrics.DumpMetrics(metrics.model_name(sa)).levels(queue_depth=int(sys.argv[1]), host_bytes_in_use=int(sys.argv[2]))
 """)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dumpfiles import write_dump
 from sglang_ext import format as fmt
 
 
@@ -54,7 +55,7 @@ def test_hostile_rids_land_inside_the_directory(dump_dir, rid):
     d, fd = dump_dir
     res = fmt.reserve(fd, rid)
     hs, ids = _tensors()
-    fmt.write_reserved(res, hs, ids, fmt.build_metadata(rid=rid, layer_ids=[1, 2, 3, 4], num_layers=4))
+    write_dump(res, hs, ids, fmt.build_metadata(rid=rid, layer_ids=[1, 2, 3, 4], num_layers=4))
     fmt.complete(res)
     entries = os.listdir(d)
     assert entries == [res.name]
@@ -72,7 +73,7 @@ def test_round_trip_keys_shapes_dtype_metadata(dump_dir):
     hs, ids = _tensors(t=7, layers=3, hidden=16)
     res = fmt.reserve(fd, "req-1")
     meta = fmt.build_metadata(rid="req-1", layer_ids=[2, 5, 8], num_layers=8, extra={"model_path": "/m"})
-    size = fmt.write_reserved(res, hs, ids, meta)
+    size = write_dump(res, hs, ids, meta)
     fmt.complete(res)
     path = d / res.name
     assert size == path.stat().st_size
@@ -96,7 +97,7 @@ def test_same_rid_twice_gets_two_files(dump_dir):
     for value in (1.0, 2.0):
         res = fmt.reserve(fd, "dup")
         hs = torch.full((2, 1, 4), value)
-        fmt.write_reserved(res, hs, torch.zeros(2, dtype=torch.int64), {"rid": "dup"})
+        write_dump(res, hs, torch.zeros(2, dtype=torch.int64), {"rid": "dup"})
         fmt.complete(res)
         names.append(res.name)
     assert len(set(names)) == 2
@@ -129,7 +130,7 @@ def test_planted_symlink_is_not_followed(dump_dir, tmp_path):
     os.symlink(victim, d / f"{stem}-1{fmt.SUFFIX}{fmt.LOCK_SUFFIX}")
     res = fmt.reserve(fd, "target")
     assert res.name == f"{stem}-2{fmt.SUFFIX}"
-    fmt.write_reserved(res, *_tensors(), {"rid": "target"})
+    write_dump(res, *_tensors(), {"rid": "target"})
     fmt.complete(res)
     assert victim.read_text() == "keep me"
 
@@ -143,7 +144,7 @@ def test_directory_swapped_for_symlink_after_open(tmp_path):
     elsewhere.mkdir()
     os.symlink(elsewhere, d)
     res = fmt.reserve(fd, "r")
-    fmt.write_reserved(res, *_tensors(), {"rid": "r"})
+    write_dump(res, *_tensors(), {"rid": "r"})
     fmt.complete(res)
     assert os.listdir(elsewhere) == []
     assert os.listdir(tmp_path / "hs-moved") == [res.name]
@@ -151,30 +152,51 @@ def test_directory_swapped_for_symlink_after_open(tmp_path):
 
 
 def test_failed_write_leaves_no_final_and_no_tmp(dump_dir, monkeypatch):
+    """The writer process's own steps (``writer_process.Writer``, driven in this process
+    with a hand-filled arena): the rows' write stops part-way as on a full disk; the
+    request's ``Finish`` then fails its reservation. Only ``<name>.error`` stays, with
+    the reason, and the acknowledgements say so."""
+    import collections
+    import mmap
+
+    from sglang_ext import wire, writer_process
+
     d, fd = dump_dir
-    res = fmt.reserve(fd, "r")
+    hs, ids = _tensors()  # [5, 4, 8] bf16
+    rows = hs.reshape(5, 32).view(torch.uint8).numpy().tobytes()
+    arena = mmap.mmap(-1, 1 << 16)
+    arena[0:40] = ids.numpy().tobytes()
+    arena[4096:4096 + len(rows)] = rows
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK)
+    acks = collections.deque()
+    writer = writer_process.Writer(fd, arena, tag="t", layer_ids=[1, 2, 3, 4], num_layers=4,
+                                   extra={}, acks=acks, wake=wake_w)
     real = fmt.pwrite_all
 
     def boom(fd_, data, offset):
-        # A partial write, then the disk fills up.
+        if len(memoryview(data)) != len(rows):
+            return real(fd_, data, offset)  # the header and the token ids
         real(fd_, b"partial", offset)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(fmt, "pwrite_all", boom)
-    with pytest.raises(OSError):
-        fmt.write_reserved(res, *_tensors(), {"rid": "r"})
-    fmt.fail(res, "OSError: No space left on device")
-    assert sorted(os.listdir(d)) == [res.name + fmt.ERROR_SUFFIX]
-    assert fmt.wait_complete(str(d / res.name), timeout=1) == "OSError: No space left on device"
-
-
-def test_shape_mismatch_is_refused(dump_dir):
-    _, fd = dump_dir
     res = fmt.reserve(fd, "r")
+    writer.handle(wire.Begin(0, "r", 5, 32, "bfloat16", piece=0, token_off=0), None)
+    assert [n for n in os.listdir(d) if fmt.is_tmp_name(n)], "the temporary file is open"
+    writer.handle(wire.Rows(0, 0, 5, piece=1, off=4096), None)
+    writer.handle(wire.Finish(0, res.name), res.lock_fd)
+    why = "OSError: [Errno 28] No space left on device"
+    assert sorted(os.listdir(d)) == [res.name + fmt.ERROR_SUFFIX]
+    assert fmt.wait_complete(str(d / res.name), timeout=1) == why
+    assert list(acks) == [wire.DonePiece(0, 40), wire.DonePiece(1, 5 * 64), wire.Failed(0, res.name, why)]
+    os.close(wake_r)
+    os.close(wake_w)
+
+
+def test_shape_mismatch_is_refused():
     hs, _ = _tensors(t=5)
     with pytest.raises(fmt.DumpFormatError, match="5 rows for 4 token ids"):
-        fmt.write_reserved(res, hs, torch.zeros(4, dtype=torch.int64), {})
-    fmt.fail(res, "x")
+        fmt.check_tensors(hs, torch.zeros(4, dtype=torch.int64))
 
 
 def test_wait_complete_blocks_until_lock_released(dump_dir):
@@ -191,7 +213,7 @@ def test_wait_complete_blocks_until_lock_released(dump_dir):
     t.start()
     t.join(0.2)
     assert t.is_alive(), "waiter returned while the lock was held"
-    fmt.write_reserved(res, *_tensors(), {"rid": "slow"})
+    write_dump(res, *_tensors(), {"rid": "slow"})
     fmt.complete(res)
     t.join(5)
     assert result == {"err": None, "exists": True}
@@ -210,12 +232,19 @@ def test_index_lines_and_clean_stale(dump_dir):
     fmt.append_index(fd, {"rid": "a", "file": "a.safetensors", "num_tokens": 3, "bytes": 10})
     fmt.append_index(fd, {"rid": "b", "file": "b.safetensors", "num_tokens": 4, "bytes": 11})
     assert [r["rid"] for r in fmt.read_index(str(d))] == ["a", "b"]
-    # Leftovers of a killed run: a tmp file and a lock nobody holds; a held lock stays.
+    # Leftovers of a killed run: the writer's temporary file, an earlier release's
+    # (".<name>.safetensors.tmp"), safetensors' own, and a lock nobody holds; a held lock
+    # and hidden files of other kinds stay.
+    (d / fmt.tmp_name("123-0", 7)).write_bytes(b"partial")
     (d / f".x{fmt.SUFFIX}{fmt.TMP_SUFFIX}").write_bytes(b"partial")
+    (d / ".tmpAb12_9").write_bytes(b"partial")
     (d / f"x{fmt.SUFFIX}{fmt.LOCK_SUFFIX}").write_bytes(b"")
+    (d / ".keep").write_bytes(b"")
+    (d / f"..x{fmt.SUFFIX}{fmt.TMP_SUFFIX}").write_bytes(b"")
     held = fmt.reserve(fd, "held")
-    assert fmt.clean_stale(fd) == {"tmp": 1, "lock": 1}
-    assert sorted(os.listdir(d)) == sorted(["index.jsonl", held.lock_name])
+    assert fmt.clean_stale(fd) == {"tmp": 3, "lock": 1}
+    assert sorted(os.listdir(d)) == sorted(["index.jsonl", held.lock_name, ".keep",
+                                            f"..x{fmt.SUFFIX}{fmt.TMP_SUFFIX}"])
     fmt.fail(held, "x")
 
 

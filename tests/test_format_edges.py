@@ -20,6 +20,7 @@ import textwrap
 import pytest
 import torch
 
+from dumpfiles import write_dump
 from sglang_ext import format as fmt
 
 BOUND_S = 20  # a call that blocks on a FIFO would never return: this fails it instead
@@ -225,18 +226,18 @@ def test_load_refuses_crafted_headers(tmp_path, kind):
     {"hidden_states": GOOD_HS, "__metadata__": ["rid"]},
 ], ids=["no-hidden-states", "entry-not-dict", "shape-not-list", "shape-empty", "negative",
         "bool", "metadata-not-dict"])
-def test_index_record_refuses_headers_without_what_it_needs(dump_dir, header):
+def test_index_record_from_header_refuses_headers_without_what_it_needs(dump_dir, header):
     d, fd = dump_dir
     body = _header_of(header)
     _crafted(d / "x.safetensors", len(body), body + b"\x00\x00")
     with pytest.raises(fmt.DumpFormatError, match="x.safetensors"):
-        fmt.index_record(fd, "x.safetensors", 100)
+        fmt.index_record_from_header(fd, "x.safetensors", 100)
 
 
 def test_load_refuses_truncated_data(dump_dir):
     d, fd = dump_dir
     res = fmt.reserve(fd, "t")
-    fmt.write_reserved(res, *_tensors(), {"rid": "t"})
+    write_dump(res, *_tensors(), {"rid": "t"})
     fmt.complete(res)
     path = d / res.name
     os.truncate(path, path.stat().st_size - 7)
@@ -268,10 +269,10 @@ def _modes_of_created_files(d, fd):
     modes = {}
     res = fmt.reserve(fd, "m")
     modes["lock"] = stat.S_IMODE((d / res.lock_name).stat().st_mode)
-    tmp_fd = fmt.create_tmp(fd, res.tmp_name)
+    tmp_fd = fmt.create_tmp(fd, fmt.tmp_name("m", 0))
     modes["tmp"] = stat.S_IMODE(os.fstat(tmp_fd).st_mode)
     os.close(tmp_fd)
-    fmt.write_reserved(res, *_tensors(), {"rid": "m"})
+    write_dump(res, *_tensors(), {"rid": "m"})
     modes["data"] = stat.S_IMODE((d / res.name).stat().st_mode)
     fmt.append_index(fd, {"rid": "m", "file": res.name})
     modes["index"] = stat.S_IMODE((d / fmt.INDEX_NAME).stat().st_mode)

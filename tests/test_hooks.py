@@ -21,6 +21,7 @@ import torch
 
 from sglang_ext import format as fmt
 from sglang_ext import hooks, quant, session
+from dumpfiles import write_dump
 from sglang_ext.config import DumpConfig, DumpConfigError
 
 HIDDEN = 8
@@ -501,8 +502,8 @@ def test_plain_request_padded_with_pending_none_still_waits_for_its_file(dump):
     t = threading.Thread(target=answer, daemon=True)
     t.start()
     assert not task_done.wait(0.3), "answered while the file was still being written"
-    fmt.write_reserved(res, torch.zeros(2, 1, 4), torch.tensor([1, 2]),
-                       fmt.build_metadata(rid="plain", layer_ids=[1], num_layers=2))
+    write_dump(res, torch.zeros(2, 1, 4), torch.tensor([1, 2]),
+                fmt.build_metadata(rid="plain", layer_ids=[1], num_layers=2))
     fmt.complete(res)
     assert task_done.wait(5)
     assert meta == {"hidden_states_path": path}

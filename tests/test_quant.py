@@ -1,4 +1,4 @@
-"""fp8 quantization (sglang_ext/quant.py) and fp8 files (format.write_reserved / load).
+"""fp8 quantization (sglang_ext/quant.py) and fp8 files (format.file_layout / load).
 
 References: the float32 input itself, element by element, against quant.py's stated bound
 (2^-4 |x| + 2^-10 scale); hs-connectors' own dequantization formula; the files' bytes
@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dumpfiles import write_dump
 from sglang_ext import format as fmt
 from sglang_ext import quant
 
@@ -84,7 +85,7 @@ def test_fp8_file_layout_and_load(dump_dir):
     ids = torch.arange(8, dtype=torch.int64)
     res = fmt.reserve(fd, "r")
     meta = fmt.build_metadata(rid="r", layer_ids=[1, 2, 3], num_layers=3)
-    size = fmt.write_reserved(res, hs, ids, meta, scales=sc)
+    size = write_dump(res, hs, ids, meta, scales=sc)
     fmt.complete(res)
     path = str(d / res.name)
     assert os.path.getsize(path) == size
@@ -101,16 +102,15 @@ def test_fp8_file_layout_and_load(dump_dir):
                        hs.to(torch.bfloat16) * sc.to(torch.bfloat16))
 
 
-def test_fp8_without_scales_and_scales_of_the_wrong_shape_are_refused(dump_dir):
-    _, fd = dump_dir
+def test_fp8_without_scales_and_scales_of_the_wrong_shape_are_refused():
     hs = torch.zeros(2, 3, 4, dtype=torch.float8_e4m3fn)
     ids = torch.arange(2, dtype=torch.int64)
     with pytest.raises(fmt.DumpFormatError, match="need float32 scales"):
-        fmt.write_reserved(fmt.reserve(fd, "a"), hs, ids, {})
+        fmt.check_tensors(hs, ids)
     with pytest.raises(fmt.DumpFormatError, match=r"must be float32 \[2, 3, 1\]"):
-        fmt.write_reserved(fmt.reserve(fd, "b"), hs, ids, {}, scales=torch.ones(2, 1, 1))
+        fmt.check_tensors(hs, ids, torch.ones(2, 1, 1))
     with pytest.raises(fmt.DumpFormatError, match="take no hidden_states_scales"):
-        fmt.write_reserved(fmt.reserve(fd, "c"), hs.float(), ids, {}, scales=torch.ones(2, 3, 1))
+        fmt.check_tensors(hs.float(), ids, torch.ones(2, 3, 1))
 
 
 def test_blocks_of_rows_give_the_same_result_and_leave_the_input_alone(monkeypatch):
