@@ -8,7 +8,9 @@
 #    series, `sglang_ext patches list --status gpu-verified`>), reused while those are
 #    unchanged. It holds the pinned test deps, SGLang's wheel installed --no-deps (plus
 #    only what importing its server args needs: see requirements/ci.txt) and the trainer
-#    packages of requirements/ci-nodeps.txt (--no-deps). First run: ~6.5 GB on disk (torch
+#    packages of requirements/ci-nodeps.txt (--no-deps), and Mooncake Store's wheel
+#    (requirements/store.txt; Debian's libibverbs1 librdmacm1 libnuma1 are apt-installed
+#    when missing and running as root). First run: ~6.5 GB on disk (torch
 #    and its CUDA libraries), several minutes. Every test runs here (pytest args apply).
 # 2. The Python 3.10 venv (default ~/.cache/kimi-sglang/venv310-<hash of
 #    requirements/ci-py310.txt>, ~120 MB): the tests marked `py310` (clients and CLI, no
@@ -27,7 +29,8 @@ req=requirements/ci.txt
 series=$(KIMI_SGLANG_PATCHES="$root/patches" "$py" -m sglang_ext patches list --status gpu-verified --newest --names)
 sglang_version=$("$py" -c "import sys,tomllib;print(tomllib.load(open(sys.argv[1],'rb'))['base']['version'])" "patches/$series/base.toml")
 nodeps=requirements/ci-nodeps.txt
-hash=$(printf 'sglang==%s\n' "$sglang_version" | cat "$req" "$nodeps" - | sha256sum | cut -c1-12)
+store=requirements/store.txt
+hash=$(printf 'sglang==%s\n' "$sglang_version" | cat "$req" "$nodeps" "$store" - | sha256sum | cut -c1-12)
 venv=${KIMI_SGLANG_VENV:-$cache/venv-$hash}
 req310=requirements/ci-py310.txt
 venv310=${KIMI_SGLANG_VENV310:-$cache/venv310-$(sha256sum <"$req310" | cut -c1-12)}
@@ -46,7 +49,23 @@ find_python310() {
 if [ ! -f "$venv/.complete" ]; then
   echo "== first run: installing the test venv (~6.5 GB: torch with its CUDA libraries; several minutes)"
 fi
-bash tests/venv.sh "$venv" "$py" "--upgrade pip" "-r $req" "--no-deps sglang==$sglang_version" "--no-deps -r $nodeps"
+# Mooncake Store (tests/test_store.py runs a real mooncake_master): its wheel links
+# Debian's RDMA and NUMA libraries even for TCP.
+debs=(libibverbs1 librdmacm1 libnuma1)
+missing=()
+for d in "${debs[@]}"; do dpkg -s "$d" >/dev/null 2>&1 || missing+=("$d"); done
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing ${missing[*]} (Mooncake Store's libraries)"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "ERROR: tests/test_store.py needs Debian's ${missing[*]}: apt-get install -y ${missing[*]}" >&2; exit 1
+  fi
+fi
+bash tests/venv.sh "$venv" "$py" "--upgrade pip" "-r $req" "--no-deps sglang==$sglang_version" "--no-deps -r $nodeps" \
+  "-r $store"
+# tests/test_store.py fails (never skips) without Mooncake when run from here.
+export KIMI_SGLANG_NEED_MOONCAKE=1
 # The project itself comes from this checkout through PYTHONPATH, not an install into the
 # shared venv (an editable install there would point every other checkout at this one).
 if [ -n "$(ls "$venv"/lib/python*/site-packages/__editable__*sglang_ext* 2>/dev/null)" ]; then
