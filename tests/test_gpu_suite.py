@@ -23,13 +23,10 @@ pytest.importorskip("requests")
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "tests" / "gpu"
-sys.path.insert(0, str(GPU))
-import checks  # noqa: E402
-import reference  # noqa: E402
-import server as gpu_server  # noqa: E402
-import tiny_models  # noqa: E402
 
 from sglang_ext import format as fmt  # noqa: E402
+from testing import checks, reference, tiny_models  # noqa: E402
+from testing import server as gpu_server  # noqa: E402
 
 CORE = ["test_concurrent_32_mixed", "test_longer_than_chunk_700", "test_just_over_chunk_257",
         "test_shared_prefix_pair", "test_max_new_tokens_8", "test_same_rid_twice",
@@ -556,7 +553,7 @@ def pytest_collection_modifyitems(config, items):
     for plugin in config.pluginmanager.get_plugins():
         if str(getattr(plugin, "__file__", "")).endswith("tests/gpu/conftest.py"):
             plugin.gpu_unavailable_reason = lambda: None
-    import reference
+    from testing import reference
 
     class CPUReference(reference.Reference):
         def __init__(self, path, device="cuda"):

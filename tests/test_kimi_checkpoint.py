@@ -1,4 +1,4 @@
-"""The GPU suite's tiny Kimi-K2.5 (tests/gpu/tiny_models.py ``build_kimi``) against
+"""The GPU suite's tiny Kimi-K2.5 (testing/tiny_models.py ``build_kimi``) against
 SGLang's own code, on the CPU, for every series (its pinned wheel, the series applied):
 
 - config: SGLang's ``ModelConfig`` reads config.json as ``KimiK25Config`` (``text_config``
@@ -35,8 +35,8 @@ from conftest import SERIES_DIRS
 
 pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-import tiny_models  # noqa: E402
+
+from testing import tiny_models  # noqa: E402
 
 PROBE = r"""
 import inspect, json, math, socket, sys, types
@@ -53,7 +53,7 @@ from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.server_args import ServerArgs
 
 out = {}
-# the flags the GPU suite serves the model with (tests/gpu/server.py)
+# the flags the GPU suite serves the model with (testing/server.py)
 sa = ServerArgs(model_path=kimi_dir, skip_tokenizer_init=True, trust_remote_code=True, device="cuda")
 try:  # 0.5.23: a scheduler process publishes its server args and ranks
     from sglang.srt.runtime_context import SpawnRanks, publish
