@@ -589,9 +589,12 @@ def test_rehearsal_fault_tests_run_against_a_stand_in_server(tmp_path):
     shutil.rmtree("/dev/shm/hs-llama-faults-tp1", ignore_errors=True)
 
 
-def _gpu_conftest():
+def _gpu_conftest(monkeypatch):
+    """tests/gpu/conftest.py as a module; its sibling ``record`` (the suite's results
+    plugin) imports from tests/gpu, as pytest puts it on sys.path for the suite."""
     import importlib.util
 
+    monkeypatch.syspath_prepend(str(GPU))
     spec = importlib.util.spec_from_file_location("gpu_conftest", GPU / "conftest.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -612,7 +615,7 @@ def test_patched_sglang_is_recognized_from_its_server_args(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
     importlib.invalidate_caches()
-    reason = _gpu_conftest().patched_sglang_reason()
+    reason = _gpu_conftest(monkeypatch).patched_sglang_reason()
     if patched:
         assert reason is None
     else:
