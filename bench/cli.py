@@ -49,7 +49,6 @@ from sglang_ext import config
 
 from bench import ceilings, markdown, peer, plan as planning, profilers, report, servers
 from bench.models import MODELS
-from bench.noise import parse_cpus
 from bench.runner import Clock, run_model
 
 
@@ -121,7 +120,8 @@ def _cpu_map(text):
     for e in entries:
         which, cpus = e.split("=", 1)
         try:
-            cpus = _cpu_text(parse_cpus(cpus))  # what taskset gets, normalized
+            # what taskset gets, normalized (not checked against this host: the plan may be for another)
+            cpus = _cpu_text(config.parse_cpu_list(cpus, "CPU list", this_host=False))
         except ValueError:
             cpus = None
         if which not in servers.KINDS or cpus is None:
@@ -157,7 +157,7 @@ def _labels(text):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--profile", choices=sorted(planning.PROFILES), default="full")
     ap.add_argument("--quick", dest="profile", action="store_const", const="quick",
@@ -167,27 +167,13 @@ def build_parser():
     ap.add_argument("--models", default="llama-mid,deepseek-tiny")
     ap.add_argument("--modes", default="nodump,dump,dump_early,json",
                     help="nodump (a), dump (b), dump_early (b'), json (c); also dump_fp8 (b on a "
-                         "server D with --dump-hidden-states-dtype fp8), nodump_noise: "
-                         "(a) while another process writes dump-sized files into --dump-root, "
-                         "paced as --noise-gbps says, and the peer vLLM's vllm_nodump and "
-                         "vllm_dump (servers V and W; Llama workloads only); nodump_twin: (a) on "
-                         "server T, A's twin (the spread between two identical servers); dump_skip: "
-                         "(a) on B, each request with custom_params hidden_states_dump=false "
-                         "(captured by the forward, not copied or written: B's own no-dump rate)")
+                         "server D with --dump-hidden-states-dtype fp8), and the peer vLLM's "
+                         "vllm_nodump and vllm_dump (servers V and W; Llama workloads only)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell of the grid (not the JSON cell) this many times, "
                          "interleaved (cells carry 'rep'; ratios pair cells of one repetition)")
     ap.add_argument("--counterbalance", action="store_true",
                     help="with --repeat: odd rounds run a shape's modes in reverse order")
-    ap.add_argument("--twin-custom-params", action="store_true",
-                    help="nodump_twin's requests carry dump_early's custom_params "
-                         "(hidden_states_wait=false, ignored by a server without dump): the "
-                         "twin over A is then what SGLang's handling of custom_params costs")
-    ap.add_argument("--noise-gbps", type=float, default=0,
-                    help="nodump_noise's write rate in GB/s (0: the dump cell's bytes per prompt "
-                         "token x the no-dump cell's tokens/s, same shape and round)")
-    ap.add_argument("--noise-cpus", default=None,
-                    help="CPUs of the noise process, as for taskset -c (default: any)")
     ap.add_argument("--prompt-lens", type=_ints, default=[512, 2048, 8192])
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
     ap.add_argument("--cell-tokens", type=int, default=0, help="prompt tokens per cell (if 0: the profile's, times the model's cell_scale at concurrency >= 8)")
@@ -203,7 +189,7 @@ def build_parser():
                     help="SGLang's --max-total-tokens for every SGLang server: equal KV pools "
                          "(default: each its own, from the memory free when it starts)")
     ap.add_argument("--server-cpus", type=_cpu_map, default={},
-                    help="CPUs per server, as for taskset -c: e.g. A=0-4,B=5-9,T=10-14 (its "
+                    help="CPUs per server, as for taskset -c: e.g. A=0-4,B=5-9,D=10-14 (its "
                          "processes inherit them; default: any)")
     ap.add_argument("--chunked-prefill-size", type=int, default=0, help="(default: SGLang's, 8192 on an H200)")
     ap.add_argument("--cuda-graph", action="store_true", help="keep CUDA graphs on (longer start-up)")
@@ -226,14 +212,9 @@ def build_parser():
                     help="with --py-spy-kind gil: more processes sampled in the same re-run, "
                          "comma-separated: frontend (the server's launch process: HTTP server and "
                          "TokenizerManager), client (this bench's own client threads)")
-    ap.add_argument("--torch-profile", type=_labels, default=[],
-                    help="cells (PROMPTxCONC) whose nodump, nodump_twin, dump_skip, dump, dump_early and nodump_noise runs are repeated under "
-                         "SGLang's torch profiler (/start_profile), summarized by bench/torchprof.py")
-    ap.add_argument("--torch-profile-requests", type=int, default=96,
-                    help="requests of each torch-profiled run (traces grow with them)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where server B's dump directory goes")
-    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000, 37000],
-                    help="ports of servers A, B (and C, D, vLLM's V, W, and A's twin T)")
+    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000],
+                    help="ports of servers A, B (and C, D, vLLM's V, W)")
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0,
                     help="vLLM's --gpu-memory-utilization (default: --mem-fraction-static's number)")
     ap.add_argument("--vllm-args", default="",
@@ -285,11 +266,6 @@ def check_args(ap, args):
         ap.error("--py-spy-also samples during the --py-spy cells; --py-spy names none")
     if args.py_spy_also and args.py_spy_kind == "wait":
         ap.error("--py-spy-also samples with --gil only; --py-spy-kind wait pauses the process per sample")
-    if args.noise_cpus:
-        try:
-            parse_cpus(args.noise_cpus)
-        except ValueError as e:
-            ap.error(f"--noise-cpus: {e}")
     try:
         planning.writer_threads()
     except config.DumpConfigError as e:
@@ -307,10 +283,10 @@ def new_results(args, plan, gpu, date):
         | {"prompt_lens": args.prompt_lens, "concurrency": args.concurrency,
            "cuda_graph": args.cuda_graph, "chunked_prefill_size": args.chunked_prefill_size or None,
            "json_server": args.json_server, "mem_fraction_static": args.mem_fraction_static,
-           "repeat": args.repeat, "noise_gbps": args.noise_gbps or None, "noise_cpus": args.noise_cpus,
+           "repeat": args.repeat,
            "writer_cpus": os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip() or None,
            "counterbalance": args.counterbalance, "server_cpus": args.server_cpus or None,
-           "max_total_tokens": args.max_total_tokens or None, "twin_custom_params": args.twin_custom_params}
+           "max_total_tokens": args.max_total_tokens or None}
         | ({"vllm_gpu_memory_utilization": peer.gpu_memory_utilization(args), "vllm_args": args.vllm_args,
             "peer_reference": args.peer_reference}
            if any(peer.is_peer(m) for m in plan["modes"]) else {}),

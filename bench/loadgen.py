@@ -4,7 +4,7 @@ closed loop: each sends its next request when its last one returns), what came b
 memory, the writer's log lines, the stage trace).
 
 A server here is anything with ``port``, ``proc``, ``command`` and ``log_text()``
-(tests/gpu/server.py's ``Server``). Requests are SGLang's ``/generate`` with
+(testing/server.py's ``Server``). Requests are SGLang's ``/generate`` with
 ``input_ids`` and ``max_new_tokens=1``, or for the peer's modes (``bench.peer``) vLLM's
 ``/v1/completions`` with the token ids as ``prompt`` and ``max_tokens=1``.
 """
@@ -38,7 +38,7 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, waits=None, skip_dump=False, wait_param=False):
+               api="sglang", wait_files=False, waits=None):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
@@ -49,12 +49,7 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     ``file_wait_s``, the seconds the client threads spent in those waits, summed over
     threads (a thread waiting has no request in flight, so the closed loop runs below
     ``concurrency`` for that long), and ``tail_wait_s``, the wait for the last files
-    after the last answer. ``skip_dump`` (mode dump_skip): each request asks not to be
-    dumped (``format.DUMP_PARAM``). ``wait_param`` (nodump_twin with
-    ``--twin-custom-params``): each request carries dump_early's ``custom_params``
-    (``format.WAIT_PARAM`` false), which a server without dump ignores, and nothing
-    waits for files: the twin then carries what SGLang's own handling of a request's
-    ``custom_params`` costs (on 0.5.17 a reference cycle per request, below 0.5.22 ungated).
+    after the last answer.
 
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
@@ -70,9 +65,8 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         if return_hidden_states:
             body["return_hidden_states"] = True
-        custom = {**({fmt.WAIT_PARAM: False} if early or wait_param else {}), **({fmt.DUMP_PARAM: False} if skip_dump else {})}
-        if custom:
-            body["sampling_params"]["custom_params"] = custom
+        if early:
+            body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
@@ -117,7 +111,7 @@ def cell_prompts(cell, spec, rng):
     return make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
 
 
-def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, twin_custom_params=False):
+def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``; for
@@ -127,9 +121,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, twin_
     ``waits``, and ``file_wait_share``: their sum over the threads that had requests
     (concurrency, or fewer requests) x wall); for json, the responses'
     bytes and one's nested shape; ``error`` when requests failed). ``prompts``: made
-    beforehand (``cell_prompts``), else here (not timed either way).
-    ``twin_custom_params``: nodump_twin's requests carry dump_early's ``custom_params``
-    (``send_batch``'s ``wait_param``)."""
+    beforehand (``cell_prompts``), else here (not timed either way)."""
     if prompts is None:
         prompts = cell_prompts(cell, spec, rng)
     offset = trace_size(trace_path)
@@ -137,8 +129,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, twin_
     waits = {}
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
-                               waits=waits, skip_dump=(mode == "dump_skip"),
-                               wait_param=(twin_custom_params and mode == "nodump_twin"), **api_args(mode))
+                               waits=waits, **api_args(mode))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
@@ -153,13 +144,6 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, twin_
         out.update(waits, file_wait_share=waits["file_wait_s"] / (threads * wall))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
-    elif mode == "dump_skip":
-        from sglang_ext import format as fmt
-
-        dumped = sum(1 for r in results if set(fmt.RESPONSE_KEYS) & set(json.loads(r[3])["meta_info"]))
-        if dumped:  # a series without hidden_states_dump: the cell would measure a dump
-            out["error"] = (f"{dumped} of {len(results)} requests were dumped although they asked "
-                            f"not to be (custom_params hidden_states_dump=false)")
     if mode in report.DUMP_MODES and not bad:
         paths, errors = [], []
         for r in results:

@@ -28,7 +28,6 @@ def render_markdown(results: dict) -> str:
     lines += _stages(results)
     for label, prof in (results.get("py_spy") or {}).items():
         lines += _py_spy(label, prof)
-    lines += _torch_profile(results.get("torch_profile") or {})
     lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
     for t in tgt:
         v = t["value"]
@@ -68,15 +67,15 @@ ORDER = {m.name: i for i, m in enumerate(MODES)}  # within a round: bench/modes.
 
 
 def _model(model: str, m: dict, h: dict) -> List[str]:
-    """One model's cells, its ratios, noise cells, file check, host memory."""
+    """One model's cells, its ratios, file check, host memory."""
     by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"], c.get("rep")): c
                for c in h.get("cells", [])}
     lines = [
         "",
         f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})",
         "",
-        "The last two columns divide the row's tokens/s (a dump's (b); a control's no-dump"
-        " rate on T or B) by (a) of its round and by min((a), W/B).",
+        "The last two columns divide the row's tokens/s (a dump's (b)) by (a) of its round"
+        " and by min((a), W/B).",
         "",
         "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | GB/s written |"
         " JSON MB/resp | row/(a) | row/bound |",
@@ -92,8 +91,7 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             continue
         hc = by_cell.get((c["mode"], c["prompt_len"], c["concurrency"], c.get("rep")), {})
         json_mb = (c["response_bytes"] / c["requests"] / 1e6) if c.get("response_bytes") else None
-        written = (num(c.get("write_gbps"), "{:.2f}") if "noise" not in c
-                   else f"{num(c['noise'].get('gbps'), '{:.2f}')} (noise)")
+        written = num(c.get("write_gbps"), "{:.2f}")
         lines.append(
             f"| {c['prompt_len']} | {c['concurrency']} | {label} | {c['requests']} | "
             f"{num(c.get('prefill_tps'))} | {num(c.get('p50_s'), '{:.3f}')} | "
@@ -118,17 +116,6 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         + (f"; early answers (dump_early): min {num(h.get('dump_early_vs_nodump_min'), '{:.3f}')}, "
            f"geometric mean {num(h.get('dump_early_vs_nodump_geomean'), '{:.3f}')}"
            if h.get("dump_early_vs_nodump_min") is not None else ""),
-        *(["- pooled over the rounds (sum of tokens / sum of wall, each mode's): " + "; ".join(
-            f"{x['mode']} {x['prompt_len']}x{x['concurrency']} {x['dump_vs_nodump_pooled']:.3f}"
-            f" ({x['rounds']} rounds)" for x in h["pooled"])]
-          if any(x["rounds"] > 1 for x in h.get("pooled") or []) else []),
-        *(["- on B against itself (over dump_skip, B's requests not dumped; pooled alike): " + "; ".join(
-            f"{x['mode']} {x['prompt_len']}x{x['concurrency']} {x['vs_skip_pooled']:.3f} ({x['rounds']} rounds)"
-            for x in h["pooled_vs_skip"])] if h.get("pooled_vs_skip") else []),
-        *([f"- control, two identical servers (nodump_twin on T over nodump on A), per cell: "
-           f"{h['nodump_twin_vs_nodump_range'][0]:.3f} to {h['nodump_twin_vs_nodump_range'][1]:.3f}"
-           " (a dump's ratio within this spread is not told apart from no cost)"]
-          if h.get("nodump_twin_vs_nodump_range") else []),
         *(["- early answers, the client threads' waits for an earlier file (share of"
            " concurrency x wall; a waiting thread has no request in flight): " + ", ".join(
             f"{shape(c)} {c['file_wait_share']:.3f}" for c in waits)] if waits else []),
@@ -140,15 +127,6 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
         f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}",
     ]
-    for n in h.get("noise", []):
-        lines.append(
-            f"- nodump_noise {n['prompt_len']}x{n['concurrency']}"
-            + (f" #{n['rep']}" if "rep" in n else "")
-            + f": no dump while another process writes {num(n['noise_gbps'], '{:.2f}')} GB/s, "
-            f"{num(n.get('noise_bytes_per_token'))} bytes per prompt token (the dump cell: "
-            f"{num(n['dump_write_gbps'], '{:.2f}')} GB/s, {num(n.get('dump_bytes_per_token'))} B/token): "
-            f"{num(n['noise_vs_nodump'], '{:.3f}')} of no-dump (the dump: "
-            f"{num(n['dump_vs_nodump'], '{:.3f}')})")
     fc = m.get("file_check")
     if fc:
         lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, "
@@ -263,9 +241,6 @@ def _stages(results: dict) -> List[str]:
                 continue
             cells = [num(st.get(k, {}).get("p50"), "{:.1f}") + " / " + num(st.get(k, {}).get("p99"), "{:.1f}")
                      for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
-            if st.get("hook_on_path"):  # a deferring series: the part before the outputs
-                cells[0] += (f" ({num(st['hook_on_path'].get('p50'), '{:.1f}')} / "
-                             f"{num(st['hook_on_path'].get('p99'), '{:.1f}')} before the outputs)")
             rows.append(
                 f"| {model}{' (early)' if c['mode'] == 'dump_early' else ''} | {c['prompt_len']} | "
                 f"{c['concurrency']} | " + " | ".join(cells)
@@ -322,55 +297,6 @@ def _gil_lines(prof: dict, window_s: float, top: int = 15) -> List[str]:
     if prof.get("ours"):
         lines += ["", "- samples with sglang_ext code on the stack: "
                   + ", ".join(f"{t} {v:.2f}" for t, v in prof["ours"].items())]
-    return lines
-
-
-TORCH_ROWS = [("requests profiled", "requests", "{:.0f}"),
-              ("prefill tok/s under the profiler", "cell_prefill_tps_profiled", "{:.0f}"),
-              ("window", "window_ms_per_mtok", "{:.0f}"),
-              ("in top-level ATen ops", "ops_ms_per_mtok", "{:.0f}"),
-              ("between ops (Python, GIL waits)", "between_ops_ms_per_mtok", "{:.0f}"),
-              ("top-level ops per 1M tokens", "ops_per_mtok", "{:.0f}"),
-              ("cudaLaunchKernel mean (us)", "launch_us_mean", "{:.2f}"),
-              ("launches per 1M tokens", "launches_per_mtok", "{:.0f}"),
-              ("GPU busy", "gpu_busy_ms_per_mtok", "{:.0f}"),
-              ("longest single op (ms)", "longest_op_ms", "{:.1f}"),
-              # torchprof.copies_behind (runs since 2026-12-02's tenth session)
-              ("rows copies (device to host, > 1 MiB)", "large_d2h", "{:.0f}"),
-              ("result copies queued behind one", "small_d2h_behind_large", "{:.0f}"),
-              ("result copies while one ran", "small_d2h_during_large", "{:.0f}")]
-
-
-def _torch_profile(tprof: dict) -> List[str]:
-    """The torch profiles (``torchprof.summarize`` per run), one column per run."""
-    if not tprof:
-        return []
-    ok = {k: v for k, v in tprof.items() if not v.get("error")}
-    lines = ["", "## Torch profiler (scheduler thread; ms per 1M prompt tokens)", ""]
-    lines += [f"- {k}: not taken: {' '.join(v['error'].split())[:300]}"
-              for k, v in tprof.items() if v.get("error")]
-    lines += [f"- {k}: requests failed while profiled: {' '.join(v['cell_error'].split())[:200]}"
-              for k, v in tprof.items() if v.get("cell_error")]
-    if not ok:
-        return lines
-    keys = list(ok)
-    for k in keys:
-        ok[k] = dict(ok[k], longest_op_ms=(ok[k].get("longest_op") or {}).get("ms"), **(ok[k].get("copies") or {}))
-    lines += ["| | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
-    lines += [f"| {label} | " + " | ".join(num(ok[k].get(field), fmt) for k in keys) + " |"
-              for label, field, fmt in TORCH_ROWS if any(field in ok[k] for k in keys)]
-    for field, title in (("top_ops_ms_per_mtok", "top-level ATen ops"),
-                         ("api_ms_per_mtok", "CUDA API calls")):
-        names = []
-        for k in keys:
-            names += [n for n in ok[k].get(field, {}) if n not in names]
-        lines += ["", f"| {title} | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
-        lines += [f"| `{n}` | " + " | ".join(num(ok[k].get(field, {}).get(n), "{:.1f}") for k in keys)
-                  + " |" for n in names[:16]]
-    for k in keys:
-        if ok[k].get("other_threads"):
-            lines.append(f"- {k}, other threads' top-level ops (ms per 1M tokens): " + ", ".join(
-                f"{t} {v['ops_ms_per_mtok']:.1f}" for t, v in ok[k]["other_threads"].items()))
     return lines
 
 

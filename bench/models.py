@@ -61,7 +61,7 @@ def model_path(args, name):
 def build(name, path):
     """Build model ``name`` (a key of ``MODELS``) with random bf16 weights into ``path``;
     nothing to do when a safetensors checkpoint is already there. DeepseekV3's config is
-    tests/gpu/tiny_models.py's (the model the GPU suite verified), with 16384 positions."""
+    testing/tiny_models.py's (the model the GPU suite verified), with 16384 positions."""
     import torch
 
     spec = MODELS[name]
@@ -82,9 +82,8 @@ def build(name, path):
     else:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-        from bench import gpu_suite_module
+        from testing import tiny_models
 
-        tiny_models = gpu_suite_module("tiny_models")
         cfg = DeepseekV3Config(**tiny_models.deepseek_tiny_config(max_position_embeddings=16384))
         cls = DeepseekV3ForCausalLM
     torch.manual_seed(0)

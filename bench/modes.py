@@ -2,8 +2,8 @@
 how the report reads them and how the plot draws them.
 
 The order of ``MODES`` is the grid's (``plan``: each shape's modes run in it; an odd
-round of ``--counterbalance`` reverses it, ``nodump_noise`` staying last), the Markdown's
-within a round and the plot's bars. Adding a mode is one ``Mode`` here, plus the request
+round of ``--counterbalance`` reverses it), the Markdown's within a round and the plot's
+bars. Adding a mode is one ``Mode`` here, plus the request
 it sends (``loadgen``) and, for a new kind of server, its ``servers.KINDS`` entry.
 """
 
@@ -21,32 +21,19 @@ class Mode:
     color: str = ""
     ratio_label: str = ""  # the plot's ratio panel; "" = no ratio drawn
     dumps: bool = False  # its cells write files: their ratio is a dump's cost
-    control: bool = False  # its ratio to no-dump is a control's, not a cost
     base: str = "nodump"  # the no-dump mode its ratio divides by (the same engine's)
     peer: bool = False  # served by vLLM (bench.peer)
     grid: bool = True  # run for every shape and round (json: once, at 2k x 8)
-    torch_profile: bool = False  # --torch-profile may re-run it under SGLang's profiler
-    skip_compared: bool = False  # also read against dump_skip, on the same server (vs_skip_pooled)
 
 
 MODES: Tuple[Mode, ...] = (
-    Mode("nodump", "A", "(a) no dump", "#4c72b0", torch_profile=True),
-    # A's twin T, started with A's flags: how far two identical servers differ in one run
-    Mode("nodump_twin", "T", "(a) no dump, A's twin T", "#93a8d0", "(a on T)/(a): the control",
-         control=True, torch_profile=True),
-    # B's requests not dumped (custom_params hidden_states_dump=false): B's own no-dump rate
-    Mode("dump_skip", "B", "(a) on B, hidden_states_dump=false", "#8c8c8c", "(a on B)/(a): B not dumping",
-         control=True, torch_profile=True),
+    Mode("nodump", "A", "(a) no dump", "#4c72b0"),
     # (b): answered after the file
-    Mode("dump", "B", "(b) dump", "#dd8452", "(b)/min((a), W/B)", dumps=True, torch_profile=True,
-         skip_compared=True),
+    Mode("dump", "B", "(b) dump", "#dd8452", "(b)/min((a), W/B)", dumps=True),
     # (b'): answered early
-    Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True,
-         torch_profile=True, skip_compared=True),
+    Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True),
     # (b fp8): server D, --dump-hidden-states-dtype fp8
     Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True),
-    # (a) while another process writes dump-sized files (bench.noise)
-    Mode("nodump_noise", "A", torch_profile=True),
     # (c): upstream's JSON return_hidden_states
     Mode("json", "A", "(c) JSON", "#c44e52", grid=False),
     Mode("vllm_nodump", "V", "vLLM (a) no dump", "#4c72b0", peer=True),

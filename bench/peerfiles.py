@@ -13,8 +13,8 @@ After the servers have stopped, so that the GPU is free for the reference:
 ``token_ids [T]``, token ids equal to the prompt (and vLLM's echoed
 ``prompt_token_ids``), the relative error of vLLM's hidden states against ours, and with
 ``--reference hf`` each file's against HF transformers' float32 forward of the same weights
-(tests/gpu/reference.py, the GPU suite's independent reference), all against
-tests/gpu/checks.py's bf16 tolerances. OUT is ``compare``'s dict: the run stores it as
+(testing/reference.py, the GPU suite's independent reference), all against
+testing/checks.py's bf16 tolerances. OUT is ``compare``'s dict: the run stores it as
 ``models.<m>.peer_files``.
 
 Both engines store the same slots for the same ids (bench/README.md: id k is the residual
@@ -31,7 +31,9 @@ import shutil
 import sys
 from typing import List, Optional
 
-from bench import gpu_suite_module, peer
+from bench import peer
+from testing import checks
+from testing import reference as refmod
 
 ODD_LEN = 777  # 48 x 16 + 9: ends inside one of vLLM's KV blocks
 
@@ -44,7 +46,7 @@ def prompt_lens(run_lens: List[int]) -> List[int]:
 def collect(ours, vllm, vocab: int, rng, run_lens: List[int], out_dir: str, layer_ids: List[int],
             hidden_size: int, timeout: float = 300) -> str:
     """Send each prompt of ``prompt_lens(run_lens)`` to ``ours`` (server B) and ``vllm``
-    (server W; tests/gpu/server.py ``Server``s), copy both files into ``out_dir`` and write
+    (server W; testing/server.py ``Server``s), copy both files into ``out_dir`` and write
     ``out_dir/pairs.json``; returns its path. Raises ``requests.HTTPError`` for a failed
     request, ``KeyError``/``FileNotFoundError`` when an answer names no complete file."""
     os.makedirs(out_dir, exist_ok=True)
@@ -101,7 +103,7 @@ def _load(path: str, ids: List[int], layer_ids: List[int], hidden_size: int, who
 # With the reference, each error may be this many times HF's own bf16 forward's error
 # against float32 at the same layer id (and token rows: its worst row), where that is above
 # the fixed bf16 tolerances: a deep random-weight model's bf16 rounding grows with depth
-# (llama-8b: 1.9e-2 at id 2 to 7.9e-2 at id 32, bench/bf16_drift.py), which no engine can
+# (llama-8b: HF bf16 against float32, 1.9e-2 at id 2 to 7.9e-2 at id 32), which no engine can
 # beat, while a wrong layer or token shows as a multiple of it.
 BASELINE_FACTOR = 1.5
 # ... but only where HF's bf16 error is bf16 rounding: above this at a layer id (or above
@@ -125,10 +127,10 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     "prompt_lens", "layer_ids", "keys": {"ours", "vllm"}, "ours_vs_vllm", "ours_vs_ref",
     "vllm_vs_ref", "hf_bf16_vs_ref" (each ``{"block", "token", "block_where",
     "token_where", "files", "slots"}``: the largest relative errors over the prompts,
-    ``tests/gpu/checks.Worst``, per layer slot too), "tolerance", "reference", "problems", "pass"}``.
+    ``testing/checks.Worst``, per layer slot too), "tolerance", "reference", "problems", "pass"}``.
 
     Without the reference, ``pass`` when every file has the right keys, shapes and token
-    ids and vLLM's against ours is within tests/gpu/checks.py's bf16 tolerances. With
+    ids and vLLM's against ours is within testing/checks.py's bf16 tolerances. With
     ``reference="hf"``, both files are compared with HF's float32 forward and HF's own
     bf16 forward of the same weights is measured the same way (``hf_bf16_vs_ref``); every
     error (each engine against float32, and the two against each other) must then be within
@@ -136,8 +138,6 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
     HF bf16's error there), and per token row max(the row tolerance, the factor x HF bf16's
     worst row). An HF bf16 error above ``BASELINE_MAX`` (token rows: ``BASELINE_TOKEN_MAX``)
     or NaN is not rounding: it is a problem and scales nothing. A NaN in any file fails."""
-    checks = gpu_suite_module("checks")
-    refmod = gpu_suite_module("reference")
     layer_ids, hidden = doc["layer_ids"], doc["hidden_size"]
     ref = refmod.Reference(model_path, device) if reference == "hf" else None
     worst = {k: checks.Worst() for k in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref", "hf_bf16_vs_ref")}

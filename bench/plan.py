@@ -32,13 +32,11 @@ MODES = tuple(registry.BY_NAME)
 # assumptions for --dry-run time estimates only: a vLLM server's start-up (eager, no
 # compile) beyond ours (70-121 s seen on the H200, one after another)
 EST_VLLM_STARTUP_S = 70
-# and a third or fourth SGLang server's (C, D, T) beyond the first two's overlapped start
+# and a third or fourth SGLang server's (C, D) beyond the first two's overlapped start
 # (B and D started in 80-150 s after A, one after another, on the H200)
 EST_EXTRA_SGLANG_STARTUP_S = 60
-# assumptions for the profile re-runs: seconds beyond the cell's own run (py-spy's attach
-# and stop; the torch trace's writing and reading)
+# assumption for the py-spy re-runs: seconds beyond the cell's own run (attach and stop)
 EST_PY_SPY_EXTRA_S = 5
-EST_TORCH_TRACE_S = 20
 # the file comparison after the servers stop: its own run (30 s) and HF's float32 reference
 # (its start and ~2 s per layer to load the model): an assumption, which the runner also
 # keeps free before the deadline (runner.ModelRun.reserve_s)
@@ -77,8 +75,7 @@ def make_plan(args):
     short by the deadline still has it; then the rest, a shape's modes one after another
     (nodump and dump alternate), ``--repeat`` rounds interleaved; with ``--counterbalance``
     every odd round runs its modes in reverse order (A B, B A, ...), so that a drift over
-    the run does not favour the mode that runs first (nodump_noise, paced by its round's
-    dump and no-dump cells, stays last)."""
+    the run does not favour the mode that runs first."""
     prof = PROFILES[args.profile]
     cell_tokens = args.cell_tokens or prof["cell_tokens"]
     min_rounds = args.min_rounds or prof["min_rounds"]
@@ -109,10 +106,7 @@ def make_plan(args):
             scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for rep in range(args.repeat):
-                order = GRID_MODES
-                if args.counterbalance and rep % 2:
-                    # reversed, but nodump_noise stays last: it is paced by its round's cells
-                    order = tuple(m for m in GRID_MODES[::-1] if m != "nodump_noise") + ("nodump_noise",)
+                order = GRID_MODES[::-1] if args.counterbalance and rep % 2 else GRID_MODES
                 for mode in order:
                     if mode in modes and not (no_peer and peer.is_peer(mode)):
                         cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
@@ -161,7 +155,7 @@ def cell_need_s(cell, done):
 
 
 def plan_profiles(args, cell, left_s):
-    """The profile re-runs asked for after ``cell`` (``cell["profiles"]``: what, its
+    """The py-spy re-run asked for after ``cell`` (``cell["profiles"]``: what, its
     estimated seconds, and ``fits``: whether the ``left_s`` seconds the estimate leaves
     before the deadline when the cell ends cover what the runner asks to have free,
     ``profilers.*_need_s``); returns the seconds of those that fit."""
@@ -171,11 +165,6 @@ def plan_profiles(args, cell, left_s):
     if need is not None:
         asked.append({"what": "py-spy", "need_s": need,
                       "est_s": profilers.py_spy_slowdown(args.py_spy_kind) * cell["est_s"] + EST_PY_SPY_EXTRA_S})
-    need = profilers.torch_profile_need_s(args, cell, r)
-    if need is not None:
-        share = min(1.0, args.torch_profile_requests / max(cell["requests"], 1))
-        asked.append({"what": "torch profile", "need_s": need,
-                      "est_s": round(share * cell["est_s"] + EST_TORCH_TRACE_S, 1)})
     spent = 0.0
     for p in asked:
         p["fits"] = left_s - spent > p["need_s"]

@@ -1,17 +1,16 @@
-"""Plot a benchmark results JSON (bench.py's output) to a PNG, on any machine.
+"""Plot a benchmark results JSON (``python -m bench``'s output) to a PNG, on any machine.
 
-    python bench/plot.py bench/results/2026-11-29-h200-quick.json [-o out.png]
-    python -m bench.plot ...  (the same, from the repository root)
+    python -m bench.plot RESULTS.json [-o out.png] [--markdown]   (from the repository root)
 
 Top row, per model: prefill tokens/s of every (prompt length, concurrency) shape (over
-``--repeat``'s rounds pooled: their tokens over their wall seconds) for
+``--repeat``'s rounds: their tokens over their wall seconds) for
 nodump (a), dump (b), early answers (b'), fp8 dumps, JSON (c) and the peer vLLM's (a) and
 (b) (hatched), log scale where they span more than 10x, with the hardware bound W/B of each cell
 (W = min(pinned D2H, /dev/shm write), B = dump bytes per prompt token) as a marker.
 Bottom row: (b)/min((a), W/B) per shape and dump mode against the 0.95 target (vLLM's
-against its own (a); over several rounds the pooled (b)/(a)), and the controls
-nodump_twin's (a on T)/(a) and dump_skip's (a on B)/(a); where vLLM's dump ran, black diamonds: its (b) over ours, shape by
-shape (no target: a comparison, drawn when the run has no (a) too).
+against its own (a); over several rounds the lowest); where vLLM's dump ran, black
+diamonds: its (b) over ours, shape by shape (no target: a comparison, drawn when the run
+has no (a) too).
 The GPU host has no matplotlib; run this where it is installed.
 """
 
@@ -21,14 +20,9 @@ import argparse
 import json
 import os
 import sys
+from typing import Dict, List, Tuple
 
-if __name__ == "__main__" and not __package__:  # python bench/plot.py: the package's parent
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-    sys.path.insert(0, os.path.dirname(_here))
-
-from bench import markdown, modes, report  # noqa: E402
-from bench.pooled import pooled_tps  # noqa: E402
+from bench import markdown, modes, report
 
 # drawn: the modes with a label (bench/modes.py), in its order; the peer's bars: our colours, hatched
 MODES = tuple(m.name for m in modes.MODES if m.label)
@@ -36,6 +30,18 @@ COLORS = {m.name: m.color for m in modes.MODES if m.label}
 LABELS = {m.name: m.label for m in modes.MODES if m.label}
 STYLE = {m.name: {"hatch": "//", "edgecolor": "white"} for m in modes.MODES if m.peer}
 RATIOS = tuple((m.name, m.ratio_label) for m in modes.MODES if m.ratio_label)
+
+
+def shape_tps(cells: List[dict], mode: str) -> Dict[Tuple[int, int], float]:
+    """{(prompt_len, concurrency): tokens/s} of ``mode``'s cells with a rate, over the
+    rounds: sum of prompt tokens / sum of wall seconds (one cell: its own rate)."""
+    sums: Dict[Tuple[int, int], List[float]] = {}
+    for c in cells:
+        if c["mode"] == mode and c.get("prefill_tps"):
+            s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
+            s[0] += c["prompt_tokens"]
+            s[1] += c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
+    return {k: t / w for k, (t, w) in sums.items() if w}
 
 
 def _label(prompt_len, concurrency):
@@ -61,7 +67,7 @@ def plot(results: dict, path: str) -> str:
         x = {k: i for i, k in enumerate(keys)}
         ax = axes[0][j]
         shown = [mode for mode in MODES if any(c["mode"] == mode for c in cells)]
-        bars = {mode: pooled_tps(cells, mode) for mode in shown}
+        bars = {mode: shape_tps(cells, mode) for mode in shown}
         width = 0.8 / max(len(shown), 1)
         for k, mode in enumerate(shown):
             pts = [(x[key], tps) for key, tps in bars[mode].items()]
@@ -89,18 +95,12 @@ def plot(results: dict, path: str) -> str:
                   if any(c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None for c in hcells)]
         rw = 0.8 / max(len(ratios), 1)
         drawn_ratios = []
-        pooled = {(p["mode"], p["prompt_len"], p["concurrency"]): p["dump_vs_nodump_pooled"]
-                  for p in head.get(model, {}).get("pooled") or [] if p["rounds"] > 1}
         for k, (mode, label) in enumerate(ratios):
             r = {}
-            for c in hcells:  # one bar per shape: the pooled (b)/(a) over rounds, else the cell's (b)/bound
+            for c in hcells:  # one bar per shape: its (b)/bound, the lowest over the rounds
                 if c.get("mode", "dump") == mode and c.get("dump_vs_bound") is not None:
                     key = (c["prompt_len"], c["concurrency"])
-                    r[key] = pooled.get((mode, *key), c["dump_vs_bound"])
-            if r and all((mode, *key) in pooled for key in r):
-                label = label.split("/")[0] + "/(a), pooled over rounds"
-            elif any((mode, *key) in pooled for key in r):
-                label += "; pooled (b)/(a) where several rounds"
+                    r[key] = min(r.get(key, c["dump_vs_bound"]), c["dump_vs_bound"])
             r = [(x[key], v) for key, v in r.items()]
             drawn_ratios += [v for _, v in r]
             ax.bar([p[0] + (k - (len(ratios) - 1) / 2) * rw for p in r], [p[1] for p in r], rw,

@@ -1,7 +1,6 @@
-"""A cell run once more under a profiler, after its measured run: py-spy on a server's
-scheduler process (``--py-spy PROMPTxCONC``, ``--py-spy-kind gil|wait``) or SGLang's torch
-profiler (``--torch-profile``, summarized by ``torchprof``). A failed profile is recorded
-as ``{"error": ...}`` and never ends the model's cells.
+"""A cell run once more under py-spy, after its measured run: py-spy on a server's
+scheduler process (``--py-spy PROMPTxCONC``, ``--py-spy-kind gil|wait``). A failed profile
+is recorded as ``{"error": ...}`` and never ends the model's cells.
 
 The summaries are pure functions of py-spy's ``--format raw`` text (``summarize_py_spy``,
 ``summarize_gil_wait``), checked on hand-made samples by tests/test_bench.py.
@@ -9,15 +8,12 @@ The summaries are pure functions of py-spy's ``--format raw`` text (``summarize_
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import shutil
 import signal
 import subprocess
 import time
 
-from bench import modes, torchprof
 from bench.loadgen import cell_prompts, run_cell
 
 PY_SPY_RATE = 100  # samples per second
@@ -134,7 +130,7 @@ ALSO = {"frontend": "the server's launch process (HTTP server, TokenizerManager)
 def also_pid(server, which):
     """The pid of ``which`` (a key of ``ALSO``) for ``server``."""
     if which == "frontend":
-        return server.proc.pid  # tests/gpu/server.launch starts the launch module itself
+        return server.proc.pid  # testing/server.launch starts the launch module itself
     if which == "client":
         return os.getpid()
     raise ValueError(f"unknown process {which!r}: one of {', '.join(ALSO)}")
@@ -257,65 +253,3 @@ def _stop(procs):
             logs[w] = proc.communicate()[0] or ""
     return logs
 
-
-def torch_profile_need_s(args, cell, r):
-    """Seconds the torch-profiled re-run of the cell just measured needs before the
-    deadline (~3 of its runs, and the trace's writing and reading), or None when it is not
-    asked for: a cell of a mode with ``torch_profile`` (bench/modes.py) of a ``--torch-profile``
-    shape that did not fail."""
-    if (cell["mode"] not in modes.names(torch_profile=True)
-            or f"{cell['prompt_len']}x{cell['concurrency']}" not in args.torch_profile or r.get("error")):
-        return None
-    return 3 * r.get("wall_s", 60) + 90
-
-
-def torch_profile_cell(server, cell, spec, rng, trace_dir, tag, max_requests):
-    """Run ``cell`` again (at most ``max_requests`` requests) between SGLang's
-    ``/start_profile`` and ``/stop_profile`` (torch profiler, CPU and GPU activity, no
-    stacks), then summarize the trace (``torchprof.summarize``: per 1M prompt tokens, the
-    scheduler thread's time in and between ATen ops, CUDA API calls, GPU busy time).
-    Returns that dict plus ``trace`` (the file) and ``cell_prefill_tps_profiled``, or
-    ``{"error": ...}``."""
-    import requests
-
-    small = dict(cell, requests=min(cell["requests"], max_requests))
-    small["prompt_tokens"] = small["requests"] * cell["prompt_len"]
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    base = f"http://127.0.0.1:{server.port}"
-    prompts = cell_prompts(small, spec, rng)  # before the profiler starts, as in profile_cell
-    try:
-        requests.post(f"{base}/start_profile", timeout=120, json={
-            "output_dir": trace_dir, "activities": ["CPU", "GPU"], "with_stack": False,
-            "record_shapes": False, "profile_id": tag}).raise_for_status()
-        try:
-            r = run_cell(server, small, spec, rng, cell["mode"], prompts=prompts)
-        finally:
-            requests.post(f"{base}/stop_profile", timeout=300).raise_for_status()
-        t0 = time.monotonic()
-        found = []
-        while time.monotonic() - t0 < 120 and not found:
-            found = sorted(n for n in (os.listdir(trace_dir) if os.path.isdir(trace_dir) else [])
-                           if n.endswith(".trace.json.gz"))
-            if not found:
-                time.sleep(0.5)
-        if not found:
-            return {"error": f"no trace in {trace_dir} after 120 s"}
-        with gzip.open(os.path.join(trace_dir, found[0]), "rt") as f:
-            events = json.load(f).get("traceEvents", [])
-        out = torchprof.summarize(events, small["prompt_tokens"])
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {e}"[:500]}
-    out["trace"] = found[0]
-    out["requests"] = small["requests"]
-    out["cell_prefill_tps_profiled"] = r.get("prefill_tps")
-    if r.get("error"):
-        out["cell_error"] = r["error"]
-    return out
-
-
-def torch_profile_line(key, tp):
-    """The line printed after a torch-profiled run."""
-    return f"  torch profile {key}: " + (tp.get("error") or (
-        f"window {tp['window_ms_per_mtok']:.0f} ms/Mtok, in ops {tp['ops_ms_per_mtok']:.0f}, "
-        f"between {tp['between_ops_ms_per_mtok']:.0f}, launch {tp['launch_us_mean'] or 0:.1f} us, "
-        f"GPU busy {tp['gpu_busy_ms_per_mtok']:.0f}"))

@@ -14,13 +14,12 @@ Results layout (what ``cli`` writes, what ``markdown`` and ``plot`` read)::
                                                          "fallocate": gbps, "prealloc_write": gbps}},
                   "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
      "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
-                            "cells": [{"mode": "nodump"|"nodump_twin"|"dump_skip"|"dump"|"dump_early"|"nodump_noise"
+                            "cells": [{"mode": "nodump"|"dump"|"dump_early"|"dump_fp8"
                                                |"json"|"vllm_nodump"|"vllm_dump", "prompt_len",
                                        "concurrency", "rep" (--repeat > 1), "requests",
                                        "prompt_tokens", "wall_s",
                                        "prefill_tps", "p50_s", "p99_s",
                                        "file_bytes" (dump), "write_gbps" (dump),
-                                       "noise" (nodump_noise: ``noise.Noise.result``),
                                        "response_bytes" (json),
                                        "stages" (dump, ``stage_stats``), ...}],
                             "host_memory": {...},
@@ -30,7 +29,6 @@ Results layout (what ``cli`` writes, what ``markdown`` and ``plot`` read)::
      "py_spy": {"<label>": {"samples", "threads", "top"} (kind "gil") or {"kind": "wait",
                 "samples", "threads": {t: {"samples", "gil_wait"}}, "scheduler_gil_wait",
                 "scheduler_wait_top"} or {"error"}},
-     "torch_profile": {"<model> <mode> <PROMPTxCONC>": ``torchprof.summarize`` or {"error"}},
      "notes": [...]}
 """
 
@@ -40,22 +38,15 @@ import math
 from typing import Any, Dict, Iterable, List, Optional
 
 from bench import modes
-from bench.pooled import pooled_ratios
 
 # Targets of issue #7.
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
 TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
-# which modes are a dump's cost, which a control's, and each one's no-dump base: bench/modes.py
+# which modes are a dump's cost, and each one's no-dump base: bench/modes.py
 DUMP_MODES = modes.names(dumps=True)
 # the no-dump mode each dump mode's ratio divides by (the same engine's)
 BASE_MODE = {m.name: m.base for m in modes.MODES if m.base != "nodump"}
-# modes whose ratio to no-dump is a control, not a dump's cost (nodump_twin: two identical
-# servers; dump_skip: B's own no-dump rate)
-CONTROL_MODES = modes.names(control=True)
-# B's modes read against dump_skip, the same server and process (``vs_skip_pooled``)
-SKIP_COMPARED = modes.names(skip_compared=True)
-RATIO_MODES = DUMP_MODES + CONTROL_MODES
 JSON_PROMPT_LEN = 2048
 JSON_CONCURRENCY = 8
 
@@ -107,9 +98,7 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     ``response_wait`` (the finished request waiting for its file in the tokenizer
     manager), ``poll_lag`` (file released -> the tokenizer manager sees it complete; slightly
     negative when the writer stamps ``t_released`` after the waiter saw the lock go), ``hook`` (scheduler
-    thread time per extend batch in ``on_prefill_result``, and ``on_prefill_output`` where a
-    series defers it; then also ``hook_on_path``, the part before the batch's outputs are
-    streamed, and ``hook_on_path_share``), plus ``files``,
+    thread time per extend batch in ``on_prefill_result``), plus ``files``,
     ``ready_before_response`` (share of files complete before their request finished)
     and, with ``wall_s``, ``hook_share`` (hook time / wall time). Empty dict without
     file events.
@@ -119,10 +108,7 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
         return {}
     resp = {e["name"]: e for e in events if e.get("event") == "response"}
     hook_events = [e for e in events if e.get("event") == "hook" and "t0" in e and "t1" in e]
-    # deferred (t_named, t_output): the outputs were streamed between the hook's two calls
-    hooks = [e["t1"] - e["t0"] - (e["t_output"] - e["t_named"]) if "t_output" in e else e["t1"] - e["t0"]
-             for e in hook_events]
-    on_path = [e["t_named"] - e["t0"] if "t_output" in e else e["t1"] - e["t0"] for e in hook_events]
+    hooks = [e["t1"] - e["t0"] for e in hook_events]
 
     def ms(values):
         values = [v * 1000 for v in values]
@@ -139,12 +125,8 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
         sum(f["t_released"] <= r["t_meta"] for f, r in joined) / len(joined) if joined else None
     )
     out["hook"] = ms(hooks)
-    if any("t_output" in e for e in hook_events):
-        out["hook_on_path"] = ms(on_path)
     if wall_s:
         out["hook_share"] = sum(hooks) / wall_s
-        if "hook_on_path" in out:
-            out["hook_on_path_share"] = sum(on_path) / wall_s
     return out
 
 
@@ -183,19 +165,8 @@ def find_cell(cells, mode, prompt_len, concurrency, rep=ANY_REP):
     return None
 
 
-def paced_by(cells, prompt_len, concurrency, rep=ANY_REP):
-    """The dump cell (mode dump's, else dump_early's: the same bytes per token) that a
-    ``nodump_noise`` cell of that shape and round is paced by and read beside; or None."""
-    return (find_cell(cells, "dump", prompt_len, concurrency, rep)
-            or find_cell(cells, "dump_early", prompt_len, concurrency, rep))
-
-
 def headline(results: dict) -> Dict[str, dict]:
-    """Per model: ``dump_vs_nodump`` (per cell, plus min and geometric mean; a
-    ``nodump_twin`` cell's ratio is the control's, ``nodump_twin_vs_nodump_range`` its
-    lowest and highest; ``pooled``:
-    per shape over the rounds, ``pooled.pooled_ratios``, with each mode's worst shape;
-    ``pooled_vs_skip``: dump and dump_early over dump_skip, pooled alike, where it ran),
+    """Per model: ``dump_vs_nodump`` (per cell and round, plus min and geometric mean),
     ``dump_vs_json`` at 2k/conc 8, ``writer_vs_ceiling`` (per prompt length, and at 2k),
     and per dump cell the bound ``min((a), W/B)`` the target compares (b) with."""
     ceil = results.get("ceilings", {})
@@ -205,7 +176,7 @@ def headline(results: dict) -> Dict[str, dict]:
     for model, m in results.get("models", {}).items():
         cells = m.get("cells", [])
         per_cell = []
-        for b in (c for c in cells if c.get("mode") in RATIO_MODES and not c.get("error")):
+        for b in (c for c in cells if c.get("mode") in DUMP_MODES and not c.get("error")):
             a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"],
                           b.get("rep"))
             bytes_per_token = b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
@@ -230,9 +201,7 @@ def headline(results: dict) -> Dict[str, dict]:
             return [x["dump_vs_nodump"] for x in per_cell
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
-        r, r_early, r_fp8, r_twin = (ratios(m) for m in ("dump", "dump_early", "dump_fp8", "nodump_twin"))
-        pooled = pooled_ratios(cells, RATIO_MODES, lambda mode: BASE_MODE.get(mode, "nodump"))
-        vs_skip = pooled_ratios(cells, SKIP_COMPARED, lambda mode: "dump_skip", key="vs_skip_pooled")
+        r, r_early, r_fp8 = (ratios(m) for m in ("dump", "dump_early", "dump_fp8"))
         rows = peer_rows(cells)
         fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
         for x in (c for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]):
@@ -248,34 +217,12 @@ def headline(results: dict) -> Dict[str, dict]:
         for plen, wr in writer.items():
             w = ceiling_w(d2h, nearest(shm, wr["file_bytes"]))
             wvc[plen] = ratio(wr.get("gbps"), w)
-        noise = []
-        for n in (c for c in cells if c.get("mode") == "nodump_noise" and not c.get("error")):
-            shape = (n["prompt_len"], n["concurrency"], n.get("rep"))
-            a, b = find_cell(cells, "nodump", *shape), paced_by(cells, *shape)
-            noise.append({
-                "prompt_len": n["prompt_len"], "concurrency": n["concurrency"],
-                **({"rep": n["rep"]} if "rep" in n else {}),
-                "noise_vs_nodump": ratio(n["prefill_tps"], a["prefill_tps"] if a else None),
-                "dump_vs_nodump": ratio(b["prefill_tps"] if b else None, a["prefill_tps"] if a else None),
-                "noise_gbps": n.get("noise", {}).get("gbps"),
-                "noise_bytes_per_token": n.get("noise", {}).get("bytes_per_token"),
-                "dump_write_gbps": b.get("write_gbps") if b else None,
-                "dump_bytes_per_token": (b["file_bytes"] / b["prompt_tokens"]
-                                         if b and b.get("file_bytes") and b.get("prompt_tokens") else None),
-            })
         out[model] = {
             "cells": per_cell,
-            **({"noise": noise} if noise else {}),
             "dump_vs_nodump_min": min(r) if r else None,
             "dump_vs_nodump_geomean": geomean(r),
             "dump_early_vs_nodump_min": min(r_early) if r_early else None,
             "dump_early_vs_nodump_geomean": geomean(r_early),
-            "pooled": pooled,
-            **({"pooled_vs_skip": vs_skip} if vs_skip else {}),
-            **{f"{mode}_vs_nodump_pooled_min": min(x["dump_vs_nodump_pooled"] for x in pooled
-                                                    if x["mode"] == mode)
-               for mode in dict.fromkeys(x["mode"] for x in pooled)},
-            **({"nodump_twin_vs_nodump_range": [min(r_twin), max(r_twin)]} if r_twin else {}),
             "dump_fp8_vs_nodump_min": min(r_fp8) if r_fp8 else None,
             "dump_fp8_vs_nodump_geomean": geomean(r_fp8),
             "fp8_vs_bf16_bytes_per_token_max": max(fp8_bytes) if fp8_bytes else None,

@@ -9,13 +9,13 @@
 #   bash bench/run_bench.sh run --quick    (carry .whl/c and .whl/d: installs, applies, runs)
 # .whl/d (py-spy for the profiles): bash tests/gpu/stage-extras.sh
 # A host that already ran tests/gpu/run_e2e.sh has a, b and c installed (same /tmp/site-*).
-# `run` applies the series into the staged site-packages and runs bench/bench.py with the
+# `run` applies the series into the staged site-packages and runs `python3 -m bench` with the
 # remaining arguments (see bench/README.md). Results: $OUT/<date>-<gpu>-<profile>.json and
-# .md, and the server logs; make the PNG here with bench/plot.py.
+# .md, and the server logs; make the PNG here with `python -m bench.plot`.
 # The peer's modes (vllm_nodump, vllm_dump) start vLLM 0.33 with
 #   KIMI_BENCH_VLLM_PYTHONPATH       the whole PYTHONPATH of vLLM's servers (its staged site)
 #   KIMI_BENCH_VLLM_LD_LIBRARY_PATH  their LD_LIBRARY_PATH (the staged NCCL)
-#   KIMI_BENCH_VLLM_PYTHON           their interpreter (default: python3, as bench.py's)
+#   KIMI_BENCH_VLLM_PYTHON           their interpreter (default: python3, as the bench's)
 # while our servers keep the SGLang stack staged below. Unset, the first two come from
 # tests/gpu/stage-stack.sh's vLLM stack when it is staged (its `env vllm`, evaluated
 # without our PYTHONPATH), else from this environment (vLLM must then import from it).
@@ -46,11 +46,11 @@ case "${1:-run}" in
       LD_LIBRARY_PATH="${KIMI_BENCH_VLLM_LD_LIBRARY_PATH:-${LD_LIBRARY_PATH:-}}" "${KIMI_BENCH_VLLM_PYTHON:-python3}" -c \
       'from importlib.metadata import version; print("vLLM for the peer modes:", version("vllm"))' 2>/dev/null \
       || echo "vLLM for the peer modes: not importable (stage it: tests/gpu/stage-stack.sh; or set KIMI_BENCH_VLLM_PYTHONPATH)"
-    # KIMI_BENCH_TIMEOUT=S: stop bench.py after S seconds (SIGTERM: it stops the servers
-    # and keeps the results so far); bench.py's own deadline normally ends it first.
+    # KIMI_BENCH_TIMEOUT=S: stop the bench after S seconds (SIGTERM: it stops the servers
+    # and keeps the results so far); its own deadline normally ends it first.
     guard=()
     if [ -n "${KIMI_BENCH_TIMEOUT:-}" ]; then guard=(timeout --kill-after=30 "$KIMI_BENCH_TIMEOUT"); fi
-    "${guard[@]}" python3 bench/bench.py --out "${OUT:-/tmp/kimi-bench-out}" "${@:2}"
+    "${guard[@]}" python3 -m bench --out "${OUT:-/tmp/kimi-bench-out}" "${@:2}"
     ;;
-  *) echo "usage: $0 install a|b|c | run [bench.py args, e.g. --quick]" >&2; exit 2 ;;
+  *) echo "usage: $0 install a|b|c | run [python -m bench args, e.g. --quick]" >&2; exit 2 ;;
 esac

@@ -18,8 +18,7 @@ import time
 from bench import child_env, loadgen, module_argv, peer, peerfiles, profilers, report, servers
 from bench import plan as planning
 from bench.models import MODELS, file_bytes, model_path
-from bench.noise import Noise, noise_rate
-from bench.plan import peer_files_wanted, writer_threads
+from bench.plan import peer_files_wanted
 
 
 class Clock:
@@ -57,7 +56,6 @@ def cell_line(label, r):
     """The line printed after a cell."""
     extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
         f", {r['bytes_per_token']:.0f} B/token" if r.get("bytes_per_token") else "") + (
-        f" beside {r['noise'].get('gbps', 0):.2f} GB/s of noise" if r.get("noise") else "") + (
         f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
     return (f"  {label}: {r.get('prefill_tps', float('nan')):.0f} tok/s, p50 "
             f"{r.get('p50_s', float('nan')):.3f} s, p99 {r.get('p99_s', float('nan')):.3f} s{extra}"
@@ -91,7 +89,7 @@ class ModelRun:
         self.results["phases"][f"{self.name}/{key}"] = round(time.monotonic() - t0, 1)
 
     def clear(self, mode):
-        """Empty ``mode``'s server's dump directory before its cell (dump_skip's too)."""
+        """Empty ``mode``'s server's dump directory after its cell."""
         which = servers.server_for(self.args, mode)
         if servers.dumps(which):
             loadgen.clear_dump_dir(self.dirs[which])
@@ -261,31 +259,13 @@ class ModelRun:
                 sampler.__exit__(None, None, None)
             self.samplers = {}
 
-    def noise_for(self, cell, rate_bps):
-        """Mode nodump_noise's writer process for this cell."""
-        return Noise(os.path.join(self.args.dump_root, "kimi-bench-noise"), cell["prompt_len"],
-                     len(self.spec["layer_ids"]) * self.spec["hidden_size"], writer_threads(), rate_bps,
-                     self.args.noise_cpus, keep_bytes=int(0.3 * self.shm_free))
-
     def measure(self, cell, server):
         """The cell's measured run: its results entry (``error`` when it failed)."""
         mode = cell["mode"]
         try:
-            if mode != "nodump_noise":
-                traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
-                return loadgen.run_cell(server, cell, self.spec, self.rng, mode, trace_path=self.trace_path
-                                        if traced else None, twin_custom_params=self.args.twin_custom_params)
-            noise = self.noise_for(cell, noise_rate(self.m["cells"], cell, self.args))
-            with noise:
-                r = loadgen.run_cell(server, cell, self.spec, self.rng, mode)
-            r["noise"] = noise.result
-            if noise.result.get("bytes") is not None and r.get("prompt_tokens"):
-                r["noise"]["bytes_per_token"] = noise.result["bytes"] / r["prompt_tokens"]
-            if noise.result.get("error") or not noise.result.get("files"):
-                r["error"] = f"noise process: {noise.result.get('error', 'wrote no file')}"
-            elif not noise.result["target_gbps"]:
-                r["error"] = "noise unpaced: no dump and no-dump cell of this shape and round to pace it by"
-            return r
+            traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
+            return loadgen.run_cell(server, cell, self.spec, self.rng, mode,
+                                    trace_path=self.trace_path if traced else None)
         except Exception as e:  # noqa: BLE001
             return {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
                     "requests": cell["requests"], "error": f"{type(e).__name__}: {e}"[:500]}
@@ -318,8 +298,6 @@ class ModelRun:
                 server, cell, self.spec, self.rng, os.path.join(args.out, f"py-spy-{self.profile_tag(cell)}"),
                 args.py_spy_kind, getattr(args, "py_spy_also", ()))
             self.clear(mode)
-        if self.fits(profilers.torch_profile_need_s(args, cell, r), f"torch profile of {label}"):
-            self.torch_profile(cell, r, server)
         print(cell_line(label, r), flush=True)
         self.save()
 
@@ -335,34 +313,11 @@ class ModelRun:
         return False
 
     def profile_tag(self, cell):
-        """The file-name tag of a cell's profiles (py-spy's samples, the torch trace):
+        """The file-name tag of a cell's py-spy samples:
         run, model, mode, shape and, with ``--repeat``, round."""
         rep = cell.get("rep")
         return (f"{self.args.case or self.args.profile}-{self.name}-{cell['mode']}-"
                 f"{cell['prompt_len']}x{cell['concurrency']}" + (f"-{rep}" if rep is not None else ""))
-
-    def torch_profile(self, cell, r, server):
-        args, mode = self.args, cell["mode"]
-        key, tag = label_of(self.name, cell), self.profile_tag(cell)
-        trace_dir = os.path.join(args.workdir, "torch-profile", tag)
-        try:
-            def profiled():
-                return profilers.torch_profile_cell(server, cell, self.spec, self.rng, trace_dir, tag,
-                                                    args.torch_profile_requests)
-
-            if mode == "nodump_noise":  # the same noise again, while profiled
-                with self.noise_for(cell, r["noise"]["target_gbps"] * 1e9):
-                    tp = profiled()
-            else:
-                tp = profiled()
-        except Exception as e:  # noqa: BLE001 - a failed profile must not end the model
-            tp = {"error": f"{type(e).__name__}: {e}"[:500]}
-        self.results.setdefault("torch_profile", {})[key] = tp
-        self.clear(mode)
-        if tp.get("trace"):  # keep the trace beside the results (gzip, a few MB)
-            shutil.copyfile(os.path.join(trace_dir, tp["trace"]),
-                            os.path.join(args.out, f"torch-{tag}.trace.json.gz"))
-        print(profilers.torch_profile_line(key, tp), flush=True)
 
     def host_memory(self):
         """The writer's host-memory peaks from server B's log (after waiting, with

@@ -2,21 +2,17 @@
 dump directories and environment, and their start and stop.
 
 Every kind of server is one entry of ``KINDS``; all share the flags of
-tests/gpu/server.py's ``base_command`` (what the GPU suite verified) plus
+testing/server.py's ``base_command`` (what the GPU suite verified) plus
 ``--skip-tokenizer-init --disable-radix-cache --cuda-graph-max-bs 32 --log-level info``
 and the run's options, and differ only in their last flags:
 
 - A: plain; plus ``--enable-return-hidden-states`` while it also serves ``json``.
-  Serves ``nodump``, ``nodump_noise`` and (``--json-server shared``) ``json``.
+  Serves ``nodump`` and (``--json-server shared``) ``json``.
 - B: plus the dump flags (``--dump-hidden-states-dir <dump root>/kimi-bench-<model>``).
-  Serves ``dump``, ``dump_early`` and ``dump_skip`` (its requests ask not to be dumped:
-  B's own no-dump rate, with no process difference to its dump modes).
+  Serves ``dump`` and ``dump_early``.
 - C: plus ``--enable-return-hidden-states``; serves ``json`` with ``--json-server separate``.
 - D: B's flags plus ``--dump-hidden-states-dtype fp8`` (the dtype is per server); serves
   ``dump_fp8``.
-- T: A's twin, A's flags (its JSON switch too, when A has it) on its own port; serves
-  ``nodump_twin``, the no-dump load again. Its ratio to A is what two identical servers differ by in this run (start
-  order, KV pool, CPU placement): the spread against which a dump mode's ratio is read.
 - V and W: the peer, vLLM (``bench.peer``: its own command line and environment, the same
   model files). V serves ``vllm_nodump``; W, with vLLM's extract_hidden_states and its
   example connector writing into ``<dump root>/kimi-bench-<model>-vllm``, ``vllm_dump``.
@@ -27,7 +23,7 @@ with --enable-return-hidden-states, whether a request asks for them or not
 slightly more than a plain server for (a); --json-server separate measures (a) on a plain
 server at the cost of a third start-up.
 
-Starting, waiting and stopping is tests/gpu/server.py's launcher (``launch``,
+Starting, waiting and stopping is testing/server.py's launcher (``launch``,
 ``Server.wait_until``/``wait_healthy``, ``stop_all``), the one the GPU suite uses.
 
 Adding a kind of server (as V and W were, issue 23) is: a ``Kind`` whose ``command``
@@ -45,10 +41,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from bench import gpu_suite_module, modes, peer
+from bench import modes, peer
 from bench.models import MODELS, model_path
-
-launcher = gpu_suite_module("server")  # tests/gpu/server.py: one launcher for both
+from testing import server as launcher  # one launcher for the GPU suite and the benchmark
 
 
 def sglang_command(args, name, which, extra):
@@ -111,7 +106,6 @@ KINDS = {
     "V": Kind(4, lambda args, name, which: [], command=vllm_command, api="vllm", env=peer.vllm_env),
     "W": Kind(5, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
               dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
-    "T": Kind(6, _a_flags),
 }
 
 # the server of each mode (json: A, or C with --json-server separate)
@@ -131,8 +125,8 @@ def port_of(args, which):
 
 def ports_problem(args, modes):
     """Why ``--ports`` is too short for the servers of ``modes`` (an error message), or None."""
-    words = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh"]
-    counts = ["one", "two", "three", "four", "five", "six", "seven"]
+    words = ["first", "second", "third", "fourth", "fifth", "sixth"]
+    counts = ["one", "two", "three", "four", "five", "six"]
     for mode in modes:
         which = server_for(args, mode)
         i = KINDS[which].port_index

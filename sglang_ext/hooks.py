@@ -39,9 +39,6 @@ from sglang_ext.responses import (  # noqa: F401 - re-exported: the patches call
 )
 from sglang_ext.session import DumpSession, check_server_args  # noqa: F401 - re-exported
 
-# tests/test_kimi_checkpoint.py reaches the model search under this name
-_find_decoder = _session.find_decoder
-
 _SESSION: Optional[DumpSession] = None  # this scheduler process's session (setup_model)
 
 

@@ -104,10 +104,9 @@ def patched_site(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_models_built(tmp_path_factory) -> dict:
-    """The GPU suite's tiny ``deepseek`` and ``kimi`` (tests/gpu/tiny_models.py), built on
+    """The GPU suite's tiny ``deepseek`` and ``kimi`` (testing/tiny_models.py), built on
     the CPU once per session: name -> tiny_models.TinyModel (~10 s each)."""
-    sys.path.insert(0, str(REPO / "tests" / "gpu"))
-    import tiny_models
+    from testing import tiny_models
 
     workdir = str(tmp_path_factory.mktemp("tiny-models"))
     return {name: tiny_models.build(tiny_models.MODELS[name], workdir) for name in ("deepseek", "kimi")}

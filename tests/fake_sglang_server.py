@@ -1,5 +1,5 @@
 """A stand-in for ``python -m sglang.launch_server`` that lets tests/test_bench.py rehearse
-bench/bench.py's orchestration on a CPU: the same flags, /health and /generate with
+the bench's orchestration (``python -m bench``) on a CPU: the same flags, /health and /generate with
 ``input_ids``, and for the modes the benchmark uses:
 
 - ``--dump-hidden-states-dir DIR``: writes one safetensors file per request by hand (an
@@ -14,10 +14,6 @@ bench/bench.py's orchestration on a CPU: the same flags, /health and /generate w
   ``custom_params {"hidden_states_dump": false}`` is not dumped.
 - ``--enable-return-hidden-states`` and ``return_hidden_states: true``: answers
   ``meta_info.hidden_states`` as a ``[T, 8]`` nested list.
-- ``/start_profile`` and ``/stop_profile``: on stop, writes
-  ``<output_dir>/<profile_id>-TP-0.trace.json.gz``, a Kineto-style trace with, per request
-  served meanwhile, one ATen op of 1 ms on the "scheduler" thread, 0.5 ms apart, holding
-  one 5 us ``cudaLaunchKernel`` and one 0.2 ms kernel on the GPU.
 
 It checks nothing about models; it is not SGLang.
 """
@@ -26,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import gzip
 import json
 import os
 import socket
@@ -141,33 +136,8 @@ def main():
     class Handler(JsonHandler):
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-            if self.path == "/start_profile":
-                with lock:
-                    state["profile"] = dict(req, served=0)
-                return self.reply(200, {})
-            if self.path == "/stop_profile":
-                with lock:
-                    prof = state.pop("profile")
-                events = []
-                for i in range(prof["served"]):
-                    ts = 1000.0 + 1500.0 * i
-                    events += [
-                        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 7, "tid": 70,
-                         "ts": ts, "dur": 1000.0},
-                        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 7,
-                         "tid": 70, "ts": ts + 10, "dur": 5.0},
-                        {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7,
-                         "ts": ts + 20, "dur": 200.0},
-                    ]
-                os.makedirs(prof["output_dir"], exist_ok=True)
-                out = os.path.join(prof["output_dir"], f"{prof['profile_id']}-TP-0.trace.json.gz")
-                with gzip.open(out, "wt") as f:
-                    json.dump({"traceEvents": events}, f)
-                return self.reply(200, {})
             ids = req["input_ids"]
             with lock:
-                if "profile" in state:
-                    state["profile"]["served"] += 1
                 state["inflight"] = state.get("inflight", 0) + 1
             try:
                 self._generate(req, ids)

@@ -73,7 +73,7 @@ if [ -n "$(ls "$venv"/lib/python*/site-packages/__editable__*sglang_ext* 2>/dev/
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 echo "== ruff"
-"$venv/bin/ruff" check sglang_ext tests bench --select F,E9
+"$venv/bin/ruff" check sglang_ext tests bench testing --select F,E9
 echo "== pytest"
 set +e
 PATH="$venv/bin:$PATH" python -m pytest "$@"

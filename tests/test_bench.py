@@ -11,19 +11,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
+from bench import cli, loadgen, markdown, models, plan, profilers, report
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-from bench import cli, loadgen, markdown, models, noise, plan, profilers, report, torchprof  # noqa: E402
 
 MiB = 1 << 20
 
@@ -99,164 +96,20 @@ def test_headline_ratios():
     assert h["writer_vs_ceiling"] == pytest.approx(0.8)  # 8 / min(50, 10)
 
 
-def test_repetitions_pair_with_their_own_nodump_and_noise_cells():
+def test_repetitions_pair_with_their_own_nodump_cells():
     res = sample()
     res["models"]["m"]["cells"] = [
         cell("nodump", 2048, 32, 100_000.0, rep=0),
         cell("dump", 2048, 32, 50_000.0, rep=0, file_bytes=4 * 2048 * 16384, write_gbps=3.0),
-        cell("nodump_noise", 2048, 32, 80_000.0, rep=0, noise={"gbps": 2.9}),
         cell("nodump", 2048, 32, 200_000.0, rep=1),
         cell("dump", 2048, 32, 150_000.0, rep=1, file_bytes=4 * 2048 * 8192, write_gbps=4.0),
-        cell("nodump_noise", 2048, 32, 190_000.0, rep=1, noise={"gbps": 3.9, "bytes_per_token": 8000.0}),
     ]
     h = report.headline(res)["m"]
     # rep 0: 50k / 100k; rep 1: 150k / 200k (never 50k / 200k)
     assert sorted((c["rep"], c["dump_vs_nodump"]) for c in h["cells"]) == [(0, 0.5), (1, 0.75)]
     assert h["dump_vs_nodump_min"] == pytest.approx(0.5)
-    # noise: rep 0 80k / 100k beside 2.9 GB/s (the dump wrote 3.0); rep 1 190k / 200k
-    n = {x["rep"]: x for x in h["noise"]}
-    assert n[0]["noise_vs_nodump"] == pytest.approx(0.8) and n[0]["noise_gbps"] == 2.9
-    assert n[0]["dump_vs_nodump"] == pytest.approx(0.5) and n[0]["dump_write_gbps"] == 3.0
-    assert n[1]["noise_vs_nodump"] == pytest.approx(0.95)
-    assert n[1]["dump_bytes_per_token"] == 8192 and n[1]["noise_bytes_per_token"] == 8000.0
     md = markdown.render_markdown(res | {"headline": report.headline(res), "targets": []})
-    assert "| 2048 | 32 | nodump_noise #1 |" in md and "3.90 (noise)" in md
-    assert "nodump_noise 2048x32 #0: no dump while another process writes 2.90 GB/s" in md
-    assert "8000 bytes per prompt token (the dump cell: 4.00 GB/s, 8192 B/token)" in md
-    # the noise rate: the dump's bytes per token (same round) x the no-dump tokens/s (same
-    # round): rep 1: 8192 x 200k = 1.6384e9 B/s; rep 0: 16384 x 100k; no such cells: 0
-    args = cli.build_parser().parse_args([])
-    cells = res["models"]["m"]["cells"]
-    assert noise.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 8192 * 200_000
-    assert noise.noise_rate(cells, {"prompt_len": 2048, "concurrency": 32, "rep": 0}, args) == 16384 * 100_000
-    assert noise.noise_rate(cells, {"prompt_len": 512, "concurrency": 32, "rep": 0}, args) == 0.0
-    args = cli.build_parser().parse_args(["--noise-gbps", "1.5"])
-    assert noise.noise_rate([], {"prompt_len": 2048, "concurrency": 32}, args) == 1.5e9
-    # without mode dump, dump_early's cell paces the noise and is read beside it
-    early = [dict(c, mode="dump_early") if c["mode"] == "dump" else c for c in cells]
-    args = cli.build_parser().parse_args([])
-    assert noise.noise_rate(early, {"prompt_len": 2048, "concurrency": 32, "rep": 1}, args) == 8192 * 200_000
-    res_e = {"models": {"m": dict(res["models"]["m"], cells=early)}}
-    n = {x["rep"]: x for x in report.headline(res_e)["m"]["noise"]}
-    assert n[0]["dump_vs_nodump"] == pytest.approx(0.5) and n[1]["dump_bytes_per_token"] == 8192
-
-
-def test_pooled_ratio_weighs_rounds_by_their_length():
-    """The pooled ratio of a shape is (sum of the dump's tokens / sum of its wall) over
-    (the same for its own rounds' no-dump cells): a stalled round counts for its seconds,
-    not as one ratio of two; rounds without their own no-dump cell stay out."""
-    res = sample()
-    res["models"]["m"]["cells"] = [
-        cell("nodump", 512, 32, 100_000.0, rep=0), cell("dump_early", 512, 32, 50_000.0, rep=0),
-        cell("nodump", 512, 32, 200_000.0, rep=1), cell("dump_early", 512, 32, 200_000.0, rep=1),
-        cell("dump_early", 512, 32, 1_000.0, rep=2),  # its nodump failed: not paired
-        cell("nodump", 512, 32, 1.0, rep=2, error="HTTP 500"),
-        cell("nodump", 2048, 8, 100_000.0, rep=0), cell("dump", 2048, 8, 90_000.0, rep=0),
-    ]
-    h = report.headline(res)["m"]
-    # 512x32: dump_early 4096 tokens in 0.08192 + 0.02048 s; nodump in 0.04096 + 0.02048 s
-    want = (2 * 2048 / (2048 / 50_000 + 2048 / 200_000)) / (2 * 2048 / (2048 / 100_000 + 2048 / 200_000))
-    assert want == pytest.approx(0.6)  # where the rounds' ratios (0.5 and 1.0) average 0.75
-    assert h["pooled"] == [
-        {"mode": "dump_early", "prompt_len": 512, "concurrency": 32, "rounds": 2,
-         "dump_vs_nodump_pooled": pytest.approx(want)},
-        {"mode": "dump", "prompt_len": 2048, "concurrency": 8, "rounds": 1,
-         "dump_vs_nodump_pooled": pytest.approx(0.9)}]
-    assert h["dump_early_vs_nodump_pooled_min"] == pytest.approx(0.6)
-    assert h["dump_vs_nodump_pooled_min"] == pytest.approx(0.9)
-    md = markdown.render_markdown(res | {"headline": {"m": h}, "targets": []})
-    assert ("- pooled over the rounds (sum of tokens / sum of wall, each mode's): dump_early 512x32 0.600"
-            " (2 rounds); dump 2048x8 0.900 (1 rounds)") in md
-
-
-def test_torch_trace_summary_splits_the_scheduler_thread_time():
-    def x(cat, name, ts, dur, tid=1, pid=9):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
-
-    events = [
-        # scheduler thread (tid 1, most ops): two top-level ops, 0..400 us and 600..1000 us,
-        # one with a nested op that must not count twice
-        x("cpu_op", "aten::linear", 0, 400), x("cpu_op", "aten::mm", 50, 300),
-        x("cpu_op", "aten::copy_", 600, 400),
-        x("cuda_runtime", "cudaLaunchKernel", 100, 4), x("cuda_runtime", "cudaLaunchKernel", 700, 8),
-        x("cuda_runtime", "cudaEventRecord", 800, 2),
-        # a writer thread: one op of 50 us
-        x("cpu_op", "aten::empty", 200, 50, tid=2),
-        # the GPU: kernels 100..300 and 250..450 overlap (busy 350), a copy 700..800 (100)
-        x("kernel", "gemm", 100, 200, tid=7, pid=0), x("kernel", "gemm", 250, 200, tid=8, pid=0),
-        x("gpu_memcpy", "Memcpy DtoH", 700, 100, tid=9, pid=0),
-        {"ph": "i", "name": "marker", "ts": 5},
-    ]
-    r = torchprof.summarize(events, prompt_tokens=2_000_000)
-    # per 1M tokens = halves: window 1000 us -> 0.5 ms; in ops 800 us -> 0.4; between 0.1
-    assert r["main_thread"] == "1"
-    assert r["window_ms"] == pytest.approx(1.0)
-    assert r["window_ms_per_mtok"] == pytest.approx(0.5)
-    assert r["ops_ms_per_mtok"] == pytest.approx(0.4)
-    assert r["between_ops_ms_per_mtok"] == pytest.approx(0.1)
-    assert r["ops_per_mtok"] == pytest.approx(1.0)  # 2 ops / 2M tokens
-    assert r["launch_us_mean"] == pytest.approx(6.0) and r["launches_per_mtok"] == pytest.approx(1.0)
-    assert r["api_ms_per_mtok"] == {"cudaLaunchKernel": 0.006, "cudaEventRecord": 0.001}
-    assert r["top_ops_ms_per_mtok"] == {"aten::linear": 0.2, "aten::copy_": 0.2}
-    assert r["gpu_busy_ms_per_mtok"] == pytest.approx(0.225)  # (350 + 100) us / 2
-    assert r["other_threads"] == {"2": {"ops": 1, "ops_ms_per_mtok": pytest.approx(0.025)}}
-    assert r["longest_op"] == {"name": "aten::linear", "ms": 0.4}
-    assert r["copies"] == {"small_d2h": 0, "small_d2h_behind_large": 0, "small_d2h_during_large": 0,
-                           "large_d2h": 0}  # its copy has no size: not counted
-    with pytest.raises(ValueError, match="no cpu_op"):
-        torchprof.summarize([x("kernel", "k", 0, 1)], 10)
-
-
-def test_torch_trace_counts_result_copies_queued_behind_the_rows_copies():
-    """A small device-to-host copy on another stream that starts within 5 us after a rows
-    copy (> 1 MiB) ends counts as queued behind it, one that starts while it runs as beside
-    it; the dump's own small copies (the rows' stream), copies that start later and copies
-    of unknown size do not count."""
-    def d2h(ts, dur, nbytes, stream):
-        return {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": ts, "dur": dur,
-                "args": {"bytes": nbytes, "stream": stream}}
-
-    events = [d2h(0, 800, 64 << 20, 21), d2h(803, 2, 8, 21),  # rows, then the dump's sequence copy
-              d2h(500, 2, 32, 33), d2h(804, 2, 32, 33), d2h(2000, 2, 32, 33),  # SGLang's result copies
-              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 10, "dur": 5, "args": {"bytes": 8}},
-              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 801, "dur": 5}]  # no size
-    assert torchprof.copies_behind(events) == {"small_d2h": 3, "small_d2h_behind_large": 1,
-                                               "small_d2h_during_large": 1, "large_d2h": 1}
-    prof = {"window_ms_per_mtok": 1.0, "copies": torchprof.copies_behind(events)}
-    md = markdown.render_markdown({"models": {}, "torch_profile": {"m dump_early 2048x8": prof}})
-    assert "| result copies queued behind one | 1 |" in md and "| rows copies (device to host, > 1 MiB) | 1 |" in md
-    assert "| result copies while one ran | 1 |" in md
-    old = markdown.render_markdown({"models": {}, "torch_profile": {"m dump_early 2048x8": {"window_ms_per_mtok": 1.0}}})
-    assert "queued behind" not in old  # results from before it render as they were
-
-
-def test_noise_process_writes_at_its_pace_and_cleans_up(tmp_path):
-    """mode nodump_noise's load on the CPU: paced to 20 MB/s, files bounded, dir removed."""
-    import time
-
-    pytest.importorskip("safetensors")
-    d = tmp_path / "noise"
-    size = 256 * 64 * 2 + 256 * 8  # one file's tensor bytes (the header adds a little)
-    writer = noise.Noise(str(d), rows=256, width=64, threads=2, rate_bps=20e6, keep_bytes=4 * size)
-    with writer:
-        time.sleep(1.0)
-        files = list(d.iterdir())
-        assert 1 <= len(files) <= 5  # keep_bytes: 4 files, plus one written before the unlink
-    r = writer.result
-    assert "error" not in r, r
-    assert r["threads"] == 2 and r["target_gbps"] == pytest.approx(0.02)
-    # ~1.2 s at 20 MB/s: paced, not as fast as the disk (which is GB/s)
-    assert 0.4 * 20e6 < r["bytes"] / r["seconds"] < 1.6 * 20e6, r
-    assert r["files"] * size <= r["bytes"] < r["files"] * (size + 1024)
-    assert not d.exists()
-    # a noise process that cannot start (negative rows) is an error, and leaves nothing
-    with pytest.raises(RuntimeError, match="did not start writing"):
-        with noise.Noise(str(d), rows=-1, width=64, threads=1, rate_bps=1e6):
-            pass
-    assert not d.exists()
-    with pytest.raises(ValueError):
-        noise.parse_cpus(",")
-    assert noise.parse_cpus("0-2,5") == {0, 1, 2, 5}
+    assert "| 2048 | 32 | dump #1 | 4 | 150000 |" in md and "| 4.00 |" in md
 
 
 def test_targets_pass_and_fail():
@@ -398,28 +251,28 @@ def _args(argv):
 def test_dry_run_prints_the_plan_without_torch():
     # a plan for a larger host: the writer's CPUs are the GPU host's, not this one's
     env = dict(os.environ, KIMI_SGLANG_WRITER_CPUS=f"{os.cpu_count()}-{os.cpu_count() + 3}")
-    out = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--dry-run", "--quick"],
-                         capture_output=True, text=True, check=True, env=env).stdout
+    out = subprocess.run([sys.executable, "-m", "bench", "--dry-run", "--quick"],
+                         capture_output=True, text=True, check=True, env=env, cwd=REPO).stdout
     assert "server B:" in out and "--dump-hidden-states-dir /dev/shm/kimi-bench-llama-mid" in out
     assert "estimated total" in out
 
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
-    """Every mode has its server (A: nodump, nodump_noise, json shared; B: dump,
-    dump_early, dump_skip; C: json separate; D: dump_fp8; vLLM's V and W, tests/test_bench_peer.py);
-    all of our kinds carry tests/gpu/server.py's shared flags and the run's options, then
+    """Every mode has its server (A: nodump, json shared; B: dump, dump_early; C: json
+    separate; D: dump_fp8; vLLM's V and W, tests/test_bench_peer.py);
+    all of our kinds carry testing/server.py's shared flags and the run's options, then
     only what makes the kind; dumping kinds get their own directory and the writer's
     environment."""
-    from bench import gpu_suite_module, servers
+    from bench import servers
+    from testing import server as launcher
 
     args = _args(["--modes", ",".join(plan.MODES), "--json-server", "separate", "--max-host-mb", "1024",
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4", "--chunked-prefill-size", "512"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
-        "nodump": "A", "nodump_noise": "A", "dump": "B", "dump_early": "B", "dump_skip": "B",
-        "dump_fp8": "D", "json": "C", "vllm_nodump": "V", "vllm_dump": "W", "nodump_twin": "T"}
+        "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "C", "vllm_nodump": "V",
+        "vllm_dump": "W"}
     assert servers.server_for(_args([]), "json") == "A"
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABCD"}
-    launcher = gpu_suite_module("server")
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
     shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
     assert cmds["A"][: len(shared)] == shared
@@ -527,21 +380,20 @@ def test_defaults_are_sglang_ext_configs(monkeypatch, capsys):
 
 
 def test_sub_programs_are_modules_and_the_plan_needs_no_torch(tmp_path):
-    """``python -m bench`` is bench/bench.py; the sub-programs (models, ceilings, noise)
-    are modules with their own command line, and no hidden flag is left; the dry run
-    imports no torch."""
+    """The bench is ``python -m bench`` from any folder with the repository on
+    PYTHONPATH; the sub-programs (models, ceilings, peerfiles) are modules with their own
+    command line, and no hidden flag is left; the dry run imports no torch."""
     import os
 
     env = os.environ | {"PYTHONPATH": str(REPO)}
-    script = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--dry-run", "--quick"],
-                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     module = subprocess.run([sys.executable, "-m", "bench", "--dry-run", "--quick"],
                             capture_output=True, text=True, check=True, cwd=tmp_path, env=env).stdout
-    assert module == script and "estimated total" in script
-    usage = subprocess.run([sys.executable, str(BENCH / "bench.py"), "--help"],
-                           capture_output=True, text=True, check=True).stdout
-    assert usage.startswith("usage: bench.py") and "--internal" not in usage and "--py-spy-kind" in usage
-    for name, word in (("models", "llama-mid"), ("ceilings", "--sizes"), ("noise", "spec")):
+    assert "estimated total" in module
+    usage = subprocess.run([sys.executable, "-m", "bench", "--help"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path, env=env).stdout
+    assert usage.startswith("usage: python -m bench") and "--internal" not in usage and "--py-spy-kind" in usage
+    assert not (BENCH / "bench.py").exists()  # no script beside the package (its sys.path shim is gone)
+    for name, word in (("models", "llama-mid"), ("ceilings", "--sizes"), ("peerfiles", "pairs")):
         out = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], capture_output=True,
                              text=True, cwd=tmp_path, env=env)
         assert out.returncode == 0 and f"python -m bench.{name}" in out.stdout, out.stderr
@@ -591,7 +443,7 @@ def test_short_gpu_name():
 
 
 def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=()):
-    """bench.py --quick on ``models`` against tests/fake_sglang_server.py (``extra`` may
+    """``python -m bench --quick`` on ``models`` against tests/fake_sglang_server.py (``extra`` may
     add the fake vLLM: tests/test_bench_peer.py), deadline and process timeout
     ``timeout`` seconds, without the environment variables ``drop_env``; returns (process,
     out dir, dump root, results JSON path)."""
@@ -600,7 +452,7 @@ def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=())
 
     pytest.importorskip("requests")
     ports = []
-    for _ in range(7):
+    for _ in range(6):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
@@ -610,7 +462,7 @@ def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=())
     for name in drop_env:
         env.pop(name, None)
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench.py"), "--quick", "--server-module", "fake_sglang_server",
+        [sys.executable, "-m", "bench", "--quick", "--server-module", "fake_sglang_server",
          "--no-build", "--skip-ceilings", "--models", models,
          "--out", str(out), "--workdir", str(work), "--dump-root", str(shm),
          "--ports", ",".join(map(str, ports)), "--deadline-s", str(timeout), "--case", "rehearsal", *extra],
@@ -620,53 +472,9 @@ def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=())
     return proc, out, shm, res_path
 
 
-def test_rehearsal_noise_cells_and_repetitions(tmp_path):
-    """nodump_noise runs on server A beside a noise process paced to the dump cell's rate;
-    --repeat 2 interleaves two rounds and the headline pairs each round's cells."""
-    proc, out, shm, res_path = rehearse(
-        tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
-        "--modes", "nodump,dump,nodump_noise", "--repeat", "2", "--py-spy", "",
-        "--torch-profile", "2048x8", "--torch-profile-requests", "4",
-        # a deadline far away: on a loaded CI machine the quick profile's would skip the
-        # last torch profile (clock.left() too short), which is not what this test checks
-        "--deadline-s", "3000")
-    res = json.loads(res_path.read_text())
-    cells = res["models"]["deepseek-tiny"]["cells"]
-    assert [(c["mode"], c.get("rep")) for c in cells] == [
-        (m, r) for r in (0, 1) for m in ("nodump", "dump", "nodump_noise")]
-    assert not any(c.get("error") for c in cells), cells
-    for r in (0, 1):
-        dump = next(c for c in cells if c["mode"] == "dump" and c["rep"] == r)
-        made = next(c for c in cells if c["mode"] == "nodump_noise" and c["rep"] == r)["noise"]
-        assert "error" not in made and made["files"] >= 1, made
-        nodump = next(c for c in cells if c["mode"] == "nodump" and c["rep"] == r)
-        # paced to what a dump at no-dump speed writes: the dump's bytes per token x (a)
-        assert made["target_gbps"] * 1e9 == pytest.approx(
-            dump["file_bytes"] / dump["prompt_tokens"] * nodump["prefill_tps"])
-        assert made["bytes_per_token"] > 0
-        assert made["threads"] == 8
-    assert sorted(x["rep"] for x in res["headline"]["deepseek-tiny"]["noise"]) == [0, 1]
-    assert list(shm.iterdir()) == []  # noise and dump directories removed
-    md = (out / res_path.name.replace(".json", ".md")).read_text()
-    assert "nodump_noise 2048x8 #1" in md
-    # torch profiles of the nodump and dump runs of both rounds: the fake's trace holds one
-    # 1 ms op per request served, 0.5 ms apart, and one 0.2 ms kernel; 4 requests of 2048
-    # tokens: window 5.5 ms, ops 4 ms -> x 1e6 / 8192 per 1M tokens
-    tp = res["torch_profile"]
-    assert sorted(tp) == [f"deepseek-tiny {m} 2048x8 #{r}" for m in ("dump", "nodump", "nodump_noise")
-                          for r in (0, 1)]
-    one = tp["deepseek-tiny dump 2048x8 #1"]
-    assert one["requests"] == 4 and one["launch_us_mean"] == 5.0
-    assert one["window_ms_per_mtok"] == pytest.approx(5.5 * 1e6 / 8192)
-    assert one["between_ops_ms_per_mtok"] == pytest.approx(1.5 * 1e6 / 8192)
-    assert one["gpu_busy_ms_per_mtok"] == pytest.approx(0.8 * 1e6 / 8192)
-    assert (out / "torch-rehearsal-deepseek-tiny-dump-2048x8-1.trace.json.gz").exists()
-    assert "## Torch profiler" in md and "| cudaLaunchKernel mean (us) | 5.00 |" in md
-
-
 @pytest.mark.parametrize("json_server", ["shared", "separate"])
 def test_rehearsal_against_a_fake_server(tmp_path, json_server):
-    """bench.py end to end on a CPU: start two (fake) servers, warm up, every cell, the
+    """The bench end to end on a CPU: start two (fake) servers, warm up, every cell, the
     dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""
     proc, out, shm, res_path = rehearse(
         tmp_path, "--prompt-lens", "16,2048", "--concurrency", "1,8", "--cell-tokens", "256",
@@ -711,8 +519,8 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
 
 
 def test_every_round_keeps_its_own_py_spy_profile(tmp_path, monkeypatch):
-    """--repeat with --py-spy: each round's re-run is kept under its own key (and raw file),
-    as the torch profiles are; one key for all rounds kept only the last round's
+    """--repeat with --py-spy: each round's re-run is kept under its own key (and raw file);
+    one key for all rounds kept only the last round's
     (frontend-profile-deepseek on the H200: 12 re-runs, 4 kept). Here without py-spy on
     PATH each profile is an error entry, one per round."""
     import os
@@ -806,77 +614,6 @@ def test_prefill_batches_from_sglang_log_lines():
             "2048x8 dump_early #0 4.00 (7)") in md
 
 
-def test_copyprobe_says_it_needs_cuda_in_one_line():
-    """bench.copyprobe runs on the GPU host only; here (no CUDA) it says so, no traceback."""
-    import os
-
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA machine runs the probe itself")
-    r = subprocess.run([sys.executable, "-m", "bench.copyprobe", "--reps", "2"], capture_output=True, text=True,
-                       timeout=120, env=os.environ | {"PYTHONPATH": str(REPO)})
-    assert r.returncode == 1 and r.stderr.strip() == "bench.copyprobe: needs CUDA", r.stderr[-500:]
-
-
-def test_copyprobe_runs_its_grid_with_a_stand_in_cuda(monkeypatch, capsys, tmp_path):
-    """The probe's one GPU call must not fail on its own code: here torch.cuda is a stand-in
-    (events 1 ms apart, no streams) over real CPU tensors; every forward length x case
-    comes back, with the rows' copy issued whole, in pieces, or late."""
-    import contextlib
-    import types
-
-    torch = pytest.importorskip("torch")
-    from bench import copyprobe
-
-    class Event:
-        def __init__(self, **kw):
-            pass
-
-        def record(self):
-            pass
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 1.0
-
-    class Stream:
-        def wait_stream(self, other):
-            waits.append(other)
-
-    sleeps, waits = [], []
-    cuda = types.SimpleNamespace(
-        is_available=lambda: True, get_device_name=lambda: "stand-in", synchronize=lambda: None,
-        Stream=Stream, stream=lambda s: contextlib.nullcontext(), Event=Event, _sleep=sleeps.append)
-
-    class Torch(types.ModuleType):
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    fake = Torch("torch")
-    fake.cuda, fake.__version__ = cuda, torch.__version__
-    fake.empty = lambda *a, device=None, **k: torch.empty(*a, **k)
-    fake.zeros = lambda *a, device=None, **k: torch.zeros(*a, **k)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    copies = []
-    real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, **k: copies.append(src.numel()) or real_copy(self, src))
-    monkeypatch.setitem(sys.modules, "torch", fake)
-    copyprobe.main(["--reps", "2", "--mib", "1", "--forward-ms", "0.5,2", "--out", str(tmp_path / "p.json")])
-    out = json.loads((tmp_path / "p.json").read_text())
-    assert out == json.loads(capsys.readouterr().out)
-    assert sorted(out["cases"]) == sorted(f"forward {f} ms, rows {c}" for f in ("0.5", "2") for c in copyprobe.CASES)
-    assert out["cases"]["forward 2 ms, rows pieces"]["delay_median_ms"] == 1.0 and out["rows_copy_ms"] == 1.0
-    # 1e7 cycles per ms (events 1 ms apart): forwards of 0.5 and 2 ms; late starts 0.2 ms before the end
-    assert {5_000_000, 20_000_000, 3_000_000, 18_000_000} <= set(sleeps)
-    # per round (3: one to warm up), per forward: the result copy in each case, the rows in
-    # one piece (whole, late) or 64 (pieces)
-    mib = 1 << 20
-    assert copies.count(mib) == 2 + 3 * 2 * 2 and copies.count(mib // 64) == 3 * 2 * 64
-    assert len(waits) == 3 * 2 * len(copyprobe.CASES)  # the result copy waits for every forward
-
-
 def test_stage_stats_joins_file_and_response_events():
     """Two files (hand-made trace lines): per-stage medians in ms, the response wait,
     the poll lag, the share of files complete before their request finished."""
@@ -898,22 +635,6 @@ def test_stage_stats_joins_file_and_response_events():
     assert st["ready_before_response"] == 0.5
     assert st["hook"]["p50"] == pytest.approx(2.0) and st["hook_share"] == pytest.approx(0.02)
     assert report.stage_stats([{"event": "hook", "t0": 0, "t1": 1}]) == {}
-
-
-def test_stage_stats_of_a_deferring_series_leave_the_streaming_out():
-    """A deferred hook's line (t_named, t_output: the outputs streamed in between): its
-    time is the two calls' without the gap; hook_on_path is the first call's; the
-    Markdown's hook cell shows both."""
-    ev = [{"event": "hook", "reqs": 2, "t0": 0.1, "t_named": 0.1005, "t_output": 0.104, "t1": 0.1055},
-          {"event": "hook", "reqs": 1, "t0": 0.2, "t1": 0.201},  # the inline form beside it
-          {"event": "file", "name": "a.safetensors", "t_start": 0.0, "t_submit": 0.001}]
-    st = report.stage_stats(ev, wall_s=0.1)
-    assert st["hook"]["p50"] == pytest.approx(1.5) and st["hook_share"] == pytest.approx(0.03)
-    assert st["hook_on_path"]["p99"] == pytest.approx(0.995) and st["hook_on_path_share"] == pytest.approx(0.015)
-    assert "hook_on_path" not in report.stage_stats(ev[1:], wall_s=0.1)
-    results = {"models": {"m": {"cells": [{"mode": "dump_early", "prompt_len": 8, "concurrency": 1, "stages": st}]}}}
-    [row] = [r for r in markdown._stages(results) if r.startswith("| m (early)")]
-    assert "1.5 / 2.0 (0.8 / 1.0 before the outputs)" in row
 
 
 def test_py_spy_raw_summary():
@@ -1003,61 +724,47 @@ while True:
     for argv, msg in ((["--py-spy-also", "tokenizer"], "--py-spy-also: unknown process 'tokenizer' (known: frontend, client)"),
                       (["--py-spy-also", "frontend", "--py-spy-kind", "wait"], "--py-spy-also samples with --gil only"),
                       (["--py-spy-also", "client", "--py-spy", ""], "--py-spy names none")):
-        r = subprocess.run([sys.executable, str(REPO / "bench" / "bench.py"), "--dry-run", *argv],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "bench", "--dry-run", *argv],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
         assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
 
 
-def test_torch_profile_takes_every_mode_of_one_engine_but_json():
-    """--torch-profile re-runs the nodump, dump, dump_early and nodump_noise cells of its
-    shapes (early answers do the same GPU work as dump, answered sooner); the time it
-    needs: ~3 runs of the cell plus 90 s."""
-    args = cli.build_parser().parse_args(["--torch-profile", "2048x8"])
-    for mode, want in (("nodump", 93.0), ("dump", 93.0), ("dump_early", 93.0), ("nodump_noise", 93.0),
-                       ("json", None), ("vllm_dump", None)):
-        cell = {"mode": mode, "prompt_len": 2048, "concurrency": 8}
-        assert profilers.torch_profile_need_s(args, cell, {"wall_s": 1.0}) == want, mode
-    cell = {"mode": "dump_early", "prompt_len": 512, "concurrency": 8}
-    assert profilers.torch_profile_need_s(args, cell, {"wall_s": 1.0}) is None
-    cell = {"mode": "dump_early", "prompt_len": 2048, "concurrency": 8}
-    assert profilers.torch_profile_need_s(args, cell, {"wall_s": 1.0, "error": "x"}) is None
-
-
 def test_the_plan_says_which_profiles_the_deadline_leaves_no_time_for(capsys):
-    """--dry-run counts the profile re-runs in its estimate and marks the ones that the
-    estimated clock leaves too little time for (the runner asks for ``*_need_s`` free when
-    their cell ends): torchprof-conc8-deepseek's deadline of 250 s skipped both its torch
-    profiles on the H200 (all four: 2 shapes x nodump and dump_early); 540 s leaves room
-    for them."""
+    """--dry-run counts the py-spy re-runs in its estimate and marks the ones that the
+    estimated clock leaves too little time for (the runner asks for ``py_spy_need_s`` free
+    when their cell ends). deepseek-tiny's first cell starts at ~155 s (build 5, start-up
+    130, 20): its 2k re-run needs 64.6 s left when its cell ends (~157 s), the 512 one 65 s
+    at ~172 s: a deadline of 200 s leaves time for neither, 300 s for both."""
     argv = ["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump_early", "--prompt-lens", "2048,512",
-            "--concurrency", "8", "--cell-tokens", "262144", "--skip-ceilings", "--py-spy", "",
-            "--torch-profile", "2048x8,512x8", "--torch-profile-requests", "32"]
-    tight = plan.make_plan(_args(argv + ["--deadline-s", "250"]))
-    roomy = plan.make_plan(_args(argv + ["--deadline-s", "540"]))
+            "--concurrency", "8", "--cell-tokens", "262144", "--skip-ceilings", "--py-spy", "2048x8,512x8",
+            "--py-spy-modes", "dump_early"]
+    tight = plan.make_plan(_args(argv + ["--deadline-s", "200"]))
+    roomy = plan.make_plan(_args(argv + ["--deadline-s", "300"]))
     cells = roomy["models"]["deepseek-tiny"]["cells"]
-    profiles = [p for c in cells for p in c["profiles"]]
-    assert [p["what"] for p in profiles] == ["torch profile"] * 4 and all(p["fits"] for p in profiles)
-    # 32 of the cell's 128 requests (2k) or 512 (512), plus the trace's 20 s
-    assert profiles[0]["est_s"] == round(32 / 128 * cells[0]["est_s"] + plan.EST_TORCH_TRACE_S, 1)
-    assert profiles[0]["need_s"] == 3 * cells[0]["est_s"] + 90
-    assert not any(p["fits"] for c in tight["models"]["deepseek-tiny"]["cells"] for p in c["profiles"])
+    profiles = [p for c in cells for p in c.get("profiles", [])]
+    assert [p["what"] for p in profiles] == ["py-spy"] * 2 and all(p["fits"] for p in profiles)
+    # the dump_early cells only; the --gil re-run is ~2x the cell, plus attaching
+    assert [c["mode"] for c in cells if c.get("profiles")] == ["dump_early"] * 2
+    assert profiles[0]["est_s"] == 2 * cells[1]["est_s"] + plan.EST_PY_SPY_EXTRA_S
+    assert profiles[0]["need_s"] == 2 * cells[1]["est_s"] + 60
+    assert not any(p["fits"] for c in tight["models"]["deepseek-tiny"]["cells"] for p in c.get("profiles", []))
     assert roomy["est_total_s"] == pytest.approx(tight["est_total_s"] + sum(p["est_s"] for p in profiles), abs=1)
     plan.print_plan(tight)
     out = capsys.readouterr().out
-    assert out.count("LIKELY SKIPPED: it needs") == 4 and "(raise --deadline-s)" in out
+    assert out.count("LIKELY SKIPPED: it needs") == 2 and "(raise --deadline-s)" in out
     # the clock runs on across models (and the ceilings phase): the same profiles of a
     # second model come later, after the first model's run, and no longer fit
-    two = plan.make_plan(_args([*argv, "--models", "deepseek-tiny,llama-mid", "--deadline-s", "540"]))
+    two = plan.make_plan(_args([*argv, "--models", "deepseek-tiny,llama-mid", "--deadline-s", "300"]))
     first = two["models"]["deepseek-tiny"]["cells"]
-    assert all(p["fits"] for c in first for p in c["profiles"])
-    assert not any(p["fits"] for c in two["models"]["llama-mid"]["cells"] for p in c["profiles"])
-    later = plan.make_plan(_args([a for a in argv if a != "--skip-ceilings"] + ["--deadline-s", "540"]))
-    assert [p["fits"] for c in later["models"]["deepseek-tiny"]["cells"] for p in c["profiles"]] == [True] * 4
+    assert all(p["fits"] for c in first for p in c.get("profiles", []))
+    assert not any(p["fits"] for c in two["models"]["llama-mid"]["cells"] for p in c.get("profiles", []))
+    later = plan.make_plan(_args([a for a in argv if a != "--skip-ceilings"] + ["--deadline-s", "300"]))
+    assert [p["fits"] for c in later["models"]["deepseek-tiny"]["cells"] for p in c.get("profiles", [])] == [True] * 2
     assert later["est_total_s"] == pytest.approx(roomy["est_total_s"] + 25, abs=1)
     # vLLM's servers start before the first cell too
     spec = models.MODELS["llama-8b"]
     base = ["--quick", "--models", "llama-8b", "--prompt-lens", "2048", "--concurrency", "8", "--skip-ceilings",
-            "--py-spy", "", "--torch-profile", "2048x8"]
+            "--py-spy", "2048x8", "--py-spy-modes", "nodump"]
     [c] = [c for c in plan.make_plan(_args(base + ["--modes", "nodump"]))["models"]["llama-8b"]["cells"]]
     start = spec["est_build_s"] + spec["est_startup_s"] + 20 + c["est_s"]
     deadline = str(int(start + c["profiles"][0]["need_s"] + plan.EST_VLLM_STARTUP_S / 2))
@@ -1073,39 +780,20 @@ def test_the_plan_says_which_profiles_the_deadline_leaves_no_time_for(capsys):
 
 
 def test_a_profile_that_does_not_fit_is_listed_as_skipped():
-    """A run on the H200 (torchprof-conc8-deepseek) asked for torch profiles that its
-    deadline left no time for, and its results said nothing: now they are listed. A
-    profile runs only with strictly more time left than it needs (as the plan assumes)."""
+    """A profile the deadline leaves no time for is listed in the results (a run on the
+    H200 once skipped its profiles and said nothing). A profile runs only with strictly
+    more time left than it needs (as the plan assumes)."""
     import types
 
     from bench import runner
 
     run = runner.ModelRun.__new__(runner.ModelRun)
     run.clock, run.skipped = types.SimpleNamespace(left=lambda: 69.4), []
-    assert run.fits(None, "torch profile of x") is False and run.skipped == []
+    assert run.fits(None, "py-spy of x") is False and run.skipped == []
     assert run.fits(60.0, "py-spy of deepseek-tiny dump 512x8") is True
     assert run.fits(69.4, "py-spy of deepseek-tiny dump 512x8") is False  # strictly more left, as the plan
-    assert run.fits(93.0, "torch profile of deepseek-tiny dump_early 2048x8") is False
-    assert run.skipped[-1] == "torch profile of deepseek-tiny dump_early 2048x8 (deadline: 69 s left, it needs ~93 s)"
-
-
-def test_torch_profile_prompts_are_made_before_the_profiler_starts(monkeypatch, tmp_path):
-    import types
-
-    import requests
-
-    order = []
-    monkeypatch.setattr(profilers, "cell_prompts", lambda *a: order.append("prompts") or [[5, 6]])
-
-    def post(url, **kw):
-        order.append(url.rsplit("/", 1)[-1])
-        raise requests.ConnectionError("no server here")
-
-    monkeypatch.setattr(requests, "post", post)
-    cell = {"mode": "dump_early", "prompt_len": 2, "concurrency": 1, "requests": 1}
-    out = profilers.torch_profile_cell(types.SimpleNamespace(port=1), cell, {"vocab": 10}, None,
-                                       str(tmp_path / "t"), "tag", 4)
-    assert order == ["prompts", "start_profile"] and out["error"].startswith("ConnectionError")
+    assert run.fits(93.0, "py-spy of deepseek-tiny dump_early 2048x8") is False
+    assert run.skipped[-1] == "py-spy of deepseek-tiny dump_early 2048x8 (deadline: 69 s left, it needs ~93 s)"
 
 
 def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
@@ -1133,46 +821,29 @@ def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
     assert "| thread (0x2) | 8 | 0.500 |" in md and "| 0.300 | `recv (zmq.py:5)` |" in md
 
 
-def test_twin_control_counterbalanced_rounds_equal_pools_and_pinned_cpus(tmp_path):
-    """nodump_twin runs the no-dump load on server T, started exactly as A but for its
-    port; --counterbalance reverses a shape's modes in odd rounds; --max-total-tokens goes
-    to every SGLang server; --server-cpus puts a server under taskset. The twin's ratio is
-    reported as a control (per cell, its range, pooled), never as a dump target."""
-    from bench import servers
-
-    args = _args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,nodump_twin,dump_early",
+def test_counterbalanced_rounds_equal_pools_and_pinned_cpus():
+    """--counterbalance reverses a shape's modes in odd rounds; --max-total-tokens goes to
+    every SGLang server; --server-cpus puts a server under taskset (the parsed CPU list,
+    normalized), and only a server the run starts."""
+    args = _args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump,dump_early",
                   "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "3", "--counterbalance",
-                  "--max-total-tokens", "100000", "--server-cpus", "A=0-3,T=4,6", "--skip-ceilings"])
+                  "--max-total-tokens", "100000", "--server-cpus", "A=0-3,B=4,6", "--skip-ceilings"])
     planned = plan.make_plan(args)["models"]["deepseek-tiny"]
-    a, t, b = (planned["servers"][w] for w in "ATB")
-    assert a[:3] == ["taskset", "-c", "0-3"] and t[:3] == ["taskset", "-c", "4,6"] and b[0] != "taskset"
-    a, t = a[3:], t[3:]
-    assert a[:a.index("--port")] == t[:t.index("--port")] and a[a.index("--port") + 2:] == t[t.index("--port") + 2:]
-    assert t[t.index("--port") + 1] == str(args.ports[6])
-    for cmd in (a, t, b):
+    a, b = (planned["servers"][w] for w in "AB")
+    assert a[:3] == ["taskset", "-c", "0-3"] and b[:3] == ["taskset", "-c", "4,6"]
+    for cmd in (a, b):
         assert cmd[cmd.index("--max-total-tokens") + 1] == "100000"
     order = [(c["mode"], c["rep"]) for c in planned["cells"]]
-    assert order == [("nodump", 0), ("nodump_twin", 0), ("dump_early", 0),
-                     ("dump_early", 1), ("nodump_twin", 1), ("nodump", 1),
-                     ("nodump", 2), ("nodump_twin", 2), ("dump_early", 2)]
-    noisy = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump_early,nodump_noise",
-                                  "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "2",
-                                  "--counterbalance"]))
-    # the noise is paced by its round's dump and no-dump cells: last in every round
-    assert [c["mode"] for c in noisy["models"]["deepseek-tiny"]["cells"]] == [
-        "nodump", "dump_early", "nodump_noise", "dump_early", "nodump", "nodump_noise"]
+    assert order == [("nodump", 0), ("dump", 0), ("dump_early", 0),
+                     ("dump_early", 1), ("dump", 1), ("nodump", 1),
+                     ("nodump", 2), ("dump", 2), ("dump_early", 2)]
     plain = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump",
                                   "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "2"]))
     assert [c["mode"] for c in plain["models"]["deepseek-tiny"]["cells"]] == ["nodump", "dump"] * 2
     assert "--max-total-tokens" not in plain["models"]["deepseek-tiny"]["servers"]["A"]
-    assert servers.server_for(args, "nodump_twin") == "T" and not servers.dumps("T")
-    # T is A's twin with the JSON switch too, when A serves json
-    js = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,nodump_twin,dump,json"]))
-    a, t = (js["models"]["deepseek-tiny"]["servers"][w] for w in "AT")
-    assert "--enable-return-hidden-states" in t and a[a.index("--port") + 2:] == t[t.index("--port") + 2:]
     # what taskset gets is the parsed list, normalized
     assert _args(["--server-cpus", "A= 0 ,2-3,5,B=1"]).server_cpus == {"A": "0,2-3,5", "B": "1"}
-    for bad in ("A", "Z=1", "A=x", "A=1_0", "A=0,A=1", "A=0-99999999999"):
+    for bad in ("A", "Z=1", "T=1", "A=x", "A=1_0", "A=0,A=1", "A=0-99999999999"):
         with pytest.raises(SystemExit):
             _args(["--server-cpus", bad])
     with pytest.raises(SystemExit):
@@ -1182,30 +853,11 @@ def test_twin_control_counterbalanced_rounds_equal_pools_and_pinned_cpus(tmp_pat
             cli.main(["--dry-run", "--quick", "--modes", "nodump,dump", *argv])
         assert e.value.code == 2
 
-    # the control in the results: hand-made cells, two rounds (A faster, then T faster)
-    def cell(mode, rep, tps):
-        return {"mode": mode, "prompt_len": 2048, "concurrency": 8, "rep": rep, "requests": 8,
-                "prompt_tokens": 16384, "wall_s": 16384 / tps, "prefill_tps": tps}
-
-    res = {"models": {"m": {"cells": [cell("nodump", 0, 100.0), cell("nodump_twin", 0, 80.0),
-                                      cell("dump_early", 0, 90.0), cell("dump_early", 1, 60.0),
-                                      cell("nodump_twin", 1, 150.0), cell("nodump", 1, 100.0)]}}}
-    h = report.headline(res)["m"]
-    assert h["nodump_twin_vs_nodump_range"] == [pytest.approx(0.8), pytest.approx(1.5)]
-    pooled = {x["mode"]: x["dump_vs_nodump_pooled"] for x in h["pooled"]}
-    # tokens / wall pooled: T 32768 / (204.8 + 109.2) s over A 32768 / 327.68 s
-    assert pooled["nodump_twin"] == pytest.approx(327.68 / (16384 / 80 + 16384 / 150))
-    assert h["dump_early_vs_nodump_min"] == pytest.approx(0.6) and h["dump_vs_nodump_min"] is None
-    assert all("twin" not in t["target"] for t in report.targets(res, {"m": h}))
-    md = markdown.render_markdown(dict(res, headline={"m": h}))
-    assert "control, two identical servers (nodump_twin on T over nodump on A), per cell: 0.800 to 1.500" in md
-    assert "nodump_twin 2048x8" in md
-
 
 def test_plot_pools_the_rounds_of_a_shape():
     """The plot's bar of a shape run in several rounds is their tokens over their wall
     seconds (not the last round's drawn over the others)."""
-    from bench.pooled import pooled_tps
+    from bench.plot import shape_tps
 
     cells = [{"mode": "nodump", "prompt_len": 2048, "concurrency": 8, "prompt_tokens": 1000, "wall_s": 1.0,
               "prefill_tps": 1000.0},
@@ -1213,96 +865,9 @@ def test_plot_pools_the_rounds_of_a_shape():
               "prefill_tps": 333.3},
              {"mode": "dump", "prompt_len": 2048, "concurrency": 8, "prompt_tokens": 500, "wall_s": 1.0,
               "prefill_tps": 500.0}]
-    assert pooled_tps(cells, "nodump") == {(2048, 8): pytest.approx(500.0)}
-    assert pooled_tps(cells, "dump") == {(2048, 8): pytest.approx(500.0)}
-    assert pooled_tps(cells, "json") == {}
-
-
-def test_rehearsal_twin_server_runs_the_control(tmp_path, monkeypatch):
-    """The fake servers A, B and T: every cell measured, T's log kept, the control's ratio
-    in the headline and the Markdown; the writer's CPUs recorded."""
-    monkeypatch.setenv("KIMI_SGLANG_WRITER_CPUS", "0")
-    proc, out, shm, res_path = rehearse(
-        tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
-        "--modes", "nodump,nodump_twin,dump_early", "--repeat", "2", "--counterbalance",
-        "--max-total-tokens", "50000", "--py-spy", "")
-    res = json.loads(res_path.read_text())
-    m = res["models"]["deepseek-tiny"]
-    assert [(c["mode"], c["rep"]) for c in m["cells"]] == [
-        ("nodump", 0), ("nodump_twin", 0), ("dump_early", 0), ("dump_early", 1), ("nodump_twin", 1), ("nodump", 1)]
-    assert not any(c.get("error") for c in m["cells"])
-    assert "--max-total-tokens" in m["servers"]["T"] and "--dump-hidden-states-dir" not in m["servers"]["T"]
-    assert res["config"]["writer_cpus"] == "0" and res["config"]["counterbalance"] is True
-    assert res["config"]["max_total_tokens"] == 50000
-    assert (out / "server-deepseek-tiny-T.log").exists()
-    h = res["headline"]["deepseek-tiny"]
-    lo, hi = h["nodump_twin_vs_nodump_range"]
-    assert 0 < lo <= hi
-    assert "control, two identical servers" in (out / res_path.name).with_suffix(".md").read_text()
-    assert list(shm.iterdir()) == []
-
-
-def test_dump_skip_is_b_not_dumping_and_the_control_of_b_itself(tmp_path, monkeypatch):
-    """mode dump_skip: B's requests ask not to be dumped (the fake server then writes no
-    file; any file would fail the cell); the headline pools dump_early over dump_skip,
-    round by round, beside the usual ratios over A, and the Markdown says so."""
-    proc, out, shm, res_path = rehearse(
-        tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
-        "--modes", "nodump,dump_skip,dump_early", "--repeat", "2", "--py-spy", "")
-    res = json.loads(res_path.read_text())
-    cells = res["models"]["deepseek-tiny"]["cells"]
-    assert [c["mode"] for c in cells] == ["nodump", "dump_skip", "dump_early"] * 2
-    assert not any(c.get("error") for c in cells)
-    assert not any("file_bytes" in c for c in cells if c["mode"] == "dump_skip")
-    h = res["headline"]["deepseek-tiny"]
-    [row] = h["pooled_vs_skip"]
-    skip, early = ([c for c in cells if c["mode"] == m] for m in ("dump_skip", "dump_early"))
-    rate = [sum(c["prompt_tokens"] for c in cs) / sum(c["wall_s"] for c in cs) for cs in (early, skip)]
-    assert (row["mode"], row["rounds"]) == ("dump_early", 2)
-    assert row["vs_skip_pooled"] == pytest.approx(rate[0] / rate[1])
-    assert "dump_skip" in {x["mode"] for x in h["pooled"]}
-    assert "on B against itself (over dump_skip" in res_path.with_suffix(".md").read_text()
-
-    # a server that dumps anyway (a series without hidden_states_dump): the cell fails
-    seen = []
-
-    def dumped_anyway(port, prompts, concurrency, **kw):  # one file, one failed write, one plain
-        seen.append(kw)
-        bodies = [json.dumps({"meta_info": m}).encode() for m in (
-            {"hidden_states_path": "/x.safetensors"}, {"hidden_states_error": "OSError: full"}, {})]
-        return 1.0, [(0.1, 200, len(b), b) for b in bodies[:len(prompts)]]
-
-    monkeypatch.setattr(loadgen, "send_batch", dumped_anyway)
-    r = loadgen.run_cell(types.SimpleNamespace(port=1), {"prompt_len": 4, "concurrency": 1, "requests": 3},
-                         {"vocab": 100}, random.Random(0), "dump_skip")
-    assert seen[0]["skip_dump"] is True and not seen[0]["early"]
-    assert r["error"] == "2 of 3 requests were dumped although they asked not to be (custom_params hidden_states_dump=false)"
-
-
-def test_twin_custom_params_sends_dump_early_custom_params_to_the_twin_only(monkeypatch):
-    """--twin-custom-params: nodump_twin's request bodies carry dump_early's custom_params
-    (the wait key false) and its cell waits for no file; without it, and in every other
-    no-dump mode, the bodies carry no custom_params."""
-    from sglang_ext import format as fmt
-
-    posted = []
-
-    class Session:
-        def post(self, url, data, timeout, headers):
-            posted.append(json.loads(data))
-            return types.SimpleNamespace(status_code=200, content=b'{"meta_info": {}}')
-
-    monkeypatch.setattr(loadgen, "_session", Session)
-    cell = {"prompt_len": 4, "concurrency": 1, "requests": 2}
-    sent = {}
-    for mode, flag in (("nodump_twin", True), ("nodump_twin", False), ("nodump", True)):
-        posted.clear()
-        r = loadgen.run_cell(types.SimpleNamespace(port=1), cell, {"vocab": 100}, random.Random(0), mode,
-                             twin_custom_params=flag)
-        assert not r.get("error") and len(posted) == 2
-        sent[mode, flag] = [b["sampling_params"].get("custom_params") for b in posted]
-    assert sent["nodump_twin", True] == [{fmt.WAIT_PARAM: False}] * 2
-    assert sent["nodump_twin", False] == sent["nodump", True] == [None] * 2
+    assert shape_tps(cells, "nodump") == {(2048, 8): pytest.approx(500.0)}
+    assert shape_tps(cells, "dump") == {(2048, 8): pytest.approx(500.0)}
+    assert shape_tps(cells, "json") == {}
 
 
 def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):
@@ -1386,7 +951,7 @@ def test_a_cell_needs_twice_its_shapes_longest_measured_run():
     but json), so a run whose cells go faster than assumed starts more of them."""
     cell = {"mode": "dump_early", "prompt_len": 2048, "concurrency": 8, "est_s": 7.7}
     done = [{"mode": "nodump", "prompt_len": 2048, "concurrency": 8, "wall_s": 3.0},
-            {"mode": "nodump_twin", "prompt_len": 2048, "concurrency": 8, "wall_s": 3.9},
+            {"mode": "dump_early", "prompt_len": 2048, "concurrency": 8, "wall_s": 3.9},
             {"mode": "dump", "prompt_len": 2048, "concurrency": 8, "wall_s": 60.0, "error": "x"},
             {"mode": "json", "prompt_len": 2048, "concurrency": 8, "wall_s": 90.0},
             {"mode": "nodump", "prompt_len": 512, "concurrency": 8, "wall_s": 14.2}]

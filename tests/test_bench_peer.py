@@ -21,12 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import cli, markdown, peer, peerfiles, plan, report, servers
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-for p in (REPO, REPO / "tests"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-from bench import cli, markdown, peer, peerfiles, plan, report, servers  # noqa: E402
 
 LLAMA_8B_IDS = [2, 16, 29, 32]
 
@@ -256,15 +254,13 @@ def test_peer_files_compared_with_each_other_and_the_hf_reference(tmp_path):
     """Synthetic files: ours (with our layer-id metadata) = HF float32's block in bf16;
     vLLM's layout (no metadata) = the same block with a 0.5% perturbation in bf16 (within
     tolerance), and, in a second run, one prompt's block x1.1 (a 10% error) and wrong token
-    ids. The reference is tests/gpu/reference.py on a tiny Llama built on the CPU."""
+    ids. The reference is testing/reference.py on a tiny Llama built on the CPU."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import tiny_models
+    from testing import reference, tiny_models
 
     model = tmp_path / "llama"
     tiny_models.build_llama(str(model))
-    import reference
-
     ref = reference.Reference(str(model), device="cpu")
     ids_list = [[5, 17, 300, 1023, 9, 42, 7], list(range(3, 40))]
     layer_ids = [2, 4, 5, 8]
@@ -326,7 +322,7 @@ def test_peer_files_compared_with_each_other_and_the_hf_reference(tmp_path):
 
 
 def rehearse_peer(tmp_path, *extra):
-    """bench.py --quick on llama-mid and deepseek-tiny against both fake servers
+    """``python -m bench --quick`` on llama-mid and deepseek-tiny against both fake servers
     (test_bench.rehearse plus the fake vLLM); returns (process, out dir, dump root,
     results)."""
     from test_bench import rehearse
@@ -454,9 +450,8 @@ def test_deep_model_tolerances_scale_with_hf_bf16_error(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     import types
 
-    from bench import gpu_suite_module
+    from testing import reference as real
 
-    real = gpu_suite_module("reference")
     g = torch.Generator().manual_seed(1)
     layer_ids, ids = [2, 16], [5, 6, 7, 8, 9]
     block = torch.randn(len(ids), 2, 64, generator=g)
@@ -475,7 +470,7 @@ def test_deep_model_tolerances_scale_with_hf_bf16_error(tmp_path, monkeypatch):
             pass
 
     fake = types.SimpleNamespace(Reference=FakeReference, rel_errors=real.rel_errors)
-    monkeypatch.setattr(peerfiles, "gpu_suite_module", lambda name: fake if name == "reference" else gpu_suite_module(name))
+    monkeypatch.setattr(peerfiles, "refmod", fake)
     _save(tmp_path / "ours.safetensors", block * 1.06, ids, {"layer_ids": json.dumps(layer_ids)})
     _save(tmp_path / "vllm.safetensors", block * 1.10, ids)
     doc = {"layer_ids": layer_ids, "hidden_size": 64,

@@ -1,24 +1,22 @@
 """The CPU-checkable parts of the GPU suite's TP checks (tests/gpu/test_gpu_parallel.py,
 issue 9), so that the one two-GPU run is not lost to a parsing bug: per-rank device-to-host
 bytes read from torch profiler chrome traces as SGLang's /stop_profile exports them, and
-the file-against-file comparison of two servers' dumps (tests/gpu/checks.py)."""
+the file-against-file comparison of two servers' dumps (testing/checks.py)."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("requests")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
-import checks  # noqa: E402
-import tiny_models  # noqa: E402
 
 from sglang_ext import format as fmt  # noqa: E402
+from dumpfiles import write_dump  # noqa: E402
+from testing import checks, tiny_models  # noqa: E402
 
 
 def _trace(path, events):
@@ -49,7 +47,7 @@ def test_dtoh_bytes_per_rank_counts_only_device_to_host_copies(tmp_path):
 
 def _write(d, rid, hs, ids):
     res = fmt.reserve(fmt.open_dump_dir(str(d)), rid)
-    fmt.write_reserved(res, hs, torch.tensor(ids), fmt.build_metadata(rid=rid, layer_ids=[1, 2], num_layers=4))
+    write_dump(res, hs, torch.tensor(ids), fmt.build_metadata(rid=rid, layer_ids=[1, 2], num_layers=4))
     fmt.complete(res)
     return os.path.join(str(d), res.name)
 
@@ -77,13 +75,12 @@ def test_compare_kept_finds_value_id_and_missing_differences(tmp_path):
     assert problems == ["ids: token_ids or layer_ids differ", "gone: missing on one side"]
 
 
-def test_gpu_suite_and_bench_build_the_same_tiny_deepseek(tmp_path, monkeypatch):
+def test_gpu_suite_and_bench_build_the_same_tiny_deepseek(tmp_path):
     """The GPU suite and the benchmark (bench/models.py) build the one DeepseekV3 of
-    tests/gpu/tiny_models (the benchmark measures the model the GPU tests verified): both
+    testing/tiny_models (the benchmark measures the model the GPU tests verified): both
     saved configs agree but for the context length, and every routed expert is selected
     (what makes the fp32 reference exact, see tiny_models). Built for real, on the CPU
     (~40 M parameters)."""
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), ".."))
     from bench import models
 
     tiny_models.build_deepseek(str(tmp_path / "e2e"))

@@ -23,13 +23,11 @@ pytest.importorskip("requests")
 
 REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "tests" / "gpu"
-sys.path.insert(0, str(GPU))
-import checks  # noqa: E402
-import reference  # noqa: E402
-import server as gpu_server  # noqa: E402
-import tiny_models  # noqa: E402
 
 from sglang_ext import format as fmt  # noqa: E402
+from dumpfiles import write_dump  # noqa: E402
+from testing import checks, reference, tiny_models  # noqa: E402
+from testing import server as gpu_server  # noqa: E402
 
 CORE = ["test_concurrent_32_mixed", "test_longer_than_chunk_700", "test_just_over_chunk_257",
         "test_shared_prefix_pair", "test_max_new_tokens_8", "test_same_rid_twice",
@@ -214,8 +212,8 @@ def test_worst_reports_what_where_and_by_how_much():
 
 def _write(d, rid, hs, ids, layer_ids=(1, 2)):
     res = fmt.reserve(fmt.open_dump_dir(str(d)), rid)
-    fmt.write_reserved(res, hs, torch.tensor(ids),
-                       fmt.build_metadata(rid=rid, layer_ids=list(layer_ids), num_layers=4))
+    write_dump(res, hs, torch.tensor(ids),
+                fmt.build_metadata(rid=rid, layer_ids=list(layer_ids), num_layers=4))
     fmt.complete(res)
     return os.path.join(str(d), res.name)
 
@@ -556,7 +554,7 @@ def pytest_collection_modifyitems(config, items):
     for plugin in config.pluginmanager.get_plugins():
         if str(getattr(plugin, "__file__", "")).endswith("tests/gpu/conftest.py"):
             plugin.gpu_unavailable_reason = lambda: None
-    import reference
+    from testing import reference
 
     class CPUReference(reference.Reference):
         def __init__(self, path, device="cuda"):
@@ -592,9 +590,12 @@ def test_rehearsal_fault_tests_run_against_a_stand_in_server(tmp_path):
     shutil.rmtree("/dev/shm/hs-llama-faults-tp1", ignore_errors=True)
 
 
-def _gpu_conftest():
+def _gpu_conftest(monkeypatch):
+    """tests/gpu/conftest.py as a module; its sibling ``record`` (the suite's results
+    plugin) imports from tests/gpu, as pytest puts it on sys.path for the suite."""
     import importlib.util
 
+    monkeypatch.syspath_prepend(str(GPU))
     spec = importlib.util.spec_from_file_location("gpu_conftest", GPU / "conftest.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -615,7 +616,7 @@ def test_patched_sglang_is_recognized_from_its_server_args(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
     importlib.invalidate_caches()
-    reason = _gpu_conftest().patched_sglang_reason()
+    reason = _gpu_conftest(monkeypatch).patched_sglang_reason()
     if patched:
         assert reason is None
     else:

@@ -1,4 +1,4 @@
-"""The GPU suite's tiny Kimi-K2.5 (tests/gpu/tiny_models.py ``build_kimi``) against
+"""The GPU suite's tiny Kimi-K2.5 (testing/tiny_models.py ``build_kimi``) against
 SGLang's own code, on the CPU, for every series (its pinned wheel, the series applied):
 
 - config: SGLang's ``ModelConfig`` reads config.json as ``KimiK25Config`` (``text_config``
@@ -13,7 +13,7 @@ SGLang's own code, on the CPU, for every series (its pinned wheel, the series ap
   NaN (no parameter unloaded; an unknown vision name raises there); its language model
   equals, parameter by parameter, SGLang's ``DeepseekV3ForCausalLM`` loaded from the
   reference directory (the HF DeepseekV3 the GPU suite's reference runs);
-  ``hooks._find_decoder`` finds that language model and its decoder.
+  ``session.find_decoder`` finds that language model and its decoder.
 
 Building on a CPU host takes two stand-ins: ``ServerArgs(device="cuda")``, as the GPU
 server resolves it (auto-detection raises without an accelerator; tensors are still
@@ -35,8 +35,8 @@ from conftest import SERIES_DIRS
 
 pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-import tiny_models  # noqa: E402
+
+from testing import tiny_models  # noqa: E402
 
 PROBE = r"""
 import inspect, json, math, socket, sys, types
@@ -53,7 +53,7 @@ from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.server_args import ServerArgs
 
 out = {}
-# the flags the GPU suite serves the model with (tests/gpu/server.py)
+# the flags the GPU suite serves the model with (testing/server.py)
 sa = ServerArgs(model_path=kimi_dir, skip_tokenizer_init=True, trust_remote_code=True, device="cuda")
 try:  # 0.5.23: a scheduler process publishes its server args and ranks
     from sglang.srt.runtime_context import SpawnRanks, publish
@@ -106,7 +106,7 @@ initialize_dp_attention(server_args=sa, **kw)
 
 from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
 from sglang.srt.models.kimi_k25 import KimiK25ForConditionalGeneration
-from sglang_ext import hooks
+from sglang_ext import session
 
 
 def loaded(model, path):
@@ -123,7 +123,7 @@ got = loaded(kimi, kimi_dir)
 ref = loaded(DeepseekV3ForCausalLM(ModelConfig(text_dir, trust_remote_code=True).hf_config, quant_config=None),
              text_dir)
 lm = {n[len("language_model."):]: p for n, p in got.items() if n.startswith("language_model.")}
-lm_found, decoder_found = hooks._find_decoder(kimi)
+lm_found, decoder_found = session.find_decoder(kimi)
 out["weights"] = dict(
     params=len(got), unloaded=sorted(n for n, p in got.items() if torch.isnan(p.float()).any()),
     vision=sorted(n for n in got if not n.startswith("language_model.")),

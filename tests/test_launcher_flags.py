@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
 import json, sys
-sys.path.insert(0, sys.argv[1] + "/tests/gpu")
-import server as gpu_server
+sys.path.insert(0, sys.argv[1])
+from testing import server as gpu_server
 from bench import cli, servers
 import argparse, contextlib, io
 from sglang.srt.server_args import ServerArgs

@@ -23,9 +23,9 @@ import shutil
 import pytest
 
 import record
-import tiny_models
-from server import ServerOptions, sglang_srt_dir
-from server import start_server as _start_server
+from testing import tiny_models
+from testing.server import ServerOptions, sglang_srt_dir
+from testing.server import start_server as _start_server
 
 MODEL_NAMES = tuple(tiny_models.MODELS)
 
@@ -155,7 +155,7 @@ def reference(tiny_model):
     ``reference(ids, layer_ids)``."""
     import torch
 
-    from reference import Reference
+    from testing.reference import Reference
 
     ref = Reference(tiny_model.reference_path, device="cuda")
     yield ref

@@ -2,7 +2,7 @@
 # Stage .whl/d: what the GPU runs need beyond ../shared/gpu-lab's a, b, c, for the device
 # image (Python 3.12; it already has pandas, pyarrow, fsspec, xxhash, typer, tqdm):
 # pytest for tests/gpu, speculators' own generator and reader for its clients group
-# (issue 6), and py-spy for bench/bench.py's profiles (issue 7). About 8 MiB: carry it
+# (issue 6), and py-spy for the bench's profiles (python -m bench) (issue 7). About 8 MiB: carry it
 # together with .whl/c in the `run` call. Usage: bash tests/gpu/stage-extras.sh [.whl]
 set -euo pipefail
 root=${1:-.whl}

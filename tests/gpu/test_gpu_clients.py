@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from checks import TOL_BLOCK, Problems, Worst, compare_file
+from testing.checks import TOL_BLOCK, Problems, Worst, compare_file
 from test_gpu_core import rand_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.models("llama")]

@@ -17,9 +17,9 @@ from typing import Optional
 
 import pytest
 
-from checks import TOL_BLOCK, TOL_TOKEN, Problems, Worst, compare_file
-from server import CHUNK
-from tiny_models import VOCAB
+from testing.checks import TOL_BLOCK, TOL_TOKEN, Problems, Worst, compare_file
+from testing.server import CHUNK
+from testing.tiny_models import VOCAB
 
 pytestmark = pytest.mark.gpu
 

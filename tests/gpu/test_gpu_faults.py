@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from checks import Problems, leftovers, unloadable_files, wait_no_leftovers, writer_pids
+from testing.checks import Problems, leftovers, unloadable_files, wait_no_leftovers, writer_pids
 from test_gpu_core import rand_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.models("llama", "deepseek")]  # kimi: the core group only

@@ -15,8 +15,8 @@ import os
 import pytest
 
 import test_gpu_core
-from checks import TOL_BLOCK, TOL_TOKEN, Problems
-from server import ServerOptions
+from testing.checks import TOL_BLOCK, TOL_TOKEN, Problems
+from testing.server import ServerOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.models("llama", "deepseek")]  # kimi: the core group only
 

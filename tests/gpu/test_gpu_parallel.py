@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import pytest
 
 import test_gpu_core
-from checks import Problems, Worst, compare_file, compare_kept, dtoh_bytes_per_rank, trace_files, writer_ranks
-from server import CHUNK, ServerOptions
-from tiny_models import VOCAB
+from testing.checks import Problems, Worst, compare_file, compare_kept, dtoh_bytes_per_rank, trace_files, writer_ranks
+from testing.server import CHUNK, ServerOptions
+from testing.tiny_models import VOCAB
 
 # kimi: the core group only
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.models("llama", "deepseek")]

@@ -14,7 +14,7 @@ SGLang's ``KimiK2_5VLImageProcessor`` (srt/multimodal/processors/kimi_k25.py, 0.
 size, merge kernel, patch limits, mean/std) and, for an image, ``media_tokens_calculator``.
 The tokenizer is word level (token i <-> ``t<i>``, the media placeholder id <->
 ``<|media_pad|>``), built in memory: a ``tokenizer.json`` in the model directory would make
-the GPU suite serve it with a tokenizer (tests/gpu/server.py). Images raise: the suite
+the GPU suite serve it with a tokenizer (testing/server.py). Images raise: the suite
 sends token ids only.
 
 Besides the standard library, only transformers and tokenizers may be imported here

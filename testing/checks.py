@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from reference import RelError, rel_errors
+from testing.reference import RelError, rel_errors
 
 # bf16 tolerance on the relative error ||got - ref|| / ||ref|| against the float32 reference
 TOL_BLOCK = 2e-2  # over each request's (tokens x layer slots) block

@@ -12,8 +12,7 @@ command line, start (until /health answers), stop, and the HTTP calls the tests 
   documents it or the container's entrypoint (``python -m sglang_ext.tools.entrypoint``,
   profiles applied), chunked prefill of ``CHUNK`` tokens.
 
-bench/servers.py builds its own servers (A, B, C, D) from the same pieces; it imports this
-module with tests/gpu on ``sys.path``, as the suite's modules do."""
+bench/servers.py builds its own servers (A, B, C, D) from the same pieces."""
 
 from __future__ import annotations
 
