@@ -30,9 +30,10 @@ and ``series`` that the manifest's metadata carries (``FILE_META_KEYS``; the ver
 manifest of docs/store.md carries none of them, so a file taken from the store lacks
 them unless the server adds them).
 
-Resume and exactly-once: every answer is journaled (``OUT/.extract-store-rank<R>.jsonl``:
-row index, rid, manifest) before its object is waited for, and marked done once the
-object is removed. A rerun that finds row ``i`` unfinished with a journaled handle takes
+Resume and exactly-once: every request is journaled (``OUT/.extract-store-rank<R>.jsonl``:
+row index and rid, whose handle is ``handle_for(rid)``) before it is sent, its checked
+manifest before its object is waited for, and the handle is marked done once the object
+is removed. A rerun that finds row ``i`` unfinished with a journaled handle takes
 that object if it is still in the store (no new request), and requests the row again if
 it is gone; a row whose ``hs_<i>`` is in place has its journaled objects removed. At the
 end of a run that was not interrupted every journaled object left (tries given up on)
@@ -241,10 +242,9 @@ class StoreFetcher:
             if isinstance(rec.get("done"), str):
                 for handles in self.open.values():
                     handles.pop(rec["done"], None)
-            elif isinstance(rec.get("index"), int) and isinstance(rec.get("rid"), str):
-                handle = rec.get("manifest", {}).get("handle") if isinstance(rec.get("manifest"), dict) else None
-                if isinstance(handle, str):
-                    self.open.setdefault(rec["index"], {})[handle] = (rec["rid"], rec["manifest"])
+            elif isinstance(rec.get("index"), int) and isinstance(rec.get("rid"), str) and rec["rid"]:
+                manifest = rec.get("manifest") if isinstance(rec.get("manifest"), dict) else None
+                self.open.setdefault(rec["index"], {})[st.handle_for(rec["rid"])] = (rec["rid"], manifest)
         self.open = {i: h for i, h in self.open.items() if h}
 
     def _append(self, rec: dict) -> None:
@@ -274,18 +274,26 @@ class StoreFetcher:
             with open(fd, "w", encoding="utf-8") as f:
                 for index, handles in self.open.items():
                     for rid, manifest in handles.values():
-                        f.write(json.dumps({"index": index, "rid": rid, "manifest": manifest},
-                                           separators=(",", ":")) + "\n")
+                        rec = {"index": index, "rid": rid}
+                        if manifest is not None:
+                            rec["manifest"] = manifest
+                        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
             staged.publish(tmp)
 
+    def sent(self, index: int, rid: str) -> None:
+        """Journal a request before it is sent: its object (``handle_for(rid)``) is ours
+        to remove whatever happens to this process once the server has it."""
+        self.open.setdefault(index, {})[st.handle_for(rid)] = (rid, None)
+        self._append({"index": index, "rid": rid})
+
     def answered(self, index: int, rid: str, manifest: Dict[str, Any]) -> None:
-        """Journal an answer (before its object is waited for)."""
-        self.open.setdefault(index, {})[manifest["handle"]] = (rid, manifest)
+        """Journal a checked answer (before its object is waited for): a rerun may take it."""
+        self.open.setdefault(index, {})[st.handle_for(rid)] = (rid, manifest)
         self._append({"index": index, "rid": rid, "manifest": manifest})
 
     def resumable(self, index: int) -> List[Tuple[str, Any]]:
-        """``(rid, manifest)`` of row ``index``'s journaled objects, newest last."""
-        return list(self.open.get(index, {}).values())
+        """``(rid, manifest)`` of row ``index``'s journaled answers, newest last."""
+        return [(rid, m) for rid, m in self.open.get(index, {}).values() if m is not None]
 
     # -- the client
 

@@ -82,6 +82,8 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     Raises ``RequestError`` (``RowError``; ``FatalError`` when retrying cannot help,
     ``UsageError`` for a store answer without ``--store``)."""
     rid = f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}"
+    if opts.store is not None:
+        opts.store.sent(row.index, rid)
     answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
                             http_slots, pending)
     if answer.manifest is not None:
@@ -134,12 +136,7 @@ async def take_from_store(opts: Options, row: Row, rid: str, manifest: Any) -> D
     from sglang_ext.client import fetch
 
     store = opts.store
-    try:
-        exp = fetch.expect(manifest, rid, row.input_ids, store.shape)
-    except fetch.FetchError:
-        # the server may still put rid's object: journal its handle, so it is removed
-        store.answered(row.index, rid, {"handle": fetch.st.handle_for(rid)})
-        raise
+    exp = fetch.expect(manifest, rid, row.input_ids, store.shape)  # rid is journaled already
     store.answered(row.index, rid, manifest)
     await store.wait(exp, opts.store_timeout)
     size = await asyncio.to_thread(store.take, exp, row.index, row.input_ids, opts.validate)
