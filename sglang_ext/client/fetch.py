@@ -50,6 +50,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -65,6 +66,7 @@ from sglang_ext.client.manifest import final_name
 DEFAULT_WAIT_S = 120.0  # hs-connectors' get_generated timeout
 POLL_FIRST_S = 0.001
 POLL_MAX_S = 0.05
+PROBE_TIMEOUT_S = 10.0  # a master that does not accept a TCP connection by then is not up
 FILE_META_KEYS = ("layer_ids", "num_layers", "model_path", "sglang_version",
                   "sglang_ext_version", "series")
 INSTALL_HINT = "pip install -r requirements/store.txt"
@@ -306,6 +308,12 @@ class StoreFetcher:
             raise MooncakeMissing(f"--store needs the mooncake package here ({INSTALL_HINT}; "
                                    f"it also needs Debian's libibverbs1 librdmacm1 libnuma1)") from None
         c = self.config
+        host, _, port = c.master_server_address.rpartition(":")
+        try:  # Mooncake's own setup retries a missing master for about 90 s
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as e:
+            raise StoreUnreachable(f"cannot reach the Mooncake master at {c.master_server_address} "
+                                   f"({e.strerror or e}): is mooncake_master running there?") from None
         client = MooncakeDistributedStore()
         try:
             rc = client.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
