@@ -454,6 +454,22 @@ def test_an_unreachable_master_is_one_sentence(tmp_path, capsys):
         s.close()
 
 
+def test_without_the_mooncake_package_is_one_sentence(tmp_path):
+    s = StoreServer(sink=None)
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", rows(1))
+        code = ("import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.store'] = None\n"
+                "from sglang_ext.__main__ import main\n"
+                f"sys.exit(main(['extract', '--endpoint', {s.url!r}, '--data', {data!r}, '--out', "
+                f"{str(tmp_path / 'o')!r}, '--no-progress', '--store', 'mooncake://127.0.0.1:1']))")
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == EXIT_BAD_INPUT, r.stderr
+        assert "--store needs the mooncake package here (pip install -r requirements/store.txt" in r.stderr
+        assert "Traceback" not in r.stderr and s.counts == {}
+    finally:
+        s.close()
+
+
 def _cmd(server, data, out, master):
     return [sys.executable, "-m", "sglang_ext", "extract", "--endpoint", server.url, "--data", data,
             "--out", str(out), "--concurrency", "4", "--no-progress", "--store", master.url]

@@ -204,6 +204,10 @@ def _main(args, held: List["Options"]) -> int:
         except StoreUnreachable as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT if isinstance(e, MooncakeMissing) else EXIT_ABORTED
+        except OSError as e:  # the journal: not a regular file, unreadable
+            print(f"error: --out {args.out}: cannot read the store journal ({e.strerror or e})",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
     opts = Options(
         endpoint=args.endpoint, out_dir=args.out, concurrency=args.concurrency,
         max_retries=args.max_retries, backoff=args.backoff, max_backoff=args.max_backoff,
