@@ -14,8 +14,11 @@ Their parts, each importing only those listed before it (no cycle):
 - ``manifest`` OUT: ``hs_<i>`` names, ``manifest.jsonl``, what a rerun keeps.
 - ``dumpdir``  the server's dump directory; moving its file to ``OUT/hs_<i>``.
 - ``http``     the health probe, ``POST /generate``, retry delays, the request errors.
+- ``fetch``    a Mooncake Store's samples (``--store``): wait, read, write ``hs_<i>``, remove;
+               imported only with ``--store``.
 - ``runner``   the asyncio run: workers, tries, retries, abort.
 
-It reads the server's files through ``sglang_ext.format`` only; nothing here is imported
+It reads the server's files through ``sglang_ext.format`` only (and the store's objects
+through ``sglang_ext.store``'s config and layout); nothing here is imported
 by SGLang's processes.
 """

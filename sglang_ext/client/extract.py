@@ -44,6 +44,13 @@ Guarantees:
   removed from the dump directory by ``sglang_ext.client.pending`` (at start and at the end);
   files still being written are reported. Ctrl-C ends with one line (exit 130).
 
+- Store: a server started with ``--dump-hidden-states-dir mooncake://...`` answers with
+  ``meta_info.hidden_states_manifest`` instead of a path; with ``--store mooncake://HOST:PORT?...``
+  (the same URL form, trainer-side settings) each sample is waited for in the Mooncake
+  Store (``--store-timeout``), checked, written as ``hs_<i>`` in the file sink's format and
+  removed from the store once in the manifest (``sglang_ext.client.fetch``): no filesystem
+  is shared with the server. Such an answer without ``--store`` stops the run (exit 2).
+
 Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
 (read from the file's header with numpy, without torch); with ``--validate`` (needs torch)
@@ -85,6 +92,8 @@ def main(args) -> int:
         for opts in held:
             if opts.dump is not None:
                 opts.dump.close()
+            if opts.store is not None:
+                opts.store.close()
 
 
 def _main(args, held: List["Options"]) -> int:
@@ -103,6 +112,18 @@ def _main(args, held: List["Options"]) -> int:
     if bad_endpoint:
         print(f"error: {bad_endpoint}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if not (math.isfinite(args.store_timeout) and args.store_timeout > 0):
+        print(f"error: --store-timeout {args.store_timeout} must be a positive number of seconds",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.store is not None:
+        from sglang_ext.store import StoreConfig
+
+        try:
+            StoreConfig.from_url(args.store)
+        except ValueError as e:
+            print(f"error: --store: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     if not os.path.exists(args.data):
         print(f"error: --data {args.data} does not exist", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -173,12 +194,26 @@ def _main(args, held: List["Options"]) -> int:
     if removed:
         print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
     _report_sweep(pending, forget_unanswered=True, when="an earlier run of this command left")
+    fetcher = None
+    if args.store is not None:
+        from sglang_ext.client.fetch import MooncakeMissing, StoreFetcher, StoreUnreachable
+
+        try:
+            fetcher = StoreFetcher(args.store, args.out, args.rank, mode)
+            held.append(Options(endpoint=args.endpoint, out_dir=args.out, store=fetcher.connect()))
+        except StoreUnreachable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT if isinstance(e, MooncakeMissing) else EXIT_ABORTED
+        except OSError as e:  # the journal: not a regular file, unreadable
+            print(f"error: --out {args.out}: cannot read the store journal ({e.strerror or e})",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
     opts = Options(
         endpoint=args.endpoint, out_dir=args.out, concurrency=args.concurrency,
         max_retries=args.max_retries, backoff=args.backoff, max_backoff=args.max_backoff,
         max_consecutive_failures=args.max_consecutive_failures, timeout=args.timeout,
         validate=args.validate, rid_prefix=args.rid_prefix, early_answers=not args.no_early_answers,
-        dump=dump, file_mode=mode,
+        dump=dump, file_mode=mode, store=fetcher, store_timeout=args.store_timeout,
     )
     held[:] = [opts]
     stats = Stats()
@@ -205,6 +240,12 @@ def _main(args, held: List["Options"]) -> int:
         return EXIT_INTERRUPTED
     elapsed = time.monotonic() - t0
     left = _report_sweep(pending, forget_unanswered=False, when="timed-out tries left")
+    if fetcher is not None and not stats.aborted:
+        _, kept = asyncio.run(fetcher.sweep())
+        if kept:
+            print(f"{kept} object(s) of tries given up on could not be removed from the Mooncake "
+                  f"store (the master did not answer); the next run of this command removes them",
+                  file=sys.stderr)
     summary = {
         "rank": args.rank, "world_size": args.world_size, "rows_for_rank": stats.total,
         "extracted": stats.done, "resumed": stats.resumed, "failed": stats.failed,
@@ -220,7 +261,7 @@ def _main(args, held: List["Options"]) -> int:
         summary["aborted"] = stats.aborted
     print("extract summary: " + json.dumps(summary))
     if stats.aborted:
-        return EXIT_ABORTED
+        return EXIT_BAD_INPUT if stats.bad_input else EXIT_ABORTED
     return EXIT_FAILED if stats.failed else EXIT_OK
 
 
@@ -290,5 +331,12 @@ def add_parser(subparsers) -> None:
                         "this host does not share the dump directory's file locks with the "
                         "server, e.g. NFS without locking); by default the server answers when "
                         "the name is reserved and this client waits on <path>.lock")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="collect samples from a Mooncake Store: mooncake://HOST:PORT?protocol=tcp&... "
+                        "(the master the server's --dump-hidden-states-dir names, this node's "
+                        "settings; docs/store.md), for a server whose answers carry "
+                        "meta_info.hidden_states_manifest; needs pip install -r requirements/store.txt")
+    p.add_argument("--store-timeout", type=float, default=120.0,
+                   help="with --store: seconds to wait for each answer's object (or its :error)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=main)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 from urllib.parse import urlsplit
 
 from sglang_ext import format as fmt
@@ -29,6 +29,24 @@ class RowError(RequestError):
 class FatalError(RequestError):
     """An answer no retry can change (the server is not dumping, its dump directory is not
     visible here, the endpoint has no /generate): the run stops at once."""
+
+
+class UsageError(FatalError):
+    """An answer this command line cannot take (samples in a store, no ``--store``): the
+    run stops at once, exit 2 (bad input)."""
+
+
+# The answer's meta_info key of a server that puts samples into a Mooncake Store: the
+# transfer manifest (sglang_ext.store.PackedLayout.manifest), where files give PATH_KEY.
+MANIFEST_KEY = "hidden_states_manifest"
+
+
+class Answer(NamedTuple):
+    """What ``/generate`` named for one request: a file ``path`` (not yet trusted), or a
+    store ``manifest`` (a dict, not yet checked)."""
+
+    path: Optional[str]
+    manifest: Optional[Dict[str, Any]]
 
 
 def endpoint_error(url: str) -> Optional[str]:
@@ -101,15 +119,16 @@ async def probe(endpoint: str, timeout: float) -> Tuple[Optional[str], Optional[
 
 
 async def generate(session, endpoint: str, rid: str, input_ids: List[int], early_answers: bool,
-                   http_slots: asyncio.Semaphore, pending: PendingFiles) -> str:
+                   http_slots: asyncio.Semaphore, pending: PendingFiles) -> Answer:
     """``POST <endpoint>/generate`` for one prompt; returns the answer's
-    ``meta_info.hidden_states_path`` (a non-empty string, not yet trusted).
+    ``meta_info.hidden_states_path`` (a non-empty string, not yet trusted) or, from a
+    server that puts samples into a Mooncake Store, its ``hidden_states_manifest``.
 
     ``early_answers`` asks to be answered once the file's name is reserved
     (``format.WAIT_PARAM``), before the write. ``http_slots`` bounds the requests in
     flight (``--concurrency``); ``pending`` journals ``rid`` before it is sent. Raises
     ``RequestError``: ``RowError`` on HTTP 400, ``FatalError`` on HTTP 404/405 (not the
-    server's base URL) or an answer without a path (the server is not dumping)."""
+    server's base URL) or an answer with neither (the server is not dumping)."""
     import aiohttp
 
     sampling: dict = {"max_new_tokens": 1, "temperature": 0}
@@ -142,6 +161,9 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
         raise RequestError(f"meta_info is not an object: {brief(text)}")
     if meta.get(fmt.ERROR_KEY):
         raise RequestError(f"{fmt.ERROR_KEY}: {meta[fmt.ERROR_KEY]}")
+    manifest = meta.get(MANIFEST_KEY)
+    if manifest is not None:
+        return Answer(None, manifest)
     path = meta.get(fmt.PATH_KEY)
     if path is not None and (not isinstance(path, str) or not path):
         raise RequestError(f"hidden_states_path is not a file path: {brief(text)}")
@@ -149,4 +171,4 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
         raise FatalError(f"the server at {endpoint} is not dumping hidden states: its "
                          f"answer has no meta_info.hidden_states_path (start it with "
                          f"--dump-hidden-states-dir DIR); answer: {brief(text)}")
-    return path
+    return Answer(path, None)

@@ -1,6 +1,9 @@
 """The run: rows go through a queue to asyncio workers, each row tried until its file is
 ``OUT/hs_<i>.safetensors`` (``extract_one``), with retries, resume and the abort rules of
-``extract``'s doc. ``run`` needs aiohttp and tqdm (``extract`` checks both first)."""
+``extract``'s doc. ``run`` needs aiohttp and tqdm (``extract`` checks both first). An
+answer that names a file is taken from the dump directory (``dumpdir``); one that carries
+a store manifest is taken from the Mooncake Store (``fetch``, imported only with
+``--store``)."""
 
 from __future__ import annotations
 
@@ -10,16 +13,28 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.checks import CheckError
 from sglang_ext.client.dataset import Row
 from sglang_ext.client.dumpdir import DumpDir, move_into_place
 from sglang_ext.client.files import unlink_regular
-from sglang_ext.client.http import FatalError, RequestError, RowError, backoff_delay, generate
+from sglang_ext.client.http import (
+    MANIFEST_KEY,
+    Answer,
+    FatalError,
+    RequestError,
+    RowError,
+    UsageError,
+    backoff_delay,
+    generate,
+)
 from sglang_ext.client.manifest import Manifest, existing, final_name, record
 from sglang_ext.client.pending import PendingFiles
+
+if TYPE_CHECKING:
+    from sglang_ext.client.fetch import StoreFetcher
 
 
 @dataclass
@@ -39,6 +54,8 @@ class Options:
     early_answers: bool = True
     dump: Optional[DumpDir] = None  # --dump-dir, else the first answer's directory (set then)
     file_mode: int = fmt.DEFAULT_FILE_MODE  # of every file created in out_dir (umask applied)
+    store: Optional["StoreFetcher"] = None  # --store: the connected reader
+    store_timeout: float = 120.0  # --store-timeout: seconds to wait for an answer's object
 
 
 @dataclass
@@ -54,20 +71,36 @@ class Stats:
     bytes: int = 0
     failed_indices: List[int] = field(default_factory=list)
     aborted: Optional[str] = None
+    bad_input: bool = False  # the abort is the command line's (UsageError): exit 2
 
 
 async def request_once(session, opts: Options, row: Row, attempt: int,
-                       http_slots: asyncio.Semaphore, pending: PendingFiles) -> Tuple[str, str]:
-    """One try: POST /generate for ``row``, then wait for the server's file; returns
-    ``(rid, the file's bare name in opts.dump)``, complete.
-
-    The wait for an HTTP slot is outside ``--timeout``, which bounds the HTTP request and
-    then, separately, the wait for the file's lock. ``pending`` journals the request until
-    its file is taken. Raises ``RequestError`` (``RowError``, ``FatalError`` when retrying
-    cannot help) or ``CheckError`` (the answer names a file that is not taken)."""
+                       http_slots: asyncio.Semaphore, pending: PendingFiles) -> Tuple[str, Answer]:
+    """One try's request: POST /generate for ``row``; returns ``(rid, answer)``. The wait
+    for an HTTP slot is outside ``--timeout``, which bounds the HTTP request. ``pending``
+    journals the request (a store answer settles it at once: the server writes no file).
+    Raises ``RequestError`` (``RowError``; ``FatalError`` when retrying cannot help,
+    ``UsageError`` for a store answer without ``--store``)."""
     rid = f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}"
-    path = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
-                          http_slots, pending)
+    if opts.store is not None:
+        opts.store.sent(row.index, rid)
+    answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
+                            http_slots, pending)
+    if answer.manifest is not None:
+        pending.settled(rid)
+        if opts.store is None:
+            raise UsageError(f"the server at {opts.endpoint} puts its samples into a Mooncake Store "
+                             f"(its answers carry meta_info.{MANIFEST_KEY}): pass --store "
+                             f"mooncake://HOST:PORT, the master its --dump-hidden-states-dir names, "
+                             f"to collect them")
+    return rid, answer
+
+
+async def wait_for_file(opts: Options, rid: str, path: str, pending: PendingFiles) -> str:
+    """Wait for the server's file ``path`` (``rid``'s); returns its bare name in
+    ``opts.dump``, complete. ``--timeout`` bounds the wait for the file's lock. Raises
+    ``RequestError`` (``FatalError``: the dump directory is not visible here) or
+    ``CheckError`` (the answer names a file that is not taken)."""
     if opts.dump is None:  # no --dump-dir: the first answer's directory, fixed for the run
         directory = os.path.dirname(path)
         if not os.path.isdir(directory):
@@ -93,7 +126,43 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
         if not fmt.lexists_at(dump.fd, name):
             pending.settled(rid)
         raise RequestError(error)
-    return rid, name
+    return name
+
+
+async def take_from_store(opts: Options, row: Row, rid: str, manifest: Any) -> Dict[str, Any]:
+    """The store half of a try: check ``manifest`` against ``row``, journal it, wait for
+    its object (``--store-timeout``) and write it as ``OUT/hs_<i>``; returns the manifest
+    record. Raises ``FetchError`` (a ``RequestError``), ``CheckError`` or ``OSError``."""
+    from sglang_ext.client import fetch
+
+    store = opts.store
+    exp = fetch.expect(manifest, rid, row.input_ids, store.shape)  # rid is journaled already
+    store.answered(row.index, rid, manifest)
+    await store.wait(exp, opts.store_timeout)
+    size = await asyncio.to_thread(store.take, exp, row.index, row.input_ids, opts.validate)
+    return record(row.index, len(row.input_ids), store.source(exp.handle), size)
+
+
+async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]:
+    """A rerun's first try of an unfinished row: take the newest object an earlier run
+    was answered for, if it is still in the store (no new request); returns its record, or
+    None (nothing journaled, or gone: the row is requested again). Journaled objects that
+    cannot be taken stay journaled, removed once the row is done or at the run's end."""
+    from sglang_ext.client import fetch
+
+    store = opts.store
+    for rid, manifest in reversed(store.resumable(row.index)):
+        try:
+            exp = fetch.expect(manifest, rid, row.input_ids, store.shape)
+            if await asyncio.to_thread(store.state, exp.handle) != "ready":
+                continue
+            size = await asyncio.to_thread(store.take, exp, row.index, row.input_ids, opts.validate)
+        except (RequestError, CheckError, OSError) as e:
+            print(f"row {row.index}: the sample an earlier run was answered for is not taken "
+                  f"({e}); requesting it again", file=sys.stderr)
+            continue
+        return record(row.index, len(row.input_ids), store.source(exp.handle), size)
+    return None
 
 
 async def extract_one(session, opts: Options, row: Row, stats: Stats,
@@ -109,7 +178,14 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
         if abort.is_set():
             return None
         try:
-            rid, name = await request_once(session, opts, row, attempt, http_slots, pending)
+            if attempt == 0 and opts.store is not None and opts.store.resumable(row.index):
+                rec = await resume_from_store(opts, row)
+                if rec is not None:
+                    return rec
+            rid, answer = await request_once(session, opts, row, attempt, http_slots, pending)
+            if answer.manifest is not None:
+                return await take_from_store(opts, row, rid, answer.manifest)
+            name = await wait_for_file(opts, rid, answer.path, pending)
             try:
                 size = await asyncio.to_thread(
                     move_into_place, opts.dump, name, opts.out_dir, row.index, row.input_ids,
@@ -181,12 +257,15 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                     if row.index not in manifest:
                         size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
                         manifest.add(record(row.index, n, None, size))
+                    if opts.store is not None:  # taken before a kill: its objects go now
+                        await opts.store.consumed(row.index)
                     tick()
                     continue
                 try:
                     rec = await extract_one(session, opts, row, stats, http_slots, pending, abort)
                 except FatalError as e:
                     if not abort.is_set():
+                        stats.bad_input = isinstance(e, UsageError)
                         stats.aborted = f"row {row.index}: {e}"
                         print(f"error: {stats.aborted}", file=sys.stderr)
                         abort.set()
@@ -208,6 +287,8 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                         continue
                     consecutive = 0
                     manifest.add(rec)
+                    if opts.store is not None:  # in OUT and in the manifest: remove the object(s)
+                        await opts.store.consumed(row.index)
                     stats.done += 1
                     stats.tokens += rec["num_tokens"]
                     stats.bytes += rec["bytes"]

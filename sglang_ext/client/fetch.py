@@ -1,0 +1,461 @@
+"""Samples from a Mooncake Store: ``extract --store`` on a node that shares no filesystem
+with the servers.
+
+A server started with ``--dump-hidden-states-dir mooncake://...`` answers each request early
+with ``meta_info.hidden_states_manifest``: hs-connectors' transfer manifest, version 1
+(``sglang_ext.store.PackedLayout.manifest``, docs/store.md). The sample follows as one
+packed object under the manifest's ``handle``, visible only once complete, or the object
+``<handle>:error`` (JSON ``{"error": message}``) when the server failed it. For one answer:
+
+1. ``expect``: the manifest is checked against the request before anything is read: the
+   handle is the server's for the rid (``store.handle_for``), and tensors, offsets, sizes
+   and ``total_aligned_bytes`` are exactly ``store.pack_layout(len(prompt), L, H, dtype)``'s
+   (so ``hidden_states`` has one row per prompt token, fp8 scales are ``[T, L, 1]``); a
+   ``layer_ids`` in its metadata must name L layers, and L, H and the dtype must be those
+   of the run's first sample. Anything else is the try's error (``FetchError``).
+2. ``wait``: poll ``<handle>:error``, then ``<handle>`` (hs-connectors' ``get_generated``
+   rule: 1 ms doubling to 50 ms, ``--store-timeout``, 120 s by default).
+3. ``take``: ``get_size`` must equal ``total_aligned_bytes``; ``get_into`` a registered
+   buffer; the token ids must equal the prompt's; the tensors are written as
+   ``OUT/hs_<i>.safetensors`` through a temporary file (``files.Staged``) in the file
+   sink's own layout (``format.file_layout``: same keys, dtypes, order, 4096-byte data
+   start), checked by ``checks.check_file`` there, then renamed onto the final name.
+4. ``consumed``: once the manifest has the sample's line, the object and its ``:error``
+   are removed (forced past the lease; "not found" is fine).
+
+The file's ``__metadata__`` is what this node can know: ``format``, ``rid`` (the rid this
+client sent), for fp8 ``hidden_states_dtype`` and ``scale_layout``, plus any of
+``layer_ids``, ``num_layers``, ``model_path``, ``sglang_version``, ``sglang_ext_version``
+and ``series`` that the manifest's metadata carries (``FILE_META_KEYS``; the version-1
+manifest of docs/store.md carries none of them, so a file taken from the store lacks
+them unless the server adds them).
+
+Resume and exactly-once: every request is journaled (``OUT/.extract-store-rank<R>.jsonl``:
+row index and rid, whose handle is ``handle_for(rid)``) before it is sent, its checked
+manifest before its object is waited for, and the handle is marked done once the object
+is removed. A rerun that finds row ``i`` unfinished with a journaled handle takes
+that object if it is still in the store (no new request), and requests the row again if
+it is gone; a row whose ``hs_<i>`` is in place has its journaled objects removed. At the
+end of a run that was not interrupted every journaled object left (tries given up on)
+is removed and the journal goes. An object that appears after that (a server far behind)
+stays until the server's process exits or the master evicts it.
+
+The reader lends no segment (``global_segment_size`` 0 unless the URL sets it: samples
+live in the servers' segments). Mooncake is imported on ``connect`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import parse_qsl, urlsplit
+
+from sglang_ext import format as fmt
+from sglang_ext import store as st
+from sglang_ext.client.checks import check_file
+from sglang_ext.client.files import Staged
+from sglang_ext.client.http import RequestError
+from sglang_ext.client.manifest import final_name
+
+DEFAULT_WAIT_S = 120.0  # hs-connectors' get_generated timeout
+POLL_FIRST_S = 0.001
+POLL_MAX_S = 0.05
+PROBE_TIMEOUT_S = 10.0  # a master that does not accept a TCP connection by then is not up
+FILE_META_KEYS = ("layer_ids", "num_layers", "model_path", "sglang_version",
+                  "sglang_ext_version", "series")
+INSTALL_HINT = "pip install -r requirements/store.txt"
+_BUFFER_GRANULE = 4 << 20  # registered get buffers grow in steps of this many bytes
+
+
+class FetchError(RequestError):
+    """One try's sample could not be taken from the store (retried like a bad file)."""
+
+
+class StoreUnreachable(RuntimeError):
+    """The Mooncake client cannot be set up (the master does not answer): the run cannot start."""
+
+
+class MooncakeMissing(StoreUnreachable):
+    """The mooncake package is not importable here."""
+
+
+def journal_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f".extract-store-rank{rank}.jsonl")
+
+
+def reader_config(url: str) -> st.StoreConfig:
+    """The trainer-side settings from ``--store URL`` (``StoreConfig.from_url``'s form);
+    ``global_segment_size`` is 0 unless the URL names it (a reader holds no samples).
+    ``ValueError`` (one sentence) for a URL that is not ``mooncake://HOST:PORT?...``."""
+    config = st.StoreConfig.from_url(url)
+    if "global_segment_size" not in dict(parse_qsl(urlsplit(url).query, keep_blank_values=True)):
+        config = dataclasses.replace(config, global_segment_size=0)
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What one answer promises: the object ``handle`` laid out as ``layout``, from the
+    request ``rid``; ``metadata`` the hs_<i> file's ``__metadata__``."""
+
+    rid: str
+    handle: str
+    layout: st.PackedLayout
+    metadata: Dict[str, str]
+
+
+def _file_metadata(rid: str, dtype: str, meta: Dict[str, Any]) -> Dict[str, str]:
+    """``format.build_metadata``'s keys this node knows, in the file sink's order."""
+    out = {"format": fmt.FORMAT_VERSION, "rid": fmt.printable_rid(rid)}
+    for key in FILE_META_KEYS:
+        value = meta.get(key)
+        if isinstance(value, str):
+            out[key] = value
+        elif isinstance(value, (list, int)) and not isinstance(value, bool):
+            out[key] = json.dumps(value)
+    out.update(fmt.dtype_metadata(dtype))
+    return out
+
+
+def expect(manifest: Any, rid: str, input_ids: List[int],
+           shape: Optional[Tuple[int, int, str]] = None) -> Expected:
+    """Check an answer's manifest against the request (module doc, step 1); ``shape``:
+    the run's ``(L, H, dtype)`` so far. Raises ``FetchError`` (one sentence)."""
+    if not isinstance(manifest, dict):
+        raise FetchError(f"hidden_states_manifest is not an object: {str(manifest)[:200]}")
+    if manifest.get("version") != st.MANIFEST_VERSION:
+        raise FetchError(f"hidden_states_manifest has version {manifest.get('version')!r}; "
+                         f"this client reads version {st.MANIFEST_VERSION}")
+    handle = st.handle_for(rid)
+    if manifest.get("handle") != handle:
+        raise FetchError(f"hidden_states_manifest names the object {str(manifest.get('handle'))[:120]!r}, "
+                         f"not the server's handle for request {rid} ({handle!r}): not taken")
+    try:
+        hs = manifest["tensors"][fmt.KEY_HIDDEN_STATES]
+        dims = [int(d) for d in hs["shape"]]
+        dtype = str(hs["dtype"]).removeprefix("torch.")
+        meta = manifest["metadata"]
+        if len(dims) != 3 or not isinstance(meta, dict):
+            raise ValueError
+        layout = st.pack_layout(len(input_ids), dims[1], dims[2], dtype)
+    except (KeyError, TypeError, ValueError, fmt.DumpFormatError):
+        raise FetchError(f"hidden_states_manifest does not describe hidden_states [T, L, H] "
+                         f"of a known dtype: {json.dumps(manifest)[:300]}") from None
+    want = layout.manifest(handle)
+    if manifest["tensors"] != want["tensors"] or meta.get("total_aligned_bytes") != layout.total_bytes:
+        raise FetchError(f"hidden_states_manifest for {len(input_ids)} prompt tokens does not match "
+                         f"the layout of hidden_states {dims} {dtype}: got {json.dumps(manifest['tensors'])[:300]}, "
+                         f"total_aligned_bytes {meta.get('total_aligned_bytes')!r}")
+    layer_ids = meta.get("layer_ids")
+    if isinstance(layer_ids, str):
+        try:
+            layer_ids = json.loads(layer_ids)
+        except ValueError:
+            layer_ids = None
+    if layer_ids is not None and (not isinstance(layer_ids, list) or len(layer_ids) != dims[1]):
+        raise FetchError(f"hidden_states_manifest: layer_ids {meta.get('layer_ids')!r} do not name "
+                         f"the {dims[1]} layer slots of hidden_states")
+    if shape is not None and shape != (dims[1], dims[2], dtype):
+        raise FetchError(f"hidden_states {dims} {dtype} differ from the run's first sample "
+                         f"([T, {shape[0]}, {shape[1]}] {shape[2]}): not taken")
+    return Expected(rid, handle, layout, _file_metadata(rid, dtype, meta))
+
+
+class _Buffers:
+    """Host buffers registered with the Mooncake client for ``get_into``, reused: one per
+    fetch in flight, grown (in ``_BUFFER_GRANULE`` steps) to the largest object seen."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.free: List[Any] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int):
+        import numpy as np
+
+        with self.lock:
+            for i, buf in enumerate(self.free):
+                if buf.nbytes >= nbytes:
+                    return self.free.pop(i)
+            old = self.free.pop() if self.free else None
+        if old is not None:
+            self.client.unregister_buffer(old.ctypes.data)
+        buf = np.empty(-(-max(nbytes, 1) // _BUFFER_GRANULE) * _BUFFER_GRANULE, dtype=np.uint8)
+        rc = self.client.register_buffer(buf.ctypes.data, buf.nbytes)
+        if rc != 0:
+            raise FetchError(f"Mooncake refused to register a {buf.nbytes}-byte get buffer (status {rc})")
+        return buf
+
+    def give(self, buf) -> None:
+        with self.lock:
+            self.free.append(buf)
+
+    def close(self) -> None:
+        with self.lock:
+            bufs, self.free = self.free, []
+        for buf in bufs:
+            self.client.unregister_buffer(buf.ctypes.data)
+
+
+class StoreFetcher:
+    """The run's store reader: one Mooncake client, the journal, the get buffers.
+
+    ``url``: ``--store``; ``out_dir``/``rank``/``mode``: where and how the journal and the
+    files are written. ``connect`` before use; ``close`` at the end."""
+
+    COMPACT_EVERY = 4096  # journal lines appended before it is rewritten with what is open
+
+    def __init__(self, url: str, out_dir: str, rank: int, mode: int = fmt.DEFAULT_FILE_MODE):
+        self.config = reader_config(url)
+        self.url_base = f"mooncake://{self.config.master_server_address}"
+        self.out_dir = out_dir
+        self.mode = mode
+        self.path = journal_path(out_dir, rank)
+        self.client: Any = None
+        self.buffers: Optional[_Buffers] = None
+        self.shape: Optional[Tuple[int, int, str]] = None  # the run's (L, H, dtype)
+        # index -> {handle: (rid, manifest)} of journaled objects not yet removed
+        self.open: Dict[int, Dict[str, Tuple[str, Any]]] = {}
+        self._appended = 0
+        self._read()
+
+    # -- the journal
+
+    def _read(self) -> None:
+        try:
+            fd = fmt.open_regular(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        with open(fd, encoding="utf-8") as f:
+            lines = f.readlines()
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a torn last line of a killed run
+                continue
+            if not isinstance(rec, dict):
+                continue
+            if isinstance(rec.get("done"), str):
+                for handles in self.open.values():
+                    handles.pop(rec["done"], None)
+            elif isinstance(rec.get("index"), int) and isinstance(rec.get("rid"), str) and rec["rid"]:
+                manifest = rec.get("manifest") if isinstance(rec.get("manifest"), dict) else None
+                self.open.setdefault(rec["index"], {})[st.handle_for(rec["rid"])] = (rec["rid"], manifest)
+        self.open = {i: h for i, h in self.open.items() if h}
+
+    def _append(self, rec: dict) -> None:
+        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
+        fd = fmt.open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode=self.mode)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        self._appended += 1
+        if self._appended >= self.COMPACT_EVERY:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        """Replace the journal by the objects still open (atomically), or delete it."""
+        self._appended = 0
+        self.open = {i: h for i, h in self.open.items() if h}
+        if not self.open:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            return
+        directory, name = os.path.split(self.path)
+        with Staged(directory, name, unique=False) as staged:
+            tmp, fd = staged.create(self.mode)
+            with open(fd, "w", encoding="utf-8") as f:
+                for index, handles in self.open.items():
+                    for rid, manifest in handles.values():
+                        rec = {"index": index, "rid": rid}
+                        if manifest is not None:
+                            rec["manifest"] = manifest
+                        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            staged.publish(tmp)
+
+    def sent(self, index: int, rid: str) -> None:
+        """Journal a request before it is sent: its object (``handle_for(rid)``) is ours
+        to remove whatever happens to this process once the server has it."""
+        self.open.setdefault(index, {})[st.handle_for(rid)] = (rid, None)
+        self._append({"index": index, "rid": rid})
+
+    def answered(self, index: int, rid: str, manifest: Dict[str, Any]) -> None:
+        """Journal a checked answer (before its object is waited for): a rerun may take it."""
+        self.open.setdefault(index, {})[st.handle_for(rid)] = (rid, manifest)
+        self._append({"index": index, "rid": rid, "manifest": manifest})
+
+    def resumable(self, index: int) -> List[Tuple[str, Any]]:
+        """``(rid, manifest)`` of row ``index``'s journaled answers, newest last."""
+        return [(rid, m) for rid, m in self.open.get(index, {}).values() if m is not None]
+
+    # -- the client
+
+    def connect(self) -> "StoreFetcher":
+        """Set the Mooncake client up. ``MooncakeMissing`` (one sentence) when mooncake is
+        not installed, ``StoreUnreachable`` when the master does not answer."""
+        try:
+            from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
+        except ImportError:
+            raise MooncakeMissing(f"--store needs the mooncake package here ({INSTALL_HINT}; "
+                                   f"it also needs Debian's libibverbs1 librdmacm1 libnuma1)") from None
+        c = self.config
+        host, _, port = c.master_server_address.rpartition(":")
+        try:  # Mooncake's own setup retries a missing master for about 90 s
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+        except OSError as e:
+            raise StoreUnreachable(f"cannot reach the Mooncake master at {c.master_server_address} "
+                                   f"({e.strerror or e}): is mooncake_master running there?") from None
+        client = MooncakeDistributedStore()
+        try:
+            rc = client.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
+                              c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
+        except Exception as e:  # noqa: BLE001 - pybind raises RuntimeError/TypeError
+            rc = f"{type(e).__name__}: {e}"
+        if rc != 0:
+            raise StoreUnreachable(f"cannot reach the Mooncake master at {c.master_server_address} "
+                                   f"(setup answered {rc}): is mooncake_master running there?")
+        self.client = client
+        self.buffers = _Buffers(client)
+        return self
+
+    def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            self.buffers.close()
+            client.close()
+
+    def _exists(self, key: str) -> bool:
+        rc = self.client.is_exist(key)
+        if rc < 0:
+            raise FetchError(st._status_error("look-up", key, rc, 0, self.config).args[0])
+        return rc == 1
+
+    def _error_of(self, handle: str) -> str:
+        """The message in ``<handle>:error`` (the server's words)."""
+        key = handle + st.ERROR_SUFFIX
+        try:
+            raw = self.client.get(key)
+            msg = json.loads(bytes(raw).decode("utf-8"))["error"]
+        except Exception as e:  # noqa: BLE001 - a marker that is not JSON still fails the try
+            msg = f"unreadable error marker ({type(e).__name__})"
+        return f"the server failed the sample ({key}): {msg}"
+
+    def state(self, handle: str) -> Optional[str]:
+        """``"error"``, ``"ready"`` or None (not there), the error marker first."""
+        if self._exists(handle + st.ERROR_SUFFIX):
+            return "error"
+        return "ready" if self._exists(handle) else None
+
+    async def wait(self, exp: Expected, timeout: float) -> None:
+        """Wait until ``exp.handle`` is complete. ``FetchError`` with the server's message
+        for ``<handle>:error`` (both objects are removed then), or when nothing appeared
+        within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = POLL_FIRST_S
+        while True:
+            found = await asyncio.to_thread(self.state, exp.handle)
+            if found == "ready":
+                return
+            if found == "error":
+                msg = await asyncio.to_thread(self._error_of, exp.handle)
+                await self.remove(exp.handle)
+                raise FetchError(msg)
+            if time.monotonic() >= deadline:
+                raise FetchError(f"the sample {exp.handle!r} did not appear in the Mooncake store at "
+                                 f"{self.config.master_server_address} within {timeout:g} s "
+                                 f"(--store-timeout): is the server's writer alive?")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+
+    def take(self, exp: Expected, index: int, input_ids: List[int], full: bool) -> int:
+        """Read ``exp``'s object and write it as ``OUT/hs_<index>.safetensors`` (module
+        doc, step 3); returns the file's size. ``FetchError`` when the object is gone, has
+        another size or other token ids; ``CheckError`` when the written file fails
+        ``check_file``; ``OSError`` on I/O. The final name never holds a partial file."""
+        layout = exp.layout
+        size = self.client.get_size(exp.handle)
+        if size < 0:
+            raise FetchError(f"the sample {exp.handle!r} vanished from the store before it was read "
+                             f"(status {size}: evicted, or taken by another reader)")
+        if size != layout.total_bytes:
+            raise FetchError(f"the store object {exp.handle!r} has {size} bytes, its manifest says "
+                             f"total_aligned_bytes {layout.total_bytes}")
+        buf = self.buffers.take(size)
+        try:
+            got = self.client.get_into(exp.handle, buf.ctypes.data, size)
+            if got != size:
+                raise FetchError(f"reading {exp.handle!r} from the store gave {got} of {size} bytes")
+            view = memoryview(buf)[:size]
+            ids = layout.tensor(fmt.KEY_TOKEN_IDS)
+            if view[ids.offset:ids.offset + ids.nbytes].cast("q").tolist() != list(input_ids):
+                raise FetchError(f"the store object {exp.handle!r} holds other token ids than the request's")
+            specs = fmt.dump_tensors(layout.num_tokens, *layout.tensor(fmt.KEY_HIDDEN_STATES).shape[1:],
+                                     layout.dtype)
+            file = fmt.file_layout(specs, exp.metadata)
+            with Staged(self.out_dir, final_name(index)) as staged:
+                tmp, fd = staged.create(self.mode)
+                try:
+                    fmt.pwrite_all(fd, file.header, 0)
+                    for t in layout.tensors:
+                        fmt.pwrite_all(fd, view[t.offset:t.offset + t.nbytes], file.offsets[t.name])
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                check_file(os.path.join(self.out_dir, tmp), input_ids, full)
+                staged.publish(tmp)
+        finally:
+            self.buffers.give(buf)
+        hs = layout.tensor(fmt.KEY_HIDDEN_STATES)
+        if self.shape is None:
+            self.shape = (hs.shape[1], hs.shape[2], layout.dtype)
+        return file.size
+
+    def source(self, handle: str) -> str:
+        """The manifest line's ``source`` of a sample taken from ``handle``."""
+        return f"{self.url_base}/{handle}"
+
+    async def remove(self, handle: str) -> bool:
+        """Remove ``handle`` and ``<handle>:error`` and journal it done; False (and the
+        handle stays journaled for the next sweep) when the master does not answer."""
+        def remove():
+            for key in (handle, handle + st.ERROR_SUFFIX):
+                rc = self.client.remove(key, force=True)
+                if rc not in (0, st.OBJECT_NOT_FOUND):
+                    return False
+            return True
+
+        if not await asyncio.to_thread(remove):
+            return False
+        for handles in self.open.values():
+            if handles.pop(handle, None) is not None:
+                self._append({"done": handle})
+        return True
+
+    async def consumed(self, index: int) -> None:
+        """Row ``index`` is in OUT and in the manifest: remove every object journaled for
+        it (the one taken, and any of earlier tries)."""
+        for handle in list(self.open.get(index, {})):
+            await self.remove(handle)
+
+    async def sweep(self) -> Tuple[int, int]:
+        """At the end of a run that was not interrupted: remove every journaled object left
+        (tries given up on); the journal goes once none is left. Returns ``(removed,
+        kept)``: kept are those the master did not answer for."""
+        removed = kept = 0
+        for index in list(self.open):
+            for handle in list(self.open[index]):
+                if await self.remove(handle):
+                    removed += 1
+                else:
+                    kept += 1
+        self._rewrite()
+        return removed, kept

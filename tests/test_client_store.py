@@ -1,0 +1,542 @@
+"""``extract --store``: samples collected from a real ``mooncake_master``, no shared filesystem.
+
+The fake server (a ``ThreadingHTTPServer`` on 127.0.0.1, in this process) answers
+``/generate`` as a server started with ``--dump-hidden-states-dir mooncake://...`` does: with
+``meta_info.hidden_states_manifest`` (``store.pack_layout(...).manifest(handle_for(rid))``),
+and puts the packed sample into the master with ``store.StoreSink.put_packed``, before the
+answer or after it (early), or ``<handle>:error`` instead. The reference for every
+``hs_<i>.safetensors`` is the file sink's own path for the same tensors
+(``tests/dumpfiles.write_dump``: ``format.reserve`` + ``file_layout``), compared byte for
+byte. Fails (never skips) without Mooncake when run from tests/run.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dumpfiles import write_dump
+from fake_sglang_server import JsonHandler
+
+from sglang_ext import format as fmt
+from sglang_ext import store as st
+from sglang_ext.client import fetch
+from sglang_ext.client.extract import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED
+from sglang_ext.client.manifest import MANIFEST_NAME
+
+try:
+    import mooncake.store  # noqa: F401
+    HAVE_MOONCAKE = True
+except ImportError:
+    HAVE_MOONCAKE = False
+
+if not HAVE_MOONCAKE and os.environ.get("KIMI_SGLANG_NEED_MOONCAKE"):  # set by tests/run.sh
+    raise ImportError("mooncake is not importable in the test venv: pip install -r requirements/store.txt")
+needs_mooncake = pytest.mark.skipif(
+    not HAVE_MOONCAKE, reason="mooncake not importable: pip install -r requirements/store.txt")
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = [2, 4, 5, 8]
+NUM_LAYERS = 8
+HIDDEN = 8
+MiB = 1 << 20
+
+
+# ---- a real mooncake_master (as tests/test_store.py starts it) -------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    """A real ``mooncake_master`` on a free port (its metrics port free too)."""
+
+    def __init__(self, tmp: Path):
+        import mooncake  # noqa: PLC0415
+
+        inside = Path(mooncake.__file__).parent / "mooncake_master"
+        binary = str(inside) if inside.is_file() else (shutil.which("mooncake_master") or "mooncake_master")
+        self.port = _free_port()
+        self.log = tmp / f"master-{self.port}.log"
+        self.proc = subprocess.Popen([binary, f"--port={self.port}", f"--metrics_port={_free_port()}"],
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"mooncake_master exited: {self.log.read_text()[-2000:]}"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"mooncake_master did not listen on {self.port}")
+
+    @property
+    def url(self) -> str:
+        """What the trainer side passes to ``--store``."""
+        return f"mooncake://127.0.0.1:{self.port}?protocol=tcp&local_buffer_size=16MiB&local_hostname=127.0.0.1"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    if not HAVE_MOONCAKE:
+        pytest.skip("mooncake not importable: pip install -r requirements/store.txt")
+    m = Master(tmp_path_factory.mktemp("mooncake"))
+    yield m
+    m.kill()
+
+
+@pytest.fixture(scope="module")
+def sink(master):
+    """The fake server's producer client: its segment holds the samples."""
+    s = st.StoreSink(st.StoreConfig.from_url(
+        f"mooncake://127.0.0.1:{master.port}?protocol=tcp&global_segment_size=64MiB"
+        f"&local_buffer_size=16MiB&local_hostname=127.0.0.1")).connect()
+    yield s
+    s.close()
+
+
+# ---- the fake server --------------------------------------------------------------------------
+def sample(ids, dtype):
+    """Tensors of one request, computed from (token id, position, slot, channel):
+    hidden_states [T, 4, 8] of ``dtype``, fp8 scales [T, 4, 1] float32, token_ids int64."""
+    ids_t = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+    t = torch.arange(len(ids), dtype=torch.float32)[:, None, None]
+    s = torch.arange(len(LAYERS), dtype=torch.float32)[None, :, None]
+    h = torch.arange(HIDDEN, dtype=torch.float32)[None, None, :]
+    x = ids_t * 0.5 + t * 0.01 + s * 10 + h * 0.1
+    scales = None
+    if dtype == "float8_e4m3fn":
+        scales = (ids_t + s + 1).expand(len(ids), len(LAYERS), 1).contiguous() / 64
+    return x.to(getattr(torch, dtype)), scales, torch.tensor(ids, dtype=torch.int64)
+
+
+def raw(t) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+class StoreServer:
+    """Answers ``/generate`` with a manifest and puts the sample into the store with ``sink``.
+
+    ``early_s``: put that long after the answer (in a thread), else before it;
+    ``error_first``: first token ids whose first ``error_tries`` tries get ``<handle>:error``;
+    ``never_for``: first token ids whose object is never put; ``hold``: an Event puts
+    wait for; ``wrong_ids_for``: objects holding other token ids; ``manifest_meta``: extra
+    keys for the manifest's metadata."""
+
+    def __init__(self, sink: st.StoreSink, dtype: str = "bfloat16"):
+        self.sink = sink
+        self.dtype = dtype
+        self.early_s = None
+        self.error_first = set()
+        self.error_tries = 1
+        self.never_for = set()
+        self.wrong_ids_for = set()
+        self.hold = None
+        self.manifest_meta = {}
+        self.delay = 0.0
+        self.tensors = {}  # rid -> (hidden_states, scales, token_ids) put for it
+        self.handles = []  # every handle answered
+        self.counts = {}
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(JsonHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/generate":
+                    return self.reply(404, {"error": "not found"})
+                self.reply(200, server.generate(body["input_ids"], body["rid"]))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def generate(self, ids, rid):
+        with self.lock:
+            n = self.counts[tuple(ids)] = self.counts.get(tuple(ids), 0) + 1
+        if self.delay:
+            time.sleep(self.delay)
+        hs, scales, token_ids = sample(ids, self.dtype)
+        handle = st.handle_for(rid)
+        layout = st.pack_layout(len(ids), len(LAYERS), HIDDEN, self.dtype)
+        manifest = layout.manifest(handle)
+        manifest["metadata"].update(self.manifest_meta)
+        if ids[0] in self.wrong_ids_for:
+            token_ids = token_ids + 1
+        data = {"hidden_states": [raw(hs)], "token_ids": [raw(token_ids)]}
+        if scales is not None:
+            data["hidden_states_scales"] = [raw(scales)]
+        with self.lock:
+            self.tensors[rid] = (hs, scales, token_ids)
+            self.handles.append(handle)
+        fail = ids[0] in self.error_first and n <= self.error_tries
+
+        def put():
+            if self.hold is not None:
+                self.hold.wait(60)
+            if ids[0] in self.never_for:
+                return
+            if fail:
+                self.sink.put_error(handle, "OSError: [Errno 28] No space left on device")
+            else:
+                self.sink.put_packed(handle, layout, data)
+
+        if self.early_s is None and self.hold is None:
+            put()
+        else:
+            def later():
+                time.sleep(self.early_s or 0)
+                put()
+            threading.Thread(target=later, daemon=True).start()
+        return {"text": "x", "meta_info": {"id": rid, "hidden_states_manifest": manifest}}
+
+    def left_in_store(self):
+        """Handles (or error markers) still in the store."""
+        return [k for h in self.handles for k in (h, h + st.ERROR_SUFFIX) if self.sink.exists(k)]
+
+
+@pytest.fixture
+def server(sink):
+    s = StoreServer(sink)
+    yield s
+    s.close()
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def rows(n):
+    """n rows of 3..10 token ids; row i starts with 1000 + i (identifies it)."""
+    return [[1000 + i] + [(i * 7 + k * 3) % 97 for k in range(2 + i % 8)] for i in range(n)]
+
+
+def write_jsonl(path, data):
+    with open(path, "w") as f:
+        for ids in data:
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    return str(path)
+
+
+def extract(server, data, out, *extra, store=None):
+    args = ["extract", "--endpoint", server.url, "--data", str(data), "--out", str(out),
+            "--no-progress", "--backoff", "0.01", "--max-backoff", "0.05",
+            *(["--store", store] if store else []), *map(str, extra)]
+    from sglang_ext.__main__ import main
+
+    return main(args)
+
+
+def hs_indices(out) -> set:
+    return {int(m.group(1)) for m in map(re.compile(r"hs_(\d+)\.safetensors").fullmatch, os.listdir(out)) if m}
+
+
+def manifest_lines(out):
+    with open(os.path.join(out, MANIFEST_NAME)) as f:
+        return [json.loads(line) for line in f]
+
+
+def file_sink_twin(tmp_path, rid, tensors, extra=None) -> Path:
+    """The file the file sink writes for ``rid``'s tensors (format.reserve, write_dump)."""
+    hs, scales, token_ids = tensors
+    directory = tmp_path / "file-sink"
+    directory.mkdir(exist_ok=True)
+    dir_fd = fmt.open_dump_dir(str(directory))
+    try:
+        res = fmt.reserve(dir_fd, rid)
+        meta = fmt.build_metadata(rid=rid, layer_ids=LAYERS, num_layers=NUM_LAYERS, extra=extra)
+        write_dump(res, hs, token_ids, meta, scales)
+        fmt.complete(res)
+    finally:
+        os.close(dir_fd)
+    return directory / res.name
+
+
+def read(path):
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+
+# ---- the manifest check (no store needed) -----------------------------------------------------
+def test_a_manifest_is_checked_against_the_request_before_anything_is_read():
+    ids = [5, 6, 7]
+    rid = "extract-0-0-ab"
+    good = st.pack_layout(3, 4, 8, "bfloat16").manifest(st.handle_for(rid))
+    exp = fetch.expect(good, rid, ids)
+    assert exp.handle == "extract-0-0-ab" and exp.layout.total_bytes == good["metadata"]["total_aligned_bytes"]
+    assert exp.metadata == {"format": fmt.FORMAT_VERSION, "rid": rid}
+
+    def bad(change, words, shape=None):
+        m = json.loads(json.dumps(good))
+        change(m)
+        with pytest.raises(fetch.FetchError, match=words):
+            fetch.expect(m, rid, ids, shape)
+
+    bad(lambda m: m.update(version=2), "version 2")
+    bad(lambda m: m.update(handle="other"), "not the server's handle")
+    bad(lambda m: m["tensors"]["hidden_states"].update(shape=[4, 4, 8]), "does not match")  # 4 rows, 3 tokens
+    bad(lambda m: m["tensors"]["token_ids"].update(offset=0), "does not match")
+    bad(lambda m: m["metadata"].update(total_aligned_bytes=10), "total_aligned_bytes 10")
+    bad(lambda m: m["tensors"]["hidden_states"].update(dtype="torch.complex64"), "known dtype")
+    bad(lambda m: m["metadata"].update(layer_ids="[1, 2]"), "do not name the 4 layer slots")
+    bad(lambda m: None, "differ from the run's first sample", shape=(4, 16, "bfloat16"))
+    with pytest.raises(fetch.FetchError, match="not an object"):
+        fetch.expect("x", rid, ids)
+    # a server that adds the file's metadata to the manifest: it goes into the file
+    carried = json.loads(json.dumps(good))
+    carried["metadata"].update(layer_ids=LAYERS, num_layers=NUM_LAYERS, model_path="/m")
+    assert fetch.expect(carried, rid, ids).metadata == {
+        "format": fmt.FORMAT_VERSION, "rid": rid, "layer_ids": json.dumps(LAYERS), "num_layers": "8",
+        "model_path": "/m"}
+
+
+def test_store_url_is_checked_before_anything_is_sent(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    args = ["extract", "--endpoint", "http://127.0.0.1:9", "--data", data, "--out", str(tmp_path / "o"),
+            "--no-progress", "--store"]
+    from sglang_ext.__main__ import main
+
+    assert main([*args, "http://127.0.0.1:50051"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--store" in err and "mooncake://HOST:PORT" in err and "Traceback" not in err
+    assert main([*args, "mooncake://127.0.0.1:50051?colour=red"]) == EXIT_BAD_INPUT
+    assert "unknown mooncake setting 'colour'" in capsys.readouterr().err
+    assert main([*args, "mooncake://127.0.0.1:50051", "--store-timeout", "0"]) == EXIT_BAD_INPUT
+    assert "--store-timeout 0.0 must be a positive" in capsys.readouterr().err
+
+
+# ---- against a real master --------------------------------------------------------------------
+@needs_mooncake
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_store_samples_become_the_file_sinks_files_and_leave_the_store(
+        master, sink, tmp_path, capsys, dtype):
+    server = StoreServer(sink, dtype)
+    try:
+        data = rows(12)
+        server.early_s = 0.05  # answered before the put, as the server always does
+        out = tmp_path / "out"
+        assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--concurrency", 4,
+                       store=master.url) == 0
+        summary = json.loads(capsys.readouterr().out.split("extract summary: ")[1])
+        assert summary["extracted"] == 12 and summary["failed"] == 0
+        assert hs_indices(out) == set(range(12))
+        lines = manifest_lines(out)
+        assert sorted(r["index"] for r in lines) == list(range(12))
+        for rec in lines:
+            i = rec["index"]
+            meta, got = read(out / f"hs_{i}.safetensors")
+            rid = meta["rid"]
+            assert rid.startswith(f"extract-{i}-")
+            assert rec["source"] == f"mooncake://127.0.0.1:{master.port}/{st.handle_for(rid)}"
+            assert rec["num_tokens"] == len(data[i]) and rec["bytes"] == os.path.getsize(out / f"hs_{i}.safetensors")
+            ref_meta, want = read(file_sink_twin(tmp_path, rid, server.tensors[rid]))
+            assert list(got) == list(want), f"row {i}: keys {list(got)} vs the file sink's {list(want)}"
+            for k in want:
+                assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, (i, k)
+                assert raw(got[k]) == raw(want[k]), f"row {i}: {k} bytes differ from the file sink's"
+            # what a version-1 manifest cannot carry: the layer ids and the model's layer count
+            assert meta == {k: v for k, v in ref_meta.items() if k not in ("layer_ids", "num_layers")}
+            assert got["token_ids"].tolist() == data[i]
+        assert server.left_in_store() == []
+        assert not [n for n in os.listdir(out) if n.startswith(".")]  # no temporary file, no journal
+    finally:
+        server.close()
+
+
+@needs_mooncake
+def test_with_the_file_metadata_in_the_manifest_the_file_is_byte_identical(master, server, tmp_path):
+    extra = {"model_path": "/models/x", "sglang_version": "0.5.23", "sglang_ext_version": "1",
+             "series": "v0.5.23"}
+    server.manifest_meta = {"layer_ids": json.dumps(LAYERS), "num_layers": NUM_LAYERS, **extra}
+    data = rows(3)
+    out = tmp_path / "out"
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, store=master.url) == 0
+    for i in range(3):
+        rid = read(out / f"hs_{i}.safetensors")[0]["rid"]
+        twin = file_sink_twin(tmp_path, rid, server.tensors[rid], extra)
+        assert (out / f"hs_{i}.safetensors").read_bytes() == twin.read_bytes()
+        assert fmt.load(str(out / f"hs_{i}.safetensors")).layer_ids == LAYERS
+
+
+@needs_mooncake
+def test_an_error_marker_retries_the_row_and_is_removed(master, server, tmp_path, capsys):
+    data = rows(4)
+    server.error_first = {1000, 1002}
+    server.early_s = 0.02
+    out = tmp_path / "out"
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, store=master.url) == 0
+    err = capsys.readouterr().err
+    assert "row 2: try 1 failed, retrying: the server failed the sample (extract-2-0-" in err
+    assert "No space left on device" in err
+    assert server.counts[tuple(data[0])] == 2 and server.counts[tuple(data[1])] == 1
+    assert hs_indices(out) == set(range(4))
+    assert server.left_in_store() == []  # markers too
+
+    server.error_tries = 99  # every try fails: the row fails, the run goes on
+    out2 = tmp_path / "out2"
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out2, "--max-retries", 1,
+                   store=master.url) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "row 0: 2 tries failed; last: the server failed the sample" in err
+    assert hs_indices(out2) == {1, 3}
+    assert server.left_in_store() == []
+
+
+@needs_mooncake
+def test_a_missing_object_times_out_with_a_sentence(master, server, tmp_path, capsys):
+    data = rows(3)
+    server.never_for = {1001}
+    out = tmp_path / "out"
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 0,
+                   "--store-timeout", 0.3, store=master.url) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert re.search(r"row 1: 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}' did not appear "
+                     r"in the Mooncake store at 127\.0\.0\.1:\d+ within 0\.3 s \(--store-timeout\)", err), err
+    assert "Traceback" not in err
+    assert hs_indices(out) == {0, 2}
+    assert not (out / fetch.journal_path("", 0)).exists()  # swept at the end
+
+
+@needs_mooncake
+def test_other_token_ids_in_the_object_fail_the_try(master, server, tmp_path, capsys):
+    data = rows(2)
+    server.wrong_ids_for = {1001}
+    out = tmp_path / "out"
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 1,
+                   store=master.url) == EXIT_FAILED
+    assert "holds other token ids than the request's" in capsys.readouterr().err
+    assert hs_indices(out) == {0}
+    assert server.left_in_store() == []
+
+
+@needs_mooncake
+def test_a_manifest_without_store_is_one_sentence_naming_the_flag(server, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", rows(3)), out) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "puts its samples into a Mooncake Store" in err and "pass --store mooncake://HOST:PORT" in err
+    assert "Traceback" not in err
+    assert hs_indices(out) == set()
+
+
+def test_an_unreachable_master_is_one_sentence(tmp_path, capsys):
+    if not HAVE_MOONCAKE:
+        pytest.skip("mooncake not importable")
+    s = StoreServer(sink=None)
+    try:
+        url = f"mooncake://127.0.0.1:{_free_port()}?protocol=tcp&local_hostname=127.0.0.1"
+        assert extract(s, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "o", store=url) == EXIT_ABORTED
+        err = capsys.readouterr().err
+        assert "cannot reach the Mooncake master at 127.0.0.1:" in err and "Traceback" not in err
+        assert s.counts == {}  # nothing sent
+    finally:
+        s.close()
+
+
+def test_without_the_mooncake_package_is_one_sentence(tmp_path):
+    s = StoreServer(sink=None)
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", rows(1))
+        code = ("import sys; sys.modules['mooncake'] = None; sys.modules['mooncake.store'] = None\n"
+                "from sglang_ext.__main__ import main\n"
+                f"sys.exit(main(['extract', '--endpoint', {s.url!r}, '--data', {data!r}, '--out', "
+                f"{str(tmp_path / 'o')!r}, '--no-progress', '--store', 'mooncake://127.0.0.1:1']))")
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == EXIT_BAD_INPUT, r.stderr
+        assert "--store needs the mooncake package here (pip install -r requirements/store.txt" in r.stderr
+        assert "Traceback" not in r.stderr and s.counts == {}
+    finally:
+        s.close()
+
+
+def _cmd(server, data, out, master):
+    return [sys.executable, "-m", "sglang_ext", "extract", "--endpoint", server.url, "--data", data,
+            "--out", str(out), "--concurrency", "4", "--no-progress", "--store", master.url]
+
+
+@needs_mooncake
+def test_killed_while_waiting_then_rerun_takes_the_journaled_objects_without_asking_again(
+        master, server, tmp_path):
+    data = rows(6)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+    server.hold = threading.Event()  # answered at once, put only when the test says
+    proc = subprocess.Popen(_cmd(server, path, out, master), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while sum(server.counts.values()) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the answers are journaled before the waits start
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert sum(server.counts.values()) == 6 and hs_indices(out) == set()
+    server.hold.set()
+    deadline = time.monotonic() + 10
+    while sum(map(server.sink.exists, server.handles)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = subprocess.run(_cmd(server, path, out, master), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.split("extract summary: ")[1])["extracted"] == 6
+    assert all(server.counts[tuple(ids)] == 1 for ids in data)  # taken from the store, not asked again
+    assert sorted(rec["index"] for rec in manifest_lines(out)) == list(range(6))
+    for i, ids in enumerate(data):
+        assert read(out / f"hs_{i}.safetensors")[1]["token_ids"].tolist() == ids
+    assert server.left_in_store() == []
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+@needs_mooncake
+def test_killed_half_way_then_rerun_takes_every_row_once(master, server, tmp_path):
+    data = rows(40)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+    server.delay = 0.03
+    server.early_s = 0.02
+    proc = subprocess.Popen(_cmd(server, path, out, master), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if out.exists() and len(hs_indices(out)) >= 10:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_at_kill = hs_indices(out)
+    assert 10 <= len(done_at_kill) < 40, "kill came too late to test anything"
+
+    server.delay = 0.0
+    time.sleep(0.1)  # the killed run's last puts land
+    r = subprocess.run(_cmd(server, path, out, master), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.split("extract summary: ")[1])
+    assert summary["resumed"] == len(done_at_kill)
+    assert summary["resumed"] + summary["extracted"] == 40
+    lines = manifest_lines(out)
+    assert sorted(rec["index"] for rec in lines) == list(range(40))  # one line per row
+    for i, ids in enumerate(data):
+        assert read(out / f"hs_{i}.safetensors")[1]["token_ids"].tolist() == ids
+    for i in done_at_kill:  # finished before the kill: never requested again
+        assert server.counts[tuple(data[i])] == 1
+    assert server.left_in_store() == []  # taken or given up, every object is gone
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
