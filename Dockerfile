@@ -6,7 +6,7 @@
 
 # Upstream image for the series' base release (base.toml [base] image). The
 # defaults here are build.sh's default series, the newest GPU-verified one
-# (tests/test_container.py keeps them in step with its base.toml).
+# (tests/tooling/test_container.py keeps them in step with its base.toml).
 ARG BASE_IMAGE=lmsysorg/sglang:v0.5.23-cu130
 FROM ${BASE_IMAGE}
 

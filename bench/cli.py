@@ -226,7 +226,7 @@ def build_parser():
                     help="JSON mode on server A (shared) or on a third server C, so that A is "
                          "a plain server (see server_for)")
     ap.add_argument("--no-build", action="store_true", help="use the models already in --workdir")
-    # tests/test_bench.py rehearses the orchestration against a fake server
+    # tests/benchmark/test_bench.py rehearses the orchestration against a fake server
     ap.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
     ap.add_argument("--vllm-server-module", default=peer.DEFAULT_MODULE, help=argparse.SUPPRESS)
     return ap

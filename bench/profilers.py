@@ -3,7 +3,7 @@ scheduler process (``--py-spy PROMPTxCONC``, ``--py-spy-kind gil|wait``). A fail
 is recorded as ``{"error": ...}`` and never ends the model's cells.
 
 The summaries are pure functions of py-spy's ``--format raw`` text (``summarize_py_spy``,
-``summarize_gil_wait``), checked on hand-made samples by tests/test_bench.py.
+``summarize_gil_wait``), checked on hand-made samples by tests/benchmark/test_bench.py.
 """
 
 from __future__ import annotations

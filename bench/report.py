@@ -1,7 +1,7 @@
 """Pure functions of the benchmark: statistics, headline ratios, targets.
 
 No torch, no CUDA, no server: the benchmark (``loadgen``, ``cli``) feeds them measured
-numbers and ``tests/test_bench.py`` hand-made ones; ``markdown`` and ``plot`` show them.
+numbers and ``tests/benchmark/test_bench.py`` hand-made ones; ``markdown`` and ``plot`` show them.
 Units are in the names (``_s`` seconds, ``_tps`` prompt tokens per second, ``_gbps`` 1e9
 bytes per second).
 

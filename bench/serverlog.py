@@ -2,7 +2,7 @@
 of the log (one cell): its prefill batches, their sizes and the time between them.
 
 Pure functions of the log's text (``read_since`` reads it); ``loadgen.run_cell`` records
-``batch_stats`` per cell, ``markdown`` shows it, ``tests/test_bench.py`` feeds real lines.
+``batch_stats`` per cell, ``markdown`` shows it, ``tests/benchmark/test_bench.py`` feeds real lines.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 #
 # Env: PYTHON (default python3). Run from the repository root (or anywhere
 # `python -m sglang_ext` resolves). Used by the Dockerfile and by the build
-# rehearsal test (tests/test_container.py), which points PYTHONPATH at an
+# rehearsal test (tests/tooling/test_container.py), which points PYTHONPATH at an
 # unpacked wheel.
 #
 # Where the sglang package lives decides how the series is applied:

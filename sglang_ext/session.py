@@ -407,7 +407,7 @@ class DumpSession:
             # synchronizes result.copy_done, recorded on the copy stream after it waited
             # for the forward stream; without overlap (copy_done None) its
             # next_token_ids.tolist() has synchronized the stream the forward ran on.
-            # (tests/test_patches.py and tests/test_nightly.py check that the sync
+            # (tests/tooling/test_patches.py and tests/tooling/test_nightly.py check that the sync
             # precedes the hook.) So the copy need not queue behind what the scheduler
             # stream holds now, e.g. the next batch's forward.
             self.writer.copy_rows(hidden, [(t.state.pending, t.start, t.rows) for t in opened], ready=True)

@@ -19,7 +19,7 @@ mooncake``), unchanged. The contract (docs/store.md) comes from hs-connectors'
 
 A Mooncake put is all-or-nothing: the master allocates the replica (PutStart), the client
 copies the bytes, then PutEnd makes the key visible; a failed copy revokes it. So a key
-is never readable half-written (tests/test_store.py checks this with a reader polling
+is never readable half-written (tests/integration/test_store.py checks this with a reader polling
 during large puts). A put to a key that exists returns success and keeps the old bytes
 (seen with 0.3.13.post1), so ``StoreSink.put`` refuses an existing handle itself.
 

@@ -1,7 +1,7 @@
 """What the GPU tests check, as functions of files, logs and numbers (no server, no GPU):
 the tolerances, the worst relative error over many files, leftovers in a dump directory,
 the writer-rank log lines, per-rank device-to-host bytes in profiler traces, and two
-servers' files compared. The CPU suite tests these (tests/test_gpu_suite.py)."""
+servers' files compared. The CPU suite tests these (tests/tooling/test_gpu_suite.py)."""
 
 from __future__ import annotations
 

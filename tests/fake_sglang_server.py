@@ -1,4 +1,4 @@
-"""A stand-in for ``python -m sglang.launch_server`` that lets tests/test_bench.py rehearse
+"""A stand-in for ``python -m sglang.launch_server`` that lets tests/benchmark/test_bench.py rehearse
 the bench's orchestration (``python -m bench``) on a CPU: the same flags, /health and /generate with
 ``input_ids``, and for the modes the benchmark uses:
 

@@ -1,5 +1,5 @@
 """A stand-in for ``python -m vllm.entrypoints.openai.api_server`` that lets
-tests/test_bench.py rehearse the benchmark's peer modes (bench/peer.py) on a CPU: the
+tests/benchmark/test_bench.py rehearse the benchmark's peer modes (bench/peer.py) on a CPU: the
 flags the benchmark passes, ``/health``, and ``/v1/completions`` with token ids as
 ``prompt``; it prints vLLM 0.33's start-up lines the benchmark reads (its version, "init
 engine (profile, create kv cache, ...)").

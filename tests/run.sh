@@ -49,7 +49,7 @@ find_python310() {
 if [ ! -f "$venv/.complete" ]; then
   echo "== first run: installing the test venv (~6.5 GB: torch with its CUDA libraries; several minutes)"
 fi
-# Mooncake Store (tests/test_store.py runs a real mooncake_master): its wheel links
+# Mooncake Store (tests/integration/test_store.py runs a real mooncake_master): its wheel links
 # Debian's RDMA and NUMA libraries even for TCP.
 debs=(libibverbs1 librdmacm1 libnuma1)
 missing=()
@@ -59,12 +59,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "== installing ${missing[*]} (Mooncake Store's libraries)"
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "ERROR: tests/test_store.py needs Debian's ${missing[*]}: apt-get install -y ${missing[*]}" >&2; exit 1
+    echo "ERROR: tests/integration/test_store.py needs Debian's ${missing[*]}: apt-get install -y ${missing[*]}" >&2; exit 1
   fi
 fi
 bash tests/venv.sh "$venv" "$py" "--upgrade pip" "-r $req" "--no-deps sglang==$sglang_version" "--no-deps -r $nodeps" \
   "-r $store"
-# tests/test_store.py fails (never skips) without Mooncake when run from here.
+# tests/integration/test_store.py fails (never skips) without Mooncake when run from here.
 export KIMI_SGLANG_NEED_MOONCAKE=1
 # The project itself comes from this checkout through PYTHONPATH, not an install into the
 # shared venv (an editable install there would point every other checkout at this one).
@@ -94,7 +94,7 @@ if ! py310=$(find_python310); then
   echo "WARNING: $msg"; exit "$rc"
 fi
 bash tests/venv.sh "$venv310" "$py310" "--upgrade pip" "-r $req310"
-mapfile -t files < <(grep -l "pytest.mark.py310" tests/test_*.py)
+mapfile -t files < <(grep -rl --include="test_*.py" --exclude-dir=gpu "pytest.mark.py310" tests | sort)
 echo "== pytest, Python 3.10 ($py310): ${files[*]}"
 set +e
 PATH="$venv310/bin:$PATH" python -m pytest -q -m py310 -p no:cacheprovider "${files[@]}"

@@ -73,7 +73,7 @@ def test_malformed_400(server, record_property):
         if r.status_code != 400 or not r.text:
             problems.add(f"{name}: HTTP {r.status_code} {r.text[:200]!r}, want 400 with a message")
     # A list rid on a single prompt passes SGLang's normalization: recorded, not judged
-    # (the dump path answers hidden_states_error for it, tests/test_faults.py).
+    # (the dump path answers hidden_states_error for it, tests/integration/test_faults.py).
     r = server.post({"rid": ["a", "b"], "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
     status["rid_list_single_prompt"] = r.status_code
     record_property("status", status)

@@ -1,5 +1,5 @@
 # TEST FIXTURE, not a product image: a stand-in for upstream's lmsysorg/sglang
-# image, made without any registry, for tests/test_image.py. The real base
+# image, made without any registry, for tests/tooling/test_image.py. The real base
 # stays pinned in patches/<series>/base.toml ([base] image).
 #
 # ROOTFS: a minimal Debian (mmdebstrap --variant=minbase with python3,

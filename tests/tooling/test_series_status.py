@@ -13,7 +13,7 @@ import pytest
 from sglang_ext.__main__ import main
 from sglang_ext.tools.patchtool.series import SeriesError, newest_series, series_status
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_patches(root: Path, series: dict[str, str | None]) -> Path:

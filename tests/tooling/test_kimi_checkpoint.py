@@ -34,7 +34,7 @@ import pytest
 from conftest import SERIES_DIRS
 
 pytest.importorskip("torch")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 from testing import tiny_models  # noqa: E402
 

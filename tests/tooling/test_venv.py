@@ -10,7 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_SH = REPO / "tests" / "venv.sh"
 
 

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("requests")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPU = REPO / "tests" / "gpu"
 
 from sglang_ext import format as fmt  # noqa: E402
@@ -120,7 +120,7 @@ def test_the_default_run_leaves_tests_gpu_out():
     """``pytest`` at the root (tests/run.sh, CI) collects the CPU suite and nothing under
     tests/gpu (pyproject's norecursedirs)."""
     got = collected()
-    assert any(i.startswith("tests/test_gpu_suite.py::") for i in got)
+    assert any(i.startswith("tests/tooling/test_gpu_suite.py::") for i in got)
     assert not [i for i in got if i.startswith("tests/gpu/")]
 
 

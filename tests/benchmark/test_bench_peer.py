@@ -23,7 +23,7 @@ import pytest
 
 from bench import cli, markdown, peer, peerfiles, plan, report, servers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
 LLAMA_8B_IDS = [2, 16, 29, 32]

@@ -45,7 +45,7 @@ import pytest
 
 from sglang_ext.tools.patchtool.series import GPU_VERIFIED, newest_series
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The series CI's venv pins (its SGLang and deps): tests/run.sh installs the SGLang of the
 # newest gpu-verified series, the same series build.sh builds by default.
 SERIES = newest_series(GPU_VERIFIED).name

@@ -17,10 +17,10 @@ import zipfile
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
 import stack_pieces as sp  # noqa: E402
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "gpu", "stage-stack.sh")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "stage-stack.sh")
 
 
 def make_wheel(d, name, version, files):
@@ -262,7 +262,7 @@ def test_env_adds_what_a_sites_pth_files_add(tmp_path):
 def test_prepare_run_picks_the_stack_only_for_the_series_of_its_release(tmp_path):
     """stage.sh's prepare_run takes the stack's path when KIMI_SGLANG_SERIES names the
     series whose base release the staged stack holds; its helpers, sourced as run_e2e.sh does."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     versions = {}
     for series in sorted(os.listdir(os.path.join(repo, "patches"))):
         if os.path.isfile(os.path.join(repo, "patches", series, "base.toml")):

@@ -2,7 +2,7 @@
 process, an index line that cannot be written. Each request still ends in exactly one
 outcome (a complete file or an error in its response) and the writer keeps serving.
 
-Driven as the patched scheduler drives it (tests/test_hooks.py's stand-ins), with a
+Driven as the patched scheduler drives it (tests/unit/test_hooks.py's stand-ins), with a
 real writer process; faults are injected into that process (``inject_writer``) or made
 with real signals and real FIFOs.
 """
@@ -17,7 +17,7 @@ import torch
 
 from sglang_ext import format as fmt
 from test_faults import assert_complete_or_error, leftovers, slow_writes
-from test_hooks import Req, finish, idle, inject_writer, make_runner, run_extend, wait_for
+from standins import Req, finish, idle, inject_writer, make_runner, run_extend, wait_for
 
 IDS = [2, 4]
 

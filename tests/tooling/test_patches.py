@@ -20,8 +20,7 @@ import pytest
 
 from sglang_ext.__main__ import main
 
-from conftest import SERIES_DIR, assert_rows_ready_at_hook, fetch_wheel_or_skip
-from test_warmup import assert_warmup_named_before_post
+from conftest import SERIES_DIR, assert_rows_ready_at_hook, assert_warmup_named_before_post, fetch_wheel_or_skip
 
 SCHED = "python/sglang/srt/managers/scheduler.py"
 

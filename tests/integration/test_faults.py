@@ -1,7 +1,7 @@
 """Faults and bad input (issue 8): the dump path loses nothing and lets nothing out of DIR.
 
 Every test drives the real code (format, writer, the dump session) with stand-ins for SGLang's
-batch and request objects (tests/test_hooks.py's); the outcome of every request is
+batch and request objects (tests/unit/test_hooks.py's); the outcome of every request is
 checked against the contract: a complete file (it loads, equals the reference) or an
 error in its response, never a partial file under a final name and never an entry
 outside the dump directory. The table in docs/faults.md maps each fault to its test here.
@@ -25,9 +25,8 @@ from sglang_ext import format as fmt
 from sglang_ext import metrics as dump_metrics
 from sglang_ext.writer import DumpWriter
 from sglang_ext.config import DumpConfigError, check_directory, env_settings
-from test_format import RIDS
-from test_hooks import (Req, finish, idle, inject_writer, make_runner, reference,
-                        run_extend, wait_for)
+from standins import (RIDS, Req, finish, idle, inject_writer, make_runner, reference,
+                       run_extend, wait_for)
 
 IDS = [2, 4]
 

@@ -19,7 +19,7 @@ import pytest
 
 from bench import cli, loadgen, markdown, models, plan, profilers, report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 
 MiB = 1 << 20
@@ -259,7 +259,7 @@ def test_dry_run_prints_the_plan_without_torch():
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     """Every mode has its server (A: nodump, json shared; B: dump, dump_early; C: json
-    separate; D: dump_fp8; vLLM's V and W, tests/test_bench_peer.py);
+    separate; D: dump_fp8; vLLM's V and W, tests/benchmark/test_bench_peer.py);
     all of our kinds carry testing/server.py's shared flags and the run's options, then
     only what makes the kind; dumping kinds get their own directory and the writer's
     environment."""
@@ -444,7 +444,7 @@ def test_short_gpu_name():
 
 def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=()):
     """``python -m bench --quick`` on ``models`` against tests/fake_sglang_server.py (``extra`` may
-    add the fake vLLM: tests/test_bench_peer.py), deadline and process timeout
+    add the fake vLLM: tests/benchmark/test_bench_peer.py), deadline and process timeout
     ``timeout`` seconds, without the environment variables ``drop_env``; returns (process,
     out dir, dump root, results JSON path)."""
     import os

@@ -2,7 +2,7 @@
 output directories (symlinks, FIFOs, names that are not the server's), a wrong endpoint,
 and the mode of what extract creates.
 
-The server is tests/test_cli.py's stand-in for the patched SGLang's ``/generate`` (files
+The server is tests/integration/test_cli.py's stand-in for the patched SGLang's ``/generate`` (files
 written by hand under ``format.safe_stem(rid)``), here told to answer other paths. Every
 command runs in a subprocess with a timeout, so a regression that blocks on a FIFO fails
 instead of hanging the suite. Nothing here mocks the file system: real symlinks, real

@@ -32,7 +32,7 @@ from sglang_ext import format as fmt
 
 pytestmark = pytest.mark.py310
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLOTS, HIDDEN = 2, 4
 
 

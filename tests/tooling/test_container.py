@@ -1,4 +1,4 @@
-"""The container build, rehearsed without a Docker engine (tests/test_image.py builds
+"""The container build, rehearsed without a Docker engine (tests/tooling/test_image.py builds
 and runs the image for real).
 
 * hadolint runs clean on the Dockerfile and shellcheck on the scripts
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SERIES = "v0.5.17"  # the rehearsals apply this series to its wheel; the default is default_series()
 WHEEL_DIR = Path(os.environ.get("KIMI_SGLANG_WHEEL_DIR", "/tmp/wh"))
 

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import SERIES_DIRS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PROBE = r"""
 import json, sys

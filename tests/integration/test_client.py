@@ -52,7 +52,7 @@ from sglang_ext import format as fmt
 LAYERS = [2, 4, 5, 8]  # N = 8: aux [2, N//2, N-3] plus N
 NUM_LAYERS = 8
 HIDDEN = 8
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def reference(ids) -> torch.Tensor:

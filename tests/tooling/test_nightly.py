@@ -30,10 +30,9 @@ from sglang_ext.__main__ import main
 from sglang_ext.tools.patchtool.series import load_series
 from sglang_ext.tools.patchtool.wheel import sha256_of
 
-from conftest import assert_rows_ready_at_hook, fetch_wheel_or_skip
-from test_warmup import assert_warmup_named_before_post
+from conftest import assert_rows_ready_at_hook, assert_warmup_named_before_post, fetch_wheel_or_skip
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Read at import time: conftest's session fixture points KIMI_SGLANG_CACHE at a
 # temporary folder later; these downloads should persist between runs.
 CACHE = Path(os.environ.get("KIMI_SGLANG_CACHE") or Path.home() / ".cache" / "kimi-sglang")

@@ -12,7 +12,7 @@ import pytest
 
 from sglang_ext.tools import entrypoint as ep
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SM120x8 = ["12.0"] * 8
 SM90x8 = ["9.0"] * 8
 

@@ -34,7 +34,7 @@ import pytest
 
 from conftest import SERIES_DIRS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VOCAB, HIDDEN, LAYERS = 8, 4, 3
 
 PROBE = r"""

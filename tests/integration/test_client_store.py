@@ -49,14 +49,14 @@ if not HAVE_MOONCAKE and os.environ.get("KIMI_SGLANG_NEED_MOONCAKE"):  # set by 
 needs_mooncake = pytest.mark.skipif(
     not HAVE_MOONCAKE, reason="mooncake not importable: pip install -r requirements/store.txt")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYERS = [2, 4, 5, 8]
 NUM_LAYERS = 8
 HIDDEN = 8
 MiB = 1 << 20
 
 
-# ---- a real mooncake_master (as tests/test_store.py starts it) -------------------------------
+# ---- a real mooncake_master (as tests/integration/test_store.py starts it) -------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from dumpfiles import write_dump
 from sglang_ext import format as fmt
+from standins import RIDS
 
 
 def _tensors(t=5, layers=4, hidden=8, dtype=torch.bfloat16):
@@ -22,19 +23,6 @@ def _tensors(t=5, layers=4, hidden=8, dtype=torch.bfloat16):
     return hs.to(dtype), torch.arange(100, 100 + t, dtype=torch.int64)
 
 
-RIDS = [
-    "plain-rid_1.0",
-    "../../etc/passwd",
-    "/abs/path",
-    "a\x00b",
-    "dir/sub\\file",
-    "x" * 5000,
-    "漢字-emoji-😀",
-    "",
-    "..",
-    ".hidden",
-    "\udcff-lone-surrogate",
-]
 
 
 @pytest.mark.parametrize("rid", RIDS)

@@ -1,0 +1,181 @@
+"""Stand-ins for SGLang's scheduler objects, driven through the hooks as the patched
+scheduler drives them (tests/unit/test_hooks.py, tests/unit/test_warmup.py,
+tests/integration/test_faults.py, tests/integration/test_edges.py).
+
+They carry only the attributes the hooks read (Req: rid, origin_input_ids, is_retracted,
+customized_info, finished(); ScheduleBatch: reqs, forward_mode, decoding_reqs,
+prefix_lens). The reference for every dumped file is a tensor computed from (request,
+token position, layer slot, channel) by a formula (``reference``), independent of how the
+rows were batched, chunked or copied. ``RIDS``: hostile request ids every path must survive.
+"""
+
+import asyncio
+import os
+import textwrap
+import time
+import types
+
+import torch
+
+from sglang_ext import hooks
+
+RIDS = [
+    "plain-rid_1.0",
+    "../../etc/passwd",
+    "/abs/path",
+    "a\x00b",
+    "dir/sub\\file",
+    "x" * 5000,
+    "漢字-emoji-😀",
+    "",
+    "..",
+    ".hidden",
+    "\udcff-lone-surrogate",
+]
+
+HIDDEN = 8
+
+
+class Mode:
+    def __init__(self, extend=True):
+        self.extend = extend
+
+    def is_extend(self):
+        return self.extend
+
+    def is_target_verify(self):
+        return False
+
+
+class Req:
+    def __init__(self, rid, num_tokens, seed):
+        self.rid = rid
+        self.origin_input_ids = [seed * 1000 + t for t in range(num_tokens)]
+        self.seed = seed
+        self.is_retracted = False
+        self.customized_info = None
+        self.aborted = False
+
+    def finished(self):
+        return self.aborted
+
+
+def reference(req, layer_ids, start=0, stop=None):
+    """[T, L, H] float32: value = seed*1e4 + token*100 + slot*10 + channel/10."""
+    stop = len(req.origin_input_ids) if stop is None else stop
+    t = torch.arange(start, stop, dtype=torch.float32)[:, None, None]
+    s = torch.arange(len(layer_ids), dtype=torch.float32)[None, :, None]
+    h = torch.arange(HIDDEN, dtype=torch.float32)[None, None, :]
+    return req.seed * 1e4 + t * 100 + s * 10 + h / 10
+
+
+def extend_args(reqs_and_spans, layer_ids, decoding=(), mode=None):
+    """(batch, logits_output, extend lens): what the patched scheduler passes the hook for
+    one extend batch of [(req, start, stop)] token spans, rows from ``reference``;
+    ``decoding``: requests that add one decode row."""
+    rows, lens, prefix = [], [], []
+    for req, start, stop in reqs_and_spans:
+        if req in decoding:
+            rows.append(torch.zeros(1, len(layer_ids) * HIDDEN))
+            lens.append(1)
+            prefix.append(len(req.origin_input_ids))
+        else:
+            rows.append(reference(req, layer_ids, start, stop).reshape(stop - start, -1))
+            lens.append(stop - start)
+            prefix.append(start)
+    batch = types.SimpleNamespace(
+        reqs=[r for r, _, _ in reqs_and_spans],
+        forward_mode=mode or Mode(),
+        decoding_reqs=list(decoding),
+        prefix_lens=prefix,
+    )
+    return batch, types.SimpleNamespace(hidden_states=torch.cat(rows).to(torch.float32)), lens
+
+
+def run_extend(session, reqs_and_spans, layer_ids, decoding=(), mode=None):
+    """One extend batch through ``session.on_prefill_result`` (``extend_args``)."""
+    session.on_prefill_result(*extend_args(reqs_and_spans, layer_ids, decoding, mode))
+
+
+class Decoder(torch.nn.Module):
+    pass
+
+
+Decoder.__name__ = "LlamaModel"
+
+
+def make_runner(directory, num_layers=8, layers=None, tp_rank=0, max_mb=64, dtype=None):
+    lm = types.SimpleNamespace(capture_aux_hidden_states=False, model=Decoder())
+    lm.model.layers_to_capture = []
+    server_args = types.SimpleNamespace(
+        dump_hidden_states_dir=str(directory),
+        dump_hidden_states_layers=layers,
+        dump_hidden_states_max_host_mb=max_mb,
+        dump_hidden_states_dtype=dtype,
+        model_path="/models/tiny",
+    )
+    return types.SimpleNamespace(
+        server_args=server_args,
+        is_draft_worker=False,
+        model=lm,
+        model_config=types.SimpleNamespace(num_hidden_layers=num_layers),
+        ps=types.SimpleNamespace(tp_rank=tp_rank, attn_tp_rank=tp_rank),
+        device="cpu",
+        gpu_id=0,
+    )
+
+
+def inject_writer(monkeypatch, tmp_path, code, **env):
+    """Run ``code`` at the start of every writer process started from now on (as a
+    ``sitecustomize`` module on its PYTHONPATH, which it inherits): how a test makes the
+    writer process slow or fail. ``env``: more variables for it (``str`` values)."""
+    d = tmp_path / "writer-inject"
+    d.mkdir(exist_ok=True)
+    (d / "sitecustomize.py").write_text(textwrap.dedent(code))
+    monkeypatch.setenv("PYTHONPATH", str(d) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+# The writer process's rename to the final name fails as on a full disk.
+PUBLISH_FAILS = """
+    from sglang_ext import format as fmt
+    def _full(*a, **k):
+        raise OSError(28, "No space left on device")
+    fmt.publish = _full
+"""
+
+# The writer process waits before each rename until the file $GATE exists.
+PUBLISH_GATED = """
+    import os, time
+    from sglang_ext import format as fmt
+    _real = fmt.publish
+    def _gated(*a, **k):
+        while not os.path.exists(os.environ["GATE"]):
+            time.sleep(0.01)
+        return _real(*a, **k)
+    fmt.publish = _gated
+"""
+
+
+def idle(session, timeout=10):
+    """Wait until the session's writer process has acknowledged everything; its counters."""
+    w = session.writer
+    assert w.wait_idle(timeout), "the writer process did not catch up"
+    return w.snapshot()
+
+
+def wait_for(cond, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def finish(req, timeout=10):
+    """What the tokenizer manager does before answering: returns meta_info."""
+    meta = dict(req.customized_info or {})
+    asyncio.run(asyncio.wait_for(hooks.finish_response(meta), timeout))
+    return meta
