@@ -350,7 +350,9 @@ class DumpConfig:
     ``writer_ranks``, so that the arenas together stay under the cap. Rows stream through
     it chunk by chunk, so a prompt larger than the arena still goes through.
     ``hidden_states_dtype``: ``--dump-hidden-states-dtype`` (``parse_dtype``). The rest
-    come from the environment (``env_settings``).
+    come from the environment (``env_settings``). ``store``: the Mooncake Store address
+    (``store.StoreConfig``) when ``--dump-hidden-states-dir`` is a ``mooncake://`` URL
+    (the store sink, docs/store.md; ``directory`` then holds the URL as given), else None.
     """
 
     directory: str

@@ -17,6 +17,11 @@ same. If the writer process dies (killed, out of memory), the scheduler notices 
 next batch: the files it had not finished get ``<name>.error`` (their responses carry
 ``hidden_states_error``), requests still in prefill fail at their next chunk, and a new
 writer process is started; the server keeps serving.
+
+The store sink (``store_url``) uses the same path: the writer process puts objects into
+Mooncake Store instead of writing files, requests are named by store handles, and the
+requests a dead writer process had not acknowledged get their error markers from the
+writer that replaces it (``wire.MarkError``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ Per request (all names relative to the dump directory's descriptor):
    lock released, so the waiting response carries the message.
 4. ``Abandon``: the request went away before its last row: unlink the temporary file.
 
+With ``--store mooncake://...`` the same process, threads and acknowledgements serve the
+store sink instead (``store_writer``): each request becomes one object in Mooncake Store,
+put straight from the arena at its ``Finish``.
+
 Requests are spread over ``--threads`` writer threads, all ops of one request on the same
 thread (in order). The main thread receives messages, waits for the arena's sequence
 number before handing out ops that read it, and sends the acknowledgements.
