@@ -128,6 +128,45 @@ def resolve_layer_ids(ids: Optional[Sequence[int]], num_layers: int) -> Tuple[in
     return tuple(sorted(ids))
 
 
+def store_target(value: Optional[str]):
+    """The ``store.StoreConfig`` of a ``--dump-hidden-states-dir`` that is a Mooncake
+    Store address (``mooncake://HOST:PORT?key=value&...``, docs/store.md), or ``None``
+    for a directory. Raises ``DumpConfigError``, one sentence naming the flag, for a
+    ``mooncake://`` value that is not a valid address or names an unknown setting."""
+    text = str(value or "")
+    if not text.lower().startswith("mooncake:"):
+        return None
+    from sglang_ext import store
+
+    try:
+        return store.StoreConfig.from_url(text)
+    except ValueError as e:
+        raise DumpConfigError(f"--dump-hidden-states-dir: {e}") from None
+
+
+def check_store_reachable(config, timeout_s: float = 5.0) -> None:
+    """At start-up, for the store sink: the ``mooncake`` package is importable and the
+    master (``config.master_server_address``, a ``store.StoreConfig``) accepts a TCP
+    connection within ``timeout_s``. Raises ``DumpConfigError``, one sentence naming the
+    flag, else. (Mooncake's own client setup waits ~90 s for a master that is not there;
+    a typo must not cost that. A master that goes away later fails requests, not the
+    server.)"""
+    import importlib.util
+    import socket
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise DumpConfigError("--dump-hidden-states-dir: the Mooncake store sink needs the mooncake "
+                              "package (pip install -r requirements/store.txt)")
+    host, _, port = config.master_server_address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise DumpConfigError(
+            f"--dump-hidden-states-dir: cannot reach the Mooncake master at "
+            f"{config.master_server_address} ({e.strerror or e}); is mooncake_master running there?"
+        ) from None
+
+
 def check_directory(path: Optional[str]) -> str:
     """Validate ``--dump-hidden-states-dir``; returns its real path (symlinks resolved).
 
@@ -311,7 +350,9 @@ class DumpConfig:
     ``writer_ranks``, so that the arenas together stay under the cap. Rows stream through
     it chunk by chunk, so a prompt larger than the arena still goes through.
     ``hidden_states_dtype``: ``--dump-hidden-states-dtype`` (``parse_dtype``). The rest
-    come from the environment (``env_settings``).
+    come from the environment (``env_settings``). ``store``: the Mooncake Store address
+    (``store.StoreConfig``) when ``--dump-hidden-states-dir`` is a ``mooncake://`` URL
+    (the store sink, docs/store.md; ``directory`` then holds the URL as given), else None.
     """
 
     directory: str
@@ -324,6 +365,13 @@ class DumpConfig:
     writer_cpus: Optional[Tuple[int, ...]] = None
     watchdog_s: float = DEFAULT_WATCHDOG_S
     file_mode: int = DEFAULT_FILE_MODE
+    store: Optional["StoreConfig"] = None  # noqa: F821 - sglang_ext.store.StoreConfig
+
+    @property
+    def sink(self) -> str:
+        """``"store"`` when ``--dump-hidden-states-dir`` is a ``mooncake://`` address, else
+        ``"file"``."""
+        return "file" if self.store is None else "store"
 
     @classmethod
     def from_server_args(cls, server_args) -> "DumpConfig":
@@ -331,7 +379,9 @@ class DumpConfig:
         raises ``DumpConfigError`` (also when the cap leaves a writer rank less than 1 MiB,
         or is more than this host's physical memory: the arenas are allocated and pinned
         at start-up, and a cap past the memory would fail there as a bare ENOMEM)."""
-        directory = check_directory(server_args.dump_hidden_states_dir)
+        store = store_target(server_args.dump_hidden_states_dir)
+        directory = (str(server_args.dump_hidden_states_dir) if store is not None
+                     else check_directory(server_args.dump_hidden_states_dir))
         layer_ids = parse_layer_ids(getattr(server_args, "dump_hidden_states_layers", None))
         dtype = parse_dtype(getattr(server_args, "dump_hidden_states_dtype", None))
         max_mb = getattr(server_args, "dump_hidden_states_max_host_mb", DEFAULT_MAX_HOST_MB)
@@ -357,5 +407,6 @@ class DumpConfig:
             layer_ids=layer_ids,
             max_host_bytes=max_mb * (1 << 20) // writers,
             hidden_states_dtype=dtype,
+            store=store,
             **env_settings(),
         )

@@ -92,7 +92,9 @@ DUMP_PARAM = "hidden_states_dump"  # request: custom_params key; false = not dum
 PATH_KEY = "hidden_states_path"  # response meta_info: the file (absolute path)
 ERROR_KEY = "hidden_states_error"  # response meta_info: why there is no file
 PENDING_KEY = "hidden_states_pending"  # response meta_info: true = wait on <path>.lock
-RESPONSE_KEYS = (PATH_KEY, ERROR_KEY, PENDING_KEY)  # all a dumped request's meta_info may add
+# response meta_info (store sink): the version-1 transfer manifest of the request's object
+MANIFEST_KEY = "hidden_states_manifest"
+RESPONSE_KEYS = (PATH_KEY, ERROR_KEY, PENDING_KEY, MANIFEST_KEY)  # all a dumped request's meta_info may add
 KEY_HIDDEN_STATES = "hidden_states"
 KEY_TOKEN_IDS = "token_ids"
 KEY_SCALES = "hidden_states_scales"  # fp8 files: float32 [T, L, 1] (hs-connectors' name)

@@ -16,6 +16,7 @@ from sglang_ext import format as fmt
 from sglang_ext import trace
 
 PATH_KEY, ERROR_KEY, PENDING_KEY = fmt.PATH_KEY, fmt.ERROR_KEY, fmt.PENDING_KEY
+MANIFEST_KEY = fmt.MANIFEST_KEY
 
 
 def set_info(req, key: str, value) -> None:
@@ -52,6 +53,8 @@ async def finish_response(meta_info: dict) -> None:
     A request that asked not to wait (``custom_params`` ``hidden_states_wait: false``)
     is answered at once with the path and ``hidden_states_pending: true``; a failed write
     then shows as ``<path>.error`` when the lock goes (``format.wait_complete``).
+    A store-sink request (``hidden_states_manifest``) is always answered at once: the
+    reader polls the store for the object or its error marker (docs/store.md).
     """
     # Upstream pads a key that another request of the same output batch has with None
     # (output_streamer): [None] means "not set for this request".
@@ -116,6 +119,12 @@ def openai_completion_extras(response, ret):
     ``prompt_token_ids`` per choice needs nothing here: SGLang already returns it
     when the request says ``return_token_ids``.
 
+    Store sink (``meta_info`` holds ``hidden_states_manifest``): ``kv_transfer_params``
+    is the first choice's transfer manifest itself (version 1, as vLLM's Mooncake
+    hidden-states connector returns it: speculators takes ``handle`` from it and hands
+    the whole dict to ``MooncakeTransfer.get_generated``), plus
+    ``hidden_states_manifests``, one per choice, when there are several.
+
     A failed dump raises ``HiddenStatesDumpError``: SGLang answers HTTP 500, which
     speculators' client retries. Without dump keys in ``meta_info`` (dumping off) the
     response is returned unchanged.
@@ -125,12 +134,18 @@ def openai_completion_extras(response, ret):
     errors = [str(m[ERROR_KEY]) for m in metas if m.get(ERROR_KEY)]
     if errors:
         raise HiddenStatesDumpError(f"hidden-state dump failed: {errors[0]}")
+    manifests = [m.get(MANIFEST_KEY) for m in metas]
     paths = [m.get(PATH_KEY) for m in metas]
-    if not any(paths):
+    if any(manifests):
+        params = dict(manifests[0] or {})
+        if len(manifests) > 1:
+            params[MANIFEST_KEY + "s"] = manifests
+    elif any(paths):
+        params = {PATH_KEY: paths[0]}
+        if len(paths) > 1:
+            params[PATH_KEY + "s"] = paths
+    else:
         return response
-    params = {PATH_KEY: paths[0]}
-    if len(paths) > 1:
-        params[PATH_KEY + "s"] = paths
     cls = type(response)
     sub = _with_kv_transfer_params(cls)
     fields = {name: getattr(response, name) for name in cls.model_fields}

@@ -24,8 +24,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from sglang_ext import __version__, compat, trace
 from sglang_ext import format as fmt
-from sglang_ext.config import DumpConfig, DumpConfigError, resolve_layer_ids
-from sglang_ext.responses import ERROR_KEY, PATH_KEY, PENDING_KEY, drop_info, set_info
+from sglang_ext.config import DumpConfig, DumpConfigError, check_store_reachable, resolve_layer_ids
+from sglang_ext.responses import ERROR_KEY, MANIFEST_KEY, PATH_KEY, PENDING_KEY, drop_info, set_info
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +57,16 @@ def check_server_args(server_args) -> None:
     request whose prefix is cached would compute, and so dump, only its suffix) and says
     so in the log; turns the prefill CUDA graph off (it cannot capture hidden states, so
     it would never run). Does nothing when dumping is off.
+
+    A ``mooncake://`` value selects the store sink (docs/store.md): no directory is
+    checked; the address must parse, the mooncake package be installed and the master
+    accept a connection (``config.check_store_reachable``), else one sentence.
     """
     if getattr(server_args, "dump_hidden_states_dir", None) is None:
         return  # dumping off (0.5.2x runs this step unconditionally)
-    DumpConfig.from_server_args(server_args)
+    config = DumpConfig.from_server_args(server_args)
+    if config.store is not None:
+        check_store_reachable(config.store)
     view = compat.server_args_view(server_args)
     refused = {
         "--enable-return-hidden-states / --return-hidden-states-mode": bool(
@@ -269,10 +275,11 @@ class DumpSession:
         from sglang_ext.writer import DumpWriter
 
         config = self.config
-        self.dir_fd = fmt.open_dump_dir(config.directory)
-        removed = fmt.clean_stale(self.dir_fd)
-        if any(removed.values()):
-            logger.warning("hidden-state dump: removed leftovers of an earlier run: %s", removed)
+        if config.store is None:
+            self.dir_fd = fmt.open_dump_dir(config.directory)
+            removed = fmt.clean_stale(self.dir_fd)
+            if any(removed.values()):
+                logger.warning("hidden-state dump: removed leftovers of an earlier run: %s", removed)
         on_cuda = str(model_runner.device).startswith("cuda")
         self.writer = DumpWriter(
             self.dir_fd,
@@ -288,6 +295,7 @@ class DumpSession:
             hidden_states_dtype=config.hidden_states_dtype,
             cpus=config.writer_cpus,
             watchdog_s=config.watchdog_s,
+            store_url=config.directory if config.store is not None else None,
         )
 
     def close(self, timeout: Optional[float] = None) -> bool:
@@ -382,7 +390,7 @@ class DumpSession:
             try:
                 take = _Take(req, state, start, self._check(req, state, hidden, n, prefix_lens[i]))
                 if prefix_lens[i] + take.rows == len(req.origin_input_ids):
-                    take.reservation = self._name(req, state)
+                    take.reservation = self._name(req, state, hidden)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
                 self._fail(req, state, e)
                 continue
@@ -457,9 +465,25 @@ class DumpSession:
         state.release = weakref.finalize(req, self.writer.abandon, state.pending)
         state.release.atexit = False
 
-    def _name(self, req, state: _ReqDump):
+    def _name(self, req, state: _ReqDump, hidden):
         """Reserve the finished request's file name and record its path for the response
-        (and ``hidden_states_pending`` when it asked not to wait)."""
+        (and ``hidden_states_pending`` when it asked not to wait).
+
+        Store sink: reserve its handle (``DumpWriter.reserve_handle``) and record its
+        transfer manifest (``store.PackedLayout.manifest``: ``hidden`` gives the row
+        width, the writer the stored dtype) as ``hidden_states_manifest``; the answer is
+        always early, whatever the request's ``hidden_states_wait``: a reader polls the
+        store for the object or its error marker (docs/store.md)."""
+        if self.config.store is not None:
+            from sglang_ext.store import pack_layout
+
+            slots = len(self.layer_ids)
+            layout = pack_layout(len(req.origin_input_ids), slots, hidden.shape[1] // slots,
+                                 self.writer.file_dtype(hidden.dtype))
+            handle = self.writer.reserve_handle(req.rid)
+            state.done = True
+            set_info(req, MANIFEST_KEY, layout.manifest(handle))
+            return handle
         reservation = fmt.reserve(self.dir_fd, req.rid)
         state.done = True
         set_info(req, PATH_KEY, os.path.join(self.config.directory, reservation.name))
@@ -476,7 +500,10 @@ class DumpSession:
     def _fail_take(self, take: _Take, e: BaseException) -> None:
         """A failure after the checks: a reserved name is given back and its path taken
         out of the response, which says ``hidden_states_error`` instead."""
-        if take.reservation is not None:
+        if isinstance(take.reservation, str):  # a store handle: its manifest goes
+            self.writer.release_handle(take.reservation)
+            drop_info(take.req, MANIFEST_KEY)
+        elif take.reservation is not None:
             fmt.cancel(take.reservation)
             drop_info(take.req, PATH_KEY, PENDING_KEY)
         take.settled = True

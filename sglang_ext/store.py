@@ -398,16 +398,19 @@ class StoreSink:
 
     def put_packed(self, handle: str, layout: PackedLayout, data: Dict[str, Sequence[Part]]) -> int:
         """Put one request's sample: ``layout.pack(data)`` under ``handle`` (``put``'s
-        errors; ``ValueError`` when ``data`` does not match ``layout``). Zero padding is
-        put from bytes only when ``data`` is all bytes; with registered ranges it comes
-        from the sink's registered zero page."""
+        errors; ``ValueError`` when ``data`` does not match ``layout``). When every piece
+        of ``data`` is a range, the zero padding comes from the sink's registered zero
+        page (the put then reads registered memory only); else the parts are put as bytes."""
         parts = layout.pack(data)
-        if any(isinstance(p, tuple) for p in parts):
-            parts = [self._zeros(part_size(p)) if isinstance(p, bytes) and not any(p) else p for p in parts]
+        if all(isinstance(p, tuple) for pieces in data.values() for p in pieces):
+            # the only bytes parts are pack's padding, each shorter than TENSOR_ALIGN
+            parts = [self._zeros(part_size(p)) if isinstance(p, bytes) else p for p in parts]
         return self.put(handle, parts)
 
     def _zeros(self, n: int) -> Tuple[int, int]:
         """A registered range of ``n`` (< ``TENSOR_ALIGN``) zero bytes: the padding parts."""
+        if n >= TENSOR_ALIGN:
+            raise ValueError(f"{n} bytes of padding: more than the {TENSOR_ALIGN}-byte zero page")
         with self._zero_lock:
             if self._zero_page is None:
                 page = ctypes.create_string_buffer(TENSOR_ALIGN)

@@ -23,7 +23,11 @@ scheduler thread.
   of the same piece (``None`` otherwise).
 - ``Finish(key, name, times)``: all rows were sent; write ``name`` (reserved by the
   scheduler: its lock descriptor rides along) and release it.
+  The store sink's ``Finish`` names the object's handle and carries no descriptor.
 - ``Abandon(key)``: the request went away; drop its temporary file, write nothing.
+- ``MarkError(name, message)`` (store sink): put the error marker ``<name>:error``
+  holding ``message``: the request was answered with its manifest, and its object will
+  never come (the writer process that held it died, or its message was refused).
 - ``Close(timeout_s)``: finish what was received within ``timeout_s``, then exit.
 
 ``piece`` ids name arena ranges; a range is given back when every op naming it is done.
@@ -101,6 +105,11 @@ class Close(NamedTuple):
     timeout_s: float
 
 
+class MarkError(NamedTuple):
+    name: str
+    message: str
+
+
 class DonePiece(NamedTuple):
     piece: int
     nbytes: int
@@ -118,9 +127,9 @@ class Failed(NamedTuple):
     message: str
 
 
-Op = Union[Begin, Rows, Finish, Abandon, Close]
+Op = Union[Begin, Rows, Finish, Abandon, Close, MarkError]
 Ack = Union[DonePiece, Wrote, Failed]
-OPS = (Begin, Rows, Finish, Abandon, Close)
+OPS = (Begin, Rows, Finish, Abandon, Close, MarkError)
 ACKS = (DonePiece, Wrote, Failed)
 CODES = {cls: code for code, cls in enumerate(OPS + ACKS)}  # each type's first field on the wire
 _TYPES = {code: cls for cls, code in CODES.items()}
@@ -154,8 +163,9 @@ def pack(seq: int, ops: Sequence[Op], fds: Sequence[int]) -> List[Message]:
             group, group_fds, size = [], [], 0
         group.append(op)
         size += blob
-        if finish:
-            group_fds.append(next(fd_iter))
+        fd = next(fd_iter, None) if finish else None
+        if fd is not None:  # the file sink's lock; the store sink's Finish has none
+            group_fds.append(fd)
     if group:
         out.append(Message(_dumps((seq, _flat(group))), group_fds, group))
     return out
@@ -257,11 +267,13 @@ def recv(sock: socket.socket, flags: int = 0) -> Tuple[Any, List[int]]:
         raise BadMessage(f"a {len(data)}-byte message could not be read: {e}") from None
 
 
-def recv_ops(sock: socket.socket, flags: int = 0) -> Optional[Tuple[int, List[Op], List[int]]]:
+def recv_ops(sock: socket.socket, flags: int = 0,
+             locks: bool = True) -> Optional[Tuple[int, List[Op], List[int]]]:
     """(Writer side) one message of ops: ``(seq, ops, lock descriptors of its Finish
     ops)``; ``None`` when the scheduler's end closed. Raises what ``recv`` raises, and
     ``BadMessage`` for a message that is not ``(seq, [op, ...])`` or whose descriptors
-    do not match its ``Finish`` ops (its descriptors closed)."""
+    do not match its ``Finish`` ops (its descriptors closed): one per ``Finish`` with
+    ``locks`` (the file sink), none without (the store sink)."""
     payload, fds = recv(sock, flags)
     if payload is None:
         return None
@@ -271,7 +283,7 @@ def recv_ops(sock: socket.socket, flags: int = 0) -> Optional[Tuple[int, List[Op
     if ops is None:
         why = f"a message of ops is not (seq, [op, ...]) but a {type(payload).__name__}"
     else:
-        finishes = sum(type(op) is Finish for op in ops)
+        finishes = sum(type(op) is Finish for op in ops) if locks else 0
         if finishes != len(fds):
             why = (f"a message of {finishes} Finish ops came with {len(fds)} descriptors "
                    f"(one per Finish expected)")

@@ -17,6 +17,11 @@ same. If the writer process dies (killed, out of memory), the scheduler notices 
 next batch: the files it had not finished get ``<name>.error`` (their responses carry
 ``hidden_states_error``), requests still in prefill fail at their next chunk, and a new
 writer process is started; the server keeps serving.
+
+The store sink (``store_url``) uses the same path: the writer process puts objects into
+Mooncake Store instead of writing files, requests are named by store handles, and the
+requests a dead writer process had not acknowledged get their error markers from the
+writer that replaces it (``wire.MarkError``).
 """
 
 from __future__ import annotations
@@ -110,7 +115,11 @@ class DumpWriter:
     (``KIMI_SGLANG_WRITER_CPUS``), or ``None`` for the scheduler's; ``watchdog_s``:
     seconds the writer process may hold ops without carrying out any
     (``KIMI_SGLANG_WATCHDOG_S``) before a watchdog thread kills it (a stopped process, a
-    write blocked for good): its files fail, a new one starts (``None``: no watchdog).
+    write blocked for good): its files fail, a new one starts (``None``: no watchdog);
+    ``store_url``: a ``mooncake://`` address (``store.StoreConfig.from_url``) selects the
+    store sink: the writer process puts each request as one object into Mooncake Store
+    (``store_writer``) and ``dir_fd`` is ``None``; a request is then named by its handle
+    (``reserve_handle``) instead of a reserved file.
 
     Raises ``OSError`` when the arena cannot be made and ``RuntimeError`` when the writer
     process does not start (also when it may not run on ``cpus``).
@@ -133,12 +142,15 @@ class DumpWriter:
         hidden_states_dtype: str = "auto",
         cpus: Optional[Sequence[int]] = None,
         watchdog_s: Optional[float] = DEFAULT_WATCHDOG_S,
+        store_url: Optional[str] = None,
     ):
         if hidden_states_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"hidden_states_dtype must be auto, bf16 or fp8, got {hidden_states_dtype!r}")
         self.hidden_states_dtype = hidden_states_dtype
         self.num_slots = len(layer_ids)
         self.dir_fd = dir_fd
+        self.store_url = store_url
+        self._handles: set = set()  # store handles answered and not yet put or failed
         self.threads = int(threads)
         self.cpus = tuple(int(c) for c in cpus) if cpus else None
         if self.cpus and not all(0 <= c < config.MAX_CPUS for c in self.cpus):
@@ -208,17 +220,22 @@ class DumpWriter:
                 "from sglang_ext.writer_process import main; sys.exit(main())")
         cmd = [sys.executable, "-c", boot, root,
                "--sock-fd", str(theirs.fileno()), "--arena-fd", str(self.arena_fd),
-               "--arena-size", str(self._arena_size), "--dir-fd", str(self.dir_fd),
+               "--arena-size", str(self._arena_size),
                "--threads", str(self.threads), "--tag", self.tag, "--meta", self._meta,
                "--drain-timeout", str(self.drain_timeout_s),
                "--stats-interval", str(self.stats_interval_s)]
+        if self.store_url is not None:
+            cmd += ["--store", self.store_url]
+        else:
+            cmd += ["--dir-fd", str(self.dir_fd)]
         if self.metrics_model_name is not None:
             cmd += ["--metrics-model-name", str(self.metrics_model_name)]
         if self.cpus:
             cmd += ["--cpus", ",".join(map(str, self.cpus))]
         proc = None
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.arena_fd, self.dir_fd),
+            fds = (theirs.fileno(), self.arena_fd) + (() if self.dir_fd is None else (self.dir_fd,))
+            proc = subprocess.Popen(cmd, pass_fds=fds,
                                     stdin=subprocess.DEVNULL)
             if self.cpus:
                 # at once, before its interpreter starts any thread (it sets them again itself)
@@ -246,7 +263,9 @@ class DumpWriter:
             proc.kill()
             code = proc.wait()
         how = _how(code) if self._stuck is None else f"killed by the watchdog: {self._stuck}"
-        failed = self._forget_writer(self._death_message(code))
+        message = self._death_message(code)
+        orphans = list(self._outstanding.values()) if self.store_url is not None else []
+        failed = self._forget_writer(message)
         logger.error("hidden-state dump: the writer process (pid %s) ended (%s); %d files in "
                      "flight failed%s", proc.pid if proc else None, how, failed,
                      "" if self._closed else "; starting a new one")
@@ -256,6 +275,8 @@ class DumpWriter:
             self.generation += 1
             self.stats.restarts += 1
             self._spawn()
+            # Their answers are out (their manifests): the new writer puts their markers.
+            self._out.ops.extend(wire.MarkError(handle, message) for handle in orphans)
 
     def _forget_writer(self, message: str) -> int:
         """Settle what the writer that is gone had not acknowledged: a file already in
@@ -266,6 +287,10 @@ class DumpWriter:
         failed = 0
         with self._settle_lock:  # the watchdog thread may be settling the same files
             for name in self._outstanding.values():
+                if self.dir_fd is None:  # a store handle: its marker is the caller's to put
+                    self._handles.discard(name)
+                    failed += 1
+                    continue
                 size = _fail_orphan(self.dir_fd, name, message)
                 if size is None:
                     failed += 1
@@ -282,6 +307,8 @@ class DumpWriter:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self.dir_fd is None:
+            return failed
         prefix = fmt.tmp_prefix(self.tag)
         try:
             names = os.listdir(self.dir_fd)
@@ -350,7 +377,7 @@ class DumpWriter:
         """(Watchdog thread) the files writer ``proc`` of ``generation`` held, settled as
         ``_forget_writer`` settles them; nothing if the scheduler thread got there first."""
         with self._settle_lock:
-            if self._proc is not proc or self.generation != generation:
+            if self._proc is not proc or self.generation != generation or self.dir_fd is None:
                 return
             message = self._death_message(proc.returncode)
             for name in list(self._outstanding.values()):
@@ -489,6 +516,11 @@ class DumpWriter:
         finally:
             self._busy = False
 
+    def file_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the sample is written in for rows of ``dtype`` (``_file_dtype``), as
+        a name: ``"bfloat16"``, ``"float8_e4m3fn"``."""
+        return _dtype_name(self._file_dtype(dtype))
+
     def _file_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The file's dtype for rows of ``dtype``: as they come (``auto``), bfloat16
         (``bf16``) or float8_e4m3fn (``fp8``)."""
@@ -512,11 +544,42 @@ class DumpWriter:
             return quant.quantize_fp8(hidden, self.num_slots)
         return hidden.to(torch.bfloat16), None
 
-    def finish(self, pending: PendingDump, reservation: fmt.Reservation) -> None:
+    def reserve_handle(self, rid: str) -> str:
+        """The store handle of request ``rid`` (store sink): ``store.handle_for(rid)``, with
+        ``-2``, ``-3``, ... appended while that handle is another request's in this
+        process (answered, not yet put or failed), so two requests never share one.
+        Give it back with ``release_handle`` if the request fails before ``finish``."""
+        from sglang_ext.store import handle_for
+
+        base = handle = handle_for(rid)
+        n = 1
+        while handle in self._handles:
+            n += 1
+            handle = f"{base}-{n}"
+        self._handles.add(handle)
+        return handle
+
+    def release_handle(self, handle: str) -> None:
+        """A handle from ``reserve_handle`` whose request failed before ``finish``."""
+        self._handles.discard(handle)
+
+    def finish(self, pending: PendingDump, reservation) -> None:
         """Queue the file write; the writer releases ``reservation``'s lock when the file
         is in place (or fails it). After ``close``, or when the writer process that had
         the request's rows died, the reservation fails at once (its response carries the
-        message)."""
+        message). Store sink: ``reservation`` is the request's handle (``reserve_handle``)
+        and the writer puts the object under it; after ``close`` or a dead writer this
+        raises ``RuntimeError`` (``WriterDied``) instead, before the response is out."""
+        if self.store_url is not None:
+            if self._closed:
+                raise RuntimeError(SHUTDOWN_MESSAGE)
+            self.check_current(pending)
+            if pending.times is not None:
+                pending.times["t_submit"] = trace.now()
+            self._out.ops.append(wire.Finish(pending.key, reservation,
+                                             {"t_submit": pending.times["t_submit"]} if pending.times else None))
+            self._outstanding[pending.key] = reservation
+            return
         if self._closed or not self.is_current(pending):
             fmt.fail(reservation, SHUTDOWN_MESSAGE if self._closed else DIED_MESSAGE)
             self.stats.failures += 1
@@ -628,8 +691,12 @@ class DumpWriter:
                 self._give_back(op.piece)
             elif kind is wire.Finish:
                 self._outstanding.pop(op.key, None)
-                fmt.fail(fmt.Reservation(self.dir_fd, op.name, next(fds)),
-                         f"the message to the hidden-state writer was refused: {e.strerror or e}")
+                why = f"the message to the hidden-state writer was refused: {e.strerror or e}"
+                if self.dir_fd is None:  # answered with its manifest: the writer puts its marker
+                    self._handles.discard(op.name)
+                    self._out.ops.append(wire.MarkError(op.name, why))
+                else:
+                    fmt.fail(fmt.Reservation(self.dir_fd, op.name, next(fds)), why)
                 failed += 1
         self.stats.failures += failed
         # The writer may hold these requests' temporary files (an earlier message opened
@@ -705,10 +772,12 @@ class DumpWriter:
                     self._give_back(ev.piece)
                 elif kind is wire.Wrote:
                     self._outstanding.pop(ev.key, None)
+                    self._handles.discard(ev.name)
                     wrote += 1
                     nbytes += ev.nbytes
                 elif kind is wire.Failed:
                     self._outstanding.pop(ev.key, None)
+                    self._handles.discard(ev.name)
                     failed += 1
         self.stats.files += wrote
         self.stats.bytes += nbytes

@@ -21,6 +21,10 @@ Per request (all names relative to the dump directory's descriptor):
    lock released, so the waiting response carries the message.
 4. ``Abandon``: the request went away before its last row: unlink the temporary file.
 
+With ``--store mooncake://...`` the same process, threads and acknowledgements serve the
+store sink instead (``store_writer``): each request becomes one object in Mooncake Store,
+put straight from the arena at its ``Finish``.
+
 Requests are spread over ``--threads`` writer threads, all ops of one request on the same
 thread (in order). The main thread receives messages, waits for the arena's sequence
 number before handing out ops that read it, and sends the acknowledgements.
@@ -107,9 +111,11 @@ class Writer:
         self.jobs: Dict[int, _Job] = {}
 
     # ---- ops ----------------------------------------------------------------------
-    def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False) -> None:
+    def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False, final: bool = False) -> None:
         """Carry out one op. ``lost``: its arena data never arrived (``COPY_TIMEOUT_S``):
-        the request fails instead of writing what the arena holds. Never raises for a
+        the request fails instead of writing what the arena holds (``final``, whether the
+        request's ``Finish`` is in the same message, matters to the store sink only: a
+        file takes each chunk's rows at once). Never raises for a
         request's own failure: it becomes that request's error (its ``Finish`` fails); the
         arena range an op names is acknowledged whatever happens."""
         kind = type(op)
@@ -380,16 +386,27 @@ class _Levels:
 
 def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer_ids,
           num_layers: int, extra: dict, drain_timeout: float, metrics=None,
-          stats_interval_s: float = 0.0, progress=None) -> int:
+          stats_interval_s: float = 0.0, progress=None, connection=None) -> int:
     """Receive and carry out ops until ``Close`` or the scheduler's end closes; returns the
-    number of writes still running at the drain deadline (0 when all ended)."""
+    number of writes still running at the drain deadline (0 when all ended).
+    ``connection``: a ``store_writer.Connection`` selects the store sink (objects in
+    Mooncake Store, ``store_writer.StoreWriter``); ``None`` the file sink (``Writer``,
+    files in ``dir_fd``)."""
     acks: Deque[wire.Ack] = deque()
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    workers = [
-        _Thread(i, Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
-                          extra=extra, acks=acks, wake=wake_w, metrics=metrics), progress)
-        for i in range(max(1, threads))
-    ]
+    if connection is not None:
+        from sglang_ext.store_writer import StoreWriter, arena_address
+
+        base = arena_address(mm)
+
+        def sink():
+            return StoreWriter(connection, mm, base, layer_ids=layer_ids, acks=acks, wake=wake_w,
+                               metrics=metrics)
+    else:
+        def sink():
+            return Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
+                          extra=extra, acks=acks, wake=wake_w, metrics=metrics)
+    workers = [_Thread(i, sink(), progress) for i in range(max(1, threads))]
     levels = _Levels(metrics, stats_interval_s, len(layer_ids))
     stop = {"timeout": None}
 
@@ -408,7 +425,7 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
         if sock.fileno() in ready:
             while True:
                 try:
-                    msg = wire.recv_ops(sock, socket.MSG_DONTWAIT)
+                    msg = wire.recv_ops(sock, socket.MSG_DONTWAIT, locks=connection is None)
                 except BlockingIOError:
                     break
                 except wire.BadMessage as e:  # the scheduler bounds its messages: a bug, not a reason to stop
@@ -426,13 +443,18 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
                     logger.error("hidden-state dump: rows of copy %d did not arrive within %.0f s",
                                  seq, COPY_TIMEOUT_S)
                 fds = iter(fds)
+                finishing = {op.key for op in ops if type(op) is wire.Finish}
                 for op in ops:
-                    if type(op) is wire.Close:
+                    kind = type(op)
+                    if kind is wire.Close:
                         stop["timeout"] = float(op.timeout_s)
                         continue
-                    fd = next(fds) if type(op) is wire.Finish else None
+                    if kind is wire.MarkError:
+                        workers[0].queue.put((op, None, False, False))
+                        continue
+                    fd = next(fds, None) if kind is wire.Finish else None
                     levels.received(op)
-                    workers[op.key % len(workers)].queue.put((op, fd, not arrived))
+                    workers[op.key % len(workers)].queue.put((op, fd, not arrived, op.key in finishing))
         out.send()
         levels.publish()
     # drain: everything received is queued; each thread stops after its queue
@@ -514,7 +536,9 @@ def main(argv=None) -> int:
     p.add_argument("--sock-fd", type=int, required=True)
     p.add_argument("--arena-fd", type=int, required=True)
     p.add_argument("--arena-size", type=int, required=True, help="usable arena bytes")
-    p.add_argument("--dir-fd", type=int, required=True)
+    p.add_argument("--dir-fd", type=int, default=-1, help="the dump directory (file sink)")
+    p.add_argument("--store", default=None,
+                   help="a mooncake:// address (store.StoreConfig.from_url): the store sink")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--tag", required=True, help="names this writer's temporary files")
     p.add_argument("--meta", required=True,
@@ -543,11 +567,19 @@ def main(argv=None) -> int:
         from sglang_ext.metrics import DumpMetrics, mark_dead
 
         metrics = DumpMetrics(args.metrics_model_name)
+    connection = None
+    if args.store is not None:
+        from sglang_ext.store import StoreConfig
+        from sglang_ext.store_writer import Connection, arena_address
+
+        connection = Connection(StoreConfig.from_url(args.store), arena_address(mm), len(mm))
     late = serve(sock, mm, args.dir_fd, threads=args.threads, tag=args.tag,
                  layer_ids=meta["layer_ids"], num_layers=meta["num_layers"],
                  extra=meta.get("extra", {}), drain_timeout=args.drain_timeout,
                  metrics=metrics, stats_interval_s=args.stats_interval,
-                 progress=arena_mod.attach_progress(args.arena_fd))
+                 progress=arena_mod.attach_progress(args.arena_fd), connection=connection)
+    if connection is not None:
+        connection.close()  # its segment leaves the master: objects not read by now are gone
     if late:
         logger.warning("%d writes still running at the drain deadline; they leave only "
                        "temporary files and locks, removed at the next start", late)

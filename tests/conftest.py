@@ -223,3 +223,13 @@ def sessions(monkeypatch):
     if hooks.session() is not None:
         made.started.append(hooks.session())
     made.close()
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    """A real ``mooncake_master`` for one test module (tests/mooncake_fixture.py)."""
+    from mooncake_fixture import Master
+
+    m = Master(tmp_path_factory.mktemp("mooncake"))
+    yield m
+    m.kill()

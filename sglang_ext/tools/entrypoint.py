@@ -417,7 +417,8 @@ def build_launch(
 DUMP_FLAGS = (
     ("--dump-hidden-states-dir DIR", "turn dumping on: one safetensors file per request in DIR "
      "(made 0700 if missing; must be yours, writable by others only if sticky; "
-     "/dev/shm/... keeps it in RAM)"),
+     "/dev/shm/... keeps it in RAM); mooncake://HOST:PORT?... puts each request into "
+     "Mooncake Store instead (docs/store.md)"),
     ("--dump-hidden-states-layers IDS", "comma list of layer ids, default 2,N/2,N-3,N"),
     ("--dump-hidden-states-max-host-mb MB", "host memory for rows waiting to be written "
      "(default 4096); when full, prefill waits for the writer"),
@@ -479,8 +480,17 @@ def prepare_dump_dir(path: str) -> int:
     applying as to any ``mkdir``) and refuse one the patched server would refuse: not
     owned by this user, writable by group or others without the sticky bit, or not
     writable (``config.check_directory``, OpenSSH's ``StrictModes`` rules). Returns 0, or
-    2 after one sentence on stderr."""
-    from sglang_ext.config import DumpConfigError, check_directory
+    2 after one sentence on stderr. A ``mooncake://`` address (the store sink,
+    docs/store.md) is no directory: nothing is made, the address is only parsed
+    (``config.store_target``); the server checks that its master answers."""
+    from sglang_ext.config import DumpConfigError, check_directory, store_target
+
+    try:
+        if store_target(path) is not None:
+            return 0
+    except DumpConfigError as exc:
+        print(f"kimi-sglang: {exc}", file=sys.stderr)
+        return 2
 
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)

@@ -11,87 +11,20 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
-import shutil
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from sglang_ext import store as st
 
-try:
-    import mooncake.store  # noqa: F401
-    HAVE_MOONCAKE = True
-except ImportError:
-    HAVE_MOONCAKE = False
-
-if not HAVE_MOONCAKE and os.environ.get("KIMI_SGLANG_NEED_MOONCAKE"):  # set by tests/run.sh
-    raise ImportError("mooncake is not importable in the test venv: pip install -r requirements/store.txt")
-needs_mooncake = pytest.mark.skipif(
-    not HAVE_MOONCAKE, reason="mooncake not importable: pip install -r requirements/store.txt")
-
-MiB = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _master_binary() -> str:
-    import mooncake  # noqa: PLC0415
-
-    inside = Path(mooncake.__file__).parent / "mooncake_master"
-    return str(inside) if inside.is_file() else (shutil.which("mooncake_master") or "mooncake_master")
-
-
-class Master:
-    """A real ``mooncake_master`` on a free port (its metrics port free too)."""
-
-    def __init__(self, tmp: Path):
-        self.port = _free_port()
-        self.log = tmp / f"master-{self.port}.log"
-        self.proc = subprocess.Popen(
-            [_master_binary(), f"--port={self.port}", f"--metrics_port={_free_port()}"],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"mooncake_master exited: {self.log.read_text()[-2000:]}"
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"mooncake_master did not listen on {self.port}")
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+from mooncake_fixture import MiB, Master, _free_port, master_config, needs_mooncake
 
 
 def _config(master: Master, segment: int = 64 * MiB) -> st.StoreConfig:
-    return st.StoreConfig.from_url(
-        f"mooncake://{master.address}?protocol=tcp&global_segment_size={segment}"
-        f"&local_buffer_size=16MiB&local_hostname=127.0.0.1")
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    m = Master(tmp_path_factory.mktemp("mooncake"))
-    yield m
-    m.kill()
+    return st.StoreConfig.from_url(master_config(master, segment))
 
 
 @pytest.fixture(scope="module")

@@ -415,3 +415,15 @@ def test_existing_dump_dir_of_another_user_is_refused(tmp_path):
         f"kimi-sglang: --dump-hidden-states-dir: {str(dump)!r} is owned by uid 65534, not by this "
         f"server's user (uid 0)"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_store_address_is_no_directory_and_a_bad_one_is_one_sentence(tmp_path, monkeypatch, capsys):
+    """mooncake://... (the store sink) is parsed, never made or chmod-ed; a bad one is one
+    sentence and exit status 2."""
+    monkeypatch.chdir(tmp_path)
+    assert ep.prepare_dump_dir("mooncake://127.0.0.1:50051?protocol=tcp&global_segment_size=1GiB") == 0
+    assert list(tmp_path.iterdir()) == []
+    assert ep.prepare_dump_dir("mooncake://127.0.0.1:50051?colour=red") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kimi-sglang: --dump-hidden-states-dir: unknown mooncake setting 'colour'")
+    assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []

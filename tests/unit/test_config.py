@@ -203,3 +203,22 @@ def test_layer_ids_take_ascii_digits_only(text):
     # int() takes other scripts' digits, underscores and a sign: a layer id is plain 0-9.
     with pytest.raises(DumpConfigError, match=r"^--dump-hidden-states-layers: .* is not an integer layer id"):
         parse_layer_ids(text)
+
+
+def test_a_store_address_selects_the_store_sink_and_checks_no_directory(clean_env):
+    cfg = DumpConfig.from_server_args(server_args("mooncake://10.0.0.7:50051?protocol=rdma&device=mlx5_0"))
+    assert cfg.sink == "store" and cfg.directory == "mooncake://10.0.0.7:50051?protocol=rdma&device=mlx5_0"
+    assert (cfg.store.master_server_address, cfg.store.protocol, cfg.store.device_name) == (
+        "10.0.0.7:50051", "rdma", "mlx5_0")
+    assert DumpConfig(directory="/x", layer_ids=None, max_host_bytes=1 << 20).sink == "file"
+
+
+@pytest.mark.parametrize("url, words", [
+    ("mooncake://10.0.0.7", "is not a mooncake://HOST:PORT address"),
+    ("mooncake://h:1?global_segment_size=lots", "global_segment_size='lots' is not a size"),
+])
+def test_a_bad_store_address_is_one_sentence_naming_the_flag(clean_env, url, words):
+    with pytest.raises(config.DumpConfigError) as e:
+        DumpConfig.from_server_args(server_args(url))
+    assert str(e.value).startswith("--dump-hidden-states-dir: ") and words in str(e.value)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,315 @@
+"""The writer process's store sink: a request's ops become one packed object in Mooncake Store.
+
+The file sink's counterpart (``writer_process.Writer``), with the same ops, the same
+acknowledgements and the same threads; ``writer_process.serve`` picks one of the two.
+Per request (``store.pack_layout``, docs/store.md):
+
+1. ``Begin``: the layout is known (tokens, layer slots, hidden size, dtype); the token
+   ids (int64 ``[T]``) are in the arena at ``token_off``.
+2. ``Rows``: the request's next rows (fp8: and their float32 scales) are in the arena.
+3. ``Finish``: put the object under the handle the scheduler named (and answered with):
+   ``hidden_states`` from the rows' arena ranges, ``hidden_states_scales``,
+   ``token_ids``, zero padding, with one ``batch_put_from_multi_buffers`` straight from
+   the arena (registered with Mooncake once per writer process: no host copy). Then the
+   arena ranges go back (``DonePiece``) and ``Wrote``/``Failed`` is acknowledged as the
+   file sink does. A failed put leaves the error marker ``<handle>:error`` instead.
+4. ``Abandon``: drop what was held; ``MarkError``: put ``<handle>:error`` for a request
+   the scheduler gave up on after answering (its writer process died).
+
+Arena ranges are held from their op to the put only when the request's ``Finish`` came
+in the same message (``final``: a prompt prefilled in one batch, the common case), so
+the put reads them in place. A chunked-prefill request's earlier chunks are copied out
+of the arena into this process's memory as they come and their ranges go back at once:
+holding them until the last chunk could take the whole arena while other requests'
+chunks wait for room (a deadlock); such a request costs one host copy (two: the put of
+bytes joins the parts), stated in docs/store.md.
+
+A put that fails (no room: ``store.StoreFull``; master down: ``store.StoreUnavailable``)
+fails its request: the marker when the store takes it, else only the log line and the
+failure counter (the reader then times out). The writer goes on; requests after the
+master is back succeed (Mooncake's client mounts its segment again by itself).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
+
+from sglang_ext import format as fmt
+from sglang_ext import store, trace, wire
+
+logger = logging.getLogger("sglang_ext.writer_process")
+
+LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
+RETRY_CONNECT_S = 5.0  # between attempts to set the client up while the master is unreachable
+
+
+class Connection:
+    """This writer process's one Mooncake client, set up in a thread of its own.
+
+    ``StoreSink.connect`` takes up to ~90 s when the master does not answer (Mooncake's
+    client retries 20 times), so it must not run on a writer thread per request. The
+    thread retries every ``RETRY_CONNECT_S`` until it succeeds, then registers
+    ``[addr, addr + size)`` (the arena's mapping) once. ``get`` waits for the first
+    attempt only; later, while not connected, it raises the last error at once."""
+
+    def __init__(self, config: store.StoreConfig, addr: int, size: int):
+        self.sink = store.StoreSink(config)
+        self._addr, self._size = addr, size
+        self._first = threading.Event()
+        self._ready = False
+        self._error: Optional[store.StoreError] = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="hs-store-connect", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sink.connect()
+                self.sink.register(self._addr, self._size)
+                self._ready = True
+                logger.info("hidden-state dump: connected to the Mooncake master at %s",
+                            self.sink.config.master_server_address)
+                self._first.set()
+                return
+            except store.StoreError as e:
+                if self._error is None or str(e) != str(self._error):
+                    logger.error("hidden-state dump: %s; retrying every %g s", e, RETRY_CONNECT_S)
+                self._error = e
+                self.sink.close()
+            self._first.set()
+            self._stop.wait(RETRY_CONNECT_S)
+
+    def get(self) -> store.StoreSink:
+        """The connected sink; ``StoreUnavailable`` (the setup's sentence) while not."""
+        self._first.wait()
+        if not self._ready:
+            raise store.StoreUnavailable(str(self._error or "the Mooncake client is not set up"))
+        return self.sink
+
+    def close(self) -> None:
+        """Stop retrying; close the client (its segment, and every object in it, goes)."""
+        self._stop.set()
+        if self._ready:
+            self.sink.close()
+
+
+@dataclass
+class _Job:
+    rid: object
+    num_tokens: int
+    layout: Optional[store.PackedLayout] = None
+    row_bytes: int = 0
+    scale_row_bytes: int = 0
+    rows: int = 0
+    parts: Dict[str, List[store.Part]] = field(default_factory=dict)
+    held: List[Tuple[int, int]] = field(default_factory=list)  # (piece, nbytes) to give back after the put
+    error: Optional[str] = None
+    times: Dict[str, float] = field(default_factory=dict)
+
+
+class StoreWriter:
+    """The store work of one writer process: ``handle(op, fd, lost, final)`` is called on
+    one writer thread per request (``writer_process._Thread``), as ``Writer.handle``;
+    acknowledgements go to ``acks``. ``mm``: the arena's mapping, ``base``: its address
+    (registered with the store by ``connection``)."""
+
+    def __init__(self, connection: Connection, mm, base: int, *, layer_ids, acks: Deque[wire.Ack],
+                 wake, metrics=None):
+        self.connection = connection
+        self.view = memoryview(mm)
+        self.base = base
+        self.num_slots = len(layer_ids)
+        self.acks = acks
+        self.wake = wake
+        self.metrics = metrics
+        self.abort = False  # drain deadline passed: fail finishes, skip the rest
+        self.jobs: Dict[int, _Job] = {}
+
+    # ---- ops ------------------------------------------------------------------------
+    def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False, final: bool = False) -> None:
+        """Carry out one op (see the module docstring). ``lost``: its arena data never
+        arrived; ``final``: the request's ``Finish`` is in the same message, so its arena
+        ranges may be held until the put. Never raises for a request's own failure."""
+        kind = type(op)
+        if kind is wire.Begin:
+            job = self.jobs[op.key] = _Job(rid=op.rid, num_tokens=op.num_tokens, times=dict(op.times or {}))
+            nbytes = op.num_tokens * 8
+            try:
+                if lost:
+                    job.error = LOST_MESSAGE
+                elif not self.abort:
+                    self._guard(job, self._begin, job, op.row_width, op.dtype)
+                if job.error is None:
+                    job.parts[fmt.KEY_TOKEN_IDS] = [self._part(op.token_off, nbytes, final)]
+            finally:
+                self._done(job, op.piece, nbytes, final)
+        elif kind is wire.Rows:
+            job = self.jobs.get(op.key)
+            nbytes = op.nrows * (job.row_bytes + job.scale_row_bytes) if job is not None else 0
+            try:
+                if job is not None and lost and job.error is None:
+                    job.error = LOST_MESSAGE
+                    job.parts.clear()
+                if job is not None and job.error is None and not self.abort:
+                    self._guard(job, self._rows, job, op, final)
+            finally:
+                self._done(job, op.piece, nbytes, final)
+        elif kind is wire.Finish:
+            self._finish(op.key, op.name, self.jobs.pop(op.key, None), op.times)
+        elif kind is wire.Abandon:
+            job = self.jobs.pop(op.key, None)
+            if job is not None:
+                self._release(job)
+        elif kind is wire.MarkError:
+            self._mark(op.name, op.message)
+
+    def _guard(self, job: _Job, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - the request fails, the writer goes on
+            job.error = f"{type(e).__name__}: {e}"
+            job.parts.clear()
+
+    def _begin(self, job: _Job, row_width: int, dtype: str) -> None:
+        if row_width % self.num_slots:
+            raise fmt.DumpFormatError(f"row width {row_width} is not {self.num_slots} layer slots")
+        job.layout = store.pack_layout(job.num_tokens, self.num_slots, row_width // self.num_slots, dtype)
+        job.row_bytes = fmt.row_bytes(row_width, dtype)
+        job.scale_row_bytes = fmt.scale_row_bytes(self.num_slots, dtype)
+        job.parts = {t.name: [] for t in job.layout.tensors}
+
+    def _rows(self, job: _Job, op: wire.Rows, final: bool) -> None:
+        if op.row0 != job.rows or op.row0 + op.nrows > job.num_tokens:
+            raise fmt.DumpFormatError(
+                f"rows {op.row0}..{op.row0 + op.nrows} arrived after {job.rows} of {job.num_tokens}")
+        if (op.scale_off is None) != (job.scale_row_bytes == 0):
+            raise fmt.DumpFormatError("fp8 rows came without their scales (or scales without fp8)")
+        job.parts[fmt.KEY_HIDDEN_STATES].append(self._part(op.off, op.nrows * job.row_bytes, final))
+        if op.scale_off is not None:
+            job.parts[fmt.KEY_SCALES].append(self._part(op.scale_off, op.nrows * job.scale_row_bytes, final))
+        job.rows += op.nrows
+
+    def _part(self, off: int, nbytes: int, final: bool) -> store.Part:
+        """Arena bytes ``[off, off + nbytes)``: their registered range when the put comes
+        in this message (``final``), else a copy (the range goes back now)."""
+        if final:
+            return (self.base + off, nbytes)
+        return bytes(self.view[off:off + nbytes])
+
+    def _done(self, job: Optional[_Job], piece: int, nbytes: int, final: bool) -> None:
+        """The op is done with arena range ``piece``: at once, unless its bytes are held
+        for the request's put (``final`` and the request still good)."""
+        if final and job is not None and job.error is None and not self.abort:
+            job.held.append((piece, nbytes))
+        else:
+            self._ack(wire.DonePiece(piece, nbytes))
+
+    def _release(self, job: _Job) -> None:
+        """Give back the arena ranges ``job`` holds."""
+        held, job.held = job.held, []
+        job.parts.clear()
+        for piece, nbytes in held:
+            self._ack(wire.DonePiece(piece, nbytes))
+
+    def _finish(self, key: int, handle: str, job: Optional[_Job], times) -> None:
+        t_picked = trace.now()
+        try:
+            if self.abort:
+                raise RuntimeError(fmt.SHUTDOWN_MESSAGE)
+            if job is None:
+                raise RuntimeError("the writer process has no rows for this request")
+            if job.error is not None:
+                raise RuntimeError(job.error)
+            if job.rows != job.num_tokens:
+                raise fmt.DumpFormatError(f"{job.rows} of {job.num_tokens} rows captured")
+            sink = self.connection.get()
+            try:
+                nbytes = sink.put_packed(handle, job.layout, job.parts)
+            finally:
+                t_written = trace.now()
+                self._release(job)  # the client copied them before put returned
+        except Exception as e:  # noqa: BLE001 - reported through the marker and the ack
+            message = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+            logger.error("hidden-state dump for rid %s (store handle %s) failed: %s",
+                         fmt.brief_rid(job.rid if job is not None else key), handle, message)
+            if job is not None:
+                self._release(job)
+            self._fail(key, handle, message, existing=isinstance(e, store.StoreError)
+                       and "already holds an object" in str(e))
+            return
+        if self.metrics is not None:
+            self.metrics.written(nbytes)
+        self._ack(wire.Wrote(key, handle, nbytes))
+        if trace.enabled():
+            trace.record("store", name=handle, bytes=nbytes, rows=job.num_tokens,
+                         **dict(job.times, **(times or {})), t_picked=t_picked, t_copied=t_written,
+                         t_written=t_written, t_released=trace.now())
+
+    def _fail(self, key: int, handle: str, message: str, existing: bool = False) -> None:
+        """Request ``key`` failed: its marker (not when ``existing``: the handle is another
+        request's object, whose reader the marker would fail), the counter, ``Failed``."""
+        if not existing:
+            self._mark(handle, message)
+        if self.metrics is not None:
+            self.metrics.failed()
+        self._ack(wire.Failed(key, handle, message))
+
+    def _mark(self, handle: str, message: str) -> None:
+        """Put ``<handle>:error``; when the store refuses even that, the log says so (the
+        request's reader then times out)."""
+        try:
+            self.connection.get().put_error(handle, message)
+        except Exception as e:  # noqa: BLE001 - nothing more to do than say so
+            logger.error("hidden-state dump: the error marker of store handle %s could not be put "
+                         "(%s); its reader will time out", handle, e)
+
+    def failed_op(self, op: wire.Op, fd: Optional[int], e: BaseException) -> None:
+        """What an op that raised past ``handle``'s own handling leaves: its request fails
+        (a ``Finish`` answers ``Failed`` and leaves the marker)."""
+        logger.error("hidden-state dump: op %s failed: %s: %s", type(op).__name__, type(e).__name__, e)
+        if type(op) is wire.MarkError:
+            return
+        ends = type(op) in (wire.Finish, wire.Abandon)
+        job = self.jobs.pop(op.key, None) if ends else self.jobs.get(op.key)
+        if job is not None:
+            job.error = job.error or f"{type(e).__name__}: {e}"
+            self._release(job)
+        if type(op) is wire.Finish:
+            self._fail(op.key, op.name, f"{type(e).__name__}: {e}")
+
+    def discard_all(self) -> None:
+        """Give back what requests that never got their ``Finish`` hold."""
+        for job in list(self.jobs.values()):
+            self._release(job)
+        self.jobs.clear()
+
+    def _ack(self, event: wire.Ack) -> None:
+        self.acks.append(event)
+        try:
+            os.write(self.wake, b"!")
+        except BlockingIOError:
+            pass
+
+
+class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer (Include/pybuffer.h)
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+def arena_address(mm) -> int:
+    """The address of the arena mapping ``mm`` (what is registered with the store). The
+    writer process maps the arena read-only, which ``ctypes.c_char.from_buffer`` refuses,
+    so the address comes from the buffer protocol itself."""
+    view = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(mm), ctypes.byref(view), 0)
+    try:
+        return int(view.buf)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))

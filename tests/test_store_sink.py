@@ -1,0 +1,322 @@
+"""The server's store sink: the writer process puts each request into a real ``mooncake_master``.
+
+Driven through the session exactly as tests/test_hooks.py drives the file sink (stand-in
+``Req`` and batches, ``run_extend``), with ``--dump-hidden-states-dir mooncake://...``.
+Samples are read back with hs-connectors 0.9.0's own ``MooncakeTransfer.get_generated``
+(what speculators' trainer calls) and compared with an independent reference: the
+formula of test_hooks' ``reference`` and the file the file sink writes for the same rows
+(both sinks run on the same batches). Fault cases: a request that fails before its
+answer, the master killed mid-burst and restarted, a full store, the writer SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import types
+
+import pytest
+import torch
+
+from sglang_ext import format as fmt
+from sglang_ext import hooks, store
+from sglang_ext.config import DumpConfig, DumpConfigError
+from sglang_ext.session import check_server_args
+from mooncake_fixture import MiB, Master, _free_port, master_config, needs_mooncake
+from test_faults import gone
+from test_hooks import Req, finish, idle, inject_writer, make_runner, reference, run_extend, wait_for
+
+pytestmark = needs_mooncake
+IDS = [2, 4]
+ERROR = "hidden_states_error"
+MANIFEST = "hidden_states_manifest"
+
+
+def reader_for(master: Master):
+    """hs-connectors' trainer-side ``MooncakeTransfer`` over a client of its own."""
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+    from hs_connectors.transfer import MooncakeTransfer
+
+    cfg = store.StoreConfig.from_url(master_config(master)).as_hs_connectors()
+    t = MooncakeTransfer(MooncakeHiddenStatesStore(MooncakeStoreConfig.from_dict(
+        {**cfg, "global_segment_size": 0, "local_buffer_size": 16 * MiB})))
+    t.setup()
+    return t
+
+
+@pytest.fixture(scope="module")
+def reader(master):
+    return reader_for(master)
+
+
+def exists(reader, key: str) -> bool:
+    return reader.store._store.is_exist(key) == 1
+
+
+def read(reader, meta: dict) -> dict:
+    """The sample of a response: ``get_generated(manifest)``, as speculators calls it."""
+    assert ERROR not in meta and "hidden_states_path" not in meta, meta
+    return reader.get_generated(meta[MANIFEST])
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def store_runner(master, dtype=None, segment=64 * MiB, max_mb=64):
+    return make_runner(master_config(master, segment), layers="2,4", dtype=dtype, max_mb=max_mb)
+
+
+def batches(prefix: str):
+    """Requests and three extend batches with chunked prefill and a decode row:
+    ``a`` in three chunks, ``b`` and ``c`` whole."""
+    a, b, c = Req(f"{prefix}a.1", 10, 1), Req(f"{prefix}b", 3, 2), Req(f"{prefix}c", 6, 3)
+    return (a, b, c), [
+        ([(b, 0, 3), (a, 0, 4)], ()),
+        ([(a, 4, 8), (c, 0, 6), (b, 0, 0)], (b,)),
+        ([(a, 8, 10)], ()),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [None, "fp8"])
+def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump, sessions, dtype):
+    """The same batches into both sinks: every tensor hs-connectors reads back is byte for
+    byte the file sink's (fp8: rows and scales), and for the model's dtype the formula's."""
+    by_sink = {}
+    for sink, runner in (("file", make_runner(dump, layers="2,4", dtype=dtype)),
+                         ("store", store_runner(master, dtype))):
+        sess = sessions.start(runner)
+        reqs, steps = batches(f"{dtype}-")
+        for spans, decoding in steps:
+            run_extend(sess, spans, IDS, decoding=decoding)
+        metas = [finish(r) for r in reqs]
+        snap = idle(sess)
+        assert snap["files_written"] == 3 and snap["failures"] == 0, snap
+        assert snap["host_bytes_in_use"] == 0, snap
+        by_sink[sink] = (reqs, metas)
+    for req, fmeta, smeta in zip(by_sink["file"][0], by_sink["file"][1], by_sink["store"][1]):
+        manifest = smeta[MANIFEST]
+        assert manifest["handle"] == store.handle_for(req.rid) and manifest["version"] == 1
+        rec = fmt.load(fmeta["hidden_states_path"], dequantize=False)
+        got = read(reader, smeta)
+        want = {"hidden_states": rec.hidden_states, "token_ids": rec.token_ids}
+        if dtype == "fp8":
+            want["hidden_states_scales"] = rec.scales
+        assert set(got) == set(want), (req.rid, sorted(got))
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, (req.rid, name)
+            assert raw(got[name]) == raw(t), f"{req.rid} {name}: bytes differ from the file sink's"
+        if dtype is None:
+            assert torch.equal(got["hidden_states"], reference(req, IDS)), req.rid
+        assert got["token_ids"].tolist() == req.origin_input_ids
+        assert reader.store._store.get_size(manifest["handle"]) == manifest["metadata"]["total_aligned_bytes"]
+        reader.delete(manifest["handle"])
+
+
+def test_same_rid_twice_gets_two_handles(master, reader, sessions):
+    """Two live requests of one rid get ``same`` and ``same-2``; once both are put, the
+    rid's next request is ``same`` again, which the store already holds: it fails
+    without a marker (that would fail the first sample's reader), the first stays whole."""
+    sess = sessions.start(store_runner(master))
+    first, second = Req("same", 4, 1), Req("same", 5, 2)
+    run_extend(sess, [(first, 0, 4), (second, 0, 5)], IDS)
+    m1, m2 = finish(first), finish(second)
+    assert (m1[MANIFEST]["handle"], m2[MANIFEST]["handle"]) == ("same", "same-2")
+    assert idle(sess)["files_written"] == 2
+    third = Req("same", 3, 3)
+    run_extend(sess, [(third, 0, 3)], IDS)
+    assert finish(third)[MANIFEST]["handle"] == "same"
+    assert idle(sess)["failures"] == 1
+    assert not exists(reader, "same:error")
+    assert torch.equal(read(reader, m1)["hidden_states"], reference(first, IDS))
+    assert torch.equal(read(reader, m2)["hidden_states"], reference(second, IDS))
+    reader.delete("same")
+    reader.delete("same-2")
+
+
+def test_a_request_failing_before_its_answer_gets_hidden_states_error(master, reader, sessions):
+    sess = sessions.start(store_runner(master))
+    cached = Req("cached", 8, 1)
+    run_extend(sess, [(cached, 3, 8)], IDS)  # a radix-cache hit would start at token 3
+    meta = finish(cached)
+    assert MANIFEST not in meta and "prefix reuse" in meta[ERROR]
+    sess.writer.close(timeout=5)
+    late = Req("late", 4, 2)
+    run_extend(sess, [(late, 0, 4)], IDS)
+    meta = finish(late)
+    assert MANIFEST not in meta and fmt.SHUTDOWN_MESSAGE in meta[ERROR]
+    assert not exists(reader, "cached") and not exists(reader, "late")
+
+
+def test_master_killed_mid_burst_then_back(tmp_path, sessions):
+    """Every request is answered (a manifest, or hidden_states_error); while the master is
+    down puts fail (logged, counted), the server goes on, and once it is back (same
+    port) new requests are put and readable."""
+    m = Master(tmp_path)
+    try:
+        sess = sessions.start(store_runner(m))
+        pid = sess.writer.pid
+        reqs = [Req(f"burst-{i}", 4, i + 1) for i in range(12)]
+        for i in range(0, 12, 3):
+            if i == 6:
+                assert idle(sess)["files_written"] == 6
+                m.kill()
+            run_extend(sess, [(r, 0, 4) for r in reqs[i:i + 3]], IDS)
+        metas = [finish(r) for r in reqs]
+        assert all(MANIFEST in x or ERROR in x for x in metas), metas
+        snap = idle(sess, 30)
+        assert (snap["files_written"], snap["failures"]) == (6, 6), snap
+        assert sess.writer.pid == pid and snap["writer_restarts"] == 0
+        m.restart()
+        reader = reader_for(m)
+        ok = None
+        for i in range(40):  # the writer's client mounts its segment again within seconds
+            req = Req(f"after-{i}", 4, 50 + i)
+            run_extend(sess, [(req, 0, 4)], IDS)
+            meta = finish(req)
+            idle(sess)
+            if exists(reader, meta[MANIFEST]["handle"]):
+                ok = (req, meta)
+                break
+            # not mounted yet: the put and its marker fail with "no room" (logged, counted)
+            wait_for(lambda: False, 0.5)
+        assert ok is not None, "no put succeeded after the master came back"
+        assert torch.equal(read(reader, ok[1])["hidden_states"], reference(ok[0], IDS))
+    finally:
+        m.kill()
+
+
+def test_full_store_gives_per_request_errors(tmp_path, sessions):
+    """A 16 MiB segment and 4.3 MB requests: the first ones are put, the rest fail with
+    the store's sentence, which their readers get from the error marker. (Eviction is
+    off: a full master otherwise evicts a share of the unread objects, markers too.)"""
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
+    m = Master(tmp_path, "--eviction_ratio=0")
+    try:
+        sess = sessions.start(store_runner(m, segment=16 * MiB, max_mb=128))
+        reader = reader_for(m)
+        first = [Req(f"big-{i}", 60_000, i + 1) for i in range(3)]
+        for r in first:
+            run_extend(sess, [(r, 0, 60_000)], IDS)
+        metas = [finish(r) for r in first]
+        assert idle(sess, 60)["files_written"] == 3
+        for req, meta in zip(first, metas):  # read, so leased: the master may not evict them
+            assert torch.equal(read(reader, meta)["hidden_states"], reference(req, IDS)), req.rid
+        more = [Req(f"big-{i}", 60_000, i + 1) for i in range(3, 6)]
+        for r in more:
+            run_extend(sess, [(r, 0, 60_000)], IDS)
+        metas = [finish(r) for r in more]
+        snap = idle(sess, 60)
+        assert (snap["files_written"], snap["failures"]) == (3, 3), snap
+        assert snap["host_bytes_in_use"] == 0
+        for meta in metas:
+            with pytest.raises(MooncakeIntegrityError, match="has no room"):
+                read(reader, meta)
+    finally:
+        m.kill()
+
+
+# Every put of the writer process waits until the file $GATE exists.
+PUT_GATED = """
+    import os, time
+    from sglang_ext import store
+    _real = store.StoreSink.put_packed
+    def _gated(*a, **k):
+        while not os.path.exists(os.environ["GATE"]):
+            time.sleep(0.01)
+        return _real(*a, **k)
+    store.StoreSink.put_packed = _gated
+"""
+
+
+def test_writer_sigkill_marks_in_flight_requests_and_a_new_writer_serves(master, reader, monkeypatch,
+                                                                         tmp_path, sessions):
+    """SIGKILL to the writer process while its puts wait: the answered requests get
+    ``<handle>:error`` (the new writer puts the markers), a request in prefill fails at
+    its next chunk, and the new writer puts the next requests."""
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
+    gate = tmp_path / "gate"
+    inject_writer(monkeypatch, tmp_path, PUT_GATED, GATE=str(gate))
+    sess = sessions.start(store_runner(master))
+    first_pid = sess.writer.pid
+    done = [Req(f"kill-{i}", 4, i + 1) for i in range(3)]
+    half = Req("kill-half", 8, 9)
+    run_extend(sess, [(r, 0, 4) for r in done] + [(half, 0, 4)], IDS)
+    metas = [finish(r) for r in done]
+    os.kill(first_pid, signal.SIGKILL)
+    assert gone(first_pid)
+    gate.touch()
+    run_extend(sess, [(half, 4, 8)], IDS)  # the scheduler notices, starts a new writer
+    assert "writer process died" in finish(half)[ERROR]
+    assert sess.writer.pid != first_pid and sess.writer.snapshot()["writer_restarts"] == 1
+    after = Req("kill-after", 4, 20)
+    run_extend(sess, [(after, 0, 4)], IDS)
+    meta = finish(after)
+    assert idle(sess)["files_written"] == 1
+    assert torch.equal(read(reader, meta)["hidden_states"], reference(after, IDS))
+    for m in metas:
+        with pytest.raises(MooncakeIntegrityError, match="writer process died"):
+            reader.get_generated(m[MANIFEST])
+
+
+def test_close_drains_puts_in_flight(master, reader, monkeypatch, tmp_path, sessions):
+    """Shutdown (Close, as SIGTERM): the puts the writer holds finish within the drain
+    timeout and are acknowledged."""
+    gate = tmp_path / "gate"
+    inject_writer(monkeypatch, tmp_path, PUT_GATED, GATE=str(gate))
+    sess = sessions.start(store_runner(master))
+    reqs = [Req(f"drain-{i}", 4, i + 1) for i in range(4)]
+    run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
+    sess.writer.flush()
+    gate.touch()
+    assert sess.close(timeout=20) is True
+    snap = sess.writer.snapshot()
+    assert snap["files_written"] == 4 and snap["failures"] == 0, snap
+
+
+def test_kv_transfer_params_is_the_manifest():
+    """/v1/completions (patch 0006): kv_transfer_params is the manifest itself, as vLLM's
+    Mooncake connector returns it; a failed dump is an error (HTTP 500)."""
+    pytest.importorskip("sglang.srt.entrypoints.openai.protocol")
+    from sglang.srt.entrypoints.openai.protocol import CompletionResponse, CompletionResponseChoice, UsageInfo
+
+    manifest = store.pack_layout(3, 2, 8, "bfloat16").manifest("k1")
+    response = CompletionResponse(
+        id="cmpl-1", model="m",
+        choices=[CompletionResponseChoice(index=0, text="x", finish_reason="length")],
+        usage=UsageInfo(prompt_tokens=3, completion_tokens=1, total_tokens=4))
+    out = hooks.openai_completion_extras(response, [{"meta_info": {MANIFEST: manifest}}])
+    body = out.model_dump(mode="json")
+    assert body["kv_transfer_params"] == manifest
+    two = hooks.openai_completion_extras(
+        response, [{"meta_info": {MANIFEST: manifest}}, {"meta_info": {MANIFEST: {**manifest, "handle": "k2"}}}])
+    params = two.model_dump(mode="json")["kv_transfer_params"]
+    assert params["handle"] == "k1" and [x["handle"] for x in params[MANIFEST + "s"]] == ["k1", "k2"]
+    with pytest.raises(Exception, match="hidden-state dump failed: boom"):
+        hooks.openai_completion_extras(response, [{"meta_info": {ERROR: "boom"}}])
+
+
+def test_finish_response_answers_a_store_request_at_once_even_when_it_asks_to_wait():
+    manifest = store.pack_layout(3, 2, 8, "bfloat16").manifest("k1")
+    meta = {MANIFEST: [manifest], "hidden_states_path": [None]}
+    asyncio.run(asyncio.wait_for(hooks.finish_response(meta), 2))
+    assert meta == {MANIFEST: manifest}
+
+
+def test_store_url_selects_the_sink_and_bad_ones_are_one_sentence(master, tmp_path):
+    args = types.SimpleNamespace(dump_hidden_states_dir=master_config(master), dump_hidden_states_layers=None,
+                                 dump_hidden_states_max_host_mb=64, dump_hidden_states_dtype=None)
+    config = DumpConfig.from_server_args(args)
+    assert config.sink == "store" and config.store.master_server_address == master.address
+    for url, words in [("mooncake://127.0.0.1", "is not a mooncake://HOST:PORT address"),
+                       ("mooncake://h:1?colour=red", "unknown mooncake setting 'colour'"),
+                       (f"mooncake://127.0.0.1:{_free_port()}", "cannot reach the Mooncake master")]:
+        bad = types.SimpleNamespace(**{**vars(args), "dump_hidden_states_dir": url})
+        with pytest.raises(DumpConfigError) as e:
+            check_server_args(bad)
+        assert words in str(e.value) and "\n" not in str(e.value)
+        assert str(e.value).startswith("--dump-hidden-states-dir: ")
+    assert not (tmp_path / "mooncake:").exists()
