@@ -1,4 +1,4 @@
-"""A real ``mooncake_master`` for the store tests (tests/test_store.py, tests/test_store_sink.py).
+"""A real ``mooncake_master`` for the store tests (tests/integration/test_store.py, test_store_sink.py, test_client_store.py).
 
 ``Master`` starts one on a free port (its metrics port free too) and kills it (the
 ``master`` fixture, in tests/conftest.py, is one per module); ``master_config`` the ``mooncake://``

@@ -1,10 +1,10 @@
 """The server's store sink: the writer process puts each request into a real ``mooncake_master``.
 
-Driven through the session exactly as tests/test_hooks.py drives the file sink (stand-in
+Driven through the session exactly as tests/unit/test_hooks.py drives the file sink (stand-in
 ``Req`` and batches, ``run_extend``), with ``--dump-hidden-states-dir mooncake://...``.
 Samples are read back with hs-connectors 0.9.0's own ``MooncakeTransfer.get_generated``
 (what speculators' trainer calls) and compared with an independent reference: the
-formula of test_hooks' ``reference`` and the file the file sink writes for the same rows
+formula of ``standins.reference`` and the file the file sink writes for the same rows
 (both sinks run on the same batches). Fault cases: a request that fails before its
 answer, the master killed mid-burst and restarted, a full store, the writer SIGKILLed.
 """
@@ -25,7 +25,7 @@ from sglang_ext.config import DumpConfig, DumpConfigError
 from sglang_ext.session import check_server_args
 from mooncake_fixture import MiB, Master, _free_port, master_config, needs_mooncake
 from test_faults import gone
-from test_hooks import Req, finish, idle, inject_writer, make_runner, reference, run_extend, wait_for
+from standins import Req, finish, idle, inject_writer, make_runner, reference, run_extend, wait_for
 
 pytestmark = needs_mooncake
 IDS = [2, 4]
