@@ -3,15 +3,18 @@
 Three products, one package:
 
 - ``sglang_ext`` itself: the runtime SGLang's patched processes import.
-  ``config`` (what to dump, validated), ``hooks`` (the only API the patches call),
-  ``writer`` + ``writer_process`` (device-to-host copies, the writer process, backpressure),
-  ``arena`` + ``wire`` (shared host memory, the messages between them), ``quant`` (fp8),
-  ``format`` (the file contract: names, keys, metadata, atomic write, index, reader),
-  ``metrics``, ``trace``, ``compat``.
+  ``hooks`` (the door the patches call) over ``session`` (one scheduler's dump: capture,
+  each request's rows) and ``responses`` (what an answer carries); ``config`` (validated
+  settings); ``writer`` (device-to-host copies, backpressure, the writer process's life);
+  ``writer_process`` (files) and ``store_writer`` (Mooncake Store objects), its two sinks;
+  ``arena`` + ``wire`` (shared host memory, the messages between them); ``quant`` (fp8);
+  ``format`` (the file contract: names, keys, metadata, atomic write, index, reader);
+  ``store`` (the store contract: handles, packed layout, manifest); ``metrics``, ``trace``,
+  ``compat``.
 - ``sglang_ext.client``: ``extract`` and ``convert``, run wherever the server is reachable.
 - ``sglang_ext.tools``: the patch-series tooling and the container's entrypoint.
 
-SGLang's processes import only the first; the other two import ``format`` and nothing else of it.
+SGLang's processes import only the first; the client imports ``format`` and ``store`` of it.
 """
 
 __version__ = "0.1.0"

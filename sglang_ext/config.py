@@ -152,19 +152,15 @@ def check_store_reachable(config, timeout_s: float = 5.0) -> None:
     a typo must not cost that. A master that goes away later fails requests, not the
     server.)"""
     import importlib.util
-    import socket
+
+    from sglang_ext import store
 
     if importlib.util.find_spec("mooncake") is None:
         raise DumpConfigError("--dump-hidden-states-dir: the Mooncake store sink needs the mooncake "
                               "package (pip install -r requirements/store.txt)")
-    host, _, port = config.master_server_address.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise DumpConfigError(
-            f"--dump-hidden-states-dir: cannot reach the Mooncake master at "
-            f"{config.master_server_address} ({e.strerror or e}); is mooncake_master running there?"
-        ) from None
+    why = store.master_unreachable(config, timeout_s)
+    if why is not None:
+        raise DumpConfigError(f"--dump-hidden-states-dir: {why}; is mooncake_master running there?")
 
 
 def check_directory(path: Optional[str]) -> str:

@@ -393,7 +393,7 @@ class StoreSink:
         else:
             rc = store.put(handle, b"".join(_as_bytes(p) for p in parts))
         if rc != 0:
-            raise _status_error("put", handle, rc, total, self.config)
+            raise status_error("put", handle, rc, total, self.config)
         return total
 
     def put_packed(self, handle: str, layout: PackedLayout, data: Dict[str, Sequence[Part]]) -> int:
@@ -431,14 +431,14 @@ class StoreSink:
         for key in (handle, handle + ERROR_SUFFIX):
             rc = store.remove(key, force=True)
             if rc not in (0, OBJECT_NOT_FOUND):
-                raise _status_error("remove", key, rc, 0, self.config)
+                raise status_error("remove", key, rc, 0, self.config)
 
     def exists(self, handle: str) -> bool:
         """Whether ``handle`` is visible (complete). ``StoreUnavailable``/``StoreError``
         when the master cannot say."""
         rc = self._client().is_exist(handle)
         if rc < 0:
-            raise _status_error("look-up", handle, rc, 0, self.config)
+            raise status_error("look-up", handle, rc, 0, self.config)
         return rc == 1
 
     def _check_absent(self, store: Any, handle: str) -> None:
@@ -446,7 +446,7 @@ class StoreSink:
         if rc == 1:
             raise StoreError(f"store handle {handle!r} already holds an object (a repeated request id?)")
         if rc < 0:
-            raise _status_error("put", handle, rc, 0, self.config)
+            raise status_error("put", handle, rc, 0, self.config)
 
 
 def _as_bytes(part: Part) -> bytes:
@@ -455,7 +455,20 @@ def _as_bytes(part: Part) -> bytes:
     return bytes(part)
 
 
-def _status_error(op: str, key: str, rc: int, nbytes: int, config: StoreConfig) -> StoreError:
+def master_unreachable(config: StoreConfig, timeout_s: float = 5.0) -> Union[str, None]:
+    """None when the master at ``config.master_server_address`` accepts a TCP connection
+    within ``timeout_s`` seconds, else why not (one clause). Mooncake's own client setup
+    retries a missing master for about 90 s: the server's start-up and ``extract --store``
+    ask this first, so a typo costs seconds."""
+    host, _, port = config.master_server_address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        return f"cannot reach the Mooncake master at {config.master_server_address} ({getattr(e, 'strerror', None) or e})"
+    return None
+
+
+def status_error(op: str, key: str, rc: int, nbytes: int, config: StoreConfig) -> StoreError:
     """One sentence for Mooncake status ``rc`` of ``op`` on ``key``."""
     if rc == NO_AVAILABLE_HANDLE:
         return StoreFull(

@@ -50,7 +50,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -308,12 +307,9 @@ class StoreFetcher:
             raise MooncakeMissing(f"--store needs the mooncake package here ({INSTALL_HINT}; "
                                    f"it also needs Debian's libibverbs1 librdmacm1 libnuma1)") from None
         c = self.config
-        host, _, port = c.master_server_address.rpartition(":")
-        try:  # Mooncake's own setup retries a missing master for about 90 s
-            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
-        except OSError as e:
-            raise StoreUnreachable(f"cannot reach the Mooncake master at {c.master_server_address} "
-                                   f"({e.strerror or e}): is mooncake_master running there?") from None
+        why = st.master_unreachable(c, PROBE_TIMEOUT_S)
+        if why is not None:
+            raise StoreUnreachable(f"{why}: is mooncake_master running there?")
         client = MooncakeDistributedStore()
         try:
             rc = client.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
@@ -336,7 +332,7 @@ class StoreFetcher:
     def _exists(self, key: str) -> bool:
         rc = self.client.is_exist(key)
         if rc < 0:
-            raise FetchError(st._status_error("look-up", key, rc, 0, self.config).args[0])
+            raise FetchError(st.status_error("look-up", key, rc, 0, self.config).args[0])
         return rc == 1
 
     def _error_of(self, handle: str) -> str:

@@ -38,7 +38,7 @@ class UsageError(FatalError):
 
 # The answer's meta_info key of a server that puts samples into a Mooncake Store: the
 # transfer manifest (sglang_ext.store.PackedLayout.manifest), where files give PATH_KEY.
-MANIFEST_KEY = "hidden_states_manifest"
+MANIFEST_KEY = fmt.MANIFEST_KEY
 
 
 class Answer(NamedTuple):
