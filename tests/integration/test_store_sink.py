@@ -320,3 +320,41 @@ def test_store_url_selects_the_sink_and_bad_ones_are_one_sentence(master, tmp_pa
         assert words in str(e.value) and "\n" not in str(e.value)
         assert str(e.value).startswith("--dump-hidden-states-dir: ")
     assert not (tmp_path / "mooncake:").exists()
+
+
+STORE_NODE = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[1])
+print("mounted", rc, flush=True)
+time.sleep(600)
+"""
+
+
+def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(master, reader, sessions, tmp_path):
+    """The deployment docs/store.md recommends: a store node mounts the memory, the server
+    lends none (``global_segment_size=0``). Its samples are put into the node's segment and
+    stay readable, whole, after the server's writer has exited."""
+    import subprocess
+    import sys
+
+    node = subprocess.Popen([sys.executable, "-c", STORE_NODE, master.address, str(32 * MiB)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert node.stdout.readline().split() == ["mounted", "0"]
+        sess = sessions.start(store_runner(master, segment=0))
+        reqs = [Req("outlive-a", 5, 1), Req("outlive-b", 3, 2)]
+        run_extend(sess, [(reqs[0], 0, 5), (reqs[1], 0, 3)], IDS)
+        metas = [finish(r) for r in reqs]
+        snap = idle(sess)
+        assert snap["files_written"] == 2 and snap["failures"] == 0, snap
+        sessions.close()  # the writer process exits, and with it any segment it lent
+        for req, meta in zip(reqs, metas):
+            got = read(reader, meta)
+            assert torch.equal(got["hidden_states"], reference(req, IDS)), req.rid
+            assert got["token_ids"].tolist() == req.origin_input_ids
+            reader.delete(meta[MANIFEST]["handle"])
+    finally:
+        node.kill()
+        node.wait()
