@@ -39,9 +39,8 @@ DEFAULT_MODULE = "vllm.entrypoints.openai.api_server"
 ENV_PYTHON = "KIMI_BENCH_VLLM_PYTHON"
 ENV_PYTHONPATH = "KIMI_BENCH_VLLM_PYTHONPATH"
 ENV_LD_LIBRARY_PATH = "KIMI_BENCH_VLLM_LD_LIBRARY_PATH"
-# SGLang's default chunked prefill on an H200 (bench/README.md), and vLLM's own default
-# max_num_batched_tokens for the API server on a 70-160 GiB GPU (engine/arg_utils.py,
-# get_batch_defaults): passed explicitly so that the two stay equal.
+# SGLang's default chunked prefill on an H200, and vLLM's own default on a 70-160 GiB GPU
+# (engine/arg_utils.py, get_batch_defaults): passed explicitly so that the two stay equal.
 DEFAULT_BATCHED_TOKENS = 8192
 UNSUPPORTED = {
     "deepseek": ("vLLM 0.33's extract_hidden_states has no MLA support (ExampleHiddenStatesConnector:"

@@ -17,7 +17,7 @@ from bench import peer, report, servers
 from bench.models import MODELS, file_bytes
 
 PROFILES = {
-    # fits one ~9-minute device call with both models (see bench/README.md)
+    # fits one ~9-minute device call with both models
     "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
               "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420, "writer_log_wait_s": 0},
     "full": {"cell_tokens": 256 * 1024, "min_rounds": 2, "json_requests": 16,
