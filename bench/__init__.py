@@ -1,31 +1,23 @@
-"""The hidden-state dump benchmark (issue #7): dump overhead, the JSON path, the ceilings,
-and vLLM side by side (issue 23).
-
-Run it as ``python3 -m bench [flags]`` from the repository root (bench/README.md: flags,
-what runs, the numbers). One module per job, in the order a run uses them:
+"""The hidden-state dump benchmark: what the dump costs the server, against the JSON
+path, the host's ceilings and vLLM (bench/README.md). ``python -m bench [flags]`` from the
+repository root. One module per job, in the order a run uses them:
 
 - ``models``     the workloads (random-weight shapes) and their build (``python -m bench.models``).
 - ``modes``      every mode: its server, how the report reads it and the plot draws it.
 - ``plan``       profiles, cells, request counts, time estimates (``--dry-run`` prints it).
-- ``servers``    the kinds of server a model's run starts (A-D; vLLM's V, W), their flags, dump
-                 directories and environment; started and stopped by testing/server.py.
+- ``servers``    the kinds of server (A, B, D; vLLM's V, W), their flags and environment.
 - ``loadgen``    the client: a cell's requests (closed loop), its files or JSON, the warm-up,
-                 the server's memory and the writer's log (``serverlog`` reads its lines).
+                 the server's memory, the writer's log and stage trace.
 - ``ceilings``   pinned copies, /dev/shm writes, the writer alone (``python -m bench.ceilings``).
-- ``profilers``  a cell again under py-spy.
-- ``peer``       the peer, vLLM 0.33 (servers V and W): its command line, environment,
-                 request and response, the wait for its files.
-- ``peerfiles``  a few files of ours and vLLM's for the same prompts, compared
-                 (``python -m bench.peerfiles``).
-- ``runner``     one model's run: servers up, warm-up, every cell, profiles, host memory.
-- ``cli``        the command line and the whole run, the results file.
-- ``report``     the numbers of a results file (ratios, targets); ``markdown`` its tables;
-                 ``plot`` its PNG (matplotlib).
+- ``peer``       vLLM 0.33 (servers V and W): its command line, environment, request, files.
+- ``peerfiles``  ours and vLLM's files for the same prompts, compared (``python -m bench.peerfiles``).
+- ``runner``     one model's run: servers up, warm-up, every cell, host memory.
+- ``cli``        the command line, the whole run, the results file.
+- ``report``     ratios, targets, stage times; ``markdown`` its tables; ``plot`` its PNG.
 
 Nothing here imports torch at module level: the plan, the report and the tests run on
 any machine. What the benchmark shares with the GPU suite (the launcher, the tiny models,
-the reference, the checks) is the top-level ``testing`` package. Sub-programs run with
-this package's parent on ``PYTHONPATH`` (``child_env``).
+the reference, the checks) is the top-level ``testing`` package.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 - ``d2h_pinned_gbps``: 1 GiB bf16 copied device to pinned host, best of 5 (CUDA events).
 - ``shm_write_gbps[<file bytes>]``: safetensors ``save_file`` of pinned tensors by the
   writer's thread count, for every dump file size of the plan; best of 2.
-- ``shm_one_file_gbps[<file bytes>]``: one file at a time (``one_file_rates``).
 - ``writer_alone[<model>][<prompt len>]``: ``sglang_ext.writer.DumpWriter`` (the shared
   arena and the writer process) driven with CUDA rows as the scheduler drives it.
 
@@ -57,55 +56,6 @@ def d2h_ceiling(torch, dev, out):
     print(f"pinned D2H: {out['d2h_pinned_gbps']:.1f} GB/s", flush=True)
 
 
-def one_file_rates(d, tensor, threads, files=4):
-    """GB/s of writing one file at a time (what a request at concurrency 1 waits for):
-    ``"save_file"`` with one thread; ``"pwrite_<threads>"``, the same bytes written by
-    ``threads`` threads with ``os.pwrite`` at disjoint offsets of one file (does the file
-    system let several threads fill one file at once?); ``"fallocate"``, allocating a
-    file's pages ahead (``posix_fallocate``), and ``"prealloc_write"``, one thread's
-    ``os.pwrite`` into such a file (what preallocating ahead would leave for the critical
-    path; the writer tried it on 2026-12-01, see bench/README.md)."""
-    import torch
-    from safetensors.torch import save_file
-
-    data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-    n = len(data)
-    rates = {}
-    t0 = time.perf_counter()
-    for i in range(files):
-        save_file({"hidden_states": tensor}, os.path.join(d, f"one{i}.safetensors"))
-    rates["save_file"] = files * n / (time.perf_counter() - t0) / 1e9
-    piece = -(-n // threads)
-
-    def put(fd, off, end):
-        while off < end:
-            off += os.pwrite(fd, data[off:end], off)
-
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(threads) as pool:
-        for i in range(files):
-            fd = os.open(os.path.join(d, f"par{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            list(pool.map(lambda off, fd=fd: put(fd, off, min(off + piece, n)), range(0, n, piece)))
-            os.close(fd)
-    rates[f"pwrite_{threads}"] = files * n / (time.perf_counter() - t0) / 1e9
-    prep = write = 0.0
-    for i in range(files):
-        fd = os.open(os.path.join(d, f"pre{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        t0 = time.perf_counter()
-        os.posix_fallocate(fd, 0, n)
-        t1 = time.perf_counter()
-        put(fd, 0, n)
-        write, prep = write + time.perf_counter() - t1, prep + t1 - t0
-        os.close(fd)
-    rates["fallocate"] = files * n / prep / 1e9
-    rates["prealloc_write"] = files * n / write / 1e9
-    for e in os.listdir(d):
-        os.unlink(os.path.join(d, e))
-    print(f"one file at a time, {n / (1 << 20):.1f} MiB: "
-          + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()), flush=True)
-    return rates
-
-
 def _file_count(size, threads, budget, free):
     """Files per measurement: ``budget`` bytes' worth, at least 2 per thread, at most
     40% of the free space (but one per thread)."""
@@ -114,8 +64,8 @@ def _file_count(size, threads, budget, free):
 
 
 def shm_rates(torch, d, sizes, threads, budget, free, pinned, out):
-    """``shm_write_gbps`` and ``shm_one_file_gbps`` of every distinct file size (to 1/4 MiB)
-    of ``sizes``, written into directory ``d``."""
+    """``shm_write_gbps`` of every distinct file size (to 1/4 MiB) of ``sizes``, written
+    into directory ``d``."""
     from safetensors.torch import save_file
 
     out["shm_write_gbps"] = {}
@@ -148,8 +98,6 @@ def shm_rates(torch, d, sizes, threads, budget, free, pinned, out):
         out["shm_write_gbps"][str(total // count)] = best
         print(f"/dev/shm write, {total // count / (1 << 20):.1f} MiB files x {count}, "
               f"{threads} threads: {best:.1f} GB/s", flush=True)
-        out.setdefault("shm_one_file_gbps", {})[str(total // count)] = one_file_rates(
-            d, srcs[0]["hidden_states"], threads)
         del srcs, save
 
 

@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 
-from bench import peer, report, serverlog
+from bench import peer, report
 
 _local = threading.local()
 
@@ -38,18 +38,14 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, waits=None):
+               api="sglang", wait_files=False):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
     ``early`` (mode dump_early): each request asks to be answered before its file is
     complete (``format.WAIT_PARAM``), as ``sglang_ext.client.extract`` does; a thread waits for
     its previous file's lock after its next answer (one file pending per thread), and the
-    wall time ends when every file is complete. ``waits`` (a dict): gets
-    ``file_wait_s``, the seconds the client threads spent in those waits, summed over
-    threads (a thread waiting has no request in flight, so the closed loop runs below
-    ``concurrency`` for that long), and ``tail_wait_s``, the wait for the last files
-    after the last answer.
+    wall time ends when every file is complete.
 
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
@@ -70,7 +66,7 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
-    pending, waited = [], []  # list.append is atomic under the GIL
+    pending = []  # list.append is atomic under the GIL
 
     def one(i):
         t = time.perf_counter()
@@ -85,9 +81,7 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
             path = json.loads(content)["meta_info"].get("hidden_states_path")
             prev, slot.prev = getattr(slot, "prev", None), path
             if prev:
-                t_wait = time.perf_counter()
                 fmt.wait_complete(prev, timeout=timeout)
-                waited.append(time.perf_counter() - t_wait)
             if path:
                 pending.append(path)
         # JSON responses run to 100s of MB: keep the first (and failures) only
@@ -97,13 +91,9 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(len(bodies))))
-    t_tail = time.perf_counter()
     for path in pending:  # the last file of each thread (the rest return at once)
         fmt.wait_complete(path, timeout=timeout)
-    t1 = time.perf_counter()
-    if waits is not None:
-        waits.update(file_wait_s=sum(waited), tail_wait_s=t1 - t_tail)
-    return t1 - t0, results
+    return time.perf_counter() - t0, results
 
 
 def cell_prompts(cell, spec, rng):
@@ -114,34 +104,21 @@ def cell_prompts(cell, spec, rng):
 def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
-    modes, the files' bytes and one file's header, the stages of ``trace_path``; for
-    SGLang servers, ``prefill_batches``: ``serverlog.batch_stats`` of the prefill batches
-    its log states during the cell; for dump_early without
-    failed requests, the client's file waits (``send_batch``'s
-    ``waits``, and ``file_wait_share``: their sum over the threads that had requests
-    (concurrency, or fewer requests) x wall); for json, the responses'
-    bytes and one's nested shape; ``error`` when requests failed). ``prompts``: made
-    beforehand (``cell_prompts``), else here (not timed either way)."""
+    modes, the files' bytes and one file's header, the stages of ``trace_path``
+    (``report.stage_stats``); for json, the responses' bytes and one's nested shape;
+    ``error`` when requests failed). ``prompts``: made beforehand (``cell_prompts``), else
+    here (not timed either way)."""
     if prompts is None:
         prompts = cell_prompts(cell, spec, rng)
     offset = trace_size(trace_path)
-    log_offset = trace_size(getattr(server, "log_path", None))
-    waits = {}
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
-                               waits=waits, **api_args(mode))
+                               **api_args(mode))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
            "requests": len(prompts)}
     out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
-    batches = serverlog.batch_stats(serverlog.prefill_batches(
-        serverlog.read_since(getattr(server, "log_path", None), log_offset)))
-    if batches:
-        out["prefill_batches"] = batches
-    if mode == "dump_early" and not bad:
-        threads = min(cell["concurrency"], len(prompts))  # the pool's threads that had requests
-        out.update(waits, file_wait_share=waits["file_wait_s"] / (threads * wall))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
     if mode in report.DUMP_MODES and not bad:
@@ -241,7 +218,13 @@ def clear_dump_dir(path):
 def read_trace(path, offset):
     """KIMI_SGLANG_TRACE lines appended to ``path`` after byte ``offset``."""
     out = []
-    for x in serverlog.read_since(path, offset).splitlines():
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return out
+    for x in text.splitlines():
         try:
             out.append(json.loads(x))
         except ValueError:  # a line still being written

@@ -12,8 +12,7 @@ from bench.report import DUMP_MODES, headline, mib, num, targets
 
 
 def render_markdown(results: dict) -> str:
-    """The results as Markdown: ceilings, one table per model, ratios, the stages, the
-    profiles, targets."""
+    """The results as Markdown: ceilings, one table per model, ratios, the stages, targets."""
     head = results.get("headline") or headline(results)
     tgt = results.get("targets") or targets(results, head)
     lines = [
@@ -26,8 +25,6 @@ def render_markdown(results: dict) -> str:
         lines += _model(model, m, head.get(model, {}))
     lines += _peer(results, head)
     lines += _stages(results)
-    for label, prof in (results.get("py_spy") or {}).items():
-        lines += _py_spy(label, prof)
     lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
     for t in tgt:
         v = t["value"]
@@ -51,9 +48,6 @@ def _ceilings(ceil: dict) -> List[str]:
     ]
     for size, gbps in sorted(ceil.get("shm_write_gbps", {}).items(), key=lambda kv: float(kv[0])):
         lines.append(f"  - files of {float(size) / (1 << 20):.1f} MiB: {gbps:.1f} GB/s")
-    for size, rates in sorted(ceil.get("shm_one_file_gbps", {}).items(), key=lambda kv: float(kv[0])):
-        lines.append(f"- one file at a time, {float(size) / (1 << 20):.1f} MiB: "
-                     + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items()))
     for model, by_len in ceil.get("writer_alone", {}).items():
         for plen, wr in sorted(by_len.items(), key=lambda kv: int(kv[0])):
             lines.append(
@@ -99,16 +93,6 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             f"{num(json_mb, '{:.1f}')} | {num(hc.get('dump_vs_nodump'), '{:.3f}')} | "
             f"{num(hc.get('dump_vs_bound'), '{:.3f}')} |"
         )
-    def shape(c, mode=""):
-        return f"{c['prompt_len']}x{c['concurrency']}{mode}" + (f" #{c['rep']}" if "rep" in c else "")
-
-    def in_order(cells):
-        return sorted(cells, key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
-                                            ORDER.get(c["mode"], len(ORDER))))
-
-    waits = in_order(c for c in m.get("cells", []) if c.get("file_wait_share") is not None)
-    busy = in_order(c for c in m.get("cells", [])
-                    if (c.get("prefill_batches") or {}).get("busy_ms_per_1k_tokens") is not None)
     lines += [
         "",
         f"- dump_vs_nodump: min {num(h.get('dump_vs_nodump_min'), '{:.3f}')}, geometric mean "
@@ -116,14 +100,6 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         + (f"; early answers (dump_early): min {num(h.get('dump_early_vs_nodump_min'), '{:.3f}')}, "
            f"geometric mean {num(h.get('dump_early_vs_nodump_geomean'), '{:.3f}')}"
            if h.get("dump_early_vs_nodump_min") is not None else ""),
-        *(["- early answers, the client threads' waits for an earlier file (share of"
-           " concurrency x wall; a waiting thread has no request in flight): " + ", ".join(
-            f"{shape(c)} {c['file_wait_share']:.3f}" for c in waits)] if waits else []),
-        *(["- the scheduler's milliseconds per 1000 prompt tokens in prefill batches that followed"
-           " one leaving requests queued (SGLang's log, median; batches): " + ", ".join(
-            f"{shape(c, ' ' + c['mode'])} {c['prefill_batches']['busy_ms_per_1k_tokens']:.2f}"
-            f" ({c['prefill_batches']['busy_batches']})"
-            for c in busy)] if busy else []),
         f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
         f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}",
     ]
@@ -251,53 +227,6 @@ def _stages(results: dict) -> List[str]:
             "| model | prompt | conc | hook (per batch) | queue | d2h | write | release |"
             " response wait | poll lag | hook share | file ready first |",
             "|---|---:|---:|---|---|---|---|---|---|---|---:|---:|"] + rows
-
-
-def _py_spy(label: str, prof: dict) -> List[str]:
-    """One py-spy profile (``profilers.profile_cell``): kind ``wait`` (--idle --native),
-    ``--gil``, or an older run's active samples."""
-    lines = ["", f"## py-spy: {label}", ""]
-    if prof.get("error"):
-        return lines + [f"- not taken: {prof['error'][:300]}"]
-    if prof.get("kind") == "wait":
-        lines.append(f"- {prof.get('samples', 0)} samples (--idle --native) in "
-                     f"{prof.get('window_s', 0):.1f} s; scheduler thread waiting for the GIL: "
-                     f"{num(prof.get('scheduler_gil_wait'), '{:.3f}')} of its samples")
-        lines += ["", "| thread | samples | waiting for the GIL |", "|---|---:|---:|"]
-        for t, v in sorted(prof["threads"].items(), key=lambda kv: -kv[1]["samples"]):
-            lines.append(f"| {t} | {v['samples']} | {v['gil_wait']:.3f} |")
-        if prof.get("scheduler_wait_top"):
-            lines += ["", "| share of the scheduler's samples | waiting from (file:line) |", "|---:|---|"]
-            lines += [f"| {sh:.3f} | `{fr}` |" for fr, sh in prof["scheduler_wait_top"]]
-        return lines
-    lines += _gil_lines(prof, prof.get("window_s", 0))
-    for which, other in (prof.get("also") or {}).items():
-        lines += ["", f"### the same window, {which}: {other.get('process', which)}", ""]
-        if other.get("error"):
-            lines.append(f"- not taken: {other['error'][:300]}")
-        else:
-            lines += _gil_lines(other, prof.get("window_s", 0), top=8)
-    return lines
-
-
-def _gil_lines(prof: dict, window_s: float, top: int = 15) -> List[str]:
-    """A ``--gil`` (or older, active-sample) summary: the window shares, its top leaf
-    frames, and the samples with sglang_ext code on the stack."""
-    if prof.get("gil_window_share"):
-        lines = [f"- {prof.get('samples', 0)} samples with the GIL held, in "
-                 f"{window_s:.1f} s; share of the window each thread "
-                 "held the GIL: " + ", ".join(
-                     f"{t} {v:.2f}" for t, v in prof["gil_window_share"].items())]
-    else:
-        lines = [f"- {prof.get('samples', 0)} samples; active share per thread: "
-                 + ", ".join(f"{t} {v:.2f}" for t, v in prof.get("threads", {}).items())]
-    lines += ["", "| share | function (file:line) |", "|---:|---|"]
-    for fn, share in prof.get("top", [])[:top]:
-        lines.append(f"| {share:.3f} | `{fn}` |")
-    if prof.get("ours"):
-        lines += ["", "- samples with sglang_ext code on the stack: "
-                  + ", ".join(f"{t} {v:.2f}" for t, v in prof["ours"].items())]
-    return lines
 
 
 def summary_table(results: dict) -> str:

@@ -13,11 +13,9 @@ import os
 import sys
 import time
 
-# The workloads (random weights). llama-8b: Llama-3.1-8B's shape, what most drafter
-# trainers extract from, default dump layers [2, N//2, N-3, N] = 2,16,29,32. llama-mid:
-# Llama-2-7B's widths, 8 layers, default layers 2,4,5,8 (a stress case: ~4x 8B's rate).
-# DeepseekV3: tests/gpu's tiny MLA + MoE model, with max_position_embeddings raised to
-# 16384 for the 8k prompts, all 4 layers dumped (the stress case: up to ~640k tok/s).
+# llama-8b: what most drafters are trained from (default layers [2, N//2, N-3, N]);
+# llama-mid: Llama-2-7B's widths, 8 layers; deepseek-tiny: tests/gpu's MLA + MoE model,
+# 16384 positions, all 4 layers dumped (the stress case: up to ~640k tok/s).
 MODELS = {
     "llama-8b": {
         "arch": "llama", "hidden_size": 4096, "num_layers": 32, "vocab": 128256,
@@ -37,9 +35,8 @@ MODELS = {
         "arch": "deepseek", "hidden_size": 1024, "num_layers": 4, "vocab": 1024,
         "layers_flag": "1,2,3,4", "layer_ids": [1, 2, 3, 4],
         "est_tps": 150_000, "est_json_tps": 5_000, "est_startup_s": 130, "est_build_s": 5,
-        # its cells at concurrency >= 8 hold 8x the profile's tokens: at 64k tokens (0.1-0.6 s
-        # a cell) single stalls dominated them (bench/README.md, Findings); its
-        # concurrency-1 cells already last seconds
+        # its cells at concurrency >= 8 hold 8x the profile's tokens (at 64k a cell lasts
+        # 0.1-0.6 s, where single stalls dominate)
         "cell_scale": 8,
     },
 }

@@ -1,9 +1,8 @@
 """Every benchmark mode in one table: what its cells measure, which server serves them,
 how the report reads them and how the plot draws them.
 
-The order of ``MODES`` is the grid's (``plan``: each shape's modes run in it; an odd
-round of ``--counterbalance`` reverses it), the Markdown's within a round and the plot's
-bars. Adding a mode is one ``Mode`` here, plus the request
+The order of ``MODES`` is the grid's (``plan``: each shape's modes run in it), the
+Markdown's within a round and the plot's bars. Adding a mode is one ``Mode`` here, plus the request
 it sends (``loadgen``) and, for a new kind of server, its ``servers.KINDS`` entry.
 """
 
@@ -16,7 +15,7 @@ from typing import Dict, Tuple
 @dataclass(frozen=True)
 class Mode:
     name: str
-    server: str  # the servers.KINDS key serving it (json: A, or C with --json-server separate)
+    server: str  # the servers.KINDS key serving it
     label: str = ""  # the plot's legend; "" = not drawn
     color: str = ""
     ratio_label: str = ""  # the plot's ratio panel; "" = no ratio drawn

@@ -1,27 +1,22 @@
-"""The peer (issue 23): vLLM 0.33 serving the same random-weight models, without hidden
-states (mode ``vllm_nodump``, server V) and with its own extraction (mode ``vllm_dump``,
-server W): ``speculative_config={"method": "extract_hidden_states", ...}`` plus the
+"""The peer: vLLM 0.33 serving the same random-weight models, without hidden states
+(mode ``vllm_nodump``, server V) and with its own extraction (mode ``vllm_dump``, server W:
+``speculative_config={"method": "extract_hidden_states", ...}`` plus the
 ``ExampleHiddenStatesConnector`` writing one safetensors file per request into
-``<dump root>/kimi-bench-<model>-vllm``. Its command line, environment, request and
-response are spelled here; bench/README.md ("Side by side with vLLM") says why each flag
-is what it is, with file:line citations into vLLM 0.33.0's source.
+``<dump root>/kimi-bench-<model>-vllm``): its command line, environment, request and
+response.
 
-- Command: ``python -m vllm.entrypoints.openai.api_server`` (0.33 still ships it, with a
-  deprecation warning: entrypoints/openai/api_server.py, end of file), the flags that make
-  it comparable with our servers (``vllm_command``), then the kind's own (W: the two
-  configs of ``dump_flags``). ``KIMI_BENCH_VLLM_PYTHON`` (interpreter),
-  ``KIMI_BENCH_VLLM_PYTHONPATH`` (the whole ``PYTHONPATH`` of vLLM's servers: its staged
-  site) and ``KIMI_BENCH_VLLM_LD_LIBRARY_PATH`` (theirs: the staged NCCL) default to this
-  process's; our servers keep the SGLang stack. bench/run_bench.sh sets the last two from
-  tests/gpu/stage-stack.sh's vLLM stack when it is staged.
-- Request: ``/v1/completions`` with ``prompt`` = token ids, ``max_tokens`` 1, temperature
-  0, as speculators' offline generator sends it. The file's path is the response's
-  ``kv_transfer_params.hidden_states_path``; it is complete once the writer has released
-  the exclusive flock on ``<path>.lock`` (the lock file stays): the client waits for that
-  with a blocking shared flock (``wait_file``), as vLLM's ``load_hidden_states`` does, so
-  (b) means "file complete" for both engines.
-- MLA models are vLLM's to refuse (its connector: "MLA verifiers are unsupported"), so the
-  DeepseekV3 workload is ours alone: ``unsupported`` says so and the report shows it.
+- Command: ``python -m vllm.entrypoints.openai.api_server`` with the flags that make it
+  comparable with our servers (``vllm_command``), then the kind's own (W: ``dump_flags``).
+  ``KIMI_BENCH_VLLM_PYTHON``, ``KIMI_BENCH_VLLM_PYTHONPATH`` and
+  ``KIMI_BENCH_VLLM_LD_LIBRARY_PATH`` give its servers' interpreter and paths (default:
+  this process's); bench/run_bench.sh sets them from the staged vLLM stack.
+- Request: ``/v1/completions`` with ``prompt`` = token ids, ``max_tokens`` 1, as
+  speculators' offline generator sends it. The file is the response's
+  ``kv_transfer_params.hidden_states_path``, complete once the writer has released the
+  flock on ``<path>.lock``: the client waits with a blocking shared flock (``wait_file``),
+  as vLLM's ``load_hidden_states`` does, so (b) means "file complete" for both engines.
+- MLA models are vLLM's to refuse ("MLA verifiers are unsupported"): the DeepseekV3
+  workload is ours alone (``unsupported``).
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ import fcntl
 import json
 import os
 import re
-import shlex
 import sys
 from typing import List, Optional
 
@@ -45,9 +39,8 @@ DEFAULT_MODULE = "vllm.entrypoints.openai.api_server"
 ENV_PYTHON = "KIMI_BENCH_VLLM_PYTHON"
 ENV_PYTHONPATH = "KIMI_BENCH_VLLM_PYTHONPATH"
 ENV_LD_LIBRARY_PATH = "KIMI_BENCH_VLLM_LD_LIBRARY_PATH"
-# SGLang's default chunked prefill on an H200 (bench/README.md), and vLLM's own default
-# max_num_batched_tokens for the API server on a 70-160 GiB GPU (engine/arg_utils.py,
-# get_batch_defaults): passed explicitly so that the two stay equal.
+# SGLang's default chunked prefill on an H200, and vLLM's own default on a 70-160 GiB GPU
+# (engine/arg_utils.py, get_batch_defaults): passed explicitly so that the two stay equal.
 DEFAULT_BATCHED_TOKENS = 8192
 UNSUPPORTED = {
     "deepseek": ("vLLM 0.33's extract_hidden_states has no MLA support (ExampleHiddenStatesConnector:"
@@ -91,53 +84,28 @@ def dump_flags(name: str, dump_dir: str) -> List[str]:
             "--kv-transfer-config", json.dumps(kv_transfer_config(dump_dir, threads))]
 
 
-def vllm_args_words(args) -> List[str]:
-    """``--vllm-args`` split as a shell would. Raises ValueError (naming it) when it
-    cannot be, e.g. an unclosed quote."""
-    try:
-        return shlex.split(args.vllm_args or "")
-    except ValueError as e:
-        raise ValueError(f"--vllm-args {args.vllm_args!r}: {e} (its words are split as a shell would)") from None
-
-
 def gpu_memory_utilization(args) -> float:
-    """vLLM's ``--gpu-memory-utilization``: the last one in ``--vllm-args`` (appended after
-    ours, so it is the one vLLM takes), else ``--vllm-gpu-memory-utilization``, else the
+    """vLLM's ``--gpu-memory-utilization``: ``--vllm-gpu-memory-utilization``, else the
     same number as our ``--mem-fraction-static`` (vLLM's counts activations too, SGLang's
-    static fraction does not: vLLM's KV pool is a little smaller at the same number).
-    Raises ValueError for ``--vllm-args`` that cannot be split or hold a value that is not
-    a number."""
-    words = vllm_args_words(args)
-    given = None
-    for i, w in enumerate(words):
-        if w.startswith("--gpu-memory-utilization="):
-            given = w.split("=", 1)[1]
-        elif w == "--gpu-memory-utilization" and i + 1 < len(words):
-            given = words[i + 1]
-    if given is not None:
-        try:
-            return float(given)
-        except ValueError:
-            raise ValueError(f"--vllm-args: --gpu-memory-utilization {given!r} is not a number") from None
+    static fraction does not: vLLM's KV pool is a little smaller at the same number)."""
     return args.vllm_gpu_memory_utilization or args.mem_fraction_static
 
 
 def vllm_command(args, name: str, port: int, extra: List[str]) -> List[str]:
     """vLLM's argv for model ``name`` on ``port``: the flags shared by servers V and W,
-    ``extra`` (what makes the kind), then ``--vllm-args`` (so they can override)."""
+    then ``extra`` (what makes the kind)."""
     python = os.environ.get(ENV_PYTHON) or sys.executable
     cmd = [python, "-m", args.vllm_server_module, "--model", model_path(args, name),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--gpu-memory-utilization", str(gpu_memory_utilization(args)),
-           "--max-num-batched-tokens", str(args.chunked_prefill_size or DEFAULT_BATCHED_TOKENS),
+           "--max-num-batched-tokens", str(DEFAULT_BATCHED_TOKENS),
            # as our servers: no prefix cache (a cached prefix would compute, and so store,
            # only its suffix), token ids in and out, triton attention
            "--no-enable-prefix-caching", "--skip-tokenizer-init", "--attention-backend", "TRITON_ATTN",
-           "--disable-uvicorn-access-log"]
-    if not args.cuda_graph:
-        # as our servers (no CUDA graphs), and no torch.compile: start-up in seconds
-        cmd += ["--enforce-eager", "--optimization-level", "0"]
-    return cmd + extra + vllm_args_words(args)
+           "--disable-uvicorn-access-log",
+           # as our servers (no CUDA graphs), and no torch.compile: start-up in seconds
+           "--enforce-eager", "--optimization-level", "0"]
+    return cmd + extra
 
 
 def vllm_env() -> dict:

@@ -1,26 +1,13 @@
-"""Our files and vLLM's for the same prompts, compared (issue 23).
+"""Our files and vLLM's for the same prompts, compared.
 
-Client side, while the servers are up (``collect``): a few prompts (``prompt_lens``: up
-to two of the run's lengths, and 777 tokens, a multiple of neither vLLM's 16-token blocks
-nor a chunk), each sent once to our dumping server B (``/generate``; the answer waits for
-the file) and once to vLLM's W (``/v1/completions`` with ``return_token_ids``; the client
-waits on the file's lock); both files are copied into a folder of the work directory with
-``pairs.json`` (the prompts, the paths, the layer ids).
-
-After the servers have stopped, so that the GPU is free for the reference:
-``python -m bench.peerfiles PAIRS OUT [--model-path P] [--reference hf|none]``
-(``compare``): per prompt, both files' keys, shapes ``hidden_states [T, L, H]`` and
-``token_ids [T]``, token ids equal to the prompt (and vLLM's echoed
-``prompt_token_ids``), the relative error of vLLM's hidden states against ours, and with
-``--reference hf`` each file's against HF transformers' float32 forward of the same weights
-(testing/reference.py, the GPU suite's independent reference), all against
-testing/checks.py's bf16 tolerances. OUT is ``compare``'s dict: the run stores it as
-``models.<m>.peer_files``.
-
-Both engines store the same slots for the same ids (bench/README.md: id k is the residual
-stream entering decoder layer k, id N the stream after the last layer before the final
-norm, in both), so slot i of one file is compared with slot i of the other.
-"""
+While the servers are up, ``collect`` sends a few prompts (the run's two shortest lengths
+and 777 tokens, a multiple of neither vLLM's 16-token blocks nor a chunk) to our server B
+and to vLLM's W, and copies both files with ``pairs.json``. After the servers stop (the
+GPU is free for the reference), ``python -m bench.peerfiles PAIRS OUT [--model-path P]
+[--reference hf|none]`` runs ``compare``: keys, shapes, token ids, vLLM's hidden states
+against ours and, with ``--reference hf``, each against HF transformers' float32 forward
+(testing/reference.py), within testing/checks.py's bf16 tolerances. Both engines store the
+same slots for the same layer ids, so slot i of one file is compared with slot i of the other."""
 
 from __future__ import annotations
 
@@ -100,18 +87,11 @@ def _load(path: str, ids: List[int], layer_ids: List[int], hidden_size: int, who
     return hs, sorted(t)
 
 
-# With the reference, each error may be this many times HF's own bf16 forward's error
-# against float32 at the same layer id (and token rows: its worst row), where that is above
-# the fixed bf16 tolerances: a deep random-weight model's bf16 rounding grows with depth
-# (llama-8b: HF bf16 against float32, 1.9e-2 at id 2 to 7.9e-2 at id 32), which no engine can
-# beat, while a wrong layer or token shows as a multiple of it.
+# With the reference, an error may be this many times HF's own bf16 error against float32
+# at that layer id: a deep random-weight model's bf16 rounding grows with depth, which no
+# engine can beat, while a wrong layer or token shows as a multiple of it.
 BASELINE_FACTOR = 1.5
-# ... but only where HF's bf16 error is bf16 rounding: above this at a layer id (or above
-# BASELINE_TOKEN_MAX for its worst token row, which runs higher: 9.3e-2 on llama-8b where
-# the ids reach 7.0e-2) the baseline is itself broken (seen: the rotary inv_freq cast to
-# bf16 with the weights, 0.39-0.89 off float32 on llama-8b, which scaled every tolerance
-# past 0.5), so it is a problem of its own and that tolerance stays the fixed one. NaN
-# counts as broken.
+# ... only where HF's bf16 error is rounding: above these the baseline is itself broken.
 BASELINE_MAX = 0.15
 BASELINE_TOKEN_MAX = 0.3
 
@@ -124,20 +104,15 @@ def _scaled(fixed: float, baseline: float, cap: float) -> float:
 
 def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none", device: str = "cuda") -> dict:
     """Compare the pairs of ``doc`` (``pairs.json``'s content). Returns ``{"prompts",
-    "prompt_lens", "layer_ids", "keys": {"ours", "vllm"}, "ours_vs_vllm", "ours_vs_ref",
-    "vllm_vs_ref", "hf_bf16_vs_ref" (each ``{"block", "token", "block_where",
-    "token_where", "files", "slots"}``: the largest relative errors over the prompts,
-    ``testing/checks.Worst``, per layer slot too), "tolerance", "reference", "problems", "pass"}``.
+    "prompt_lens", "layer_ids", "keys", "ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref",
+    "hf_bf16_vs_ref" (each the largest relative errors, ``testing/checks.Worst``, per layer
+    slot too), "tolerance", "reference", "problems", "pass"}``.
 
-    Without the reference, ``pass`` when every file has the right keys, shapes and token
-    ids and vLLM's against ours is within testing/checks.py's bf16 tolerances. With
-    ``reference="hf"``, both files are compared with HF's float32 forward and HF's own
-    bf16 forward of the same weights is measured the same way (``hf_bf16_vs_ref``); every
-    error (each engine against float32, and the two against each other) must then be within
-    ``tolerance["slots"]``: per layer slot max(the block tolerance, ``BASELINE_FACTOR`` x
-    HF bf16's error there), and per token row max(the row tolerance, the factor x HF bf16's
-    worst row). An HF bf16 error above ``BASELINE_MAX`` (token rows: ``BASELINE_TOKEN_MAX``)
-    or NaN is not rounding: it is a problem and scales nothing. A NaN in any file fails."""
+    Without the reference, ``pass`` when every file has the right keys, shapes and token ids
+    and vLLM's is within the bf16 tolerances of ours. With ``reference="hf"``, every error
+    must be within max(the fixed tolerance, ``BASELINE_FACTOR`` x HF's own bf16 error) per
+    layer slot (token rows alike); an HF bf16 error above ``BASELINE_MAX`` (token rows:
+    ``BASELINE_TOKEN_MAX``) or NaN is not rounding: a problem, and it scales nothing."""
     layer_ids, hidden = doc["layer_ids"], doc["hidden_size"]
     ref = refmod.Reference(model_path, device) if reference == "hf" else None
     worst = {k: checks.Worst() for k in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref", "hf_bf16_vs_ref")}

@@ -1,18 +1,11 @@
-"""Plot a benchmark results JSON (``python -m bench``'s output) to a PNG, on any machine.
+"""Plot a results JSON (``python -m bench``'s output) to a PNG, on any machine with matplotlib.
 
-    python -m bench.plot RESULTS.json [-o out.png] [--markdown]   (from the repository root)
+    python -m bench.plot RESULTS.json [-o out.png] [--markdown]
 
-Top row, per model: prefill tokens/s of every (prompt length, concurrency) shape (over
-``--repeat``'s rounds: their tokens over their wall seconds) for
-nodump (a), dump (b), early answers (b'), fp8 dumps, JSON (c) and the peer vLLM's (a) and
-(b) (hatched), log scale where they span more than 10x, with the hardware bound W/B of each cell
-(W = min(pinned D2H, /dev/shm write), B = dump bytes per prompt token) as a marker.
-Bottom row: (b)/min((a), W/B) per shape and dump mode against the 0.95 target (vLLM's
-against its own (a); over several rounds the lowest); where vLLM's dump ran, black
-diamonds: its (b) over ours, shape by shape (no target: a comparison, drawn when the run
-has no (a) too).
-The GPU host has no matplotlib; run this where it is installed.
-"""
+Top row, per model: prefill tokens/s per (prompt length, concurrency) and mode (vLLM's
+hatched), with each cell's hardware bound W/B as a marker. Bottom row: each dump mode's
+(b)/min((a), W/B) against the 0.95 target (the lowest over rounds) and, where vLLM ran, its
+(b) over ours (black diamonds)."""
 
 from __future__ import annotations
 

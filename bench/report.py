@@ -1,36 +1,16 @@
-"""Pure functions of the benchmark: statistics, headline ratios, targets.
+"""Pure functions of the benchmark: statistics, headline ratios, targets, stage times.
 
-No torch, no CUDA, no server: the benchmark (``loadgen``, ``cli``) feeds them measured
-numbers and ``tests/benchmark/test_bench.py`` hand-made ones; ``markdown`` and ``plot`` show them.
-Units are in the names (``_s`` seconds, ``_tps`` prompt tokens per second, ``_gbps`` 1e9
-bytes per second).
+No torch, no CUDA, no server: ``loadgen`` and ``cli`` feed them measured numbers, the tests
+hand-made ones; ``markdown`` and ``plot`` show them. Units are in the names (``_s``
+seconds, ``_tps`` prompt tokens per second, ``_gbps`` 1e9 bytes per second).
 
-Results layout (what ``cli`` writes, what ``markdown`` and ``plot`` read)::
-
-    {"date", "gpu", "profile", "versions", "config": {...},
-     "ceilings": {"d2h_pinned_gbps", "writer_threads",
-                  "shm_write_gbps": {"<file bytes>": gbps, ...},
-                  "shm_one_file_gbps": {"<file bytes>": {"save_file": gbps, "pwrite_<n>": gbps,
-                                                         "fallocate": gbps, "prealloc_write": gbps}},
-                  "writer_alone": {"<model>": {"<prompt_len>": {"gbps", "file_bytes", ...}}}},
-     "models": {"<model>": {"hidden_size", "layer_ids", "startup_s": {...},
-                            "cells": [{"mode": "nodump"|"dump"|"dump_early"|"dump_fp8"
-                                               |"json"|"vllm_nodump"|"vllm_dump", "prompt_len",
-                                       "concurrency", "rep" (--repeat > 1), "requests",
-                                       "prompt_tokens", "wall_s",
-                                       "prefill_tps", "p50_s", "p99_s",
-                                       "file_bytes" (dump), "write_gbps" (dump),
-                                       "response_bytes" (json),
-                                       "stages" (dump, ``stage_stats``), ...}],
-                            "host_memory": {...},
-                            "peer_unsupported" (no vLLM cells: why), "peer_files" (ours
-                            vs vLLM's files, ``bench.peerfiles.compare``)}},
-     "headline": {"<model>": {...}}, "targets": [...], "phases": {...},
-     "py_spy": {"<label>": {"samples", "threads", "top"} (kind "gil") or {"kind": "wait",
-                "samples", "threads": {t: {"samples", "gil_wait"}}, "scheduler_gil_wait",
-                "scheduler_wait_top"} or {"error"}},
-     "notes": [...]}
-"""
+A results file (what ``cli`` writes): ``{"date", "gpu", "profile", "versions", "config",
+"ceilings": {"d2h_pinned_gbps", "writer_threads", "shm_write_gbps": {"<file bytes>": gbps},
+"writer_alone": {model: {prompt_len: {"gbps", "file_bytes", ...}}}}, "models": {model:
+{"hidden_size", "layer_ids", "cells": [{"mode", "prompt_len", "concurrency", "rep",
+"requests", "prompt_tokens", "wall_s", "prefill_tps", "p50_s", "p99_s", "file_bytes",
+"write_gbps", "response_bytes", "stages", ...}], "host_memory", "peer_unsupported",
+"peer_files"}}, "headline", "targets", "phases", "skipped"}``."""
 
 from __future__ import annotations
 
@@ -39,7 +19,6 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from bench import modes
 
-# Targets of issue #7.
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
 TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W

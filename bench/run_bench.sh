@@ -1,24 +1,12 @@
 #!/usr/bin/env bash
-# The benchmark of issue #7 on the device host (H200 image: Python 3.12, torch 2.11+cu130).
-#
-# Staging: the same as tests/gpu/run_e2e.sh (../shared/gpu-lab recipe). Make .whl/{a,b,c}
-# here with  ../shared/gpu-lab/stage-wheels.sh .whl  then, on the device, one call per
-# folder, back to back on the same warm host (each call carries one folder):
+# `python -m bench` on the offline device host, staged as tests/gpu/run_e2e.sh is (make
+# .whl/{a,b,c} with ../shared/gpu-lab/stage-wheels.sh .whl, then one call per folder on the
+# same warm host):
 #   bash bench/run_bench.sh install a      (carry .whl/a)
 #   bash bench/run_bench.sh install b      (carry .whl/b)
-#   bash bench/run_bench.sh run --quick    (carry .whl/c and .whl/d: installs, applies, runs)
-# .whl/d (py-spy for the profiles): bash tests/gpu/stage-extras.sh
-# A host that already ran tests/gpu/run_e2e.sh has a, b and c installed (same /tmp/site-*).
-# `run` applies the series into the staged site-packages and runs `python3 -m bench` with the
-# remaining arguments (see bench/README.md). Results: $OUT/<date>-<gpu>-<profile>.json and
-# .md, and the server logs; make the PNG here with `python -m bench.plot`.
-# The peer's modes (vllm_nodump, vllm_dump) start vLLM 0.33 with
-#   KIMI_BENCH_VLLM_PYTHONPATH       the whole PYTHONPATH of vLLM's servers (its staged site)
-#   KIMI_BENCH_VLLM_LD_LIBRARY_PATH  their LD_LIBRARY_PATH (the staged NCCL)
-#   KIMI_BENCH_VLLM_PYTHON           their interpreter (default: python3, as the bench's)
-# while our servers keep the SGLang stack staged below. Unset, the first two come from
-# tests/gpu/stage-stack.sh's vLLM stack when it is staged (its `env vllm`, evaluated
-# without our PYTHONPATH), else from this environment (vLLM must then import from it).
+#   bash bench/run_bench.sh run --quick    (carry .whl/c: installs, applies the series, runs)
+# vLLM's servers (the peer's modes) get KIMI_BENCH_VLLM_PYTHONPATH / _LD_LIBRARY_PATH /
+# _PYTHON, by default from tests/gpu/stage-stack.sh's vLLM stack when it is staged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=tests/gpu/stage.sh
@@ -46,8 +34,7 @@ case "${1:-run}" in
       LD_LIBRARY_PATH="${KIMI_BENCH_VLLM_LD_LIBRARY_PATH:-${LD_LIBRARY_PATH:-}}" "${KIMI_BENCH_VLLM_PYTHON:-python3}" -c \
       'from importlib.metadata import version; print("vLLM for the peer modes:", version("vllm"))' 2>/dev/null \
       || echo "vLLM for the peer modes: not importable (stage it: tests/gpu/stage-stack.sh; or set KIMI_BENCH_VLLM_PYTHONPATH)"
-    # KIMI_BENCH_TIMEOUT=S: stop the bench after S seconds (SIGTERM: it stops the servers
-    # and keeps the results so far); its own deadline normally ends it first.
+    # KIMI_BENCH_TIMEOUT=S: SIGTERM after S s (it stops the servers, keeps the results so far)
     guard=()
     if [ -n "${KIMI_BENCH_TIMEOUT:-}" ]; then guard=(timeout --kill-after=30 "$KIMI_BENCH_TIMEOUT"); fi
     "${guard[@]}" python3 -m bench --out "${OUT:-/tmp/kimi-bench-out}" "${@:2}"

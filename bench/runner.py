@@ -1,9 +1,9 @@
 """One model's run: build it, start its servers together, sample their memory, warm them
 up, collect a few files of ours and vLLM's for the same prompts, run every cell of the
 plan in order (skipping what the deadline leaves no time for, and the time the file
-comparison needs), re-run the profiled ones, read the writer's host-memory peaks, stop the
-servers, compare those files. Results go
-into the shared ``results`` dict (``models.<name>``), saved after every cell.
+comparison needs), read the writer's host-memory peaks, stop the servers, compare those
+files. Results go into the shared ``results`` dict (``models.<name>``), saved after every
+cell.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import time
 
-from bench import child_env, loadgen, module_argv, peer, peerfiles, profilers, report, servers
+from bench import child_env, loadgen, module_argv, peer, peerfiles, report, servers
 from bench import plan as planning
 from bench.models import MODELS, file_bytes, model_path
 from bench.plan import peer_files_wanted
@@ -107,8 +107,8 @@ class ModelRun:
             os.makedirs(d)
         logs = os.path.join(args.workdir, "logs")
         os.makedirs(logs, exist_ok=True)
-        self.trace_path = None if args.no_trace else os.path.join(logs, f"trace-{name}.jsonl")
-        if self.trace_path and os.path.exists(self.trace_path):
+        self.trace_path = os.path.join(logs, f"trace-{name}.jsonl")
+        if os.path.exists(self.trace_path):
             os.unlink(self.trace_path)
         specs = {w: (cmd, os.path.join(logs, f"server-{name}-{w}.log"), servers.server_env(w, self.trace_path))
                  for w, cmd in self.mp["servers"].items()}
@@ -292,36 +292,12 @@ class ModelRun:
             r["rep"] = cell["rep"]
         self.clear(mode)
         self.m["cells"].append(r)
-        if self.fits(profilers.py_spy_need_s(args, cell, r), f"py-spy of {label}"):
-            # the same cell again, sampled (the measured run above was not); one per round
-            self.results.setdefault("py_spy", {})[label] = profilers.profile_cell(
-                server, cell, self.spec, self.rng, os.path.join(args.out, f"py-spy-{self.profile_tag(cell)}"),
-                args.py_spy_kind, getattr(args, "py_spy_also", ()))
-            self.clear(mode)
         print(cell_line(label, r), flush=True)
         self.save()
 
-    def fits(self, need_s, what):
-        """Whether a profile asked for (``need_s`` not None) fits before the deadline; one
-        that does not is listed in the results' ``skipped``, as a skipped cell is."""
-        if need_s is None:
-            return False
-        if self.clock.left() > need_s:
-            return True
-        self.skipped.append(f"{what} (deadline: {self.clock.left():.0f} s left, it needs ~{need_s:.0f} s)")
-        print(f"  skip {what}: deadline", flush=True)
-        return False
-
-    def profile_tag(self, cell):
-        """The file-name tag of a cell's py-spy samples:
-        run, model, mode, shape and, with ``--repeat``, round."""
-        rep = cell.get("rep")
-        return (f"{self.args.case or self.args.profile}-{self.name}-{cell['mode']}-"
-                f"{cell['prompt_len']}x{cell['concurrency']}" + (f"-{rep}" if rep is not None else ""))
-
     def host_memory(self):
-        """The writer's host-memory peaks from server B's log (after waiting, with
-        ``--writer-log-wait-s``, for its next snapshot line) and the sampled growth."""
+        """The writer's host-memory peaks from server B's log (after waiting up to the
+        profile's ``writer_log_wait_s`` for its next snapshot line) and the sampled growth."""
         hm = self.m.get("host_memory")
         for which, key in self.SAMPLED[2:]:  # vLLM's servers
             sampler = self.samplers.pop(which, None)
@@ -332,8 +308,9 @@ class ModelRun:
         if "B" not in self.servers:
             return
         hm, b = self.m["host_memory"], self.servers["B"]
-        if self.args.writer_log_wait_s and self.clock.left() > self.args.writer_log_wait_s + 30:
-            loadgen.wait_writer_log(b, self.spec, self.rng, self.args.writer_log_wait_s)
+        wait_s = self.plan["writer_log_wait_s"]
+        if wait_s and self.clock.left() > wait_s + 30:
+            loadgen.wait_writer_log(b, self.spec, self.rng, wait_s)
             loadgen.clear_dump_dir(servers.dump_dir(self.args, self.name))
         log_b = b.log_text()
         hm["log_host_bytes_peak"] = loadgen.writer_log_peak(log_b)

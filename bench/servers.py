@@ -1,36 +1,12 @@
 """The servers of one model's run: which kind serves which mode, their command lines,
 dump directories and environment, and their start and stop.
 
-Every kind of server is one entry of ``KINDS``; all share the flags of
-testing/server.py's ``base_command`` (what the GPU suite verified) plus
-``--skip-tokenizer-init --disable-radix-cache --cuda-graph-max-bs 32 --log-level info``
-and the run's options, and differ only in their last flags:
-
-- A: plain; plus ``--enable-return-hidden-states`` while it also serves ``json``.
-  Serves ``nodump`` and (``--json-server shared``) ``json``.
-- B: plus the dump flags (``--dump-hidden-states-dir <dump root>/kimi-bench-<model>``).
-  Serves ``dump`` and ``dump_early``.
-- C: plus ``--enable-return-hidden-states``; serves ``json`` with ``--json-server separate``.
-- D: B's flags plus ``--dump-hidden-states-dtype fp8`` (the dtype is per server); serves
-  ``dump_fp8``.
-- V and W: the peer, vLLM (``bench.peer``: its own command line and environment, the same
-  model files). V serves ``vllm_nodump``; W, with vLLM's extract_hidden_states and its
-  example connector writing into ``<dump root>/kimi-bench-<model>-vllm``, ``vllm_dump``.
-
-SGLang 0.5.17 captures hidden states (mode FULL) on every forward of a server started
-with --enable-return-hidden-states, whether a request asks for them or not
-(ForwardBatch.init_new: "capture the server's configured maximum"), so a shared A does
-slightly more than a plain server for (a); --json-server separate measures (a) on a plain
-server at the cost of a third start-up.
-
-Starting, waiting and stopping is testing/server.py's launcher (``launch``,
-``Server.wait_until``/``wait_healthy``, ``stop_all``), the one the GPU suite uses.
-
-Adding a kind of server (as V and W were, issue 23) is: a ``Kind`` whose ``command``
-builds its argv (the launcher only needs ``--port`` and ``/health``) and whose ``env``
-gives its environment, the next ``--ports`` entry, its mode in ``bench/modes.py``
-(``dumps=True`` if it dumps), and in ``loadgen`` the request
-that mode sends and where its file is found (``api``).
+Every kind is one entry of ``KINDS``. Ours share testing/server.py's ``base_command`` (what
+the GPU suite verified) plus ``--skip-tokenizer-init --disable-radix-cache --log-level
+info``, no CUDA graphs (``max_new_tokens=1`` runs no decode step), and differ only in their
+last flags: A plain (plus ``--enable-return-hidden-states`` when ``json`` runs), B the dump
+flags, D B's plus ``--dump-hidden-states-dtype fp8``. V and W are the peer's (``bench.peer``).
+Starting, waiting and stopping is testing/server.py's launcher, the one the GPU suite uses.
 """
 
 from __future__ import annotations
@@ -52,17 +28,7 @@ def sglang_command(args, name, which, extra):
     cmd = launcher.base_command(args.server_module, model_path(args, name), port_of(args, which),
                                 args.mem_fraction_static, python=sys.executable)
     cmd += ["--skip-tokenizer-init", "--disable-radix-cache", *launcher.cuda_graph_max_bs_flags(32),
-            "--log-level", "info"]
-    if not args.cuda_graph:
-        # max_new_tokens=1: no decode step runs, and the dump turns the prefill graph off
-        # anyway; skipping capture saves start-up time and keeps A and B alike.
-        cmd += ["--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]
-    if args.chunked_prefill_size:
-        cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
-    if args.sleep_on_idle:
-        cmd += ["--sleep-on-idle"]
-    if args.max_total_tokens:
-        cmd += ["--max-total-tokens", str(args.max_total_tokens)]
+            "--log-level", "info", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]
     return cmd + extra
 
 
@@ -72,8 +38,7 @@ def _dump(args, name, which, dtype=None):
 
 
 def _a_flags(args, name, which):
-    json_on_a = "json" in args.modes.split(",") and server_for(args, "json") == "A"
-    return ["--enable-return-hidden-states"] if json_on_a else []
+    return ["--enable-return-hidden-states"] if "json" in args.modes.split(",") else []
 
 
 def vllm_command(args, name, which, extra):
@@ -101,21 +66,17 @@ class Kind:
 KINDS = {
     "A": Kind(0, _a_flags),
     "B": Kind(1, lambda args, name, which: _dump(args, name, which), dump_suffix=""),
-    "C": Kind(2, lambda args, name, which: ["--enable-return-hidden-states"]),
-    "D": Kind(3, lambda args, name, which: _dump(args, name, which, "fp8"), dump_suffix="-fp8"),
-    "V": Kind(4, lambda args, name, which: [], command=vllm_command, api="vllm", env=peer.vllm_env),
-    "W": Kind(5, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
+    "D": Kind(2, lambda args, name, which: _dump(args, name, which, "fp8"), dump_suffix="-fp8"),
+    "V": Kind(3, lambda args, name, which: [], command=vllm_command, api="vllm", env=peer.vllm_env),
+    "W": Kind(4, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
               dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
 }
 
-# the server of each mode (json: A, or C with --json-server separate)
 MODE_SERVER = {m.name: m.server for m in modes.MODES}
 
 
 def server_for(args, mode):
-    """The kind (``KINDS`` key) that serves ``mode`` in this run."""
-    if mode == "json" and args.json_server == "separate":
-        return "C"
+    """The kind (``KINDS`` key) that serves ``mode``."""
     return MODE_SERVER.get(mode, "A")
 
 
@@ -125,8 +86,8 @@ def port_of(args, which):
 
 def ports_problem(args, modes):
     """Why ``--ports`` is too short for the servers of ``modes`` (an error message), or None."""
-    words = ["first", "second", "third", "fourth", "fifth", "sixth"]
-    counts = ["one", "two", "three", "four", "five", "six"]
+    words = ["first", "second", "third", "fourth", "fifth"]
+    counts = ["one", "two", "three", "four", "five"]
     for mode in modes:
         which = server_for(args, mode)
         i = KINDS[which].port_index
@@ -137,13 +98,9 @@ def ports_problem(args, modes):
 
 
 def server_cmd(args, name, which):
-    """The command line of server ``which`` of model ``name``; under ``taskset -c CPUS``
-    where ``--server-cpus`` gives that server CPUs (its processes inherit them: the
-    scheduler, the front end, the dump's writer process)."""
+    """The command line of server ``which`` of model ``name``."""
     kind = KINDS[which]
-    cmd = kind.command(args, name, which, kind.flags(args, name, which))
-    cpus = args.server_cpus.get(which)
-    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+    return kind.command(args, name, which, kind.flags(args, name, which))
 
 
 def dumps(which):
@@ -176,15 +133,11 @@ def server_env(which, trace_path):
     return env
 
 
-# The log line of a server that has begun loading its weights: the next server may start.
-# Its import and start-up (30-80 s of CPU work on the H200 host: SGLang's tokenizer manager
-# and scheduler, vLLM's API server and engine core) then overlap this one's GPU phase, which
-# ends seconds later (SGLang: weights ~4 s, then "KV Cache is allocated"; vLLM: weights,
-# ~12 s of memory profiling, "init engine ... took"), long before the next one takes its
-# own memory snapshot. Waiting for the KV cache instead ran the four start-ups end to end:
-# 340-386 s of a 600 s call (bench/README.md). SGLang: model_runner.py "Load weight begin";
+# The log line of a server that has begun loading its weights: the next server may start,
+# its import (30-80 s of CPU work) overlapping this one's GPU phase, which ends long before
+# the next one takes its own memory snapshot. SGLang: model_runner.py "Load weight begin";
 # vLLM 0.33: v1/worker/gpu/model_runner.py "Loading model from scratch"; the later lines
-# (and /health) as before, for servers that print neither.
+# (and /health) for servers that print neither.
 READY_FOR_NEXT = re.compile(r"Load weight begin|Loading model from scratch"
                             r"|KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up"
                             r"|init engine \(profile, create kv cache")

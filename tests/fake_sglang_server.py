@@ -136,22 +136,7 @@ def main():
     class Handler(JsonHandler):
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-            ids = req["input_ids"]
-            with lock:
-                state["inflight"] = state.get("inflight", 0) + 1
-            try:
-                self._generate(req, ids)
-            finally:
-                # SGLang's line per prefill batch, after its result (one request each here):
-                # tokens, the requests still in flight, tokens / time since the previous line
-                with lock:
-                    state["inflight"] -= 1
-                    now = time.perf_counter()
-                    gap, state["last"] = now - state.get("last", now), now
-                    print(f"[fake] Prefill batch, #new-seq: 1, #new-token: {len(ids)}, #cached-token: 0, "
-                          f"token usage: 0.00, #running-req: 0, #queue-req: {state['inflight']}, "
-                          f"#pending-token: 0, cuda graph: False, input throughput (token/s): "
-                          f"{len(ids) / gap if gap > 0 else 0.0:.2f}", flush=True)
+            self._generate(req, req["input_ids"])
 
         def _generate(self, req, ids):
             meta = {"prompt_tokens": len(ids), "completion_tokens": 1}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, loadgen, markdown, models, plan, profilers, report
+from bench import cli, loadgen, markdown, models, plan, report
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -222,9 +222,8 @@ def test_plan_sizes_and_server_flags():
     assert "--enable-return-hidden-states" in a and "--dump-hidden-states-dir" not in a
     assert "--dump-hidden-states-dir" in b and "--enable-return-hidden-states" not in b
     assert "--dump-hidden-states-layers" not in b  # Llama: default 2,4,5,8
-    sep = plan.make_plan(_args(["--quick", "--json-server", "separate"]))["models"]["llama-mid"]["servers"]
-    assert "--enable-return-hidden-states" not in sep["A"] and "--enable-return-hidden-states" in sep["C"]
-    assert sep["A"][: sep["A"].index("--port")] == sep["C"][: sep["C"].index("--port")]
+    plain = plan.make_plan(_args(["--quick", "--modes", "nodump,dump"]))["models"]["llama-mid"]["servers"]
+    assert "--enable-return-hidden-states" not in plain["A"]
     ds_b = planned["models"]["deepseek-tiny"]["servers"]["B"]
     assert ds_b[ds_b.index("--dump-hidden-states-layers") + 1] == "1,2,3,4"
     cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in llama["cells"]}
@@ -258,51 +257,49 @@ def test_dry_run_prints_the_plan_without_torch():
 
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
-    """Every mode has its server (A: nodump, json shared; B: dump, dump_early; C: json
-    separate; D: dump_fp8; vLLM's V and W, tests/benchmark/test_bench_peer.py);
+    """Every mode has its server (A: nodump, json; B: dump, dump_early; D: dump_fp8;
+    vLLM's V and W, tests/benchmark/test_bench_peer.py);
     all of our kinds carry testing/server.py's shared flags and the run's options, then
     only what makes the kind; dumping kinds get their own directory and the writer's
     environment."""
     from bench import servers
     from testing import server as launcher
 
-    args = _args(["--modes", ",".join(plan.MODES), "--json-server", "separate", "--max-host-mb", "1024",
-                  "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4", "--chunked-prefill-size", "512"])
+    args = _args(["--modes", ",".join(plan.MODES), "--max-host-mb", "1024",
+                  "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
-        "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "C", "vllm_nodump": "V",
+        "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "A", "vllm_nodump": "V",
         "vllm_dump": "W"}
-    assert servers.server_for(_args([]), "json") == "A"
-    cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABCD"}
+    cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
     shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
     assert cmds["A"][: len(shared)] == shared
-    common = cmds["A"][len(shared):]
-    assert "--chunked-prefill-size" in common and "--disable-radix-cache" in common
+    common = cmds["A"][len(shared):-1]  # A's own flag last: json runs
+    assert "--disable-radix-cache" in common and "--disable-decode-cuda-graph" in common
     assert "--skip-tokenizer-init" in common
     tails = {w: c[len(shared) + len(common):] for w, c in cmds.items()}
-    for port, (w, c) in enumerate(cmds.items(), 1):  # same flags but the port (--ports 1,2,3,4)
+    for port, (w, c) in enumerate(cmds.items(), 1):  # same flags but the port (--ports 1,2,3)
         assert c[:len(shared) + len(common)] == launcher.base_command(
             "sglang.launch_server", "/w/deepseek-tiny", port, 0.3, python=sys.executable) + common, w
     assert tails == {
-        "A": [],
+        "A": ["--enable-return-hidden-states"],
         "B": ["--dump-hidden-states-dir", "/r/kimi-bench-deepseek-tiny", "--dump-hidden-states-layers", "1,2,3,4",
               "--dump-hidden-states-max-host-mb", "1024"],
-        "C": ["--enable-return-hidden-states"],
         "D": ["--dump-hidden-states-dir", "/r/kimi-bench-deepseek-tiny-fp8", "--dump-hidden-states-layers",
               "1,2,3,4", "--dump-hidden-states-max-host-mb", "1024", "--dump-hidden-states-dtype", "fp8"],
     }
-    assert [servers.dumps(w) for w in "ABCD"] == [False, True, False, True]
+    assert [servers.dumps(w) for w in "ABD"] == [False, True, True]
     assert servers.server_env("B", "/t.jsonl") == {"KIMI_SGLANG_STATS_INTERVAL_S": "5",
                                                    "KIMI_SGLANG_TRACE": "/t.jsonl"}
     assert servers.server_env("D", None) == {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
-    assert servers.server_env("A", "/t.jsonl") is None and servers.server_env("C", "/t.jsonl") is None
+    assert servers.server_env("A", "/t.jsonl") is None
     # a server beyond --ports is a usage error that names it
-    short = _args(["--modes", "nodump,dump_fp8", "--ports", "1,2,3"])
+    short = _args(["--modes", "nodump,dump_fp8", "--ports", "1,2"])
     assert servers.ports_problem(short, ["nodump", "dump_fp8"]) == (
-        "mode dump_fp8 runs on a fourth server (D): --ports needs four ports")
+        "mode dump_fp8 runs on a third server (D): --ports needs three ports")
     assert servers.ports_problem(short, ["nodump", "dump"]) is None
     with pytest.raises(SystemExit) as e:
-        cli.main(["--dry-run", "--modes", "json", "--json-server", "separate", "--ports", "1,2"])
+        cli.main(["--dry-run", "--modes", "nodump,dump_fp8", "--ports", "1,2"])
     assert e.value.code == 2
 
 
@@ -391,7 +388,7 @@ def test_sub_programs_are_modules_and_the_plan_needs_no_torch(tmp_path):
     assert "estimated total" in module
     usage = subprocess.run([sys.executable, "-m", "bench", "--help"],
                            capture_output=True, text=True, check=True, cwd=tmp_path, env=env).stdout
-    assert usage.startswith("usage: python -m bench") and "--internal" not in usage and "--py-spy-kind" in usage
+    assert usage.startswith("usage: python -m bench") and "--internal" not in usage and "--peer-reference" in usage
     assert not (BENCH / "bench.py").exists()  # no script beside the package (its sys.path shim is gone)
     for name, word in (("models", "llama-mid"), ("ceilings", "--sizes"), ("peerfiles", "pairs")):
         out = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], capture_output=True,
@@ -452,7 +449,7 @@ def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=())
 
     pytest.importorskip("requests")
     ports = []
-    for _ in range(6):
+    for _ in range(5):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
@@ -472,13 +469,11 @@ def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=())
     return proc, out, shm, res_path
 
 
-@pytest.mark.parametrize("json_server", ["shared", "separate"])
-def test_rehearsal_against_a_fake_server(tmp_path, json_server):
+def test_rehearsal_against_a_fake_server(tmp_path):
     """The bench end to end on a CPU: start two (fake) servers, warm up, every cell, the
     dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""
     proc, out, shm, res_path = rehearse(
-        tmp_path, "--prompt-lens", "16,2048", "--concurrency", "1,8", "--cell-tokens", "256",
-        "--json-requests", "2", "--writer-log-wait-s", "5", "--json-server", json_server)
+        tmp_path, "--prompt-lens", "16,2048", "--concurrency", "1,8", "--cell-tokens", "256")
     res = json.loads(res_path.read_text())
     m = res["models"]["deepseek-tiny"]
     cells = {(c["mode"], c["prompt_len"], c["concurrency"]): c for c in m["cells"]}
@@ -490,49 +485,20 @@ def test_rehearsal_against_a_fake_server(tmp_path, json_server):
     assert d["file_check"]["hidden_states"]["shape"] == [2048, 4, 64]
     assert d["file_check"]["layer_ids"] == "[1, 2, 3, 4]"
     assert cells[("dump", 16, 1)]["requests"] == 16  # 256 tokens / 16
-    # the fake logs one prefill batch per request after answering it, as SGLang's scheduler
-    # logs per batch after its result: each cell's lines, give or take the last ones in flight
-    assert all(abs(c["prefill_batches"]["batches"] - c["requests"]) <= c["concurrency"]
-               for c in cells.values()), m["cells"]
     # early answers: the fake writes each file 50 ms after answering; the cell's wall time
     # ends when every file is complete, so all 16 are there and counted
     e = cells[("dump_early", 16, 1)]
     assert e["files"] == 16 and e["wall_s"] >= 0.05
-    # the client's waits for files: after each answer (conc 1), for the file before it,
-    # written 50 ms after its own answer: 15 waits of 50 ms less one request's latency
-    assert 0.1 < e["file_wait_s"] < e["wall_s"] and 0 <= e["tail_wait_s"] < e["wall_s"]
-    assert e["file_wait_share"] == pytest.approx(e["file_wait_s"] / e["wall_s"])
-    assert "file_wait_s" not in cells[("dump", 16, 1)]
-    md = (out / res_path.name.replace(".json", ".md")).read_text()
-    assert f"waits for an earlier file (share of concurrency x wall; a waiting thread has no request in flight): 16x1 {e['file_wait_share']:.3f}, 16x8" in md
     assert e["file_bytes"] == cells[("dump", 16, 1)]["file_bytes"]
     j = cells[("json", 2048, 8)]
-    assert j["requests"] == 2 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 2 * 2048 * 8 * 5
+    assert j["requests"] == 8 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 8 * 2048 * 8 * 5
     assert m["host_memory"]["log_host_bytes_peak"] == 2048 * 4 * 64 * 2
     assert m["host_memory"]["rss_peak_bytes"] >= m["host_memory"]["rss_baseline_bytes"] > 0
     assert res["headline"]["deepseek-tiny"]["dump_vs_json"] is not None
     assert list(shm.iterdir()) == []  # dump directory removed
     assert (out / res_path.name.replace(".json", ".md")).exists()
     assert (out / "server-deepseek-tiny-B.log").exists()
-    assert (out / "server-deepseek-tiny-C.log").exists() == (json_server == "separate")
     assert "dump/nodump min" in proc.stdout
-
-
-def test_every_round_keeps_its_own_py_spy_profile(tmp_path, monkeypatch):
-    """--repeat with --py-spy: each round's re-run is kept under its own key (and raw file);
-    one key for all rounds kept only the last round's
-    (frontend-profile-deepseek on the H200: 12 re-runs, 4 kept). Here without py-spy on
-    PATH each profile is an error entry, one per round."""
-    import os
-
-    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
-                           if not os.path.exists(os.path.join(d, "py-spy")))
-    monkeypatch.setenv("PATH", path)
-    _, _, _, res_path = rehearse(tmp_path, "--prompt-lens", "16", "--concurrency", "1", "--cell-tokens", "32",
-                                 "--modes", "nodump,dump_early", "--repeat", "2", "--py-spy", "16x1",
-                                 "--py-spy-modes", "dump_early", "--deadline-s", "3000")
-    res = json.loads(res_path.read_text())
-    assert res["py_spy"] == {f"deepseek-tiny dump_early 16x1 #{r}": {"error": "py-spy not on PATH"} for r in (0, 1)}
 
 
 def test_ceilings_phase_runs_on_cpu(tmp_path):
@@ -560,58 +526,11 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     hs = 64 * 4 * 32 * 2
     [(size, gbps)] = out["shm_write_gbps"].items()
     assert hs + 64 * 8 < int(size) < hs + 64 * 8 + 1024 and gbps > 0
-    one = out["shm_one_file_gbps"][size]
-    assert set(one) == {"save_file", "pwrite_2", "fallocate", "prealloc_write"}
-    assert all(v > 0 for v in one.values())
     w = out["writer_alone"]["m"]["64"]
     # ceil(1 MiB / (16384 + 512) bytes) = 63 files per repetition, none failed
     assert w["files_per_rep"] == 63 and w["failures"] == 0 and len(w["gbps_reps"]) == 2
     assert hs < w["file_bytes"] <= hs + 64 * 8 + 4096  # header padded to format.DATA_ALIGN
     assert not (tmp_path / "kimi-bench-ceiling").exists()
-
-
-def test_prefill_batches_from_sglang_log_lines():
-    """SGLang's prefill lines (the first four from server B's log of run rounds-deepseek):
-    (new + replayed tokens) / input throughput = the ms since the previous prefill line;
-    only batches after one that left requests queued count as busy; a line with no time
-    since the last, one after a cut in a copied log, and one still being written give no
-    time (the last is left out)."""
-    from bench import serverlog
-
-    b = "[2026-12-02 02:21:34] Prefill batch, #new-seq: 4, #new-token: 8192, #cached-token: 0, token usage: 0.00, "
-    log = (b + "#running-req: 4, #queue-req: 15, #pending-token: 38912, cuda graph: False, input throughput (token/s): 459284.63\n"
-           + b + "#running-req: 4, #queue-req: 11, #pending-token: 30720, cuda graph: False, input throughput (token/s): 461829.65\n"
-           + '[2026-12-02 02:21:34] INFO:     127.0.0.1:53798 - "POST /generate HTTP/1.1" 200 OK\n'
-           + "[2026-12-02 02:25:20] Prefill batch, #new-seq: 10, #new-token: 5120, #cached-token: 0, token usage: 0.00, "
-             "#running-req: 10, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 290872.45\n"
-           + "[2026-12-02 02:25:20] Prefill batch, #new-seq: 1, #new-token: 512, #cached-token: 0, #replay-token: 512, "
-             "token usage: 0.00, #running-req: 0, #queue-req: 3, #pending-token: 0, cuda graph: False, input throughput (token/s): 0.00\n"
-           + b + "#running-req: 4, #queue-req: 2, #pending-token: 0, cuda graph: False, input throughput (token/s): 102400.00\n"
-           + "... 27369 lines cut .\n"
-           + b + "#running-req: 4, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 461829.65\n"
-           + b + "#running-req: 4, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 4")
-    got = serverlog.prefill_batches(log)
-    # the cut zeroes the queue of the batch before it: what it hides may have drained it
-    assert [(t, q) for t, _, q in got] == [(8192, 15), (8192, 11), (5120, 0), (512, 3), (8192, 0), (8192, 0)]
-    ms = [x[1] for x in got]
-    assert ms[0] == pytest.approx(8192 / 459284.63 * 1e3) and ms[3] is None and ms[5] is None
-    assert ms[4] == pytest.approx(80.0)
-    st = serverlog.batch_stats(got)
-    # busy: the 2nd (after 15 queued), the 3rd (after 11) and the 5th (after 3); not the 4th (no time)
-    assert st == {"batches": 6, "queued_share": pytest.approx(3 / 6), "busy_batches": 3, "busy_tokens": 8192,
-                  "busy_ms_per_1k_tokens": pytest.approx(1e6 / 290872.45)}
-    # the replayed tokens count in SGLang's throughput: (512 + 512) / 51200 tokens/s = 20 ms
-    again = log.replace("input throughput (token/s): 0.00", "input throughput (token/s): 51200.00")
-    assert serverlog.prefill_batches(again)[3][1] == pytest.approx(20.0)
-    assert serverlog.batch_stats([]) is None
-    assert serverlog.batch_stats(got[:1])["busy_ms_per_1k_tokens"] is None
-    res = sample()
-    res["models"]["m"]["cells"] = [cell("nodump", 2048, 8, 100_000.0, rep=0, prefill_batches=st),
-                                   cell("dump_early", 2048, 8, 90_000.0, rep=0,
-                                        prefill_batches=dict(st, busy_ms_per_1k_tokens=4.0, busy_batches=7))]
-    md = markdown.render_markdown(res | {"headline": report.headline(res), "targets": []})
-    assert (" one leaving requests queued (SGLang's log, median; batches): 2048x8 nodump #0 3.44 (3), "
-            "2048x8 dump_early #0 4.00 (7)") in md
 
 
 def test_stage_stats_joins_file_and_response_events():
@@ -637,223 +556,6 @@ def test_stage_stats_joins_file_and_response_events():
     assert report.stage_stats([{"event": "hook", "t0": 0, "t1": 1}]) == {}
 
 
-def test_py_spy_raw_summary():
-    raw = "\n".join([
-        "thread (0x1);loop (s.py:1);hook (h.py:2);copy (w.py:3) 6",
-        "thread (0x1);loop (s.py:1);forward (m.py:9) 2",
-        "thread (0x2);run (w.py:7);save (f.py:5) 2",
-        "garbage line",
-    ])
-    s = profilers.summarize_py_spy(raw)
-    assert s["samples"] == 10
-    assert s["threads"] == {"thread (0x1)": 0.8, "thread (0x2)": 0.2}
-    assert s["top"][0] == ["copy (w.py:3)", 0.6]
-    assert s["ours"] == {}
-    s2 = profilers.summarize_py_spy(raw + "\nthread (0x3);run (sglang_ext/writer.py:9);save (f.py:5) 10\nthread (0x4) 5")
-    assert s2["samples"] == 20 and s2["ours"] == {"thread (0x3)": 0.5}  # the frameless line is left out
-    md = markdown.render_markdown({"models": {}, "py_spy": {"m dump 512x1": s, "x": {"error": "no ptrace"}}})
-    assert "copy (w.py:3)" in md and "not taken: no ptrace" in md
-    # --gil: 10 samples at 100 Hz in a 0.5 s window -> thread 1 held the GIL 16% of it
-    gil = dict(s, window_s=0.5, gil_window_share=profilers.gil_window_share(s, 0.5))
-    assert gil["gil_window_share"] == pytest.approx({"thread (0x1)": 0.16, "thread (0x2)": 0.04})
-    md = markdown.render_markdown({"models": {}, "py_spy": {"m dump 2048x32": gil}})
-    assert "share of the window each thread held the GIL: thread (0x1) 0.16, thread (0x2) 0.04" in md
-
-
-def test_py_spy_also_samples_the_front_end_and_the_client_in_the_same_window(tmp_path, monkeypatch):
-    """--py-spy-also frontend,client: one py-spy per process (here a stand-in on PATH that
-    writes one raw sample naming the pid it was given, on SIGINT as py-spy does; one that
-    exits at once is reported with what it printed), all
-    started before the cell's re-run and stopped after it; each summarized with its window
-    share under ``also``, rendered under the scheduler's. Unknown names and the blocking
-    ``wait`` kind are refused."""
-    import os
-    import types
-
-    fake = tmp_path / "bin" / "py-spy"
-    fake.parent.mkdir()
-    fake.write_text(f"""#!{sys.executable}
-import signal, sys, time
-a = sys.argv
-pid, out = a[a.index("--pid") + 1], a[a.index("--output") + 1]
-def done(*_):
-    with open(out, "w") as f:
-        f.write(f"thread (0x1);loop (p{{pid}}.py:1) 20\\n")
-    sys.exit(0)
-signal.signal(signal.SIGINT, done)
-while True:
-    time.sleep(0.05)
-""")
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    monkeypatch.setattr(profilers, "scheduler_pid", lambda server: 4242)
-    made, got, order = [], [], []
-    monkeypatch.setattr(profilers, "cell_prompts",
-                        lambda *a: order.append("prompts") or made.append([[5, 6]]) or made[-1])
-    monkeypatch.setattr(profilers, "run_cell", lambda *a, prompts: got.append(prompts) or {"prefill_tps": 123.0})
-    popen = subprocess.Popen
-    monkeypatch.setattr(profilers.subprocess, "Popen", lambda *a, **k: order.append("py-spy") or popen(*a, **k))
-    server = types.SimpleNamespace(proc=types.SimpleNamespace(pid=777))
-    out = profilers.profile_cell(server, {"mode": "dump_early"}, {}, None, str(tmp_path / "s"), "gil",
-                                 ["frontend", "client"])
-    assert out["top"] == [["loop (p4242.py:1)", 1.0]] and out["raw"] == "s.txt"
-    assert out["cell_prefill_tps_sampled"] == 123.0 and out["window_s"] >= 1.0
-    # the prompts were made before the py-spys started, not in their window
-    assert got == made and got[0] is made[0] and order == ["prompts", "py-spy", "py-spy", "py-spy"]
-    fe, cl = out["also"]["frontend"], out["also"]["client"]
-    assert fe["top"] == [["loop (p777.py:1)", 1.0]] and fe["raw"] == "s-frontend.txt"
-    assert cl["top"] == [["loop (p%d.py:1)" % os.getpid(), 1.0]] and cl["raw"] == "s-client.txt"
-    # 20 samples at 100 Hz over the window
-    assert fe["gil_window_share"]["thread (0x1)"] == pytest.approx(20 / (100 * out["window_s"]))
-    md = markdown.render_markdown({"models": {}, "py_spy": {"m dump_early 512x32": out}})
-    assert "### the same window, frontend: the server's launch process (HTTP server, TokenizerManager)" in md
-    assert "### the same window, client: the bench's own process (its client threads)" in md
-    assert "| 1.000 | `loop (p777.py:1)` |" in md
-    # an extra py-spy that writes nothing is reported so, never with an earlier run's samples
-    (tmp_path / "s-client.txt").write_text("thread (0x9);stale (old.py:1) 99\n")
-    fake.write_text(fake.read_text().replace("def done(*_):", "def done(*_):\n    if pid != '4242': sys.exit(0)"))
-    out = profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "s"), "gil", ["client", "client"])
-    assert list(out["also"]) == ["client"] and out["also"]["client"]["error"].startswith("py-spy wrote nothing")
-    assert out["top"] == [["loop (p4242.py:1)", 1.0]]
-    # the wait kind samples the scheduler alone
-    assert "also" not in profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "w"), "wait",
-                                                ["frontend"])
-    fake.write_text(f"#!{sys.executable}\nprint('Permission denied (os error 13)')\nraise SystemExit(1)\n")
-    bad = profilers.profile_cell(server, {"mode": "dump"}, {}, None, str(tmp_path / "x"), "gil", ["frontend"])
-    assert bad == {"error": "py-spy exited 1: Permission denied (os error 13)\n"}
-    for argv, msg in ((["--py-spy-also", "tokenizer"], "--py-spy-also: unknown process 'tokenizer' (known: frontend, client)"),
-                      (["--py-spy-also", "frontend", "--py-spy-kind", "wait"], "--py-spy-also samples with --gil only"),
-                      (["--py-spy-also", "client", "--py-spy", ""], "--py-spy names none")):
-        r = subprocess.run([sys.executable, "-m", "bench", "--dry-run", *argv],
-                           capture_output=True, text=True, timeout=120, cwd=REPO)
-        assert r.returncode == 2 and msg in r.stderr, r.stderr[-500:]
-
-
-def test_the_plan_says_which_profiles_the_deadline_leaves_no_time_for(capsys):
-    """--dry-run counts the py-spy re-runs in its estimate and marks the ones that the
-    estimated clock leaves too little time for (the runner asks for ``py_spy_need_s`` free
-    when their cell ends). deepseek-tiny's first cell starts at ~155 s (build 5, start-up
-    130, 20): its 2k re-run needs 64.6 s left when its cell ends (~157 s), the 512 one 65 s
-    at ~172 s: a deadline of 200 s leaves time for neither, 300 s for both."""
-    argv = ["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump_early", "--prompt-lens", "2048,512",
-            "--concurrency", "8", "--cell-tokens", "262144", "--skip-ceilings", "--py-spy", "2048x8,512x8",
-            "--py-spy-modes", "dump_early"]
-    tight = plan.make_plan(_args(argv + ["--deadline-s", "200"]))
-    roomy = plan.make_plan(_args(argv + ["--deadline-s", "300"]))
-    cells = roomy["models"]["deepseek-tiny"]["cells"]
-    profiles = [p for c in cells for p in c.get("profiles", [])]
-    assert [p["what"] for p in profiles] == ["py-spy"] * 2 and all(p["fits"] for p in profiles)
-    # the dump_early cells only; the --gil re-run is ~2x the cell, plus attaching
-    assert [c["mode"] for c in cells if c.get("profiles")] == ["dump_early"] * 2
-    assert profiles[0]["est_s"] == 2 * cells[1]["est_s"] + plan.EST_PY_SPY_EXTRA_S
-    assert profiles[0]["need_s"] == 2 * cells[1]["est_s"] + 60
-    assert not any(p["fits"] for c in tight["models"]["deepseek-tiny"]["cells"] for p in c.get("profiles", []))
-    assert roomy["est_total_s"] == pytest.approx(tight["est_total_s"] + sum(p["est_s"] for p in profiles), abs=1)
-    plan.print_plan(tight)
-    out = capsys.readouterr().out
-    assert out.count("LIKELY SKIPPED: it needs") == 2 and "(raise --deadline-s)" in out
-    # the clock runs on across models (and the ceilings phase): the same profiles of a
-    # second model come later, after the first model's run, and no longer fit
-    two = plan.make_plan(_args([*argv, "--models", "deepseek-tiny,llama-mid", "--deadline-s", "300"]))
-    first = two["models"]["deepseek-tiny"]["cells"]
-    assert all(p["fits"] for c in first for p in c.get("profiles", []))
-    assert not any(p["fits"] for c in two["models"]["llama-mid"]["cells"] for p in c.get("profiles", []))
-    later = plan.make_plan(_args([a for a in argv if a != "--skip-ceilings"] + ["--deadline-s", "300"]))
-    assert [p["fits"] for c in later["models"]["deepseek-tiny"]["cells"] for p in c.get("profiles", [])] == [True] * 2
-    assert later["est_total_s"] == pytest.approx(roomy["est_total_s"] + 25, abs=1)
-    # vLLM's servers start before the first cell too
-    spec = models.MODELS["llama-8b"]
-    base = ["--quick", "--models", "llama-8b", "--prompt-lens", "2048", "--concurrency", "8", "--skip-ceilings",
-            "--py-spy", "2048x8", "--py-spy-modes", "nodump"]
-    [c] = [c for c in plan.make_plan(_args(base + ["--modes", "nodump"]))["models"]["llama-8b"]["cells"]]
-    start = spec["est_build_s"] + spec["est_startup_s"] + 20 + c["est_s"]
-    deadline = str(int(start + c["profiles"][0]["need_s"] + plan.EST_VLLM_STARTUP_S / 2))
-    ours = plan.make_plan(_args(base + ["--modes", "nodump", "--deadline-s", deadline]))["models"]["llama-8b"]
-    both = plan.make_plan(_args(base + ["--modes", "nodump,vllm_nodump", "--deadline-s", deadline]))["models"]["llama-8b"]
-    assert ours["cells"][0]["profiles"][0]["fits"] and not both["cells"][0]["profiles"][0]["fits"]
-    spy = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--py-spy", "512x1",
-                                "--deadline-s", "3000"]))
-    [c] = [c for c in spy["models"]["deepseek-tiny"]["cells"] if c.get("profiles")]
-    assert (c["mode"], c["prompt_len"], c["concurrency"]) == ("dump", 512, 1)
-    assert c["profiles"] == [{"what": "py-spy", "need_s": 2 * c["est_s"] + 60,
-                              "est_s": 2 * c["est_s"] + plan.EST_PY_SPY_EXTRA_S, "fits": True}]
-
-
-def test_a_profile_that_does_not_fit_is_listed_as_skipped():
-    """A profile the deadline leaves no time for is listed in the results (a run on the
-    H200 once skipped its profiles and said nothing). A profile runs only with strictly
-    more time left than it needs (as the plan assumes)."""
-    import types
-
-    from bench import runner
-
-    run = runner.ModelRun.__new__(runner.ModelRun)
-    run.clock, run.skipped = types.SimpleNamespace(left=lambda: 69.4), []
-    assert run.fits(None, "py-spy of x") is False and run.skipped == []
-    assert run.fits(60.0, "py-spy of deepseek-tiny dump 512x8") is True
-    assert run.fits(69.4, "py-spy of deepseek-tiny dump 512x8") is False  # strictly more left, as the plan
-    assert run.fits(93.0, "py-spy of deepseek-tiny dump_early 2048x8") is False
-    assert run.skipped[-1] == "py-spy of deepseek-tiny dump_early 2048x8 (deadline: 69 s left, it needs ~93 s)"
-
-
-def test_gil_wait_summary_finds_the_scheduler_and_its_waits():
-    """--idle --native raw lines: the thread with event_loop frames is the scheduler;
-    samples with a GIL-wait native frame count as waiting, wherever it sits."""
-    raw = "\n".join([
-        "thread (0x1);event_loop_overlap (scheduler.py:10);recv (zmq.py:5);"
-        "PyEval_RestoreThread (libpython3.12.so);pthread_cond_timedwait (libc.so.6) 3",
-        "thread (0x1);Scheduler.event_loop_overlap (scheduler.py:10);forward (m.py:9);"
-        "THCPEvent_record (libtorch_python.so);pthread_cond_timedwait (libc.so.6);0x7f01 (libc.so.6) 1",
-        "thread (0x1);event_loop_overlap (scheduler.py:10);poll (zmq.py:7);epoll_wait (libc.so.6) 6",
-        "thread (0x2);run (sglang_ext/writer.py:9);save_file (f.py:5);write (libc.so.6) 4",
-        "thread (0x2);run (sglang_ext/writer.py:9);PyEval_RestoreThread (libpython3.12.so) 4",
-        "not a sample",
-    ])
-    s = profilers.summarize_gil_wait(raw)
-    assert s["samples"] == 18 and s["scheduler_thread"] == "thread (0x1)"
-    assert s["scheduler_gil_wait"] == pytest.approx(0.4)
-    assert s["threads"]["thread (0x2)"] == {"samples": 8, "gil_wait": 0.5}
-    assert s["scheduler_wait_top"] == [["recv (zmq.py:5)", pytest.approx(0.3)],
-                                       ["forward (m.py:9)", pytest.approx(0.1)]]
-    assert "scheduler_thread" not in profilers.summarize_gil_wait(raw.split("\n", 3)[3])
-    md = markdown.render_markdown({"models": {}, "py_spy": {"m nodump 2048x32": dict(s, kind="wait", window_s=2.0)}})
-    assert "scheduler thread waiting for the GIL: 0.400 of its samples" in md
-    assert "| thread (0x2) | 8 | 0.500 |" in md and "| 0.300 | `recv (zmq.py:5)` |" in md
-
-
-def test_counterbalanced_rounds_equal_pools_and_pinned_cpus():
-    """--counterbalance reverses a shape's modes in odd rounds; --max-total-tokens goes to
-    every SGLang server; --server-cpus puts a server under taskset (the parsed CPU list,
-    normalized), and only a server the run starts."""
-    args = _args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump,dump_early",
-                  "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "3", "--counterbalance",
-                  "--max-total-tokens", "100000", "--server-cpus", "A=0-3,B=4,6", "--skip-ceilings"])
-    planned = plan.make_plan(args)["models"]["deepseek-tiny"]
-    a, b = (planned["servers"][w] for w in "AB")
-    assert a[:3] == ["taskset", "-c", "0-3"] and b[:3] == ["taskset", "-c", "4,6"]
-    for cmd in (a, b):
-        assert cmd[cmd.index("--max-total-tokens") + 1] == "100000"
-    order = [(c["mode"], c["rep"]) for c in planned["cells"]]
-    assert order == [("nodump", 0), ("dump", 0), ("dump_early", 0),
-                     ("dump_early", 1), ("dump", 1), ("nodump", 1),
-                     ("nodump", 2), ("dump", 2), ("dump_early", 2)]
-    plain = plan.make_plan(_args(["--quick", "--models", "deepseek-tiny", "--modes", "nodump,dump",
-                                  "--prompt-lens", "2048", "--concurrency", "8", "--repeat", "2"]))
-    assert [c["mode"] for c in plain["models"]["deepseek-tiny"]["cells"]] == ["nodump", "dump"] * 2
-    assert "--max-total-tokens" not in plain["models"]["deepseek-tiny"]["servers"]["A"]
-    # what taskset gets is the parsed list, normalized
-    assert _args(["--server-cpus", "A= 0 ,2-3,5,B=1"]).server_cpus == {"A": "0,2-3,5", "B": "1"}
-    for bad in ("A", "Z=1", "T=1", "A=x", "A=1_0", "A=0,A=1", "A=0-99999999999"):
-        with pytest.raises(SystemExit):
-            _args(["--server-cpus", bad])
-    with pytest.raises(SystemExit):
-        _args(["--max-total-tokens", "-5"])
-    for argv in (["--server-cpus", "C=0"], ["--counterbalance"]):  # C not started; one round
-        with pytest.raises(SystemExit) as e:
-            cli.main(["--dry-run", "--quick", "--modes", "nodump,dump", *argv])
-        assert e.value.code == 2
-
-
 def test_plot_pools_the_rounds_of_a_shape():
     """The plot's bar of a shape run in several rounds is their tokens over their wall
     seconds (not the last round's drawn over the others)."""
@@ -875,7 +577,7 @@ def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):
     dump on B; the cells report bytes per prompt token and the headline their ratio."""
     proc, out, shm, res_path = rehearse(
         tmp_path, "--prompt-lens", "2048", "--concurrency", "8", "--cell-tokens", "16384",
-        "--modes", "nodump,dump,dump_fp8", "--py-spy", "")
+        "--modes", "nodump,dump,dump_fp8")
     res = json.loads(res_path.read_text())
     m = res["models"]["deepseek-tiny"]
     assert "--dump-hidden-states-dtype" not in m["servers"]["B"]
@@ -895,32 +597,6 @@ def test_rehearsal_fp8_cells_report_half_the_bytes_per_token(tmp_path):
     assert list(shm.iterdir()) == []  # both dump directories removed
     assert (out / "server-deepseek-tiny-D.log").exists()
     assert "B/token" in proc.stdout
-
-
-def test_py_spy_samples_the_modes_asked():
-    """--py-spy-modes picks the modes re-run under py-spy (dump_early: issue 17's early-answer
-    cells); without it, dump cells (gil) or dump and nodump (wait); never a cell whose
-    shape is not in --py-spy, that failed, or whose slowed re-run would pass the deadline."""
-
-    import types
-
-    from bench import runner
-
-    def wanted(argv, mode, shape=(512, 8), r=None, left=1000.0):
-        cell = {"mode": mode, "prompt_len": shape[0], "concurrency": shape[1]}
-        run = runner.ModelRun.__new__(runner.ModelRun)
-        run.clock, run.skipped = types.SimpleNamespace(left=lambda: left), []
-        return run.fits(profilers.py_spy_need_s(_args(argv), cell, r or {"wall_s": 10}), "py-spy")
-
-    assert wanted(["--py-spy", "512x8"], "dump")
-    assert not wanted(["--py-spy", "512x8"], "dump_early")
-    assert not wanted(["--py-spy", "512x8"], "nodump")
-    assert wanted(["--py-spy", "512x8", "--py-spy-kind", "wait"], "nodump")
-    early = ["--py-spy", "512x8", "--py-spy-modes", "dump_early"]
-    assert wanted(early, "dump_early") and not wanted(early, "dump")
-    assert not wanted(early, "dump_early", shape=(2048, 8))
-    assert not wanted(early, "dump_early", r={"wall_s": 10, "error": "x"})
-    assert not wanted(early, "dump_early", left=50.0)
 
 
 def test_kv_pool_read_from_both_engines_logs_and_a_short_one_is_said():

@@ -40,15 +40,14 @@ def _flag(cmd, name):
 def test_vllm_servers_command_lines_and_environment(monkeypatch):
     """V and W: ``python -m vllm.entrypoints.openai.api_server`` on the same model files
     with the flags that match our servers; W adds extract_hidden_states with our layer
-    ids and the example connector writing into its own dump directory; --vllm-args come
-    last; the interpreter and PYTHONPATH come from KIMI_BENCH_VLLM_PYTHON(PATH)."""
+    ids and the example connector writing into its own dump directory; the interpreter
+    and PYTHONPATH come from KIMI_BENCH_VLLM_PYTHON(PATH)."""
     monkeypatch.delenv(peer.ENV_PYTHON, raising=False)
     monkeypatch.delenv(peer.ENV_PYTHONPATH, raising=False)
     monkeypatch.delenv(peer.ENV_LD_LIBRARY_PATH, raising=False)
     monkeypatch.delenv("KIMI_SGLANG_WRITER_THREADS", raising=False)
     args = _args(["--modes", "nodump,dump,vllm_nodump,vllm_dump", "--mem-fraction-static", "0.2",
-                  "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,4,5,6",
-                  "--vllm-args", "--max-num-seqs 64"])
+                  "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3,5,6"])
     v, w = (servers.server_cmd(args, "llama-8b", k) for k in "VW")
     assert v[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(v, "--model") == "/w/llama-8b" and _flag(v, "--port") == "5" and _flag(w, "--port") == "6"
@@ -59,11 +58,10 @@ def test_vllm_servers_command_lines_and_environment(monkeypatch):
     for flag in ("--no-enable-prefix-caching", "--skip-tokenizer-init", "--enforce-eager"):
         assert flag in v and flag in w
     assert _flag(v, "--optimization-level") == "0"
-    assert v[-2:] == ["--max-num-seqs", "64"] and w[-2:] == ["--max-num-seqs", "64"]
     assert "--speculative-config" not in v and "--kv-transfer-config" not in v
-    # W = V's flags plus the two configs, before --vllm-args
-    tail = w[len(v) - 2:-2]
-    assert w[:len(v) - 2] == [x if x != "5" else "6" for x in v[:-2]]
+    # W = V's flags plus the two configs
+    tail = w[len(v):]
+    assert w[:len(v)] == [x if x != "5" else "6" for x in v]
     assert tail[0] == "--speculative-config" and tail[2] == "--kv-transfer-config" and len(tail) == 4
     assert json.loads(tail[1]) == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids":
@@ -74,11 +72,9 @@ def test_vllm_servers_command_lines_and_environment(monkeypatch):
     assert servers.dump_dir(args, "llama-8b", "W") == "/r/kimi-bench-llama-8b-vllm"
     assert [servers.dumps(k) for k in "VW"] == [False, True]
     assert [servers.api_of(k) for k in "ABVW"] == ["sglang", "sglang", "vllm", "vllm"]
-    # the run's options: CUDA graphs (vLLM's defaults then), a chunk, vLLM's own memory share
-    other = _args(["--cuda-graph", "--chunked-prefill-size", "4096", "--vllm-gpu-memory-utilization", "0.15"])
-    o = servers.server_cmd(other, "llama-mid", "V")
-    assert "--enforce-eager" not in o and "--optimization-level" not in o
-    assert _flag(o, "--max-num-batched-tokens") == "4096" and _flag(o, "--gpu-memory-utilization") == "0.15"
+    # vLLM's own memory share
+    o = servers.server_cmd(_args(["--vllm-gpu-memory-utilization", "0.15"]), "llama-mid", "V")
+    assert _flag(o, "--gpu-memory-utilization") == "0.15"
     # environment: vLLM's (no writer variables of ours), its site when the staging says so
     env = servers.server_env("W", "/t.jsonl")
     assert env["VLLM_NO_USAGE_STATS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
@@ -95,26 +91,23 @@ def test_vllm_servers_command_lines_and_environment(monkeypatch):
 
 def test_memory_share_and_ports_are_checked():
     """Four servers at 0.3 would ask for 1.2 of the GPU: a usage error that says what
-    fits; at 0.2 (or vLLM's share lowered) they fit; vLLM's servers need six ports."""
+    fits; at 0.2 (or vLLM's share lowered) they fit; vLLM's servers need five ports."""
     modes = ["nodump", "dump", "vllm_nodump", "vllm_dump"]
     msg = servers.memory_problem(_args([]), modes)
     assert msg.startswith("servers A, B, V, W together would take 1.20 of the GPU's memory (A 0.3, B 0.3, V 0.3, W 0.3")
     assert servers.memory_problem(_args(["--mem-fraction-static", "0.2"]), modes) is None
     assert servers.memory_problem(_args(["--vllm-gpu-memory-utilization", "0.15"]), modes) is None  # 0.9
     assert servers.memory_problem(_args([]), ["nodump", "dump", "dump_fp8"]) is None  # ours alone: not checked
-    assert servers.ports_problem(_args(["--ports", "1,2,3,4"]), modes) == (
-        "mode vllm_nodump runs on a fifth server (V): --ports needs five ports")
+    assert servers.ports_problem(_args(["--ports", "1,2,3"]), modes) == (
+        "mode vllm_nodump runs on a fourth server (V): --ports needs four ports")
     with pytest.raises(SystemExit) as e:
         cli.main(["--dry-run", "--modes", ",".join(modes)])
     assert e.value.code == 2
 
 
 def test_bad_input_to_the_peer_tools_is_one_sentence(tmp_path, capsys):
-    """--vllm-args that a shell could not split, and a pairs file that is missing, not JSON
-    or not collect()'s: argparse errors (exit 2), no traceback."""
-    with pytest.raises(SystemExit) as e:
-        cli.main(["--dry-run", "--vllm-args", "'--x"])
-    assert e.value.code == 2 and "--vllm-args \"'--x\": No closing quotation" in capsys.readouterr().err
+    """A pairs file that is missing, not JSON or not collect()'s: argparse errors (exit 2),
+    no traceback."""
     (tmp_path / "bad.json").write_text("[1")
     (tmp_path / "other.json").write_text("{}")
     (tmp_path / "noids.json").write_text('{"layer_ids": [], "hidden_size": 8, "pairs": []}')
@@ -331,7 +324,7 @@ def rehearse_peer(tmp_path, *extra):
     (work / "llama-mid").mkdir(parents=True)  # what the fakes serve: 64 wide (the files' check reads it)
     (work / "llama-mid" / "config.json").write_text(json.dumps({"hidden_size": 64}))
     proc, out, shm, res_path = rehearse(
-        tmp_path, "--vllm-server-module", "fake_vllm_server", "--py-spy", "", "--mem-fraction-static", "0.2",
+        tmp_path, "--vllm-server-module", "fake_vllm_server", "--mem-fraction-static", "0.2",
         "--peer-reference", "none", *extra, models="llama-mid,deepseek-tiny", timeout=300,
         drop_env=(peer.ENV_PYTHONPATH, peer.ENV_LD_LIBRARY_PATH))
     return proc, out, shm, json.loads(res_path.read_text())
@@ -519,18 +512,12 @@ def test_deep_model_tolerances_scale_with_hf_bf16_error(tmp_path, monkeypatch):
     assert any(p.startswith("ours_vs_vllm: block relative error") for p in peerfiles.compare(doc)["problems"])
 
 
-def test_vllm_memory_flag_in_vllm_args_counts_and_a_model_without_cells_is_refused(capsys):
-    """vLLM takes the last --gpu-memory-utilization, which --vllm-args appends after ours:
-    the four servers' memory check counts that one. A model the modes leave without any
-    cell (DeepseekV3 with vLLM's modes alone) is an error, not an empty run."""
-    args = _args(["--mem-fraction-static", "0.2", "--vllm-args=--gpu-memory-utilization 0.5"])
-    assert peer.gpu_memory_utilization(args) == 0.5
-    assert peer.gpu_memory_utilization(_args(["--vllm-args=--gpu-memory-utilization=0.25"])) == 0.25
+def test_a_model_without_cells_is_refused(capsys):
+    """A model the modes leave without any cell (DeepseekV3 with vLLM's modes alone) is an
+    error, not an empty run; so are servers that would not fit the GPU together."""
     modes = ["nodump", "dump", "vllm_nodump", "vllm_dump"]
-    assert "V 0.5, W 0.5" in servers.memory_problem(args, modes)
-    for argv, says in ((["--vllm-args=--gpu-memory-utilization x"], "--gpu-memory-utilization 'x' is not a number"),
-                       (["--mem-fraction-static", "0.2", "--modes", ",".join(modes),
-                         "--vllm-args=--gpu-memory-utilization 0.5"], "together would take 1.40"),
+    for argv, says in ((["--mem-fraction-static", "0.2", "--modes", ",".join(modes),
+                         "--vllm-gpu-memory-utilization", "0.5"], "together would take 1.40"),
                        (["--models", "deepseek-tiny", "--modes", "vllm_dump"],
                         "gives model deepseek-tiny no cell (vLLM 0.33's extract_hidden_states has no MLA")):
         with pytest.raises(SystemExit) as e:
