@@ -143,7 +143,7 @@ def test_concurrent_mixed_with_chunked_prefill(store_server, store_reader, refer
                   "concurrent_mixed_chunked")
 
 
-def test_same_rid_at_once_then_again(store_server, store_reader, reference, tiny_model, dump_dtype, rng,
+def test_one_rid_twice_at_once_then_again(store_server, store_reader, reference, tiny_model, dump_dtype, rng,
                                      record_property):
     """One rid twice at once: two handles (``<rid>`` and ``<rid>-2``), each the right
     prompt; once the trainer has read and deleted them, the rid again gets ``<rid>``."""

@@ -39,7 +39,7 @@ FAULTS = ["test_client_disconnect", "test_malformed_400", "test_hostile_rids_htt
           "test_sigterm_in_flight"]
 PARALLEL = ["test_one_writer_rank", "test_one_rank_copies", "test_tp_equals_tp1"]
 FP8 = CORE[:-1] + ["test_files_are_fp8_with_per_layer_scales", CORE[-1]]
-STORE = ["test_concurrent_mixed_with_chunked_prefill", "test_same_rid_at_once_then_again",
+STORE = ["test_concurrent_mixed_with_chunked_prefill", "test_one_rid_twice_at_once_then_again",
          "test_v1_completions_kv_transfer_params_is_the_manifest", "test_samples_outlive_the_server"]
 
 
