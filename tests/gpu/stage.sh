@@ -10,6 +10,30 @@ install_folder() {  # install .whl/$1 into /tmp/site-$1 once per machine
   touch "/tmp/site-$1/.kimi-installed"
 }
 
+install_store() {  # .whl/m (stage-extras.sh) into /tmp/site-m once per machine
+  # The mooncake wheel (--target, like the others), the staged Debian libraries unpacked
+  # into $dest/debs, and the ones the wheel's binaries need that the image lacks copied
+  # into $dest/lib (tests/gpu/store_libs.py; it fails naming what stays missing).
+  local src=${1:-.whl/m} dest=${2:-/tmp/site-m}
+  if [ -f "$dest/.kimi-installed" ]; then echo "${dest##*/} already installed"; return; fi
+  [ -d "$src" ] || { echo "install_store: no $src (bash tests/gpu/stage-extras.sh, carry $src)" >&2; return 1; }
+  rm -rf "$dest"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$dest" "$src"/*.whl || return 1
+  mkdir -p "$dest/debs"
+  tar -xzf "$src/mooncake-libs.tar.gz" -C "$dest/debs" || return 1
+  local bins=()
+  mapfile -t bins < <(find "$dest/mooncake" -maxdepth 1 -type f \( -name '*.so' -o -name mooncake_master \))
+  python3 tests/gpu/store_libs.py "$dest/lib" "$dest/debs" "${bins[@]}" || return 1
+  touch "$dest/.kimi-installed"
+}
+
+store_env() {  # an installed /tmp/site-m: last on PYTHONPATH, its lib first on LD_LIBRARY_PATH
+  local dest=${1:-/tmp/site-m}
+  [ -f "$dest/.kimi-installed" ] || return 0
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$dest"
+  export LD_LIBRARY_PATH="$dest/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
 stack_release() {  # the SGLang release installed by tests/gpu/stage-stack.sh, if any
   local d
   for d in "${KIMI_STACK_ROOT:-/tmp}"/stack-sgl/sglang-*.dist-info; do
@@ -40,6 +64,9 @@ prepare_run() {  # last folder, environment, series; then print the GPU
     if [ -d .whl/d ]; then install_folder d; fi
     export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD:/tmp/site-d"
   fi
+  # m (optional, its own call or carried here): mooncake for test_gpu_store.py
+  if [ -d .whl/m ]; then install_store; fi
+  store_env
   export PATH="$PATH:/tmp/site-d/bin"
   export PYTHONUNBUFFERED=1
   # Without KIMI_SGLANG_SERIES, `apply` takes the series made for the staged release

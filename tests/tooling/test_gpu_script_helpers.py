@@ -92,3 +92,46 @@ def test_gpu_suite_and_bench_build_the_same_tiny_deepseek(tmp_path):
         k: v for k, v in got[1].items() if k not in skip}
     assert got[0]["num_experts_per_tok"] == got[0]["n_routed_experts"] == 8
     assert got[0]["moe_layer_freq"] == 1 and got[0]["kv_lora_rank"] == 512
+
+
+def test_store_samples_read_back_as_records_compare_file_takes(tmp_path):
+    """testing/store.py against a real mooncake_master and a store node: samples put in
+    our manifest's layout (hs-connectors' put_sample), read with ``get_generated``; the
+    bf16 record compares exact, the fp8 one within fp8's bound after dequantizing with
+    its scales; a wrong dtype or a missing scale is a layout problem."""
+    pytest.importorskip("hs_connectors.transfer")
+    from mooncake_fixture import HAVE_MOONCAKE, Master
+
+    if not HAVE_MOONCAKE:
+        pytest.skip("mooncake not importable")
+    from sglang_ext import quant, store
+    from testing import store as st
+
+    assert st.missing_reason() is None
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(7, 2, 16, generator=g)
+    ids = torch.arange(3, 10)
+    m = Master(tmp_path)
+    node = st.StoreNode(m.address, 32 << 20, str(tmp_path / "node.log"))
+    try:
+        reader = st.reader(m.address, 16 << 20)
+        q, s = quant.quantize_fp8(ref.reshape(7, 32), 2)
+        fp8, scales = q.view(7, 2, 16), s.view(7, 2, 1)
+        for dtype, tensors in (("bfloat16", {"hidden_states": ref.bfloat16(), "token_ids": ids}),
+                               ("float8_e4m3fn", {"hidden_states": fp8, "hidden_states_scales": scales,
+                                                  "token_ids": ids})):
+            manifest = store.pack_layout(7, 2, 16, dtype).manifest(f"probe-{dtype}")
+            reader.store.put_sample(manifest, tensors)
+            sample = reader.get_generated(manifest)
+            is_fp8 = dtype != "bfloat16"
+            assert st.sample_problems(sample, manifest, 7, is_fp8, "w") == []
+            assert st.sample_problems(sample, manifest, 7, not is_fp8, "w") != []
+            worst = checks.Worst()
+            rec = st.sample_record(sample, [1, 2])
+            assert checks.compare_file(rec, ids.tolist(), [1, 2], 16, ref, "w", worst) == []
+            assert worst.block <= (2.0 ** -4 if is_fp8 else 4e-3) and worst.block > 0
+            assert checks.compare_file(rec, ids.tolist()[::-1], [1, 2], 16, ref, "w", worst) != []
+            reader.delete(manifest["handle"])
+    finally:
+        node.stop()
+        m.kill()

@@ -39,6 +39,15 @@ FAULTS = ["test_client_disconnect", "test_malformed_400", "test_hostile_rids_htt
           "test_sigterm_in_flight"]
 PARALLEL = ["test_one_writer_rank", "test_one_rank_copies", "test_tp_equals_tp1"]
 FP8 = CORE[:-1] + ["test_files_are_fp8_with_per_layer_scales", CORE[-1]]
+STORE = ["test_concurrent_mixed_with_chunked_prefill", "test_one_rid_twice_at_once_then_again",
+         "test_v1_completions_kv_transfer_params_is_the_manifest", "test_samples_outlive_the_server"]
+
+
+def store_ids(m):
+    """test_gpu_store.py's ids of model ``m``: per dump dtype (bf16, then fp8), the cases
+    in file order; /v1/completions on llama only (deepseek has no tokenizer)."""
+    return [f"tests/gpu/test_gpu_store.py::{t}[{d}-{m}]" for d in ("bf16", "fp8") for t in STORE
+            if m == "llama" or "v1_completions" not in t]
 
 
 def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gpu=True):
@@ -52,6 +61,7 @@ def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gp
                 continue
             ids += [f"tests/gpu/test_gpu_faults.py::{t}[{m}]" for t in FAULTS]
             ids += [f"tests/gpu/test_gpu_fp8.py::TestCoreFp8::{t}[{m}]" for t in FP8]
+            ids += store_ids(m)
         if multi_gpu and m != "kimi":
             ids += [f"tests/gpu/test_gpu_parallel.py::TestCoreAtTP::{t}[{m}]" for t in CORE]
             ids += [f"tests/gpu/test_gpu_parallel.py::{t}[{m}]" for t in PARALLEL]
@@ -82,7 +92,7 @@ def test_collects_every_gpu_case_in_run_order():
     assert sorted(got) == sorted(expected_ids()), (
         f"missing {sorted(set(expected_ids()) - set(got))}, unexpected {sorted(set(got) - set(expected_ids()))}")
     for m in ("llama", "deepseek", "kimi"):
-        mine = [i for i in got if i.endswith(f"[{m}]")]
+        mine = [i for i in got if i.endswith(f"[{m}]") or i.endswith(f"-{m}]")]
         classes = ("test_gpu_core.py::TestCore",) + (() if m == "kimi" else ("test_gpu_parallel.py::TestCoreAtTP",))
         for cls in classes:
             core = [i for i in mine if cls in i]
@@ -92,6 +102,11 @@ def test_collects_every_gpu_case_in_run_order():
             assert faults[-1].split("::")[-1].startswith("test_sigterm_in_flight"), faults  # ends the server
             par = [i.split("::")[-1].split("[")[0] for i in mine if "test_gpu_parallel.py::test_" in i]
             assert par.index("test_one_rank_copies") < par.index("test_tp_equals_tp1")  # then the TP server stops
+            for d in ("bf16", "fp8"):  # one store server per dtype, its cases together, the last ends it
+                store = [i for i in mine if "test_gpu_store" in i and i.endswith(f"[{d}-{m}]")]
+                assert store == [i for i in store_ids(m) if i.endswith(f"[{d}-{m}]")], store
+                start = got.index(store[0])
+                assert got[start:start + len(store)] == store
         # all of one model's tests run before the next model's (session-scoped model)
         first, last = got.index(mine[0]), got.index(mine[-1])
         assert got[first:last + 1] == mine
@@ -106,12 +121,14 @@ def test_markers_select_single_and_multi_gpu_groups():
 
 def test_models_option_and_k_pick_one_model():
     """``--models llama`` leaves DeepseekV3-only tests out (deselected, not skipped),
-    ``--models kimi`` leaves the core group; ``-k deepseek`` picks by id; an unknown model
+    ``--models kimi`` leaves the core group; ``-k deepseek`` picks by id, ``-k store`` the
+    store group (bf16 then fp8); an unknown model
     is a usage error."""
     assert sorted(collected("tests/gpu", "--models", "llama")) == sorted(expected_ids(models=("llama",)))
     assert sorted(collected("tests/gpu", "--models", "kimi")) == sorted(expected_ids(models=("kimi",)))
     assert len(expected_ids(models=("kimi",))) == len(CORE)
     assert sorted(collected("tests/gpu", "-k", "deepseek")) == sorted(expected_ids(models=("deepseek",)))
+    assert collected("tests/gpu", "--models", "llama", "-k", "store") == store_ids("llama")
     proc = run_pytest("--collect-only", "-q", "tests/gpu", "--models", "llama,gpt")
     assert proc.returncode == 4 and "--models: unknown model(s) ['gpt']" in proc.stderr
 

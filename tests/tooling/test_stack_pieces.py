@@ -277,3 +277,56 @@ def test_prepare_run_picks_the_stack_only_for_the_series_of_its_release(tmp_path
     newest = sorted(versions.items(), key=lambda kv: tuple(map(int, kv[1].split("."))))[-1]
     os.makedirs(tmp_path / "stack-sgl" / f"sglang-{newest[1]}.dist-info")
     assert subprocess.run(run, cwd=repo, env=env, capture_output=True, text=True).stdout.strip() == newest[1]
+
+
+def _cc(out, src, *flags):
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), "-x", "c", "-", *map(str, flags)],
+                   input=src, text=True, check=True)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("ldd") is None, reason="needs gcc and ldd")
+def test_install_store_copies_only_the_missing_libraries_and_store_env_finds_them(tmp_path):
+    """stage.sh's install_store with a wheel whose ``mooncake/_store.so`` needs a library
+    the system lacks (``libkdep.so.1``, which needs ``libkdep2.so.1``), both in the staged
+    Debian tree: both are copied (the second found once the first is), libc is not, the
+    module loads under store_env and not without it; a second install is a no-op; a
+    library missing from the staged tree fails the install, naming it."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    build, deb = tmp_path / "build", tmp_path / "deb" / "usr" / "lib" / "x86_64-linux-gnu"
+    build.mkdir()
+    deb.mkdir(parents=True)
+    _cc(deb / "libkdep2.so.1", "int two(void) { return 2; }", "-Wl,-soname,libkdep2.so.1")
+    _cc(deb / "libkdep.so.1", "int two(void); int one(void) { return two() - 1; }",
+        "-Wl,-soname,libkdep.so.1", f"-L{deb}", "-l:libkdep2.so.1")
+    _cc(build / "store.so", "int one(void); int store_probe(void) { return one() + 40; }",
+        f"-L{deb}", "-l:libkdep.so.1")
+    src = tmp_path / "m"
+    src.mkdir()
+    make_wheel(str(src), "mooncake_fake", "0.1", {"mooncake/__init__.py": b"",
+                                                  "mooncake/_store.so": (build / "store.so").read_bytes()})
+    with tarfile.open(src / "mooncake-libs.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "deb", arcname=".")
+    dest = tmp_path / "site-m"
+    probe = (f"import ctypes; print(ctypes.CDLL('{dest}/mooncake/_store.so').store_probe())")
+
+    def sh(script):
+        return subprocess.run(["bash", "-c", f"source tests/gpu/stage.sh; {script}"], cwd=repo,
+                              capture_output=True, text=True)
+
+    r = sh(f"install_store {src} {dest}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "copied 2 into" in r.stdout and "every library resolves" in r.stdout
+    assert sorted(os.listdir(dest / "lib")) == ["libkdep.so.1", "libkdep2.so.1"]
+    assert sh(f"install_store {src} {dest}").stdout.strip() == "site-m already installed"
+    r = sh(f"store_env {dest}; {sys.executable} -c \"{probe}\"; echo \"$PYTHONPATH\"")
+    assert r.returncode == 0 and r.stdout.split()[0] == "41", r.stderr
+    assert r.stdout.split()[1].endswith(f":{dest}") or r.stdout.split()[1] == str(dest)
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode != 0
+
+    (src / "mooncake-libs.tar.gz").unlink()
+    os.remove(deb / "libkdep2.so.1")
+    with tarfile.open(src / "mooncake-libs.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "deb", arcname=".")
+    r = sh(f"install_store {src} {tmp_path / 'site-m2'}")
+    assert r.returncode != 0 and "still missing" in r.stderr and "libkdep2.so.1" in r.stderr
+    assert not (tmp_path / "site-m2" / ".kimi-installed").exists()
