@@ -478,11 +478,11 @@ class DumpSession:
             from sglang_ext.store import pack_layout
 
             slots = len(self.layer_ids)
-            layout = pack_layout(len(req.origin_input_ids), slots, hidden.shape[1] // slots,
-                                 self.writer.file_dtype(hidden.dtype))
+            dtype = self.writer.file_dtype(hidden.dtype)
+            layout = pack_layout(len(req.origin_input_ids), slots, hidden.shape[1] // slots, dtype)
             handle = self.writer.reserve_handle(req.rid)
             state.done = True
-            set_info(req, MANIFEST_KEY, layout.manifest(handle))
+            set_info(req, MANIFEST_KEY, layout.manifest(handle, self.writer.file_metadata(req.rid, dtype)))
             return handle
         reservation = fmt.reserve(self.dir_fd, req.rid)
         state.done = True

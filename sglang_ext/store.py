@@ -36,7 +36,7 @@ import re
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import parse_qsl, urlsplit
 
 from sglang_ext import format as fmt
@@ -221,17 +221,23 @@ class PackedLayout:
                 return t
         raise KeyError(name)
 
-    def manifest(self, handle: str) -> Dict[str, Any]:
+    def manifest(self, handle: str, file_metadata: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
         """The transfer manifest, version 1 (``request_finished``'s dict in hs-connectors'
         connector): ``handle``, ``version``, ``tensors`` {name: shape, dtype
         ``"torch.<name>"``, nbytes, offset}, ``metadata`` {num_tokens,
-        total_aligned_bytes, extract_mode}; fp8 adds metadata ``scale_layout``."""
+        total_aligned_bytes, extract_mode}; fp8 adds metadata ``scale_layout``.
+        ``file_metadata`` (the file sink's ``__metadata__``: format, rid, layer_ids,
+        num_layers, model_path, versions) joins ``metadata`` where it adds a key, so
+        ``extract --store`` writes the file the file sink would have; hs-connectors'
+        reader reads only the keys above."""
         meta: Dict[str, Any] = {
             "num_tokens": self.num_tokens, "total_aligned_bytes": self.total_bytes,
             "extract_mode": EXTRACT_MODE,
         }
         if self.dtype == fmt.FP8:
             meta[fmt.SCALE_LAYOUT_KEY] = fmt.SCALE_LAYOUT
+        for key, value in (file_metadata or {}).items():
+            meta.setdefault(key, value)
         return {
             "handle": handle,
             "version": MANIFEST_VERSION,

@@ -159,8 +159,11 @@ class DumpWriter:
         self.metrics_model_name = metrics_model_name
         self.stats_interval_s = stats_interval_s
         self.stats = WriterStats()
-        self._meta = json.dumps({"layer_ids": [int(k) for k in layer_ids],
-                                 "num_layers": int(num_layers), "extra": dict(metadata or {})})
+        self.layer_ids = [int(k) for k in layer_ids]
+        self.num_layers = int(num_layers)
+        self.metadata = dict(metadata or {})
+        self._meta = json.dumps({"layer_ids": self.layer_ids, "num_layers": self.num_layers,
+                                 "extra": self.metadata})
         self._cuda = device is not None and torch.device(device).type == "cuda"
         self.arena_fd, self._mm = arena_mod.create(arena_bytes)
         self._arena_size = int(arena_bytes)
@@ -515,6 +518,13 @@ class DumpWriter:
                 src.record_stream(self._stream)  # converted rows live on the copy stream
         finally:
             self._busy = False
+
+    def file_metadata(self, rid: str, dtype: str) -> Dict[str, str]:
+        """The ``__metadata__`` a file of ``rid`` stored as ``dtype`` (a ``file_dtype`` name)
+        carries (``format.build_metadata``): the store sink's manifest carries the same, so
+        a sample fetched from the store becomes the file the file sink would have written."""
+        return fmt.build_metadata(rid=rid, layer_ids=self.layer_ids, num_layers=self.num_layers,
+                                  extra={**self.metadata, **fmt.dtype_metadata(dtype)})
 
     def file_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the sample is written in for rows of ``dtype`` (``_file_dtype``), as

@@ -99,6 +99,8 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         manifest = smeta[MANIFEST]
         assert manifest["handle"] == store.handle_for(req.rid) and manifest["version"] == 1
         rec = fmt.load(fmeta["hidden_states_path"], dequantize=False)
+        # the file's __metadata__ rides in the manifest: extract --store writes the same file
+        assert {k: manifest["metadata"].get(k) for k in rec.metadata} == rec.metadata, req.rid
         got = read(reader, smeta)
         want = {"hidden_states": rec.hidden_states, "token_ids": rec.token_ids}
         if dtype == "fp8":
