@@ -33,7 +33,6 @@ from typing import List, Optional
 
 from sglang_ext import session as _session
 from sglang_ext.responses import (  # noqa: F401 - re-exported: the patches call them here
-    HiddenStatesDumpError,
     finish_response,
     openai_completion_extras,
 )

@@ -14,7 +14,7 @@ Guarantees:
   while starting): "URL is not an SGLang server", quoting at most a short brief of the
   answer. Either is one line and exit 3 at once.
 - ``hs_<i>.safetensors`` only ever appears complete, checked and a regular file: the
-  server's file is first moved to ``OUT/.hs_<i>.safetensors.tmp`` (``rename`` on the
+  server's file is first moved to ``OUT/.hs_<i>.safetensors.tmp.<random>`` (``rename`` on the
   same filesystem, else a copy through a descriptor opened ``O_NOFOLLOW`` + unlink),
   checked there, then renamed onto the final name. Never a symlink kept as a result.
 - The server's answer is not trusted: extract moves and deletes only regular files

@@ -6,7 +6,7 @@
 # .whl/d (about 8 MiB; carry it with .whl/c, or alone with the stack, in the `run` call):
 # pytest for tests/gpu, speculators' own generator and reader for its clients group
 # (issue 6), hs-connectors (its MooncakeTransfer reads the store group's samples), and
-# py-spy for the bench's profiles (python -m bench) (issue 7).
+# py-spy for ad-hoc profiling on the host (neither the suite nor the bench runs it).
 #
 # .whl/m (about 56 MiB: a call of its own, `bash -c 'source tests/gpu/stage.sh; install_store'`
 # carrying .whl/m; issue 35): mooncake-transfer-engine-cuda13 0.3.14 (cp312; mooncake_master

@@ -60,7 +60,7 @@ prepare_run() {  # last folder, environment, series; then print the GPU
     echo "stack: SGLang $(stack_release) from ${KIMI_STACK_ROOT:-/tmp}/stack-sgl"
   else
     if [ -d .whl/c ]; then install_folder c; fi
-    # d (optional, carried with c): speculators, hs-connectors, datasets, multiprocess, py-spy
+    # d (optional, carried with c): speculators, hs-connectors, datasets, multiprocess (+ py-spy)
     if [ -d .whl/d ]; then install_folder d; fi
     export PYTHONPATH="/tmp/site-c:/tmp/site-b:/tmp/site-a:$PWD:/tmp/site-d"
   fi

@@ -41,6 +41,7 @@ from dumpfiles import write_dump
 from fake_sglang_server import JsonHandler
 
 from sglang_ext import hooks
+from sglang_ext.responses import HiddenStatesDumpError
 from sglang_ext.client import convert
 from sglang_ext.client.checks import CheckError, check_file
 from sglang_ext.client.dumpdir import DumpDir, move_into_place
@@ -546,7 +547,7 @@ def test_completions_hook_passes_through_and_reports_errors():
     r = CompletionResponse(id="c", model="m", choices=[CompletionResponseChoice(index=0, text="")],
                            usage=UsageInfo(prompt_tokens=1, total_tokens=1))
     assert hooks.openai_completion_extras(r, [{"meta_info": {}}]) is r  # dumping off
-    with pytest.raises(hooks.HiddenStatesDumpError, match="disk full"):
+    with pytest.raises(HiddenStatesDumpError, match="disk full"):
         hooks.openai_completion_extras(r, [{"meta_info": {"hidden_states_error": "disk full"}}])
     two = hooks.openai_completion_extras(
         r, [{"meta_info": {"hidden_states_path": "/a"}}, {"meta_info": {"hidden_states_path": "/b"}}])
