@@ -7,7 +7,8 @@ mooncake``), unchanged. The contract (docs/store.md) comes from hs-connectors'
 ``get_sample``) and ``mooncake_hidden_states_connector.py`` (``sanitize_key``,
 ``request_finished``'s transfer manifest):
 
-- the object's key is ``handle_for(rid)``; its bytes are the tensors of
+- the object's key is ``unique_handle(rid)``: ``handle_for(rid)`` + ``-`` + 8 random hex
+  digits, so it is never another answer's (readers take it from the manifest); its bytes are the tensors of
   ``format.dump_tensors`` (``hidden_states`` ``[T, L, H]``, fp8 adds
   ``hidden_states_scales`` float32 ``[T, L, 1]``, ``token_ids`` int64 ``[T]``), each at a
   64-byte-aligned offset, zero padding between and after, ``total_bytes`` in all
@@ -33,6 +34,7 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -186,6 +188,27 @@ def handle_for(rid: str) -> str:
         raise ValueError("an empty request id has no store handle")
     safe = _UNSAFE_KEY.sub("_", str(rid))
     return "k" + safe if safe[:1].isdigit() else safe
+
+
+HANDLE_SUFFIX_HEX = 8  # hex digits of unique_handle's random suffix
+
+
+def unique_handle(rid: str) -> str:
+    """The handle of one answer for request ``rid``: ``handle_for(rid)`` + ``"-"`` + 8
+    random hex digits (``secrets.token_hex(4)``). A key per answer, not per rid: two
+    scheduler processes, servers sharing a master, a repeated rid, or rids that sanitize
+    alike (``a.b``/``a_b``) never share an object or a stale ``<handle>:error``; 2**32
+    suffixes per rid make a collision (refused by ``StoreSink.put``) negligible.
+    ``ValueError`` for an empty rid."""
+    return f"{handle_for(rid)}-{secrets.token_hex(HANDLE_SUFFIX_HEX // 2)}"
+
+
+def handle_matches(rid: str, handle: str) -> bool:
+    """Whether ``handle`` is one the server may name for ``rid``: ``handle_for(rid)``
+    itself (servers before unique handles) or that + ``-`` + 8 lowercase hex digits
+    (``unique_handle``); anything else is another request's."""
+    base = handle_for(rid)
+    return handle == base or re.fullmatch(re.escape(base) + "-[0-9a-f]{%d}" % HANDLE_SUFFIX_HEX, handle) is not None
 
 
 def _align(n: int) -> int:

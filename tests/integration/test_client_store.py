@@ -181,7 +181,7 @@ class StoreServer:
         if self.delay:
             time.sleep(self.delay)
         hs, scales, token_ids = sample(ids, self.dtype)
-        handle = st.handle_for(rid)
+        handle = st.unique_handle(rid)
         layout = st.pack_layout(len(ids), len(LAYERS), HIDDEN, self.dtype)
         manifest = layout.manifest(handle)
         manifest["metadata"].update(self.manifest_meta)
@@ -294,7 +294,15 @@ def test_a_manifest_is_checked_against_the_request_before_anything_is_read():
             fetch.expect(m, rid, ids, shape)
 
     bad(lambda m: m.update(version=2), "version 2")
-    bad(lambda m: m.update(handle="other"), "not the server's handle")
+    suffixed = dict(good, handle=st.unique_handle(rid))  # what servers answer now
+    assert fetch.expect(suffixed, rid, ids).handle == suffixed["handle"]
+    assert suffixed["handle"] != good["handle"]
+    bad(lambda m: m.update(handle="other"), "not a server handle")
+    bad(lambda m: m.update(handle=rid + "-0123abc"), "not a server handle")  # 7 digits
+    bad(lambda m: m.update(handle=rid + "-0123abcG"), "not a server handle")
+    bad(lambda m: m.update(handle=rid + "-0123abcd-2"), "not a server handle")
+    bad(lambda m: m.update(handle="extract-0-0-ac-0123abcd"), "not a server handle")  # another rid's
+    bad(lambda m: m.update(handle=None), "not a server handle")
     bad(lambda m: m["tensors"]["hidden_states"].update(shape=[4, 4, 8]), "does not match")  # 4 rows, 3 tokens
     bad(lambda m: m["tensors"]["token_ids"].update(offset=0), "does not match")
     bad(lambda m: m["metadata"].update(total_aligned_bytes=10), "total_aligned_bytes 10")
@@ -348,7 +356,8 @@ def test_store_samples_become_the_file_sinks_files_and_leave_the_store(
             meta, got = read(out / f"hs_{i}.safetensors")
             rid = meta["rid"]
             assert rid.startswith(f"extract-{i}-")
-            assert rec["source"] == f"mooncake://127.0.0.1:{master.port}/{st.handle_for(rid)}"
+            handle = rec["source"].removeprefix(f"mooncake://127.0.0.1:{master.port}/")
+            assert handle in server.handles and st.handle_matches(rid, handle), rec["source"]
             assert rec["num_tokens"] == len(data[i]) and rec["bytes"] == os.path.getsize(out / f"hs_{i}.safetensors")
             ref_meta, want = read(file_sink_twin(tmp_path, rid, server.tensors[rid]))
             assert list(got) == list(want), f"row {i}: keys {list(got)} vs the file sink's {list(want)}"

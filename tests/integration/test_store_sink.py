@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import types
 
@@ -97,7 +98,8 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         by_sink[sink] = (reqs, metas)
     for req, fmeta, smeta in zip(by_sink["file"][0], by_sink["file"][1], by_sink["store"][1]):
         manifest = smeta[MANIFEST]
-        assert manifest["handle"] == store.handle_for(req.rid) and manifest["version"] == 1
+        assert store.handle_matches(req.rid, manifest["handle"]) and manifest["version"] == 1
+        assert manifest["handle"] != store.handle_for(req.rid)  # a unique suffix
         rec = fmt.load(fmeta["hidden_states_path"], dequantize=False)
         # the file's __metadata__ rides in the manifest: extract --store writes the same file
         assert {k: manifest["metadata"].get(k) for k in rec.metadata} == rec.metadata, req.rid
@@ -116,25 +118,36 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         reader.delete(manifest["handle"])
 
 
-def test_same_rid_twice_gets_two_handles(master, reader, sessions):
-    """Two live requests of one rid get ``same`` and ``same-2``; once both are put, the
-    rid's next request is ``same`` again, which the store already holds: it fails
-    without a marker (that would fail the first sample's reader), the first stays whole."""
+def test_every_answer_gets_its_own_handle(master, reader, sessions):
+    """Each answer's handle is ``handle_for(rid)`` + ``-`` + 8 random hex digits, so none
+    shares an object or a marker with another: two live requests of one rid, the rid
+    repeated after its object exists, a second scheduler process (DP rank) on the same
+    master, rids that sanitize alike (``job.1``/``job_1``), and a stale ``same:error``
+    an older server left. Every sample reads back as its own request's rows."""
+    reader.store._store.put("same:error", b'{"error": "stale marker of an older server"}')
     sess = sessions.start(store_runner(master))
+    other = sessions.start(store_runner(master))
     first, second = Req("same", 4, 1), Req("same", 5, 2)
     run_extend(sess, [(first, 0, 4), (second, 0, 5)], IDS)
-    m1, m2 = finish(first), finish(second)
-    assert (m1[MANIFEST]["handle"], m2[MANIFEST]["handle"]) == ("same", "same-2")
+    metas = [finish(first), finish(second)]
     assert idle(sess)["files_written"] == 2
-    third = Req("same", 3, 3)
-    run_extend(sess, [(third, 0, 3)], IDS)
-    assert finish(third)[MANIFEST]["handle"] == "same"
-    assert idle(sess)["failures"] == 1
-    assert not exists(reader, "same:error")
-    assert torch.equal(read(reader, m1)["hidden_states"], reference(first, IDS))
-    assert torch.equal(read(reader, m2)["hidden_states"], reference(second, IDS))
-    reader.delete("same")
-    reader.delete("same-2")
+    again, dotted, underscored = Req("same", 3, 3), Req("job.1", 6, 4), Req("job_1", 2, 5)
+    run_extend(sess, [(again, 0, 3), (dotted, 0, 6)], IDS)
+    rank1 = Req("same", 7, 6)
+    run_extend(other, [(rank1, 0, 7), (underscored, 0, 2)], IDS)
+    reqs = [first, second, again, dotted, rank1, underscored]
+    metas += [finish(again), finish(dotted), finish(rank1), finish(underscored)]
+    assert (idle(sess)["failures"], idle(other)["failures"]) == (0, 0)
+    handles = [m[MANIFEST]["handle"] for m in metas]
+    assert len(set(handles)) == len(handles), handles
+    for req, handle in zip(reqs, handles):
+        assert re.fullmatch(re.escape(store.handle_for(req.rid)) + "-[0-9a-f]{8}", handle), (req.rid, handle)
+        assert store.handle_matches(req.rid, handle)
+    for req, meta in zip(reqs, metas):
+        assert torch.equal(read(reader, meta)["hidden_states"], reference(req, IDS)), req.rid
+        assert read(reader, meta)["token_ids"].tolist() == req.origin_input_ids
+        reader.delete(meta[MANIFEST]["handle"])
+    reader.store._store.remove("same:error")
 
 
 def test_a_request_failing_before_its_answer_gets_hidden_states_error(master, reader, sessions):
