@@ -175,6 +175,25 @@ class StoreConfig:
         }
 
 
+INSTALL_HINT = "pip install -r requirements/store.txt"
+
+
+def mooncake_import_error() -> Optional[str]:
+    """``None`` when ``mooncake.store`` imports, else a phrase to follow a subject (``"the
+    store sink " + phrase``) that quotes the ``ImportError``: the package missing, or its
+    extension missing a shared library (libibverbs, librdmacm, libnuma: Debian's
+    libibverbs1 librdmacm1 libnuma1). Importing is what finds the latter; ``find_spec``
+    does not."""
+    try:
+        import mooncake.store  # noqa: F401, PLC0415
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "mooncake":
+            return f"needs the mooncake package ({INSTALL_HINT})"
+        return (f"cannot import mooncake.store ({str(e)[:300]}): install what it names (Debian: "
+                f"libibverbs1 librdmacm1 libnuma1) or reinstall mooncake ({INSTALL_HINT})")
+    return None
+
+
 # ---------------------------------------------------------------- handles and layout
 
 
@@ -347,12 +366,11 @@ class StoreSink:
         with self._lock:
             if self._store is not None:
                 return self
-            try:
-                from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
-            except ImportError:
-                raise StoreUnavailable(
-                    "the Mooncake store sink needs the mooncake package "
-                    "(pip install -r requirements/store.txt)") from None
+            why = mooncake_import_error()
+            if why is not None:
+                raise StoreUnavailable(f"the Mooncake store sink {why}")
+            from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
+
             c = self.config
             store = MooncakeDistributedStore()
             try:

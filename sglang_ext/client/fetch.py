@@ -71,7 +71,7 @@ POLL_MAX_S = 0.05
 PROBE_TIMEOUT_S = 10.0  # a master that does not accept a TCP connection by then is not up
 FILE_META_KEYS = ("layer_ids", "num_layers", "model_path", "sglang_version",
                   "sglang_ext_version", "series")
-INSTALL_HINT = "pip install -r requirements/store.txt"
+INSTALL_HINT = st.INSTALL_HINT
 _BUFFER_GRANULE = 4 << 20  # registered get buffers grow in steps of this many bytes
 
 
@@ -328,11 +328,11 @@ class StoreFetcher:
     def connect(self) -> "StoreFetcher":
         """Set the Mooncake client up. ``MooncakeMissing`` (one sentence) when mooncake is
         not installed, ``StoreUnreachable`` when the master does not answer."""
-        try:
-            from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
-        except ImportError:
-            raise MooncakeMissing(f"--store needs the mooncake package here ({INSTALL_HINT}; "
-                                   f"it also needs Debian's libibverbs1 librdmacm1 libnuma1)") from None
+        why = st.mooncake_import_error()
+        if why is not None:
+            raise MooncakeMissing(f"--store {why}")
+        from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
+
         c = self.config
         why = st.master_unreachable(c, PROBE_TIMEOUT_S)
         if why is not None:

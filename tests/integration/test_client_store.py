@@ -420,7 +420,7 @@ def test_a_missing_object_times_out_with_a_sentence(master, server, tmp_path, ca
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 0,
                    "--store-timeout", 0.3, store=master.url) == EXIT_FAILED
     err = capsys.readouterr().err
-    assert re.search(r"row 1: 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}' did not appear "
+    assert re.search(r"row 1: 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{8}' did not appear "
                      r"in the Mooncake store at 127\.0\.0\.1:\d+ within 0\.3 s \(--store-timeout\)", err), err
     assert "Traceback" not in err
     assert hs_indices(out) == {0, 2}
@@ -473,7 +473,31 @@ def test_without_the_mooncake_package_is_one_sentence(tmp_path):
                 f"{str(tmp_path / 'o')!r}, '--no-progress', '--store', 'mooncake://127.0.0.1:1']))")
         r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == EXIT_BAD_INPUT, r.stderr
-        assert "--store needs the mooncake package here (pip install -r requirements/store.txt" in r.stderr
+        assert "--store needs the mooncake package (pip install -r requirements/store.txt)" in r.stderr
+        assert "Traceback" not in r.stderr and s.counts == {}
+    finally:
+        s.close()
+
+
+def test_mooncake_missing_a_shared_library_is_one_sentence_quoting_it(tmp_path):
+    """A mooncake whose extension cannot load (libibverbs missing: an ImportError from
+    ``mooncake.store``, not from ``find_spec``): one sentence quoting the loader."""
+    pkg = tmp_path / "lib" / "mooncake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "store.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file: "
+                                  "No such file or directory')\n")
+    s = StoreServer(sink=None)
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", rows(1))
+        code = (f"import sys; sys.path.insert(0, {str(tmp_path / 'lib')!r})\n"
+                "from sglang_ext.__main__ import main\n"
+                f"sys.exit(main(['extract', '--endpoint', {s.url!r}, '--data', {data!r}, '--out', "
+                f"{str(tmp_path / 'o')!r}, '--no-progress', '--store', 'mooncake://127.0.0.1:1']))")
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == EXIT_BAD_INPUT, r.stderr
+        assert ("--store cannot import mooncake.store (libibverbs.so.1: cannot open shared object file: "
+                "No such file or directory): install what it names (Debian: libibverbs1") in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and s.counts == {}
     finally:
         s.close()

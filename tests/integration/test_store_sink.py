@@ -15,6 +15,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import types
 
 import pytest
@@ -345,6 +347,54 @@ rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "",
 print("mounted", rc, flush=True)
 time.sleep(600)
 """
+
+
+def test_a_writer_whose_master_is_gone_fails_its_requests_in_seconds():
+    """The writer's connection probes the master before Mooncake's setup (which retries a
+    dead master ~90 s, past the scheduler's 60 s watchdog): a request gets the probe's
+    sentence within seconds, and again at once while the master stays gone."""
+    import ctypes
+    import time
+
+    from sglang_ext import store_writer
+
+    port = _free_port()
+    cfg = store.StoreConfig.from_url(f"mooncake://127.0.0.1:{port}?protocol=tcp&local_hostname=127.0.0.1")
+    arena = ctypes.create_string_buffer(1 << 20)
+    conn = store_writer.Connection(cfg, ctypes.addressof(arena), len(arena))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(store.StoreUnavailable, match=rf"cannot reach the Mooncake master at 127\.0\.0\.1:{port} "
+                                                         r"\(.*\): is mooncake_master running there\?"):
+            conn.get()
+        assert time.monotonic() - t0 < store_writer.PROBE_S + 3
+        t0 = time.monotonic()
+        with pytest.raises(store.StoreUnavailable, match="cannot reach the Mooncake master"):
+            conn.get()
+        assert time.monotonic() - t0 < 1
+    finally:
+        conn.close()
+
+
+def test_start_up_quotes_a_mooncake_that_cannot_load(master, tmp_path):
+    """``check_store_reachable`` imports ``mooncake.store``: a package whose extension
+    misses libibverbs is refused at start-up in one sentence quoting the loader (with
+    only ``find_spec`` it passed, and the writer failed every request)."""
+    pkg = tmp_path / "lib" / "mooncake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "store.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path / 'lib')!r})\n"
+            "from sglang_ext import config, store\n"
+            f"cfg = store.StoreConfig.from_url({master_config(master)!r})\n"
+            "try:\n    config.check_store_reachable(cfg)\n"
+            "except config.DumpConfigError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == (
+        "--dump-hidden-states-dir: the Mooncake store sink cannot import mooncake.store (libibverbs.so.1: "
+        "cannot open shared object file): install what it names (Debian: libibverbs1 librdmacm1 libnuma1) "
+        "or reinstall mooncake (pip install -r requirements/store.txt)"), r.stdout + r.stderr
 
 
 def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(master, reader, sessions, tmp_path):
