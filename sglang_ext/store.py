@@ -54,6 +54,7 @@ _UNSAFE_KEY = re.compile(r"[^a-zA-Z0-9_-]")
 
 # Mooncake's status codes (mooncake-store types.h ErrorCode) that need their own words.
 NO_AVAILABLE_HANDLE = -200  # no segment has room for the replica
+INVALID_PARAMS = -600  # e.g. a put of bytes larger than what the local buffer has free
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
@@ -108,8 +109,12 @@ class StoreConfig:
 
     ``global_segment_size`` bytes of this process's memory become the store's capacity
     (objects live in the producer's segment, trainers read them from there);
-    ``local_buffer_size`` is Mooncake's client staging buffer, used only for puts of
-    bytes (error markers) and gets, so it is far smaller than hs-connectors' 2 GiB.
+    ``local_buffer_size`` is Mooncake's client staging buffer: every put of bytes goes
+    through it (error markers, and the whole sample of a chunked-prefill request, whose
+    parts are joined into bytes: ``StoreSink.put``), as do gets; a put from a registered
+    range (the writer's arena) does not. A put of bytes that does not fit fails (status
+    -600, one sentence); size it to at least the largest chunked-prefill sample times
+    the writer threads (docs/store.md).
     ``metadata_server`` ``P2PHANDSHAKE`` needs no etcd/HTTP metadata service.
     """
 
@@ -439,6 +444,12 @@ class StoreSink:
                     [handle], [[int(a) for a, _ in ranges]], [[int(n) for _, n in ranges]])[0]
         else:
             rc = store.put(handle, b"".join(_as_bytes(p) for p in parts))
+            if rc == INVALID_PARAMS:  # the client could not take the bytes into its local buffer
+                raise StoreError(
+                    f"the store object {handle!r} ({total} bytes) does not fit the Mooncake client's local "
+                    f"buffer (local_buffer_size {self.config.local_buffer_size} bytes, shared by the "
+                    f"writer threads' puts of bytes): raise local_buffer_size to at least the largest "
+                    f"chunked-prefill sample times the writer threads (docs/store.md)")
         if rc != 0:
             raise status_error("put", handle, rc, total, self.config)
         return total
