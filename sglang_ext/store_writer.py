@@ -21,8 +21,9 @@ in the same message (``final``: a prompt prefilled in one batch, the common case
 the put reads them in place. A chunked-prefill request's earlier chunks are copied out
 of the arena into this process's memory as they come and their ranges go back at once:
 holding them until the last chunk could take the whole arena while other requests'
-chunks wait for room (a deadlock); such a request costs one host copy (two: the put of
-bytes joins the parts), stated in docs/store.md.
+chunks wait for room (a deadlock); such a request costs three host copies (the earlier chunks out of the
+arena, ``b"".join`` of all parts, the client's copy into its local buffer), stated in
+docs/store.md.
 
 A put that fails (no room: ``store.StoreFull``; master down: ``store.StoreUnavailable``)
 fails its request: the marker when the store takes it, else only the log line and the

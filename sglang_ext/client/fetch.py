@@ -27,9 +27,9 @@ packed object under the manifest's ``handle``, visible only once complete, or th
 The file's ``__metadata__`` is what this node can know: ``format``, ``rid`` (the rid this
 client sent), for fp8 ``hidden_states_dtype`` and ``scale_layout``, plus any of
 ``layer_ids``, ``num_layers``, ``model_path``, ``sglang_version``, ``sglang_ext_version``
-and ``series`` that the manifest's metadata carries (``FILE_META_KEYS``; the version-1
-manifest of docs/store.md carries none of them, so a file taken from the store lacks
-them unless the server adds them).
+and ``series`` that the manifest's metadata carries (``FILE_META_KEYS``; our server's
+manifest carries the file's ``__metadata__``, so a file taken from the store has them;
+another producer's manifest may not).
 
 Resume and exactly-once: every request is journaled (``OUT/.extract-store-rank<R>.jsonl``:
 row index and rid) before it is sent, its checked manifest (with the manifest's own
