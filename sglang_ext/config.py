@@ -145,19 +145,18 @@ def store_target(value: Optional[str]):
 
 
 def check_store_reachable(config, timeout_s: float = 5.0) -> None:
-    """At start-up, for the store sink: the ``mooncake`` package is importable and the
+    """At start-up, for the store sink: ``mooncake.store`` imports (the package and the
+    shared libraries its extension loads: libibverbs, librdmacm, libnuma) and the
     master (``config.master_server_address``, a ``store.StoreConfig``) accepts a TCP
     connection within ``timeout_s``. Raises ``DumpConfigError``, one sentence naming the
     flag, else. (Mooncake's own client setup waits ~90 s for a master that is not there;
     a typo must not cost that. A master that goes away later fails requests, not the
     server.)"""
-    import importlib.util
-
     from sglang_ext import store
 
-    if importlib.util.find_spec("mooncake") is None:
-        raise DumpConfigError("--dump-hidden-states-dir: the Mooncake store sink needs the mooncake "
-                              "package (pip install -r requirements/store.txt)")
+    why = store.mooncake_import_error()
+    if why is not None:
+        raise DumpConfigError(f"--dump-hidden-states-dir: the Mooncake store sink {why}")
     why = store.master_unreachable(config, timeout_s)
     if why is not None:
         raise DumpConfigError(f"--dump-hidden-states-dir: {why}; is mooncake_master running there?")

@@ -501,7 +501,6 @@ class DumpSession:
         """A failure after the checks: a reserved name is given back and its path taken
         out of the response, which says ``hidden_states_error`` instead."""
         if isinstance(take.reservation, str):  # a store handle: its manifest goes
-            self.writer.release_handle(take.reservation)
             drop_info(take.req, MANIFEST_KEY)
         elif take.reservation is not None:
             fmt.cancel(take.reservation)

@@ -7,7 +7,8 @@ mooncake``), unchanged. The contract (docs/store.md) comes from hs-connectors'
 ``get_sample``) and ``mooncake_hidden_states_connector.py`` (``sanitize_key``,
 ``request_finished``'s transfer manifest):
 
-- the object's key is ``handle_for(rid)``; its bytes are the tensors of
+- the object's key is ``unique_handle(rid)``: ``handle_for(rid)`` + ``-`` + 8 random hex
+  digits, so it is never another answer's (readers take it from the manifest); its bytes are the tensors of
   ``format.dump_tensors`` (``hidden_states`` ``[T, L, H]``, fp8 adds
   ``hidden_states_scales`` float32 ``[T, L, 1]``, ``token_ids`` int64 ``[T]``), each at a
   64-byte-aligned offset, zero padding between and after, ``total_bytes`` in all
@@ -33,6 +34,7 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ _UNSAFE_KEY = re.compile(r"[^a-zA-Z0-9_-]")
 
 # Mooncake's status codes (mooncake-store types.h ErrorCode) that need their own words.
 NO_AVAILABLE_HANDLE = -200  # no segment has room for the replica
+INVALID_PARAMS = -600  # e.g. a put of bytes larger than what the local buffer has free
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
@@ -106,8 +109,12 @@ class StoreConfig:
 
     ``global_segment_size`` bytes of this process's memory become the store's capacity
     (objects live in the producer's segment, trainers read them from there);
-    ``local_buffer_size`` is Mooncake's client staging buffer, used only for puts of
-    bytes (error markers) and gets, so it is far smaller than hs-connectors' 2 GiB.
+    ``local_buffer_size`` is Mooncake's client staging buffer: every put of bytes goes
+    through it (error markers, and the whole sample of a chunked-prefill request, whose
+    parts are joined into bytes: ``StoreSink.put``), as do gets; a put from a registered
+    range (the writer's arena) does not. A put of bytes that does not fit fails (status
+    -600, one sentence); size it to at least the largest chunked-prefill sample times
+    the writer threads (docs/store.md).
     ``metadata_server`` ``P2PHANDSHAKE`` needs no etcd/HTTP metadata service.
     """
 
@@ -173,6 +180,25 @@ class StoreConfig:
         }
 
 
+INSTALL_HINT = "pip install -r requirements/store.txt"
+
+
+def mooncake_import_error() -> Optional[str]:
+    """``None`` when ``mooncake.store`` imports, else a phrase to follow a subject (``"the
+    store sink " + phrase``) that quotes the ``ImportError``: the package missing, or its
+    extension missing a shared library (libibverbs, librdmacm, libnuma: Debian's
+    libibverbs1 librdmacm1 libnuma1). Importing is what finds the latter; ``find_spec``
+    does not."""
+    try:
+        import mooncake.store  # noqa: F401, PLC0415
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "mooncake":
+            return f"needs the mooncake package ({INSTALL_HINT})"
+        return (f"cannot import mooncake.store ({str(e)[:300]}): install what it names (Debian: "
+                f"libibverbs1 librdmacm1 libnuma1) or reinstall mooncake ({INSTALL_HINT})")
+    return None
+
+
 # ---------------------------------------------------------------- handles and layout
 
 
@@ -186,6 +212,27 @@ def handle_for(rid: str) -> str:
         raise ValueError("an empty request id has no store handle")
     safe = _UNSAFE_KEY.sub("_", str(rid))
     return "k" + safe if safe[:1].isdigit() else safe
+
+
+HANDLE_SUFFIX_HEX = 8  # hex digits of unique_handle's random suffix
+
+
+def unique_handle(rid: str) -> str:
+    """The handle of one answer for request ``rid``: ``handle_for(rid)`` + ``"-"`` + 8
+    random hex digits (``secrets.token_hex(4)``). A key per answer, not per rid: two
+    scheduler processes, servers sharing a master, a repeated rid, or rids that sanitize
+    alike (``a.b``/``a_b``) never share an object or a stale ``<handle>:error``; 2**32
+    suffixes per rid make a collision (refused by ``StoreSink.put``) negligible.
+    ``ValueError`` for an empty rid."""
+    return f"{handle_for(rid)}-{secrets.token_hex(HANDLE_SUFFIX_HEX // 2)}"
+
+
+def handle_matches(rid: str, handle: str) -> bool:
+    """Whether ``handle`` is one the server may name for ``rid``: ``handle_for(rid)``
+    itself (servers before unique handles) or that + ``-`` + 8 lowercase hex digits
+    (``unique_handle``); anything else is another request's."""
+    base = handle_for(rid)
+    return handle == base or re.fullmatch(re.escape(base) + "-[0-9a-f]{%d}" % HANDLE_SUFFIX_HEX, handle) is not None
 
 
 def _align(n: int) -> int:
@@ -324,12 +371,11 @@ class StoreSink:
         with self._lock:
             if self._store is not None:
                 return self
-            try:
-                from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
-            except ImportError:
-                raise StoreUnavailable(
-                    "the Mooncake store sink needs the mooncake package "
-                    "(pip install -r requirements/store.txt)") from None
+            why = mooncake_import_error()
+            if why is not None:
+                raise StoreUnavailable(f"the Mooncake store sink {why}")
+            from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
+
             c = self.config
             store = MooncakeDistributedStore()
             try:
@@ -398,6 +444,12 @@ class StoreSink:
                     [handle], [[int(a) for a, _ in ranges]], [[int(n) for _, n in ranges]])[0]
         else:
             rc = store.put(handle, b"".join(_as_bytes(p) for p in parts))
+            if rc == INVALID_PARAMS:  # the client could not take the bytes into its local buffer
+                raise StoreError(
+                    f"the store object {handle!r} ({total} bytes) does not fit the Mooncake client's local "
+                    f"buffer (local_buffer_size {self.config.local_buffer_size} bytes, shared by the "
+                    f"writer threads' puts of bytes): raise local_buffer_size to at least the largest "
+                    f"chunked-prefill sample times the writer threads (docs/store.md)")
         if rc != 0:
             raise status_error("put", handle, rc, total, self.config)
         return total

@@ -21,8 +21,9 @@ in the same message (``final``: a prompt prefilled in one batch, the common case
 the put reads them in place. A chunked-prefill request's earlier chunks are copied out
 of the arena into this process's memory as they come and their ranges go back at once:
 holding them until the last chunk could take the whole arena while other requests'
-chunks wait for room (a deadlock); such a request costs one host copy (two: the put of
-bytes joins the parts), stated in docs/store.md.
+chunks wait for room (a deadlock); such a request costs three host copies (the earlier chunks out of the
+arena, ``b"".join`` of all parts, the client's copy into its local buffer), stated in
+docs/store.md.
 
 A put that fails (no room: ``store.StoreFull``; master down: ``store.StoreUnavailable``)
 fails its request: the marker when the store takes it, else only the log line and the
@@ -46,16 +47,23 @@ logger = logging.getLogger("sglang_ext.writer_process")
 
 LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
 RETRY_CONNECT_S = 5.0  # between attempts to set the client up while the master is unreachable
+PROBE_S = 5.0  # the master's TCP probe before each setup (store.master_unreachable)
+# The longest a request waits for the first setup to end: below the scheduler's watchdog
+# (config.DEFAULT_WATCHDOG_S, 60 s), so a slow setup fails requests, not the writer.
+FIRST_CONNECT_WAIT_S = 30.0
 
 
 class Connection:
     """This writer process's one Mooncake client, set up in a thread of its own.
 
     ``StoreSink.connect`` takes up to ~90 s when the master does not answer (Mooncake's
-    client retries 20 times), so it must not run on a writer thread per request. The
-    thread retries every ``RETRY_CONNECT_S`` until it succeeds, then registers
-    ``[addr, addr + size)`` (the arena's mapping) once. ``get`` waits for the first
-    attempt only; later, while not connected, it raises the last error at once."""
+    client retries 20 times), so it must not run on a writer thread per request, and
+    each attempt first probes the master's port (``store.master_unreachable``,
+    ``PROBE_S``): a dead master fails the attempt in seconds, not past the scheduler's
+    60 s watchdog. The thread retries every ``RETRY_CONNECT_S`` until it succeeds, then
+    registers ``[addr, addr + size)`` (the arena's mapping) once. ``get`` waits for the
+    first attempt only, at most ``FIRST_CONNECT_WAIT_S``; later, while not connected, it
+    raises the last error at once."""
 
     def __init__(self, config: store.StoreConfig, addr: int, size: int):
         self.sink = store.StoreSink(config)
@@ -69,6 +77,9 @@ class Connection:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                why = store.master_unreachable(self.sink.config, PROBE_S)
+                if why is not None:
+                    raise store.StoreUnavailable(f"{why}: is mooncake_master running there?")
                 self.sink.connect()
                 self.sink.register(self._addr, self._size)
                 self._ready = True
@@ -86,7 +97,10 @@ class Connection:
 
     def get(self) -> store.StoreSink:
         """The connected sink; ``StoreUnavailable`` (the setup's sentence) while not."""
-        self._first.wait()
+        if not self._first.wait(FIRST_CONNECT_WAIT_S):
+            raise store.StoreUnavailable(
+                f"the Mooncake client for the master at {self.sink.config.master_server_address} was "
+                f"still being set up after {FIRST_CONNECT_WAIT_S:g} s")
         if not self._ready:
             raise store.StoreUnavailable(str(self._error or "the Mooncake client is not set up"))
         return self.sink

@@ -150,7 +150,6 @@ class DumpWriter:
         self.num_slots = len(layer_ids)
         self.dir_fd = dir_fd
         self.store_url = store_url
-        self._handles: set = set()  # store handles answered and not yet put or failed
         self.threads = int(threads)
         self.cpus = tuple(int(c) for c in cpus) if cpus else None
         if self.cpus and not all(0 <= c < config.MAX_CPUS for c in self.cpus):
@@ -291,7 +290,6 @@ class DumpWriter:
         with self._settle_lock:  # the watchdog thread may be settling the same files
             for name in self._outstanding.values():
                 if self.dir_fd is None:  # a store handle: its marker is the caller's to put
-                    self._handles.discard(name)
                     failed += 1
                     continue
                 size = _fail_orphan(self.dir_fd, name, message)
@@ -555,23 +553,15 @@ class DumpWriter:
         return hidden.to(torch.bfloat16), None
 
     def reserve_handle(self, rid: str) -> str:
-        """The store handle of request ``rid`` (store sink): ``store.handle_for(rid)``, with
-        ``-2``, ``-3``, ... appended while that handle is another request's in this
-        process (answered, not yet put or failed), so two requests never share one.
-        Give it back with ``release_handle`` if the request fails before ``finish``."""
-        from sglang_ext.store import handle_for
+        """The store handle of request ``rid`` (store sink): ``store.handle_for(rid)`` +
+        ``"-"`` + 8 random hex digits (``store.unique_handle``), so no two answers share a
+        handle: not two live requests of one rid, not two scheduler processes (DP ranks)
+        or servers on one master, not a rid repeated after its object exists, not rids
+        that sanitize alike (``job.1``/``job_1``), and no stale ``<handle>:error``.
+        Readers take the handle from the manifest."""
+        from sglang_ext.store import unique_handle
 
-        base = handle = handle_for(rid)
-        n = 1
-        while handle in self._handles:
-            n += 1
-            handle = f"{base}-{n}"
-        self._handles.add(handle)
-        return handle
-
-    def release_handle(self, handle: str) -> None:
-        """A handle from ``reserve_handle`` whose request failed before ``finish``."""
-        self._handles.discard(handle)
+        return unique_handle(rid)
 
     def finish(self, pending: PendingDump, reservation) -> None:
         """Queue the file write; the writer releases ``reservation``'s lock when the file
@@ -703,7 +693,6 @@ class DumpWriter:
                 self._outstanding.pop(op.key, None)
                 why = f"the message to the hidden-state writer was refused: {e.strerror or e}"
                 if self.dir_fd is None:  # answered with its manifest: the writer puts its marker
-                    self._handles.discard(op.name)
                     self._out.ops.append(wire.MarkError(op.name, why))
                 else:
                     fmt.fail(fmt.Reservation(self.dir_fd, op.name, next(fds)), why)
@@ -782,12 +771,10 @@ class DumpWriter:
                     self._give_back(ev.piece)
                 elif kind is wire.Wrote:
                     self._outstanding.pop(ev.key, None)
-                    self._handles.discard(ev.name)
                     wrote += 1
                     nbytes += ev.nbytes
                 elif kind is wire.Failed:
                     self._outstanding.pop(ev.key, None)
-                    self._handles.discard(ev.name)
                     failed += 1
         self.stats.files += wrote
         self.stats.bytes += nbytes

@@ -8,7 +8,8 @@ packed object under the manifest's ``handle``, visible only once complete, or th
 ``<handle>:error`` (JSON ``{"error": message}``) when the server failed it. For one answer:
 
 1. ``expect``: the manifest is checked against the request before anything is read: the
-   handle is the server's for the rid (``store.handle_for``), and tensors, offsets, sizes
+   handle is one the server names for the rid (``store.handle_matches``: ``handle_for(rid)``
+   or that + ``-`` + 8 hex digits, the unique suffix every answer now has), and tensors, offsets, sizes
    and ``total_aligned_bytes`` are exactly ``store.pack_layout(len(prompt), L, H, dtype)``'s
    (so ``hidden_states`` has one row per prompt token, fp8 scales are ``[T, L, 1]``); a
    ``layer_ids`` in its metadata must name L layers, and L, H and the dtype must be those
@@ -26,14 +27,16 @@ packed object under the manifest's ``handle``, visible only once complete, or th
 The file's ``__metadata__`` is what this node can know: ``format``, ``rid`` (the rid this
 client sent), for fp8 ``hidden_states_dtype`` and ``scale_layout``, plus any of
 ``layer_ids``, ``num_layers``, ``model_path``, ``sglang_version``, ``sglang_ext_version``
-and ``series`` that the manifest's metadata carries (``FILE_META_KEYS``; the version-1
-manifest of docs/store.md carries none of them, so a file taken from the store lacks
-them unless the server adds them).
+and ``series`` that the manifest's metadata carries (``FILE_META_KEYS``; our server's
+manifest carries the file's ``__metadata__``, so a file taken from the store has them;
+another producer's manifest may not).
 
 Resume and exactly-once: every request is journaled (``OUT/.extract-store-rank<R>.jsonl``:
-row index and rid, whose handle is ``handle_for(rid)``) before it is sent, its checked
-manifest before its object is waited for, and the handle is marked done once the object
-is removed. A rerun that finds row ``i`` unfinished with a journaled handle takes
+row index and rid) before it is sent, its checked manifest (with the manifest's own
+handle) before its object is waited for, and the handle is marked done once the object
+is removed. A request whose answer never came has no known handle (the server picks its
+random suffix): its objects are removed by pattern (``remove_by_regex`` on
+``handle_for(rid)`` + any suffix; extract's rids carry a random part of their own). A rerun that finds row ``i`` unfinished with a journaled handle takes
 that object if it is still in the store (no new request), and requests the row again if
 it is gone; a row whose ``hs_<i>`` is in place has its journaled objects removed. At the
 end of a run that was not interrupted every journaled object left (tries given up on)
@@ -68,7 +71,7 @@ POLL_MAX_S = 0.05
 PROBE_TIMEOUT_S = 10.0  # a master that does not accept a TCP connection by then is not up
 FILE_META_KEYS = ("layer_ids", "num_layers", "model_path", "sglang_version",
                   "sglang_ext_version", "series")
-INSTALL_HINT = "pip install -r requirements/store.txt"
+INSTALL_HINT = st.INSTALL_HINT
 _BUFFER_GRANULE = 4 << 20  # registered get buffers grow in steps of this many bytes
 
 
@@ -82,6 +85,20 @@ class StoreUnreachable(RuntimeError):
 
 class MooncakeMissing(StoreUnreachable):
     """The mooncake package is not importable here."""
+
+
+_SENT_PREFIX = "sent:"  # journal key of a request not answered yet (no handle has ':')
+
+
+def _sent_key(rid: str) -> str:
+    return _SENT_PREFIX + rid
+
+
+def _sent_pattern(rid: str) -> str:
+    """The master's regex (``remove_by_regex``) for every object an answer to ``rid`` may
+    have made: ``handle_for(rid)``, optionally ``-`` + 8 hex digits, optionally ``:error``
+    (a handle holds only ``[a-zA-Z0-9_-]``, nothing to escape)."""
+    return f"^{st.handle_for(rid)}(-[0-9a-f]{{{st.HANDLE_SUFFIX_HEX}}})?({st.ERROR_SUFFIX})?$"
 
 
 def journal_path(out_dir: str, rank: int) -> str:
@@ -131,10 +148,11 @@ def expect(manifest: Any, rid: str, input_ids: List[int],
     if manifest.get("version") != st.MANIFEST_VERSION:
         raise FetchError(f"hidden_states_manifest has version {manifest.get('version')!r}; "
                          f"this client reads version {st.MANIFEST_VERSION}")
-    handle = st.handle_for(rid)
-    if manifest.get("handle") != handle:
-        raise FetchError(f"hidden_states_manifest names the object {str(manifest.get('handle'))[:120]!r}, "
-                         f"not the server's handle for request {rid} ({handle!r}): not taken")
+    handle = manifest.get("handle")
+    if not isinstance(handle, str) or not st.handle_matches(rid, handle):
+        raise FetchError(f"hidden_states_manifest names the object {str(handle)[:120]!r}, not a server "
+                         f"handle for request {rid} ({st.handle_for(rid)!r} or that + '-' + 8 hex "
+                         f"digits): not taken")
     try:
         hs = manifest["tensors"][fmt.KEY_HIDDEN_STATES]
         dims = [int(d) for d in hs["shape"]]
@@ -245,7 +263,12 @@ class StoreFetcher:
                     handles.pop(rec["done"], None)
             elif isinstance(rec.get("index"), int) and isinstance(rec.get("rid"), str) and rec["rid"]:
                 manifest = rec.get("manifest") if isinstance(rec.get("manifest"), dict) else None
-                self.open.setdefault(rec["index"], {})[st.handle_for(rec["rid"])] = (rec["rid"], manifest)
+                if manifest is not None and isinstance(manifest.get("handle"), str):
+                    handles = self.open.setdefault(rec["index"], {})
+                    handles.pop(_sent_key(rec["rid"]), None)
+                    handles[manifest["handle"]] = (rec["rid"], manifest)
+                else:
+                    self.open.setdefault(rec["index"], {})[_sent_key(rec["rid"])] = (rec["rid"], None)
         self.open = {i: h for i, h in self.open.items() if h}
 
     def _append(self, rec: dict) -> None:
@@ -282,14 +305,18 @@ class StoreFetcher:
             staged.publish(tmp)
 
     def sent(self, index: int, rid: str) -> None:
-        """Journal a request before it is sent: its object (``handle_for(rid)``) is ours
-        to remove whatever happens to this process once the server has it."""
-        self.open.setdefault(index, {})[st.handle_for(rid)] = (rid, None)
+        """Journal a request before it is sent. Its object's handle is the server's
+        answer (``handle_for(rid)`` + a random suffix), so until ``answered`` the row
+        holds a placeholder (``_sent_key``) that names no object."""
+        self.open.setdefault(index, {})[_sent_key(rid)] = (rid, None)
         self._append({"index": index, "rid": rid})
 
     def answered(self, index: int, rid: str, manifest: Dict[str, Any]) -> None:
-        """Journal a checked answer (before its object is waited for): a rerun may take it."""
-        self.open.setdefault(index, {})[st.handle_for(rid)] = (rid, manifest)
+        """Journal a checked answer (before its object is waited for) under the manifest's
+        own handle: a rerun may take it, and it is ours to remove."""
+        handles = self.open.setdefault(index, {})
+        handles.pop(_sent_key(rid), None)
+        handles[manifest["handle"]] = (rid, manifest)
         self._append({"index": index, "rid": rid, "manifest": manifest})
 
     def resumable(self, index: int) -> List[Tuple[str, Any]]:
@@ -301,11 +328,11 @@ class StoreFetcher:
     def connect(self) -> "StoreFetcher":
         """Set the Mooncake client up. ``MooncakeMissing`` (one sentence) when mooncake is
         not installed, ``StoreUnreachable`` when the master does not answer."""
-        try:
-            from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
-        except ImportError:
-            raise MooncakeMissing(f"--store needs the mooncake package here ({INSTALL_HINT}; "
-                                   f"it also needs Debian's libibverbs1 librdmacm1 libnuma1)") from None
+        why = st.mooncake_import_error()
+        if why is not None:
+            raise MooncakeMissing(f"--store {why}")
+        from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
+
         c = self.config
         why = st.master_unreachable(c, PROBE_TIMEOUT_S)
         if why is not None:
@@ -423,6 +450,9 @@ class StoreFetcher:
         """Remove ``handle`` and ``<handle>:error`` and journal it done; False (and the
         handle stays journaled for the next sweep) when the master does not answer."""
         def remove():
+            if handle.startswith(_SENT_PREFIX):  # no answer came: any suffix the server chose
+                rc = self.client.remove_by_regex(_sent_pattern(handle[len(_SENT_PREFIX):]), force=True)
+                return rc >= 0 or rc == st.OBJECT_NOT_FOUND
             for key in (handle, handle + st.ERROR_SUFFIX):
                 rc = self.client.remove(key, force=True)
                 if rc not in (0, st.OBJECT_NOT_FOUND):

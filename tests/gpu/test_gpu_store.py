@@ -145,20 +145,25 @@ def test_concurrent_mixed_with_chunked_prefill(store_server, store_reader, refer
 
 def test_one_rid_twice_at_once_then_again(store_server, store_reader, reference, tiny_model, dump_dtype, rng,
                                      record_property):
-    """One rid twice at once: two handles (``<rid>`` and ``<rid>-2``), each the right
-    prompt; once the trainer has read and deleted them, the rid again gets ``<rid>``."""
+    """One rid twice at once: two distinct handles (``handle_for(rid)`` + ``-`` + 8 random
+    hex digits each), each the right prompt; once the trainer has read and deleted them,
+    the rid again gets a handle of its own, neither of the first two."""
+    import re
+
     from sglang_ext import store
 
     rid = f"store-dup-{dump_dtype}"
+    unique = re.compile(re.escape(store.handle_for(rid)) + "-[0-9a-f]{8}")
     prompts = [rand_ids(rng, 200), rand_ids(rng, 200)]
     metas = generate_all(store_server, prompts, [rid, rid])
-    handles = sorted(m.get(st.MANIFEST, {}).get("handle", "") for m in metas)
-    assert handles == sorted([store.handle_for(rid), store.handle_for(rid) + "-2"]), metas
+    handles = [m.get(st.MANIFEST, {}).get("handle", "") for m in metas]
+    assert len(set(handles)) == 2 and all(unique.fullmatch(h) for h in handles), metas
     check_samples(store_reader, prompts, metas, reference, tiny_model, dump_dtype, record_property,
                   "same_rid_at_once")
     again = [rand_ids(rng, 90)]
     meta = store_server.generate(again[0], 1, rid)["meta_info"]
-    assert meta.get(st.MANIFEST, {}).get("handle") == store.handle_for(rid), meta
+    handle = meta.get(st.MANIFEST, {}).get("handle", "")
+    assert unique.fullmatch(handle) and handle not in handles, meta
     check_samples(store_reader, again, [meta], reference, tiny_model, dump_dtype, record_property,
                   "same_rid_again")
 

@@ -181,7 +181,7 @@ class StoreServer:
         if self.delay:
             time.sleep(self.delay)
         hs, scales, token_ids = sample(ids, self.dtype)
-        handle = st.handle_for(rid)
+        handle = st.unique_handle(rid)
         layout = st.pack_layout(len(ids), len(LAYERS), HIDDEN, self.dtype)
         manifest = layout.manifest(handle)
         manifest["metadata"].update(self.manifest_meta)
@@ -294,7 +294,15 @@ def test_a_manifest_is_checked_against_the_request_before_anything_is_read():
             fetch.expect(m, rid, ids, shape)
 
     bad(lambda m: m.update(version=2), "version 2")
-    bad(lambda m: m.update(handle="other"), "not the server's handle")
+    suffixed = dict(good, handle=st.unique_handle(rid))  # what servers answer now
+    assert fetch.expect(suffixed, rid, ids).handle == suffixed["handle"]
+    assert suffixed["handle"] != good["handle"]
+    bad(lambda m: m.update(handle="other"), "not a server handle")
+    bad(lambda m: m.update(handle=rid + "-0123abc"), "not a server handle")  # 7 digits
+    bad(lambda m: m.update(handle=rid + "-0123abcG"), "not a server handle")
+    bad(lambda m: m.update(handle=rid + "-0123abcd-2"), "not a server handle")
+    bad(lambda m: m.update(handle="extract-0-0-ac-0123abcd"), "not a server handle")  # another rid's
+    bad(lambda m: m.update(handle=None), "not a server handle")
     bad(lambda m: m["tensors"]["hidden_states"].update(shape=[4, 4, 8]), "does not match")  # 4 rows, 3 tokens
     bad(lambda m: m["tensors"]["token_ids"].update(offset=0), "does not match")
     bad(lambda m: m["metadata"].update(total_aligned_bytes=10), "total_aligned_bytes 10")
@@ -348,7 +356,8 @@ def test_store_samples_become_the_file_sinks_files_and_leave_the_store(
             meta, got = read(out / f"hs_{i}.safetensors")
             rid = meta["rid"]
             assert rid.startswith(f"extract-{i}-")
-            assert rec["source"] == f"mooncake://127.0.0.1:{master.port}/{st.handle_for(rid)}"
+            handle = rec["source"].removeprefix(f"mooncake://127.0.0.1:{master.port}/")
+            assert handle in server.handles and st.handle_matches(rid, handle), rec["source"]
             assert rec["num_tokens"] == len(data[i]) and rec["bytes"] == os.path.getsize(out / f"hs_{i}.safetensors")
             ref_meta, want = read(file_sink_twin(tmp_path, rid, server.tensors[rid]))
             assert list(got) == list(want), f"row {i}: keys {list(got)} vs the file sink's {list(want)}"
@@ -411,7 +420,7 @@ def test_a_missing_object_times_out_with_a_sentence(master, server, tmp_path, ca
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 0,
                    "--store-timeout", 0.3, store=master.url) == EXIT_FAILED
     err = capsys.readouterr().err
-    assert re.search(r"row 1: 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}' did not appear "
+    assert re.search(r"row 1: 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{8}' did not appear "
                      r"in the Mooncake store at 127\.0\.0\.1:\d+ within 0\.3 s \(--store-timeout\)", err), err
     assert "Traceback" not in err
     assert hs_indices(out) == {0, 2}
@@ -464,7 +473,31 @@ def test_without_the_mooncake_package_is_one_sentence(tmp_path):
                 f"{str(tmp_path / 'o')!r}, '--no-progress', '--store', 'mooncake://127.0.0.1:1']))")
         r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == EXIT_BAD_INPUT, r.stderr
-        assert "--store needs the mooncake package here (pip install -r requirements/store.txt" in r.stderr
+        assert "--store needs the mooncake package (pip install -r requirements/store.txt)" in r.stderr
+        assert "Traceback" not in r.stderr and s.counts == {}
+    finally:
+        s.close()
+
+
+def test_mooncake_missing_a_shared_library_is_one_sentence_quoting_it(tmp_path):
+    """A mooncake whose extension cannot load (libibverbs missing: an ImportError from
+    ``mooncake.store``, not from ``find_spec``): one sentence quoting the loader."""
+    pkg = tmp_path / "lib" / "mooncake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "store.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file: "
+                                  "No such file or directory')\n")
+    s = StoreServer(sink=None)
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", rows(1))
+        code = (f"import sys; sys.path.insert(0, {str(tmp_path / 'lib')!r})\n"
+                "from sglang_ext.__main__ import main\n"
+                f"sys.exit(main(['extract', '--endpoint', {s.url!r}, '--data', {data!r}, '--out', "
+                f"{str(tmp_path / 'o')!r}, '--no-progress', '--store', 'mooncake://127.0.0.1:1']))")
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == EXIT_BAD_INPUT, r.stderr
+        assert ("--store cannot import mooncake.store (libibverbs.so.1: cannot open shared object file: "
+                "No such file or directory): install what it names (Debian: libibverbs1") in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and s.counts == {}
     finally:
         s.close()

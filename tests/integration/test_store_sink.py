@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import subprocess
+import sys
 import types
 
 import pytest
@@ -97,7 +100,8 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         by_sink[sink] = (reqs, metas)
     for req, fmeta, smeta in zip(by_sink["file"][0], by_sink["file"][1], by_sink["store"][1]):
         manifest = smeta[MANIFEST]
-        assert manifest["handle"] == store.handle_for(req.rid) and manifest["version"] == 1
+        assert store.handle_matches(req.rid, manifest["handle"]) and manifest["version"] == 1
+        assert manifest["handle"] != store.handle_for(req.rid)  # a unique suffix
         rec = fmt.load(fmeta["hidden_states_path"], dequantize=False)
         # the file's __metadata__ rides in the manifest: extract --store writes the same file
         assert {k: manifest["metadata"].get(k) for k in rec.metadata} == rec.metadata, req.rid
@@ -116,25 +120,36 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         reader.delete(manifest["handle"])
 
 
-def test_same_rid_twice_gets_two_handles(master, reader, sessions):
-    """Two live requests of one rid get ``same`` and ``same-2``; once both are put, the
-    rid's next request is ``same`` again, which the store already holds: it fails
-    without a marker (that would fail the first sample's reader), the first stays whole."""
+def test_every_answer_gets_its_own_handle(master, reader, sessions):
+    """Each answer's handle is ``handle_for(rid)`` + ``-`` + 8 random hex digits, so none
+    shares an object or a marker with another: two live requests of one rid, the rid
+    repeated after its object exists, a second scheduler process (DP rank) on the same
+    master, rids that sanitize alike (``job.1``/``job_1``), and a stale ``same:error``
+    an older server left. Every sample reads back as its own request's rows."""
+    reader.store._store.put("same:error", b'{"error": "stale marker of an older server"}')
     sess = sessions.start(store_runner(master))
+    other = sessions.start(store_runner(master))
     first, second = Req("same", 4, 1), Req("same", 5, 2)
     run_extend(sess, [(first, 0, 4), (second, 0, 5)], IDS)
-    m1, m2 = finish(first), finish(second)
-    assert (m1[MANIFEST]["handle"], m2[MANIFEST]["handle"]) == ("same", "same-2")
+    metas = [finish(first), finish(second)]
     assert idle(sess)["files_written"] == 2
-    third = Req("same", 3, 3)
-    run_extend(sess, [(third, 0, 3)], IDS)
-    assert finish(third)[MANIFEST]["handle"] == "same"
-    assert idle(sess)["failures"] == 1
-    assert not exists(reader, "same:error")
-    assert torch.equal(read(reader, m1)["hidden_states"], reference(first, IDS))
-    assert torch.equal(read(reader, m2)["hidden_states"], reference(second, IDS))
-    reader.delete("same")
-    reader.delete("same-2")
+    again, dotted, underscored = Req("same", 3, 3), Req("job.1", 6, 4), Req("job_1", 2, 5)
+    run_extend(sess, [(again, 0, 3), (dotted, 0, 6)], IDS)
+    rank1 = Req("same", 7, 6)
+    run_extend(other, [(rank1, 0, 7), (underscored, 0, 2)], IDS)
+    reqs = [first, second, again, dotted, rank1, underscored]
+    metas += [finish(again), finish(dotted), finish(rank1), finish(underscored)]
+    assert (idle(sess)["failures"], idle(other)["failures"]) == (0, 0)
+    handles = [m[MANIFEST]["handle"] for m in metas]
+    assert len(set(handles)) == len(handles), handles
+    for req, handle in zip(reqs, handles):
+        assert re.fullmatch(re.escape(store.handle_for(req.rid)) + "-[0-9a-f]{8}", handle), (req.rid, handle)
+        assert store.handle_matches(req.rid, handle)
+    for req, meta in zip(reqs, metas):
+        assert torch.equal(read(reader, meta)["hidden_states"], reference(req, IDS)), req.rid
+        assert read(reader, meta)["token_ids"].tolist() == req.origin_input_ids
+        reader.delete(meta[MANIFEST]["handle"])
+    reader.store._store.remove("same:error")
 
 
 def test_a_request_failing_before_its_answer_gets_hidden_states_error(master, reader, sessions):
@@ -332,6 +347,54 @@ rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "",
 print("mounted", rc, flush=True)
 time.sleep(600)
 """
+
+
+def test_a_writer_whose_master_is_gone_fails_its_requests_in_seconds():
+    """The writer's connection probes the master before Mooncake's setup (which retries a
+    dead master ~90 s, past the scheduler's 60 s watchdog): a request gets the probe's
+    sentence within seconds, and again at once while the master stays gone."""
+    import ctypes
+    import time
+
+    from sglang_ext import store_writer
+
+    port = _free_port()
+    cfg = store.StoreConfig.from_url(f"mooncake://127.0.0.1:{port}?protocol=tcp&local_hostname=127.0.0.1")
+    arena = ctypes.create_string_buffer(1 << 20)
+    conn = store_writer.Connection(cfg, ctypes.addressof(arena), len(arena))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(store.StoreUnavailable, match=rf"cannot reach the Mooncake master at 127\.0\.0\.1:{port} "
+                                                         r"\(.*\): is mooncake_master running there\?"):
+            conn.get()
+        assert time.monotonic() - t0 < store_writer.PROBE_S + 3
+        t0 = time.monotonic()
+        with pytest.raises(store.StoreUnavailable, match="cannot reach the Mooncake master"):
+            conn.get()
+        assert time.monotonic() - t0 < 1
+    finally:
+        conn.close()
+
+
+def test_start_up_quotes_a_mooncake_that_cannot_load(master, tmp_path):
+    """``check_store_reachable`` imports ``mooncake.store``: a package whose extension
+    misses libibverbs is refused at start-up in one sentence quoting the loader (with
+    only ``find_spec`` it passed, and the writer failed every request)."""
+    pkg = tmp_path / "lib" / "mooncake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "store.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path / 'lib')!r})\n"
+            "from sglang_ext import config, store\n"
+            f"cfg = store.StoreConfig.from_url({master_config(master)!r})\n"
+            "try:\n    config.check_store_reachable(cfg)\n"
+            "except config.DumpConfigError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == (
+        "--dump-hidden-states-dir: the Mooncake store sink cannot import mooncake.store (libibverbs.so.1: "
+        "cannot open shared object file): install what it names (Debian: libibverbs1 librdmacm1 libnuma1) "
+        "or reinstall mooncake (pip install -r requirements/store.txt)"), r.stdout + r.stderr
 
 
 def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(master, reader, sessions, tmp_path):
