@@ -13,7 +13,7 @@ FROM ${BASE_IMAGE}
 # base.toml [base] version / git_tag and [series] version.
 ARG SGLANG_VERSION=0.5.23
 ARG BASE_GIT_TAG=v0.5.23
-ARG SERIES_VERSION=5
+ARG SERIES_VERSION=6
 # Re-declared without a value: the stage then sees the global value (ARGs
 # declared before FROM are otherwise out of scope here).
 ARG BASE_IMAGE
