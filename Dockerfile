@@ -21,7 +21,7 @@ ARG BASE_IMAGE
 ARG VCS_REF=unknown
 ARG CREATED=1970-01-01T00:00:00Z
 ARG SOURCE_URL=https://github.com/kimi-sglang/kimi-sglang
-ARG IMAGE_VERSION=v0.5.23-s5
+ARG IMAGE_VERSION=v0.5.23-s6
 
 LABEL org.opencontainers.image.title="kimi-sglang" \
       org.opencontainers.image.description="SGLang ${SGLANG_VERSION} + kimi-sglang patch series ${SERIES_VERSION}: hidden-state dumping for EAGLE-3 drafter training (Kimi-K2.5)" \
