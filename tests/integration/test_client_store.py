@@ -15,9 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +29,7 @@ from safetensors import safe_open
 
 from dumpfiles import write_dump
 from fake_sglang_server import JsonHandler
+from mooncake_fixture import HAVE_MOONCAKE, MiB, _free_port, master_config, needs_mooncake
 
 from sglang_ext import format as fmt
 from sglang_ext import store as st
@@ -38,79 +37,24 @@ from sglang_ext.client import fetch
 from sglang_ext.client.extract import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED
 from sglang_ext.client.manifest import MANIFEST_NAME
 
-try:
-    import mooncake.store  # noqa: F401
-    HAVE_MOONCAKE = True
-except ImportError:
-    HAVE_MOONCAKE = False
-
-if not HAVE_MOONCAKE and os.environ.get("KIMI_SGLANG_NEED_MOONCAKE"):  # set by tests/run.sh
-    raise ImportError("mooncake is not importable in the test venv: pip install -r requirements/store.txt")
-needs_mooncake = pytest.mark.skipif(
-    not HAVE_MOONCAKE, reason="mooncake not importable: pip install -r requirements/store.txt")
-
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = [2, 4, 5, 8]
 NUM_LAYERS = 8
 HIDDEN = 8
-MiB = 1 << 20
 
 
-# ---- a real mooncake_master (as tests/integration/test_store.py starts it) -------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- a real mooncake_master (tests/mooncake_fixture.py; the ``master`` fixture is conftest's) --
 
 
-class Master:
-    """A real ``mooncake_master`` on a free port (its metrics port free too)."""
-
-    def __init__(self, tmp: Path):
-        import mooncake  # noqa: PLC0415
-
-        inside = Path(mooncake.__file__).parent / "mooncake_master"
-        binary = str(inside) if inside.is_file() else (shutil.which("mooncake_master") or "mooncake_master")
-        self.port = _free_port()
-        self.log = tmp / f"master-{self.port}.log"
-        self.proc = subprocess.Popen([binary, f"--port={self.port}", f"--metrics_port={_free_port()}"],
-                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"mooncake_master exited: {self.log.read_text()[-2000:]}"
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"mooncake_master did not listen on {self.port}")
-
-    @property
-    def url(self) -> str:
-        """What the trainer side passes to ``--store``."""
-        return f"mooncake://127.0.0.1:{self.port}?protocol=tcp&local_buffer_size=16MiB&local_hostname=127.0.0.1"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    if not HAVE_MOONCAKE:
-        pytest.skip("mooncake not importable: pip install -r requirements/store.txt")
-    m = Master(tmp_path_factory.mktemp("mooncake"))
-    yield m
-    m.kill()
+def trainer_url(master) -> str:
+    """What the trainer side passes to ``--store``: lends no segment."""
+    return f"mooncake://{master.address}?protocol=tcp&local_buffer_size=16MiB&local_hostname=127.0.0.1"
 
 
 @pytest.fixture(scope="module")
 def sink(master):
     """The fake server's producer client: its segment holds the samples."""
-    s = st.StoreSink(st.StoreConfig.from_url(
-        f"mooncake://127.0.0.1:{master.port}?protocol=tcp&global_segment_size=64MiB"
-        f"&local_buffer_size=16MiB&local_hostname=127.0.0.1")).connect()
+    s = st.StoreSink(st.StoreConfig.from_url(master_config(master, 64 * MiB))).connect()
     yield s
     s.close()
 
@@ -345,7 +289,7 @@ def test_store_samples_become_the_file_sinks_files_and_leave_the_store(
         server.early_s = 0.05  # answered before the put, as the server always does
         out = tmp_path / "out"
         assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--concurrency", 4,
-                       store=master.url) == 0
+                       store=trainer_url(master)) == 0
         summary = json.loads(capsys.readouterr().out.split("extract summary: ")[1])
         assert summary["extracted"] == 12 and summary["failed"] == 0
         assert hs_indices(out) == set(range(12))
@@ -380,7 +324,7 @@ def test_with_the_file_metadata_in_the_manifest_the_file_is_byte_identical(maste
     server.manifest_meta = {"layer_ids": json.dumps(LAYERS), "num_layers": NUM_LAYERS, **extra}
     data = rows(3)
     out = tmp_path / "out"
-    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, store=master.url) == 0
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, store=trainer_url(master)) == 0
     for i in range(3):
         rid = read(out / f"hs_{i}.safetensors")[0]["rid"]
         twin = file_sink_twin(tmp_path, rid, server.tensors[rid], extra)
@@ -394,7 +338,7 @@ def test_an_error_marker_retries_the_row_and_is_removed(master, server, tmp_path
     server.error_first = {1000, 1002}
     server.early_s = 0.02
     out = tmp_path / "out"
-    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, store=master.url) == 0
+    assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, store=trainer_url(master)) == 0
     err = capsys.readouterr().err
     assert "row 2: try 1 failed, retrying: the server failed the sample (extract-2-0-" in err
     assert "No space left on device" in err
@@ -405,7 +349,7 @@ def test_an_error_marker_retries_the_row_and_is_removed(master, server, tmp_path
     server.error_tries = 99  # every try fails: the row fails, the run goes on
     out2 = tmp_path / "out2"
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out2, "--max-retries", 1,
-                   store=master.url) == EXIT_FAILED
+                   store=trainer_url(master)) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "row 0: 2 tries failed; last: the server failed the sample" in err
     assert hs_indices(out2) == {1, 3}
@@ -418,7 +362,7 @@ def test_a_missing_object_times_out_with_a_sentence(master, server, tmp_path, ca
     server.never_for = {1001}
     out = tmp_path / "out"
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 0,
-                   "--store-timeout", 0.3, store=master.url) == EXIT_FAILED
+                   "--store-timeout", 0.3, store=trainer_url(master)) == EXIT_FAILED
     err = capsys.readouterr().err
     assert re.search(r"row 1: 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{8}' did not appear "
                      r"in the Mooncake store at 127\.0\.0\.1:\d+ within 0\.3 s \(--store-timeout\)", err), err
@@ -433,7 +377,7 @@ def test_other_token_ids_in_the_object_fail_the_try(master, server, tmp_path, ca
     server.wrong_ids_for = {1001}
     out = tmp_path / "out"
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 1,
-                   store=master.url) == EXIT_FAILED
+                   store=trainer_url(master)) == EXIT_FAILED
     assert "holds other token ids than the request's" in capsys.readouterr().err
     assert hs_indices(out) == {0}
     assert server.left_in_store() == []
@@ -505,7 +449,7 @@ def test_mooncake_missing_a_shared_library_is_one_sentence_quoting_it(tmp_path):
 
 def _cmd(server, data, out, master):
     return [sys.executable, "-m", "sglang_ext", "extract", "--endpoint", server.url, "--data", data,
-            "--out", str(out), "--concurrency", "4", "--no-progress", "--store", master.url]
+            "--out", str(out), "--concurrency", "4", "--no-progress", "--store", trainer_url(master)]
 
 
 @needs_mooncake
