@@ -61,7 +61,7 @@ from urllib.parse import parse_qsl, urlsplit
 from sglang_ext import format as fmt
 from sglang_ext import store as st
 from sglang_ext.client.checks import check_file
-from sglang_ext.client.files import Staged
+from sglang_ext.client.files import Journal, Staged
 from sglang_ext.client.http import RequestError
 from sglang_ext.client.manifest import final_name
 
@@ -220,44 +220,28 @@ class _Buffers:
             self.client.unregister_buffer(buf.ctypes.data)
 
 
-class StoreFetcher:
+class StoreFetcher(Journal):
     """The run's store reader: one Mooncake client, the journal, the get buffers.
 
     ``url``: ``--store``; ``out_dir``/``rank``/``mode``: where and how the journal and the
     files are written. ``connect`` before use; ``close`` at the end."""
 
-    COMPACT_EVERY = 4096  # journal lines appended before it is rewritten with what is open
-
     def __init__(self, url: str, out_dir: str, rank: int, mode: int = fmt.DEFAULT_FILE_MODE):
+        super().__init__(journal_path(out_dir, rank), mode)
         self.config = reader_config(url)
         self.url_base = f"mooncake://{self.config.master_server_address}"
         self.out_dir = out_dir
-        self.mode = mode
-        self.path = journal_path(out_dir, rank)
         self.client: Any = None
         self.buffers: Optional[_Buffers] = None
         self.shape: Optional[Tuple[int, int, str]] = None  # the run's (L, H, dtype)
         # index -> {handle: (rid, manifest)} of journaled objects not yet removed
         self.open: Dict[int, Dict[str, Tuple[str, Any]]] = {}
-        self._appended = 0
         self._read()
 
     # -- the journal
 
     def _read(self) -> None:
-        try:
-            fd = fmt.open_regular(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        with open(fd, encoding="utf-8") as f:
-            lines = f.readlines()
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a torn last line of a killed run
-                continue
-            if not isinstance(rec, dict):
-                continue
+        for rec in self._records():
             if isinstance(rec.get("done"), str):
                 for handles in self.open.values():
                     handles.pop(rec["done"], None)
@@ -271,38 +255,17 @@ class StoreFetcher:
                     self.open.setdefault(rec["index"], {})[_sent_key(rec["rid"])] = (rec["rid"], None)
         self.open = {i: h for i, h in self.open.items() if h}
 
-    def _append(self, rec: dict) -> None:
-        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
-        fd = fmt.open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode=self.mode)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-        self._appended += 1
-        if self._appended >= self.COMPACT_EVERY:
-            self._rewrite()
-
-    def _rewrite(self) -> None:
-        """Replace the journal by the objects still open (atomically), or delete it."""
-        self._appended = 0
+    def _live_records(self) -> List[dict]:
+        """The objects still open, one record each."""
         self.open = {i: h for i, h in self.open.items() if h}
-        if not self.open:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            return
-        directory, name = os.path.split(self.path)
-        with Staged(directory, name, unique=False) as staged:
-            tmp, fd = staged.create(self.mode)
-            with open(fd, "w", encoding="utf-8") as f:
-                for index, handles in self.open.items():
-                    for rid, manifest in handles.values():
-                        rec = {"index": index, "rid": rid}
-                        if manifest is not None:
-                            rec["manifest"] = manifest
-                        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            staged.publish(tmp)
+        records = []
+        for index, handles in self.open.items():
+            for rid, manifest in handles.values():
+                rec = {"index": index, "rid": rid}
+                if manifest is not None:
+                    rec["manifest"] = manifest
+                records.append(rec)
+        return records
 
     def sent(self, index: int, rid: str) -> None:
         """Journal a request before it is sent. Its object's handle is the server's

@@ -12,10 +12,11 @@ file under a final name.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import uuid
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from sglang_ext import format as fmt
 
@@ -123,3 +124,67 @@ class Staged:
         """Rename the complete temporary file ``tmp`` onto ``final`` (replacing it)."""
         os.rename(tmp, self.final, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         self._names.remove(tmp)
+
+
+class Journal:
+    """An append-only JSON-lines journal a run keeps beside its output (``path``), read
+    back by the next run: ``_records`` yields its dicts (a torn last line of a killed run
+    and non-objects skipped), ``_append`` adds one line (created ``mode``, never through a
+    symlink or into a FIFO), and every ``COMPACT_EVERY`` lines ``_rewrite`` replaces it
+    atomically by ``_live_records()`` (the subclass's state as records), or deletes it
+    when there are none."""
+
+    COMPACT_EVERY = 4096  # journal lines appended before it is rewritten with what is live
+
+    def __init__(self, path: str, mode: int):
+        self.path = path
+        self.mode = mode  # of the journal file, before the umask
+        self._appended = 0
+
+    def _records(self) -> Iterator[dict]:
+        try:
+            fd = fmt.open_regular(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        with open(fd, encoding="utf-8") as f:
+            lines = f.readlines()
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a torn last line of a killed run
+                continue
+            if isinstance(rec, dict):
+                yield rec
+
+    def _live_records(self) -> List[dict]:
+        raise NotImplementedError
+
+    def _append(self, rec: dict) -> None:
+        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
+        fd = fmt.open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode=self.mode)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        self._appended += 1
+        if self._appended >= self.COMPACT_EVERY:
+            self._rewrite()
+
+    def _rewrite(self) -> None:
+        """Replace the journal by ``_live_records()`` (atomically), or delete it."""
+        self._appended = 0
+        records = self._live_records()
+        if not records:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            return
+        directory, name = os.path.split(self.path)
+        with Staged(directory, name, unique=False) as staged:
+            tmp, fd = staged.create(self.mode)
+            with open(fd, "w", encoding="utf-8") as f:
+                for rec in records:
+                    f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            staged.publish(tmp)
+

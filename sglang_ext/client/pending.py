@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import stat
 from typing import Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
-from sglang_ext.client.files import Staged, unlink_regular
+from sglang_ext.client.files import Journal, unlink_regular
 
 
 def journal_path(out_dir: str, rank: int) -> str:
@@ -78,41 +77,14 @@ def _lock_held(dir_fd: int, name: str) -> Optional[bool]:
         os.close(fd)
 
 
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-class PendingFiles:
+class PendingFiles(Journal):
     """Journal of this rank's requests whose server file may still exist (see module doc)."""
 
-    COMPACT_EVERY = 4096  # journal lines appended before it is rewritten with what is pending
-
     def __init__(self, out_dir: str, rank: int, mode: int = 0o600):
-        self.path = journal_path(out_dir, rank)
-        self.mode = mode  # of the journal file, before the umask
+        super().__init__(journal_path(out_dir, rank), mode)
         self.rids: Dict[str, Optional[str]] = {}  # rid -> server path (None: not answered yet)
         self.dump_dirs: List[str] = []
-        self._appended = 0
-        self._read()
-
-    def _read(self) -> None:
-        try:  # never through a symlink, never blocking on a FIFO planted there
-            fd = fmt.open_regular(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        with open(fd, encoding="utf-8") as f:
-            lines = f.readlines()
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a torn last line of a killed run
-                continue
-            if not isinstance(rec, dict):
-                continue
+        for rec in self._records():
             if isinstance(rec.get("dir"), str):
                 self._add_dir(rec["dir"])
             elif isinstance(rec.get("done"), str):
@@ -125,32 +97,12 @@ class PendingFiles:
         if directory not in self.dump_dirs:
             self.dump_dirs.append(directory)
 
-    def _append(self, rec: dict) -> None:
-        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
-        fd = fmt.open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode=self.mode)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-        self._appended += 1
-        if self._appended >= self.COMPACT_EVERY:
-            self._rewrite()
-
-    def _rewrite(self) -> None:
-        self._appended = 0
+    def _live_records(self) -> List[dict]:
+        """The run's dump directories and the rids still pending; none: nothing pending."""
         if not self.rids:
-            _unlink(self.path)
-            return
-        directory, final = os.path.split(self.path)
-        with Staged(directory, final, unique=False) as staged:
-            tmp, fd = staged.create(self.mode)
-            with open(fd, "w", encoding="utf-8") as f:
-                for d in self.dump_dirs:
-                    f.write(json.dumps({"dir": d}) + "\n")
-                for rid, path in self.rids.items():
-                    f.write(json.dumps({"rid": rid, "path": path} if path else {"rid": rid},
-                                       separators=(",", ":")) + "\n")
-            staged.publish(tmp)
+            return []
+        return ([{"dir": d} for d in self.dump_dirs]
+                + [{"rid": rid, "path": path} if path else {"rid": rid} for rid, path in self.rids.items()])
 
     def dump_dir(self, directory: str) -> None:
         """Journal the run's dump directory: the only one whose files a sweep removes."""
