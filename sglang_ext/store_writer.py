@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext import store, trace, wire
+from sglang_ext.writer_process import Sink
 
 logger = logging.getLogger("sglang_ext.writer_process")
 
@@ -126,7 +126,7 @@ class _Job:
     times: Dict[str, float] = field(default_factory=dict)
 
 
-class StoreWriter:
+class StoreWriter(Sink):
     """The store work of one writer process: ``handle(op, fd, lost, final)`` is called on
     one writer thread per request (``writer_process._Thread``), as ``Writer.handle``;
     acknowledgements go to ``acks``. ``mm``: the arena's mapping, ``base``: its address
@@ -134,15 +134,11 @@ class StoreWriter:
 
     def __init__(self, connection: Connection, mm, base: int, *, layer_ids, acks: Deque[wire.Ack],
                  wake, metrics=None):
+        super().__init__(acks, wake, metrics)
         self.connection = connection
         self.view = memoryview(mm)
         self.base = base
         self.num_slots = len(layer_ids)
-        self.acks = acks
-        self.wake = wake
-        self.metrics = metrics
-        self.abort = False  # drain deadline passed: fail finishes, skip the rest
-        self.jobs: Dict[int, _Job] = {}
 
     # ---- ops ------------------------------------------------------------------------
     def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False, final: bool = False) -> None:
@@ -282,32 +278,9 @@ class StoreWriter:
             logger.error("hidden-state dump: the error marker of store handle %s could not be put "
                          "(%s); its reader will time out", handle, e)
 
-    def failed_op(self, op: wire.Op, fd: Optional[int], e: BaseException) -> None:
-        """What an op that raised past ``handle``'s own handling leaves: its request fails
-        (a ``Finish`` answers ``Failed`` and leaves the marker)."""
-        logger.error("hidden-state dump: op %s failed: %s: %s", type(op).__name__, type(e).__name__, e)
-        if type(op) is wire.MarkError:
-            return
-        ends = type(op) in (wire.Finish, wire.Abandon)
-        job = self.jobs.pop(op.key, None) if ends else self.jobs.get(op.key)
-        if job is not None:
-            job.error = job.error or f"{type(e).__name__}: {e}"
-            self._release(job)
-        if type(op) is wire.Finish:
-            self._fail(op.key, op.name, f"{type(e).__name__}: {e}")
-
-    def discard_all(self) -> None:
-        """Give back what requests that never got their ``Finish`` hold."""
-        for job in list(self.jobs.values()):
-            self._release(job)
-        self.jobs.clear()
-
-    def _ack(self, event: wire.Ack) -> None:
-        self.acks.append(event)
-        try:
-            os.write(self.wake, b"!")
-        except BlockingIOError:
-            pass
+    def _finish_failed(self, op: wire.Finish, fd: Optional[int], message: str) -> None:
+        """A ``Finish`` that raised answers ``Failed`` and leaves the marker."""
+        self._fail(op.key, op.name, message)
 
 
 class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer (Include/pybuffer.h)

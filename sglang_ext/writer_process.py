@@ -91,12 +91,64 @@ class _Job:
     times: Dict[str, float] = field(default_factory=dict)
 
 
-class Writer:
+class Sink:
+    """What both sinks of a writer process share (``Writer``: files; ``store_writer.StoreWriter``:
+    Mooncake Store objects): ``handle(op, fd, lost, final)`` runs on one writer thread per
+    request; acknowledgements go to ``acks`` (``wire`` events) and a byte on ``wake`` wakes
+    the main thread. A sink gives back what a request holds in ``_release`` and fails a
+    ``Finish`` the way its readers see (``_finish_failed``)."""
+
+    def __init__(self, acks: Deque[wire.Ack], wake, metrics=None):
+        self.acks = acks
+        self.wake = wake
+        self.metrics = metrics  # sglang_ext.metrics.DumpMetrics, or None
+        self.abort = False  # drain deadline passed: fail finishes, skip the rest
+        self.jobs: Dict[int, Any] = {}
+
+    def _release(self, job) -> None:
+        raise NotImplementedError
+
+    def _finish_failed(self, op: wire.Finish, fd: Optional[int], message: str) -> None:
+        raise NotImplementedError
+
+    def failed_op(self, op: wire.Op, fd: Optional[int], e: BaseException) -> None:
+        """What an op that raised past ``handle``'s own handling leaves: its request fails
+        (a ``Finish`` through ``_finish_failed``). An op of no request (``MarkError``) is
+        only logged."""
+        message = f"{type(e).__name__}: {e}"
+        key = getattr(op, "key", None)
+        logger.error("hidden-state dump: op %s of request %s failed: %s", type(op).__name__, key, message)
+        if key is None:
+            return
+        ends = type(op) in (wire.Finish, wire.Abandon)
+        job = self.jobs.pop(key, None) if ends else self.jobs.get(key)
+        if job is not None:
+            job.error = job.error or message
+            self._release(job)
+        if type(op) is wire.Finish:
+            self._finish_failed(op, fd, message)
+
+    def discard_all(self) -> None:
+        """Give back what requests that never got their ``Finish`` hold."""
+        for job in list(self.jobs.values()):
+            self._release(job)
+        self.jobs.clear()
+
+    def _ack(self, event: wire.Ack) -> None:
+        self.acks.append(event)
+        try:
+            os.write(self.wake, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full: the main thread is already awake
+
+
+class Writer(Sink):
     """The file work of one writer process: ``handle(op, fds)`` is called on one writer
     thread per request; acknowledgements go to ``acks`` (``wire`` events)."""
 
     def __init__(self, dir_fd: int, mm, *, tag: str, layer_ids, num_layers: int, extra: dict,
                  acks: Deque[wire.Ack], wake, metrics=None):
+        super().__init__(acks, wake, metrics)
         self.dir_fd = dir_fd
         self.mm = mm
         self.view = memoryview(mm)
@@ -104,11 +156,6 @@ class Writer:
         self.layer_ids = list(layer_ids)
         self.num_layers = num_layers
         self.extra = dict(extra)
-        self.acks = acks
-        self.wake = wake
-        self.metrics = metrics  # sglang_ext.metrics.DumpMetrics, or None
-        self.abort = False  # drain deadline passed: fail finishes, skip the rest
-        self.jobs: Dict[int, _Job] = {}
 
     # ---- ops ----------------------------------------------------------------------
     def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False, final: bool = False) -> None:
@@ -136,7 +183,7 @@ class Writer:
             try:
                 if job is not None and lost and job.error is None:
                     job.error = LOST_MESSAGE
-                    self._discard(job)
+                    self._release(job)
                 if job is not None and job.error is None and not self.abort:
                     self._guard(job, self._rows, job, op.row0, op.nrows, op.off, op.scale_off)
             finally:
@@ -148,14 +195,14 @@ class Writer:
         elif kind is wire.Abandon:
             job = self.jobs.pop(op.key, None)
             if job is not None:
-                self._discard(job)
+                self._release(job)
 
     def _guard(self, job: _Job, fn, *args) -> None:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - the request fails, the writer goes on
             job.error = f"{type(e).__name__}: {e}"
-            self._discard(job)
+            self._release(job)
 
     def _begin(self, job: _Job, key: int, row_width: int, dtype: str, token_off: int) -> None:
         if not isinstance(job.rid, str):
@@ -216,7 +263,7 @@ class Writer:
             logger.error("hidden-state dump for rid %s failed: %s",
                          fmt.brief_rid(job.rid if job is not None else key), message)
             if job is not None:
-                self._discard(job)
+                self._release(job)
             fmt.fail(res, message)
             if self.metrics is not None:
                 self.metrics.failed()
@@ -249,7 +296,7 @@ class Writer:
             raise OSError(e.errno, f"the index line could not be written ({e.strerror or e}); "
                                    f"the file was removed") from None
 
-    def _discard(self, job: _Job) -> None:
+    def _release(self, job: _Job) -> None:
         """Drop a request's temporary file; never raises (what cannot be removed now is a
         leftover ``format.clean_stale`` removes at the next start)."""
         if job.fd is not None:
@@ -267,35 +314,13 @@ class Writer:
                 logger.warning("hidden-state dump: cannot remove %s: %s", job.tmp, e)
             job.tmp = ""
 
-    def failed_op(self, op: wire.Op, fd: Optional[int], e: BaseException) -> None:
-        """What an op that raised past ``handle``'s own handling leaves: its request fails
-        (a ``Finish`` answers ``Failed``, releasing the lock with ``<name>.error``)."""
-        logger.error("hidden-state dump: op %s of request %s failed: %s: %s", type(op).__name__,
-                     op.key, type(e).__name__, e)
-        message = f"{type(e).__name__}: {e}"
-        ends = type(op) in (wire.Finish, wire.Abandon)
-        job = self.jobs.pop(op.key, None) if ends else self.jobs.get(op.key)
-        if job is not None:
-            job.error = job.error or message
-            self._discard(job)
-        if type(op) is wire.Finish and fd is not None:
+    def _finish_failed(self, op: wire.Finish, fd: Optional[int], message: str) -> None:
+        """A ``Finish`` that raised answers ``Failed``, releasing the lock with ``<name>.error``."""
+        if fd is not None:
             fmt.fail(fmt.Reservation(self.dir_fd, op.name, fd), message)
             if self.metrics is not None:
                 self.metrics.failed()
             self._ack(wire.Failed(op.key, op.name, message))
-
-    def discard_all(self) -> None:
-        """Unlink the temporary files of requests that never got their ``Finish``."""
-        for job in list(self.jobs.values()):
-            self._discard(job)
-        self.jobs.clear()
-
-    def _ack(self, event: wire.Ack) -> None:
-        self.acks.append(event)
-        try:
-            os.write(self.wake, b"!")
-        except BlockingIOError:
-            pass  # the pipe is full: the main thread is already awake
 
 
 class _Thread:
