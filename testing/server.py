@@ -289,14 +289,16 @@ def start_server(model_path: str, dump_dir: str, layers: Optional[str], launcher
                  log_path: str, options: ServerOptions = ServerOptions(), port: int = PORT,
                  env: Optional[dict] = None, timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
     """Start the suite's server and wait until /health answers 200. ``dump_dir`` is
-    emptied and created; ``env``: extra environment variables. Raises RuntimeError
+    emptied and created, unless it is a store address (``mooncake://...``, the store
+    sink: nothing is made); ``env``: extra environment variables. Raises RuntimeError
     (ServerExited, StartupTimeout; with the log's tail) when the process exits or does not
     come up within ``timeout_s``; the process group is killed then, so the port and GPU
     memory are free for the next server."""
     import shutil
 
-    shutil.rmtree(dump_dir, ignore_errors=True)
-    os.makedirs(dump_dir)
+    if "://" not in dump_dir:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        os.makedirs(dump_dir)
     cmd = server_command(model_path, dump_dir, layers, launcher, options, port)
     printed = None
     if launcher == "entrypoint":

@@ -10,13 +10,11 @@ and skipped with the reason (``missing_reason``).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from typing import List, Optional
 
-from testing.server import PORT, STARTUP_TIMEOUT_S, Server, ServerOptions, launch, server_command
 
 MiB = 1 << 20
 MANIFEST = "hidden_states_manifest"
@@ -127,27 +125,3 @@ def sample_record(sample: dict, layer_ids):
         hs = quant.dequantize(hs, sample["hidden_states_scales"])
     return fmt.DumpRecord(hidden_states=hs, token_ids=sample["token_ids"],
                           metadata={"layer_ids": json.dumps(list(layer_ids))})
-
-
-def start_store_server(model_path: str, url: str, layers: Optional[str], launcher: str, log_path: str,
-                       options: ServerOptions = ServerOptions(), port: int = PORT,
-                       timeout_s: float = STARTUP_TIMEOUT_S) -> Server:
-    """``server.start_server`` with ``--dump-hidden-states-dir url`` (a ``mooncake://``
-    address: no directory is made). ``Server.dump_dir`` is the address. Raises
-    RuntimeError (with the log's tail) as start_server does; the process group is killed then."""
-    cmd = server_command(model_path, url, layers, launcher, options, port)
-    printed = None
-    if launcher == "entrypoint":
-        shown = subprocess.run(cmd + ["--print-command"], capture_output=True, text=True)
-        if shown.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:3])} --print-command exited with {shown.returncode}: "
-                               f"{shown.stderr[-1500:]}")
-        printed = shown.stdout
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    server = launch(cmd, log_path, None, url, printed)
-    try:
-        server.wait_healthy(timeout_s)
-        return server
-    except BaseException:
-        server.stop()
-        raise

@@ -24,6 +24,7 @@ from test_gpu_fp8 import fp8_tol
 from testing import store as st
 from testing.checks import TOL_BLOCK, TOL_TOKEN, Problems, Worst, compare_file
 from testing.server import CHUNK, ServerOptions
+from testing.server import start_server as launch_server  # the conftest fixture is start_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.models("llama", "deepseek")]  # kimi: the core group only
 
@@ -70,9 +71,9 @@ def store_server(request, tiny_model, dump_dtype, master, store_node, server_log
 
     options = ServerOptions(dump_dtype=dump_dtype, cuda_graph=not pytestconfig.getoption("--no-cuda-graph"))
     name = f"{tiny_model.name}-store-{options.tag}"
-    srv = st.start_store_server(tiny_model.path, master_config(master, segment=0, buffer="64MiB"),
-                                tiny_model.spec.layers_flag, options.launcher or tiny_model.spec.launcher,
-                                f"{server_log_dir}/server-{name}.log", options)
+    srv = launch_server(tiny_model.path, master_config(master, segment=0, buffer="64MiB"),
+                        tiny_model.spec.layers_flag, options.launcher or tiny_model.spec.launcher,
+                        f"{server_log_dir}/server-{name}.log", options)
     plugin = getattr(request.config, "_kimi_results", None)
     if plugin is not None:
         plugin.servers.append({"name": name, "startup_s": srv.startup_s, "command": srv.command,
