@@ -6,7 +6,8 @@ Three products, one package:
   ``hooks`` (the door the patches call) over ``session`` (one scheduler's dump: capture,
   each request's rows) and ``responses`` (what an answer carries); ``config`` (validated
   settings); ``writer`` (device-to-host copies, backpressure, the writer process's life);
-  ``writer_process`` (files) and ``store_writer`` (Mooncake Store objects), its two sinks;
+  ``writer_process`` (files) and ``store_writer`` (Mooncake Store objects), its two sinks
+  (``sink``: what they share);
   ``arena`` + ``wire`` (shared host memory, the messages between them); ``quant`` (fp8);
   ``format`` (the file contract: names, keys, metadata, atomic write, index, reader);
   ``store`` (the store contract: handles, packed layout, manifest); ``metrics``, ``trace``,

@@ -41,7 +41,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext import store, trace, wire
-from sglang_ext.writer_process import Sink
+from sglang_ext.sink import Sink
 
 logger = logging.getLogger("sglang_ext.writer_process")
 
