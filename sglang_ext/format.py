@@ -661,19 +661,29 @@ def cancel(res: Reservation) -> None:
 def fail(res: Reservation, message: str) -> None:
     """Release a reservation whose write failed: leave ``<name>.error``, drop the lock.
 
-    Never raises: if even the error file cannot be written (disk full, or something not a
-    regular file sits at its name, which is left alone), a waiter that finds neither the
-    file nor a readable error reports the file as missing.
+    The message is written to a temporary name and renamed onto ``<name>.error``, so the
+    error file is never seen empty: a waiter may look the moment the lock is released,
+    and a writer killed mid-``fail`` releases it (the kernel drops the flock) at any point.
+    Never raises: if even the error file cannot be written (disk full), or something not
+    a regular file sits at its name (left alone), a waiter that finds neither the file nor
+    a readable error reports the file as missing.
     """
+    error_name = res.name + ERROR_SUFFIX
+    tmp = tmp_name("error", 0)
     try:
-        fd = open_regular(res.name + ERROR_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                          dir_fd=res.dir_fd)
         try:
-            os.write(fd, message.encode("utf-8", "replace")[:ERROR_MAX_BYTES])
-        finally:
-            os.close(fd)
+            st = os.lstat(error_name, dir_fd=res.dir_fd)
+        except FileNotFoundError:
+            st = None
+        if st is None or stat.S_ISREG(st.st_mode):
+            fd = create_tmp(res.dir_fd, tmp)
+            try:
+                os.write(fd, message.encode("utf-8", "replace")[:ERROR_MAX_BYTES])
+            finally:
+                os.close(fd)
+            os.rename(tmp, error_name, src_dir_fd=res.dir_fd, dst_dir_fd=res.dir_fd)
     except (OSError, ValueError):  # ValueError: a bad KIMI_SGLANG_FILE_MODE
-        pass
+        _unlink_never_raises(res.dir_fd, tmp)
     _unlink_never_raises(res.dir_fd, res.lock_name)
     _close_never_raises(res.lock_fd)
 
