@@ -22,6 +22,7 @@ import time
 
 from bench import peer, report
 
+MANIFEST = "hidden_states_manifest"  # the store sink's answer (docs/store.md)
 _local = threading.local()
 
 
@@ -38,7 +39,7 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False):
+               api="sglang", wait_files=False, store=None, visible=None):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
@@ -50,7 +51,16 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
     the file, so each request waits for its file's lock before it counts as done (its
-    latency ends there), as our server's answers in mode dump do."""
+    latency ends there), as our server's answers in mode dump do.
+
+    ``store`` (a ``bench.store.BenchStore``; modes dump_store, dump_store_early): the
+    answers carry a manifest and the sample appears in the store later; without
+    ``early`` each request waits until its sample is visible (its latency ends there) and
+    appends ``(response-to-visible s, visible at the first look-up)`` to ``visible``; with
+    ``early`` a thread waits for its previous sample after its next answer, as with
+    files. A sample that fails (its error marker, the timeout) fails its request (status
+    "store"). Results then carry the manifest's handle last: (latency_s, status,
+    response bytes, content or None, handle or None)."""
     from sglang_ext import format as fmt
 
     bodies = []
@@ -72,6 +82,8 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
         t = time.perf_counter()
         r = _session().post(url, data=bodies[i], timeout=timeout, headers={"Content-Type": "application/json"})
         content = r.content
+        if store is not None:
+            return store_one(t, r.status_code, content)
         if wait_files and r.status_code == 200:
             path = peer.file_path(json.loads(content))
             if path:
@@ -88,11 +100,33 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
         keep = not return_hidden_states or i == 0 or r.status_code != 200
         return lat, r.status_code, len(content), content if keep else None
 
+    last = {}  # store, early: each thread's last handle (the ones before it were waited for)
+    visible = [] if visible is None else visible
+
+    def store_one(t, status, content):
+        handle = json.loads(content)["meta_info"].get(MANIFEST, {}).get("handle") if status == 200 else None
+        try:
+            if handle and not early:
+                t_resp = time.perf_counter()
+                first = store.wait_visible(handle)
+                visible.append((time.perf_counter() - t_resp, first))
+            lat = time.perf_counter() - t
+            if handle and early:
+                prev, slot.prev = getattr(slot, "prev", None), handle
+                if prev:
+                    store.wait_visible(prev)
+                last[threading.get_ident()] = handle
+        except Exception as e:  # noqa: BLE001 - SampleFailed, or the store's own error
+            return time.perf_counter() - t, "store", len(content), str(e).encode(), handle
+        return lat, status, len(content), content, handle
+
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, range(len(bodies))))
     for path in pending:  # the last file of each thread (the rest return at once)
         fmt.wait_complete(path, timeout=timeout)
+    for handle in last.values():  # the last sample of each thread
+        store.wait_visible(handle)
     return time.perf_counter() - t0, results
 
 
@@ -101,19 +135,22 @@ def cell_prompts(cell, spec, rng):
     return make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
 
 
-def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
+def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``
     (``report.stage_stats``); for json, the responses' bytes and one's nested shape;
     ``error`` when requests failed). ``prompts``: made beforehand (``cell_prompts``), else
-    here (not timed either way)."""
+    here (not timed either way). Store modes (``store``: the run's ``bench.store.BenchStore``):
+    ``BenchStore.cell_entries`` too, and the cell's samples are deleted after it."""
     if prompts is None:
         prompts = cell_prompts(cell, spec, rng)
     offset = trace_size(trace_path)
+    visible = []
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
-                               return_hidden_states=(mode == "json"), early=(mode == "dump_early"),
-                               **api_args(mode))
+                               return_hidden_states=(mode == "json"),
+                               early=mode in ("dump_early", "dump_store_early"), **api_args(mode),
+                               **({"store": store, "visible": visible} if store is not None else {}))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
@@ -121,7 +158,12 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None):
     out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
-    if mode in report.DUMP_MODES and not bad:
+    if store is not None:
+        out.update(store.cell_entries(results, visible, out, wall))
+        if trace_path:
+            time.sleep(0.3)  # the writer's trace line follows its put
+            out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
+    elif mode in report.DUMP_MODES and not bad:
         paths, errors = [], []
         for r in results:
             if peer.is_peer(mode):
@@ -192,14 +234,18 @@ def safetensors_header(path):
     return {k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items()}, meta
 
 
-def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None):
+def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None, store=None):
     """One request, then a burst at every concurrency of the grid, at every prompt length:
     kernels (Triton's fused MoE compiles per batch-size bucket) compiled for the shapes
     before anything is timed. ``mode``: a mode the server serves, when it decides the API
-    (the peer's; vllm_dump waits for its files, so none is written after the warm-up)."""
+    (the peer's; vllm_dump waits for its files, so none is written after the warm-up).
+    ``store``: the server dumps into it; each burst's samples are deleted after it."""
     for plen in plens:
         for conc in sorted({1, 8, *concs}):
-            send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc, **api_args(mode or ""))
+            _, results = send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc,
+                                    store=store, **api_args(mode or ""))
+            if store is not None:
+                store.consume([r[4] for r in results if r[4]])
     if json_too:
         send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
 

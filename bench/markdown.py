@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import List
 
 from bench.modes import MODES
-from bench.report import DUMP_MODES, headline, mib, num, targets
+from bench.report import DUMP_MODES, STORE_MODES, headline, mib, num, targets
 
 
 def render_markdown(results: dict) -> str:
@@ -25,6 +25,7 @@ def render_markdown(results: dict) -> str:
         lines += _model(model, m, head.get(model, {}))
     lines += _peer(results, head)
     lines += _stages(results)
+    lines += _store(results)
     lines += ["", "## Targets", "", "| model | target | value | pass |", "|---|---|---:|---|"]
     for t in tgt:
         v = t["value"]
@@ -100,6 +101,13 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         + (f"; early answers (dump_early): min {num(h.get('dump_early_vs_nodump_min'), '{:.3f}')}, "
            f"geometric mean {num(h.get('dump_early_vs_nodump_geomean'), '{:.3f}')}"
            if h.get("dump_early_vs_nodump_min") is not None else ""),
+    ]
+    for mode in STORE_MODES:
+        if h.get(f"{mode}_vs_nodump_min") is not None:
+            lines.append(f"- {mode}_vs_nodump: min {num(h[f'{mode}_vs_nodump_min'], '{:.3f}')} (at concurrency >= 8: "
+                         f"{num(h.get(f'{mode}_vs_nodump_min_conc8'), '{:.3f}')}), geometric mean "
+                         f"{num(h.get(f'{mode}_vs_nodump_geomean'), '{:.3f}')}")
+    lines += [
         f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
         f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}",
     ]
@@ -213,7 +221,7 @@ def _stages(results: dict) -> List[str]:
     for model, m in results.get("models", {}).items():
         for c in m.get("cells", []):
             st = c.get("stages")
-            if c.get("mode") not in DUMP_MODES or not st:
+            if c.get("mode") not in DUMP_MODES or c.get("mode") in STORE_MODES or not st:
                 continue
             cells = [num(st.get(k, {}).get("p50"), "{:.1f}") + " / " + num(st.get(k, {}).get("p99"), "{:.1f}")
                      for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
@@ -229,6 +237,35 @@ def _stages(results: dict) -> List[str]:
             "|---|---:|---:|---|---|---|---|---|---|---|---:|---:|"] + rows
 
 
+def _store(results: dict) -> List[str]:
+    """The store sink's cells: forward end to sample visible (the trace's ``visible``:
+    Finish queued after the last rows -> put returned), its queue and put, the client's
+    response-to-visible (``visible_ms``, mode dump_store) and the samples deleted."""
+    rows = []
+    for model, m in results.get("models", {}).items():
+        for c in m.get("cells", []):
+            if c.get("mode") not in STORE_MODES or c.get("error"):
+                continue
+            st, vis = c.get("stages") or {}, c.get("visible_ms") or {}
+
+            def pair(d):
+                return num(d.get("p50"), "{:.1f}") + " / " + num(d.get("p99"), "{:.1f}")
+
+            rows.append(f"| {model} | {c['mode']}{' #' + str(c['rep']) if 'rep' in c else ''} | {c['prompt_len']} | "
+                        f"{c['concurrency']} | {num(c.get('prefill_tps'))} | {pair(st.get('visible') or {})} | "
+                        f"{pair(st.get('queue') or {})} | {pair(st.get('put') or {})} | {pair(vis)} | "
+                        f"{num(vis.get('at_response'), '{:.2f}')} | {c.get('objects', '-')} | {c.get('removed', '-')} |")
+    if not rows:
+        return []
+    return ["", "## Store sink: forward end to sample visible (ms p50 / p99)", "",
+            "Forward end: the scheduler queued the request's Finish after its last rows (KIMI_SGLANG_TRACE); "
+            "visible: the writer's put returned (Mooncake makes the key visible at its end). Client: the "
+            "answer to `is_exist(handle)` true, polled every 2 ms (mode dump_store).", "",
+            "| model | mode | prompt | conc | prefill tok/s | forward end -> visible | queue | put |"
+            " client: answer -> visible | visible at answer | objects | deleted |",
+            "|---|---|---:|---:|---:|---|---|---|---|---:|---:|---:|"] + rows
+
+
 def summary_table(results: dict) -> str:
     """The short plain-text table printed last by the benchmark."""
     head = results.get("headline") or headline(results)
@@ -239,6 +276,10 @@ def summary_table(results: dict) -> str:
                    f"{num(h.get('dump_early_vs_nodump_min'), '{:.3f}'):>9} "
                    f"{num(h.get('dump_vs_json'), '{:.1f}'):>9} "
                    f"{num(h.get('writer_vs_ceiling'), '{:.2f}'):>8}")
+        for mode in STORE_MODES:
+            if h.get(f"{mode}_vs_nodump_min") is not None:
+                out.append(f"{'':14} {mode}/nodump min {num(h[f'{mode}_vs_nodump_min'], '{:.3f}')}, at conc >= 8 "
+                           f"{num(h.get(f'{mode}_vs_nodump_min_conc8'), '{:.3f}')}")
         if h.get("peer"):
             out.append(f"{'':14} vLLM: dump/nodump min {num(h.get('vllm_dump_vs_nodump_min'), '{:.3f}')}, "
                        f"its dump over ours min {num(h.get('vllm_dump_vs_ours_dump_min'), '{:.3f}')}")

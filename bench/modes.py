@@ -23,6 +23,7 @@ class Mode:
     base: str = "nodump"  # the no-dump mode its ratio divides by (the same engine's)
     peer: bool = False  # served by vLLM (bench.peer)
     grid: bool = True  # run for every shape and round (json: once, at 2k x 8)
+    store: bool = False  # its samples go to Mooncake Store (bench/store.py), not files
 
 
 MODES: Tuple[Mode, ...] = (
@@ -33,6 +34,11 @@ MODES: Tuple[Mode, ...] = (
     Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True),
     # (b fp8): server D, --dump-hidden-states-dtype fp8
     Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True),
+    # (s): the store sink (server S, mooncake://), done when the sample is visible in the store
+    Mode("dump_store", "S", "(s) store sink", "#937860", "(s)/(a)", dumps=True, store=True),
+    # (s'): the store sink, each client waiting for its previous sample, as a trainer would
+    Mode("dump_store_early", "S", "(s') store sink, early answers", "#da8bc3", "(s')/(a)", dumps=True,
+         store=True),
     # (c): upstream's JSON return_hidden_states
     Mode("json", "A", "(c) JSON", "#c44e52", grid=False),
     Mode("vllm_nodump", "V", "vLLM (a) no dump", "#4c72b0", peer=True),

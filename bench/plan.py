@@ -14,6 +14,7 @@ from sglang_ext import config
 
 from bench import modes as registry
 from bench import peer, report, servers
+from bench import store as bench_store
 from bench.models import MODELS, file_bytes
 
 PROFILES = {
@@ -35,6 +36,8 @@ EST_EXTRA_SGLANG_STARTUP_S = 60
 # the file comparison after the servers stop (its own run; HF's reference: ``reference_s``),
 # which the runner also keeps free before the deadline (runner.ModelRun.reserve_s)
 PEER_COMPARE_S = 30
+# the store modes' mooncake_master and store node (bench/store.py), before the servers
+EST_STORE_S = 10
 
 
 def reference_s(spec):
@@ -110,7 +113,8 @@ def make_plan(args):
         vllm_s = EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
         vllm_s += EST_EXTRA_SGLANG_STARTUP_S * max(0, sum(servers.api_of(w) == "sglang" for w in kinds) - 2)
         # when the first cell starts (every server is up before it)
-        clock = est_total + build_s + spec["est_startup_s"] + vllm_s + 20
+        store_kind = any(servers.stores(w) for w in kinds)
+        clock = est_total + build_s + spec["est_startup_s"] + vllm_s + 20 + (EST_STORE_S if store_kind else 0)
         for c in cells:
             tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
@@ -123,6 +127,12 @@ def make_plan(args):
         est += peer_files_s(spec, args.peer_reference) if peer_files_wanted(modes, name) else 0
         est_total += est
         plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est), "build_s": build_s}
+        if store_kind:
+            # every sample of a cell is held until the cell ends; a warm-up burst likewise
+            held = [c["dump_bytes"] for c in cells if registry.BY_NAME[c["mode"]].store]
+            held.append(max(8, *args.concurrency) * file_bytes(spec, max(args.prompt_lens)))
+            plan["models"][name]["store"] = {"master_port": args.mooncake_port,
+                                             "segment_bytes": bench_store.segment_bytes(held)}
         if no_peer:
             plan["models"][name]["peer_unsupported"] = no_peer
     plan["est_total_s"] = round(est_total)
@@ -159,15 +169,20 @@ def print_plan(plan):
         print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s"
               + (f" + {vllm} x {EST_VLLM_STARTUP_S} s for vLLM's" if vllm else "")
               + (f", the model's build {m['build_s']} s" if m.get("build_s") else "") + ")")
+        if m.get("store"):
+            st = m["store"]
+            print(f"  store: mooncake_master --port {st['master_port']} (metrics {st['master_port'] + 1}); a store "
+                  f"node lending {st['segment_bytes'] / (1 << 30):.1f} GiB (testing/store.py's StoreNode); "
+                  f"server S lends none; each cell's samples deleted after it")
         for which, cmd in m["servers"].items():
             print(f"  server {which}: {shlex.join(cmd)}")
         if m.get("peer_unsupported"):
             print(f"  no vLLM cells: {m['peer_unsupported']}")
-        print(f"  {'mode':16} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
+        print(f"  {'mode':20} {'prompt':>6} {'conc':>4} {'reqs':>5} {'tokens':>8} {'dump GiB':>8} {'est s':>6}")
         for c in m["cells"]:
             gib = f"{c['dump_bytes'] / (1 << 30):.1f}" if "dump_bytes" in c else ""
             mode = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
-            print(f"  {mode:16} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
+            print(f"  {mode:20} {c['prompt_len']:6} {c['concurrency']:4} {c['requests']:5} "
                   f"{c['prompt_tokens']:8} {gib:>8} {c['est_s']:6}")
     print(f"\nestimated total: ~{plan['est_total_s']} s (throughputs and start-up times are "
           f"assumptions; the deadline skips what does not fit)")

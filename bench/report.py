@@ -24,6 +24,9 @@ TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
 TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
 # which modes are a dump's cost, and each one's no-dump base: bench/modes.py
 DUMP_MODES = modes.names(dumps=True)
+STORE_MODES = modes.names(store=True)
+# the store sink's target: (s') >= 0.95 x (a) at concurrency >= 8 (issue 35)
+STORE_TARGET_CONCURRENCY = 8
 # the no-dump mode each dump mode's ratio divides by (the same engine's)
 BASE_MODE = {m.name: m.base for m in modes.MODES if m.base != "nodump"}
 JSON_PROMPT_LEN = 2048
@@ -70,6 +73,15 @@ STAGES = (
 )
 
 
+# Stages of one store object (the writer's "store" events; a put is visible when it
+# returns: Mooncake makes the key visible at its end): (name, start key, end key).
+STORE_STAGES = (
+    ("queue", "t_submit", "t_picked"),  # waiting for a writer thread
+    ("put", "t_picked", "t_written"),  # the put, start to visible
+    ("visible", "t_submit", "t_written"),  # forward end (last rows seen, Finish queued) -> visible
+)
+
+
 def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str, Any]:
     """Where a dump cell's time went, from ``KIMI_SGLANG_TRACE`` lines (trace.py).
 
@@ -79,11 +91,14 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     negative when the writer stamps ``t_released`` after the waiter saw the lock go), ``hook`` (scheduler
     thread time per extend batch in ``on_prefill_result``), plus ``files``,
     ``ready_before_response`` (share of files complete before their request finished)
-    and, with ``wall_s``, ``hook_share`` (hook time / wall time). Empty dict without
-    file events.
+    and, with ``wall_s``, ``hook_share`` (hook time / wall time). Store objects (the
+    store sink's ``store`` events) instead: ``objects`` and the ``STORE_STAGES`` (``visible``:
+    forward end to sample visible), ``hook``, ``hook_share``. Empty dict without file or
+    store events.
     """
     files = {e["name"]: e for e in events if e.get("event") == "file"}
-    if not files:
+    objects = [e for e in events if e.get("event") == "store"]
+    if not files and not objects:
         return {}
     resp = {e["name"]: e for e in events if e.get("event") == "response"}
     hook_events = [e for e in events if e.get("event") == "hook" and "t0" in e and "t1" in e]
@@ -93,7 +108,15 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
         values = [v * 1000 for v in values]
         return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
 
-    out: Dict[str, Any] = {"files": len(files)}
+    if not files:
+        out: Dict[str, Any] = {"objects": len(objects)}
+        for name, a, b in STORE_STAGES:
+            out[name] = ms([o[b] - o[a] for o in objects if a in o and b in o])
+        out["hook"] = ms(hooks)
+        if wall_s:
+            out["hook_share"] = sum(hooks) / wall_s
+        return out
+    out = {"files": len(files)}
     for name, a, b in STAGES:
         out[name] = ms([f[b] - f[a] for f in files.values() if a in f and b in f])
     joined = [(files[n], r) for n, r in resp.items()
@@ -160,7 +183,8 @@ def headline(results: dict) -> Dict[str, dict]:
                           b.get("rep"))
             bytes_per_token = b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
             file_bytes = b["file_bytes"] / b["requests"] if b.get("file_bytes") else None
-            w = ceiling_w(d2h, nearest(shm, file_bytes) if file_bytes else None)
+            # the store has no host ceiling measured here: its cells are bound by (a) alone
+            w = None if b["mode"] in STORE_MODES else ceiling_w(d2h, nearest(shm, file_bytes) if file_bytes else None)
             w_tps = w * 1e9 / bytes_per_token if (w and bytes_per_token) else None
             a_tps = a["prefill_tps"] if a else None
             bound = min(v for v in (a_tps, w_tps) if v is not None) if (a_tps or w_tps) else None
@@ -181,6 +205,14 @@ def headline(results: dict) -> Dict[str, dict]:
                     if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
 
         r, r_early, r_fp8 = (ratios(m) for m in ("dump", "dump_early", "dump_fp8"))
+        store = {}
+        for mode in STORE_MODES:
+            rs = ratios(mode)
+            at8 = [x["dump_vs_nodump"] for x in per_cell if x["mode"] == mode and x["dump_vs_nodump"] is not None
+                   and x["concurrency"] >= STORE_TARGET_CONCURRENCY]
+            if rs:
+                store.update({f"{mode}_vs_nodump_min": min(rs), f"{mode}_vs_nodump_geomean": geomean(rs),
+                              f"{mode}_vs_nodump_min_conc8": min(at8) if at8 else None})
         rows = peer_rows(cells)
         fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
         for x in (c for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]):
@@ -210,6 +242,7 @@ def headline(results: dict) -> Dict[str, dict]:
             ),
             "writer_vs_ceiling": wvc.get(str(JSON_PROMPT_LEN)),
             "writer_vs_ceiling_by_len": wvc,
+            **store,
         }
         if rows:
             out[model].update(peer=rows, **peer_summary(rows, ratios("vllm_dump")))
@@ -279,6 +312,11 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
             worst = min((c["dump_vs_bound"] for c in cells if c["dump_vs_bound"] is not None),
                         default=None)
             add(model, name, worst, TARGET_DUMP_VS_BOUND)
+        for mode, name in (("dump_store", "(s) store sink >= 0.95 x (a) at conc >= 8, worst cell"),
+                           ("dump_store_early", "(s') store sink, early answers >= 0.95 x (a) at conc >= 8, "
+                                                "worst cell")):
+            if any(c.get("mode") == mode for c in h["cells"]):
+                add(model, name, h.get(f"{mode}_vs_nodump_min_conc8"), TARGET_DUMP_VS_BOUND)
         add(model, "(b) >= 30 x (c) at 2k/conc 8", h["dump_vs_json"], TARGET_DUMP_VS_JSON)
         add(model, "writer alone >= 0.70 W (2k files)", h["writer_vs_ceiling"],
             TARGET_WRITER_VS_CEILING)

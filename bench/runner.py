@@ -1,5 +1,5 @@
-"""One model's run: build it, start its servers together, sample their memory, warm them
-up, collect a few files of ours and vLLM's for the same prompts, run every cell of the
+"""One model's run: build it, start the store modes' Mooncake Store (``bench.store``), start
+its servers together, sample their memory, warm them up, collect a few files of ours and vLLM's for the same prompts, run every cell of the
 plan in order (skipping what the deadline leaves no time for, and the time the file
 comparison needs), read the writer's host-memory peaks, stop the servers, compare those
 files. Results go into the shared ``results`` dict (``models.<name>``), saved after every
@@ -16,6 +16,8 @@ import subprocess
 import time
 
 from bench import child_env, loadgen, module_argv, peer, peerfiles, report, servers
+from bench import modes as registry
+from bench.store import BenchStore
 from bench import plan as planning
 from bench.models import MODELS, file_bytes, model_path
 from bench.plan import peer_files_wanted
@@ -83,6 +85,7 @@ class ModelRun:
         self.rng = random.Random(f"{name}-bench")
         self.samplers = {}
         self.trace_path = None
+        self.store = None  # the store modes' BenchStore, while it runs
         self.shm_free = 0  # bytes free under --dump-root after the warm-up
 
     def phase(self, key, t0):
@@ -113,6 +116,11 @@ class ModelRun:
         specs = {w: (cmd, os.path.join(logs, f"server-{name}-{w}.log"), servers.server_env(w, self.trace_path))
                  for w, cmd in self.mp["servers"].items()}
         try:
+            if self.mp.get("store"):
+                t0 = time.monotonic()
+                self.store = BenchStore(self.mp["store"]["master_port"], self.mp["store"]["segment_bytes"],
+                                        logs).start()
+                self.phase("store_start_s", t0)
             t0 = time.monotonic()
             servers.start_pair(specs, self.servers, timeout=max(60, min(420, self.clock.left() - 40)))
             self.phase("start_s", t0)
@@ -128,7 +136,7 @@ class ModelRun:
                 mode = {"V": "vllm_nodump", "W": "vllm_dump"}.get(w)
                 loadgen.warm_up(s, self.spec, self.rng, args.prompt_lens,
                                 json_too="--enable-return-hidden-states" in s.command, concs=args.concurrency,
-                                mode=mode)
+                                mode=mode, store=self.store if servers.stores(w) else None)
             for d in self.dirs.values():
                 loadgen.clear_dump_dir(d)
             self.phase("warmup_s", t0)
@@ -146,6 +154,9 @@ class ModelRun:
         finally:
             t0 = time.monotonic()
             servers.stop_all(list(self.servers.values()))
+            if self.store is not None:
+                self.store.stop()
+                self.store = None
             self.phase("stop_s", t0)
             for w, s in self.servers.items():
                 copy_log(s.log_path, os.path.join(args.out, f"server-{name}-{w}.log"))
@@ -265,7 +276,8 @@ class ModelRun:
         try:
             traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
             return loadgen.run_cell(server, cell, self.spec, self.rng, mode,
-                                    trace_path=self.trace_path if traced else None)
+                                    trace_path=self.trace_path if traced else None,
+                                    store=self.store if registry.BY_NAME[mode].store else None)
         except Exception as e:  # noqa: BLE001
             return {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
                     "requests": cell["requests"], "error": f"{type(e).__name__}: {e}"[:500]}
@@ -280,7 +292,8 @@ class ModelRun:
             return
         cell = dict(cell)
         mode = cell["mode"]
-        if mode in report.DUMP_MODES and cell["dump_bytes"] > 0.6 * self.shm_free:
+        # the store's segment is sized for its cells (plan); files share --dump-root
+        if mode in report.DUMP_MODES and not registry.BY_NAME[mode].store and cell["dump_bytes"] > 0.6 * self.shm_free:
             per = file_bytes(self.spec, cell["prompt_len"], mode == "dump_fp8")
             cell["requests"] = max(cell["concurrency"], int(0.6 * self.shm_free // per))
             cell["scaled_for_shm"] = True

@@ -5,7 +5,8 @@ Every kind is one entry of ``KINDS``. Ours share testing/server.py's ``base_comm
 the GPU suite verified) plus ``--skip-tokenizer-init --disable-radix-cache --log-level
 info``, no CUDA graphs (``max_new_tokens=1`` runs no decode step), and differ only in their
 last flags: A plain (plus ``--enable-return-hidden-states`` when ``json`` runs), B the dump
-flags, D B's plus ``--dump-hidden-states-dtype fp8``. V and W are the peer's (``bench.peer``).
+flags, D B's plus ``--dump-hidden-states-dtype fp8``, S B's with the store's ``mooncake://``
+address instead of a directory (``bench.store``). V and W are the peer's (``bench.peer``).
 Starting, waiting and stopping is testing/server.py's launcher, the one the GPU suite uses.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from bench import modes, peer
+from bench import store as bench_store
 from bench.models import MODELS, model_path
 from testing import server as launcher  # one launcher for the GPU suite and the benchmark
 
@@ -37,6 +39,11 @@ def _dump(args, name, which, dtype=None):
                                args.max_host_mb or None, dtype)
 
 
+def _store_flags(args, name, which):
+    return launcher.dump_flags(bench_store.server_url(args.mooncake_port), MODELS[name]["layers_flag"],
+                               args.max_host_mb or None)
+
+
 def _a_flags(args, name, which):
     return ["--enable-return-hidden-states"] if "json" in args.modes.split(",") else []
 
@@ -53,7 +60,8 @@ class Kind:
     ``<dump root>/kimi-bench-<model><suffix>`` (None: it does not dump); ``command``: the
     whole argv (SGLang's by default); ``api``: "sglang" (``/generate``) or "vllm"
     (``/v1/completions``, ``bench.peer``); ``env``: its extra environment, when it is not
-    ours (ours: ``server_env``)."""
+    ours (ours: ``server_env``); ``store``: it dumps into the run's Mooncake Store
+    (``bench.store``)."""
 
     port_index: int
     flags: Callable[..., List[str]]
@@ -61,6 +69,7 @@ class Kind:
     command: Callable[..., List[str]] = sglang_command
     api: str = "sglang"
     env: Optional[Callable[[], dict]] = None
+    store: bool = False
 
 
 KINDS = {
@@ -70,6 +79,7 @@ KINDS = {
     "V": Kind(3, lambda args, name, which: [], command=vllm_command, api="vllm", env=peer.vllm_env),
     "W": Kind(4, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
               dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
+    "S": Kind(5, _store_flags, store=True),
 }
 
 MODE_SERVER = {m.name: m.server for m in modes.MODES}
@@ -86,8 +96,8 @@ def port_of(args, which):
 
 def ports_problem(args, modes):
     """Why ``--ports`` is too short for the servers of ``modes`` (an error message), or None."""
-    words = ["first", "second", "third", "fourth", "fifth"]
-    counts = ["one", "two", "three", "four", "five"]
+    words = ["first", "second", "third", "fourth", "fifth", "sixth"]
+    counts = ["one", "two", "three", "four", "five", "six"]
     for mode in modes:
         which = server_for(args, mode)
         i = KINDS[which].port_index
@@ -108,6 +118,11 @@ def dumps(which):
     return KINDS[which].dump_suffix is not None
 
 
+def stores(which):
+    """Whether server ``which`` dumps into the run's Mooncake Store."""
+    return KINDS[which].store
+
+
 def dump_dir(args, name, which="B"):
     """Server ``which``'s dump directory (B's by default; D's ends in -fp8)."""
     return os.path.join(args.dump_root, f"kimi-bench-{name}{KINDS[which].dump_suffix}")
@@ -120,12 +135,12 @@ def api_of(which):
 
 def server_env(which, trace_path):
     """Extra environment of a server: a kind's own (vLLM's: ``peer.vllm_env``); else a
-    dumping one of ours logs the writer's counters every 5 s (so the log holds its
+    dumping one of ours (files or store) logs the writer's counters every 5 s (so the log holds its
     host-memory peaks without waiting a minute) and, with ``trace_path``, writes stage
     timestamps there (sglang_ext/trace.py)."""
     if KINDS[which].env:
         return KINDS[which].env()
-    if not dumps(which):
+    if not dumps(which) and not stores(which):
         return None
     env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
     if trace_path:

@@ -1,18 +1,23 @@
-"""The GPU suite's Mooncake Store pieces (tests/gpu/test_gpu_store.py): a store node that
-lends the memory, hs-connectors' reader, the server started with a ``mooncake://`` address,
-and a sample read from the store turned into the record ``checks.compare_file`` takes.
+"""The Mooncake Store pieces of the GPU suite (tests/gpu/test_gpu_store.py) and the
+benchmark's store modes (bench/store.py): a ``mooncake_master`` (``MasterProcess``), a
+store node that lends the memory (``StoreNode``), hs-connectors' reader, and a sample read
+from the store turned into the record ``checks.compare_file`` takes.
 
-The master itself is tests/mooncake_fixture.py's ``Master`` (the CPU suite's). Nothing here
-imports mooncake or hs-connectors at import time: without them the GPU module is collected
-and skipped with the reason (``missing_reason``).
+The test suites' master is tests/mooncake_fixture.py's ``Master`` (pytest's failures);
+``MasterProcess`` is the same process for a program (RuntimeError with the log's tail).
+Nothing here imports mooncake or hs-connectors at import time: without them the GPU module
+is collected and skipped with the reason (``missing_reason``).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 
@@ -29,6 +34,70 @@ rc = s.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "",
 print("mounted", rc, flush=True)
 time.sleep(86400)
 """
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def master_binary() -> str:
+    """The ``mooncake_master`` the mooncake wheel ships in its package folder, else the
+    one on ``PATH`` (the name itself when there is none: starting it then says so)."""
+    import mooncake  # noqa: PLC0415
+
+    inside = Path(mooncake.__file__).parent / "mooncake_master"
+    return str(inside) if inside.is_file() else (shutil.which("mooncake_master") or "mooncake_master")
+
+
+def listening(port: int, timeout: float = 0.2) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port``."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+class MasterProcess:
+    """A real ``mooncake_master`` on ``port`` (0: a free one) with its metrics port
+    ``metrics_port`` (0: a free one), its output in ``log_path``, plus ``flags``; ``stop()``
+    kills it. Raises RuntimeError (with the log's tail) when it exits or does not listen
+    within ``timeout`` s, or when ``port`` is taken already (another master would answer)."""
+
+    def __init__(self, log_path: str, port: int = 0, metrics_port: int = 0, *flags: str, timeout: float = 20):
+        self.port = port or free_port()
+        self.log_path = log_path
+        if listening(self.port):
+            raise RuntimeError(f"port {self.port} is taken: another mooncake_master (or something else) listens there")
+        argv = [master_binary(), f"--port={self.port}", f"--metrics_port={metrics_port or free_port()}", *flags]
+        with open(log_path, "a") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not listening(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mooncake_master did not listen on port {self.port} "
+                                   f"(exit status {self.proc.returncode}): {self.log_tail()}")
+            time.sleep(0.05)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
 
 
 def missing_reason() -> Optional[str]:
