@@ -245,7 +245,9 @@ def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None, store=N
             _, results = send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc,
                                     store=store, **api_args(mode or ""))
             if store is not None:
-                store.consume([r[4] for r in results if r[4]])
+                _, failed = store.consume([r[4] for r in results if r[4]])
+                if failed:
+                    print(f"  warm-up: {len(failed)} store samples failed: {failed[0][:300]}", flush=True)
     if json_too:
         send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Tuple
 
 from bench import report
 
@@ -116,24 +116,22 @@ class BenchStore:
         except Exception:  # noqa: BLE001 - the marker's existence is the finding
             return ""
 
-    def consume(self, handles: Iterable[str], timeout: float = WAIT_TIMEOUT_S) -> int:
+    def consume(self, handles: Iterable[str], timeout: float = WAIT_TIMEOUT_S) -> Tuple[int, List[str]]:
         """What a trainer does with a cell's samples, untimed: wait for each (visible or
         failed; a handle deleted before its put would leave the put's object for good),
-        then delete it and its marker. Returns how many were deleted; the first wait's
-        SampleFailed is raised after every other handle is deleted (each waited for at
-        most 5 s once one failed: a dead server fails them all)."""
-        first: Optional[Exception] = None
+        then delete it and its marker. Returns (how many were deleted, the sentences of
+        the samples that failed); once one failed, each is waited for at most 5 s (a dead
+        server fails them all)."""
+        failed: List[str] = []
         n = 0
         for h in handles:
             try:
-                self.wait_visible(h, timeout if first is None else min(timeout, 5.0))
+                self.wait_visible(h, timeout if not failed else min(timeout, 5.0))
             except SampleFailed as e:
-                first = first or e
+                failed.append(str(e))
             self.sink.remove(h)
             n += 1
-        if first is not None:
-            raise first
-        return n
+        return n, failed
 
     def present(self, handles: Iterable[str]) -> List[str]:
         """Which of ``handles`` (or their markers) are still in the store."""
@@ -166,10 +164,9 @@ class BenchStore:
         if errors:
             entry["error"] = f"{len(errors)} requests without a manifest: {str(errors[0])[:200]}"
         handles = [r[4] for r in results if r[4]]
-        try:
-            entry["removed"] = self.consume(handles)
-        except Exception as e:  # noqa: BLE001 - a failed sample is the cell's error
-            entry["error"] = entry.get("error") or f"{type(e).__name__}: {e}"[:500]
+        entry["removed"], failed = self.consume(handles)
+        if failed:
+            entry["error"] = entry.get("error") or f"{len(failed)} samples failed: {failed[0][:300]}"
         left = self.present(handles)
         if left:
             entry["error"] = entry.get("error") or f"{len(left)} samples left in the store after deleting them"

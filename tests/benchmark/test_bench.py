@@ -269,7 +269,7 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
         "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "A", "vllm_nodump": "V",
-        "vllm_dump": "W"}
+        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S"}
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
     shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
@@ -288,7 +288,16 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
         "D": ["--dump-hidden-states-dir", "/r/kimi-bench-deepseek-tiny-fp8", "--dump-hidden-states-layers",
               "1,2,3,4", "--dump-hidden-states-max-host-mb", "1024", "--dump-hidden-states-dtype", "fp8"],
     }
-    assert [servers.dumps(w) for w in "ABD"] == [False, True, True]
+    # S (the store modes, tests/benchmark/test_bench_store.py): B's tail with the store's address
+    store_args = _args(["--modes", ",".join(plan.MODES), "--max-host-mb", "1024", "--mooncake-port", "7",
+                        "--ports", "1,2,3,4,5,6"])
+    s = servers.server_cmd(store_args, "deepseek-tiny", "S")
+    assert s[len(shared) + len(common):] == [
+        "--dump-hidden-states-dir", "mooncake://127.0.0.1:7?protocol=tcp&global_segment_size=0"
+        "&local_buffer_size=1073741824&local_hostname=127.0.0.1", "--dump-hidden-states-layers", "1,2,3,4",
+        "--dump-hidden-states-max-host-mb", "1024"]
+    assert [servers.dumps(w) for w in "ABDS"] == [False, True, True, False]  # no directory for S
+    assert servers.server_env("S", None) == {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
     assert servers.server_env("B", "/t.jsonl") == {"KIMI_SGLANG_STATS_INTERVAL_S": "5",
                                                    "KIMI_SGLANG_TRACE": "/t.jsonl"}
     assert servers.server_env("D", None) == {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
