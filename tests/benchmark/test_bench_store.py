@@ -5,26 +5,29 @@ trainer's side measured against a real ``mooncake_master`` and store node that
 delays, the client's wait and its measured latencies, error markers, and the deletion
 after a cell checked through a client of its own.
 
-The stand-in server below answers ``/generate`` as the store sink does (at once, with a
-version-1 manifest) and puts the sample ``DELAY_S`` later; it is not SGLang.
+The stand-in server (tests/benchmark/fake_store_server.py) answers ``/generate`` as the
+store sink does (at once, with a version-1 manifest) and puts the sample ``DELAY_S``
+later; it is not SGLang.
 """
 
 from __future__ import annotations
 
 import json
-import struct
-import threading
+import os
+import subprocess
+import sys
 import time
-from http.server import ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from bench import cli, markdown, plan, report, servers
 from bench import store as bstore
+from fake_store_server import DELAY_S, StandIn
 from mooncake_fixture import needs_mooncake
 
 MiB = 1 << 20
-DELAY_S = 0.15  # the stand-in's put comes this long after its answer
+HERE = Path(__file__).resolve().parent
 MODES = "nodump,dump_early,dump_store,dump_store_early"
 
 
@@ -128,61 +131,6 @@ def test_store_ratio_target_and_tables():
 # ---- against a real mooncake_master -------------------------------------------------
 
 
-class StandIn:
-    """An HTTP server answering ``/generate`` as the store sink does: at once, with the
-    version-1 manifest of a bf16 [T, 4, 8] sample under a new handle, which a producer
-    ``StoreSink`` (lending no memory: the bench's store node holds it) puts ``DELAY_S``
-    later. ``answered``/``put``: handle -> time.monotonic() of the answer / the put's
-    return."""
-
-    def __init__(self, master_address):
-        from sglang_ext import store
-
-        self.store = store
-        self.producer = store.StoreSink(store.StoreConfig(master_address, global_segment_size=0,
-                                                          local_buffer_size=16 * MiB, local_hostname="127.0.0.1"))
-        self.producer.connect()
-        self.answered, self.put, self.n, self.lock = {}, {}, 0, threading.Lock()
-        self.fail = set()  # request numbers answered with an error marker instead of the sample
-        stand_in = self
-
-        from fake_sglang_server import JsonHandler
-
-        class Handler(JsonHandler):
-            def do_POST(self):
-                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self.reply(200, {"meta_info": {"hidden_states_manifest": stand_in.answer(req["input_ids"])}})
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.http.server_address[1]
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def answer(self, ids):
-        with self.lock:
-            self.n += 1
-            n = self.n
-        handle = self.store.unique_handle(f"bench-{n}")
-        layout = self.store.pack_layout(len(ids), 4, 8, "bfloat16")
-        data = {"hidden_states": [bytes(len(ids) * 4 * 8 * 2)], "token_ids": [struct.pack(f"<{len(ids)}q", *ids)]}
-
-        def later():
-            time.sleep(DELAY_S)
-            if n in self.fail:
-                self.producer.put_error(handle, f"request {n} failed on purpose")
-            else:
-                self.producer.put_packed(handle, layout, data)
-            self.put[handle] = time.monotonic()
-
-        self.answered[handle] = time.monotonic()
-        threading.Thread(target=later, daemon=True).start()
-        return layout.manifest(handle)
-
-    def close(self):
-        self.http.shutdown()
-        self.http.server_close()
-        self.producer.close()
-
-
 @pytest.fixture()
 def bench_store(tmp_path):
     from testing.store import free_port
@@ -262,3 +210,52 @@ def test_wait_visible_times_out_with_a_sentence(bench_store):
         bs.wait_visible("never-put", timeout=0.2)
     assert 0.2 <= time.monotonic() - t < 2
 
+
+
+@needs_mooncake
+def test_rehearsal_of_the_store_modes(tmp_path):
+    """``python -m bench`` with nodump and both store modes against stand-in servers
+    (tests/fake_sglang_server.py for A, fake_store_server for S): the bench starts its
+    own mooncake_master and store node, warms S up, runs every cell, deletes every
+    cell's samples, stops the store, and reports the
+    ratios, the trace's forward end -> visible (the stand-in's put delay) and the client's
+    answer -> visible."""
+    pytest.importorskip("requests")
+    from testing.store import free_port, listening
+
+    ports = [free_port() for _ in range(6)]
+    master_port = free_port()
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), str(HERE.parents[1])])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--server-module", "fake_store_server", "--no-build",
+         "--skip-ceilings", "--models", "deepseek-tiny", "--modes", "nodump,dump_store,dump_store_early",
+         "--prompt-lens", "64", "--concurrency", "1,8", "--cell-tokens", "512", "--repeat", "2",
+         "--out", str(out), "--workdir", str(work), "--dump-root", str(tmp_path),
+         "--ports", ",".join(map(str, ports)), "--mooncake-port", str(master_port),
+         "--deadline-s", "150", "--case", "rehearsal"],
+        capture_output=True, text=True, timeout=180, env=env, cwd=HERE.parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [res_path] = out.glob("*-rehearsal.json")
+    res = json.loads(res_path.read_text())
+    m = res["models"]["deepseek-tiny"]
+    assert "error" not in m and not res["skipped"], (m.get("error"), res["skipped"])
+    cells = m["cells"]
+    assert len(cells) == 2 * 2 * 3 and not [c for c in cells if c.get("error")], cells
+    for c in cells:
+        if c["mode"] == "nodump":
+            continue
+        assert c["objects"] == c["removed"] == c["requests"] == 8  # 512 tokens / 64
+        assert DELAY_S * 1000 <= c["stages"]["visible"]["p50"] < DELAY_S * 1000 + 100, c["stages"]
+        assert c["stages"]["objects"] == 8
+        if c["mode"] == "dump_store":
+            assert DELAY_S * 1000 <= c["visible_ms"]["p50"] < DELAY_S * 1000 + 100
+            assert c["p50_s"] >= DELAY_S  # done when visible
+    head = res["headline"]["deepseek-tiny"]
+    assert head["dump_store_early_vs_nodump_min_conc8"] is not None
+    assert any(t["target"].startswith("(s') store sink") for t in res["targets"])
+    md = (out / res_path.name.replace(".json", ".md")).read_text()
+    assert "## Store sink: forward end to sample visible" in md
+    assert "dump_store_early/nodump min" in proc.stdout
+    assert not listening(master_port)  # the store stopped with the run
+    assert (work / "logs" / f"mooncake-master-{master_port}.log").exists()
