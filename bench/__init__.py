@@ -5,7 +5,8 @@ repository root. One module per job, in the order a run uses them:
 - ``models``     the workloads (random-weight shapes) and their build (``python -m bench.models``).
 - ``modes``      every mode: its server, how the report reads it and the plot draws it.
 - ``plan``       profiles, cells, request counts, time estimates (``--dry-run`` prints it).
-- ``servers``    the kinds of server (A, B, D; vLLM's V, W), their flags and environment.
+- ``servers``    the kinds of server (A, B, D, S; vLLM's V, W), their flags and environment.
+- ``store``      the store modes' Mooncake Store: master, store node, the trainer's wait and deletion.
 - ``loadgen``    the client: a cell's requests (closed loop), its files or JSON, the warm-up,
                  the server's memory, the writer's log and stage trace.
 - ``ceilings``   pinned copies, /dev/shm writes, the writer alone (``python -m bench.ceilings``).

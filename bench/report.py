@@ -184,7 +184,8 @@ def headline(results: dict) -> Dict[str, dict]:
             bytes_per_token = b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
             file_bytes = b["file_bytes"] / b["requests"] if b.get("file_bytes") else None
             # the store has no host ceiling measured here: its cells are bound by (a) alone
-            w = None if b["mode"] in STORE_MODES else ceiling_w(d2h, nearest(shm, file_bytes) if file_bytes else None)
+            w = (None if b["mode"] in STORE_MODES
+                 else ceiling_w(d2h, nearest(shm, file_bytes) if file_bytes else None))
             w_tps = w * 1e9 / bytes_per_token if (w and bytes_per_token) else None
             a_tps = a["prefill_tps"] if a else None
             bound = min(v for v in (a_tps, w_tps) if v is not None) if (a_tps or w_tps) else None

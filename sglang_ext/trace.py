@@ -15,6 +15,10 @@ Events (``"event"`` key):
   the ``FINISH``), ``t_copied`` (every row already in the temporary file; rows are written
   chunk by chunk as they arrive), ``t_written`` (renamed to its final name),
   ``t_released`` (index line written, lock released).
+- ``store``: one store object, recorded by the store sink's writer (store_writer.py):
+  ``name`` (the handle), ``bytes``, ``rows``, ``t_start``/``t_submit`` as for files,
+  ``t_picked``, ``t_written`` (the put returned: the object is visible), ``t_released``;
+  ``bench/report.py`` reads ``t_submit -> t_written`` as forward end to sample visible.
 - ``response``: ``hooks.finish_response`` in the tokenizer manager: ``name``, ``t_meta``
   (the finished request reached it), ``t_done`` (the file was seen complete).
 
