@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
-from sglang_ext import store, trace, wire
+from sglang_ext import store, store_client, trace, wire
 from sglang_ext.sink import Sink
 
 logger = logging.getLogger("sglang_ext.writer_process")
 
 LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
 RETRY_CONNECT_S = 5.0  # between attempts to set the client up while the master is unreachable
-PROBE_S = 5.0  # the master's TCP probe before each setup (store.master_unreachable)
+PROBE_S = 5.0  # the master's TCP probe before each setup (store_client.master_unreachable)
 # The longest a request waits for the first setup to end: below the scheduler's watchdog
 # (config.DEFAULT_WATCHDOG_S, 60 s), so a slow setup fails requests, not the writer.
 FIRST_CONNECT_WAIT_S = 30.0
@@ -56,9 +56,9 @@ FIRST_CONNECT_WAIT_S = 30.0
 class Connection:
     """This writer process's one Mooncake client, set up in a thread of its own.
 
-    ``StoreSink.connect`` takes up to ~90 s when the master does not answer (Mooncake's
+    ``StoreClient.connect`` takes up to ~90 s when the master does not answer (Mooncake's
     client retries 20 times), so it must not run on a writer thread per request, and
-    each attempt first probes the master's port (``store.master_unreachable``,
+    each attempt first probes the master's port (``store_client.master_unreachable``,
     ``PROBE_S``): a dead master fails the attempt in seconds, not past the scheduler's
     60 s watchdog. The thread retries every ``RETRY_CONNECT_S`` until it succeeds, then
     registers ``[addr, addr + size)`` (the arena's mapping) once. ``get`` waits for the
@@ -66,7 +66,7 @@ class Connection:
     raises the last error at once."""
 
     def __init__(self, config: store.StoreConfig, addr: int, size: int):
-        self.sink = store.StoreSink(config)
+        self.sink = store_client.StoreClient(config)
         self._addr, self._size = addr, size
         self._first = threading.Event()
         self._ready = False
@@ -77,10 +77,7 @@ class Connection:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                why = store.master_unreachable(self.sink.config, PROBE_S)
-                if why is not None:
-                    raise store.StoreUnavailable(f"{why}: is mooncake_master running there?")
-                self.sink.connect()
+                self.sink.connect(probe_s=PROBE_S)
                 self.sink.register(self._addr, self._size)
                 self._ready = True
                 logger.info("hidden-state dump: connected to the Mooncake master at %s",
@@ -95,8 +92,8 @@ class Connection:
             self._first.set()
             self._stop.wait(RETRY_CONNECT_S)
 
-    def get(self) -> store.StoreSink:
-        """The connected sink; ``StoreUnavailable`` (the setup's sentence) while not."""
+    def get(self) -> store_client.StoreClient:
+        """The connected client; ``StoreUnavailable`` (the setup's sentence) while not."""
         if not self._first.wait(FIRST_CONNECT_WAIT_S):
             raise store.StoreUnavailable(
                 f"the Mooncake client for the master at {self.sink.config.master_server_address} was "

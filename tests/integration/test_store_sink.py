@@ -238,13 +238,13 @@ def test_full_store_gives_per_request_errors(tmp_path, sessions):
 # Every put of the writer process waits until the file $GATE exists.
 PUT_GATED = """
     import os, time
-    from sglang_ext import store
-    _real = store.StoreSink.put_packed
+    from sglang_ext import store_client
+    _real = store_client.StoreClient.put_packed
     def _gated(*a, **k):
         while not os.path.exists(os.environ["GATE"]):
             time.sleep(0.01)
         return _real(*a, **k)
-    store.StoreSink.put_packed = _gated
+    store_client.StoreClient.put_packed = _gated
 """
 
 
