@@ -103,11 +103,10 @@ class StoreConfig:
     ``global_segment_size`` bytes of this process's memory become the store's capacity
     (objects live in the producer's segment, trainers read them from there);
     ``local_buffer_size`` is Mooncake's client staging buffer: every put of bytes goes
-    through it (error markers, and the whole sample of a chunked-prefill request, whose
-    parts are joined into bytes: ``store_client.StoreClient.put``), as do gets; a put from a registered
-    range (the writer's arena) does not. A put of bytes that does not fit fails (status
-    -600, one sentence); size it to at least the largest chunked-prefill sample times
-    the writer threads (docs/store.md).
+    through it (the sink's error markers: ``store_client.StoreClient.put``), as do gets of
+    bytes; a put from registered ranges (the writer's arena, its staging buffers of
+    chunked-prefill samples) does not. A put of bytes that does not fit fails (status
+    -600, one sentence).
     ``metadata_server`` ``P2PHANDSHAKE`` needs no etcd/HTTP metadata service.
     """
 

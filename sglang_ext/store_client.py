@@ -183,8 +183,7 @@ class StoreClient:
                 raise StoreError(
                     f"the store object {handle!r} ({total} bytes) does not fit the Mooncake client's local "
                     f"buffer (local_buffer_size {self.config.local_buffer_size} bytes, shared by the "
-                    f"writer threads' puts of bytes): raise local_buffer_size to at least the largest "
-                    f"chunked-prefill sample times the writer threads (docs/store.md)")
+                    f"client's puts of bytes): raise local_buffer_size (docs/store.md)")
         if rc != 0:
             raise status_error("put", handle, rc, total, self.config)
         return total

@@ -19,11 +19,13 @@ Per request (``store.pack_layout``, docs/store.md):
 Arena ranges are held from their op to the put only when the request's ``Finish`` came
 in the same message (``final``: a prompt prefilled in one batch, the common case), so
 the put reads them in place. A chunked-prefill request's earlier chunks are copied out
-of the arena into this process's memory as they come and their ranges go back at once:
-holding them until the last chunk could take the whole arena while other requests'
-chunks wait for room (a deadlock); such a request costs three host copies (the earlier chunks out of the
-arena, ``b"".join`` of all parts, the client's copy into its local buffer), stated in
-docs/store.md.
+of the arena as they come and their ranges go back at once (holding them until the last
+chunk could take the whole arena while other requests' chunks wait for room: a
+deadlock): each into its place in a staging buffer of the object's size, registered with
+Mooncake once and reused (``store_client.RegisteredBuffers``, the connection's). The put
+then reads the staging buffer and, for the last chunk, the arena in place: one host copy
+of the earlier chunks, none of the last. The buffer goes back to the pool when the put
+has returned (the client copied it into the segment by then) or the request failed.
 
 A put that fails (no room: ``store.StoreFull``; master down: ``store.StoreUnavailable``)
 fails its request: the marker when the store takes it, else only the log line and the
@@ -51,6 +53,9 @@ PROBE_S = 5.0  # the master's TCP probe before each setup (store_client.master_u
 # The longest a request waits for the first setup to end: below the scheduler's watchdog
 # (config.DEFAULT_WATCHDOG_S, 60 s), so a slow setup fails requests, not the writer.
 FIRST_CONNECT_WAIT_S = 30.0
+# Free staging buffers kept registered for the next chunked-prefill requests, in bytes;
+# beyond it they are unregistered and unmapped when given back.
+STAGING_KEEP_BYTES = 512 << 20
 
 
 class Connection:
@@ -61,7 +66,8 @@ class Connection:
     each attempt first probes the master's port (``store_client.master_unreachable``,
     ``PROBE_S``): a dead master fails the attempt in seconds, not past the scheduler's
     60 s watchdog. The thread retries every ``RETRY_CONNECT_S`` until it succeeds, then
-    registers ``[addr, addr + size)`` (the arena's mapping) once. ``get`` waits for the
+    registers ``[addr, addr + size)`` (the arena's mapping) once; ``buffers`` are the
+    staging buffers of chunked-prefill samples, registered with the same client. ``get`` waits for the
     first attempt only, at most ``FIRST_CONNECT_WAIT_S``; later, while not connected, it
     raises the last error at once."""
 
@@ -72,6 +78,7 @@ class Connection:
         self._ready = False
         self._error: Optional[store.StoreError] = None
         self._stop = threading.Event()
+        self.buffers = store_client.RegisteredBuffers(self.sink, keep_bytes=STAGING_KEEP_BYTES)
         threading.Thread(target=self._run, name="hs-store-connect", daemon=True).start()
 
     def _run(self) -> None:
@@ -106,6 +113,7 @@ class Connection:
         """Stop retrying; close the client (its segment, and every object in it, goes)."""
         self._stop.set()
         if self._ready:
+            self.buffers.close()
             self.sink.close()
 
 
@@ -119,6 +127,7 @@ class _Job:
     rows: int = 0
     parts: Dict[str, List[store.Part]] = field(default_factory=dict)
     held: List[Tuple[int, int]] = field(default_factory=list)  # (piece, nbytes) to give back after the put
+    staging: Optional[store_client.Buffer] = None  # the earlier chunks' copies, until the put returns
     error: Optional[str] = None
     times: Dict[str, float] = field(default_factory=dict)
 
@@ -151,8 +160,8 @@ class StoreWriter(Sink):
                     job.error = LOST_MESSAGE
                 elif not self.abort:
                     self._guard(job, self._begin, job, op.row_width, op.dtype)
-                if job.error is None:
-                    job.parts[fmt.KEY_TOKEN_IDS] = [self._part(op.token_off, nbytes, final)]
+                if job.error is None and job.layout is not None:
+                    self._guard(job, self._add, job, fmt.KEY_TOKEN_IDS, op.token_off, nbytes, final)
             finally:
                 self._done(job, op.piece, nbytes, final)
         elif kind is wire.Rows:
@@ -179,7 +188,7 @@ class StoreWriter(Sink):
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - the request fails, the writer goes on
-            job.error = f"{type(e).__name__}: {e}"
+            job.error = str(e) if isinstance(e, store.StoreError) else f"{type(e).__name__}: {e}"
             job.parts.clear()
 
     def _begin(self, job: _Job, row_width: int, dtype: str) -> None:
@@ -196,17 +205,31 @@ class StoreWriter(Sink):
                 f"rows {op.row0}..{op.row0 + op.nrows} arrived after {job.rows} of {job.num_tokens}")
         if (op.scale_off is None) != (job.scale_row_bytes == 0):
             raise fmt.DumpFormatError("fp8 rows came without their scales (or scales without fp8)")
-        job.parts[fmt.KEY_HIDDEN_STATES].append(self._part(op.off, op.nrows * job.row_bytes, final))
+        self._add(job, fmt.KEY_HIDDEN_STATES, op.off, op.nrows * job.row_bytes, final)
         if op.scale_off is not None:
-            job.parts[fmt.KEY_SCALES].append(self._part(op.scale_off, op.nrows * job.scale_row_bytes, final))
+            self._add(job, fmt.KEY_SCALES, op.scale_off, op.nrows * job.scale_row_bytes, final)
         job.rows += op.nrows
 
-    def _part(self, off: int, nbytes: int, final: bool) -> store.Part:
-        """Arena bytes ``[off, off + nbytes)``: their registered range when the put comes
-        in this message (``final``), else a copy (the range goes back now)."""
+    def _add(self, job: _Job, name: str, off: int, nbytes: int, final: bool) -> None:
+        """Arena bytes ``[off, off + nbytes)`` are the next piece of tensor ``name``: their
+        registered range when the put comes in this message (``final``), else copied to
+        their place in the job's staging buffer (taken at its first piece, the object's
+        size), whose range is the part (the arena range goes back now). ``StoreError``
+        when no client is set up or Mooncake refuses a new buffer."""
+        parts = job.parts[name]
         if final:
-            return (self.base + off, nbytes)
-        return bytes(self.view[off:off + nbytes])
+            parts.append((self.base + off, nbytes))
+            return
+        if job.staging is None:
+            self.connection.get()
+            job.staging = self.connection.buffers.take(job.layout.total_bytes)
+        pos = job.layout.tensor(name).offset + sum(store.part_size(p) for p in parts)
+        job.staging.view[pos:pos + nbytes] = self.view[off:off + nbytes]
+        addr = job.staging.addr + pos
+        if parts and parts[-1][0] >= job.staging.addr and parts[-1][0] + parts[-1][1] == addr:
+            parts[-1] = (parts[-1][0], parts[-1][1] + nbytes)  # the tensor's earlier chunks, contiguous
+        else:
+            parts.append((addr, nbytes))
 
     def _done(self, job: Optional[_Job], piece: int, nbytes: int, final: bool) -> None:
         """The op is done with arena range ``piece``: at once, unless its bytes are held
@@ -217,9 +240,12 @@ class StoreWriter(Sink):
             self._ack(wire.DonePiece(piece, nbytes))
 
     def _release(self, job: _Job) -> None:
-        """Give back the arena ranges ``job`` holds."""
+        """Give back the arena ranges and the staging buffer ``job`` holds."""
         held, job.held = job.held, []
         job.parts.clear()
+        staging, job.staging = job.staging, None
+        if staging is not None:
+            self.connection.buffers.give(staging)
         for piece, nbytes in held:
             self._ack(wire.DonePiece(piece, nbytes))
 

@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from sglang_ext import store as st
-from sglang_ext.store_client import StoreClient
+from sglang_ext.store_client import RegisteredBuffers, StoreClient
 
 from mooncake_fixture import MiB, Master, _free_port, master_config, needs_mooncake
 
@@ -376,3 +376,35 @@ def test_connect_without_master_is_one_sentence():
                                              "&local_buffer_size=16MiB&local_hostname=127.0.0.1"))
     with pytest.raises(st.StoreUnavailable, match=f"could not set up the Mooncake client for the master at 127.0.0.1:{port}"):
         s.connect()
+
+
+@needs_mooncake
+def test_registered_buffers_are_reused_only_once_given_back(sink, reader):
+    """``RegisteredBuffers`` (the writer's staging, the reader's get buffers): a buffer
+    handed out is not handed out again until given back; then the smallest that fits is
+    reused, registered (a put from it reads it in place); past ``keep_bytes`` a freed one is
+    unregistered."""
+    pool = RegisteredBuffers(sink, keep_bytes=16 * MiB)
+    a = pool.take(9 * MiB)  # sizes go up in 4 MiB steps: 12, 4 and 4 MiB
+    b = pool.take(1 * MiB)
+    assert a.addr != b.addr and a.nbytes >= 9 * MiB and b.nbytes >= 1 * MiB
+    c = pool.take(1 * MiB)  # a and b are in use
+    assert c.addr not in (a.addr, b.addr)
+    a.view[:MiB] = b"\x05" * MiB
+    sink.put("pooled", [(a.addr, MiB)])
+    assert reader.store._store.get("pooled") == b"\x05" * MiB
+    sink.remove("pooled")
+    pool.give(b)
+    pool.give(a)
+    again = pool.take(6 * MiB)
+    assert again is a  # b is too small; a fits
+    assert pool.take(100) is b
+    pool.give(again)
+    pool.give(b)
+    pool.give(c)  # 12 + 4 + 4 MiB free: past keep_bytes the largest goes
+    assert sorted(x.addr for x in pool.free) == sorted([b.addr, c.addr])
+    kept = {x.addr for x in pool.free}
+    for x in (a, b, c):
+        assert sink._registered(x.addr, x.nbytes) == (x.addr in kept)
+    pool.close()
+    assert not any(sink._registered(x.addr, x.nbytes) for x in (a, b, c))

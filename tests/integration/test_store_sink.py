@@ -67,8 +67,8 @@ def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def store_runner(master, dtype=None, segment=64 * MiB, max_mb=64):
-    return make_runner(master_config(master, segment), layers="2,4", dtype=dtype, max_mb=max_mb)
+def store_runner(master, dtype=None, segment=64 * MiB, max_mb=64, buffer="16MiB"):
+    return make_runner(master_config(master, segment, buffer), layers="2,4", dtype=dtype, max_mb=max_mb)
 
 
 def batches(prefix: str):
@@ -118,6 +118,34 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         assert got["token_ids"].tolist() == req.origin_input_ids
         assert reader.store._store.get_size(manifest["handle"]) == manifest["metadata"]["total_aligned_bytes"]
         reader.delete(manifest["handle"])
+
+
+def test_many_concurrent_chunked_requests_each_read_back_whole(master, reader, sessions):
+    """Twelve chunked-prefill requests of 1.1-1.7 MB, three chunks each, staggered so three
+    or four are in prefill at once and later ones reuse the staging buffers of earlier
+    ones: every sample reads back as its own request's rows (a buffer handed out again
+    before its put returned would mix two requests' rows). The client's local buffer is
+    1 MiB, smaller than any of them: the samples are put from registered memory, not
+    joined into bytes (docs/store.md, chunked prefill)."""
+    sess = sessions.start(store_runner(master, buffer="1MiB"))
+    reqs = [Req(f"chunky-{i}", 16_000 + 700 * i, i + 1) for i in range(12)]
+    steps = {}
+    for i, r in enumerate(reqs):
+        n = len(r.origin_input_ids)
+        cuts = [0, n // 3, 2 * n // 3, n]
+        for j in range(3):
+            steps.setdefault(i + j, []).append((r, cuts[j], cuts[j + 1]))
+    for k in sorted(steps):
+        run_extend(sess, steps[k], IDS)
+    metas = [finish(r) for r in reqs]
+    snap = idle(sess, 60)
+    assert snap["files_written"] == 12 and snap["failures"] == 0, snap
+    assert snap["host_bytes_in_use"] == 0, snap
+    for req, meta in zip(reqs, metas):
+        got = read(reader, meta)
+        assert torch.equal(got["hidden_states"], reference(req, IDS)), req.rid
+        assert got["token_ids"].tolist() == req.origin_input_ids, req.rid
+        reader.delete(meta[MANIFEST]["handle"])
 
 
 def test_every_answer_gets_its_own_handle(master, reader, sessions):
