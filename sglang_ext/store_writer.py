@@ -31,15 +31,20 @@ A put that fails (no room: ``store.StoreFull``; master down: ``store.StoreUnavai
 fails its request: the marker when the store takes it, else only the log line and the
 failure counter (the reader then times out). The writer goes on; requests after the
 master is back succeed (Mooncake's client mounts its segment again by itself).
+
+Shutdown: finishes not started by the drain deadline fail with ``format.SHUTDOWN_MESSAGE``
+(their markers); puts still running then are cut off by the exit, and ``Connection.close``
+puts their markers with the same message while the master answers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext import store, store_client, trace, wire
@@ -56,6 +61,10 @@ FIRST_CONNECT_WAIT_S = 30.0
 # Free staging buffers kept registered for the next chunked-prefill requests, in bytes;
 # beyond it they are unregistered and unmapped when given back.
 STAGING_KEEP_BYTES = 512 << 20
+# At exit, for the puts the drain deadline cut off: the master's probe, then at most this
+# long for their error markers (the scheduler kills the process 2 s past the deadline).
+CUT_OFF_PROBE_S = 0.5
+CUT_OFF_MARK_S = 1.0
 
 
 class Connection:
@@ -69,7 +78,8 @@ class Connection:
     registers ``[addr, addr + size)`` (the arena's mapping) once; ``buffers`` are the
     staging buffers of chunked-prefill samples, registered with the same client. ``get`` waits for the
     first attempt only, at most ``FIRST_CONNECT_WAIT_S``; later, while not connected, it
-    raises the last error at once."""
+    raises the last error at once. ``putting`` brackets a put, so that ``close`` (at exit)
+    knows the ones the drain deadline cut off."""
 
     def __init__(self, config: store.StoreConfig, addr: int, size: int):
         self.sink = store_client.StoreClient(config)
@@ -79,6 +89,8 @@ class Connection:
         self._error: Optional[store.StoreError] = None
         self._stop = threading.Event()
         self.buffers = store_client.RegisteredBuffers(self.sink, keep_bytes=STAGING_KEEP_BYTES)
+        self._putting: Set[str] = set()  # handles whose put has started and not returned
+        self._putting_lock = threading.Lock()
         threading.Thread(target=self._run, name="hs-store-connect", daemon=True).start()
 
     def _run(self) -> None:
@@ -109,12 +121,54 @@ class Connection:
             raise store.StoreUnavailable(str(self._error or "the Mooncake client is not set up"))
         return self.sink
 
+    @contextlib.contextmanager
+    def putting(self, handle: str) -> Iterator[None]:
+        """The put of ``handle`` runs inside this block."""
+        with self._putting_lock:
+            self._putting.add(handle)
+        try:
+            yield
+        finally:
+            with self._putting_lock:
+                self._putting.discard(handle)
+
     def close(self) -> None:
-        """Stop retrying; close the client (its segment, and every object in it, goes)."""
+        """At exit: stop retrying; put ``<handle>:error`` (``format.SHUTDOWN_MESSAGE``) for
+        every put still running (the drain deadline cut it off: the process exits under
+        it), as the file sink leaves ``.error``, when the master answers; then close the
+        client (its segment, and every object in it, goes). A cut-off put that still ends
+        before the exit leaves its object beside the marker; readers look at the marker
+        first."""
         self._stop.set()
-        if self._ready:
-            self.buffers.close()
-            self.sink.close()
+        if not self._ready:
+            return
+        with self._putting_lock:
+            cut = sorted(self._putting)
+        if cut:
+            self._mark_cut_off(cut)
+        self.buffers.close()
+        self.sink.close()
+
+    def _mark_cut_off(self, handles: List[str]) -> None:
+        why = store_client.master_unreachable(self.sink.config, CUT_OFF_PROBE_S)
+        if why is not None:
+            logger.error("hidden-state dump: %d store puts cut off at shutdown get no error marker (%s); "
+                         "their readers time out", len(handles), why)
+            return
+
+        def mark():
+            for handle in handles:
+                try:
+                    self.sink.put_error(handle, fmt.SHUTDOWN_MESSAGE)
+                except Exception as e:  # noqa: BLE001 - nothing more to do than say so
+                    logger.error("hidden-state dump: the error marker of store handle %s, cut off at "
+                                 "shutdown, could not be put (%s)", handle, e)
+
+        t = threading.Thread(target=mark, name="hs-store-cut-off", daemon=True)
+        t.start()
+        t.join(CUT_OFF_MARK_S)
+        logger.warning("hidden-state dump: %d store puts cut off at shutdown: %s", len(handles),
+                       "error markers put" if not t.is_alive() else "their error markers still being put at exit")
 
 
 @dataclass
@@ -262,7 +316,8 @@ class StoreWriter(Sink):
                 raise fmt.DumpFormatError(f"{job.rows} of {job.num_tokens} rows captured")
             sink = self.connection.get()
             try:
-                nbytes = sink.put_packed(handle, job.layout, job.parts)
+                with self.connection.putting(handle):
+                    nbytes = sink.put_packed(handle, job.layout, job.parts)
             finally:
                 t_written = trace.now()
                 self._release(job)  # the client copied them before put returned

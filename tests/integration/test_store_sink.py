@@ -322,6 +322,34 @@ def test_close_drains_puts_in_flight(master, reader, monkeypatch, tmp_path, sess
     assert snap["files_written"] == 4 and snap["failures"] == 0, snap
 
 
+def test_puts_cut_off_at_shutdown_get_the_shutdown_marker(master, reader, monkeypatch, tmp_path, sessions):
+    """Close with a 1 s drain timeout while every put waits (never let through): the
+    writer exits under them, and each answered request's reader gets ``<handle>:error``
+    with the file sink's shutdown message, not a timeout. A store node lends the memory, so
+    the markers outlive the writer's client."""
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
+    node = subprocess.Popen([sys.executable, "-c", STORE_NODE, master.address, str(32 * MiB)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert node.stdout.readline().split() == ["mounted", "0"]
+        inject_writer(monkeypatch, tmp_path, PUT_GATED, GATE=str(tmp_path / "never"))
+        sess = sessions.start(store_runner(master, segment=0))
+        reqs = [Req(f"cut-{i}", 4, i + 1) for i in range(3)]
+        run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
+        metas = [finish(r) for r in reqs]
+        sess.writer.flush()
+        assert sess.close(timeout=1) is False
+        for req, meta in zip(reqs, metas):
+            with pytest.raises(MooncakeIntegrityError, match=re.escape(fmt.SHUTDOWN_MESSAGE)):
+                read(reader, meta)
+            assert not exists(reader, meta[MANIFEST]["handle"]), req.rid
+            reader.delete(meta[MANIFEST]["handle"])
+    finally:
+        node.kill()
+        node.wait()
+
+
 def test_kv_transfer_params_is_the_manifest():
     """/v1/completions (patch 0006): kv_transfer_params is the manifest itself, as vLLM's
     Mooncake connector returns it; a failed dump is an error (HTTP 500)."""
