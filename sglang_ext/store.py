@@ -26,6 +26,7 @@ and manifests without it.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import secrets
@@ -96,6 +97,21 @@ def default_hostname() -> str:
         return "127.0.0.1"
 
 
+def is_loopback(host: str) -> Optional[bool]:
+    """Whether ``host`` (an address, ``[v6]`` too, or a name) is loopback only: every
+    address it resolves to is. None when a name does not resolve."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return None
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Connection settings, with hs-connectors' ``MooncakeStoreConfig`` keys.
@@ -160,6 +176,20 @@ class StoreConfig:
             kwargs[name] = parse_size(key, value) if name.endswith("_size") else value
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return cls(master_server_address=f"{host}:{port}", **kwargs)
+
+    def loopback_warning(self) -> Optional[str]:
+        """One sentence when ``local_hostname`` (by default this host name's address,
+        often 127.0.1.1 on Debian) is loopback while the master is not: a trainer on
+        another node would be told to fetch this node's segment from its own loopback.
+        None otherwise (both on loopback: one node, which is fine)."""
+        if not is_loopback(self.local_hostname):
+            return None
+        if is_loopback(self.master_server_address.rpartition(":")[0]) is not False:
+            return None
+        return (f"the Mooncake local_hostname {self.local_hostname} is a loopback address while the master "
+                f"at {self.master_server_address} is not, so trainers on other nodes cannot read this "
+                f"node's objects: give this node's reachable address with the local_hostname URL key "
+                f"(mooncake://HOST:PORT?local_hostname=ADDR) or $MOONCAKE_LOCAL_HOSTNAME")
 
     def as_hs_connectors(self) -> Dict[str, Any]:
         """The same settings as hs-connectors' ``MooncakeStoreConfig.from_dict`` takes

@@ -79,7 +79,8 @@ class Connection:
     staging buffers of chunked-prefill samples, registered with the same client. ``get`` waits for the
     first attempt only, at most ``FIRST_CONNECT_WAIT_S``; later, while not connected, it
     raises the last error at once. ``putting`` brackets a put, so that ``close`` (at exit)
-    knows the ones the drain deadline cut off."""
+    knows the ones the drain deadline cut off. Once, at its start, it warns when
+    ``local_hostname`` is loopback and the master is not (``StoreConfig.loopback_warning``)."""
 
     def __init__(self, config: store.StoreConfig, addr: int, size: int):
         self.sink = store_client.StoreClient(config)
@@ -91,6 +92,9 @@ class Connection:
         self.buffers = store_client.RegisteredBuffers(self.sink, keep_bytes=STAGING_KEEP_BYTES)
         self._putting: Set[str] = set()  # handles whose put has started and not returned
         self._putting_lock = threading.Lock()
+        warning = config.loopback_warning()
+        if warning is not None:
+            logger.warning("hidden-state dump: %s", warning)
         threading.Thread(target=self._run, name="hs-store-connect", daemon=True).start()
 
     def _run(self) -> None:
