@@ -220,17 +220,16 @@ def test_bytes_fallback_and_source_reuse(sink, reader):
 
 @needs_mooncake
 def test_a_bytes_put_larger_than_the_local_buffer_is_one_sentence(master, reader):
-    """A put of bytes (chunked prefill's joined parts) goes through the client's local
-    buffer; one larger than ``local_buffer_size`` (Mooncake: status -600) fails with a
-    sentence naming the setting and both sizes, and leaves nothing; a registered range of
-    the same size needs no local buffer and is put."""
+    """A put of bytes (error markers; parts not all in registered memory) goes through the
+    client's local buffer; one larger than ``local_buffer_size`` (Mooncake: status -600)
+    fails with a sentence naming the setting and both sizes, and leaves nothing; a
+    registered range of the same size needs no local buffer and is put."""
     s = StoreClient(st.StoreConfig.from_url(master_config(master) + "&local_buffer_size=1MiB")).connect()
     try:
         with pytest.raises(st.StoreError, match=r"^the store object 'big' \(2097152 bytes\) does not fit "
                                                 r"the Mooncake client's local buffer \(local_buffer_size "
-                                                r"1048576 bytes, shared by the writer threads' puts of bytes\): raise "
-                                                r"local_buffer_size to at least the largest chunked-prefill "
-                                                r"sample times the writer threads \(docs/store.md\)$"):
+                                                r"1048576 bytes, shared by the client's puts of bytes\): raise "
+                                                r"local_buffer_size \(docs/store.md\)$"):
             s.put("big", [b"\x01" * (2 * MiB)])
         assert reader.store._store.is_exist("big") != 1
         arena = Arena(s, 2 * MiB)
