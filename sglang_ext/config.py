@@ -152,12 +152,12 @@ def check_store_reachable(config, timeout_s: float = 5.0) -> None:
     flag, else. (Mooncake's own client setup waits ~90 s for a master that is not there;
     a typo must not cost that. A master that goes away later fails requests, not the
     server.)"""
-    from sglang_ext import store
+    from sglang_ext import store_client
 
-    why = store.mooncake_import_error()
+    why = store_client.mooncake_import_error()
     if why is not None:
         raise DumpConfigError(f"--dump-hidden-states-dir: the Mooncake store sink {why}")
-    why = store.master_unreachable(config, timeout_s)
+    why = store_client.master_unreachable(config, timeout_s)
     if why is not None:
         raise DumpConfigError(f"--dump-hidden-states-dir: {why}; is mooncake_master running there?")
 

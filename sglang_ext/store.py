@@ -1,4 +1,4 @@
-"""The Mooncake Store sink: one packed object per request, in hs-connectors' layout.
+"""The Mooncake Store contract: what one request's sample is, in hs-connectors' layout.
 
 A trainer on another node reads our samples with hs-connectors 0.9.0's
 ``MooncakeTransfer.get_generated(manifest)`` (speculators' ``--hidden-states-backend
@@ -18,25 +18,19 @@ mooncake``), unchanged. The contract (docs/store.md) comes from hs-connectors'
 - the manifest (``PackedLayout.manifest``) travels in the response, where vLLM puts its
   ``kv_transfer_params``.
 
-A Mooncake put is all-or-nothing: the master allocates the replica (PutStart), the client
-copies the bytes, then PutEnd makes the key visible; a failed copy revokes it. So a key
-is never readable half-written (tests/integration/test_store.py checks this with a reader polling
-during large puts). A put to a key that exists returns success and keeps the old bytes
-(seen with 0.3.13.post1), so ``StoreSink.put`` refuses an existing handle itself.
-
-Mooncake is imported lazily (``StoreSink.connect``): nothing here needs it to build
-configs, handles or layouts.
+Here too: the connection settings (``StoreConfig``, from a ``mooncake://`` URL) and what
+Mooncake's status codes mean (``status_error``). Talking to Mooncake is
+``sglang_ext.store_client``'s job (it imports this module, never the reverse); nothing
+here imports mooncake, so the scheduler and the client build configs, handles, layouts
+and manifests without it.
 """
-
 from __future__ import annotations
 
-import ctypes
-import json
+import ipaddress
 import os
 import re
 import secrets
 import socket
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from urllib.parse import parse_qsl, urlsplit
@@ -103,6 +97,21 @@ def default_hostname() -> str:
         return "127.0.0.1"
 
 
+def is_loopback(host: str) -> Optional[bool]:
+    """Whether ``host`` (an address, ``[v6]`` too, or a name) is loopback only: every
+    address it resolves to is. None when a name does not resolve."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return None
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Connection settings, with hs-connectors' ``MooncakeStoreConfig`` keys.
@@ -110,11 +119,10 @@ class StoreConfig:
     ``global_segment_size`` bytes of this process's memory become the store's capacity
     (objects live in the producer's segment, trainers read them from there);
     ``local_buffer_size`` is Mooncake's client staging buffer: every put of bytes goes
-    through it (error markers, and the whole sample of a chunked-prefill request, whose
-    parts are joined into bytes: ``StoreSink.put``), as do gets; a put from a registered
-    range (the writer's arena) does not. A put of bytes that does not fit fails (status
-    -600, one sentence); size it to at least the largest chunked-prefill sample times
-    the writer threads (docs/store.md).
+    through it (the sink's error markers: ``store_client.StoreClient.put``), as do gets of
+    bytes; a put from registered ranges (the writer's arena, its staging buffers of
+    chunked-prefill samples) does not. A put of bytes that does not fit fails (status
+    -600, one sentence).
     ``metadata_server`` ``P2PHANDSHAKE`` needs no etcd/HTTP metadata service.
     """
 
@@ -169,6 +177,20 @@ class StoreConfig:
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return cls(master_server_address=f"{host}:{port}", **kwargs)
 
+    def loopback_warning(self) -> Optional[str]:
+        """One sentence when ``local_hostname`` (by default this host name's address,
+        often 127.0.1.1 on Debian) is loopback while the master is not: a trainer on
+        another node would be told to fetch this node's segment from its own loopback.
+        None otherwise (both on loopback: one node, which is fine)."""
+        if not is_loopback(self.local_hostname):
+            return None
+        if is_loopback(self.master_server_address.rpartition(":")[0]) is not False:
+            return None
+        return (f"the Mooncake local_hostname {self.local_hostname} is a loopback address while the master "
+                f"at {self.master_server_address} is not, so trainers on other nodes cannot read this "
+                f"node's objects: give this node's reachable address with the local_hostname URL key "
+                f"(mooncake://HOST:PORT?local_hostname=ADDR) or $MOONCAKE_LOCAL_HOSTNAME")
+
     def as_hs_connectors(self) -> Dict[str, Any]:
         """The same settings as hs-connectors' ``MooncakeStoreConfig.from_dict`` takes
         (what a trainer passes; ``global_segment_size`` 0 there: a reader lends none)."""
@@ -180,24 +202,6 @@ class StoreConfig:
         }
 
 
-INSTALL_HINT = "pip install -r requirements/store.txt"
-
-
-def mooncake_import_error() -> Optional[str]:
-    """``None`` when ``mooncake.store`` imports, else a phrase to follow a subject (``"the
-    store sink " + phrase``) that quotes the ``ImportError``: the package missing, or its
-    extension missing a shared library (libibverbs, librdmacm, libnuma: Debian's
-    libibverbs1 librdmacm1 libnuma1). Importing is what finds the latter; ``find_spec``
-    does not."""
-    try:
-        import mooncake.store  # noqa: F401, PLC0415
-    except ImportError as e:
-        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "mooncake":
-            return f"needs the mooncake package ({INSTALL_HINT})"
-        return (f"cannot import mooncake.store ({str(e)[:300]}): install what it names (Debian: "
-                f"libibverbs1 librdmacm1 libnuma1) or reinstall mooncake ({INSTALL_HINT})")
-    return None
-
 
 # ---------------------------------------------------------------- handles and layout
 
@@ -206,7 +210,7 @@ def handle_for(rid: str) -> str:
     """The object key of request ``rid``: hs-connectors' ``sanitize_key`` (every character
     outside ``[a-zA-Z0-9_-]`` becomes ``_``; a leading digit gets a ``k`` prefix, so an
     SGLang uuid-hex rid ``"3f2a..."`` is ``"k3f2a..."``). Distinct rids can share a
-    handle (``a.b`` and ``a_b``); ``StoreSink.put`` refuses a handle that exists.
+    handle (``a.b`` and ``a_b``); ``store_client.StoreClient.put`` refuses a handle that exists.
     ``ValueError`` for an empty rid."""
     if not rid:
         raise ValueError("an empty request id has no store handle")
@@ -222,7 +226,7 @@ def unique_handle(rid: str) -> str:
     random hex digits (``secrets.token_hex(4)``). A key per answer, not per rid: two
     scheduler processes, servers sharing a master, a repeated rid, or rids that sanitize
     alike (``a.b``/``a_b``) never share an object or a stale ``<handle>:error``; 2**32
-    suffixes per rid make a collision (refused by ``StoreSink.put``) negligible.
+    suffixes per rid make a collision (refused by ``store_client.StoreClient.put``) negligible.
     ``ValueError`` for an empty rid."""
     return f"{handle_for(rid)}-{secrets.token_hex(HANDLE_SUFFIX_HEX // 2)}"
 
@@ -336,194 +340,6 @@ def part_size(part: Part) -> int:
     if isinstance(part, tuple):
         return int(part[1])
     return memoryview(part).nbytes
-
-
-# ---------------------------------------------------------------- the sink
-
-
-class StoreSink:
-    """One Mooncake client: puts packed objects and error markers, removes them.
-
-    ``connect`` sets the client up (its segment, ``global_segment_size`` bytes of this
-    process's memory, holds every object it puts until removed or evicted, and vanishes
-    with the process). ``register`` a host range once (the shared arena) and parts that
-    lie in registered ranges are put straight from there (``put_from`` /
-    ``batch_put_from_multi_buffers``: the client copies them into the segment before the
-    call returns, so the range may be reused right after). Parts that are not all in
-    registered memory are joined and put as bytes (one extra host copy).
-    One sink serves several threads: Mooncake's client is thread-safe (hs-connectors'
-    connector puts from a thread pool through one client); registration is locked here.
-    """
-
-    def __init__(self, config: StoreConfig):
-        self.config = config
-        self._store: Any = None
-        self._lock = threading.Lock()
-        self._regions: List[Tuple[int, int]] = []
-        self._zero_page: Any = None  # ctypes buffer of TENSOR_ALIGN zeros, registered on first use
-        self._zero_lock = threading.Lock()
-
-    # -- setup
-
-    def connect(self) -> "StoreSink":
-        """Set the client up (idempotent). ``StoreUnavailable`` when the mooncake package
-        is missing or the master at ``master_server_address`` cannot be reached."""
-        with self._lock:
-            if self._store is not None:
-                return self
-            why = mooncake_import_error()
-            if why is not None:
-                raise StoreUnavailable(f"the Mooncake store sink {why}")
-            from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
-
-            c = self.config
-            store = MooncakeDistributedStore()
-            try:
-                rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
-                                 c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
-            except Exception as e:  # noqa: BLE001 - pybind raises RuntimeError/TypeError
-                raise StoreUnavailable(
-                    f"could not set up the Mooncake client for the master at {c.master_server_address}: {e}") from None
-            if rc != 0:
-                raise StoreUnavailable(
-                    f"could not set up the Mooncake client for the master at {c.master_server_address} "
-                    f"(status {rc}: is mooncake_master running there?)")
-            self._store = store
-            return self
-
-    def close(self) -> None:
-        """Close the client: its segment, and every object in it, goes away."""
-        with self._lock:
-            store, self._store = self._store, None
-            self._regions = []
-            self._zero_page = None
-        if store is not None:
-            store.close()
-
-    def _client(self) -> Any:
-        if self._store is None:
-            raise StoreError("the store sink is not connected (call connect() first)")
-        return self._store
-
-    def register(self, addr: int, size: int) -> None:
-        """Register host memory ``[addr, addr + size)`` once for zero-copy puts (the shared
-        arena's mapping). ``StoreError`` if Mooncake refuses it."""
-        rc = self._client().register_buffer(int(addr), int(size))
-        if rc != 0:
-            raise StoreError(f"Mooncake refused to register {size} bytes of host memory at {addr:#x} (status {rc})")
-        with self._lock:
-            self._regions.append((int(addr), int(size)))
-
-    def unregister(self, addr: int) -> None:
-        """Undo ``register`` for the range that starts at ``addr``."""
-        with self._lock:
-            self._regions = [r for r in self._regions if r[0] != addr]
-        self._client().unregister_buffer(int(addr))
-
-    def _registered(self, addr: int, size: int) -> bool:
-        return any(a <= addr and addr + size <= a + n for a, n in self._regions)
-
-    # -- puts
-
-    def put(self, handle: str, parts: Sequence[Part]) -> int:
-        """Put the concatenation of ``parts`` as one object under ``handle``; returns its
-        size in bytes. The object is visible only once whole. ``StoreError`` (one
-        sentence) when ``handle`` already exists or the put fails; ``StoreFull`` when no
-        segment has room; ``StoreUnavailable`` when the master does not answer."""
-        store = self._client()
-        total = sum(part_size(p) for p in parts)
-        if total == 0:
-            raise StoreError(f"store object {handle!r} would be empty")
-        self._check_absent(store, handle)
-        ranges = [p for p in parts if isinstance(p, tuple)]
-        if len(ranges) == len(parts) and all(self._registered(a, n) for a, n in ranges):
-            if len(ranges) == 1:
-                rc = store.put_from(handle, int(ranges[0][0]), int(ranges[0][1]))
-            else:
-                rc = store.batch_put_from_multi_buffers(
-                    [handle], [[int(a) for a, _ in ranges]], [[int(n) for _, n in ranges]])[0]
-        else:
-            rc = store.put(handle, b"".join(_as_bytes(p) for p in parts))
-            if rc == INVALID_PARAMS:  # the client could not take the bytes into its local buffer
-                raise StoreError(
-                    f"the store object {handle!r} ({total} bytes) does not fit the Mooncake client's local "
-                    f"buffer (local_buffer_size {self.config.local_buffer_size} bytes, shared by the "
-                    f"writer threads' puts of bytes): raise local_buffer_size to at least the largest "
-                    f"chunked-prefill sample times the writer threads (docs/store.md)")
-        if rc != 0:
-            raise status_error("put", handle, rc, total, self.config)
-        return total
-
-    def put_packed(self, handle: str, layout: PackedLayout, data: Dict[str, Sequence[Part]]) -> int:
-        """Put one request's sample: ``layout.pack(data)`` under ``handle`` (``put``'s
-        errors; ``ValueError`` when ``data`` does not match ``layout``). When every piece
-        of ``data`` is a range, the zero padding comes from the sink's registered zero
-        page (the put then reads registered memory only); else the parts are put as bytes."""
-        parts = layout.pack(data)
-        if all(isinstance(p, tuple) for pieces in data.values() for p in pieces):
-            # the only bytes parts are pack's padding, each shorter than TENSOR_ALIGN
-            parts = [self._zeros(part_size(p)) if isinstance(p, bytes) else p for p in parts]
-        return self.put(handle, parts)
-
-    def _zeros(self, n: int) -> Tuple[int, int]:
-        """A registered range of ``n`` (< ``TENSOR_ALIGN``) zero bytes: the padding parts."""
-        if n >= TENSOR_ALIGN:
-            raise ValueError(f"{n} bytes of padding: more than the {TENSOR_ALIGN}-byte zero page")
-        with self._zero_lock:
-            if self._zero_page is None:
-                page = ctypes.create_string_buffer(TENSOR_ALIGN)
-                self.register(ctypes.addressof(page), TENSOR_ALIGN)
-                self._zero_page = page
-        return (ctypes.addressof(self._zero_page), n)
-
-    def put_error(self, handle: str, message: str) -> None:
-        """Put the error marker ``<handle>:error`` = ``{"error": message[:4096]}`` (JSON),
-        which hs-connectors' reader raises as ``MooncakeIntegrityError``. ``put``'s errors."""
-        body = json.dumps({"error": str(message)[:ERROR_MAX_CHARS]}).encode("utf-8")
-        self.put(handle + ERROR_SUFFIX, [body])
-
-    def remove(self, handle: str) -> None:
-        """Remove ``handle`` and ``<handle>:error`` (hs-connectors' ``delete_sample``:
-        forced past the lease; a missing object is not an error). ``StoreError`` else."""
-        store = self._client()
-        for key in (handle, handle + ERROR_SUFFIX):
-            rc = store.remove(key, force=True)
-            if rc not in (0, OBJECT_NOT_FOUND):
-                raise status_error("remove", key, rc, 0, self.config)
-
-    def exists(self, handle: str) -> bool:
-        """Whether ``handle`` is visible (complete). ``StoreUnavailable``/``StoreError``
-        when the master cannot say."""
-        rc = self._client().is_exist(handle)
-        if rc < 0:
-            raise status_error("look-up", handle, rc, 0, self.config)
-        return rc == 1
-
-    def _check_absent(self, store: Any, handle: str) -> None:
-        rc = store.is_exist(handle)
-        if rc == 1:
-            raise StoreError(f"store handle {handle!r} already holds an object (a repeated request id?)")
-        if rc < 0:
-            raise status_error("put", handle, rc, 0, self.config)
-
-
-def _as_bytes(part: Part) -> bytes:
-    if isinstance(part, tuple):
-        return ctypes.string_at(int(part[0]), int(part[1]))
-    return bytes(part)
-
-
-def master_unreachable(config: StoreConfig, timeout_s: float = 5.0) -> Union[str, None]:
-    """None when the master at ``config.master_server_address`` accepts a TCP connection
-    within ``timeout_s`` seconds, else why not (one clause). Mooncake's own client setup
-    retries a missing master for about 90 s: the server's start-up and ``extract --store``
-    ask this first, so a typo costs seconds."""
-    host, _, port = config.master_server_address.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except (OSError, ValueError) as e:
-        return f"cannot reach the Mooncake master at {config.master_server_address} ({getattr(e, 'strerror', None) or e})"
-    return None
 
 
 def status_error(op: str, key: str, rc: int, nbytes: int, config: StoreConfig) -> StoreError:

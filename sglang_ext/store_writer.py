@@ -19,68 +19,88 @@ Per request (``store.pack_layout``, docs/store.md):
 Arena ranges are held from their op to the put only when the request's ``Finish`` came
 in the same message (``final``: a prompt prefilled in one batch, the common case), so
 the put reads them in place. A chunked-prefill request's earlier chunks are copied out
-of the arena into this process's memory as they come and their ranges go back at once:
-holding them until the last chunk could take the whole arena while other requests'
-chunks wait for room (a deadlock); such a request costs three host copies (the earlier chunks out of the
-arena, ``b"".join`` of all parts, the client's copy into its local buffer), stated in
-docs/store.md.
+of the arena as they come and their ranges go back at once (holding them until the last
+chunk could take the whole arena while other requests' chunks wait for room: a
+deadlock): each into its place in a staging buffer of the object's size, registered with
+Mooncake once and reused (``store_client.RegisteredBuffers``, the connection's). The put
+then reads the staging buffer and, for the last chunk, the arena in place: one host copy
+of the earlier chunks, none of the last. The buffer goes back to the pool when the put
+has returned (the client copied it into the segment by then) or the request failed.
 
 A put that fails (no room: ``store.StoreFull``; master down: ``store.StoreUnavailable``)
 fails its request: the marker when the store takes it, else only the log line and the
 failure counter (the reader then times out). The writer goes on; requests after the
 master is back succeed (Mooncake's client mounts its segment again by itself).
+
+Shutdown: finishes not started by the drain deadline fail with ``format.SHUTDOWN_MESSAGE``
+(their markers); puts still running then are cut off by the exit, and ``Connection.close``
+puts their markers with the same message while the master answers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 from sglang_ext import format as fmt
-from sglang_ext import store, trace, wire
+from sglang_ext import store, store_client, trace, wire
 from sglang_ext.sink import Sink
 
 logger = logging.getLogger("sglang_ext.writer_process")
 
 LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
 RETRY_CONNECT_S = 5.0  # between attempts to set the client up while the master is unreachable
-PROBE_S = 5.0  # the master's TCP probe before each setup (store.master_unreachable)
+PROBE_S = 5.0  # the master's TCP probe before each setup (store_client.master_unreachable)
 # The longest a request waits for the first setup to end: below the scheduler's watchdog
 # (config.DEFAULT_WATCHDOG_S, 60 s), so a slow setup fails requests, not the writer.
 FIRST_CONNECT_WAIT_S = 30.0
+# Free staging buffers kept registered for the next chunked-prefill requests, in bytes;
+# beyond it they are unregistered and unmapped when given back.
+STAGING_KEEP_BYTES = 512 << 20
+# At exit, for the puts the drain deadline cut off: the master's probe, then at most this
+# long for their error markers (the scheduler kills the process 2 s past the deadline).
+CUT_OFF_PROBE_S = 0.5
+CUT_OFF_MARK_S = 1.0
 
 
 class Connection:
     """This writer process's one Mooncake client, set up in a thread of its own.
 
-    ``StoreSink.connect`` takes up to ~90 s when the master does not answer (Mooncake's
+    ``StoreClient.connect`` takes up to ~90 s when the master does not answer (Mooncake's
     client retries 20 times), so it must not run on a writer thread per request, and
-    each attempt first probes the master's port (``store.master_unreachable``,
+    each attempt first probes the master's port (``store_client.master_unreachable``,
     ``PROBE_S``): a dead master fails the attempt in seconds, not past the scheduler's
     60 s watchdog. The thread retries every ``RETRY_CONNECT_S`` until it succeeds, then
-    registers ``[addr, addr + size)`` (the arena's mapping) once. ``get`` waits for the
+    registers ``[addr, addr + size)`` (the arena's mapping) once; ``buffers`` are the
+    staging buffers of chunked-prefill samples, registered with the same client. ``get`` waits for the
     first attempt only, at most ``FIRST_CONNECT_WAIT_S``; later, while not connected, it
-    raises the last error at once."""
+    raises the last error at once. ``putting`` brackets a put, so that ``close`` (at exit)
+    knows the ones the drain deadline cut off. Once, at its start, it warns when
+    ``local_hostname`` is loopback and the master is not (``StoreConfig.loopback_warning``)."""
 
     def __init__(self, config: store.StoreConfig, addr: int, size: int):
-        self.sink = store.StoreSink(config)
+        self.sink = store_client.StoreClient(config)
         self._addr, self._size = addr, size
         self._first = threading.Event()
         self._ready = False
         self._error: Optional[store.StoreError] = None
         self._stop = threading.Event()
+        self.buffers = store_client.RegisteredBuffers(self.sink, keep_bytes=STAGING_KEEP_BYTES)
+        self._putting: Set[str] = set()  # handles whose put has started and not returned
+        self._putting_lock = threading.Lock()
+        warning = config.loopback_warning()
+        if warning is not None:
+            logger.warning("hidden-state dump: %s", warning)
         threading.Thread(target=self._run, name="hs-store-connect", daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                why = store.master_unreachable(self.sink.config, PROBE_S)
-                if why is not None:
-                    raise store.StoreUnavailable(f"{why}: is mooncake_master running there?")
-                self.sink.connect()
+                self.sink.connect(probe_s=PROBE_S)
                 self.sink.register(self._addr, self._size)
                 self._ready = True
                 logger.info("hidden-state dump: connected to the Mooncake master at %s",
@@ -95,8 +115,8 @@ class Connection:
             self._first.set()
             self._stop.wait(RETRY_CONNECT_S)
 
-    def get(self) -> store.StoreSink:
-        """The connected sink; ``StoreUnavailable`` (the setup's sentence) while not."""
+    def get(self) -> store_client.StoreClient:
+        """The connected client; ``StoreUnavailable`` (the setup's sentence) while not."""
         if not self._first.wait(FIRST_CONNECT_WAIT_S):
             raise store.StoreUnavailable(
                 f"the Mooncake client for the master at {self.sink.config.master_server_address} was "
@@ -105,11 +125,54 @@ class Connection:
             raise store.StoreUnavailable(str(self._error or "the Mooncake client is not set up"))
         return self.sink
 
+    @contextlib.contextmanager
+    def putting(self, handle: str) -> Iterator[None]:
+        """The put of ``handle`` runs inside this block."""
+        with self._putting_lock:
+            self._putting.add(handle)
+        try:
+            yield
+        finally:
+            with self._putting_lock:
+                self._putting.discard(handle)
+
     def close(self) -> None:
-        """Stop retrying; close the client (its segment, and every object in it, goes)."""
+        """At exit: stop retrying; put ``<handle>:error`` (``format.SHUTDOWN_MESSAGE``) for
+        every put still running (the drain deadline cut it off: the process exits under
+        it), as the file sink leaves ``.error``, when the master answers; then close the
+        client (its segment, and every object in it, goes). A cut-off put that still ends
+        before the exit leaves its object beside the marker; readers look at the marker
+        first."""
         self._stop.set()
-        if self._ready:
-            self.sink.close()
+        if not self._ready:
+            return
+        with self._putting_lock:
+            cut = sorted(self._putting)
+        if cut:
+            self._mark_cut_off(cut)
+        self.buffers.close()
+        self.sink.close()
+
+    def _mark_cut_off(self, handles: List[str]) -> None:
+        why = store_client.master_unreachable(self.sink.config, CUT_OFF_PROBE_S)
+        if why is not None:
+            logger.error("hidden-state dump: %d store puts cut off at shutdown get no error marker (%s); "
+                         "their readers time out", len(handles), why)
+            return
+
+        def mark():
+            for handle in handles:
+                try:
+                    self.sink.put_error(handle, fmt.SHUTDOWN_MESSAGE)
+                except Exception as e:  # noqa: BLE001 - nothing more to do than say so
+                    logger.error("hidden-state dump: the error marker of store handle %s, cut off at "
+                                 "shutdown, could not be put (%s)", handle, e)
+
+        t = threading.Thread(target=mark, name="hs-store-cut-off", daemon=True)
+        t.start()
+        t.join(CUT_OFF_MARK_S)
+        logger.warning("hidden-state dump: %d store puts cut off at shutdown: %s", len(handles),
+                       "error markers put" if not t.is_alive() else "their error markers still being put at exit")
 
 
 @dataclass
@@ -122,6 +185,7 @@ class _Job:
     rows: int = 0
     parts: Dict[str, List[store.Part]] = field(default_factory=dict)
     held: List[Tuple[int, int]] = field(default_factory=list)  # (piece, nbytes) to give back after the put
+    staging: Optional[store_client.Buffer] = None  # the earlier chunks' copies, until the put returns
     error: Optional[str] = None
     times: Dict[str, float] = field(default_factory=dict)
 
@@ -154,8 +218,8 @@ class StoreWriter(Sink):
                     job.error = LOST_MESSAGE
                 elif not self.abort:
                     self._guard(job, self._begin, job, op.row_width, op.dtype)
-                if job.error is None:
-                    job.parts[fmt.KEY_TOKEN_IDS] = [self._part(op.token_off, nbytes, final)]
+                if job.error is None and job.layout is not None:
+                    self._guard(job, self._add, job, fmt.KEY_TOKEN_IDS, op.token_off, nbytes, final)
             finally:
                 self._done(job, op.piece, nbytes, final)
         elif kind is wire.Rows:
@@ -182,7 +246,7 @@ class StoreWriter(Sink):
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - the request fails, the writer goes on
-            job.error = f"{type(e).__name__}: {e}"
+            job.error = str(e) if isinstance(e, store.StoreError) else f"{type(e).__name__}: {e}"
             job.parts.clear()
 
     def _begin(self, job: _Job, row_width: int, dtype: str) -> None:
@@ -199,17 +263,31 @@ class StoreWriter(Sink):
                 f"rows {op.row0}..{op.row0 + op.nrows} arrived after {job.rows} of {job.num_tokens}")
         if (op.scale_off is None) != (job.scale_row_bytes == 0):
             raise fmt.DumpFormatError("fp8 rows came without their scales (or scales without fp8)")
-        job.parts[fmt.KEY_HIDDEN_STATES].append(self._part(op.off, op.nrows * job.row_bytes, final))
+        self._add(job, fmt.KEY_HIDDEN_STATES, op.off, op.nrows * job.row_bytes, final)
         if op.scale_off is not None:
-            job.parts[fmt.KEY_SCALES].append(self._part(op.scale_off, op.nrows * job.scale_row_bytes, final))
+            self._add(job, fmt.KEY_SCALES, op.scale_off, op.nrows * job.scale_row_bytes, final)
         job.rows += op.nrows
 
-    def _part(self, off: int, nbytes: int, final: bool) -> store.Part:
-        """Arena bytes ``[off, off + nbytes)``: their registered range when the put comes
-        in this message (``final``), else a copy (the range goes back now)."""
+    def _add(self, job: _Job, name: str, off: int, nbytes: int, final: bool) -> None:
+        """Arena bytes ``[off, off + nbytes)`` are the next piece of tensor ``name``: their
+        registered range when the put comes in this message (``final``), else copied to
+        their place in the job's staging buffer (taken at its first piece, the object's
+        size), whose range is the part (the arena range goes back now). ``StoreError``
+        when no client is set up or Mooncake refuses a new buffer."""
+        parts = job.parts[name]
         if final:
-            return (self.base + off, nbytes)
-        return bytes(self.view[off:off + nbytes])
+            parts.append((self.base + off, nbytes))
+            return
+        if job.staging is None:
+            self.connection.get()
+            job.staging = self.connection.buffers.take(job.layout.total_bytes)
+        pos = job.layout.tensor(name).offset + sum(store.part_size(p) for p in parts)
+        job.staging.view[pos:pos + nbytes] = self.view[off:off + nbytes]
+        addr = job.staging.addr + pos
+        if parts and parts[-1][0] >= job.staging.addr and parts[-1][0] + parts[-1][1] == addr:
+            parts[-1] = (parts[-1][0], parts[-1][1] + nbytes)  # the tensor's earlier chunks, contiguous
+        else:
+            parts.append((addr, nbytes))
 
     def _done(self, job: Optional[_Job], piece: int, nbytes: int, final: bool) -> None:
         """The op is done with arena range ``piece``: at once, unless its bytes are held
@@ -220,9 +298,12 @@ class StoreWriter(Sink):
             self._ack(wire.DonePiece(piece, nbytes))
 
     def _release(self, job: _Job) -> None:
-        """Give back the arena ranges ``job`` holds."""
+        """Give back the arena ranges and the staging buffer ``job`` holds."""
         held, job.held = job.held, []
         job.parts.clear()
+        staging, job.staging = job.staging, None
+        if staging is not None:
+            self.connection.buffers.give(staging)
         for piece, nbytes in held:
             self._ack(wire.DonePiece(piece, nbytes))
 
@@ -239,7 +320,8 @@ class StoreWriter(Sink):
                 raise fmt.DumpFormatError(f"{job.rows} of {job.num_tokens} rows captured")
             sink = self.connection.get()
             try:
-                nbytes = sink.put_packed(handle, job.layout, job.parts)
+                with self.connection.putting(handle):
+                    nbytes = sink.put_packed(handle, job.layout, job.parts)
             finally:
                 t_written = trace.now()
                 self._release(job)  # the client copied them before put returned

@@ -18,6 +18,12 @@ from pathlib import Path
 
 import pytest
 
+# Mooncake's clients (in this process, the writer processes it starts, the master) log
+# every set-up step at glog INFO to stderr; MC_LOG_LEVEL (Mooncake's ApplyGlogEnvironment:
+# TRACE/INFO/WARNING/ERROR) keeps warnings and errors. Set before mooncake is imported;
+# MC_LOG_LEVEL=INFO in the environment brings the INFO lines back.
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
 try:
     import mooncake.store  # noqa: F401
     HAVE_MOONCAKE = True

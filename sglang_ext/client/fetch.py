@@ -44,7 +44,9 @@ is removed and the journal goes. An object that appears after that (a server far
 stays until the server's process exits or the master evicts it.
 
 The reader lends no segment (``global_segment_size`` 0 unless the URL sets it: samples
-live in the servers' segments). Mooncake is imported on ``connect`` only.
+live in the servers' segments). It talks to Mooncake through the same client as the
+server's store sink (``store_client.StoreClient``), which imports mooncake on ``connect``
+only.
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ import asyncio
 import dataclasses
 import json
 import os
-import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qsl, urlsplit
 
 from sglang_ext import format as fmt
 from sglang_ext import store as st
+from sglang_ext import store_client
 from sglang_ext.client.checks import check_file
 from sglang_ext.client.files import Journal, Staged
 from sglang_ext.client.http import RequestError
@@ -71,8 +73,7 @@ POLL_MAX_S = 0.05
 PROBE_TIMEOUT_S = 10.0  # a master that does not accept a TCP connection by then is not up
 FILE_META_KEYS = ("layer_ids", "num_layers", "model_path", "sglang_version",
                   "sglang_ext_version", "series")
-INSTALL_HINT = st.INSTALL_HINT
-_BUFFER_GRANULE = 4 << 20  # registered get buffers grow in steps of this many bytes
+INSTALL_HINT = store_client.INSTALL_HINT
 
 
 class FetchError(RequestError):
@@ -184,55 +185,20 @@ def expect(manifest: Any, rid: str, input_ids: List[int],
     return Expected(rid, handle, layout, _file_metadata(rid, dtype, meta))
 
 
-class _Buffers:
-    """Host buffers registered with the Mooncake client for ``get_into``, reused: one per
-    fetch in flight, grown (in ``_BUFFER_GRANULE`` steps) to the largest object seen."""
-
-    def __init__(self, client: Any):
-        self.client = client
-        self.free: List[Any] = []
-        self.lock = threading.Lock()
-
-    def take(self, nbytes: int):
-        import numpy as np
-
-        with self.lock:
-            for i, buf in enumerate(self.free):
-                if buf.nbytes >= nbytes:
-                    return self.free.pop(i)
-            old = self.free.pop() if self.free else None
-        if old is not None:
-            self.client.unregister_buffer(old.ctypes.data)
-        buf = np.empty(-(-max(nbytes, 1) // _BUFFER_GRANULE) * _BUFFER_GRANULE, dtype=np.uint8)
-        rc = self.client.register_buffer(buf.ctypes.data, buf.nbytes)
-        if rc != 0:
-            raise FetchError(f"Mooncake refused to register a {buf.nbytes}-byte get buffer (status {rc})")
-        return buf
-
-    def give(self, buf) -> None:
-        with self.lock:
-            self.free.append(buf)
-
-    def close(self) -> None:
-        with self.lock:
-            bufs, self.free = self.free, []
-        for buf in bufs:
-            self.client.unregister_buffer(buf.ctypes.data)
-
-
 class StoreFetcher(Journal):
     """The run's store reader: one Mooncake client, the journal, the get buffers.
 
     ``url``: ``--store``; ``out_dir``/``rank``/``mode``: where and how the journal and the
-    files are written. ``connect`` before use; ``close`` at the end."""
+    files are written. ``connect`` before use; ``close`` at the end. The get buffers are
+    ``store_client.RegisteredBuffers``: one per fetch in flight, reused."""
 
     def __init__(self, url: str, out_dir: str, rank: int, mode: int = fmt.DEFAULT_FILE_MODE):
         super().__init__(journal_path(out_dir, rank), mode)
         self.config = reader_config(url)
         self.url_base = f"mooncake://{self.config.master_server_address}"
         self.out_dir = out_dir
-        self.client: Any = None
-        self.buffers: Optional[_Buffers] = None
+        self.client: Optional[store_client.StoreClient] = None
+        self.buffers: Optional[store_client.RegisteredBuffers] = None
         self.shape: Optional[Tuple[int, int, str]] = None  # the run's (L, H, dtype)
         # index -> {handle: (rid, manifest)} of journaled objects not yet removed
         self.open: Dict[int, Dict[str, Tuple[str, Any]]] = {}
@@ -291,26 +257,15 @@ class StoreFetcher(Journal):
     def connect(self) -> "StoreFetcher":
         """Set the Mooncake client up. ``MooncakeMissing`` (one sentence) when mooncake is
         not installed, ``StoreUnreachable`` when the master does not answer."""
-        why = st.mooncake_import_error()
-        if why is not None:
-            raise MooncakeMissing(f"--store {why}")
-        from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
-
-        c = self.config
-        why = st.master_unreachable(c, PROBE_TIMEOUT_S)
-        if why is not None:
-            raise StoreUnreachable(f"{why}: is mooncake_master running there?")
-        client = MooncakeDistributedStore()
+        client = store_client.StoreClient(self.config)
         try:
-            rc = client.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
-                              c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
-        except Exception as e:  # noqa: BLE001 - pybind raises RuntimeError/TypeError
-            rc = f"{type(e).__name__}: {e}"
-        if rc != 0:
-            raise StoreUnreachable(f"cannot reach the Mooncake master at {c.master_server_address} "
-                                   f"(setup answered {rc}): is mooncake_master running there?")
+            client.connect(subject="--store", probe_s=PROBE_TIMEOUT_S)
+        except store_client.MooncakeMissing as e:
+            raise MooncakeMissing(str(e)) from None
+        except st.StoreError as e:
+            raise StoreUnreachable(str(e)) from None
         self.client = client
-        self.buffers = _Buffers(client)
+        self.buffers = store_client.RegisteredBuffers(client)
         return self
 
     def close(self) -> None:
@@ -320,17 +275,16 @@ class StoreFetcher(Journal):
             client.close()
 
     def _exists(self, key: str) -> bool:
-        rc = self.client.is_exist(key)
-        if rc < 0:
-            raise FetchError(st.status_error("look-up", key, rc, 0, self.config).args[0])
-        return rc == 1
+        try:
+            return self.client.exists(key)
+        except st.StoreError as e:
+            raise FetchError(str(e)) from None
 
     def _error_of(self, handle: str) -> str:
         """The message in ``<handle>:error`` (the server's words)."""
         key = handle + st.ERROR_SUFFIX
         try:
-            raw = self.client.get(key)
-            msg = json.loads(bytes(raw).decode("utf-8"))["error"]
+            msg = json.loads(self.client.get(key).decode("utf-8"))["error"]
         except Exception as e:  # noqa: BLE001 - a marker that is not JSON still fails the try
             msg = f"unreadable error marker ({type(e).__name__})"
         return f"the server failed the sample ({key}): {msg}"
@@ -368,19 +322,22 @@ class StoreFetcher(Journal):
         another size or other token ids; ``CheckError`` when the written file fails
         ``check_file``; ``OSError`` on I/O. The final name never holds a partial file."""
         layout = exp.layout
-        size = self.client.get_size(exp.handle)
+        size = self.client.size(exp.handle)
         if size < 0:
             raise FetchError(f"the sample {exp.handle!r} vanished from the store before it was read "
                              f"(status {size}: evicted, or taken by another reader)")
         if size != layout.total_bytes:
             raise FetchError(f"the store object {exp.handle!r} has {size} bytes, its manifest says "
                              f"total_aligned_bytes {layout.total_bytes}")
-        buf = self.buffers.take(size)
         try:
-            got = self.client.get_into(exp.handle, buf.ctypes.data, size)
+            buf = self.buffers.take(size)
+        except st.StoreError as e:
+            raise FetchError(str(e)) from None
+        try:
+            got = self.client.get_into(exp.handle, buf.addr, size)
             if got != size:
                 raise FetchError(f"reading {exp.handle!r} from the store gave {got} of {size} bytes")
-            view = memoryview(buf)[:size]
+            view = buf.view[:size]
             ids = layout.tensor(fmt.KEY_TOKEN_IDS)
             if view[ids.offset:ids.offset + ids.nbytes].cast("q").tolist() != list(input_ids):
                 raise FetchError(f"the store object {exp.handle!r} holds other token ids than the request's")
@@ -413,13 +370,13 @@ class StoreFetcher(Journal):
         """Remove ``handle`` and ``<handle>:error`` and journal it done; False (and the
         handle stays journaled for the next sweep) when the master does not answer."""
         def remove():
-            if handle.startswith(_SENT_PREFIX):  # no answer came: any suffix the server chose
-                rc = self.client.remove_by_regex(_sent_pattern(handle[len(_SENT_PREFIX):]), force=True)
-                return rc >= 0 or rc == st.OBJECT_NOT_FOUND
-            for key in (handle, handle + st.ERROR_SUFFIX):
-                rc = self.client.remove(key, force=True)
-                if rc not in (0, st.OBJECT_NOT_FOUND):
-                    return False
+            try:
+                if handle.startswith(_SENT_PREFIX):  # no answer came: any suffix the server chose
+                    self.client.remove_matching(_sent_pattern(handle[len(_SENT_PREFIX):]))
+                else:
+                    self.client.remove(handle)
+            except st.StoreError:
+                return False
             return True
 
         if not await asyncio.to_thread(remove):

@@ -3,7 +3,7 @@
 The fake server (a ``ThreadingHTTPServer`` on 127.0.0.1, in this process) answers
 ``/generate`` as a server started with ``--dump-hidden-states-dir mooncake://...`` does: with
 ``meta_info.hidden_states_manifest`` (``store.pack_layout(...).manifest(handle_for(rid))``),
-and puts the packed sample into the master with ``store.StoreSink.put_packed``, before the
+and puts the packed sample into the master with ``store_client.StoreClient.put_packed``, before the
 answer or after it (early), or ``<handle>:error`` instead. The reference for every
 ``hs_<i>.safetensors`` is the file sink's own path for the same tensors
 (``tests/dumpfiles.write_dump``: ``format.reserve`` + ``file_layout``), compared byte for
@@ -33,6 +33,7 @@ from mooncake_fixture import HAVE_MOONCAKE, MiB, _free_port, master_config, need
 
 from sglang_ext import format as fmt
 from sglang_ext import store as st
+from sglang_ext.store_client import StoreClient
 from sglang_ext.client import fetch
 from sglang_ext.client.extract import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_FAILED
 from sglang_ext.client.manifest import MANIFEST_NAME
@@ -54,7 +55,7 @@ def trainer_url(master) -> str:
 @pytest.fixture(scope="module")
 def sink(master):
     """The fake server's producer client: its segment holds the samples."""
-    s = st.StoreSink(st.StoreConfig.from_url(master_config(master, 64 * MiB))).connect()
+    s = StoreClient(st.StoreConfig.from_url(master_config(master, 64 * MiB))).connect()
     yield s
     s.close()
 
@@ -87,7 +88,7 @@ class StoreServer:
     wait for; ``wrong_ids_for``: objects holding other token ids; ``manifest_meta``: extra
     keys for the manifest's metadata."""
 
-    def __init__(self, sink: st.StoreSink, dtype: str = "bfloat16"):
+    def __init__(self, sink: StoreClient, dtype: str = "bfloat16"):
         self.sink = sink
         self.dtype = dtype
         self.early_s = None

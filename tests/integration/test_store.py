@@ -19,6 +19,7 @@ import threading
 import pytest
 
 from sglang_ext import store as st
+from sglang_ext.store_client import RegisteredBuffers, StoreClient
 
 from mooncake_fixture import MiB, Master, _free_port, master_config, needs_mooncake
 
@@ -29,7 +30,7 @@ def _config(master: Master, segment: int = 64 * MiB) -> st.StoreConfig:
 
 @pytest.fixture(scope="module")
 def sink(master):
-    s = st.StoreSink(_config(master)).connect()
+    s = StoreClient(_config(master)).connect()
     yield s
     s.close()
 
@@ -79,7 +80,7 @@ def _expected_object(tensors: dict) -> bytes:
 class Arena:
     """A shared anonymous mapping like the writer's arena, registered with the sink."""
 
-    def __init__(self, sink: st.StoreSink, size: int):
+    def __init__(self, sink: StoreClient, size: int):
         self.map = mmap.mmap(-1, size)
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         self.used = 0
@@ -219,17 +220,16 @@ def test_bytes_fallback_and_source_reuse(sink, reader):
 
 @needs_mooncake
 def test_a_bytes_put_larger_than_the_local_buffer_is_one_sentence(master, reader):
-    """A put of bytes (chunked prefill's joined parts) goes through the client's local
-    buffer; one larger than ``local_buffer_size`` (Mooncake: status -600) fails with a
-    sentence naming the setting and both sizes, and leaves nothing; a registered range of
-    the same size needs no local buffer and is put."""
-    s = st.StoreSink(st.StoreConfig.from_url(master_config(master) + "&local_buffer_size=1MiB")).connect()
+    """A put of bytes (error markers; parts not all in registered memory) goes through the
+    client's local buffer; one larger than ``local_buffer_size`` (Mooncake: status -600)
+    fails with a sentence naming the setting and both sizes, and leaves nothing; a
+    registered range of the same size needs no local buffer and is put."""
+    s = StoreClient(st.StoreConfig.from_url(master_config(master) + "&local_buffer_size=1MiB")).connect()
     try:
         with pytest.raises(st.StoreError, match=r"^the store object 'big' \(2097152 bytes\) does not fit "
                                                 r"the Mooncake client's local buffer \(local_buffer_size "
-                                                r"1048576 bytes, shared by the writer threads' puts of bytes\): raise "
-                                                r"local_buffer_size to at least the largest chunked-prefill "
-                                                r"sample times the writer threads \(docs/store.md\)$"):
+                                                r"1048576 bytes, shared by the client's puts of bytes\): raise "
+                                                r"local_buffer_size \(docs/store.md\)$"):
             s.put("big", [b"\x01" * (2 * MiB)])
         assert reader.store._store.is_exist("big") != 1
         arena = Arena(s, 2 * MiB)
@@ -337,7 +337,7 @@ def test_store_full_is_one_sentence_and_nothing_visible(tmp_path):
     # a loaded machine) to make room for the marker; eviction is docs/store.md's business
     m = Master(tmp_path, "--eviction_ratio=0")
     try:
-        small = st.StoreSink(_config(m, segment=16 * MiB)).connect()
+        small = StoreClient(_config(m, segment=16 * MiB)).connect()
         arena = Arena(small, 10 * MiB)
         rng = arena.place(b"\x07" * (10 * MiB))  # one fits the 16 MiB segment, two do not
         small.put("fits", [rng])
@@ -355,7 +355,7 @@ def test_store_full_is_one_sentence_and_nothing_visible(tmp_path):
 @needs_mooncake
 def test_master_down_is_one_sentence(tmp_path):
     m = Master(tmp_path)
-    s = st.StoreSink(_config(m)).connect()
+    s = StoreClient(_config(m)).connect()
     arena = Arena(s, 1 * MiB)
     rng = arena.place(b"\x01" * 4096)
     s.put("before", [rng])
@@ -371,7 +371,39 @@ def test_master_down_is_one_sentence(tmp_path):
 @needs_mooncake
 def test_connect_without_master_is_one_sentence():
     port = _free_port()
-    s = st.StoreSink(st.StoreConfig.from_url(f"mooncake://127.0.0.1:{port}?global_segment_size=16MiB"
+    s = StoreClient(st.StoreConfig.from_url(f"mooncake://127.0.0.1:{port}?global_segment_size=16MiB"
                                              "&local_buffer_size=16MiB&local_hostname=127.0.0.1"))
     with pytest.raises(st.StoreUnavailable, match=f"could not set up the Mooncake client for the master at 127.0.0.1:{port}"):
         s.connect()
+
+
+@needs_mooncake
+def test_registered_buffers_are_reused_only_once_given_back(sink, reader):
+    """``RegisteredBuffers`` (the writer's staging, the reader's get buffers): a buffer
+    handed out is not handed out again until given back; then the smallest that fits is
+    reused, registered (a put from it reads it in place); past ``keep_bytes`` a freed one is
+    unregistered."""
+    pool = RegisteredBuffers(sink, keep_bytes=16 * MiB)
+    a = pool.take(9 * MiB)  # sizes go up in 4 MiB steps: 12, 4 and 4 MiB
+    b = pool.take(1 * MiB)
+    assert a.addr != b.addr and a.nbytes >= 9 * MiB and b.nbytes >= 1 * MiB
+    c = pool.take(1 * MiB)  # a and b are in use
+    assert c.addr not in (a.addr, b.addr)
+    a.view[:MiB] = b"\x05" * MiB
+    sink.put("pooled", [(a.addr, MiB)])
+    assert reader.store._store.get("pooled") == b"\x05" * MiB
+    sink.remove("pooled")
+    pool.give(b)
+    pool.give(a)
+    again = pool.take(6 * MiB)
+    assert again is a  # b is too small; a fits
+    assert pool.take(100) is b
+    pool.give(again)
+    pool.give(b)
+    pool.give(c)  # 12 + 4 + 4 MiB free: past keep_bytes the largest goes
+    assert sorted(x.addr for x in pool.free) == sorted([b.addr, c.addr])
+    kept = {x.addr for x in pool.free}
+    for x in (a, b, c):
+        assert sink._registered(x.addr, x.nbytes) == (x.addr in kept)
+    pool.close()
+    assert not any(sink._registered(x.addr, x.nbytes) for x in (a, b, c))

@@ -67,8 +67,8 @@ def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def store_runner(master, dtype=None, segment=64 * MiB, max_mb=64):
-    return make_runner(master_config(master, segment), layers="2,4", dtype=dtype, max_mb=max_mb)
+def store_runner(master, dtype=None, segment=64 * MiB, max_mb=64, buffer="16MiB"):
+    return make_runner(master_config(master, segment, buffer), layers="2,4", dtype=dtype, max_mb=max_mb)
 
 
 def batches(prefix: str):
@@ -118,6 +118,34 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         assert got["token_ids"].tolist() == req.origin_input_ids
         assert reader.store._store.get_size(manifest["handle"]) == manifest["metadata"]["total_aligned_bytes"]
         reader.delete(manifest["handle"])
+
+
+def test_many_concurrent_chunked_requests_each_read_back_whole(master, reader, sessions):
+    """Twelve chunked-prefill requests of 1.1-1.7 MB, three chunks each, staggered so three
+    or four are in prefill at once and later ones reuse the staging buffers of earlier
+    ones: every sample reads back as its own request's rows (a buffer handed out again
+    before its put returned would mix two requests' rows). The client's local buffer is
+    1 MiB, smaller than any of them: the samples are put from registered memory, not
+    joined into bytes (docs/store.md, chunked prefill)."""
+    sess = sessions.start(store_runner(master, buffer="1MiB"))
+    reqs = [Req(f"chunky-{i}", 16_000 + 700 * i, i + 1) for i in range(12)]
+    steps = {}
+    for i, r in enumerate(reqs):
+        n = len(r.origin_input_ids)
+        cuts = [0, n // 3, 2 * n // 3, n]
+        for j in range(3):
+            steps.setdefault(i + j, []).append((r, cuts[j], cuts[j + 1]))
+    for k in sorted(steps):
+        run_extend(sess, steps[k], IDS)
+    metas = [finish(r) for r in reqs]
+    snap = idle(sess, 60)
+    assert snap["files_written"] == 12 and snap["failures"] == 0, snap
+    assert snap["host_bytes_in_use"] == 0, snap
+    for req, meta in zip(reqs, metas):
+        got = read(reader, meta)
+        assert torch.equal(got["hidden_states"], reference(req, IDS)), req.rid
+        assert got["token_ids"].tolist() == req.origin_input_ids, req.rid
+        reader.delete(meta[MANIFEST]["handle"])
 
 
 def test_every_answer_gets_its_own_handle(master, reader, sessions):
@@ -238,13 +266,13 @@ def test_full_store_gives_per_request_errors(tmp_path, sessions):
 # Every put of the writer process waits until the file $GATE exists.
 PUT_GATED = """
     import os, time
-    from sglang_ext import store
-    _real = store.StoreSink.put_packed
+    from sglang_ext import store_client
+    _real = store_client.StoreClient.put_packed
     def _gated(*a, **k):
         while not os.path.exists(os.environ["GATE"]):
             time.sleep(0.01)
         return _real(*a, **k)
-    store.StoreSink.put_packed = _gated
+    store_client.StoreClient.put_packed = _gated
 """
 
 
@@ -292,6 +320,37 @@ def test_close_drains_puts_in_flight(master, reader, monkeypatch, tmp_path, sess
     assert sess.close(timeout=20) is True
     snap = sess.writer.snapshot()
     assert snap["files_written"] == 4 and snap["failures"] == 0, snap
+
+
+def test_puts_cut_off_at_shutdown_get_the_shutdown_marker(monkeypatch, tmp_path, sessions):
+    """Close with a 1 s drain timeout while every put waits (never let through): the
+    writer exits under them, and each answered request's reader gets ``<handle>:error``
+    with the file sink's shutdown message, not a timeout. A store node lends the memory, so
+    the markers outlive the writer's client. (A master of its own: the node it kills at
+    the end would stay a dead segment in the module's master.)"""
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
+    master = Master(tmp_path)
+    node = subprocess.Popen([sys.executable, "-c", STORE_NODE, master.address, str(32 * MiB)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert node.stdout.readline().split() == ["mounted", "0"]
+        reader = reader_for(master)
+        inject_writer(monkeypatch, tmp_path, PUT_GATED, GATE=str(tmp_path / "never"))
+        sess = sessions.start(store_runner(master, segment=0))
+        reqs = [Req(f"cut-{i}", 4, i + 1) for i in range(3)]
+        run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
+        metas = [finish(r) for r in reqs]
+        sess.writer.flush()
+        assert sess.close(timeout=1) is False
+        for req, meta in zip(reqs, metas):
+            with pytest.raises(MooncakeIntegrityError, match=re.escape(fmt.SHUTDOWN_MESSAGE)):
+                read(reader, meta)
+            assert not exists(reader, meta[MANIFEST]["handle"]), req.rid
+    finally:
+        node.kill()
+        node.wait()
+        master.kill()
 
 
 def test_kv_transfer_params_is_the_manifest():
@@ -419,7 +478,7 @@ def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(master, r
             got = read(reader, meta)
             assert torch.equal(got["hidden_states"], reference(req, IDS)), req.rid
             assert got["token_ids"].tolist() == req.origin_input_ids
-            reader.delete(meta[MANIFEST]["handle"])
     finally:
         node.kill()
         node.wait()
+        master.kill()

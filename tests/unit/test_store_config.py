@@ -1,0 +1,57 @@
+"""``store.StoreConfig``'s loopback check of ``local_hostname`` and the writer's one warning."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import pytest
+
+from sglang_ext import store
+
+
+def config(master: str, local: str) -> store.StoreConfig:
+    return store.StoreConfig.from_url(f"mooncake://{master}?local_hostname={local}")
+
+
+@pytest.mark.parametrize("host, want", [
+    ("127.0.0.1", True), ("127.0.1.1", True), ("[::1]", True), ("localhost", True),
+    ("10.0.0.7", False), ("192.0.2.1", False), ("[2001:db8::1]", False),
+])
+def test_is_loopback(host, want):
+    assert store.is_loopback(host) is want
+
+
+def test_a_name_that_does_not_resolve_is_not_called_loopback():
+    assert store.is_loopback("no-such-host.invalid") is None
+
+
+@pytest.mark.parametrize("master, local", [("10.1.2.3:50051", "127.0.0.1"), ("10.1.2.3:50051", "127.0.1.1"),
+                                           ("[2001:db8::1]:50051", "localhost")])
+def test_loopback_local_hostname_with_a_remote_master_is_one_sentence_naming_the_key(master, local):
+    warning = config(master, local).loopback_warning()
+    assert warning is not None and "\n" not in warning and warning.count(". ") == 0
+    assert f"local_hostname {local} is a loopback address" in warning
+    assert "local_hostname URL key" in warning and master in warning
+
+
+@pytest.mark.parametrize("master, local", [("127.0.0.1:50051", "127.0.0.1"), ("localhost:50051", "127.0.1.1"),
+                                           ("10.1.2.3:50051", "10.0.0.7"),
+                                           ("no-such-host.invalid:50051", "127.0.0.1")])
+def test_no_warning_on_one_node_or_with_a_reachable_address(master, local):
+    assert config(master, local).loopback_warning() is None
+
+
+def test_the_writer_warns_once_at_start(caplog):
+    """``store_writer.Connection`` logs the warning once when it starts (its set-up thread
+    then tries the unreachable master in the background and is stopped)."""
+    from sglang_ext import store_writer
+
+    arena = ctypes.create_string_buffer(4096)
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.writer_process"):
+        conn = store_writer.Connection(config("192.0.2.1:50051", "127.0.0.1"), ctypes.addressof(arena), 4096)
+        conn.close()
+        quiet = store_writer.Connection(config("192.0.2.1:50051", "10.0.0.7"), ctypes.addressof(arena), 4096)
+        quiet.close()
+    said = [r.getMessage() for r in caplog.records if "loopback" in r.getMessage()]
+    assert len(said) == 1 and "local_hostname URL key" in said[0], said
