@@ -6,13 +6,12 @@
 # 1. The main venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of
 #    requirements/ci.txt, ci-nodeps.txt, store.txt, fleet.txt and the SGLang version of the
 #    newest GPU-verified series, `sglang_ext patches list --status gpu-verified`>), reused
-#    while those are
-#    unchanged. It holds the pinned test deps, SGLang's wheel installed --no-deps (plus
+#    while those are unchanged. It holds the pinned test deps, SGLang's wheel installed --no-deps (plus
 #    only what importing its server args needs: see requirements/ci.txt) and the trainer
 #    packages of requirements/ci-nodeps.txt (--no-deps), Mooncake Store's wheel
 #    (requirements/store.txt; Debian's libibverbs1 librdmacm1 libnuma1 are apt-installed
-#    when missing and running as root) and SGLang's router (requirements/fleet.txt). First run: ~6.5 GB on disk (torch
-#    and its CUDA libraries), several minutes. Every test runs here (pytest args apply).
+#    when missing and running as root) and SGLang's router (requirements/fleet.txt). First
+#    run: ~6.5 GB on disk (torch and its CUDA libraries), several minutes. Every test runs here (pytest args apply).
 # 2. The Python 3.10 venv (default ~/.cache/kimi-sglang/venv310-<hash of
 #    requirements/ci-py310.txt>, ~120 MB): the tests marked `py310` (clients and CLI, no
 #    torch) run again under Python 3.10 after a full run (no pytest args). Python 3.10 is
