@@ -85,7 +85,6 @@ from sglang_ext.client.files import file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
-from sglang_ext.client.progress import Progress
 from sglang_ext.client.runner import Options, Stats, run
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
@@ -234,6 +233,8 @@ def _main(args, held: List["Options"]) -> int:
     total = len(range(args.rank, n_rows, args.world_size))
     rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
     t0 = time.monotonic()
+    from sglang_ext.client.progress import Progress  # tqdm: checked above
+
     progress = Progress(total, args.no_progress)
     try:
         asyncio.run(run(args, opts, rows, total, stats, pending, progress))
