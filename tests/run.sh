@@ -4,14 +4,14 @@
 #   bash tests/run.sh [pytest args]
 #
 # 1. The main venv: $KIMI_SGLANG_VENV (default ~/.cache/kimi-sglang/venv-<hash of
-#    requirements/ci.txt, ci-nodeps.txt and the SGLang version of the newest GPU-verified
-#    series, `sglang_ext patches list --status gpu-verified`>), reused while those are
-#    unchanged. It holds the pinned test deps, SGLang's wheel installed --no-deps (plus
+#    requirements/ci.txt, ci-nodeps.txt, store.txt, fleet.txt and the SGLang version of the
+#    newest GPU-verified series, `sglang_ext patches list --status gpu-verified`>), reused
+#    while those are unchanged. It holds the pinned test deps, SGLang's wheel installed --no-deps (plus
 #    only what importing its server args needs: see requirements/ci.txt) and the trainer
-#    packages of requirements/ci-nodeps.txt (--no-deps), and Mooncake Store's wheel
+#    packages of requirements/ci-nodeps.txt (--no-deps), Mooncake Store's wheel
 #    (requirements/store.txt; Debian's libibverbs1 librdmacm1 libnuma1 are apt-installed
-#    when missing and running as root). First run: ~6.5 GB on disk (torch
-#    and its CUDA libraries), several minutes. Every test runs here (pytest args apply).
+#    when missing and running as root) and SGLang's router (requirements/fleet.txt). First
+#    run: ~6.5 GB on disk (torch and its CUDA libraries), several minutes. Every test runs here (pytest args apply).
 # 2. The Python 3.10 venv (default ~/.cache/kimi-sglang/venv310-<hash of
 #    requirements/ci-py310.txt>, ~120 MB): the tests marked `py310` (clients and CLI, no
 #    torch) run again under Python 3.10 after a full run (no pytest args). Python 3.10 is
@@ -30,7 +30,8 @@ series=$(KIMI_SGLANG_PATCHES="$root/patches" "$py" -m sglang_ext patches list --
 sglang_version=$("$py" -c "import sys,tomllib;print(tomllib.load(open(sys.argv[1],'rb'))['base']['version'])" "patches/$series/base.toml")
 nodeps=requirements/ci-nodeps.txt
 store=requirements/store.txt
-hash=$(printf 'sglang==%s\n' "$sglang_version" | cat "$req" "$nodeps" "$store" - | sha256sum | cut -c1-12)
+fleet=requirements/fleet.txt
+hash=$(printf 'sglang==%s\n' "$sglang_version" | cat "$req" "$nodeps" "$store" "$fleet" - | sha256sum | cut -c1-12)
 venv=${KIMI_SGLANG_VENV:-$cache/venv-$hash}
 req310=requirements/ci-py310.txt
 venv310=${KIMI_SGLANG_VENV310:-$cache/venv310-$(sha256sum <"$req310" | cut -c1-12)}
@@ -63,9 +64,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
 fi
 bash tests/venv.sh "$venv" "$py" "--upgrade pip" "-r $req" "--no-deps sglang==$sglang_version" "--no-deps -r $nodeps" \
-  "-r $store"
-# tests/integration/test_store.py fails (never skips) without Mooncake when run from here.
-export KIMI_SGLANG_NEED_MOONCAKE=1
+  "-r $store" "-r $fleet"
+# tests/integration/test_store.py fails (never skips) without Mooncake when run from here, and
+# tests/integration/test_fleet.py without SGLang's router (requirements/fleet.txt).
+export KIMI_SGLANG_NEED_MOONCAKE=1 KIMI_SGLANG_NEED_ROUTER=1
 # The project itself comes from this checkout through PYTHONPATH, not an install into the
 # shared venv (an editable install there would point every other checkout at this one).
 if [ -n "$(ls "$venv"/lib/python*/site-packages/__editable__*sglang_ext* 2>/dev/null)" ]; then

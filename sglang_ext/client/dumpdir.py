@@ -1,10 +1,12 @@
-"""The server's dump directory as this machine sees it, and taking a file out of it.
+"""The servers' dump directories as this machine sees them, and taking a file out of one.
 
-The server's answer is not trusted: extract takes only regular files directly in the run's
-dump directory whose name is the server's name for that request, by name relative to a
-descriptor of the directory, never through a symlink (``lstat``, ``O_NOFOLLOW``,
+The server's answer is not trusted: extract takes only regular files directly in one of the
+run's dump directories whose name is the server's name for that request, by name relative
+to a descriptor of the directory, never through a symlink (``lstat``, ``O_NOFOLLOW``,
 ``fstat``). ``move_into_place`` moves such a file to ``OUT/hs_<i>.safetensors`` through a
-checked temporary file (``files.Staged``).
+checked temporary file (``files.Staged``). Behind a router (docs/fleet.md) every server
+writes to a directory of a filesystem shared with the client: one for all, or one each
+(``DumpDirs``), which also tells which server wrote a sample.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import List
+from typing import List, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.checks import CheckError, NotRegularError, check_file
 from sglang_ext.client.files import Staged, kind_of
+from sglang_ext.client.http import FatalError
 from sglang_ext.client.manifest import final_name
 from sglang_ext.client.pending import server_name_ok
 
@@ -69,6 +72,68 @@ class DumpDir:
             if not stat.S_ISREG(mode):
                 raise NotRegularError(f"{os.path.join(self.path, name)}{suffix} is not a regular "
                                       f"file ({kind_of(mode)}): not waited on")
+
+
+MAX_DUMP_DIRS = 256  # adopted from answers (no --dump-dir): each holds a descriptor open
+
+
+class DumpDirs:
+    """The run's dump directories: those given (``--dump-dir``, repeatable: one per server
+    of a fleet), else each directory an answer names, adopted when this machine sees it.
+
+    ``take(rid, path)`` returns ``(DumpDir, bare name)`` for an answer: its name must be
+    the server's name for ``rid`` and its directory one of the run's (by device and inode).
+    Raises ``CheckError`` (this row's error: a bad name, or with ``--dump-dir`` a directory
+    not given) or ``FatalError`` when the directory does not exist on this machine (the
+    directory sink needs a filesystem shared with every server) or more than
+    ``MAX_DUMP_DIRS`` were named. Raises ``OSError`` from ``__init__`` for a given path
+    that is not a directory."""
+
+    def __init__(self, paths: List[str]):
+        self.fixed = bool(paths)
+        self.dirs: List[DumpDir] = []
+        try:
+            for p in paths:
+                if not any(d.path == os.path.abspath(p) for d in self.dirs):
+                    self.dirs.append(DumpDir(p))
+        except OSError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for d in self.dirs:
+            d.close()
+        self.dirs = []
+
+    def take(self, rid: str, path: str, on_new=None) -> Tuple[DumpDir, str]:
+        """See the class doc; ``on_new(path)`` is called for a directory adopted now."""
+        directory, name = os.path.split(path)
+        try:
+            st = os.stat(directory or ".")
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            raise FatalError(f"the server writes to {directory}, which does not exist on this "
+                             f"machine: the directory sink needs a filesystem shared with every "
+                             f"server, its --dump-hidden-states-dir seen here under the same "
+                             f"path (or use the store sink, --store)")
+        for d in self.dirs:
+            if (st.st_dev, st.st_ino) == d.identity:
+                return d, d.server_name_of(rid, path)
+        if self.fixed:
+            raise CheckError(f"hidden_states_path {path} is not in the dump directory "
+                             f"{', '.join(d.path for d in self.dirs)}: not taken")
+        if not server_name_ok(rid, name):  # before a directory is adopted for it
+            raise CheckError(f"hidden_states_path {path} is not the server's name for request "
+                             f"{rid} ({fmt.safe_stem(rid)}[-n]{fmt.SUFFIX}): not taken")
+        if len(self.dirs) >= MAX_DUMP_DIRS:
+            raise FatalError(f"the servers named more than {MAX_DUMP_DIRS} dump directories: "
+                             f"pass each server's --dump-hidden-states-dir with --dump-dir")
+        d = DumpDir(directory)
+        self.dirs.append(d)
+        if on_new is not None:
+            on_new(d.path)
+        return d, d.server_name_of(rid, path)
 
 
 def open_regular(name: str, dir_fd: int, shown: str) -> int:

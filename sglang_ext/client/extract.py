@@ -18,8 +18,8 @@ Guarantees:
   same filesystem, else a copy through a descriptor opened ``O_NOFOLLOW`` + unlink),
   checked there, then renamed onto the final name. Never a symlink kept as a result.
 - The server's answer is not trusted: extract moves and deletes only regular files
-  directly in the dump directory (``--dump-dir``, else the directory of the run's first
-  answer, fixed for the run; held open, files taken by name relative to it), whose name
+  directly in a dump directory (``--dump-dir``, repeatable, else each directory an answer
+  names; held open, files taken by name relative to it), whose name
   is the server's name for that request (``<safe_stem(rid)>[-n].safetensors``), never
   through a symlink (``lstat``, ``O_NOFOLLOW``, ``fstat``). An answer naming anything
   else (a path outside, a symlink, a FIFO, another name) is that row's error and the
@@ -39,6 +39,14 @@ Guarantees:
   (no ``hidden_states_path``: the server is not dumping; a dump directory this machine
   does not see; HTTP 404/405: not the server's base URL) aborts the run at once, the
   reason first on stderr.
+- Through SGLang's router (``--endpoint`` its URL; docs/fleet.md): the retries above send
+  a row whose server died or timed out (connection reset, HTTP 5xx, timeout) again under a
+  new rid, and the router gives it to a live server; a row is written and put in the
+  manifest once whichever try succeeds. With the directory sink every server's dump
+  directory must be on a filesystem this client sees under the same path; an answer
+  naming a directory that does not exist here stops the run (exit 3).
+- Progress (``sglang_ext.client.progress``): rows/s, tokens/s and per worker (its dump
+  directory, or ``store``) samples and failed tries; the same in the summary (``--summary``).
 - Leftovers: the server's files of requests this client never took (killed or
   interrupted runs, tries that timed out while the server still wrote) are journaled and
   removed from the dump directory by ``sglang_ext.client.pending`` (at start and at the end);
@@ -72,7 +80,7 @@ import time
 from typing import List
 
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
-from sglang_ext.client.dumpdir import DumpDir
+from sglang_ext.client.dumpdir import DumpDirs
 from sglang_ext.client.files import file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
@@ -90,8 +98,7 @@ def main(args) -> int:
         return _main(args, held)
     finally:
         for opts in held:
-            if opts.dump is not None:
-                opts.dump.close()
+            opts.dump.close()
             if opts.store is not None:
                 opts.store.close()
 
@@ -132,15 +139,21 @@ def _main(args, held: List["Options"]) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    dump = None
-    if args.dump_dir is not None:
-        try:
-            dump = DumpDir(args.dump_dir)
-            held.append(Options(endpoint=args.endpoint, out_dir=args.out, dump=dump))
-        except OSError:
-            print(f"error: --dump-dir {args.dump_dir} is not a directory (pass the server's "
+    for path in args.dump_dir or []:
+        if not os.path.isdir(path):
+            print(f"error: --dump-dir {path} is not a directory (pass the server's "
                   f"--dump-hidden-states-dir as this machine sees it)", file=sys.stderr)
             return EXIT_BAD_INPUT
+    try:
+        dump = DumpDirs(args.dump_dir or [])
+    except OSError as e:
+        print(f"error: --dump-dir: cannot open {e.filename} ({e.strerror or e})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    held.append(Options(endpoint=args.endpoint, out_dir=args.out, dump=dump))
+    if args.summary is not None and os.path.isdir(args.summary):
+        print(f"error: --summary {args.summary} is a directory: name the JSON file to write",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -182,8 +195,8 @@ def _main(args, held: List["Options"]) -> int:
         except FileNotFoundError:
             pass
         pending = PendingFiles(args.out, args.rank, mode)
-        if dump is not None:
-            pending.dump_dir(dump.path)
+        for d in dump.dirs:
+            pending.dump_dir(d.path)
     except OSError as e:
         print(f"error: --out {args.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -220,8 +233,11 @@ def _main(args, held: List["Options"]) -> int:
     total = len(range(args.rank, n_rows, args.world_size))
     rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
     t0 = time.monotonic()
+    from sglang_ext.client.progress import Progress  # tqdm: checked above
+
+    progress = Progress(total, args.no_progress)
     try:
-        asyncio.run(run(args, opts, rows, total, stats, pending))
+        asyncio.run(run(args, opts, rows, total, stats, pending, progress))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         _report_sweep(pending, forget_unanswered=False, when="stopped tries left")
@@ -251,7 +267,7 @@ def _main(args, held: List["Options"]) -> int:
         "extracted": stats.done, "resumed": stats.resumed, "failed": stats.failed,
         "retries": stats.retries, "tokens": stats.tokens, "gb_written": round(stats.bytes / 1e9, 3),
         "seconds": round(elapsed, 1), "tokens_per_s": round(stats.tokens / elapsed, 1) if elapsed else 0,
-        "out": os.path.abspath(args.out),
+        **progress.summary(stats), "out": os.path.abspath(args.out),
     }
     if stats.failed_indices:
         summary["failed_indices"] = sorted(stats.failed_indices)[:100]
@@ -260,9 +276,34 @@ def _main(args, held: List["Options"]) -> int:
     if stats.aborted:
         summary["aborted"] = stats.aborted
     print("extract summary: " + json.dumps(summary))
+    if args.summary is not None:
+        try:
+            write_summary(args.summary, summary, mode)
+        except OSError as e:
+            print(f"error: --summary {args.summary}: cannot write it ({e.strerror or e}); the "
+                  f"summary is the line above", file=sys.stderr)
     if stats.aborted:
         return EXIT_BAD_INPUT if stats.bad_input else EXIT_ABORTED
     return EXIT_FAILED if stats.failed else EXIT_OK
+
+
+def write_summary(path: str, summary: dict, mode: int) -> None:
+    """Write ``summary`` as JSON to ``path`` through a temporary file renamed onto it (never
+    a partial file under the name), with ``mode``. Raises ``OSError``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".extract-summary-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), mode)
+            json.dump(summary, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> List[str]:
@@ -304,11 +345,13 @@ def add_parser(subparsers) -> None:
                    help="output directory (hs_<i>.safetensors, manifest.jsonl), files created "
                         "with mode 0600 or env KIMI_SGLANG_FILE_MODE (octal, e.g. 0640), the "
                         "umask applied; results are always regular files")
-    p.add_argument("--dump-dir", default=None,
+    p.add_argument("--dump-dir", default=None, action="append",
                    help="the server's --dump-hidden-states-dir as this machine sees it: extract "
                         "moves and deletes only regular files directly in it that carry the "
                         "server's name for the request; an answer naming anything else fails "
-                        "its row (default: the directory of the first answer, fixed for the run)")
+                        "its row. Repeat it for servers behind a router that write to "
+                        "directories of their own (default: each directory an answer names, "
+                        "when this machine sees it; one that it does not see stops the run)")
     p.add_argument("--tokenizer", default=None, help="tokenizer path for rows with messages (apply_chat_template)")
     p.add_argument("--concurrency", type=int, default=32,
                    help="HTTP requests in flight; up to as many more files may be waited on "
@@ -339,4 +382,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--store-timeout", type=float, default=120.0,
                    help="with --store: seconds to wait for each answer's object (or its :error)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--summary", default=None, metavar="PATH",
+                   help="also write the final summary (rows/s, tokens/s, per-worker samples and "
+                        "failed tries) as JSON to PATH")
     p.set_defaults(func=main)

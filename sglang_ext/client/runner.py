@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 from sglang_ext import format as fmt
 from sglang_ext.client.checks import CheckError
 from sglang_ext.client.dataset import Row
-from sglang_ext.client.dumpdir import DumpDir, move_into_place
+from sglang_ext.client.dumpdir import DumpDir, DumpDirs, move_into_place
 from sglang_ext.client.files import unlink_regular
 from sglang_ext.client.http import (
     MANIFEST_KEY,
@@ -35,6 +34,9 @@ from sglang_ext.client.pending import PendingFiles
 
 if TYPE_CHECKING:
     from sglang_ext.client.fetch import StoreFetcher
+    from sglang_ext.client.progress import Progress
+
+STORE = "store"  # the worker of samples taken from a Mooncake Store (progress.STORE)
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Options:
     validate: bool = False
     rid_prefix: str = "extract"
     early_answers: bool = True
-    dump: Optional[DumpDir] = None  # --dump-dir, else the first answer's directory (set then)
+    dump: DumpDirs = field(default_factory=lambda: DumpDirs([]))  # --dump-dir (repeatable), else adopted
     file_mode: int = fmt.DEFAULT_FILE_MODE  # of every file created in out_dir (umask applied)
     store: Optional["StoreFetcher"] = None  # --store: the connected reader
     store_timeout: float = 120.0  # --store-timeout: seconds to wait for an answer's object
@@ -96,21 +98,17 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     return rid, answer
 
 
-async def wait_for_file(opts: Options, rid: str, path: str, pending: PendingFiles) -> str:
-    """Wait for the server's file ``path`` (``rid``'s); returns its bare name in
-    ``opts.dump``, complete. ``--timeout`` bounds the wait for the file's lock. Raises
-    ``RequestError`` (``FatalError``: the dump directory is not visible here) or
-    ``CheckError`` (the answer names a file that is not taken)."""
-    if opts.dump is None:  # no --dump-dir: the first answer's directory, fixed for the run
-        directory = os.path.dirname(path)
-        if not os.path.isdir(directory):
-            raise FatalError(f"the server writes to {directory}, which does not exist "
-                             f"on this machine: run extract where the server's "
-                             f"--dump-hidden-states-dir is visible under the same path")
-        opts.dump = DumpDir(directory)
-        pending.dump_dir(opts.dump.path)
-    dump = opts.dump
-    name = dump.server_name_of(rid, path)  # else this row's error: nothing is touched
+async def wait_for_file(opts: Options, rid: str, path: str, pending: PendingFiles,
+                        where: Optional[list] = None) -> Tuple[DumpDir, str]:
+    """Wait for the server's file ``path`` (``rid``'s); returns the dump directory it is in
+    (``opts.dump``'s, ``DumpDirs.take``) and its bare name there, complete. ``where`` (a
+    list) gets that directory's path appended first, for a failure's worker. ``--timeout``
+    bounds the wait for the file's lock. Raises ``RequestError`` (``FatalError``: the
+    directory is not visible here) or ``CheckError`` (the answer names a file that is not
+    taken)."""
+    dump, name = opts.dump.take(rid, path, on_new=pending.dump_dir)  # else nothing is touched
+    if where is not None:
+        where.append(dump.path)
     local = os.path.join(dump.path, name)
     pending.named(rid, local)
     dump.require_waitable(name)
@@ -126,7 +124,7 @@ async def wait_for_file(opts: Options, rid: str, path: str, pending: PendingFile
         if not fmt.lexists_at(dump.fd, name):
             pending.settled(rid)
         raise RequestError(error)
-    return name
+    return dump, name
 
 
 async def take_from_store(opts: Options, row: Row, rid: str, manifest: Any) -> Dict[str, Any]:
@@ -167,11 +165,16 @@ async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]
 
 async def extract_one(session, opts: Options, row: Row, stats: Stats,
                       http_slots: asyncio.Semaphore, pending: PendingFiles,
-                      abort: asyncio.Event) -> Optional[Dict[str, Any]]:
-    """All tries for one row; returns its manifest record, ``None`` if the run was aborted
-    meanwhile, or raises the last error (``FatalError`` / ``RowError`` at once)."""
+                      abort: asyncio.Event, progress: Optional[Progress] = None
+                      ) -> Optional[Tuple[Dict[str, Any], str]]:
+    """All tries for one row; returns its manifest record and the worker that wrote it
+    (``progress``' names), ``None`` if the run was aborted meanwhile, or raises the last
+    error (``FatalError`` / ``RowError`` at once). Each failed try is counted against its
+    worker in ``progress``: a try that fails on a server that died (connection reset, HTTP
+    5xx from a router, timeout) is sent again, through the router to a live one."""
     last: Optional[Exception] = None
     for attempt in range(opts.max_retries + 1):
+        where: List[str] = []  # the try's worker, once an answer names it
         if attempt:
             stats.retries += 1
             await asyncio.sleep(backoff_delay(attempt, opts.backoff, opts.max_backoff))
@@ -181,26 +184,29 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             if attempt == 0 and opts.store is not None and opts.store.resumable(row.index):
                 rec = await resume_from_store(opts, row)
                 if rec is not None:
-                    return rec
+                    return rec, STORE
             rid, answer = await request_once(session, opts, row, attempt, http_slots, pending)
             if answer.manifest is not None:
-                return await take_from_store(opts, row, rid, answer.manifest)
-            name = await wait_for_file(opts, rid, answer.path, pending)
+                where.append(STORE)
+                return await take_from_store(opts, row, rid, answer.manifest), STORE
+            dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
             try:
                 size = await asyncio.to_thread(
-                    move_into_place, opts.dump, name, opts.out_dir, row.index, row.input_ids,
+                    move_into_place, dump, name, opts.out_dir, row.index, row.input_ids,
                     opts.validate, opts.file_mode,
                 )
             finally:
-                if not fmt.lexists_at(opts.dump.fd, name):
+                if not fmt.lexists_at(dump.fd, name):
                     pending.settled(rid)
-            return record(row.index, len(row.input_ids), os.path.join(opts.dump.path, name), size)
+            return record(row.index, len(row.input_ids), os.path.join(dump.path, name), size), dump.path
         except FatalError:
             raise
         except RowError as e:
             raise RowError(f"row {row.index}: {e}") from None
         except (RequestError, CheckError, OSError) as e:
             last = e
+            if progress is not None:
+                progress.failed_try(where[-1] if where else None)
             if abort.is_set():
                 return None
             if attempt < opts.max_retries:  # the last try's error is reported by the caller
@@ -208,16 +214,9 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
     raise RequestError(f"row {row.index}: {opts.max_retries + 1} tries failed; last: {last}")
 
 
-def _progress(total: int, disable: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="sample", dynamic_ncols=True, disable=disable,
-                file=sys.stderr, smoothing=0.1)
-
-
 async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats,
-              pending: PendingFiles) -> None:
-    """Extract ``rows`` (``total`` of them, for the progress bar; ``args.no_progress``):
+              pending: PendingFiles, progress: Progress) -> None:
+    """Extract ``rows`` (``total`` of them, for ``progress``, the view and per-worker counts):
     ``2 * concurrency`` workers with early answers (one waits for its file while another's
     prompt prefills), else ``concurrency``; counts go to ``stats``. Returns when every row
     is done or failed, or after an abort (``stats.aborted``). Raises what ``rows`` raises
@@ -229,15 +228,9 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     abort = asyncio.Event()
     consecutive = 0
     manifest = Manifest(opts.out_dir, opts.file_mode)
-    start = time.monotonic()
-    bar = _progress(total, args.no_progress)
 
     def tick():
-        elapsed = max(time.monotonic() - start, 1e-9)
-        bar.set_postfix_str(
-            f"{stats.tokens / elapsed:,.0f} tok/s, {stats.bytes / 1e9:.2f} GB, "
-            f"{stats.failed} failed", refresh=False)
-        bar.update(1)
+        progress.tick(stats)
 
     async def worker(session):
         nonlocal consecutive
@@ -262,7 +255,8 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                     tick()
                     continue
                 try:
-                    rec = await extract_one(session, opts, row, stats, http_slots, pending, abort)
+                    got = await extract_one(session, opts, row, stats, http_slots, pending, abort,
+                                            progress)
                 except FatalError as e:
                     if not abort.is_set():
                         stats.bad_input = isinstance(e, UsageError)
@@ -283,8 +277,10 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                         print(f"error: {stats.aborted}", file=sys.stderr)
                         abort.set()
                 else:
-                    if rec is None:  # aborted while it was being tried
+                    if got is None:  # aborted while it was being tried
                         continue
+                    rec, worker = got
+                    progress.sample(worker, rec["num_tokens"])
                     consecutive = 0
                     manifest.add(rec)
                     if opts.store is not None:  # in OUT and in the manifest: remove the object(s)
@@ -318,4 +314,4 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             await asyncio.gather(*workers, return_exceptions=True)
             raise
         finally:
-            bar.close()
+            progress.close()

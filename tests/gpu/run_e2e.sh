@@ -14,7 +14,10 @@
 # Later arguments win: `run -m multi_gpu` runs the TP group (2 GPUs), `run --models llama`
 # one model, `run -k faults` one group. A server starts per model and module (64-150 s
 # each on the H200), so within the 10-minute call limit run one model per call:
-# `run --models llama`, then `run --models deepseek`, then `run --models kimi`. Commit $OUT/e2e-results.json as
+# `run --models llama`, then `run --models deepseek`, then `run --models kimi`. The fleet
+# group (three servers behind SGLang's router) needs .whl/r installed first, in a call of
+# its own carrying .whl/r (30 MiB): `bash -c 'source tests/gpu/stage.sh; install_router'`;
+# then `run --models llama -k fleet` (carry .whl/c, .whl/d) on the same warm host. Commit $OUT/e2e-results.json as
 # tests/gpu/results-<date>-<gpu>-<group or model>.json, replacing the older file of that kind.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stage what the GPU runs need beyond ../shared/gpu-lab's a, b, c, for the device image
 # (Python 3.12, CUDA 13; it already has pandas, pyarrow, fsspec, xxhash, typer, tqdm).
-# Usage: bash tests/gpu/stage-extras.sh [.whl] [d|m|all]   (default: all)
+# Usage: bash tests/gpu/stage-extras.sh [.whl] [d|m|r|all]   (default: all)
 #
 # .whl/d (about 8 MiB; carry it with .whl/c, or alone with the stack, in the `run` call):
 # pytest for tests/gpu, speculators' own generator and reader for its clients group
@@ -14,6 +14,12 @@
 # shared libraries of the Debian packages its binaries need (readelf -d: libibverbs.so.1,
 # libmlx5.so.1, libnuma.so.1, libcurl.so.4, libgssapi_krb5.so.2) and what those need, from
 # this machine's Debian; install_store copies only what the image lacks (store_libs.py).
+#
+# .whl/r (about 30 MiB: a call of its own, `bash -c 'source tests/gpu/stage.sh; install_router'`
+# carrying .whl/r, before the `run` call on the same warm host): SGLang's router,
+# sglang-router 0.3.2 (cp38-abi3, manylinux_2_17), for tests/gpu/test_gpu_fleet.py (issue 38).
+# Installed --no-deps: what `python -m sglang_router.launch_router` imports beyond it
+# (fastapi, uvicorn, setproctitle, orjson, aiohttp) are SGLang's own dependencies.
 set -euo pipefail
 root=${1:-.whl}
 what=${2:-all}
@@ -59,9 +65,18 @@ stage_m() {
   fi
 }
 
+stage_r() {
+  mkdir -p "$root/r"
+  rm -f "$root/r"/*.whl
+  python3 -m pip download -q --no-deps --dest "$root/r" --python-version 3.12 --only-binary=:all: \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 sglang-router==0.3.2
+  ls -la "$root/r"
+}
+
 case "$what" in
   d) stage_d ;;
   m) stage_m ;;
-  all) stage_d; stage_m ;;
-  *) echo "usage: $0 [.whl] [d|m|all]" >&2; exit 2 ;;
+  r) stage_r ;;
+  all) stage_d; stage_m; stage_r ;;
+  *) echo "usage: $0 [.whl] [d|m|r|all]" >&2; exit 2 ;;
 esac

@@ -27,6 +27,15 @@ install_store() {  # .whl/m (stage-extras.sh) into /tmp/site-m once per machine
   touch "$dest/.kimi-installed"
 }
 
+install_router() {  # .whl/r (stage-extras.sh): sglang-router into /tmp/site-r once per machine
+  local src=${1:-.whl/r} dest=${2:-/tmp/site-r}
+  if [ -f "$dest/.kimi-installed" ]; then echo "${dest##*/} already installed"; return; fi
+  [ -d "$src" ] || { echo "install_router: no $src (bash tests/gpu/stage-extras.sh .whl r, carry $src)" >&2; return 1; }
+  rm -rf "$dest"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$dest" "$src"/*.whl || return 1
+  touch "$dest/.kimi-installed"
+}
+
 store_env() {  # an installed /tmp/site-m: last on PYTHONPATH, its lib first on LD_LIBRARY_PATH
   local dest=${1:-/tmp/site-m}
   [ -f "$dest/.kimi-installed" ] || return 0
@@ -67,6 +76,9 @@ prepare_run() {  # last folder, environment, series; then print the GPU
   # m (optional, its own call or carried here): mooncake for test_gpu_store.py
   if [ -d .whl/m ]; then install_store; fi
   store_env
+  # r (optional, carried with the run): SGLang's router for test_gpu_fleet.py, last on PYTHONPATH
+  if [ -d .whl/r ]; then install_router; fi
+  if [ -f /tmp/site-r/.kimi-installed ]; then export PYTHONPATH="$PYTHONPATH:/tmp/site-r"; fi
   export PATH="$PATH:/tmp/site-d/bin"
   export PYTHONUNBUFFERED=1
   # Without KIMI_SGLANG_SERIES, `apply` takes the series made for the staged release
