@@ -181,6 +181,8 @@ class Writer(Sink):
                 f"rows {row0}..{row0 + nrows} arrived after {job.rows} of {job.num_tokens}")
         if (scale_off is None) != (job.scale_row_bytes == 0):
             raise fmt.DumpFormatError("fp8 rows came without their scales (or scales without fp8)")
+        if row0 == 0 and trace.enabled():
+            job.times["t_rows"] = trace.now()
         n = nrows * job.row_bytes
         fmt.pwrite_all(job.fd, self.view[off:off + n], job.base + row0 * job.row_bytes)
         if scale_off is not None:
