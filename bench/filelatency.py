@@ -15,8 +15,11 @@ median and max of each stage over the reps, in ms:
   the copy's arrival ``arena.wait_seq``, the hand-off, the temporary file and its header);
 - ``write``: the rows' ``pwrite``; ``close``: to the temporary file closed;
 - ``rename``: ``format.publish``; ``release``: the index line and the lock's release;
-- ``wake``: the lock released to the waiter returning; ``total``: ``FINISH`` queued to
-  the waiter returning (what a waiting response adds to the request at concurrency 1).
+- ``seen``: renamed to the waiter returning (the index line, the lock's release and the
+  waiter's wake-up; ``t_released`` is taken after the acknowledgement, so a waiter woken
+  by the release itself may return before it);
+- ``total``: ``FINISH`` queued to the waiter returning (what a waiting response adds to
+  the request at concurrency 1).
 
 Default request: llama-8b's shape, 2048 tokens x 4 layer slots x 4096 hidden, bf16
 (64 MiB), into ``/dev/shm``. Output: one JSON line per rep (``--json``) and the table.
@@ -48,7 +51,7 @@ import time
 STAGES = (("submit", "t_start", "t_submit"), ("queue", "t_submit", "t_rows"),
           ("write", "t_rows", "t_picked"), ("close", "t_picked", "t_copied"),
           ("rename", "t_copied", "t_written"), ("release", "t_written", "t_released"),
-          ("wake", "t_released", "t_done"), ("total", "t_submit", "t_done"))
+          ("seen", "t_written", "t_done"), ("total", "t_submit", "t_done"))
 
 
 def _events(path):
@@ -105,8 +108,8 @@ def measure(args):
             name = f"lat-{rep}"
             name = next(n for n in files if n.startswith(fmt.safe_stem(name)))
             e = dict(files[name], t_done=done[name])
-            reps.append({stage: (e[b] - e[a]) * 1e3 for stage, a, b in STAGES
-                         if a in e and b in e})
+            reps.append(dict({stage: (e[b] - e[a]) * 1e3 for stage, a, b in STAGES
+                              if a in e and b in e}, spare=e.get("spare")))
     finally:
         writer.close()
         os.close(fd)
