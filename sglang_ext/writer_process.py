@@ -7,7 +7,8 @@ its own, so nothing it does (system calls, per-file Python) slows the scheduler 
 
 Per request (all names relative to the dump directory's descriptor):
 
-1. ``Begin``: create its temporary file (``format.tmp_name``) exclusively, write the
+1. ``Begin``: create its temporary file (``format.tmp_name``) exclusively (or name a
+   spare whose pages are allocated already, ``Spares``), write the
    safetensors header (``format.file_layout``: shapes and metadata are known from the
    first chunk) and the token ids.
 2. ``Rows``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
