@@ -11,7 +11,9 @@ Events (``"event"`` key):
   ``reqs`` (requests given rows), ``t0``, ``t1``.
 - ``file``: one file, recorded by the writer process: ``name``, ``bytes``, ``rows``, and
   from the scheduler ``t_start`` (the request's first rows seen) and ``t_submit`` (last
-  rows sent, ``FINISH`` queued); from the writer process ``t_picked`` (a writer thread took
+  rows sent, ``FINISH`` queued); from the writer process ``t_rows`` (its first rows'
+  write starts), ``spare`` (its temporary file was a spare made ahead,
+  ``writer_process.Spares``), ``t_picked`` (a writer thread took
   the ``FINISH``), ``t_copied`` (every row already in the temporary file; rows are written
   chunk by chunk as they arrive), ``t_written`` (renamed to its final name),
   ``t_released`` (index line written, lock released).

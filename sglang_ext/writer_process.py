@@ -7,7 +7,8 @@ its own, so nothing it does (system calls, per-file Python) slows the scheduler 
 
 Per request (all names relative to the dump directory's descriptor):
 
-1. ``Begin``: create its temporary file (``format.tmp_name``) exclusively, write the
+1. ``Begin``: create its temporary file (``format.tmp_name``) exclusively (or name a
+   spare whose pages are allocated already, ``Spares``), write the
    safetensors header (``format.file_layout``: shapes and metadata are known from the
    first chunk) and the token ids.
 2. ``Rows``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
@@ -41,6 +42,7 @@ the scheduler, which closes us); SIGTERM starts the same drain.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -89,6 +91,7 @@ class _Job:
     size: int = 0
     rows: int = 0
     error: Optional[str] = None
+    spare: bool = False  # its temporary file was a spare (Spares)
     times: Dict[str, float] = field(default_factory=dict)
 
 
@@ -97,9 +100,10 @@ class Writer(Sink):
     thread per request; acknowledgements go to ``acks`` (``wire`` events)."""
 
     def __init__(self, dir_fd: int, mm, *, tag: str, layer_ids, num_layers: int, extra: dict,
-                 acks: Deque[wire.Ack], wake, metrics=None):
+                 acks: Deque[wire.Ack], wake, metrics=None, spares: Optional["Spares"] = None):
         super().__init__(acks, wake, metrics)
         self.dir_fd = dir_fd
+        self.spares = spares  # files made ahead (shared by the process's writer threads)
         self.mm = mm
         self.view = memoryview(mm)
         self.tag = tag
@@ -169,11 +173,26 @@ class Writer(Sink):
         job.scale_base = layout.offsets.get(fmt.KEY_SCALES, 0)
         job.size = layout.size
         tmp = fmt.tmp_name(self.tag, key)
-        job.fd = fmt.create_tmp(self.dir_fd, tmp)
+        job.fd, job.spare = self._create(tmp, layout.size)
         job.tmp = tmp  # only once it is ours: _discard unlinks nothing else
         fmt.pwrite_all(job.fd, layout.header, 0)
         ids = specs[-1].nbytes
         fmt.pwrite_all(job.fd, self.view[token_off:token_off + ids], layout.offsets[fmt.KEY_TOKEN_IDS])
+
+    def _create(self, tmp: str, size: int) -> tuple:
+        """The temporary file ``tmp`` of a ``size``-byte file: a spare (``Spares``: its
+        pages allocated already, so the rows' write only copies) given that name, else a
+        new one (``format.create_tmp``). Returns ``(descriptor, whether a spare)``."""
+        fd = self.spares.take() if self.spares is not None else None
+        if fd is not None:
+            try:
+                os.ftruncate(fd, size)
+                os.link(f"/proc/self/fd/{fd}", tmp, dst_dir_fd=self.dir_fd)
+                return fd, True
+            except OSError as e:  # a name planted at tmp, /proc missing: a new file instead
+                logger.warning("hidden-state dump: a spare file could not be named (%s)", e)
+                os.close(fd)
+        return fmt.create_tmp(self.dir_fd, tmp), False
 
     def _rows(self, job: _Job, row0: int, nrows: int, off: int, scale_off: Optional[int]) -> None:
         if row0 != job.rows or row0 + nrows > job.num_tokens:
@@ -181,6 +200,8 @@ class Writer(Sink):
                 f"rows {row0}..{row0 + nrows} arrived after {job.rows} of {job.num_tokens}")
         if (scale_off is None) != (job.scale_row_bytes == 0):
             raise fmt.DumpFormatError("fp8 rows came without their scales (or scales without fp8)")
+        if row0 == 0 and trace.enabled():
+            job.times["t_rows"] = trace.now()
         n = nrows * job.row_bytes
         fmt.pwrite_all(job.fd, self.view[off:off + n], job.base + row0 * job.row_bytes)
         if scale_off is not None:
@@ -222,8 +243,10 @@ class Writer(Sink):
         if self.metrics is not None:
             self.metrics.written(job.size)
         self._ack(wire.Wrote(key, res.name, job.size))
+        if self.spares is not None:
+            self.spares.want(job.size)  # after the ack: the next one is made off this path
         if trace.enabled():
-            trace.record("file", name=res.name, bytes=job.size, rows=job.num_tokens,
+            trace.record("file", name=res.name, bytes=job.size, rows=job.num_tokens, spare=job.spare,
                          **dict(job.times, **(times or {})), t_picked=t_picked, t_copied=t_copied,
                          t_written=t_written, t_released=trace.now())
 
@@ -271,6 +294,113 @@ class Writer(Sink):
             if self.metrics is not None:
                 self.metrics.failed()
             self._ack(wire.Failed(op.key, op.name, message))
+
+
+# Spare files: sizes worth making ahead, and how much of the directory's free space they
+# may take. A file smaller than SPARE_MIN_BYTES gains little (its pages are few); a spare
+# is made only while its filesystem has SPARE_FREE_FACTOR times its size free, so spares
+# never push a real file into ENOSPC on a nearly full /dev/shm.
+SPARE_MIN_BYTES = 4 << 20
+SPARE_MAX_BYTES = 1 << 30
+SPARE_FREE_FACTOR = 8
+
+
+class Spares:
+    """Temporary files made ahead, so a file's rows are copied into pages that exist.
+
+    On tmpfs (``/dev/shm``) about half of a fresh file's ``pwrite`` is allocating and
+    zeroing its pages (bench/filelatency.py: 64 MiB in ~44 ms fresh, ~24 ms into
+    allocated pages, on the development box); the kernel serializes writes to one file
+    (the inode's lock), so more threads on one file do not help, but the allocation can
+    happen before the rows arrive. One thread of its own keeps up to ``count`` unnamed
+    files (``O_TMPFILE`` in the dump directory) of the size of the last file written
+    (``want``) allocated (``posix_fallocate``); a writer thread ``take``s one at a
+    request's ``Begin`` and names it with its temporary name (``Writer._create``).
+
+    Unnamed, a spare is never seen in the directory and vanishes with the process, even
+    a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate`` turns spares
+    off for the process; any other failure (no space) skips one round."""
+
+    def __init__(self, dir_fd: int, count: int = 1):
+        self.dir_fd = dir_fd
+        self.count = count
+        self.size = 0  # what to make: the last file's size (0: nothing)
+        self.made = 0  # spares made (tests, the log)
+        self.ready: List[int] = []  # descriptors, each of a file of self.size bytes
+        self.enabled = True
+        self.closed = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="hs-writer-spares", daemon=True)
+        self.thread.start()
+
+    def want(self, size: int) -> None:
+        """Files of ``size`` bytes are being written: keep spares of that size."""
+        size = size if SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES else 0
+        with self.cond:
+            if size != self.size:
+                self.size = size
+                stale, self.ready = self.ready, []
+                for fd in stale:
+                    os.close(fd)
+            self.cond.notify()
+
+    def take(self) -> Optional[int]:
+        """A spare's descriptor (``O_WRONLY``, ``self.size`` bytes allocated), or None."""
+        with self.cond:  # no refill now: it would compete with this file's write (want)
+            return self.ready.pop() if self.ready else None
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            for fd in self.ready:
+                os.close(fd)
+            self.ready = []
+            self.cond.notify()
+
+    def _wanted(self) -> int:
+        return self.size if self.size and len(self.ready) < self.count else 0
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and self.enabled and not self._wanted():
+                    self.cond.wait()
+                if self.closed or not self.enabled:
+                    return
+                size = self._wanted()
+            fd = self._make(size)
+            if fd is None:
+                with self.cond:  # retry at the next file written (want), not in a loop
+                    self.cond.wait()
+                continue
+            with self.cond:
+                if self.closed or size != self.size:
+                    os.close(fd)
+                else:
+                    self.ready.append(fd)
+                    self.made += 1
+
+    def _make(self, size: int) -> Optional[int]:
+        """One unnamed file of ``size`` allocated bytes, or None."""
+        try:
+            st = os.fstatvfs(self.dir_fd)
+            if st.f_bavail * st.f_frsize < SPARE_FREE_FACTOR * size:
+                return None
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, fmt.file_mode(),
+                         dir_fd=self.dir_fd)
+        except (OSError, ValueError, AttributeError) as e:  # AttributeError: no O_TMPFILE
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                return None
+            self.enabled = False
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return fd
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                self.enabled = False
+            return None
 
 
 class _Thread:
@@ -378,9 +508,11 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
             return StoreWriter(connection, mm, base, layer_ids=layer_ids, acks=acks, wake=wake_w,
                                metrics=metrics)
     else:
+        spares = Spares(dir_fd)
+
         def sink():
             return Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
-                          extra=extra, acks=acks, wake=wake_w, metrics=metrics)
+                          extra=extra, acks=acks, wake=wake_w, metrics=metrics, spares=spares)
     workers = [_Thread(i, sink(), progress) for i in range(max(1, threads))]
     levels = _Levels(metrics, stats_interval_s, len(layer_ids))
     stop = {"timeout": None}
@@ -450,6 +582,8 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
         late = sum(w.thread.is_alive() for w in workers)
     out.send(block=True)
     levels.publish()
+    if connection is None:
+        spares.close()
     return late
 
 

@@ -4,10 +4,14 @@ References are independent of the code under test: tensors built by hand, names 
 against the rules in format.py's docstring, files read back with safetensors directly.
 """
 
+import asyncio
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -245,3 +249,93 @@ def test_load_refuses_bad_layer_ids_metadata(tmp_path, layer_ids):
     save_file({"hidden_states": hs, "token_ids": ids}, str(path), metadata={"layer_ids": layer_ids})
     with pytest.raises(fmt.DumpFormatError, match="layer_ids"):
         fmt.load(str(path))
+
+
+def _slow_polling(monkeypatch):
+    """Polls 2 s apart: a waiter that returns sooner was woken by the release itself."""
+    monkeypatch.setattr(fmt, "POLL_FIRST_S", 2.0)
+    monkeypatch.setattr(fmt, "POLL_MAX_S", 2.0)
+
+
+@pytest.mark.parametrize("outcome", ["complete", "fail"])
+def test_wait_complete_is_woken_by_the_release_not_the_next_poll(dump_dir, monkeypatch, outcome):
+    """With polls 2 s apart the waiter still returns right after ``complete`` / ``fail``
+    (inotify on the lock: its unlink), with the file's outcome. The bound (1 s) is half a
+    poll, far above a wake-up's cost even on a loaded box."""
+    _slow_polling(monkeypatch)
+    d, fd = dump_dir
+    res = fmt.reserve(fd, f"woken-{outcome}")
+    path = str(d / res.name)
+    result = {}
+
+    def waiter():
+        result["err"] = fmt.wait_complete(path, timeout=30)
+        result["t"] = time.monotonic()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.3)  # the waiter is in its first 2 s wait
+    assert t.is_alive()
+    if outcome == "complete":
+        write_dump(res, *_tensors(), {"rid": "woken"})
+        released = time.monotonic()
+        fmt.complete(res)
+    else:
+        released = time.monotonic()
+        fmt.fail(res, "disk on fire")
+    t.join(5)
+    assert result["err"] == (None if outcome == "complete" else "disk on fire")
+    assert result["t"] - released < 1.0, f"woken {result['t'] - released:.3f} s after the release"
+
+
+def test_wait_complete_async_is_woken_by_the_release(dump_dir, monkeypatch):
+    """The asyncio waiter (the tokenizer manager's) is woken through the loop as well."""
+    _slow_polling(monkeypatch)
+    d, fd = dump_dir
+    res = fmt.reserve(fd, "woken-async")
+    path = str(d / res.name)
+
+    async def scenario():
+        task = asyncio.ensure_future(fmt.wait_complete_async(path, timeout=30))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        write_dump(res, *_tensors(), {"rid": "woken-async"})
+        released = time.monotonic()
+        fmt.complete(res)
+        err = await asyncio.wait_for(task, 5)
+        return err, time.monotonic() - released
+
+    err, after = asyncio.run(scenario())
+    assert err is None and after < 1.0, after
+
+
+def test_a_writer_that_dies_holding_the_lock_wakes_the_waiter(dump_dir, monkeypatch, tmp_path):
+    """A process holding the lock is SIGKILLed (the kernel drops its flock, nothing is
+    unlinked): the waiter wakes at once (the close of the lock's descriptor), sees no
+    outcome and keeps the dead-writer settle time (``SETTLE_S``) before "missing"."""
+    _slow_polling(monkeypatch)
+    monkeypatch.setattr(fmt, "SETTLE_S", 0.5)
+    d, fd = dump_dir
+    res = fmt.reserve(fd, "dies")
+    path = str(d / res.name)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              pass_fds=(res.lock_fd,))
+    os.close(res.lock_fd)  # only the holder has it now
+    calls = []
+    real = fmt._settled
+
+    def counted(*a):
+        calls.append(time.monotonic())
+        return real(*a)
+
+    monkeypatch.setattr(fmt, "_settled", counted)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("err", fmt.wait_complete(path, timeout=30)))
+    t.start()
+    time.sleep(0.3)
+    assert len(calls) == 1, "a waiter must not wake itself (its own open of the lock)"
+    holder.kill()
+    holder.wait()
+    t.join(10)
+    assert "missing" in result["err"]
+    assert len(calls) >= 2 and calls[1] - calls[0] < 1.5  # woken by the death, not a 2 s poll

@@ -1,0 +1,145 @@
+"""Spare files (writer_process.Spares): a file of pages allocated ahead becomes the next
+request's temporary file. Real writer processes and files in /dev/shm (tmpfs, where the
+allocation is what spares save); every file is checked against tensors built here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from sglang_ext import format as fmt
+from sglang_ext.writer import DumpWriter
+from sglang_ext.writer_process import SPARE_MIN_BYTES, Spares
+
+SHM = "/dev/shm"
+SLOTS, HIDDEN = 4, 1024  # 8 KiB a token: SPARE_MIN_BYTES (4 MiB) from 512 tokens
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    if not os.path.isdir(SHM) or shutil.disk_usage(SHM).free < 1 << 30:
+        pytest.skip("needs /dev/shm with 1 GiB free")
+    d = os.path.join(SHM, f"kimi-spares-{os.getpid()}-{tmp_path.name}")
+    os.makedirs(d)
+    fd = fmt.open_dump_dir(d)
+    yield d, fd
+    os.close(fd)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _rows(tokens, seed):
+    """[T, L*H] bf16 with a value per (seed, token, element) exact in bf16."""
+    t = torch.arange(tokens, dtype=torch.float32)[:, None]
+    e = torch.arange(SLOTS * HIDDEN, dtype=torch.float32)[None, :]
+    return ((seed * 7 + t * 3 + e) % 251).to(torch.bfloat16)
+
+
+def _write(writer, fd, rid, rows, chunk=None):
+    p = writer.start(rid, list(range(100, 100 + rows.shape[0])), rows.shape[1], torch.bfloat16)
+    step = chunk or rows.shape[0]
+    for c0 in range(0, rows.shape[0], step):
+        writer.copy_rows(rows[c0:c0 + step], [(p, 0, min(step, rows.shape[0] - c0))], ready=True)
+        writer.flush()
+    res = fmt.reserve(fd, rid)
+    writer.finish(p, res)
+    writer.flush()
+    return res.name
+
+
+def _spare_flags(trace_path):
+    with open(trace_path) as f:
+        events = [json.loads(line) for line in f]
+    return {e["name"]: e["spare"] for e in events if e["event"] == "file"}
+
+
+def test_files_written_into_spares_equal_their_rows(shm_dir, tmp_path, monkeypatch):
+    """Four requests one after the other (8, 8, 5 and 6 MiB; the third a spare made
+    larger, the fourth one made smaller, the last in chunks): every file loads equal to its
+    rows and token ids, has its layout's size, is indexed, and no temporary file stays;
+    the later ones were written into spares."""
+    d, fd = shm_dir
+    trace_path = str(tmp_path / "trace.jsonl")
+    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
+    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=2, layer_ids=[1, 2, 3, 4], num_layers=4,
+                        stats_interval_s=0, register_atexit=False)
+    try:
+        sizes = [1024, 1024, 640, 768]
+        names = []
+        for i, tokens in enumerate(sizes):
+            names.append(_write(writer, fd, f"r{i}", _rows(tokens, i), chunk=300 if i == 3 else None))
+            assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
+            assert writer.wait_idle(30)
+            time.sleep(0.3)  # the next spare is made meanwhile (the next forward)
+    finally:
+        assert writer.close()
+    for i, (tokens, name) in enumerate(zip(sizes, names)):
+        rec = fmt.load(os.path.join(d, name))
+        want = _rows(tokens, i).view(tokens, SLOTS, HIDDEN)
+        assert torch.equal(rec.hidden_states, want), f"file {i} differs from its rows"
+        assert rec.token_ids.tolist() == list(range(100, 100 + tokens))
+    assert [r["file"] for r in fmt.read_index(d)] == names
+    assert sorted(os.listdir(d)) == sorted(names + [fmt.INDEX_NAME])
+    flags = _spare_flags(trace_path)
+    assert flags[names[0]] is False and all(flags[n] for n in names[1:]), flags
+
+
+def test_a_request_that_fails_in_a_spare_leaves_its_error_and_no_file(shm_dir):
+    """The spare taken by a request whose rows never all arrive: ``.error`` under the
+    name, nothing else (no partial file, no temporary)."""
+    d, fd = shm_dir
+    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=1, layer_ids=[1, 2, 3, 4], num_layers=4,
+                        stats_interval_s=0, register_atexit=False)
+    try:
+        ok = _write(writer, fd, "ok", _rows(1024, 0))
+        assert fmt.wait_complete(os.path.join(d, ok), timeout=30) is None
+        time.sleep(0.3)
+        p = writer.start("short", list(range(1024)), SLOTS * HIDDEN, torch.bfloat16)
+        writer.copy_rows(_rows(1024, 1)[:512], [(p, 0, 512)], ready=True)
+        res = fmt.reserve(fd, "short")
+        writer.finish(p, res)
+        writer.flush()
+        err = fmt.wait_complete(os.path.join(d, res.name), timeout=30)
+        assert "512 of 1024 rows" in err
+    finally:
+        assert writer.close()
+    assert sorted(os.listdir(d)) == sorted([ok, res.name + fmt.ERROR_SUFFIX, fmt.INDEX_NAME])
+
+
+def test_spares_are_unnamed_sized_and_given_back(shm_dir):
+    """Directly: ``want`` makes one spare of that size, never visible in the directory;
+    sizes below SPARE_MIN_BYTES make none; ``close`` gives them back."""
+    d, fd = shm_dir
+    spares = Spares(fd)
+    try:
+        spares.want(1 << 20)
+        time.sleep(0.2)
+        assert spares.take() is None and spares.made == 0
+        spares.want(SPARE_MIN_BYTES * 2)
+        deadline = time.monotonic() + 10
+        while not spares.ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert spares.made == 1 and os.listdir(d) == []
+        got = spares.take()
+        st = os.fstat(got)
+        assert st.st_size == SPARE_MIN_BYTES * 2 and st.st_blocks * 512 >= SPARE_MIN_BYTES * 2
+        assert st.st_mode & 0o777 == fmt.file_mode() & ~_umask()
+        os.close(got)
+        time.sleep(0.2)
+        assert spares.take() is None, "a take must not start a refill (only a written file)"
+        spares.want(SPARE_MIN_BYTES * 2)
+        while not spares.ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        spares.close()
+    assert spares.ready == [] and os.listdir(d) == []
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
