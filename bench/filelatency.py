@@ -90,7 +90,8 @@ def measure(args):
     writer = DumpWriter(fd, arena_bytes=max(2 * file_bytes, 64 << 20), threads=args.threads,
                         device=dev, layer_ids=list(range(args.slots)), num_layers=args.slots,
                         stats_interval_s=0, register_atexit=False,
-                        hidden_states_dtype="fp8" if args.dtype == "fp8" else "auto")
+                        hidden_states_dtype="fp8" if args.dtype == "fp8" else "auto",
+                        spares=args.spares)
     rows = torch.randn((args.tokens, width), dtype=torch.float32,
                        device=dev or "cpu").to(torch.bfloat16)
     ids = list(range(args.tokens))
@@ -137,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rows on the GPU)")
     ap.add_argument("--threads", type=int, default=8, help="writer threads")
+    ap.add_argument("--spares", type=int, default=1,
+                    help="files kept allocated ahead (KIMI_SGLANG_WRITER_SPARES; 0: none, as the server's default)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--gap-ms", type=float, default=60.0,

@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Tuple
 
 DEFAULT_MAX_HOST_MB = 4096
 DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
+MAX_WRITER_SPARES = 8  # spare files made ahead (writer_process.Spares), each one file's size
 MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only costs memory
 MAX_CPUS = 1 << 16  # CPU numbers parse_cpu_list accepts when not checked against this host
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
@@ -305,6 +306,9 @@ def env_settings(this_host: bool = True) -> dict:
     (``KIMI_SGLANG_FILE_MODE``, permission bits of the files the dump creates, the umask
     still applies; ``env_file_mode``) and ``writer_cpus`` (``KIMI_SGLANG_WRITER_CPUS``,
     the CPUs the writer process runs on, a ``taskset -c`` list; None: the scheduler's;
+    ``writer_spares`` (``KIMI_SGLANG_WRITER_SPARES``, files of the last file's size the
+    writer keeps allocated ahead, 0 to ``MAX_WRITER_SPARES``, default 0: off until the
+    benchmark shows what they cost beside the server at concurrency, docs/performance.md);
     ``this_host``: checked against this host's CPUs, which a plan made for another host
     skips). Seconds are at most ``MAX_SECONDS``. Raises ``DumpConfigError``, one sentence
     naming the variable."""
@@ -312,8 +316,13 @@ def env_settings(this_host: bool = True) -> dict:
     if threads != int(threads) or threads > MAX_WRITER_THREADS:
         raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number of threads "
                               f"from 1 to {MAX_WRITER_THREADS}, got {threads:g}")
+    spares = env_number("KIMI_SGLANG_WRITER_SPARES", 0, "files", 0)
+    if spares != int(spares) or spares > MAX_WRITER_SPARES:
+        raise DumpConfigError(f"KIMI_SGLANG_WRITER_SPARES must be a whole number of files "
+                              f"from 0 to {MAX_WRITER_SPARES}, got {spares:g}")
     cpus = os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip()
     return {
+        "writer_spares": int(spares),
         "writer_cpus": parse_cpu_list(cpus, "KIMI_SGLANG_WRITER_CPUS", this_host) if cpus else None,
         "writer_threads": int(threads),
         "drain_timeout_s": env_number("KIMI_SGLANG_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
@@ -358,6 +367,7 @@ class DumpConfig:
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     hidden_states_dtype: str = "auto"
     writer_cpus: Optional[Tuple[int, ...]] = None
+    writer_spares: int = 0
     watchdog_s: float = DEFAULT_WATCHDOG_S
     file_mode: int = DEFAULT_FILE_MODE
     store: Optional["StoreConfig"] = None  # noqa: F821 - sglang_ext.store.StoreConfig

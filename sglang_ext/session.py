@@ -294,6 +294,7 @@ class DumpSession:
             stats_interval_s=config.stats_interval_s,
             hidden_states_dtype=config.hidden_states_dtype,
             cpus=config.writer_cpus,
+            spares=config.writer_spares,
             watchdog_s=config.watchdog_s,
             store_url=config.directory if config.store is not None else None,
         )

@@ -119,7 +119,9 @@ class DumpWriter:
     ``store_url``: a ``mooncake://`` address (``store.StoreConfig.from_url``) selects the
     store sink: the writer process puts each request as one object into Mooncake Store
     (``store_writer``) and ``dir_fd`` is ``None``; a request is then named by its handle
-    (``reserve_handle``) instead of a reserved file.
+    (``reserve_handle``) instead of a reserved file; ``spares``: files of the last
+    file's size the writer process keeps allocated ahead (``writer_process.Spares``,
+    ``KIMI_SGLANG_WRITER_SPARES``; file sink only; 0: none).
 
     Raises ``OSError`` when the arena cannot be made and ``RuntimeError`` when the writer
     process does not start (also when it may not run on ``cpus``).
@@ -143,6 +145,7 @@ class DumpWriter:
         cpus: Optional[Sequence[int]] = None,
         watchdog_s: Optional[float] = DEFAULT_WATCHDOG_S,
         store_url: Optional[str] = None,
+        spares: int = 0,
     ):
         if hidden_states_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"hidden_states_dtype must be auto, bf16 or fp8, got {hidden_states_dtype!r}")
@@ -151,6 +154,7 @@ class DumpWriter:
         self.dir_fd = dir_fd
         self.store_url = store_url
         self.threads = int(threads)
+        self.spares = int(spares)
         self.cpus = tuple(int(c) for c in cpus) if cpus else None
         if self.cpus and not all(0 <= c < config.MAX_CPUS for c in self.cpus):
             raise ValueError(f"cpus must be CPU numbers from 0 to {config.MAX_CPUS - 1}, got {list(self.cpus)}")
@@ -229,7 +233,7 @@ class DumpWriter:
         if self.store_url is not None:
             cmd += ["--store", self.store_url]
         else:
-            cmd += ["--dir-fd", str(self.dir_fd)]
+            cmd += ["--dir-fd", str(self.dir_fd), "--spares", str(self.spares)]
         if self.metrics_model_name is not None:
             cmd += ["--metrics-model-name", str(self.metrics_model_name)]
         if self.cpus:

@@ -491,7 +491,7 @@ class _Levels:
 
 def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer_ids,
           num_layers: int, extra: dict, drain_timeout: float, metrics=None,
-          stats_interval_s: float = 0.0, progress=None, connection=None) -> int:
+          stats_interval_s: float = 0.0, progress=None, connection=None, spares: int = 0) -> int:
     """Receive and carry out ops until ``Close`` or the scheduler's end closes; returns the
     number of writes still running at the drain deadline (0 when all ended).
     ``connection``: a ``store_writer.Connection`` selects the store sink (objects in
@@ -508,11 +508,11 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
             return StoreWriter(connection, mm, base, layer_ids=layer_ids, acks=acks, wake=wake_w,
                                metrics=metrics)
     else:
-        spares = Spares(dir_fd)
+        made_ahead = Spares(dir_fd, spares) if spares > 0 else None
 
         def sink():
             return Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
-                          extra=extra, acks=acks, wake=wake_w, metrics=metrics, spares=spares)
+                          extra=extra, acks=acks, wake=wake_w, metrics=metrics, spares=made_ahead)
     workers = [_Thread(i, sink(), progress) for i in range(max(1, threads))]
     levels = _Levels(metrics, stats_interval_s, len(layer_ids))
     stop = {"timeout": None}
@@ -582,8 +582,8 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
         late = sum(w.thread.is_alive() for w in workers)
     out.send(block=True)
     levels.publish()
-    if connection is None:
-        spares.close()
+    if connection is None and made_ahead is not None:
+        made_ahead.close()
     return late
 
 
@@ -649,6 +649,8 @@ def main(argv=None) -> int:
     p.add_argument("--store", default=None,
                    help="a mooncake:// address (store.StoreConfig.from_url): the store sink")
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--spares", type=int, default=0,
+                   help="files kept allocated ahead (Spares; file sink only, 0: none)")
     p.add_argument("--tag", required=True, help="names this writer's temporary files")
     p.add_argument("--meta", required=True,
                    help='JSON {"layer_ids": [...], "num_layers": N, "extra": {...}}')
@@ -686,7 +688,8 @@ def main(argv=None) -> int:
                  layer_ids=meta["layer_ids"], num_layers=meta["num_layers"],
                  extra=meta.get("extra", {}), drain_timeout=args.drain_timeout,
                  metrics=metrics, stats_interval_s=args.stats_interval,
-                 progress=arena_mod.attach_progress(args.arena_fd), connection=connection)
+                 progress=arena_mod.attach_progress(args.arena_fd), connection=connection,
+                 spares=args.spares)
     if connection is not None:
         connection.close()  # its segment leaves the master: objects not read by now are gone
     if late:

@@ -580,10 +580,15 @@ def test_writer_settings_come_from_the_environment_and_bad_values_name_the_varia
     monkeypatch.setenv("KIMI_SGLANG_WRITER_THREADS", "3")
     monkeypatch.setenv("KIMI_SGLANG_WRITER_CPUS", "0")
     monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "5")
-    assert env_settings().items() >= {"writer_threads": 3, "drain_timeout_s": 2.5, "stats_interval_s": 0,
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_SPARES", "2")
+    assert env_settings().items() >= {"writer_threads": 3, "writer_spares": 2, "drain_timeout_s": 2.5, "stats_interval_s": 0,
                                       "writer_cpus": (0,), "watchdog_s": 5}.items()
     monkeypatch.delenv("KIMI_SGLANG_WATCHDOG_S")
-    for name, value, message in [("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon", "number of seconds"),
+    monkeypatch.delenv("KIMI_SGLANG_WRITER_SPARES")
+    assert env_settings()["writer_spares"] == 0  # off unless asked
+    for name, value, message in [("KIMI_SGLANG_WRITER_SPARES", "9", "from 0 to 8"),
+                                 ("KIMI_SGLANG_WRITER_SPARES", "1.5", "whole number"),
+                                 ("KIMI_SGLANG_WRITER_SPARES", "-1", ">= 0"),("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon", "number of seconds"),
                                  ("KIMI_SGLANG_DRAIN_TIMEOUT_S", "-1", ">= 0"),
                                  ("KIMI_SGLANG_WRITER_THREADS", "0", ">= 1"),
                                  ("KIMI_SGLANG_WATCHDOG_S", "0", ">= 1 seconds"),

@@ -62,7 +62,7 @@ from types import SimpleNamespace  # noqa: E402
 from sglang_ext import config  # noqa: E402
 from sglang_ext.config import DumpConfig, env_settings  # noqa: E402
 
-ENV_SETTINGS = ("KIMI_SGLANG_WRITER_THREADS", "KIMI_SGLANG_WRITER_CPUS", "KIMI_SGLANG_DRAIN_TIMEOUT_S",
+ENV_SETTINGS = ("KIMI_SGLANG_WRITER_THREADS", "KIMI_SGLANG_WRITER_SPARES", "KIMI_SGLANG_WRITER_CPUS", "KIMI_SGLANG_DRAIN_TIMEOUT_S",
                 "KIMI_SGLANG_STATS_INTERVAL_S", "KIMI_SGLANG_WATCHDOG_S", "KIMI_SGLANG_FILE_MODE")
 
 

@@ -66,7 +66,7 @@ def test_files_written_into_spares_equal_their_rows(shm_dir, tmp_path, monkeypat
     trace_path = str(tmp_path / "trace.jsonl")
     monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
     writer = DumpWriter(fd, arena_bytes=64 << 20, threads=2, layer_ids=[1, 2, 3, 4], num_layers=4,
-                        stats_interval_s=0, register_atexit=False)
+                        stats_interval_s=0, register_atexit=False, spares=1)
     try:
         sizes = [1024, 1024, 640, 768]
         names = []
@@ -88,12 +88,33 @@ def test_files_written_into_spares_equal_their_rows(shm_dir, tmp_path, monkeypat
     assert flags[names[0]] is False and all(flags[n] for n in names[1:]), flags
 
 
+def test_no_spares_unless_asked(shm_dir, tmp_path, monkeypatch):
+    """The default (``KIMI_SGLANG_WRITER_SPARES`` unset: 0) makes none: every file is
+    created fresh, and nothing is held in the directory's filesystem between files."""
+    d, fd = shm_dir
+    trace_path = str(tmp_path / "trace.jsonl")
+    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
+    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=1, layer_ids=[1, 2, 3, 4], num_layers=4,
+                        stats_interval_s=0, register_atexit=False)
+    try:
+        names = []
+        for i in range(3):
+            names.append(_write(writer, fd, f"n{i}", _rows(1024, i)))
+            assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
+            assert writer.wait_idle(30)
+            time.sleep(0.3)
+    finally:
+        assert writer.close()
+    flags = _spare_flags(trace_path)
+    assert [flags[n] for n in names] == [False, False, False], flags
+
+
 def test_a_request_that_fails_in_a_spare_leaves_its_error_and_no_file(shm_dir):
     """The spare taken by a request whose rows never all arrive: ``.error`` under the
     name, nothing else (no partial file, no temporary)."""
     d, fd = shm_dir
     writer = DumpWriter(fd, arena_bytes=64 << 20, threads=1, layer_ids=[1, 2, 3, 4], num_layers=4,
-                        stats_interval_s=0, register_atexit=False)
+                        stats_interval_s=0, register_atexit=False, spares=1)
     try:
         ok = _write(writer, fd, "ok", _rows(1024, 0))
         assert fmt.wait_complete(os.path.join(d, ok), timeout=30) is None
