@@ -10,12 +10,14 @@ Three products, one package:
   (``sink``: what they share);
   ``arena`` + ``wire`` (shared host memory, the messages between them); ``quant`` (fp8);
   ``format`` (the file contract: names, keys, metadata, atomic write, index, reader);
-  ``store`` (the store contract: handles, packed layout, manifest); ``metrics``, ``trace``,
+  ``store`` (the store contract: handles, packed layout, manifest) and ``store_client``
+  (the one Mooncake client, the sink's and ``extract --store``'s); ``metrics``, ``trace``,
   ``compat``.
 - ``sglang_ext.client``: ``extract`` and ``convert``, run wherever the server is reachable.
 - ``sglang_ext.tools``: the patch-series tooling and the container's entrypoint.
 
-SGLang's processes import only the first; the client imports ``format`` and ``store`` of it.
+SGLang's processes import only the first; the client imports ``format``, ``store`` and
+``store_client`` of it.
 """
 
 __version__ = "0.1.0"

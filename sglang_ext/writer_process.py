@@ -692,9 +692,12 @@ def main(argv=None) -> int:
                  spares=args.spares)
     if connection is not None:
         connection.close()  # its segment leaves the master: objects not read by now are gone
-    if late:
+    if late and connection is None:
         logger.warning("%d writes still running at the drain deadline; they leave only "
                        "temporary files and locks, removed at the next start", late)
+    elif late:
+        logger.warning("%d puts still running at the drain deadline; their handles got "
+                       ":error markers where the master answered", late)
     if metrics is not None:
         mark_dead(os.getpid())
     sys.stdout.flush()
