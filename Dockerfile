@@ -13,7 +13,7 @@ FROM ${BASE_IMAGE}
 # base.toml [base] version / git_tag and [series] version.
 ARG SGLANG_VERSION=0.5.23
 ARG BASE_GIT_TAG=v0.5.23
-ARG SERIES_VERSION=6
+ARG SERIES_VERSION=7
 # Re-declared without a value: the stage then sees the global value (ARGs
 # declared before FROM are otherwise out of scope here).
 ARG BASE_IMAGE
@@ -21,7 +21,7 @@ ARG BASE_IMAGE
 ARG VCS_REF=unknown
 ARG CREATED=1970-01-01T00:00:00Z
 ARG SOURCE_URL=https://github.com/kimi-sglang/kimi-sglang
-ARG IMAGE_VERSION=v0.5.23-s6
+ARG IMAGE_VERSION=v0.5.23-s7
 
 LABEL org.opencontainers.image.title="kimi-sglang" \
       org.opencontainers.image.description="SGLang ${SGLANG_VERSION} + kimi-sglang patch series ${SERIES_VERSION}: hidden-state dumping for EAGLE-3 drafter training (Kimi-K2.5)" \

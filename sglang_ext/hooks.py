@@ -12,6 +12,7 @@ batch_result_processor.py    ``on_prefill_result(batch, logits_output, lens)``
                              before the batch's outputs are streamed
 tokenizer_manager.py         ``await finish_response(meta_info)``
 serving_completions.py       ``openai_completion_extras(response, ret)``
+serving_chat.py              ``openai_chat_extras(response, ret)``
 http_server.py               ``json_data = warmup_request(server_args, json_data)``
                              right before the server's warm-up POST
 ===========================  ====================================================
@@ -34,6 +35,7 @@ from typing import List, Optional
 from sglang_ext import session as _session
 from sglang_ext.responses import (  # noqa: F401 - re-exported: the patches call them here
     finish_response,
+    openai_chat_extras,
     openai_completion_extras,
 )
 from sglang_ext.session import DumpSession, check_server_args  # noqa: F401 - re-exported

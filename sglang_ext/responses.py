@@ -3,7 +3,8 @@
 The scheduler records a request's path (or error) with ``set_info``; SGLang carries it to
 the tokenizer manager in ``meta_info``, where ``finish_response`` waits for the file and
 turns the entry into a plain value; ``openai_completion_extras`` then shapes a
-``/v1/completions`` response as vLLM's hidden-states connector does. ``hooks`` forwards
+``/v1/completions`` response as vLLM's hidden-states connector does, and
+``openai_chat_extras`` a ``/v1/chat/completions`` one the same way. ``hooks`` forwards
 SGLang's calls here. pydantic (SGLang's) is imported only when a response is shaped.
 """
 
@@ -81,7 +82,7 @@ async def finish_response(meta_info: dict) -> None:
         meta_info[ERROR_KEY] = error
 
 
-# ---- OpenAI-compatible /v1/completions (main process) ---------------------------------
+# ---- OpenAI-compatible /v1/completions and /v1/chat/completions (main process) ---------------------------------
 class HiddenStatesDumpError(RuntimeError):
     """The dump of a request failed; SGLang's OpenAI layer answers HTTP 500 (retryable)."""
 
@@ -127,8 +128,31 @@ def openai_completion_extras(response, ret):
 
     A failed dump raises ``HiddenStatesDumpError``: SGLang answers HTTP 500, which
     speculators' client retries. Without dump keys in ``meta_info`` (dumping off) the
-    response is returned unchanged.
+    response is returned unchanged; so is one that is not a pydantic model (SGLang's
+    error responses, ``ORJSONResponse``).
     """
+    return _with_dump_extras(response, ret)
+
+
+def openai_chat_extras(response, ret):
+    """The same extras as ``openai_completion_extras`` on a non-streaming
+    ``/v1/chat/completions`` response (patch 0008): top-level ``kv_transfer_params``
+    with the file's ``hidden_states_path`` (or the store sink's manifest), one per choice
+    in ``hidden_states_paths`` / ``hidden_states_manifests`` when ``n > 1``; a failed dump
+    raises ``HiddenStatesDumpError`` (HTTP 500); dumping off, or an error response, is
+    returned unchanged.
+
+    Chat is how a prompt with images comes in (``image_url`` parts: http(s) URLs,
+    ``file://`` paths, base64 data URLs): the file's ``token_ids`` are the ids the model
+    ran, chat template applied and each image placeholder expanded to its vision tokens
+    (``session.dumped_token_ids``); with ``return_prompt_token_ids`` (or
+    ``return_token_ids``) SGLang returns the same ids per choice as ``prompt_token_ids``.
+    """
+    return _with_dump_extras(response, ret)
+
+
+def _with_dump_extras(response, ret):
+    """``response`` with the dump's ``kv_transfer_params`` (see ``openai_completion_extras``)."""
     items = ret if isinstance(ret, list) else [ret]
     metas = [(item or {}).get("meta_info") or {} for item in items]
     errors = [str(m[ERROR_KEY]) for m in metas if m.get(ERROR_KEY)]
@@ -147,6 +171,8 @@ def openai_completion_extras(response, ret):
     else:
         return response
     cls = type(response)
+    if not hasattr(cls, "model_fields"):  # an error response SGLang built instead
+        return response
     sub = _with_kv_transfer_params(cls)
     fields = {name: getattr(response, name) for name in cls.model_fields}
     return sub.model_construct(

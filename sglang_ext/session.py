@@ -184,6 +184,48 @@ class _Take:
     settled: bool = False  # its file queued or failed
 
 
+def dumped_token_ids(req):
+    """The token ids a request's file records: the ids the model ran, one per row.
+
+    For a text prompt that is ``req.origin_input_ids``. For a multimodal one (an
+    ``image_url`` part of ``/v1/chat/completions``) SGLang 0.5.23 builds the prompt in its
+    multimodal processor (e.g. ``multimodal/processors/qwen_vl.py``: chat template applied,
+    each image placeholder expanded to one image token per vision token, as HF's processor
+    does) and hands those ids to the scheduler, whose ``Req`` keeps them in
+    ``origin_input_ids_unpadded``; the scheduler then replaces
+    ``origin_input_ids`` by a copy whose image positions hold per-image pad values (hashes
+    of the image, ``MultimodalDataItem.pad_value``, for the radix cache and for
+    ``embed_mm_inputs`` to find where each image's embeddings go:
+    ``scheduler.py`` ``duplicate_pad_mm_input_ids`` -> ``mm_utils.pad_mm_tokens``). The
+    language model runs the vision tower's merged embeddings at those positions; the pad
+    values are no token of the vocabulary. So the file records the unpadded ids, the image
+    token id at every vision-token position, which is what HF's processor returns, when
+    they are as long as the padded ones (every padding pattern of 0.5.23 keeps the
+    length); otherwise (none known) the padded ids, as before.
+    """
+    ids = req.origin_input_ids
+    unpadded = getattr(req, "origin_input_ids_unpadded", None)
+    if unpadded is not None and unpadded is not ids and len(unpadded) == len(ids):
+        return unpadded
+    return ids
+
+
+def image_token_metadata(model_config) -> dict:
+    """``{"image_token_id": "<id>"}`` for a model whose prompts can hold images, else ``{}``.
+
+    The id is the one the file's ``token_ids`` hold at every vision-token position
+    (``dumped_token_ids``): ``hf_config.image_token_id`` (Qwen2-VL family; SGLang's
+    ``ModelConfig`` reads it too), else ``media_placeholder_token_id`` (Kimi-K2.5, Kimi-VL),
+    read from the top-level config. A trainer masks image rows with
+    ``token_ids == image_token_id`` (docs/images.md)."""
+    hf_config = getattr(model_config, "hf_config", None)
+    for key in ("image_token_id", "media_placeholder_token_id"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"image_token_id": str(value)}
+    return {}
+
+
 def _custom_param(req, key: str):
     """``sampling_params.custom_params[key]`` of SGLang's Req, or None."""
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
@@ -257,6 +299,7 @@ class DumpSession:
             "sglang_version": sglang_version,
             "sglang_ext_version": __version__,
             "series": f"v{sglang_version}",
+            **image_token_metadata(model_runner.model_config),
         })
         is_writer = compat.attn_tp_rank(model_runner) == 0
         if is_writer:
@@ -460,7 +503,7 @@ class DumpSession:
         """Open the request in the writer at its first chunk (its token ids into the arena)."""
         if state.pending is not None:
             return
-        state.pending = self.writer.start(req.rid, req.origin_input_ids, hidden.shape[1], hidden.dtype)
+        state.pending = self.writer.start(req.rid, dumped_token_ids(req), hidden.shape[1], hidden.dtype)
         # A request dropped between chunks (aborted while waiting or retracted) never
         # reaches this hook again: drop its file when SGLang lets go of the Req.
         state.release = weakref.finalize(req, self.writer.abandon, state.pending)
