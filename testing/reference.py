@@ -85,3 +85,45 @@ def rel_errors(got, ref) -> RelError:
     flat = int(rows.argmax())
     slots = diff.norm(dim=(0, 2)) / ref.norm(dim=(0, 2)).clamp_min(1e-12)  # [L]
     return RelError(block, rows.max().item(), divmod(flat, rows.shape[1]), tuple(slots.tolist()))
+
+
+class VLMReference:
+    """HF's float32 forward of a vision-language model (Qwen2.5-VL) on a chat with images:
+    ``ref(messages, layer_ids) -> (input_ids, [T, L, H] float32 CPU tensor)``.
+
+    ``messages``: HF's chat format, image parts ``{"type": "image", "image": PIL.Image}``.
+    HF's processor (the model directory's: chat template, image processor) makes
+    ``input_ids`` (each image placeholder expanded to one image token per merged vision
+    token), ``pixel_values`` and ``image_grid_thw``; the forward runs on exactly those, so
+    the image rows are the language model's residual stream over the vision tower's merged
+    embeddings. Layer id k is ``output_hidden_states[k]`` of the language model (ids below
+    its layer count only)."""
+
+    def __init__(self, path: str, device: str = "cuda"):
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        self.device = device
+        self.processor = AutoProcessor.from_pretrained(path)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        config = self.model.config
+        self.num_layers = getattr(config, "text_config", config).num_hidden_layers
+
+    def inputs(self, messages):
+        """HF's processor output for ``messages`` (generation prompt added), on the device."""
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True, return_tensors="pt").to(self.device)
+
+    def __call__(self, messages, layer_ids: Sequence[int]):
+        import torch
+
+        if any(k >= self.num_layers for k in layer_ids):
+            raise ValueError(f"layer ids {list(layer_ids)}: the reference gives ids below {self.num_layers}")
+        inputs = self.inputs(messages)
+        with torch.no_grad():
+            out = self.model(**inputs, output_hidden_states=True)
+        block = torch.stack([out.hidden_states[k][0] for k in layer_ids], dim=1).float().cpu()
+        return inputs["input_ids"][0].tolist(), block  # ids [T], block [T, L, H]
+
+    def close(self) -> None:
+        del self.model

@@ -11,6 +11,10 @@ tests verified).
 - ``kimi``: a KimiK25ForConditionalGeneration (the class Kimi-K2.5 is served with) whose
   language model is exactly ``deepseek``'s weights, plus a one-block vision tower
   (``build_kimi``); served like ``deepseek``; its reference runs on the text weights.
+- ``qwen_vl``: a Qwen2_5_VLForConditionalGeneration (4 layers, hidden 256, a 2-block
+  vision tower) with a local word-level tokenizer, a chat template and Qwen's image
+  processor (``build_qwen_vl``): the vision-language model both SGLang and HF implement,
+  for prompts with images (tests/gpu/test_gpu_vlm.py; the core groups do not run it).
 
 Weights are random bf16 drawn after ``torch.manual_seed(0)``. No third-party imports at
 module level: bench/models.py imports ``deepseek_tiny_config`` without torch, and the CPU
@@ -178,6 +182,104 @@ def build_kimi(path: str) -> int:
     return n
 
 
+# Qwen2.5-VL's special tokens, after the word tokens t0..t1023 (VOCAB)
+QWEN_VL_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                   "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_VL_IMAGE_TOKEN = VOCAB + QWEN_VL_SPECIAL.index("<|image_pad|>")  # 1029
+QWEN_VL_VOCAB = 1040  # the embedding's rows: the tokenizer's 1031 ids, padded
+# Qwen's chat template cut to what the tests send: string or list content, text and image
+# parts (SGLang's chat layer passes image parts as {"type": "image"}; HF's processor takes
+# {"type": "image", "image": ...}); the roles become unknown words (t0).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ['image', 'image_url'] %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_vl_config() -> dict:
+    """config.json of the tiny Qwen2.5-VL, in the layout of the published checkpoints
+    (text keys at the top level, ``rope_scaling`` with M-RoPE's ``mrope_section``, which
+    SGLang reads; transformers 5 reads it too): 4 layers, hidden 256, 4 heads / 2 KV heads
+    (head dim 64: mrope_section [8, 12, 12] sums to 32), vocab 1040; vision tower depth 2,
+    hidden 64, 2 heads, patches 14, merge 2x2, window 112 (block 1 full attention),
+    projected to 256."""
+    sp = {t: VOCAB + i for i, t in enumerate(QWEN_VL_SPECIAL)}
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "torch_dtype": "bfloat16", "vocab_size": QWEN_VL_VOCAB, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 4096, "max_window_layers": 4,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+        "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": sp["<|endoftext|>"], "eos_token_id": sp["<|im_end|>"],
+        "pad_token_id": sp["<|endoftext|>"],
+        "vision_start_token_id": sp["<|vision_start|>"], "vision_end_token_id": sp["<|vision_end|>"],
+        "image_token_id": sp["<|image_pad|>"], "video_token_id": sp["<|video_pad|>"],
+        "vision_config": {"depth": 2, "hidden_size": 64, "num_heads": 2, "intermediate_size": 128,
+                          "out_hidden_size": 256, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [1],
+                          "in_chans": 3, "hidden_act": "silu", "tokens_per_second": 2,
+                          "model_type": "qwen2_5_vl"},
+    }
+
+
+def save_qwen_vl_processor(path: str) -> None:
+    """Qwen2.5-VL's processor, built offline into ``path``: a word-level tokenizer
+    (``save_word_tokenizer``'s words t0..t1023, then ``QWEN_VL_SPECIAL`` as special tokens),
+    ``QWEN_VL_CHAT_TEMPLATE``, and Qwen2-VL's image processor (patches 14, merge 2, temporal
+    patch 2; min/max pixels 3136 / 1003520). An image whose sides are multiples of 28 and
+    within those bounds is not resized, so SGLang's processor (``smart_resize``, factor 28)
+    and HF's give it the same grid."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab.update({t: VOCAB + i for i, t in enumerate(QWEN_VL_SPECIAL)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_SPECIAL])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token=None,
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    images = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                   min_pixels=56 * 56, max_pixels=1280 * 28 * 28)
+    kwargs = {}
+    try:  # transformers 5 takes (and saves) a video processor too
+        from transformers import Qwen2VLVideoProcessor
+
+        kwargs["video_processor"] = Qwen2VLVideoProcessor()
+    except ImportError:
+        pass
+    Qwen2_5_VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=QWEN_VL_CHAT_TEMPLATE,
+                        **kwargs).save_pretrained(path)
+
+
+def build_qwen_vl(path: str) -> int:
+    """Save the tiny Qwen2.5-VL (bf16 safetensors under the published checkpoints' names,
+    ``qwen_vl_config``'s config.json, ``save_qwen_vl_processor``'s processor) into
+    ``path``; returns its number of decoder layers (4)."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(qwen_vl_config(), f, indent=2)
+    cfg = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "config.json"), "w") as f:  # the published layout, not transformers'
+        json.dump(qwen_vl_config(), f, indent=2)
+    save_qwen_vl_processor(path)
+    return qwen_vl_config()["num_hidden_layers"]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How the GPU suite builds and serves one tiny model.
@@ -198,6 +300,13 @@ MODELS = {
     "llama": ModelSpec("llama", build_llama, None, "entrypoint"),
     "deepseek": ModelSpec("deepseek", build_deepseek, "1,3,4", "direct"),
     "kimi": ModelSpec("kimi", build_kimi, "1,3,4", "direct", reference=kimi_text_path),
+}
+
+# Models of one module only, not in ``MODELS`` (which parametrizes the whole GPU suite):
+# the vision-language model of tests/gpu/test_gpu_vlm.py. Layer ids below 4: SGLang's
+# Qwen2Model is not patched to capture before its final norm (session.FINAL_NORM_CAPTURE_MODELS).
+VLM_MODELS = {
+    "qwen_vl": ModelSpec("qwen_vl", build_qwen_vl, "1,2,3", "direct"),
 }
 
 
