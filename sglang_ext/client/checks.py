@@ -3,7 +3,7 @@ its final name ``hs_<i>`` and again when a rerun finds it there (resume)."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from sglang_ext import format as fmt
 
@@ -16,12 +16,13 @@ class NotRegularError(CheckError):
     """A name holds something else than a regular file (a symlink, a FIFO, a directory)."""
 
 
-def check_file(path: str, input_ids: List[int], full: bool) -> int:
+def check_file(path: str, input_ids: Optional[List[int]], full: bool) -> int:
     """Check a file against the request's token ids; returns its number of tokens.
 
     Cheap check (always, without torch): keys, ``token_ids == input_ids``,
     ``hidden_states`` is ``[len(input_ids), L, H]`` (shape from the header, tensor not
-    loaded). ``full`` (needs torch): also load everything through ``format.load`` and
+    loaded). ``input_ids`` None (a chat request with images whose answer gave no prompt
+    token ids): the file's own ``token_ids`` stand, ``hidden_states`` needs one row each. ``full`` (needs torch): also load everything through ``format.load`` and
     require finite values (fp8 files: dequantized, so a NaN or infinite scale counts).
     Raises ``CheckError``.
     """
@@ -39,7 +40,11 @@ def check_file(path: str, input_ids: List[int], full: bool) -> int:
         raise
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
         raise CheckError(f"{path}: unreadable: {e}") from None
-    if ids.tolist() != list(input_ids):
+    if input_ids is None:
+        input_ids = ids.tolist()
+        if len(ids.shape) != 1 or not input_ids:
+            raise CheckError(f"{path}: token_ids of shape {list(ids.shape)}, not [T] with T > 0")
+    elif ids.tolist() != list(input_ids):
         raise CheckError(f"{path}: token ids differ from the request's")
     if len(shape) != 3 or shape[0] != len(input_ids):
         raise CheckError(f"{path}: hidden_states shape {shape} for {len(input_ids)} tokens")

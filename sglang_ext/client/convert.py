@@ -34,6 +34,18 @@ without our metadata, e.g. vLLM's, are taken to follow the same convention).
 ``extract``, row i -> hs_<i>; its ``loss_mask`` must have T entries), else all ones
 (every position trained; SpecForge itself zeroes the last one when it loads a record).
 
+Images: SpecForge is text-only (its trainer embeds ``input_ids`` with the drafter's own
+embedding and has no vision tower), but a record of a prompt with images is still a valid
+record: ``input_ids`` holds the server's ids, each image as its run of placeholder ids, and
+the hidden states at those positions are the verifier's (its layers over the vision
+embeddings). The drafter cannot learn to predict image tokens, so ``loss_mask`` is 0 at
+every position whose id is an image token id: ``--image-token-id`` (repeatable), else the
+file's metadata ``image_token_id`` (an int, or a JSON list of ints, which the server writes
+for a multimodal model). The positions stay in the record as context. A file that
+``SRC/manifest.jsonl`` marks as a prompt with images (``images`` > 0) needs such an id
+(exit 2 before anything is written when neither names one) and must hold it at one
+position at least (else exit 1: the id is wrong).
+
 Layout: ``DST/rows_<g>-<g+5000>/data_<i>.ckpt`` as SpecForge writes it. Each record is
 written to a temporary name and renamed; existing records are skipped (resume) and the
 run says so on stderr: they keep the loss masks and norm they were written with (delete
@@ -43,8 +55,8 @@ Exit status: 0 every record written or already there, 1 a file could not be conv
 2 bad input (SRC without hs_<i> files, DST not a directory, a model folder without
 config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
 ``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
-rows whose ``input_ids`` differ from the file's ``token_ids``, torch not installed), each
-with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
+rows whose ``input_ids`` differ from the file's ``token_ids``, a prompt with images and no
+image token id, torch not installed), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
 safetensors file, or an ``hs_<i>.safetensors`` that is not a regular file: a FIFO there
 is never opened, so it cannot hang the run).
 """
@@ -63,6 +75,7 @@ from sglang_ext.client.dataset import DataError, iter_rows
 from sglang_ext.client.files import Staged, regular_or_why
 
 GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
+MANIFEST = "manifest.jsonl"  # extract's (client.manifest.MANIFEST_NAME), in SRC
 NORM_KEYS = (
     "model.norm.weight",
     "language_model.model.norm.weight",
@@ -246,7 +259,70 @@ def _require_same_ids(data: str, where: str, index: int, row_ids: list, file_ids
                        f"another prompt; pass the DATA given to extract")
 
 
-def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str, object]:
+def image_token_ids(meta: Dict[str, str]) -> Optional[frozenset]:
+    """The image token ids a file's metadata names (``image_token_id``: an int or a JSON
+    list of ints, as text), None when it names none. Raises ``ConvertError`` for a value
+    that is neither."""
+    value = meta.get("image_token_id")
+    if value is None:
+        return None
+    try:
+        got = json.loads(value)
+        got = [got] if isinstance(got, int) else got
+        if not isinstance(got, list) or not got or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in got):
+            raise ValueError
+    except ValueError:
+        raise ConvertError(f"metadata image_token_id {value[:80]!r} is not a token id or a "
+                           f"list of them; pass --image-token-id") from None
+    return frozenset(got)
+
+
+def image_rows(src: str) -> Dict[int, int]:
+    """``index -> image parts`` of the rows ``SRC/manifest.jsonl`` (extract's) marks as
+    prompts with images (the last line of an index wins); empty without a readable
+    manifest (a SRC copied without it: then only the files' metadata tells)."""
+    out: Dict[int, int] = {}
+    path = os.path.join(src, MANIFEST)
+    try:
+        if regular_or_why(path, follow_symlinks=True):
+            return out
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("index"), int):
+                    n = rec.get("images")
+                    out[rec["index"]] = n if isinstance(n, int) and n > 0 else 0
+    except OSError:
+        return {}
+    return {i: n for i, n in out.items() if n}
+
+
+def check_image_ids(src: str, rows: Dict[int, int], flag: Optional[Sequence[int]]) -> None:
+    """Raise ``ConvertError`` when a row with images has no image token id to mask: no
+    ``--image-token-id`` and its file's metadata names none."""
+    if flag or not rows:
+        return
+    headers = read_file_headers(src, sorted(rows))
+    for index in sorted(rows):
+        if index in headers and image_token_ids(headers[index][1]) is None:
+            raise ConvertError(f"hs_{index}.safetensors holds a prompt with {rows[index]} image(s) "
+                               f"({MANIFEST}), but its metadata names no image_token_id: pass "
+                               f"--image-token-id ID (the model's image placeholder id, e.g. "
+                               f"config.json's image_token_id) so that those positions are "
+                               f"left out of the loss")
+
+
+
+def to_specforge_record(path: str, norm, loss_mask: Optional[list],
+                        image_ids: Optional[Sequence[int]] = None,
+                        images: int = 0) -> Dict[str, object]:
+    """One SpecForge record of ``path`` (module doc). ``image_ids``: ``--image-token-id``
+    (else the file's metadata ``image_token_id``); ``images``: the image parts the
+    manifest gives the row (0: none known). Raises ``ConvertError``."""
     import torch
 
     from safetensors import SafetensorError
@@ -283,6 +359,20 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list]) -> Dict[str,
         if len(loss_mask) != t:
             raise ConvertError(f"{path}: loss_mask has {len(loss_mask)} entries for {t} tokens")
         mask = torch.tensor(loss_mask, dtype=torch.long)
+    try:
+        masked = frozenset(image_ids) if image_ids else image_token_ids(rec.metadata)
+    except ConvertError as e:
+        raise ConvertError(f"{path}: {e}") from None
+    if masked:
+        at = torch.isin(ids.to(torch.long), torch.tensor(sorted(masked), dtype=torch.long))
+        if images and not bool(at.any()):
+            raise ConvertError(f"{path}: a prompt with {images} image(s), but no position holds "
+                               f"image token id {sorted(masked)}: pass the model's image "
+                               f"placeholder id as --image-token-id")
+        mask = mask.masked_fill(at, 0)
+    elif images:
+        raise ConvertError(f"{path}: a prompt with {images} image(s) and no image token id to "
+                           f"mask: pass --image-token-id")
     return {
         "input_ids": ids.to(torch.long).clone(),
         "loss_mask": mask,
@@ -329,7 +419,12 @@ def main(args) -> int:
         print(f"error: --loss-mask-from {args.loss_mask_from} does not exist (pass the DATA "
               f"given to extract)", file=sys.stderr)
         return 2
+    if any(t < 0 for t in args.image_token_id or []):
+        print("error: --image-token-id must be a non-negative token id", file=sys.stderr)
+        return 2
+    with_images = image_rows(args.src)
     try:
+        check_image_ids(args.src, with_images, args.image_token_id)
         headers = (read_file_headers(args.src, indices)
                    if args.model or args.loss_mask_from else {})
         if args.model:
@@ -357,16 +452,19 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        written = skipped = 0
+        written = skipped = image_records = 0
         for index in indices:
             dst = specforge_path(args.dst, index)
             if os.path.exists(dst):
                 skipped += 1
                 continue
             mask = masks[index] if masks is not None else None
-            record = to_specforge_record(os.path.join(args.src, f"hs_{index}.safetensors"), norm, mask)
+            record = to_specforge_record(os.path.join(args.src, f"hs_{index}.safetensors"), norm, mask,
+                                         args.image_token_id, with_images.get(index, 0))
             save_atomic(record, dst)
             written += 1
+            if with_images.get(index):
+                image_records += 1
     except (ConvertError, fmt.DumpFormatError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         if made_dst and not written:
@@ -378,7 +476,8 @@ def main(args) -> int:
               f"delete {args.dst} (or those data_<i>.ckpt files) and run again", file=sys.stderr)
     print(json.dumps({"written": written, "skipped_existing": skipped, "dst": os.path.abspath(args.dst),
                       "loss_mask": "from " + args.loss_mask_from if args.loss_mask_from else "all ones",
-                      "final_norm": "applied" if norm is not None else "not applied"}))
+                      "final_norm": "applied" if norm is not None else "not applied",
+                      "with_images": image_records}))
     return 0
 
 
@@ -411,4 +510,8 @@ def add_parser(subparsers) -> None:
                    help="write the pre-norm last layer as hidden_state (not what stock SpecForge expects)")
     p.add_argument("--loss-mask-from", default=None,
                    help="DATA given to extract, with loss_mask per row (default: all ones)")
+    p.add_argument("--image-token-id", type=int, action="append", default=None, metavar="ID",
+                   help="token id of image placeholder positions, given loss_mask 0 (repeatable; "
+                        "default: each file's metadata image_token_id); needed for prompts with "
+                        "images whose files do not name it")
     p.set_defaults(func=main)

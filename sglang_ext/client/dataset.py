@@ -2,7 +2,11 @@
 
 DATA is a JSONL file (one JSON object per line with ``input_ids``, or ``messages`` and a
 ``--tokenizer``) or a directory written by ``datasets.Dataset.save_to_disk``. Every problem
-is a ``DataError``: one sentence naming the row (``row 3 (line 5 of data.jsonl)``).
+is a ``DataError``: one sentence naming the row (``row 3 (line 5 of data.jsonl)``), except a
+malformed image part, which fails only its row (``Row.error``). A row whose ``messages``
+hold image parts (``sglang_ext.client.images``) is sent through ``/v1/chat/completions``
+(``Row.chat``; no tokenizer needed); its ``input_ids``, if it has them (speculators'
+prepared rows), are what the server's prompt token ids must equal.
 ``convert --loss-mask-from`` reads the same rows through ``iter_rows``.
 """
 
@@ -13,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from sglang_ext.client.images import ChatPrompt, ImagePartError, chat_prompt, has_image_parts
+
 
 class DataError(ValueError):
     """DATA cannot be read (bad row, messages without --tokenizer, ...)."""
@@ -20,24 +26,50 @@ class DataError(ValueError):
 
 @dataclass
 class Row:
-    """One row to send: its index in DATA (from 0) and its prompt's token ids."""
+    """One row to send: its index in DATA (from 0) and its prompt's token ids; for a row
+    with images, ``chat`` (its chat request) and ``input_ids`` None unless the row gives
+    them; ``error``: why the row cannot be sent (a malformed image part), failing it alone."""
 
     index: int
-    input_ids: List[int]
+    input_ids: Optional[List[int]]
+    chat: Optional[ChatPrompt] = None
+    error: Optional[str] = None
+
+
+def _input_ids(row: Dict[str, Any], where: str) -> List[int]:
+    ids = row["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise DataError(f"{where}: input_ids must be a list of non-negative integers")
+    if not ids:
+        raise DataError(f"{where} has no tokens")
+    return ids
+
+
+def make_row(index: int, row: Dict[str, Any], where: str, tokenizer) -> Row:
+    """The ``Row`` to send for DATA's row. Raises ``DataError``; a malformed image part
+    gives a ``Row`` with ``error`` (that row alone fails)."""
+    if has_image_parts(row.get("messages")):
+        try:
+            chat = chat_prompt(row["messages"])
+        except ImagePartError as e:
+            return Row(index, None, error=f"{where}: {e}")
+        ids = _input_ids(row, where) if row.get("input_ids") is not None else None
+        return Row(index, ids, chat=chat)
+    return Row(index, _ids_from_row(row, where, tokenizer))
 
 
 def _ids_from_row(row: Dict[str, Any], where: str, tokenizer) -> List[int]:
     if row.get("input_ids") is not None:
-        ids = row["input_ids"]
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise DataError(f"{where}: input_ids must be a list of non-negative integers")
+        ids = _input_ids(row, where)
     elif row.get("messages") is not None:
         if tokenizer is None:
-            raise DataError(f"{where} has messages but no --tokenizer was given")
+            raise DataError(f"{where} has messages without image parts but no --tokenizer was "
+                            f"given (text-only chats are tokenized here; rows with images go "
+                            f"through the server's chat template)")
         try:
             text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -162,4 +194,4 @@ def rank_rows(data: str, tokenizer, world_size: int, rank: int) -> Iterator[Row]
     Raises ``DataError``."""
     for index, row, where in iter_rows(data, tokenizer):
         if index % world_size == rank:
-            yield Row(index=index, input_ids=_ids_from_row(row, where, tokenizer))
+            yield make_row(index, row, where, tokenizer)

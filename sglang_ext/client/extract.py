@@ -7,6 +7,19 @@ named by ``meta_info.hidden_states_path`` is complete (its ``.lock`` released), 
 and moves it to ``OUT/hs_<i>.safetensors``, the layout speculators' training reader loads.
 One line per sample goes to ``OUT/manifest.jsonl``.
 
+Rows with images (``messages`` whose content holds image parts: OpenAI's ``image_url`` with
+an http(s), ``file://`` or base64 ``data:`` URL, or speculators' ``{"type": "image", "path"
+| "url" | "image": ...}``; ``sglang_ext.client.images``) go to ``POST /v1/chat/completions``
+instead (``max_tokens`` 1, ``temperature`` 0, non-streaming, the same ``rid`` and early
+answers, ``return_prompt_token_ids`` and ``return_meta_info``): the server applies its chat
+template and expands each image into its placeholder tokens, and its answer names the file
+in ``kv_transfer_params.hidden_states_path`` (or ``choices[0].meta_info``) or, with a store,
+the transfer manifest. The file's token ids must equal ``choices[0].prompt_token_ids`` (and
+the row's ``input_ids`` when it has them: else the row fails, not retried), and it goes to
+``hs_<i>`` as any other, its manifest line with ``images`` and ``request_sha256``. The server
+fetches the images itself: a ``file://`` path must name a file on the server's filesystem.
+A malformed image part fails its row with one sentence; the run goes on.
+
 Guarantees:
 
 - Start: one ``GET URL/health`` before any row is sent. Nothing answers: "cannot reach
@@ -29,7 +42,8 @@ Guarantees:
   same variable), the umask applied; an invalid value is one sentence, exit 2.
 - Resume: an index whose ``hs_<i>.safetensors`` is a regular file and passes the check
   is skipped (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files
-  are removed at start. A file that fails the check, or anything but a regular file at
+  are removed at start. A row with images is skipped only when its manifest line names
+  the same request (``request_sha256``) and token count; else it is extracted again. A file that fails the check, or anything but a regular file at
   that name (a FIFO, a symlink: never opened), is extracted again and replaced atomically.
 - Retries: a failed request (connection error, HTTP error, ``hidden_states_error``, a file
   that fails the check) is retried ``--max-retries`` times with exponential backoff
@@ -340,7 +354,11 @@ def add_parser(subparsers) -> None:
                         "/health before any row: unreachable or not SGLang is one line, exit 3")
     p.add_argument("--data", required=True,
                    help="JSONL with input_ids (or messages + --tokenizer), or a "
-                        "datasets.save_to_disk directory (speculators prepare-data output)")
+                        "datasets.save_to_disk directory (speculators prepare-data output); "
+                        "rows whose messages hold image parts (image_url with an http(s), "
+                        "file:// or data: URL; speculators' image path/url) go through "
+                        "/v1/chat/completions: the server fetches the images, so a file:// "
+                        "path must name a file the SERVER can read")
     p.add_argument("--out", required=True,
                    help="output directory (hs_<i>.safetensors, manifest.jsonl), files created "
                         "with mode 0600 or env KIMI_SGLANG_FILE_MODE (octal, e.g. 0640), the "
@@ -352,7 +370,9 @@ def add_parser(subparsers) -> None:
                         "its row. Repeat it for servers behind a router that write to "
                         "directories of their own (default: each directory an answer names, "
                         "when this machine sees it; one that it does not see stops the run)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer path for rows with messages (apply_chat_template)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer path for rows with text-only messages (apply_chat_template); "
+                        "rows with images use the server's chat template")
     p.add_argument("--concurrency", type=int, default=32,
                    help="HTTP requests in flight; up to as many more files may be waited on "
                         "while the server writes them")

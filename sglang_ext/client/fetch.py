@@ -72,7 +72,7 @@ POLL_FIRST_S = 0.001
 POLL_MAX_S = 0.05
 PROBE_TIMEOUT_S = 10.0  # a master that does not accept a TCP connection by then is not up
 FILE_META_KEYS = ("layer_ids", "num_layers", "model_path", "sglang_version",
-                  "sglang_ext_version", "series")
+                  "sglang_ext_version", "series", "image_token_id")
 INSTALL_HINT = store_client.INSTALL_HINT
 
 
@@ -140,10 +140,12 @@ def _file_metadata(rid: str, dtype: str, meta: Dict[str, Any]) -> Dict[str, str]
     return out
 
 
-def expect(manifest: Any, rid: str, input_ids: List[int],
+def expect(manifest: Any, rid: str, input_ids: Optional[List[int]],
            shape: Optional[Tuple[int, int, str]] = None) -> Expected:
     """Check an answer's manifest against the request (module doc, step 1); ``shape``:
-    the run's ``(L, H, dtype)`` so far. Raises ``FetchError`` (one sentence)."""
+    the run's ``(L, H, dtype)`` so far; ``input_ids`` None (a chat request with images
+    whose answer gave no prompt token ids): the manifest's own token count stands.
+    Raises ``FetchError`` (one sentence)."""
     if not isinstance(manifest, dict):
         raise FetchError(f"hidden_states_manifest is not an object: {str(manifest)[:200]}")
     if manifest.get("version") != st.MANIFEST_VERSION:
@@ -159,15 +161,16 @@ def expect(manifest: Any, rid: str, input_ids: List[int],
         dims = [int(d) for d in hs["shape"]]
         dtype = str(hs["dtype"]).removeprefix("torch.")
         meta = manifest["metadata"]
-        if len(dims) != 3 or not isinstance(meta, dict):
+        if len(dims) != 3 or not isinstance(meta, dict) or (input_ids is None and dims[0] < 1):
             raise ValueError
-        layout = st.pack_layout(len(input_ids), dims[1], dims[2], dtype)
+        layout = st.pack_layout(dims[0] if input_ids is None else len(input_ids), dims[1],
+                                dims[2], dtype)
     except (KeyError, TypeError, ValueError, fmt.DumpFormatError):
         raise FetchError(f"hidden_states_manifest does not describe hidden_states [T, L, H] "
                          f"of a known dtype: {json.dumps(manifest)[:300]}") from None
     want = layout.manifest(handle)
     if manifest["tensors"] != want["tensors"] or meta.get("total_aligned_bytes") != layout.total_bytes:
-        raise FetchError(f"hidden_states_manifest for {len(input_ids)} prompt tokens does not match "
+        raise FetchError(f"hidden_states_manifest for {layout.num_tokens} prompt tokens does not match "
                          f"the layout of hidden_states {dims} {dtype}: got {json.dumps(manifest['tensors'])[:300]}, "
                          f"total_aligned_bytes {meta.get('total_aligned_bytes')!r}")
     layer_ids = meta.get("layer_ids")
@@ -316,9 +319,10 @@ class StoreFetcher(Journal):
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
-    def take(self, exp: Expected, index: int, input_ids: List[int], full: bool) -> int:
+    def take(self, exp: Expected, index: int, input_ids: Optional[List[int]], full: bool) -> int:
         """Read ``exp``'s object and write it as ``OUT/hs_<index>.safetensors`` (module
-        doc, step 3); returns the file's size. ``FetchError`` when the object is gone, has
+        doc, step 3); returns the file's size. ``input_ids`` None: the object's own token
+        ids stand (``expect``). ``FetchError`` when the object is gone, has
         another size or other token ids; ``CheckError`` when the written file fails
         ``check_file``; ``OSError`` on I/O. The final name never holds a partial file."""
         layout = exp.layout
@@ -339,7 +343,8 @@ class StoreFetcher(Journal):
                 raise FetchError(f"reading {exp.handle!r} from the store gave {got} of {size} bytes")
             view = buf.view[:size]
             ids = layout.tensor(fmt.KEY_TOKEN_IDS)
-            if view[ids.offset:ids.offset + ids.nbytes].cast("q").tolist() != list(input_ids):
+            if input_ids is not None and \
+                    view[ids.offset:ids.offset + ids.nbytes].cast("q").tolist() != list(input_ids):
                 raise FetchError(f"the store object {exp.handle!r} holds other token ids than the request's")
             specs = fmt.dump_tensors(layout.num_tokens, *layout.tensor(fmt.KEY_HIDDEN_STATES).shape[1:],
                                      layout.dtype)

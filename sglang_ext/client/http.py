@@ -1,4 +1,5 @@
-"""Talking to the server over HTTP: the start-up probe, ``POST /generate``, retry delays.
+"""Talking to the server over HTTP: the start-up probe, ``POST /generate`` (token ids),
+``POST /v1/chat/completions`` (rows with images), retry delays.
 
 Errors: ``RequestError`` (one try failed: retry it), ``RowError`` (HTTP 400, the server
 refused the row: do not retry) and ``FatalError`` (an answer no retry can change: stop the
@@ -42,11 +43,13 @@ MANIFEST_KEY = fmt.MANIFEST_KEY
 
 
 class Answer(NamedTuple):
-    """What ``/generate`` named for one request: a file ``path`` (not yet trusted), or a
-    store ``manifest`` (a dict, not yet checked)."""
+    """What the server named for one request: a file ``path`` (not yet trusted), or a
+    store ``manifest`` (a dict, not yet checked); for a chat request, ``prompt_ids``: the
+    token ids the server says it ran (``choices[0].prompt_token_ids``), None if not given."""
 
     path: Optional[str]
     manifest: Optional[Dict[str, Any]]
+    prompt_ids: Optional[List[int]] = None
 
 
 def endpoint_error(url: str) -> Optional[str]:
@@ -118,26 +121,13 @@ async def probe(endpoint: str, timeout: float) -> Tuple[Optional[str], Optional[
             f"http://127.0.0.1:30000"), None
 
 
-async def generate(session, endpoint: str, rid: str, input_ids: List[int], early_answers: bool,
-                   http_slots: asyncio.Semaphore, pending: PendingFiles) -> Answer:
-    """``POST <endpoint>/generate`` for one prompt; returns the answer's
-    ``meta_info.hidden_states_path`` (a non-empty string, not yet trusted) or, from a
-    server that puts samples into a Mooncake Store, its ``hidden_states_manifest``.
-
-    ``early_answers`` asks to be answered once the file's name is reserved
-    (``format.WAIT_PARAM``), before the write. ``http_slots`` bounds the requests in
-    flight (``--concurrency``); ``pending`` journals ``rid`` before it is sent. Raises
-    ``RequestError``: ``RowError`` on HTTP 400, ``FatalError`` on HTTP 404/405 (not the
-    server's base URL) or an answer with neither (the server is not dumping)."""
+async def _post(session, url: str, payload: Any, http_slots: asyncio.Semaphore,
+                pending: PendingFiles, rid: str) -> str:
+    """POST ``payload`` as JSON; returns the body of an HTTP 200 answer. ``pending``
+    journals ``rid`` before it is sent. Raises ``RequestError`` (``RowError`` on HTTP 400,
+    ``FatalError`` on 404/405)."""
     import aiohttp
 
-    sampling: dict = {"max_new_tokens": 1, "temperature": 0}
-    if early_answers:
-        # Answer once the file's name is reserved (format.WAIT_PARAM); the wait for the
-        # write is the caller's, so this HTTP slot is free for the next prompt.
-        sampling["custom_params"] = {fmt.WAIT_PARAM: False}
-    payload: Any = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
-    url = endpoint.rstrip("/") + "/generate"
     async with http_slots:
         pending.sent(rid)
         try:
@@ -153,22 +143,101 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
                     raise RequestError(f"HTTP {resp.status}: {brief(text)}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise RequestError(f"{type(e).__name__}: {e}") from None
+    return text
+
+
+def _answer_of(keys: Dict[str, Any], text: str, where: str) -> Optional[Answer]:
+    """The path or manifest in ``keys`` (``meta_info`` or ``kv_transfer_params``), None
+    when it names neither. Raises ``RequestError`` for the server's dump error or a path
+    that is not a non-empty string (``where``: the keys' place, for the message)."""
+    if keys.get(fmt.ERROR_KEY):
+        raise RequestError(f"{fmt.ERROR_KEY}: {keys[fmt.ERROR_KEY]}")
+    manifest = keys.get(MANIFEST_KEY)
+    if manifest is not None:
+        return Answer(None, manifest)
+    path = keys.get(fmt.PATH_KEY)
+    if path is not None and (not isinstance(path, str) or not path):
+        raise RequestError(f"{where}.{fmt.PATH_KEY} is not a file path: {brief(text)}")
+    return None if path is None else Answer(path, None)
+
+
+async def generate(session, endpoint: str, rid: str, input_ids: List[int], early_answers: bool,
+                   http_slots: asyncio.Semaphore, pending: PendingFiles) -> Answer:
+    """``POST <endpoint>/generate`` for one prompt; returns the answer's
+    ``meta_info.hidden_states_path`` (a non-empty string, not yet trusted) or, from a
+    server that puts samples into a Mooncake Store, its ``hidden_states_manifest``.
+
+    ``early_answers`` asks to be answered once the file's name is reserved
+    (``format.WAIT_PARAM``), before the write. ``http_slots`` bounds the requests in
+    flight (``--concurrency``); ``pending`` journals ``rid`` before it is sent. Raises
+    ``RequestError``: ``RowError`` on HTTP 400, ``FatalError`` on HTTP 404/405 (not the
+    server's base URL) or an answer with neither (the server is not dumping)."""
+    sampling: dict = {"max_new_tokens": 1, "temperature": 0}
+    if early_answers:
+        # Answer once the file's name is reserved (format.WAIT_PARAM); the wait for the
+        # write is the caller's, so this HTTP slot is free for the next prompt.
+        sampling["custom_params"] = {fmt.WAIT_PARAM: False}
+    payload: Any = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
+    text = await _post(session, endpoint.rstrip("/") + "/generate", payload, http_slots, pending, rid)
     try:
         meta = json.loads(text)["meta_info"]
     except (ValueError, KeyError, TypeError):
         raise RequestError(f"response without meta_info: {brief(text)}") from None
     if not isinstance(meta, dict):
         raise RequestError(f"meta_info is not an object: {brief(text)}")
-    if meta.get(fmt.ERROR_KEY):
-        raise RequestError(f"{fmt.ERROR_KEY}: {meta[fmt.ERROR_KEY]}")
-    manifest = meta.get(MANIFEST_KEY)
-    if manifest is not None:
-        return Answer(None, manifest)
-    path = meta.get(fmt.PATH_KEY)
-    if path is not None and (not isinstance(path, str) or not path):
-        raise RequestError(f"hidden_states_path is not a file path: {brief(text)}")
-    if path is None:
+    answer = _answer_of(meta, text, "meta_info")
+    if answer is None:
         raise FatalError(f"the server at {endpoint} is not dumping hidden states: its "
                          f"answer has no meta_info.hidden_states_path (start it with "
                          f"--dump-hidden-states-dir DIR); answer: {brief(text)}")
-    return Answer(path, None)
+    return answer
+
+
+def _token_ids(value: Any) -> Optional[List[int]]:
+    """``value`` when it is a non-empty list of non-negative ints, else None."""
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        return value
+    return None
+
+
+async def chat_completion(session, endpoint: str, body: Dict[str, Any],
+                          http_slots: asyncio.Semaphore, pending: PendingFiles) -> Answer:
+    """``POST <endpoint>/v1/chat/completions`` with ``body`` (``images.chat_body``: its
+    ``rid`` is journaled first); returns the file or manifest it names and the prompt
+    token ids the server ran.
+
+    Where the answer names them: the top-level ``kv_transfer_params`` (the patched
+    server, as on ``/v1/completions``: ``{"hidden_states_path": P}``, or the store's
+    transfer manifest itself), else ``choices[0].meta_info`` (``return_meta_info``:
+    ``hidden_states_path``, ``hidden_states_manifest`` or ``hidden_states_error``).
+    ``prompt_ids``: ``choices[0].prompt_token_ids`` (``return_prompt_token_ids``), None
+    when absent. Raises ``RequestError`` (``RowError`` on HTTP 400, e.g. an image the
+    server cannot fetch; ``FatalError`` on HTTP 404/405 or an answer naming no dump)."""
+    url = endpoint.rstrip("/") + "/v1/chat/completions"
+    text = await _post(session, url, body, http_slots, pending, body["rid"])
+    try:
+        answer = json.loads(text)
+        choice = answer["choices"][0]
+        if not isinstance(answer, dict) or not isinstance(choice, dict):
+            raise TypeError
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RequestError(f"chat completion without choices[0]: {brief(text)}") from None
+    prompt_ids = choice.get("prompt_token_ids")
+    if prompt_ids is not None and _token_ids(prompt_ids) is None:
+        raise RequestError(f"choices[0].prompt_token_ids is not a list of token ids: {brief(text)}")
+    found = None
+    kv = answer.get("kv_transfer_params")
+    if isinstance(kv, dict) and kv:
+        if kv.get(fmt.PATH_KEY) is not None or kv.get(fmt.ERROR_KEY):
+            found = _answer_of(kv, text, "kv_transfer_params")
+        elif "handle" in kv:  # the store's transfer manifest itself, as vLLM's connector
+            found = Answer(None, {k: v for k, v in kv.items() if k != MANIFEST_KEY + "s"})
+    if found is None and isinstance(choice.get("meta_info"), dict):
+        found = _answer_of(choice["meta_info"], text, "choices[0].meta_info")
+    if found is None:
+        raise FatalError(f"the server at {endpoint} is not dumping chat requests: its answer "
+                         f"has neither kv_transfer_params.hidden_states_path nor "
+                         f"choices[0].meta_info.hidden_states_path (start it with "
+                         f"--dump-hidden-states-dir DIR); answer: {brief(text)}")
+    return found._replace(prompt_ids=prompt_ids)

@@ -2,7 +2,8 @@
 
 ``manifest.jsonl`` holds one JSON line per sample (``record``), appended with one
 ``O_APPEND`` write so that lines never interleave; the last line of an index wins and a
-torn last line (a killed run) is ignored. A rerun keeps every ``hs_<i>`` that is a regular
+torn last line (a killed run) is ignored. A row with images also gets ``images`` and
+``request_sha256`` (``runner.chat_record``), which a rerun checks before keeping its file. A rerun keeps every ``hs_<i>`` that is a regular
 file and passes ``checks.check_file`` (``existing``), and removes the temporary files a
 killed run left (``clean_tmp``).
 """
@@ -68,11 +69,18 @@ class Manifest:
         self.records[rec["index"]] = rec
 
 
-def existing(out_dir: str, index: int, input_ids: List[int], full: bool) -> Tuple[Optional[int], Optional[str]]:
+def existing(out_dir: str, index: int, input_ids: Optional[List[int]], full: bool,
+             digest: Optional[str] = None, rec: Optional[Dict[str, Any]] = None
+             ) -> Tuple[Optional[int], Optional[str]]:
     """What a rerun finds at ``OUT/hs_<index>``: ``(tokens, None)`` a regular file that
     passes ``check_file`` (kept); ``(None, why)`` something to extract again (a file that
     fails the check, or no regular file: a FIFO, a symlink, never opened); ``(None, None)``
-    nothing."""
+    nothing.
+
+    A row with images (``digest``: its ``ChatPrompt.digest``) is kept only when its
+    manifest record ``rec`` names the same request (``request_sha256``) and as many tokens
+    as the file holds: token ids alone do not tell one image from another of its size, and
+    a file renamed into place just before a kill, without its line, is extracted again."""
     target = os.path.join(out_dir, final_name(index))
     try:
         not_regular = regular_or_why(target)
@@ -80,10 +88,16 @@ def existing(out_dir: str, index: int, input_ids: List[int], full: bool) -> Tupl
         return None, None
     if not_regular:
         return None, f"it is not a regular file ({not_regular})"
+    if digest is not None and (rec is None or rec.get("request_sha256") != digest):
+        return None, (f"{MANIFEST_NAME} does not record it as the answer to this row's chat "
+                      f"request (request_sha256)")
     try:
-        return check_file(target, input_ids, full), None
+        n = check_file(target, input_ids, full)
     except CheckError as e:
         return None, str(e)
+    if digest is not None and rec.get("num_tokens") != n:
+        return None, f"it holds {n} tokens, its {MANIFEST_NAME} line says {rec.get('num_tokens')}"
+    return n, None
 
 
 def clean_tmp(out_dir: str) -> int:

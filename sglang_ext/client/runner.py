@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from sglang_ext import format as fmt
-from sglang_ext.client.checks import CheckError
+from sglang_ext.client.checks import CheckError, check_file
 from sglang_ext.client.dataset import Row
 from sglang_ext.client.dumpdir import DumpDir, DumpDirs, move_into_place
 from sglang_ext.client.files import unlink_regular
@@ -27,8 +27,10 @@ from sglang_ext.client.http import (
     RowError,
     UsageError,
     backoff_delay,
+    chat_completion,
     generate,
 )
+from sglang_ext.client.images import chat_body
 from sglang_ext.client.manifest import Manifest, existing, final_name, record
 from sglang_ext.client.pending import PendingFiles
 
@@ -78,16 +80,22 @@ class Stats:
 
 async def request_once(session, opts: Options, row: Row, attempt: int,
                        http_slots: asyncio.Semaphore, pending: PendingFiles) -> Tuple[str, Answer]:
-    """One try's request: POST /generate for ``row``; returns ``(rid, answer)``. The wait
-    for an HTTP slot is outside ``--timeout``, which bounds the HTTP request. ``pending``
-    journals the request (a store answer settles it at once: the server writes no file).
-    Raises ``RequestError`` (``RowError``; ``FatalError`` when retrying cannot help,
-    ``UsageError`` for a store answer without ``--store``)."""
+    """One try's request: POST /generate for ``row`` (``/v1/chat/completions`` for a row
+    with images); returns ``(rid, answer)``. The wait for an HTTP slot is outside
+    ``--timeout``, which bounds the HTTP request. ``pending`` journals the request (a store
+    answer settles it at once: the server writes no file). Raises ``RequestError``
+    (``RowError``; ``FatalError`` when retrying cannot help, ``UsageError`` for a store
+    answer without ``--store``)."""
     rid = f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}"
     if opts.store is not None:
         opts.store.sent(row.index, rid)
-    answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
-                            http_slots, pending)
+    if row.chat is not None:
+        answer = await chat_completion(session, opts.endpoint,
+                                       chat_body(row.chat, rid, opts.early_answers),
+                                       http_slots, pending)
+    else:
+        answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
+                                http_slots, pending)
     if answer.manifest is not None:
         pending.settled(rid)
         if opts.store is None:
@@ -127,18 +135,43 @@ async def wait_for_file(opts: Options, rid: str, path: str, pending: PendingFile
     return dump, name
 
 
-async def take_from_store(opts: Options, row: Row, rid: str, manifest: Any) -> Dict[str, Any]:
-    """The store half of a try: check ``manifest`` against ``row``, journal it, wait for
-    its object (``--store-timeout``) and write it as ``OUT/hs_<i>``; returns the manifest
-    record. Raises ``FetchError`` (a ``RequestError``), ``CheckError`` or ``OSError``."""
+def expected_ids(row: Row, answer: Answer) -> Optional[List[int]]:
+    """The token ids ``row``'s file must hold: its ``input_ids`` (given, or tokenized
+    here), else a chat answer's ``prompt_ids``, else None (the file's own, checked for one
+    row each). Raises ``RowError`` when a row's ``input_ids`` differ from the prompt token
+    ids the server says it ran: the row's loss mask would not fit the file (not retried)."""
+    ids, ran = row.input_ids, answer.prompt_ids
+    if ids is not None and ran is not None and ran != ids:
+        pos = next((k for k, (a, b) in enumerate(zip(ids, ran)) if a != b), min(len(ids), len(ran)))
+        raise RowError(f"the server ran {len(ran)} prompt token(s), which differ from the row's "
+                       f"{len(ids)} input_ids at position {pos}: its chat template or image "
+                       f"processing is not the one that made the row (its loss_mask would not "
+                       f"fit); drop input_ids from such rows to take the server's")
+    return ids if ids is not None else ran
+
+
+def chat_record(row: Row, rec: Dict[str, Any]) -> Dict[str, Any]:
+    """``rec`` plus, for a row with images, ``images`` (its image parts) and
+    ``request_sha256`` (``ChatPrompt.digest``: what a rerun checks before keeping hs_<i>)."""
+    if row.chat is not None:
+        rec.update(images=row.chat.images, request_sha256=row.chat.digest)
+    return rec
+
+
+async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer) -> Dict[str, Any]:
+    """The store half of a try: check the answer's manifest against ``row``, journal it,
+    wait for its object (``--store-timeout``) and write it as ``OUT/hs_<i>``; returns the
+    manifest record. Raises ``FetchError`` (a ``RequestError``), ``RowError``
+    (``expected_ids``), ``CheckError`` or ``OSError``."""
     from sglang_ext.client import fetch
 
     store = opts.store
-    exp = fetch.expect(manifest, rid, row.input_ids, store.shape)  # rid is journaled already
-    store.answered(row.index, rid, manifest)
+    ids = expected_ids(row, answer)
+    exp = fetch.expect(answer.manifest, rid, ids, store.shape)  # rid is journaled already
+    store.answered(row.index, rid, answer.manifest)
     await store.wait(exp, opts.store_timeout)
-    size = await asyncio.to_thread(store.take, exp, row.index, row.input_ids, opts.validate)
-    return record(row.index, len(row.input_ids), store.source(exp.handle), size)
+    size = await asyncio.to_thread(store.take, exp, row.index, ids, opts.validate)
+    return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle), size))
 
 
 async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]:
@@ -151,6 +184,10 @@ async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]
     store = opts.store
     for rid, manifest in reversed(store.resumable(row.index)):
         try:
+            if row.chat is not None and row.input_ids is None:
+                # the journaled answer's prompt token ids are not kept: a fresh request
+                # checks the object against them
+                continue
             exp = fetch.expect(manifest, rid, row.input_ids, store.shape)
             if await asyncio.to_thread(store.state, exp.handle) != "ready":
                 continue
@@ -159,7 +196,8 @@ async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]
             print(f"row {row.index}: the sample an earlier run was answered for is not taken "
                   f"({e}); requesting it again", file=sys.stderr)
             continue
-        return record(row.index, len(row.input_ids), store.source(exp.handle), size)
+        return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle),
+                                       size))
     return None
 
 
@@ -188,17 +226,21 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             rid, answer = await request_once(session, opts, row, attempt, http_slots, pending)
             if answer.manifest is not None:
                 where.append(STORE)
-                return await take_from_store(opts, row, rid, answer.manifest), STORE
+                return await take_from_store(opts, row, rid, answer), STORE
             dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
+            ids = expected_ids(row, answer)  # RowError: the file stays journaled, swept at the end
             try:
                 size = await asyncio.to_thread(
-                    move_into_place, dump, name, opts.out_dir, row.index, row.input_ids,
+                    move_into_place, dump, name, opts.out_dir, row.index, ids,
                     opts.validate, opts.file_mode,
                 )
             finally:
                 if not fmt.lexists_at(dump.fd, name):
                     pending.settled(rid)
-            return record(row.index, len(row.input_ids), os.path.join(dump.path, name), size), dump.path
+            n = len(ids) if ids is not None else await asyncio.to_thread(
+                check_file, os.path.join(opts.out_dir, final_name(row.index)), None, False)
+            rec = record(row.index, n, os.path.join(dump.path, name), size)
+            return chat_record(row, rec), dump.path
         except FatalError:
             raise
         except RowError as e:
@@ -241,8 +283,16 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                     return
                 if abort.is_set():
                     continue
-                n, redo = await asyncio.to_thread(existing, opts.out_dir, row.index, row.input_ids,
-                                                  opts.validate)
+                if row.error is not None:  # a malformed image part: this row alone fails
+                    stats.failed += 1
+                    stats.failed_indices.append(row.index)  # bad data, not a failing server:
+                    print(row.error, file=sys.stderr)        # not a consecutive failure
+                    tick()
+                    continue
+                n, redo = await asyncio.to_thread(
+                    existing, opts.out_dir, row.index, row.input_ids, opts.validate,
+                    row.chat.digest if row.chat is not None else None,
+                    manifest.records.get(row.index))
                 if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
                     print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
                 elif n is not None:

@@ -1,7 +1,9 @@
 """extract / convert / the vLLM-compatible completions hook, against a local fake server.
 
-The fake server (a ``ThreadingHTTPServer`` on 127.0.0.1) answers ``/generate`` as the
-patched SGLang does: it writes each request's file through ``sglang_ext.format``'s real
+The fake server (a ``ThreadingHTTPServer`` on 127.0.0.1) answers ``/generate`` (and, for
+prompts with images, ``/v1/chat/completions``: ``render_chat`` stands in for the chat template
+and image processor, the answer is SGLang 0.5.23's ``ChatCompletionResponse`` plus the
+top-level ``kv_transfer_params`` the chat patch adds) as the patched SGLang does: it writes each request's file through ``sglang_ext.format``'s real
 writer path (reserve -> write -> complete, so the ``.lock`` is gone before the
 answer) and names it in ``meta_info.hidden_states_path``. Its ``/v1/completions`` builds
 SGLang 0.5.17's own ``CompletionResponse`` (with ``prompt_token_ids`` as SGLang returns
@@ -80,6 +82,56 @@ def write_jsonl(path, data, masks=None):
     return str(path)
 
 
+# ---- the fake server's chat template and image processor (a stand-in for SGLang's) --------
+BOS, TURN_END, IMAGE_START, IMAGE_END, IMAGE_TOKEN = 1, 2, 7, 8, 9
+ROLE_IDS = {"system": 13, "user": 11, "assistant": 12}
+
+
+def word_id(word):
+    """A word's token id: 1000 + n for a number n, else 100..899 from its bytes."""
+    return 1000 + int(word) if word.isdigit() else 100 + sum(word.encode()) % 800
+
+
+def image_bytes(url):
+    """An image's bytes as the server gets them: a data URL decoded, a file:// path read
+    (ValueError, SGLang's HTTP 400, when it cannot be)."""
+    import base64
+    from urllib.parse import unquote, urlsplit
+
+    if url.startswith("data:"):
+        return base64.b64decode(url.split(",", 1)[1])
+    if url.startswith("file://"):
+        try:
+            return Path(unquote(urlsplit(url).path)).read_bytes()
+        except OSError as e:
+            raise ValueError(f"cannot read the image {url}: {e.strerror}") from None
+    raise ValueError(f"cannot fetch the image {url} (no network here)")
+
+
+def render_chat(messages, continue_final=False):
+    """The prompt's token ids: BOS, per message its role id, its words and images, TURN_END
+    (not after a continued final assistant message), then the generation prompt (the
+    assistant's role id) unless continued. Each image is IMAGE_START, IMAGE_TOKEN * (2 +
+    its size % 5), IMAGE_END, as a processor expands its placeholder."""
+    ids = [BOS]
+    for k, m in enumerate(messages):
+        ids.append(ROLE_IDS[m["role"]])
+        content = m["content"]
+        for part in ([{"type": "text", "text": content}] if isinstance(content, str) else content):
+            if part["type"] == "text":
+                ids += [word_id(w) for w in part["text"].split()]
+            elif part["type"] == "image_url" and isinstance(part.get("image_url"), dict):
+                n = 2 + len(image_bytes(part["image_url"]["url"])) % 5
+                ids += [IMAGE_START] + [IMAGE_TOKEN] * n + [IMAGE_END]
+            else:
+                raise ValueError(f"unsupported content part {part}")
+        if not (continue_final and k == len(messages) - 1 and m["role"] == "assistant"):
+            ids.append(TURN_END)
+    if not (continue_final and messages[-1]["role"] == "assistant"):
+        ids.append(ROLE_IDS["assistant"])
+    return ids
+
+
 # ---- the fake server ---------------------------------------------------------------------
 class FakeServer:
     def __init__(self, dump_dir):
@@ -96,6 +148,11 @@ class FakeServer:
         self.asked_early = 0
         self.pending = self.max_pending = 0
         self.counts = {}
+        self.chat_bodies = []  # every /v1/chat/completions body, as received
+        self.generate_calls = 0  # POST /generate requests
+        self.chat_kv = True  # chat answers carry kv_transfer_params (the patched server)
+        self.chat_meta = True  # ... and choices[0].meta_info when asked (return_meta_info)
+        self.image_meta = True  # files of chat requests name image_token_id in their metadata
         self.lock = threading.Lock()
         server = self
 
@@ -112,11 +169,14 @@ class FakeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/generate":
+                    server.generate_calls += 1
                     params = (body.get("sampling_params") or {}).get("custom_params") or {}
                     code, obj = server.generate(body["input_ids"], body.get("rid", "r"),
                                                 early=params.get(fmt.WAIT_PARAM) is False)
                 elif self.path == "/v1/completions":
                     code, obj = server.completions(body)
+                elif self.path == "/v1/chat/completions":
+                    code, obj = server.chat(body)
                 else:
                     code, obj = 404, {"error": "not found"}
                 self.reply(code, obj)
@@ -131,7 +191,7 @@ class FakeServer:
         self.httpd.server_close()
         os.close(self.dir_fd)
 
-    def dump(self, ids, rid, early=False):
+    def dump(self, ids, rid, early=False, extra=None):
         """Write the file as the patched server does; returns meta_info. ``early`` (and
         ``early_write_s`` set): answer with the name reserved, write in a thread later."""
         hs = reference(ids)
@@ -141,7 +201,7 @@ class FakeServer:
         if ids[0] in self.wrong_ids_for:
             token_ids = token_ids + 1
         res = fmt.reserve(self.dir_fd, rid)
-        meta = fmt.build_metadata(rid=rid, layer_ids=LAYERS, num_layers=NUM_LAYERS)
+        meta = fmt.build_metadata(rid=rid, layer_ids=LAYERS, num_layers=NUM_LAYERS, extra=extra)
         info = {"id": rid, "hidden_states_path": os.path.join(self.dump_dir, res.name)}
 
         with self.lock:
@@ -172,7 +232,7 @@ class FakeServer:
         write()
         return info
 
-    def generate(self, ids, rid, early=False):
+    def generate(self, ids, rid, early=False, extra=None):
         with self.lock:
             key = tuple(ids)
             n = self.counts[key] = self.counts.get(key, 0) + 1
@@ -182,7 +242,46 @@ class FakeServer:
             if n % 2 == 1:
                 return 500, {"error": "injected"}
             return 200, {"text": "", "meta_info": {"id": rid, "hidden_states_error": "injected"}}
-        return 200, {"text": "x", "meta_info": self.dump(ids, rid, early)}
+        return 200, {"text": "x", "meta_info": self.dump(ids, rid, early, extra)}
+
+    def chat(self, body):
+        """``/v1/chat/completions`` as the patched server answers it (``render_chat``
+        stands in for the chat template and the image processor; an image it cannot read
+        is HTTP 400, a failed dump HTTP 500 as ``openai_completion_extras`` raises)."""
+        from sglang.srt.entrypoints.openai.protocol import (
+            ChatCompletionResponse,
+            ChatCompletionResponseChoice,
+            ChatMessage,
+            UsageInfo,
+        )
+
+        with self.lock:
+            self.chat_bodies.append(body)
+        try:
+            ids = render_chat(body["messages"], body.get("continue_final_message", False))
+        except ValueError as e:
+            return 400, {"object": "error", "message": str(e), "code": 400}
+        rid = body.get("rid", "chat")
+        params = body.get("custom_params") or {}
+        extra = {"image_token_id": str(IMAGE_TOKEN)} if self.image_meta else None
+        code, ret = self.generate(ids, rid, early=params.get(fmt.WAIT_PARAM) is False, extra=extra)
+        if code != 200:
+            return code, ret
+        meta = ret["meta_info"]
+        if meta.get(fmt.ERROR_KEY):
+            return 500, {"object": "error", "message": f"hidden-state dump failed: {meta[fmt.ERROR_KEY]}"}
+        response = ChatCompletionResponse(
+            id="chatcmpl-1", model="m",
+            choices=[ChatCompletionResponseChoice(
+                index=0, message=ChatMessage(role="assistant", content="x"), finish_reason="length",
+                prompt_token_ids=list(ids) if body.get("return_prompt_token_ids") else None,
+                meta_info=meta if body.get("return_meta_info") and self.chat_meta else None,
+            )],
+            usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=1, total_tokens=len(ids) + 1),
+        ).model_dump(mode="json")
+        if self.chat_kv:
+            response["kv_transfer_params"] = {fmt.PATH_KEY: meta[fmt.PATH_KEY]}
+        return 200, response
 
     def completions(self, body):
         from sglang.srt.entrypoints.openai.protocol import (

@@ -262,6 +262,15 @@ def test_a_manifest_is_checked_against_the_request_before_anything_is_read():
     assert fetch.expect(carried, rid, ids).metadata == {
         "format": fmt.FORMAT_VERSION, "rid": rid, "layer_ids": json.dumps(LAYERS), "num_layers": "8",
         "model_path": "/m"}
+    # a chat request with images whose answer gave no prompt token ids: the manifest's own
+    # token count stands (its offsets still checked); image_token_id goes into the file
+    carried["metadata"].update(image_token_id=9)
+    exp = fetch.expect(carried, rid, None)
+    assert exp.layout == fetch.expect(good, rid, ids).layout and exp.metadata["image_token_id"] == "9"
+    with pytest.raises(fetch.FetchError, match="does not describe hidden_states"):
+        m = json.loads(json.dumps(good))
+        m["tensors"]["hidden_states"]["shape"] = [0, 4, 8]
+        fetch.expect(m, rid, None)
 
 
 def test_store_url_is_checked_before_anything_is_sent(tmp_path, capsys):
