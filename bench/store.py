@@ -62,10 +62,10 @@ class BenchStore:
         self.master = self.node = self.sink = None
 
     def start(self) -> "BenchStore":
-        from sglang_ext import store
+        from sglang_ext import store, store_client
         from testing import store as st
 
-        why = store.mooncake_import_error()
+        why = store_client.mooncake_import_error()
         if why is not None:
             raise RuntimeError(f"the store modes' Mooncake Store {why} (on the GPU host: carry .whl/m, "
                                f"tests/gpu/stage-extras.sh)")
@@ -74,7 +74,7 @@ class BenchStore:
                                            self.port, self.port + 1)
             self.node = st.StoreNode(self.master.address, self.segment,
                                      os.path.join(self.log_dir, f"store-node-{self.port}.log"))
-            self.sink = store.StoreSink(store.StoreConfig(
+            self.sink = store_client.StoreClient(store.StoreConfig(
                 self.master.address, global_segment_size=0, local_buffer_size=16 * MiB,
                 local_hostname="127.0.0.1")).connect()
         except BaseException:
@@ -111,8 +111,10 @@ class BenchStore:
 
     def marker(self, handle: str) -> str:
         """The sentence of ``<handle>:error`` (its JSON ``error``), or "" when unreadable."""
+        from sglang_ext import store
+
         try:
-            return json.loads(bytes(self.sink._client().get(handle + ":error")))["error"]
+            return json.loads(bytes(self.sink.get(handle + store.ERROR_SUFFIX)))["error"]
         except Exception:  # noqa: BLE001 - the marker's existence is the finding
             return ""
 

@@ -154,7 +154,7 @@ class StoreConfig:
     @classmethod
     def is_url(cls, text: str) -> bool:
         """Whether ``text`` names a store (``mooncake://...``) rather than a directory."""
-        return str(text).startswith(SCHEME + "://")
+        return str(text)[:len(SCHEME) + 3].lower() == SCHEME + "://"  # as from_url: any case
 
     @classmethod
     def from_url(cls, url: str) -> "StoreConfig":
@@ -173,6 +173,11 @@ class StoreConfig:
             name = cls.KEYS.get(key)
             if name is None:
                 raise ValueError(f"unknown mooncake setting {key!r}; known: {', '.join(sorted(cls.KEYS))}")
+            if name in kwargs:
+                raise ValueError(f"mooncake setting {key!r} is given twice in {url!r}: give it once")
+            if not value and name in ("local_hostname", "metadata_server", "protocol"):
+                raise ValueError(f"mooncake setting {key!r} is empty: give a value or leave the key out "
+                                 f"(its default)")
             kwargs[name] = parse_size(key, value) if name.endswith("_size") else value
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return cls(master_server_address=f"{host}:{port}", **kwargs)

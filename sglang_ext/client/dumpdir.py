@@ -83,10 +83,11 @@ class DumpDirs:
 
     ``take(rid, path)`` returns ``(DumpDir, bare name)`` for an answer: its name must be
     the server's name for ``rid`` and its directory one of the run's (by device and inode).
-    Raises ``CheckError`` (this row's error: a bad name, or with ``--dump-dir`` a directory
-    not given) or ``FatalError`` when the directory does not exist on this machine (the
-    directory sink needs a filesystem shared with every server) or more than
-    ``MAX_DUMP_DIRS`` were named. Raises ``OSError`` from ``__init__`` for a given path
+    Raises ``CheckError`` (this row's error: a bad name) or ``FatalError`` (the run stops:
+    every answer of that server would fail alike) when the directory does not exist on
+    this machine (the directory sink needs a filesystem shared with every server), when
+    ``--dump-dir`` was given and does not name it (a server's directory left out), or when
+    more than ``MAX_DUMP_DIRS`` were named. Raises ``OSError`` from ``__init__`` for a given path
     that is not a directory."""
 
     def __init__(self, paths: List[str]):
@@ -120,9 +121,11 @@ class DumpDirs:
         for d in self.dirs:
             if (st.st_dev, st.st_ino) == d.identity:
                 return d, d.server_name_of(rid, path)
-        if self.fixed:
-            raise CheckError(f"hidden_states_path {path} is not in the dump directory "
-                             f"{', '.join(d.path for d in self.dirs)}: not taken")
+        if self.fixed:  # a server's directory left out: every answer of it would fail alike
+            raise FatalError(f"the server wrote {path} into {directory}, which no --dump-dir "
+                             f"names ({', '.join(d.path for d in self.dirs)}): add --dump-dir "
+                             f"{directory} (one per server behind a router), or leave --dump-dir "
+                             f"out to take each answer's directory")
         if not server_name_ok(rid, name):  # before a directory is adopted for it
             raise CheckError(f"hidden_states_path {path} is not the server's name for request "
                              f"{rid} ({fmt.safe_stem(rid)}[-n]{fmt.SUFFIX}): not taken")

@@ -95,7 +95,7 @@ from typing import List
 
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
-from sglang_ext.client.files import file_mode, regular_or_why
+from sglang_ext.client.files import RunLock, RunLockHeld, file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
@@ -108,16 +108,19 @@ EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 def main(args) -> int:
     """``sglang-ext extract``: the exit codes of the module doc."""
     held: List[Options] = []  # whose dump directory (if any) is closed at the end
+    locks: List[RunLock] = []  # the run's hold on --out, released last
     try:
-        return _main(args, held)
+        return _main(args, held, locks)
     finally:
         for opts in held:
             opts.dump.close()
             if opts.store is not None:
                 opts.store.close()
+        for lock in locks:
+            lock.release()
 
 
-def _main(args, held: List["Options"]) -> int:
+def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         print("error: need --world-size >= 1 and 0 <= --rank < --world-size", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -168,6 +171,15 @@ def _main(args, held: List["Options"]) -> int:
         print(f"error: --summary {args.summary} is a directory: name the JSON file to write",
               file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.summary is not None:
+        try:  # refused now, not after the whole dataset
+            with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(args.summary)),
+                                        prefix=".extract-summary-"):
+                pass
+        except OSError as e:
+            print(f"error: --summary {args.summary}: cannot write there ({e.strerror or e})",
+                  file=sys.stderr)
+            return EXIT_BAD_INPUT
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -200,6 +212,7 @@ def _main(args, held: List["Options"]) -> int:
         print(note, file=sys.stderr)
     try:
         os.makedirs(args.out, exist_ok=True)
+        locks.append(RunLock(args.out, args.rank, mode).acquire())  # before touching what is there
         removed = clean_tmp(args.out)
         with tempfile.TemporaryFile(dir=args.out, prefix=".extract-probe-"):
             pass  # hs_<i>, the manifest and the journal are all written here
@@ -211,6 +224,9 @@ def _main(args, held: List["Options"]) -> int:
         pending = PendingFiles(args.out, args.rank, mode)
         for d in dump.dirs:
             pending.dump_dir(d.path)
+    except RunLockHeld as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ABORTED
     except OSError as e:
         print(f"error: --out {args.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
         return EXIT_BAD_INPUT

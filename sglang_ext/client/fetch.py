@@ -260,6 +260,9 @@ class StoreFetcher(Journal):
     def connect(self) -> "StoreFetcher":
         """Set the Mooncake client up. ``MooncakeMissing`` (one sentence) when mooncake is
         not installed, ``StoreUnreachable`` when the master does not answer."""
+        # Mooncake's INFO lines (its set-up, ~16 per run) would bury extract's own on the
+        # user's terminal; warnings and errors still show (MC_LOG_LEVEL: Mooncake's own).
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         client = store_client.StoreClient(self.config)
         try:
             client.connect(subject="--store", probe_s=PROBE_TIMEOUT_S)

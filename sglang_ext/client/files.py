@@ -7,11 +7,13 @@ file under a final name.
 - ``unlink_regular`` / ``unlink_entry``: remove a name (only a regular file / whatever
   entry it is, never what a symlink points to);
 - ``Staged``: build a file under a temporary name and rename it onto its final name once
-  complete (``extract``'s ``hs_<i>``, ``convert``'s records, the pending journal).
+  complete (``extract``'s ``hs_<i>``, ``convert``'s records, the pending journal);
+- ``RunLock``: one ``extract`` run per rank and output directory at a time.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
@@ -188,3 +190,55 @@ class Journal:
                     f.write(json.dumps(rec, separators=(",", ":")) + "\n")
             staged.publish(tmp)
 
+
+
+class RunLockHeld(Exception):
+    """Another run holds the output directory for this rank (one sentence)."""
+
+
+class RunLock:
+    """``OUT/.extract-rank<R>.lock``, held (an exclusive ``flock``) for a whole ``extract``
+    run: two runs of one rank on one output directory (a requeued job whose first copy
+    still runs) would each extract every row and write every manifest line twice.
+
+    ``acquire`` raises ``RunLockHeld`` when another run holds it (never blocks), ``OSError``
+    when the name cannot be created or holds something else than a regular file.
+    ``release`` removes the name and drops the lock (a run killed outright leaves the
+    file, free: the next run takes it). The name is checked to still be the file locked
+    (a run that released it between our open and our lock): else the open is retried."""
+
+    def __init__(self, out_dir: str, rank: int, mode: int):
+        self.path = os.path.join(out_dir, f".extract-rank{rank}.lock")
+        self.rank, self.mode = rank, mode
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        for _ in range(8):
+            fd = fmt.open_regular(self.path, os.O_RDWR | os.O_CREAT, mode=self.mode)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunLockHeld(f"another extract run of rank {self.rank} "
+                                  f"is writing into {os.path.dirname(self.path)} (it holds "
+                                  f"{os.path.basename(self.path)}): one run per rank and --out at a "
+                                  f"time; wait for it, or stop it first") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return self
+            os.close(fd)
+        raise OSError(f"{self.path} kept being replaced while it was locked")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)  # also drops the flock
+        self.fd = None

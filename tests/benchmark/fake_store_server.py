@@ -2,7 +2,7 @@
 store modes on a CPU (tests/benchmark/test_bench_store.py): ``--dump-hidden-states-dir
 mooncake://...`` answers ``/generate`` as sglang_ext's store sink does (at once, with the
 version-1 manifest of a bf16 ``[T, 4, 8]`` sample under a new handle, docs/store.md) and
-puts the sample into that master ``DELAY_S`` later through a ``StoreSink`` that lends no
+puts the sample into that master ``DELAY_S`` later through a ``StoreClient`` that lends no
 memory; under ``KIMI_SGLANG_TRACE`` it records the store writer's ``store`` event
 (t_submit: the answer, t_written: the put's return). Any other dump target: it is
 tests/fake_sglang_server.py. It checks nothing about models; it is not SGLang.
@@ -29,10 +29,10 @@ class StandIn:
 
     def __init__(self, master_address: str, port: int = 0, delay: float = DELAY_S):
         from fake_sglang_server import JsonHandler
-        from sglang_ext import store
+        from sglang_ext import store, store_client
 
         self.store, self.delay = store, delay
-        self.producer = store.StoreSink(store.StoreConfig(master_address, global_segment_size=0,
+        self.producer = store_client.StoreClient(store.StoreConfig(master_address, global_segment_size=0,
                                                           local_buffer_size=16 * MiB, local_hostname="127.0.0.1"))
         self.producer.connect()
         self.answered, self.put, self.n, self.lock = {}, {}, 0, threading.Lock()

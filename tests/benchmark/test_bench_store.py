@@ -1,7 +1,7 @@
 """The benchmark's store modes (dump_store, dump_store_early; bench/store.py): their plan
 and server S's flags, the stage statistics of the store writer's trace events, and the
 trainer's side measured against a real ``mooncake_master`` and store node that
-``bench.store.BenchStore`` starts itself: samples put by a ``StoreSink`` after known
+``bench.store.BenchStore`` starts itself: samples put by a ``StoreClient`` after known
 delays, the client's wait and its measured latencies, error markers, and the deletion
 after a cell checked through a client of its own.
 
@@ -249,7 +249,9 @@ def test_rehearsal_of_the_store_modes(tmp_path):
         assert DELAY_S * 1000 <= c["stages"]["visible"]["p50"] < DELAY_S * 1000 + 100, c["stages"]
         assert c["stages"]["objects"] == 8
         if c["mode"] == "dump_store":
-            assert DELAY_S * 1000 <= c["visible_ms"]["p50"] < DELAY_S * 1000 + 100
+            # from the answer's arrival: the stand-in's delay runs from its sending, so the
+            # answer's own transit (well under 10 ms on loopback) may come off it
+            assert DELAY_S * 1000 - 10 <= c["visible_ms"]["p50"] < DELAY_S * 1000 + 100, c["visible_ms"]
             assert c["p50_s"] >= DELAY_S  # done when visible
     head = res["headline"]["deepseek-tiny"]
     assert head["dump_store_early_vs_nodump_min_conc8"] is not None

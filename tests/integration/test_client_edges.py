@@ -55,18 +55,21 @@ def result_is_regular_and_right(out, i, ids):
 @pytest.mark.parametrize("dump_dir_flag", [True, False])
 def test_an_answer_naming_a_file_outside_the_dump_dir_is_that_rows_error(server, tmp_path, dump_dir_flag):
     """Every answer names the user's file (its own file is written, then another path is
-    answered). With --dump-dir the path is outside it; without, the first answer fixes the
-    dump directory to the user's folder, but the name is not the server's name for the
-    request. Either way the user's file is neither moved nor deleted."""
+    answered). With --dump-dir the path is outside it: the run stops (exit 3), naming the
+    directory (a server's directory left out of --dump-dir fails every answer alike);
+    without, the first answer fixes the dump directory to the user's folder, but the name
+    is not the server's name for the request: that row's error. Either way the user's file
+    is neither moved nor deleted."""
     victim, before = user_file(tmp_path)
     server.answer_path = lambda n, path: str(victim)
     extra = ["--dump-dir", server.dump_dir] if dump_dir_flag else []
     r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(2)), tmp_path / "out",
                           "--max-retries", 1, *extra), timeout=60)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == (3 if dump_dir_flag else 1), r.stderr
     assert victim.read_bytes() == before
     assert not list((tmp_path / "out").glob("hs_*"))
-    reason = "is not in the dump directory" if dump_dir_flag else "is not the server's name for request"
+    reason = ("which no --dump-dir names" if dump_dir_flag
+              else "is not the server's name for request")
     assert reason in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
