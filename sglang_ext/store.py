@@ -159,8 +159,10 @@ class StoreConfig:
     @classmethod
     def from_url(cls, url: str) -> "StoreConfig":
         """``mooncake://HOST:PORT?protocol=tcp&device=mlx5_0&global_segment_size=4GiB&...``
-        (keys: ``KEYS``; sizes in bytes or with KiB/MiB/GiB). ``ValueError`` with one
-        sentence for anything else."""
+        (keys: ``KEYS``; sizes in bytes or with KiB/MiB/GiB; a key given twice: the last
+        wins, as in a query string, so a base URL can be extended with overrides).
+        ``ValueError`` with one sentence for anything else (an empty ``local_hostname``,
+        ``metadata_server`` or ``protocol`` included)."""
         try:
             parts = urlsplit(str(url))
             port = parts.port
@@ -173,8 +175,6 @@ class StoreConfig:
             name = cls.KEYS.get(key)
             if name is None:
                 raise ValueError(f"unknown mooncake setting {key!r}; known: {', '.join(sorted(cls.KEYS))}")
-            if name in kwargs:
-                raise ValueError(f"mooncake setting {key!r} is given twice in {url!r}: give it once")
             if not value and name in ("local_hostname", "metadata_server", "protocol"):
                 raise ValueError(f"mooncake setting {key!r} is empty: give a value or leave the key out "
                                  f"(its default)")
