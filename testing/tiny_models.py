@@ -15,6 +15,9 @@ tests verified).
   vision tower) with a local word-level tokenizer, a chat template and Qwen's image
   processor (``build_qwen_vl``): the vision-language model both SGLang and HF implement,
   for prompts with images (tests/gpu/test_gpu_vlm.py; the core groups do not run it).
+- ``kimi_vl``: ``kimi``'s checkpoint (same weights) plus a tokenizer with Kimi's role and
+  media tokens and a chat template (``build_kimi_vl``): the Kimi-K2.5 class serving chats
+  with images through its own vision tower (tests/gpu/test_gpu_vlm.py).
 
 Weights are random bf16 drawn after ``torch.manual_seed(0)``. No third-party imports at
 module level: bench/models.py imports ``deepseek_tiny_config`` without torch, and the CPU
@@ -133,6 +136,18 @@ def kimi_vision_shapes(v: dict) -> dict:
     return shapes
 
 
+def kimi_processor_config(vision: dict) -> dict:
+    """processor_config.json of the tiny Kimi-K2.5: ``auto_map`` naming the stand-in
+    (kimi_processor.py) and Kimi's ``media_proc_cfg`` keys, sized for the tiny tower:
+    ``vision``'s patch size, merge 2, at most 256 patches (16 a side), mean/std 0.5.
+    An image of at most 16x16 patches is not resized; its sides are padded to multiples
+    of 28."""
+    return {"auto_map": {"AutoProcessor": "kimi_processor.TinyKimiK25Processor"},
+            "media_proc_cfg": {"patch_size": vision["patch_size"], "merge_kernel_size": 2,
+                               "in_patch_limit": 256, "patch_limit_on_one_side": 16,
+                               "image_mean": [0.5] * 3, "image_std": [0.5] * 3}}
+
+
 def kimi_text_path(path: str) -> str:
     """Where ``build_kimi(path)`` saves its language model as a plain DeepseekV3: the HF
     reference of the ``kimi`` model."""
@@ -147,9 +162,10 @@ def build_kimi(path: str) -> int:
     config, with the keys SGLang reads that transformers no longer writes, see
     ``deepseek_tiny_config``; ``vision_config``; ``media_placeholder_token_id``),
     model.safetensors (text weights under ``language_model.``, as real checkpoints; vision
-    weights random, never run) and the text-only processor SGLang builds at start-up even
-    with --skip-tokenizer-init (kimi_processor.py, processor_config.json: remote code, so
-    the server needs --trust-remote-code, as Kimi-K2.5 does)."""
+    weights random, run by ``kimi_vl`` only) and the processor SGLang builds at start-up
+    even with --skip-tokenizer-init (kimi_processor.py, a stand-in of Kimi-K2.5's,
+    processor_config.json: remote code, so the server needs --trust-remote-code, as
+    Kimi-K2.5 does)."""
     import shutil
 
     import torch
@@ -171,14 +187,61 @@ def build_kimi(path: str) -> int:
               "media_placeholder_token_id": KIMI_MEDIA_PLACEHOLDER, "pad_token_id": 0,
               "bos_token_id": text_config["bos_token_id"], "eos_token_id": text_config["eos_token_id"],
               "tie_word_embeddings": False}
-    processor = {"auto_map": {"AutoProcessor": "kimi_processor.TinyKimiK25Processor"},
-                 "media_proc_cfg": {"patch_size": vision["patch_size"], "merge_kernel_size": 2,
-                                    "in_patch_limit": 256, "patch_limit_on_one_side": 16,
-                                    "image_mean": [0.5] * 3, "image_std": [0.5] * 3}}
-    for name, doc in (("config.json", config), ("processor_config.json", processor)):
+    for name, doc in (("config.json", config), ("processor_config.json", kimi_processor_config(vision))):
         with open(os.path.join(path, name), "w") as f:
             json.dump(doc, f, indent=2)
     shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_processor.py"), path)
+    return n
+
+
+# Kimi-K2.5's role and media tokens in ``kimi_vl``'s tokenizer, at the top of the 1024
+# ids (prompts of the text tests draw from [3, VOCAB) but send ids, never text), and the
+# placeholder at KIMI_MEDIA_PLACEHOLDER. Its chat template is Kimi-K2.5's cut to what the
+# tests send (string or list content, text and image parts; no tools, no thinking): an
+# image part is <|media_begin|>image<|media_content|><|media_pad|><|media_end|>, as in
+# the published template; the role names and "image" are unknown words (t0).
+KIMI_VL_SPECIAL = {"<|im_end|>": 1016, "<|im_user|>": 1017, "<|im_assistant|>": 1018, "<|im_system|>": 1019,
+                   "<|im_middle|>": 1020, "<|media_begin|>": 1021, "<|media_content|>": 1022,
+                   "<|media_end|>": 1023, "<|media_pad|>": KIMI_MEDIA_PLACEHOLDER}
+KIMI_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|im_system|>system<|im_middle|>"
+    "{% elif message['role'] == 'user' %}<|im_user|>user<|im_middle|>"
+    "{% else %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] in ['image', 'image_url'] %}<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+
+def save_kimi_vl_tokenizer(path: str) -> None:
+    """``kimi_vl``'s tokenizer into ``path`` (tokenizer.json, tokenizer_config.json with
+    ``KIMI_VL_CHAT_TEMPLATE``): word level, token i <-> ``t<i>`` for the ids not in
+    ``KIMI_VL_SPECIAL``, those special tokens at theirs; eos ``<|im_end|>``. The
+    directory's processor (kimi_processor.py) loads it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special_ids = set(KIMI_VL_SPECIAL.values())
+    vocab = {f"t{i}": i for i in range(VOCAB) if i not in special_ids}
+    vocab.update(KIMI_VL_SPECIAL)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in KIMI_VL_SPECIAL])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token=None, eos_token="<|im_end|>")
+    tokenizer.chat_template = KIMI_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+
+def build_kimi_vl(path: str) -> int:
+    """``build_kimi(path)`` plus ``save_kimi_vl_tokenizer(path)``: the same weights and
+    processor, served with a tokenizer and a chat template (no --skip-tokenizer-init), so
+    chats with images reach its vision tower; returns 4 (decoder layers)."""
+    n = build_kimi(path)
+    save_kimi_vl_tokenizer(path)
     return n
 
 
@@ -303,10 +366,12 @@ MODELS = {
 }
 
 # Models of one module only, not in ``MODELS`` (which parametrizes the whole GPU suite):
-# the vision-language model of tests/gpu/test_gpu_vlm.py. Layer ids below 4: SGLang's
-# Qwen2Model is not patched to capture before its final norm (session.FINAL_NORM_CAPTURE_MODELS).
+# the vision-language models of tests/gpu/test_gpu_vlm.py. qwen_vl: layer ids below 4
+# (SGLang's Qwen2Model is not patched to capture before its final norm,
+# session.FINAL_NORM_CAPTURE_MODELS); kimi_vl: kimi's ids, 4 = the stream before the norm.
 VLM_MODELS = {
     "qwen_vl": ModelSpec("qwen_vl", build_qwen_vl, "1,2,3", "direct"),
+    "kimi_vl": ModelSpec("kimi_vl", build_kimi_vl, "1,3,4", "direct", reference=kimi_text_path),
 }
 
 
