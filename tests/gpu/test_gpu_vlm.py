@@ -16,7 +16,33 @@ vision-token position, never SGLang's pad hashes) and the response's ``prompt_to
 its metadata says ``image_token_id``; the text rows and the image rows are each within the
 file tolerances of the reference (checks.TOL_BLOCK per block, TOL_TOKEN per row).
 
-Run (one GPU, ~3 minutes with the build): ``pytest tests/gpu/test_gpu_vlm.py``. The module
+The Kimi-K2.5 class (``kimi_vl``: ``KimiK25ForConditionalGeneration``, the ``kimi``
+checkpoint with a word-level tokenizer, Kimi's role and media tokens and a chat template)
+serves one chat (a 84x56 PNG data URL, then text; max_tokens 1, temperature 0) through its
+own MoonViT tower. Its processor is a stand-in (testing/kimi_processor.py: Kimi's
+``media_proc_cfg`` and image arithmetic; with CUDA SGLang's ``KimiGPUProcessorWrapper``
+preprocesses the pixels itself and only reads the stand-in's tokenizer and config). HF
+transformers has no Kimi-K2.5 class, so the reference is SGLang's own JSON
+``return_hidden_states`` for the same request, from a second server without the dump (the
+dump refuses ``--enable-return-hidden-states``), started after the dump server stopped:
+
+- SGLang's chat path cannot return the prompt's rows: with ``return_hidden_states: true``
+  it answers ``hidden_states[-1]`` of [prefill rows, decode rows...], i.e. ``[]`` at
+  max_tokens 1 (entrypoints/openai/utils.py ``process_hidden_states_for_response``); with
+  ``"last"`` it answers the last prompt position's row. So the chat asks for ``"last"``
+  (and ``prompt_token_ids``), and ``/generate`` with the chat's prompt ids (its image run
+  collapsed to the one placeholder SGLang expands) and the same image, with
+  ``return_hidden_states: true``, gives every prompt row;
+- both are the final norm's output (the logits processor's input), the file's id 4 slot is
+  the stream before that norm (patch 0002): the test applies the checkpoint's final
+  RMSNorm to the file's slot and compares, text rows and image rows apart, within
+  checks.TOL_BLOCK / TOL_TOKEN; layers 1 and 3 have no JSON counterpart;
+- the file's ``token_ids`` equal the dump server's and the JSON server's
+  ``prompt_token_ids`` and the chat template's ids with the placeholder expanded to 6
+  image tokens (4x6 patches of 14, merged 2x2); metadata ``image_token_id`` 2.
+
+Run (one GPU, ~3 minutes with the build, ~3 more for the two Kimi servers):
+``pytest tests/gpu/test_gpu_vlm.py``. The module
 uses no ``model_name``: ``--models`` does not select it, ``-k vlm`` does.
 """
 
@@ -184,3 +210,189 @@ def test_chat_text_only(vlm_server, vlm_reference, vlm, record_property):
     answer = chat(vlm_server, TEXT)
     ids, block = vlm_reference([{"role": "user", "content": [{"type": "text", "text": TEXT}]}], vlm.layer_ids)
     check_chat(answer, ids, block, vlm, "text only", record_property)
+
+
+# ---- the Kimi-K2.5 class: its own vision tower, against SGLang's own JSON hidden states ----
+KIMI = tiny_models.VLM_MODELS["kimi_vl"]
+KIMI_PORT = 30031  # one kimi server at a time; the Qwen server (PORT) may still be up
+KIMI_SIZE = (84, 56)  # 6x4 patches of 14, merged 2x2: 6 <|media_pad|> rows; no resize, no padding
+KIMI_IMAGE_ROWS = 6
+KIMI_FINAL = 4  # layer id N = num_hidden_layers: the stream before the final norm
+
+
+def kimi_content():
+    """The one chat content the Kimi cases send: a PNG data URL, then text."""
+    url = "data:image/png;base64," + base64.b64encode(png(*KIMI_SIZE, seed=4)).decode()
+    return url, [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": TEXT}]
+
+
+@pytest.fixture(scope="module")
+def kimi_vl(pytestconfig):
+    """The tiny Kimi-K2.5 with a tokenizer and chat template (tiny_models.TinyModel)."""
+    workdir = pytestconfig.getoption("--model-dir")
+    os.makedirs(workdir, exist_ok=True)
+    return tiny_models.build(KIMI, workdir)
+
+
+def run_kimi_server(kimi_vl, log_dir, no_cuda_graph, tag, send):
+    """Start a server on ``kimi_vl`` (``tag`` "dump": the dump flags; "json": no dump,
+    ``--enable-return-hidden-states``, which the dump refuses), call ``send(server)``,
+    stop it; returns what ``send`` returned. Raises the start-up error with the log's tail."""
+    from testing.server import ServerOptions, launch, server_command
+
+    dump_dir = f"/dev/shm/hs-{kimi_vl.name}-{tag}"
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    os.makedirs(dump_dir)
+    cmd = server_command(kimi_vl.path, dump_dir, KIMI.layers_flag, KIMI.launcher,
+                         ServerOptions(cuda_graph=not no_cuda_graph), port=KIMI_PORT)
+    if tag == "json":
+        cmd = cmd[:cmd.index("--dump-hidden-states-dir")] + ["--enable-return-hidden-states"]
+    srv = launch(cmd + EXTRA_FLAGS, os.path.join(log_dir, f"server-{kimi_vl.name}-{tag}.log"), None, dump_dir)
+    try:
+        srv.wait_healthy()
+        return send(srv)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def kimi_dump(kimi_vl, server_log_dir, pytestconfig):
+    """The dump server's chat answer for ``kimi_content`` (max_tokens 1, temperature 0,
+    prompt_token_ids) and the file it names (format.DumpRecord), or None."""
+    from sglang_ext import format as fmt
+
+    def send(srv):
+        answer = chat(srv, kimi_content()[1])
+        path = (answer.get("kv_transfer_params") or {}).get("hidden_states_path")
+        return answer, (fmt.load(path) if path and os.path.exists(path) else None)
+
+    return run_kimi_server(kimi_vl, server_log_dir, pytestconfig.getoption("--no-cuda-graph"), "dump", send)
+
+
+@pytest.fixture(scope="module")
+def kimi_json(kimi_vl, server_log_dir, pytestconfig):
+    """SGLang's own JSON hidden states for the same request, from a server without the
+    dump: ``chat`` (the chat answer with ``return_hidden_states: "last"`` and
+    prompt_token_ids) and ``rows`` ([T, H] float32: /generate with the chat's prompt ids,
+    its image run collapsed back to the one placeholder the processor expands, the same
+    image, ``return_hidden_states: true``)."""
+    import torch
+
+    url, content = kimi_content()
+
+    def send(srv):
+        body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 1,
+                "temperature": 0, "return_prompt_token_ids": True, "return_hidden_states": "last"}
+        r = srv.post(body, path="/v1/chat/completions")
+        assert r.status_code == 200, f"chat: HTTP {r.status_code}: {r.text[:500]}"
+        answer = r.json()
+        ids = answer["choices"][0]["prompt_token_ids"]
+        pad = tiny_models.KIMI_MEDIA_PLACEHOLDER
+        collapsed = [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
+        r = srv.post({"input_ids": collapsed, "image_data": [url], "return_hidden_states": True,
+                      "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        assert r.status_code == 200, f"/generate: HTTP {r.status_code}: {r.text[:500]}"
+        hs = r.json()["meta_info"].get("hidden_states")
+        assert hs, f"/generate returned no hidden_states: {str(r.json()['meta_info'])[:500]}"
+        rows = torch.tensor(hs[0] if isinstance(hs[0][0], list) else hs, dtype=torch.float32)
+        return {"chat": answer, "rows": rows}
+
+    return run_kimi_server(kimi_vl, server_log_dir, pytestconfig.getoption("--no-cuda-graph"), "json", send)
+
+
+def final_norm(kimi_vl, stream):
+    """The language model's final RMSNorm (its checkpoint weight, ``rms_norm_eps``) of
+    ``stream`` [T, H], in float32: what SGLang's JSON hidden states hold at id N."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    with open(os.path.join(kimi_vl.path, "config.json")) as f:
+        eps = json.load(f)["text_config"].get("rms_norm_eps", 1e-6)
+    with safe_open(os.path.join(kimi_vl.path, "model.safetensors"), "pt") as f:
+        weight = f.get_tensor("language_model.model.norm.weight").float()
+    x = stream.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def test_kimi_chat_image_dump_file(kimi_dump, kimi_vl):
+    """The Kimi-K2.5 class through its own vision tower: the file holds the ids the model
+    ran (the chat template's, the placeholder expanded to 6 image tokens, as the
+    stand-in's tokenizer and SGLang's navit arithmetic make them), equal to the response's
+    prompt_token_ids; image_token_id in the metadata; every row, layer ids 1,3,4."""
+    from transformers import AutoTokenizer
+
+    answer, rec = kimi_dump
+    problems = Problems()
+    case = "kimi_vl chat, one image"
+    if rec is None:
+        problems.add(f"{case}: no file (kv_transfer_params {answer.get('kv_transfer_params')!r})")
+        problems.check(case)
+    pad = tiny_models.KIMI_MEDIA_PLACEHOLDER
+    tok = AutoTokenizer.from_pretrained(kimi_vl.path)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    template_ids = tok.encode(text, add_special_tokens=False)
+    want = [t for i in template_ids for t in ([pad] * KIMI_IMAGE_ROWS if i == pad else [i])]
+    got = rec.token_ids.tolist()
+    if got != want:
+        problems.add(f"{case}: file token_ids {got} != chat template + {KIMI_IMAGE_ROWS} image tokens {want}")
+    prompt_ids = answer["choices"][0].get("prompt_token_ids")
+    if prompt_ids is None or list(prompt_ids) != got:
+        problems.add(f"{case}: response prompt_token_ids {prompt_ids} != file token_ids {got}")
+    if rec.metadata.get("image_token_id") != str(pad):
+        problems.add(f"{case}: metadata image_token_id {rec.metadata.get('image_token_id')!r} != {pad}")
+    if list(rec.layer_ids) != list(kimi_vl.layer_ids):
+        problems.add(f"{case}: layer_ids {rec.layer_ids} != {list(kimi_vl.layer_ids)}")
+    shape = (len(want), len(kimi_vl.layer_ids), kimi_vl.hidden_size)
+    if tuple(rec.hidden_states.shape) != shape:
+        problems.add(f"{case}: hidden_states shape {tuple(rec.hidden_states.shape)} != {shape}")
+    elif not bool(rec.hidden_states.float().isfinite().all()):
+        problems.add(f"{case}: non-finite values in hidden_states")
+    problems.check(case)
+
+
+def test_kimi_rows_match_sglang_json_hidden_states(kimi_dump, kimi_json, kimi_vl, record_property):
+    """The file against SGLang's own JSON hidden states of the same request: the ids equal
+    the JSON server's prompt_token_ids; the final norm of the file's id-4 slot (the stream
+    before the norm) is within the file tolerances of /generate's rows (post-norm), text
+    rows and image rows apart, and of the chat's ``"last"`` row at the last position."""
+    import torch
+
+    answer, rec = kimi_dump
+    assert rec is not None, f"no file (kv_transfer_params {answer.get('kv_transfer_params')!r})"
+    problems = Problems()
+    case = "kimi_vl file vs JSON"
+    got_ids = rec.token_ids.tolist()
+    json_ids = kimi_json["chat"]["choices"][0].get("prompt_token_ids")
+    if json_ids is None or list(json_ids) != got_ids:
+        problems.add(f"{case}: file token_ids {got_ids} != JSON server's prompt_token_ids {json_ids}")
+    rows = kimi_json["rows"]
+    if tuple(rows.shape) != (len(got_ids), kimi_vl.hidden_size):
+        problems.add(f"{case}: /generate hidden_states {tuple(rows.shape)} != ({len(got_ids)}, {kimi_vl.hidden_size})")
+        problems.check(case)
+    slot = list(rec.layer_ids).index(KIMI_FINAL)
+    normed = final_norm(kimi_vl, rec.hidden_states[:, slot])  # [T, H]
+    is_image = torch.tensor([t == tiny_models.KIMI_MEDIA_PLACEHOLDER for t in got_ids])
+    if int(is_image.sum()) != KIMI_IMAGE_ROWS:
+        problems.add(f"{case}: {int(is_image.sum())} image rows, not {KIMI_IMAGE_ROWS}")
+    for part, mask in (("text", ~is_image), ("image", is_image)):
+        if not bool(mask.any()):
+            continue
+        worst = Worst()
+        worst.add(rel_errors(normed[mask].unsqueeze(1), rows[mask].unsqueeze(1)), f"{case} {part} rows")
+        record_property(f"max_rel_err_{part}", worst.block)
+        record_property(f"max_rel_err_per_token_{part}", worst.token)
+        problems.extend(worst.problems(TOL_BLOCK, TOL_TOKEN))
+    last = kimi_json["chat"]["choices"][0].get("hidden_states")
+    if not last or len(last) != kimi_vl.hidden_size:
+        problems.add(f"{case}: chat return_hidden_states 'last' gave {str(last)[:200]}, not one row")
+    else:
+        worst = Worst()
+        worst.add(rel_errors(normed[-1:].unsqueeze(1), torch.tensor([last], dtype=torch.float32).unsqueeze(1)),
+                  f"{case} chat last row")
+        record_property("max_rel_err_chat_last", worst.block)
+        problems.extend(worst.problems(TOL_BLOCK, TOL_TOKEN))
+    record_property("rows", len(got_ids))
+    problems.check(case)
