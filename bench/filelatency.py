@@ -70,6 +70,17 @@ def _events(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _file_events(path, count, timeout=10.0):
+    """The trace's ``file`` events by name, once ``count`` are there: the writer records a
+    file after its acknowledgement, so the last one may lag the waiter."""
+    deadline = time.monotonic() + timeout
+    while True:
+        files = {e["name"]: e for e in _events(path) if e["event"] == "file"}
+        if len(files) >= count or time.monotonic() > deadline:
+            return files
+        time.sleep(0.01)
+
+
 def measure(args):
     """The per-rep stage times (dicts of ms) of ``args.reps`` requests."""
     trace_path = os.path.join(tempfile.mkdtemp(prefix="kimi-filelat-"), "trace.jsonl")
@@ -115,7 +126,7 @@ def measure(args):
                 raise RuntimeError(f"rep {rep}: {error}")
             writer.wait_idle(60)
             os.unlink(path)
-        files = {e["name"]: e for e in _events(trace_path) if e["event"] == "file"}
+        files = _file_events(trace_path, args.warmup + args.reps)
         for rep in range(args.warmup, args.warmup + args.reps):
             name = f"lat-{rep}"
             name = next(n for n in files if n.startswith(fmt.safe_stem(name)))
@@ -139,7 +150,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rows on the GPU)")
     ap.add_argument("--threads", type=int, default=8, help="writer threads")
     ap.add_argument("--spares", type=int, default=1,
-                    help="files kept allocated ahead (KIMI_SGLANG_WRITER_SPARES; 0: none, as the server's default)")
+                    help="files kept allocated and mapped ahead (KIMI_SGLANG_WRITER_SPARES, the server's default 1; "
+                         "0: none, each file by one thread's pwrite)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--gap-ms", type=float, default=60.0,

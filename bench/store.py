@@ -97,13 +97,15 @@ class BenchStore:
     def wait_visible(self, handle: str, timeout: float = WAIT_TIMEOUT_S) -> bool:
         """Wait until ``handle`` is visible; returns whether it was at the first look-up.
         Raises SampleFailed with the marker's sentence or the timeout."""
+        from sglang_ext.store import ERROR_SUFFIX
+
         deadline = time.monotonic() + timeout
         n = 0
         while True:
             if self.sink.exists(handle):
                 return n == 0
             n += 1
-            if n % MARKER_EVERY == 0 and self.sink.exists(handle + ":error"):
+            if n % MARKER_EVERY == 0 and self.sink.exists(handle + ERROR_SUFFIX):
                 raise SampleFailed(f"store sample {handle}: error marker {self.marker(handle)!r}")
             if time.monotonic() > deadline:
                 raise SampleFailed(f"store sample {handle} not visible after {timeout:g} s")
@@ -137,7 +139,9 @@ class BenchStore:
 
     def present(self, handles: Iterable[str]) -> List[str]:
         """Which of ``handles`` (or their markers) are still in the store."""
-        return [h for h in handles if self.sink.exists(h) or self.sink.exists(h + ":error")]
+        from sglang_ext.store import ERROR_SUFFIX
+
+        return [h for h in handles if self.sink.exists(h) or self.sink.exists(h + ERROR_SUFFIX)]
 
     def cell_entries(self, results, visible, out, wall):
         """What a store cell adds to its results entry ``out`` (``loadgen.run_cell``), from

@@ -23,6 +23,7 @@ them. Freed ranges merge with their neighbours.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
 import os
 import struct
@@ -163,6 +164,26 @@ def _mib(size: int) -> str:
 def attach(fd: int, size: int) -> mmap.mmap:
     """Map an arena made by ``create`` (in the writer process), read-only."""
     return mmap.mmap(fd, HEADER_BYTES + int(size), prot=mmap.PROT_READ)
+
+
+class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer (Include/pybuffer.h)
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+def address(mm: mmap.mmap) -> int:
+    """The address of the mapping ``mm``'s first byte (what the store registers, what the
+    file sink's parallel copies read from). The writer process maps the arena read-only,
+    which ``ctypes.c_char.from_buffer`` refuses, so the address comes from the buffer
+    protocol itself; the mapping must outlive every use of the address."""
+    view = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(mm), ctypes.byref(view), 0)
+    try:
+        return int(view.buf)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
 
 
 def write_seq(mm: mmap.mmap, seq: int) -> None:

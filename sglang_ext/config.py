@@ -28,6 +28,7 @@ from typing import Optional, Sequence, Tuple
 DEFAULT_MAX_HOST_MB = 4096
 DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
 MAX_WRITER_SPARES = 8  # spare files made ahead (writer_process.Spares), each one file's size
+DEFAULT_WRITER_SPARES = 1  # one: the next file's pages exist and are mapped before its rows come
 MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only costs memory
 MAX_CPUS = 1 << 16  # CPU numbers parse_cpu_list accepts when not checked against this host
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
@@ -307,8 +308,10 @@ def env_settings(this_host: bool = True) -> dict:
     still applies; ``env_file_mode``) and ``writer_cpus`` (``KIMI_SGLANG_WRITER_CPUS``,
     the CPUs the writer process runs on, a ``taskset -c`` list; None: the scheduler's;
     ``writer_spares`` (``KIMI_SGLANG_WRITER_SPARES``, files of the last file's size the
-    writer keeps allocated ahead, 0 to ``MAX_WRITER_SPARES``, default 0: off until the
-    benchmark shows what they cost beside the server at concurrency, docs/performance.md);
+    writer keeps allocated and mapped ahead, 0 to ``MAX_WRITER_SPARES``, default
+    ``DEFAULT_WRITER_SPARES``: a file's rows then go by parallel stores instead of one
+    thread's ``pwrite`` into pages allocated on the way, docs/performance.md; 0 turns
+    them off);
     ``this_host``: checked against this host's CPUs, which a plan made for another host
     skips). Seconds are at most ``MAX_SECONDS``. Raises ``DumpConfigError``, one sentence
     naming the variable."""
@@ -316,7 +319,7 @@ def env_settings(this_host: bool = True) -> dict:
     if threads != int(threads) or threads > MAX_WRITER_THREADS:
         raise DumpConfigError(f"KIMI_SGLANG_WRITER_THREADS must be a whole number of threads "
                               f"from 1 to {MAX_WRITER_THREADS}, got {threads:g}")
-    spares = env_number("KIMI_SGLANG_WRITER_SPARES", 0, "files", 0)
+    spares = env_number("KIMI_SGLANG_WRITER_SPARES", DEFAULT_WRITER_SPARES, "files", 0)
     if spares != int(spares) or spares > MAX_WRITER_SPARES:
         raise DumpConfigError(f"KIMI_SGLANG_WRITER_SPARES must be a whole number of files "
                               f"from 0 to {MAX_WRITER_SPARES}, got {spares:g}")
@@ -367,7 +370,7 @@ class DumpConfig:
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     hidden_states_dtype: str = "auto"
     writer_cpus: Optional[Tuple[int, ...]] = None
-    writer_spares: int = 0
+    writer_spares: int = DEFAULT_WRITER_SPARES
     watchdog_s: float = DEFAULT_WATCHDOG_S
     file_mode: int = DEFAULT_FILE_MODE
     store: Optional["StoreConfig"] = None  # noqa: F821 - sglang_ext.store.StoreConfig

@@ -40,7 +40,6 @@ puts their markers with the same message while the master answers.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -363,22 +362,3 @@ class StoreWriter(Sink):
     def _finish_failed(self, op: wire.Finish, fd: Optional[int], message: str) -> None:
         """A ``Finish`` that raised answers ``Failed`` and leaves the marker."""
         self._fail(op.key, op.name, message)
-
-
-class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer (Include/pybuffer.h)
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
-
-
-def arena_address(mm) -> int:
-    """The address of the arena mapping ``mm`` (what is registered with the store). The
-    writer process maps the arena read-only, which ``ctypes.c_char.from_buffer`` refuses,
-    so the address comes from the buffer protocol itself."""
-    view = _PyBuffer()
-    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(mm), ctypes.byref(view), 0)
-    try:
-        return int(view.buf)
-    finally:
-        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))

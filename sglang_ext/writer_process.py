@@ -45,6 +45,7 @@ import argparse
 import errno
 import json
 import logging
+import mmap
 import os
 import queue
 import select
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional
 
 from sglang_ext import arena as arena_mod
+from sglang_ext.copier import Copier
 from sglang_ext import format as fmt
 from sglang_ext import trace, wire
 from sglang_ext.sink import Sink
@@ -92,7 +94,14 @@ class _Job:
     rows: int = 0
     error: Optional[str] = None
     spare: bool = False  # its temporary file was a spare (Spares)
+    mapping: Optional[mmap.mmap] = None  # the spare's pages, mapped: rows are copied in (Copier)
     times: Dict[str, float] = field(default_factory=dict)
+
+
+def _unmap(job: _Job) -> None:
+    if job.mapping is not None:
+        job.mapping.close()
+        job.mapping = None
 
 
 class Writer(Sink):
@@ -100,12 +109,15 @@ class Writer(Sink):
     thread per request; acknowledgements go to ``acks`` (``wire`` events)."""
 
     def __init__(self, dir_fd: int, mm, *, tag: str, layer_ids, num_layers: int, extra: dict,
-                 acks: Deque[wire.Ack], wake, metrics=None, spares: Optional["Spares"] = None):
+                 acks: Deque[wire.Ack], wake, metrics=None, spares: Optional["Spares"] = None,
+                 copier: Optional[Copier] = None):
         super().__init__(acks, wake, metrics)
         self.dir_fd = dir_fd
         self.spares = spares  # files made ahead (shared by the process's writer threads)
+        self.copier = copier  # rows into a spare's mapping (shared too); None: pwrite only
         self.mm = mm
         self.view = memoryview(mm)
+        self.arena_base = arena_mod.address(mm) if copier is not None else 0
         self.tag = tag
         self.layer_ids = list(layer_ids)
         self.num_layers = num_layers
@@ -173,7 +185,7 @@ class Writer(Sink):
         job.scale_base = layout.offsets.get(fmt.KEY_SCALES, 0)
         job.size = layout.size
         tmp = fmt.tmp_name(self.tag, key)
-        job.fd, job.spare = self._create(tmp, layout.size)
+        job.fd, job.spare, job.mapping = self._create(tmp, layout.size)
         job.tmp = tmp  # only once it is ours: _discard unlinks nothing else
         fmt.pwrite_all(job.fd, layout.header, 0)
         ids = specs[-1].nbytes
@@ -182,17 +194,35 @@ class Writer(Sink):
     def _create(self, tmp: str, size: int) -> tuple:
         """The temporary file ``tmp`` of a ``size``-byte file: a spare (``Spares``: its
         pages allocated already, so the rows' write only copies) given that name, else a
-        new one (``format.create_tmp``). Returns ``(descriptor, whether a spare)``."""
-        fd = self.spares.take() if self.spares is not None else None
-        if fd is not None:
+        new one (``format.create_tmp``). Returns ``(descriptor, whether a spare, the
+        spare's mapping where it holds the whole file and a ``Copier`` is set, else
+        None)``."""
+        spare = self.spares.take() if self.spares is not None else None
+        if spare is not None:
             try:
-                os.ftruncate(fd, size)
-                os.link(f"/proc/self/fd/{fd}", tmp, dst_dir_fd=self.dir_fd)
-                return fd, True
+                os.ftruncate(spare.fd, size)
+                os.link(f"/proc/self/fd/{spare.fd}", tmp, dst_dir_fd=self.dir_fd)
             except OSError as e:  # a name planted at tmp, /proc missing: a new file instead
                 logger.warning("hidden-state dump: a spare file could not be named (%s)", e)
-                os.close(fd)
-        return fmt.create_tmp(self.dir_fd, tmp), False
+                spare.close()
+            else:
+                mapping = spare.mapping if self.copier is not None and size <= spare.size else None
+                if mapping is None and spare.mapping is not None:
+                    spare.mapping.close()
+                return spare.fd, True, mapping
+        return fmt.create_tmp(self.dir_fd, tmp), False, None
+
+    def _put(self, job: _Job, off: int, n: int, at: int) -> None:
+        """``n`` bytes of the arena from ``off`` to the file at offset ``at``: stores into
+        the spare's mapping on the copier's threads, else ``pwrite``. Raises
+        ``DumpFormatError`` for a range outside the arena or the file (never a wild store)."""
+        if off < 0 or n < 0 or off + n > len(self.mm) or at < 0 or at + n > job.size:
+            raise fmt.DumpFormatError(f"{n} bytes at arena offset {off} to file offset {at} "
+                                      f"fall outside the arena or the {job.size}-byte file")
+        if job.mapping is not None:
+            self.copier.copy(arena_mod.address(job.mapping) + at, self.arena_base + off, n)
+        else:
+            fmt.pwrite_all(job.fd, self.view[off:off + n], at)
 
     def _rows(self, job: _Job, row0: int, nrows: int, off: int, scale_off: Optional[int]) -> None:
         if row0 != job.rows or row0 + nrows > job.num_tokens:
@@ -202,12 +232,10 @@ class Writer(Sink):
             raise fmt.DumpFormatError("fp8 rows came without their scales (or scales without fp8)")
         if row0 == 0 and trace.enabled():
             job.times["t_rows"] = trace.now()
-        n = nrows * job.row_bytes
-        fmt.pwrite_all(job.fd, self.view[off:off + n], job.base + row0 * job.row_bytes)
+        self._put(job, off, nrows * job.row_bytes, job.base + row0 * job.row_bytes)
         if scale_off is not None:
-            n = nrows * job.scale_row_bytes
-            fmt.pwrite_all(job.fd, self.view[scale_off:scale_off + n],
-                           job.scale_base + row0 * job.scale_row_bytes)
+            self._put(job, scale_off, nrows * job.scale_row_bytes,
+                      job.scale_base + row0 * job.scale_row_bytes)
         job.rows += nrows
 
     def _finish(self, key: int, job: Optional[_Job], res: fmt.Reservation, times) -> None:
@@ -247,8 +275,10 @@ class Writer(Sink):
             self.spares.want(job.size)  # after the ack: the next one is made off this path
         if trace.enabled():
             trace.record("file", name=res.name, bytes=job.size, rows=job.num_tokens, spare=job.spare,
+                         mapped=job.mapping is not None,
                          **dict(job.times, **(times or {})), t_picked=t_picked, t_copied=t_copied,
                          t_written=t_written, t_released=trace.now())
+        _unmap(job)  # last: unmapping 64 MiB takes ~10 ms, off the waiter's path
 
     def _index(self, job: _Job, name: str) -> None:
         """Append the file's index line. If that fails, the request fails as a whole: the
@@ -272,6 +302,7 @@ class Writer(Sink):
     def _release(self, job: _Job) -> None:
         """Drop a request's temporary file; never raises (what cannot be removed now is a
         leftover ``format.clean_stale`` removes at the next start)."""
+        _unmap(job)
         if job.fd is not None:
             try:
                 os.close(job.fd)
@@ -314,8 +345,14 @@ class Spares:
     (the inode's lock), so more threads on one file do not help, but the allocation can
     happen before the rows arrive. One thread of its own keeps up to ``count`` unnamed
     files (``O_TMPFILE`` in the dump directory) of the size of the last file written
-    (``want``) allocated (``posix_fallocate``); a writer thread ``take``s one at a
-    request's ``Begin`` and names it with its temporary name (``Writer._create``).
+    (``want``) allocated (``posix_fallocate``) and mapped shared with ``MAP_POPULATE``
+    (the page tables filled ahead too); a writer thread ``take``s one at a request's
+    ``Begin`` and names it with its temporary name (``Writer._create``). A file no larger
+    than its spare gets its rows by stores into that mapping, split across threads
+    (``copier.Copier``: stores into a mapping take no inode lock); a larger one by
+    ``pwrite``. Only allocated pages are ever stored into, so a full filesystem cannot
+    turn a store into a SIGBUS (a hostile process of the same user truncating the
+    temporary file under the writer could).
 
     Unnamed, a spare is never seen in the directory and vanishes with the process, even
     a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate`` turns spares
@@ -326,7 +363,7 @@ class Spares:
         self.count = count
         self.size = 0  # what to make: the last file's size (0: nothing)
         self.made = 0  # spares made (tests, the log)
-        self.ready: List[int] = []  # descriptors, each of a file of self.size bytes
+        self.ready: List[Spare] = []  # each a file of self.size bytes
         self.enabled = True
         self.closed = False
         self.cond = threading.Condition()
@@ -340,20 +377,20 @@ class Spares:
             if size != self.size:
                 self.size = size
                 stale, self.ready = self.ready, []
-                for fd in stale:
-                    os.close(fd)
+                for spare in stale:
+                    spare.close()
             self.cond.notify()
 
-    def take(self) -> Optional[int]:
-        """A spare's descriptor (``O_WRONLY``, ``self.size`` bytes allocated), or None."""
+    def take(self) -> Optional["Spare"]:
+        """A spare (``self.size`` bytes allocated, mapped if it could be), or None."""
         with self.cond:  # no refill now: it would compete with this file's write (want)
             return self.ready.pop() if self.ready else None
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
-            for fd in self.ready:
-                os.close(fd)
+            for spare in self.ready:
+                spare.close()
             self.ready = []
             self.cond.notify()
 
@@ -368,25 +405,25 @@ class Spares:
                 if self.closed or not self.enabled:
                     return
                 size = self._wanted()
-            fd = self._make(size)
-            if fd is None:
+            spare = self._make(size)
+            if spare is None:
                 with self.cond:  # retry at the next file written (want), not in a loop
                     self.cond.wait()
                 continue
             with self.cond:
                 if self.closed or size != self.size:
-                    os.close(fd)
+                    spare.close()
                 else:
-                    self.ready.append(fd)
+                    self.ready.append(spare)
                     self.made += 1
 
-    def _make(self, size: int) -> Optional[int]:
-        """One unnamed file of ``size`` allocated bytes, or None."""
+    def _make(self, size: int) -> Optional["Spare"]:
+        """One unnamed file of ``size`` allocated bytes (mapped: ``Spare.map``), or None."""
         try:
             st = os.fstatvfs(self.dir_fd)
             if st.f_bavail * st.f_frsize < SPARE_FREE_FACTOR * size:
                 return None
-            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, fmt.file_mode(),
+            fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, fmt.file_mode(),
                          dir_fd=self.dir_fd)
         except (OSError, ValueError, AttributeError) as e:  # AttributeError: no O_TMPFILE
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -395,12 +432,38 @@ class Spares:
             return None
         try:
             os.posix_fallocate(fd, 0, size)
-            return fd
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 self.enabled = False
             return None
+        return Spare.mapped(fd, size)
+
+
+@dataclass
+class Spare:
+    """A spare file: its descriptor (read-write), its allocated size, and its pages mapped
+    shared (``MAP_POPULATE``), or None where the mapping failed (the file is still a
+    spare; its rows go by ``pwrite``)."""
+
+    fd: int
+    size: int
+    mapping: Optional[mmap.mmap] = None
+
+    @classmethod
+    def mapped(cls, fd: int, size: int) -> "Spare":
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return cls(fd, size, mmap.mmap(fd, size, flags=flags,
+                                           prot=mmap.PROT_READ | mmap.PROT_WRITE))
+        except (OSError, ValueError):
+            return cls(fd, size)
+
+    def close(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+        os.close(self.fd)
 
 
 class _Thread:
@@ -500,19 +563,21 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
     acks: Deque[wire.Ack] = deque()
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     if connection is not None:
-        from sglang_ext.store_writer import StoreWriter, arena_address
+        from sglang_ext.store_writer import StoreWriter
 
-        base = arena_address(mm)
+        base = arena_mod.address(mm)
 
         def sink():
             return StoreWriter(connection, mm, base, layer_ids=layer_ids, acks=acks, wake=wake_w,
                                metrics=metrics)
     else:
         made_ahead = Spares(dir_fd, spares) if spares > 0 else None
+        copier = Copier() if made_ahead is not None else None  # only spares are mapped
 
         def sink():
             return Writer(dir_fd, mm, tag=tag, layer_ids=layer_ids, num_layers=num_layers,
-                          extra=extra, acks=acks, wake=wake_w, metrics=metrics, spares=made_ahead)
+                          extra=extra, acks=acks, wake=wake_w, metrics=metrics, spares=made_ahead,
+                          copier=copier)
     workers = [_Thread(i, sink(), progress) for i in range(max(1, threads))]
     levels = _Levels(metrics, stats_interval_s, len(layer_ids))
     stop = {"timeout": None}
@@ -584,6 +649,8 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
     levels.publish()
     if connection is None and made_ahead is not None:
         made_ahead.close()
+        if not late:  # a write still running may be copying
+            copier.close()
     return late
 
 
@@ -681,9 +748,9 @@ def main(argv=None) -> int:
     connection = None
     if args.store is not None:
         from sglang_ext.store import StoreConfig
-        from sglang_ext.store_writer import Connection, arena_address
+        from sglang_ext.store_writer import Connection
 
-        connection = Connection(StoreConfig.from_url(args.store), arena_address(mm), len(mm))
+        connection = Connection(StoreConfig.from_url(args.store), arena_mod.address(mm), len(mm))
     late = serve(sock, mm, args.dir_fd, threads=args.threads, tag=args.tag,
                  layer_ids=meta["layer_ids"], num_layers=meta["num_layers"],
                  extra=meta.get("extra", {}), drain_timeout=args.drain_timeout,

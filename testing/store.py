@@ -3,8 +3,8 @@ benchmark's store modes (bench/store.py): a ``mooncake_master`` (``MasterProcess
 store node that lends the memory (``StoreNode``), hs-connectors' reader, and a sample read
 from the store turned into the record ``checks.compare_file`` takes.
 
-The test suites' master is tests/mooncake_fixture.py's ``Master`` (pytest's failures);
-``MasterProcess`` is the same process for a program (RuntimeError with the log's tail).
+The test suites' master (tests/mooncake_fixture.py's ``Master``) is a ``MasterProcess``
+too (RuntimeError with the log's tail when it does not start).
 Nothing here imports mooncake or hs-connectors at import time: without them the GPU module
 is collected and skipped with the reason (``missing_reason``).
 """

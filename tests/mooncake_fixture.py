@@ -10,13 +10,11 @@ is an error.
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
+
+from testing.store import MasterProcess, free_port
 
 # Mooncake's clients (in this process, the writer processes it starts, the master) log
 # every set-up step at glog INFO to stderr; MC_LOG_LEVEL (Mooncake's ApplyGlogEnvironment:
@@ -38,25 +36,18 @@ needs_mooncake = pytest.mark.skipif(
 MiB = 1 << 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _master_binary() -> str:
-    import mooncake  # noqa: PLC0415
-
-    inside = Path(mooncake.__file__).parent / "mooncake_master"
-    return str(inside) if inside.is_file() else (shutil.which("mooncake_master") or "mooncake_master")
+# The master process and its ports are testing/store.py's (the GPU suite and the bench
+# start the same one); the names below keep the store tests' imports.
+_free_port = free_port
 
 
 class Master:
-    """A real ``mooncake_master`` on a free port (its metrics port free too)."""
+    """A real ``mooncake_master`` on a free port (its metrics port free too):
+    ``testing.store.MasterProcess``, which ``restart`` replaces on the same port."""
 
     def __init__(self, tmp: Path, *flags: str):
         self.flags = flags  # more mooncake_master flags, e.g. --eviction_ratio=0
-        self.port = _free_port()
+        self.port = free_port()
         self.log = tmp / f"master-{self.port}.log"
         self._start()
 
@@ -66,27 +57,14 @@ class Master:
         self._start()
 
     def _start(self) -> None:
-        self.proc = subprocess.Popen(
-            [_master_binary(), f"--port={self.port}", f"--metrics_port={_free_port()}", *self.flags],
-            stdout=self.log.open("a"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"mooncake_master exited: {self.log.read_text()[-2000:]}"
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"mooncake_master did not listen on {self.port}")
+        self.process = MasterProcess(str(self.log), self.port, 0, *self.flags)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return self.process.address
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+        self.process.stop()
 
 
 def master_config(master: "Master", segment: int = 64 * MiB, buffer: str = "16MiB") -> str:

@@ -19,7 +19,7 @@ import time
 from typing import Any, Dict, Optional
 
 NO_ANSWER = "(no answer)"  # a failed try whose worker nobody named (see the module doc)
-STORE = "store"  # runner.STORE: samples taken from a Mooncake Store (their manifest names no server)
+STORE = "store"  # the worker of samples taken from a Mooncake Store (their manifest names no server)
 SHOWN_WORKERS = 6  # the bar names at most this many workers (the summary names all)
 
 

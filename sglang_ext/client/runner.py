@@ -33,12 +33,12 @@ from sglang_ext.client.http import (
 from sglang_ext.client.images import chat_body
 from sglang_ext.client.manifest import Manifest, existing, final_name, record
 from sglang_ext.client.pending import PendingFiles
+from sglang_ext.client.progress import STORE
 
 if TYPE_CHECKING:
     from sglang_ext.client.fetch import StoreFetcher
     from sglang_ext.client.progress import Progress
 
-STORE = "store"  # the worker of samples taken from a Mooncake Store (progress.STORE)
 
 
 @dataclass

@@ -32,22 +32,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 N = 300
 
 
-@pytest.fixture
-def fleet_one(tmp_path):
-    """Three fake servers (dump dirs ``dumps/s<k>``, 20 ms per answer) behind the router."""
+def _three_behind_a_router(tmp_path, *flags):
+    """Three fake servers (dump dirs ``dumps/s<k>``, 20 ms per answer) behind the router
+    (``flags``: its command line, ``ROUTER_FLAGS`` when none); yields (router, servers)."""
     servers = [DumpServer(tmp_path / "dumps" / f"s{k}", tmp_path / f"server{k}.log", delay=0.02)
                for k in range(3)]
     router = None
     try:
         for s in servers:
             s.started()
-        router = Router([s.url for s in servers], tmp_path / "router.log")
+        router = Router([s.url for s in servers], tmp_path / "router.log", *flags)
         yield router, servers
     finally:
         if router is not None:
             router.stop()
         for s in servers:
             s.kill()
+
+
+@pytest.fixture
+def fleet_one(tmp_path):
+    """Three fake servers behind the router with ``ROUTER_FLAGS``."""
+    yield from _three_behind_a_router(tmp_path)
 
 
 def extract_cmd(url, data, out, *extra):
@@ -98,21 +104,10 @@ def fleet(request, tmp_path):
     """Three fake servers (dump dirs ``dumps/s<k>``, 20 ms per answer) behind the router:
     with its retries (a request that failed on a dead worker goes to another one) or
     without (``--disable-retries``: extract's own retries through the router do it)."""
-    servers = [DumpServer(tmp_path / "dumps" / f"s{k}", tmp_path / f"server{k}.log", delay=0.02)
-               for k in range(3)]
-    router = None
     flags = ROUTER_FLAGS + (["--disable-retries"] if request.param == "client-retries" else [])
-    try:
-        for s in servers:
-            s.started()
-        router = Router([s.url for s in servers], tmp_path / "router.log", *flags)
+    for router, servers in _three_behind_a_router(tmp_path, *flags):
         router.client_retries = request.param == "client-retries"
         yield router, servers
-    finally:
-        if router is not None:
-            router.stop()
-        for s in servers:
-            s.kill()
 
 
 @needs_router

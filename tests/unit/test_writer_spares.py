@@ -1,5 +1,6 @@
 """Spare files (writer_process.Spares): a file of pages allocated ahead becomes the next
-request's temporary file. Real writer processes and files in /dev/shm (tmpfs, where the
+request's temporary file, its rows stored into its mapping (copier.Copier) when it holds
+the whole file. Real writer processes and files in /dev/shm (tmpfs, where the
 allocation is what spares save); every file is checked against tensors built here."""
 
 from __future__ import annotations
@@ -51,27 +52,28 @@ def _write(writer, fd, rid, rows, chunk=None):
     return res.name
 
 
-def _spare_flags(trace_path):
+def _spare_flags(trace_path, key="spare"):
     with open(trace_path) as f:
         events = [json.loads(line) for line in f]
-    return {e["name"]: e["spare"] for e in events if e["event"] == "file"}
+    return {e["name"]: e[key] for e in events if e["event"] == "file"}
 
 
 def test_files_written_into_spares_equal_their_rows(shm_dir, tmp_path, monkeypatch):
-    """Four requests one after the other (8, 8, 5 and 6 MiB; the third a spare made
-    larger, the fourth one made smaller, the last in chunks): every file loads equal to its
-    rows and token ids, has its layout's size, is indexed, and no temporary file stays;
-    the later ones were written into spares."""
+    """Five requests one after the other (8, 8, 5, 6 and 6 MiB; the third in a spare
+    made larger, the fourth in one made smaller, the last two in chunks): every file loads
+    equal to its rows and token ids, has its layout's size, is indexed, and no temporary
+    file stays; the later ones were written into spares, by stores into the spare's
+    mapping where it held the whole file (the second, third and fifth), else by pwrite."""
     d, fd = shm_dir
     trace_path = str(tmp_path / "trace.jsonl")
     monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
     writer = DumpWriter(fd, arena_bytes=64 << 20, threads=2, layer_ids=[1, 2, 3, 4], num_layers=4,
                         stats_interval_s=0, register_atexit=False, spares=1)
     try:
-        sizes = [1024, 1024, 640, 768]
+        sizes = [1024, 1024, 640, 768, 768]
         names = []
         for i, tokens in enumerate(sizes):
-            names.append(_write(writer, fd, f"r{i}", _rows(tokens, i), chunk=300 if i == 3 else None))
+            names.append(_write(writer, fd, f"r{i}", _rows(tokens, i), chunk=300 if i >= 3 else None))
             assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
             assert writer.wait_idle(30)
             time.sleep(0.3)  # the next spare is made meanwhile (the next forward)
@@ -86,16 +88,19 @@ def test_files_written_into_spares_equal_their_rows(shm_dir, tmp_path, monkeypat
     assert sorted(os.listdir(d)) == sorted(names + [fmt.INDEX_NAME])
     flags = _spare_flags(trace_path)
     assert flags[names[0]] is False and all(flags[n] for n in names[1:]), flags
+    mapped = _spare_flags(trace_path, "mapped")
+    assert [mapped[n] for n in names] == [False, True, True, False, True], mapped
 
 
-def test_no_spares_unless_asked(shm_dir, tmp_path, monkeypatch):
-    """The default (``KIMI_SGLANG_WRITER_SPARES`` unset: 0) makes none: every file is
-    created fresh, and nothing is held in the directory's filesystem between files."""
+def test_no_spares_when_told(shm_dir, tmp_path, monkeypatch):
+    """``spares=0`` (``KIMI_SGLANG_WRITER_SPARES=0``) makes none: every file is created
+    fresh and written by ``pwrite``, and nothing is held in the directory's filesystem
+    between files."""
     d, fd = shm_dir
     trace_path = str(tmp_path / "trace.jsonl")
     monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
     writer = DumpWriter(fd, arena_bytes=64 << 20, threads=1, layer_ids=[1, 2, 3, 4], num_layers=4,
-                        stats_interval_s=0, register_atexit=False)
+                        stats_interval_s=0, register_atexit=False, spares=0)
     try:
         names = []
         for i in range(3):
@@ -146,10 +151,13 @@ def test_spares_are_unnamed_sized_and_given_back(shm_dir):
             time.sleep(0.01)
         assert spares.made == 1 and os.listdir(d) == []
         got = spares.take()
-        st = os.fstat(got)
+        st = os.fstat(got.fd)
         assert st.st_size == SPARE_MIN_BYTES * 2 and st.st_blocks * 512 >= SPARE_MIN_BYTES * 2
         assert st.st_mode & 0o777 == fmt.file_mode() & ~_umask()
-        os.close(got)
+        assert got.size == SPARE_MIN_BYTES * 2 and len(got.mapping) == got.size
+        got.mapping[:4] = b"abcd"  # the mapping is the file's pages
+        assert os.pread(got.fd, 4, 0) == b"abcd"
+        got.close()
         time.sleep(0.2)
         assert spares.take() is None, "a take must not start a refill (only a written file)"
         spares.want(SPARE_MIN_BYTES * 2)
