@@ -295,20 +295,29 @@ def qwen_vl_config() -> dict:
 
 def save_qwen_vl_processor(path: str) -> None:
     """Qwen2.5-VL's processor, built offline into ``path``: a word-level tokenizer
-    (``save_word_tokenizer``'s words t0..t1023, then ``QWEN_VL_SPECIAL`` as special tokens),
-    ``QWEN_VL_CHAT_TEMPLATE``, and Qwen2-VL's image processor (patches 14, merge 2, temporal
-    patch 2; min/max pixels 3136 / 1003520). An image whose sides are multiples of 28 and
-    within those bounds is not resized, so SGLang's processor (``smart_resize``, factor 28)
-    and HF's give it the same grid."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    (words t0..t1023 at ids 0..1023, split on whitespace, then ``QWEN_VL_SPECIAL`` as special
+    tokens), ``QWEN_VL_CHAT_TEMPLATE``, and Qwen2-VL's image processor (patches 14, merge 2,
+    temporal patch 2; min/max pixels 3136 / 1003520). An image whose sides are multiples of
+    28 and within those bounds is not resized, so SGLang's processor (``smart_resize``,
+    factor 28) and HF's give it the same grid.
+
+    The words are stored SentencePiece style ("\u2581t5", Metaspace) so that decoding puts a
+    space before each word and nothing around special tokens, as Qwen's byte-level
+    tokenizer does: SGLang's chat path hands its multimodal processor the prompt ids
+    decoded back to text, which must hold ``<|vision_start|><|image_pad|><|vision_end|>``
+    unbroken for SGLang's image regex (a tokenizer without a decoder joins every token with
+    a space, and SGLang then drops the image), and re-encodes to the same ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab = {f"\u2581t{i}": i for i in range(VOCAB)}
     vocab.update({t: VOCAB + i for i, t in enumerate(QWEN_VL_SPECIAL)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="\u2581t0"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")])
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_VL_SPECIAL])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token=None,
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\u2581t0", bos_token=None,
                                         eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     images = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,

@@ -1,7 +1,9 @@
 """The GPU suite's fixtures, options and skip rules (see tests/gpu/README.md).
 
 Fixtures, each built once per model (session) or per test module (server):
-- ``model_name``: "llama", "deepseek" or "kimi" (parametrized; ``--models`` or ``-k`` picks);
+- ``model_name``: "llama", "deepseek" or "kimi" (parametrized; ``--models`` or ``-k`` picks;
+  a module without it, test_gpu_vlm.py, runs only when ``--models`` names them all, the
+  default);
 - ``tiny_model``: the model built with random weights (tiny_models.TinyModel);
 - ``reference``: HF's float32 forward of it on the GPU (reference.Reference; for ``kimi``,
   of its language model, a DeepseekV3 of the same weights);
@@ -118,6 +120,10 @@ def pytest_collection_modifyitems(config, items):
     # a test whose models were all left out by --models has no model: deselected, not skipped
     unused = [it for it in items if "model_name" in getattr(it, "fixturenames", ())
               and getattr(getattr(it, "callspec", None), "params", {}).get("model_name") not in MODEL_NAMES]
+    if set(selected_models(config)) != set(MODEL_NAMES):
+        # a module without model_name (test_gpu_vlm.py, its own models) runs with every
+        # tiny model only: a run narrowed by --models leaves it out (-k vlm picks it)
+        unused += [it for it in items if "model_name" not in getattr(it, "fixturenames", ())]
     if unused:
         config.hook.pytest_deselected(items=unused)
         items[:] = [it for it in items if it not in unused]

@@ -8,6 +8,14 @@ with a local tokenizer, chat template and Qwen's image processor), served by
 FlashAttention 3 for the vision tower) and dump layers 1,2,3. The reference
 (testing/reference.py ``VLMReference``) is HF's float32 forward on what HF's processor makes
 of the same chat (the PNG decoded by PIL): ``input_ids``, ``pixel_values``, ``image_grid_thw``.
+SGLang's chat path renders and encodes the chat, then hands its processor the ids decoded
+back to text (entrypoints/openai/serving_chat.py ``_apply_jinja_template``), in which
+multimodal/processors/qwen_vl.py finds each image by the regex
+``<|vision_start|>(<|image_pad|>)+<|vision_end|>``; an image it cannot place is dropped
+with "More image data items provided than corresponding tokens" and the prompt runs
+without it. So the tiny tokenizer decodes as Qwen's does, special tokens with nothing
+between them (tiny_models.save_qwen_vl_processor; tests/tooling/test_qwen_vl_processor.py
+runs SGLang's processor over it on the CPU).
 
 Each case sends one chat request (max_tokens 1, temperature 0, ``return_prompt_token_ids``)
 and checks: the response's ``kv_transfer_params.hidden_states_path`` (patch 0008) names a
@@ -24,7 +32,12 @@ own MoonViT tower. Its processor is a stand-in (testing/kimi_processor.py: Kimi'
 preprocesses the pixels itself and only reads the stand-in's tokenizer and config). HF
 transformers has no Kimi-K2.5 class, so the reference is SGLang's own JSON
 ``return_hidden_states`` for the same request, from a second server without the dump (the
-dump refuses ``--enable-return-hidden-states``), started after the dump server stopped:
+dump refuses ``--enable-return-hidden-states``), started after the dump server stopped,
+with the radix cache off and prefill eager as the dump server runs. SGLang 0.5.23 returns
+the rows of the tokens an extend computes (scheduler_components/batch_result_processor.py
+``_append_prefill_hidden_states``: ``hidden_states[offset:offset + extend_input_len]``), so
+with the radix cache on, ``/generate`` after the chat computed one token (21 of 22 cached)
+and answered one row:
 
 - SGLang's chat path cannot return the prompt's rows: with ``return_hidden_states: true``
   it answers ``hidden_states[-1]`` of [prefill rows, decode rows...], i.e. ``[]`` at
@@ -33,17 +46,19 @@ dump refuses ``--enable-return-hidden-states``), started after the dump server s
   (and ``prompt_token_ids``), and ``/generate`` with the chat's prompt ids (its image run
   collapsed to the one placeholder SGLang expands) and the same image, with
   ``return_hidden_states: true``, gives every prompt row;
-- both are the final norm's output (the logits processor's input), the file's id 4 slot is
-  the stream before that norm (patch 0002): the test applies the checkpoint's final
-  RMSNorm to the file's slot and compares, text rows and image rows apart, within
-  checks.TOL_BLOCK / TOL_TOKEN; layers 1 and 3 have no JSON counterpart;
+- both are the final norm's output (the logits processor's input: layers/logits_processor.py
+  ``_get_hidden_states_to_store``; DeepseekV2 passes no ``hidden_states_before_norm``), the
+  file's id 4 slot is the stream before that norm (patch 0002): the test applies the
+  checkpoint's final RMSNorm to the file's slot and compares, text rows and image rows
+  apart, within checks.TOL_BLOCK / TOL_TOKEN; layers 1 and 3 have no JSON counterpart;
 - the file's ``token_ids`` equal the dump server's and the JSON server's
   ``prompt_token_ids`` and the chat template's ids with the placeholder expanded to 6
   image tokens (4x6 patches of 14, merged 2x2); metadata ``image_token_id`` 2.
 
 Run (one GPU, ~3 minutes with the build, ~3 more for the two Kimi servers):
-``pytest tests/gpu/test_gpu_vlm.py``. The module
-uses no ``model_name``: ``--models`` does not select it, ``-k vlm`` does.
+``pytest tests/gpu/test_gpu_vlm.py`` or ``pytest tests/gpu -k vlm``. The module uses no
+``model_name``: a run narrowed by ``--models`` leaves it out (tests/gpu/conftest.py), the
+default (every tiny model) and ``-k vlm`` run it.
 """
 
 from __future__ import annotations
@@ -236,7 +251,8 @@ def kimi_vl(pytestconfig):
 
 def run_kimi_server(kimi_vl, log_dir, no_cuda_graph, tag, send):
     """Start a server on ``kimi_vl`` (``tag`` "dump": the dump flags; "json": no dump,
-    ``--enable-return-hidden-states``, which the dump refuses), call ``send(server)``,
+    ``--enable-return-hidden-states``, which the dump refuses, and what the dump turns on
+    by itself: ``--disable-radix-cache``, ``--disable-prefill-cuda-graph``), call ``send(server)``,
     stop it; returns what ``send`` returned. Raises the start-up error with the log's tail."""
     from testing.server import ServerOptions, launch, server_command
 
@@ -246,7 +262,10 @@ def run_kimi_server(kimi_vl, log_dir, no_cuda_graph, tag, send):
     cmd = server_command(kimi_vl.path, dump_dir, KIMI.layers_flag, KIMI.launcher,
                          ServerOptions(cuda_graph=not no_cuda_graph), port=KIMI_PORT)
     if tag == "json":
-        cmd = cmd[:cmd.index("--dump-hidden-states-dir")] + ["--enable-return-hidden-states"]
+        # as the dump server runs: no radix cache (a cached prefix has no rows: SGLang
+        # returns hidden states of the tokens an extend computes), prefill eager
+        cmd = cmd[:cmd.index("--dump-hidden-states-dir")] + [
+            "--enable-return-hidden-states", "--disable-radix-cache", "--disable-prefill-cuda-graph"]
     srv = launch(cmd + EXTRA_FLAGS, os.path.join(log_dir, f"server-{kimi_vl.name}-{tag}.log"), None, dump_dir)
     try:
         srv.wait_healthy()

@@ -50,7 +50,14 @@ def store_ids(m):
             if m == "llama" or "v1_completions" not in t]
 
 
+VLM = ["test_chat_one_image_data_url", "test_chat_image_file_url_between_text", "test_chat_text_only",
+       "test_kimi_chat_image_dump_file", "test_kimi_rows_match_sglang_json_hidden_states"]
+
+
 def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gpu=True):
+    """The GPU suite's ids for ``--models`` = ``models``: per model its groups; then
+    test_gpu_vlm.py's (no model_name, its own models), single GPU, only when ``models`` is
+    every tiny model (a run narrowed by --models leaves the module out)."""
     ids = []
     for m in models:
         if single_gpu:
@@ -69,6 +76,8 @@ def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gp
             ids += [f"tests/gpu/test_gpu_parallel.py::{t}[{m}]" for t in PARALLEL]
             if m == "deepseek":
                 ids.append(f"tests/gpu/test_gpu_parallel.py::test_dp_attention_equals[{m}]")
+    if single_gpu and set(models) == set(tiny_models.MODELS):
+        ids += [f"tests/gpu/test_gpu_vlm.py::{t}" for t in VLM]
     return ids
 
 
@@ -123,14 +132,15 @@ def test_markers_select_single_and_multi_gpu_groups():
 
 def test_models_option_and_k_pick_one_model():
     """``--models llama`` leaves DeepseekV3-only tests out (deselected, not skipped),
-    ``--models kimi`` leaves the core group; ``-k deepseek`` picks by id, ``-k store`` the
-    store group (bf16 then fp8); an unknown model
-    is a usage error."""
+    ``--models kimi`` leaves the core group, both leave test_gpu_vlm.py out; ``-k deepseek``
+    picks by id, ``-k store`` the store group (bf16 then fp8), ``-k vlm`` the image module
+    in file order; an unknown model is a usage error."""
     assert sorted(collected("tests/gpu", "--models", "llama")) == sorted(expected_ids(models=("llama",)))
     assert sorted(collected("tests/gpu", "--models", "kimi")) == sorted(expected_ids(models=("kimi",)))
     assert len(expected_ids(models=("kimi",))) == len(CORE)
     assert sorted(collected("tests/gpu", "-k", "deepseek")) == sorted(expected_ids(models=("deepseek",)))
     assert collected("tests/gpu", "--models", "llama", "-k", "store") == store_ids("llama")
+    assert collected("tests/gpu", "-k", "vlm") == [f"tests/gpu/test_gpu_vlm.py::{t}" for t in VLM]
     proc = run_pytest("--collect-only", "-q", "tests/gpu", "--models", "llama,gpt")
     assert proc.returncode == 4 and "--models: unknown model(s) ['gpt']" in proc.stderr
 
