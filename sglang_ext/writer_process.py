@@ -301,14 +301,22 @@ class Writer(Sink):
 
     def _release(self, job: _Job) -> None:
         """Drop a request's temporary file; never raises (what cannot be removed now is a
-        leftover ``format.clean_stale`` removes at the next start)."""
-        _unmap(job)
-        if job.fd is not None:
-            try:
-                os.close(job.fd)
-            except OSError:
-                pass
-            job.fd = None
+        leftover ``format.clean_stale`` removes at the next start).
+
+        Past the drain deadline (``abort``) only its name goes: the main thread then
+        fails the finishes still queued (``_fail_queued``) while the request's own thread
+        may still be storing its rows into the mapping or writing to the descriptor;
+        unmapping under that copy is a SIGSEGV of the process, closing the descriptor
+        lets a later ``pwrite`` land in whatever file reuses its number. Both go with the
+        process, which exits right after the deadline."""
+        if not self.abort:
+            _unmap(job)
+            if job.fd is not None:
+                try:
+                    os.close(job.fd)
+                except OSError:
+                    pass
+                job.fd = None
         if job.tmp:
             try:
                 os.unlink(job.tmp, dir_fd=self.dir_fd)
@@ -638,8 +646,9 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
         time.sleep(0.005)
     late = 0
     if any(w.thread.is_alive() for w in workers):
-        for w in workers:  # fail the finishes not started yet; let running writes end
+        for w in workers:  # first all: a finish its own thread picks up now fails too
             w.writer.abort = True
+        for w in workers:  # fail the finishes not started yet; let running writes end
             _fail_queued(w)
         grace = time.monotonic() + 1.0
         while any(w.thread.is_alive() for w in workers) and time.monotonic() < grace:
