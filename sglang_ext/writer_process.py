@@ -42,6 +42,7 @@ the scheduler, which closes us); SIGTERM starts the same drain.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
 import logging
@@ -51,6 +52,7 @@ import queue
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -197,7 +199,7 @@ class Writer(Sink):
         new one (``format.create_tmp``). Returns ``(descriptor, whether a spare, the
         spare's mapping where it holds the whole file and a ``Copier`` is set, else
         None)``."""
-        spare = self.spares.take() if self.spares is not None else None
+        spare = self.spares.take() if self.spares is not None and size >= SPARE_MIN_BYTES else None
         if spare is not None:
             try:
                 os.ftruncate(spare.fd, size)
@@ -358,9 +360,13 @@ class Spares:
     ``Begin`` and names it with its temporary name (``Writer._create``). A file no larger
     than its spare gets its rows by stores into that mapping, split across threads
     (``copier.Copier``: stores into a mapping take no inode lock); a larger one by
-    ``pwrite``. Only allocated pages are ever stored into, so a full filesystem cannot
-    turn a store into a SIGBUS (a hostile process of the same user truncating the
-    temporary file under the writer could).
+    ``pwrite``. Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
+    by ``fallocate`` is the page a store lands in, so a full filesystem cannot turn a
+    store into a SIGBUS; on a disk filesystem (copy-on-write ones: btrfs, XFS with
+    reflinks) a first store may need new blocks, so there spares only save the
+    allocation and rows go by ``pwrite``. (A hostile process of the same user truncating
+    the temporary file under the writer could still SIGBUS it.) Files smaller than
+    ``SPARE_MIN_BYTES`` take no spare.
 
     Unnamed, a spare is never seen in the directory and vanishes with the process, even
     a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate`` turns spares
@@ -374,17 +380,23 @@ class Spares:
         self.ready: List[Spare] = []  # each a file of self.size bytes
         self.enabled = True
         self.closed = False
+        self.mappable = on_tmpfs(dir_fd)  # see the class doc: elsewhere spares take pwrite only
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="hs-writer-spares", daemon=True)
         self.thread.start()
 
     def want(self, size: int) -> None:
-        """Files of ``size`` bytes are being written: keep spares of that size."""
-        size = size if SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES else 0
+        """A file of ``size`` bytes was written: keep spares of that size. Sizes outside
+        ``SPARE_MIN_BYTES``..``SPARE_MAX_BYTES`` change nothing (a short prompt says
+        nothing about the next long one); a ready spare stays while it still holds such a
+        file without wasting more than its size (``_fits``)."""
+        if not SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES:
+            return
         with self.cond:
             if size != self.size:
                 self.size = size
-                stale, self.ready = self.ready, []
+                stale = [s for s in self.ready if not _fits(s.size, size)]
+                self.ready = [s for s in self.ready if _fits(s.size, size)]
                 for spare in stale:
                     spare.close()
             self.cond.notify()
@@ -419,7 +431,7 @@ class Spares:
                     self.cond.wait()
                 continue
             with self.cond:
-                if self.closed or size != self.size:
+                if self.closed or not _fits(spare.size, self.size):
                     spare.close()
                 else:
                     self.ready.append(spare)
@@ -445,7 +457,30 @@ class Spares:
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 self.enabled = False
             return None
-        return Spare.mapped(fd, size)
+        return Spare.mapped(fd, size) if self.mappable else Spare(fd, size)
+
+
+TMPFS_MAGIC = 0x01021994  # linux/magic.h: statfs' f_type of tmpfs and shmem
+
+
+def on_tmpfs(fd: int) -> bool:
+    """Whether the directory (or file) ``fd`` is on tmpfs: ``fstatfs``'s ``f_type``, the
+    first field of Linux's ``struct statfs`` (a word), read through libc. False where it
+    cannot be told."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.fstatfs(fd, buf) != 0:
+            return False
+        return struct.unpack_from("@l", buf.raw)[0] & 0xFFFFFFFF == TMPFS_MAGIC
+    except (OSError, AttributeError):
+        return False
+
+
+def _fits(spare_size: int, size: int) -> bool:
+    """A spare of ``spare_size`` bytes is kept for files of ``size``: it holds one and its
+    unused tail is at most ``size``."""
+    return size <= spare_size <= 2 * size
 
 
 @dataclass
