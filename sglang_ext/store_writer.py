@@ -297,7 +297,13 @@ class StoreWriter(Sink):
             self._ack(wire.DonePiece(piece, nbytes))
 
     def _release(self, job: _Job) -> None:
-        """Give back the arena ranges and the staging buffer ``job`` holds."""
+        """Give back the arena ranges and the staging buffer ``job`` holds. Past the drain
+        deadline (``abort``) nothing is given back: the main thread then fails the
+        finishes still queued (``writer_process._fail_queued``) while the request's own
+        thread may still be copying into that buffer or reading those ranges; the process
+        exits within a second."""
+        if self.abort:
+            return
         held, job.held = job.held, []
         job.parts.clear()
         staging, job.staging = job.staging, None

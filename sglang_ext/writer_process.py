@@ -42,6 +42,7 @@ the scheduler, which closes us); SIGTERM starts the same drain.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import json
 import logging
@@ -51,6 +52,7 @@ import queue
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -197,7 +199,7 @@ class Writer(Sink):
         new one (``format.create_tmp``). Returns ``(descriptor, whether a spare, the
         spare's mapping where it holds the whole file and a ``Copier`` is set, else
         None)``."""
-        spare = self.spares.take() if self.spares is not None else None
+        spare = self.spares.take() if self.spares is not None and size >= SPARE_MIN_BYTES else None
         if spare is not None:
             try:
                 os.ftruncate(spare.fd, size)
@@ -301,14 +303,22 @@ class Writer(Sink):
 
     def _release(self, job: _Job) -> None:
         """Drop a request's temporary file; never raises (what cannot be removed now is a
-        leftover ``format.clean_stale`` removes at the next start)."""
-        _unmap(job)
-        if job.fd is not None:
-            try:
-                os.close(job.fd)
-            except OSError:
-                pass
-            job.fd = None
+        leftover ``format.clean_stale`` removes at the next start).
+
+        Past the drain deadline (``abort``) only its name goes: the main thread then
+        fails the finishes still queued (``_fail_queued``) while the request's own thread
+        may still be storing its rows into the mapping or writing to the descriptor;
+        unmapping under that copy is a SIGSEGV of the process, closing the descriptor
+        lets a later ``pwrite`` land in whatever file reuses its number. Both go with the
+        process, which exits right after the deadline."""
+        if not self.abort:
+            _unmap(job)
+            if job.fd is not None:
+                try:
+                    os.close(job.fd)
+                except OSError:
+                    pass
+                job.fd = None
         if job.tmp:
             try:
                 os.unlink(job.tmp, dir_fd=self.dir_fd)
@@ -350,9 +360,13 @@ class Spares:
     ``Begin`` and names it with its temporary name (``Writer._create``). A file no larger
     than its spare gets its rows by stores into that mapping, split across threads
     (``copier.Copier``: stores into a mapping take no inode lock); a larger one by
-    ``pwrite``. Only allocated pages are ever stored into, so a full filesystem cannot
-    turn a store into a SIGBUS (a hostile process of the same user truncating the
-    temporary file under the writer could).
+    ``pwrite``. Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
+    by ``fallocate`` is the page a store lands in, so a full filesystem cannot turn a
+    store into a SIGBUS; on a disk filesystem (copy-on-write ones: btrfs, XFS with
+    reflinks) a first store may need new blocks, so there spares only save the
+    allocation and rows go by ``pwrite``. (A hostile process of the same user truncating
+    the temporary file under the writer could still SIGBUS it.) Files smaller than
+    ``SPARE_MIN_BYTES`` take no spare.
 
     Unnamed, a spare is never seen in the directory and vanishes with the process, even
     a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate`` turns spares
@@ -366,17 +380,23 @@ class Spares:
         self.ready: List[Spare] = []  # each a file of self.size bytes
         self.enabled = True
         self.closed = False
+        self.mappable = on_tmpfs(dir_fd)  # see the class doc: elsewhere spares take pwrite only
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="hs-writer-spares", daemon=True)
         self.thread.start()
 
     def want(self, size: int) -> None:
-        """Files of ``size`` bytes are being written: keep spares of that size."""
-        size = size if SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES else 0
+        """A file of ``size`` bytes was written: keep spares of that size. Sizes outside
+        ``SPARE_MIN_BYTES``..``SPARE_MAX_BYTES`` change nothing (a short prompt says
+        nothing about the next long one); a ready spare stays while it still holds such a
+        file without wasting more than its size (``_fits``)."""
+        if not SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES:
+            return
         with self.cond:
             if size != self.size:
                 self.size = size
-                stale, self.ready = self.ready, []
+                stale = [s for s in self.ready if not _fits(s.size, size)]
+                self.ready = [s for s in self.ready if _fits(s.size, size)]
                 for spare in stale:
                     spare.close()
             self.cond.notify()
@@ -411,7 +431,7 @@ class Spares:
                     self.cond.wait()
                 continue
             with self.cond:
-                if self.closed or size != self.size:
+                if self.closed or not _fits(spare.size, self.size):
                     spare.close()
                 else:
                     self.ready.append(spare)
@@ -437,7 +457,30 @@ class Spares:
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 self.enabled = False
             return None
-        return Spare.mapped(fd, size)
+        return Spare.mapped(fd, size) if self.mappable else Spare(fd, size)
+
+
+TMPFS_MAGIC = 0x01021994  # linux/magic.h: statfs' f_type of tmpfs and shmem
+
+
+def on_tmpfs(fd: int) -> bool:
+    """Whether the directory (or file) ``fd`` is on tmpfs: ``fstatfs``'s ``f_type``, the
+    first field of Linux's ``struct statfs`` (a word), read through libc. False where it
+    cannot be told."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.fstatfs(fd, buf) != 0:
+            return False
+        return struct.unpack_from("@l", buf.raw)[0] & 0xFFFFFFFF == TMPFS_MAGIC
+    except (OSError, AttributeError):
+        return False
+
+
+def _fits(spare_size: int, size: int) -> bool:
+    """A spare of ``spare_size`` bytes is kept for files of ``size``: it holds one and its
+    unused tail is at most ``size``."""
+    return size <= spare_size <= 2 * size
 
 
 @dataclass
@@ -638,8 +681,9 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
         time.sleep(0.005)
     late = 0
     if any(w.thread.is_alive() for w in workers):
-        for w in workers:  # fail the finishes not started yet; let running writes end
+        for w in workers:  # first all: a finish its own thread picks up now fails too
             w.writer.abort = True
+        for w in workers:  # fail the finishes not started yet; let running writes end
             _fail_queued(w)
         grace = time.monotonic() + 1.0
         while any(w.thread.is_alive() for w in workers) and time.monotonic() < grace:

@@ -15,7 +15,7 @@ import torch
 
 from sglang_ext import format as fmt
 from sglang_ext.writer import DumpWriter
-from sglang_ext.writer_process import SPARE_MIN_BYTES, Spares
+from sglang_ext.writer_process import SPARE_MIN_BYTES, Spares, on_tmpfs
 
 SHM = "/dev/shm"
 SLOTS, HIDDEN = 4, 1024  # 8 KiB a token: SPARE_MIN_BYTES (4 MiB) from 512 tokens
@@ -172,3 +172,87 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _ready(spares, n=1, timeout=10):
+    deadline = time.monotonic() + timeout
+    while len(spares.ready) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return list(spares.ready)
+
+
+def test_a_spare_is_kept_across_nearby_sizes_and_small_files_change_nothing(shm_dir):
+    """``want``: a ready spare stays for files it holds with at most its size to spare
+    (8 MiB for 5 MiB files), goes for larger files or a wasteful tail; sizes below
+    SPARE_MIN_BYTES (a short prompt) change nothing."""
+    d, fd = shm_dir
+    spares = Spares(fd)
+    try:
+        spares.want(SPARE_MIN_BYTES * 2)
+        first = _ready(spares)
+        assert [s.size for s in first] == [SPARE_MIN_BYTES * 2]
+        spares.want(SPARE_MIN_BYTES // 2)  # a short prompt's file
+        spares.want(SPARE_MIN_BYTES + (SPARE_MIN_BYTES >> 2))  # 5 MiB: the 8 MiB spare holds it
+        assert spares.ready == first and spares.made == 1
+        spares.want(SPARE_MIN_BYTES * 3)  # larger than the spare: it goes, a 12 MiB one comes
+        assert [s.size for s in _ready(spares)] == [SPARE_MIN_BYTES * 3] and spares.made == 2
+        spares.want(SPARE_MIN_BYTES)  # 4 MiB: a 12 MiB spare wastes more than the file
+        assert [s.size for s in _ready(spares)] == [SPARE_MIN_BYTES] and spares.made == 3
+    finally:
+        spares.close()
+    assert os.listdir(d) == []
+
+
+def test_small_files_take_no_spare(shm_dir, tmp_path, monkeypatch):
+    """Between two large files, a file below SPARE_MIN_BYTES is written fresh and leaves
+    the spare to the next large one, which stores into it."""
+    d, fd = shm_dir
+    trace_path = str(tmp_path / "trace.jsonl")
+    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
+    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=1, layer_ids=[1, 2, 3, 4], num_layers=4,
+                        stats_interval_s=0, register_atexit=False, spares=1)
+    try:
+        names = []
+        for i, tokens in enumerate([1024, 64, 1024]):
+            names.append(_write(writer, fd, f"s{i}", _rows(tokens, i)))
+            assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
+            assert writer.wait_idle(30)
+            time.sleep(0.3)
+    finally:
+        assert writer.close()
+    for i, (tokens, name) in enumerate(zip([1024, 64, 1024], names)):
+        assert torch.equal(fmt.load(os.path.join(d, name)).hidden_states,
+                           _rows(tokens, i).view(tokens, SLOTS, HIDDEN))
+    assert [_spare_flags(trace_path)[n] for n in names] == [False, False, True]
+    assert [_spare_flags(trace_path, "mapped")[n] for n in names] == [False, False, True]
+
+
+def test_spares_off_tmpfs_are_not_mapped(tmp_path):
+    """On a disk filesystem (here the test's temporary directory, when it is not tmpfs) a
+    spare is allocated but not mapped: a first store into a page there may need blocks
+    (copy-on-write filesystems), which on a full disk is a SIGBUS, not an error."""
+    probe = os.open(str(tmp_path), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if on_tmpfs(probe):
+            pytest.skip("the temporary directory is on tmpfs here")
+    finally:
+        os.close(probe)
+    d = tmp_path / "dump"
+    d.mkdir()
+    fd = fmt.open_dump_dir(str(d))
+    spares = Spares(fd)
+    try:
+        assert not spares.mappable
+        spares.want(SPARE_MIN_BYTES)
+        got = _ready(spares)
+        if not got:
+            pytest.skip("no O_TMPFILE/fallocate on this filesystem: spares turn themselves off")
+        assert got[0].mapping is None and os.fstat(got[0].fd).st_blocks * 512 >= SPARE_MIN_BYTES
+    finally:
+        spares.close()
+        os.close(fd)
+    shm = os.open("/dev/shm", os.O_RDONLY)
+    try:
+        assert on_tmpfs(shm)
+    finally:
+        os.close(shm)
