@@ -144,13 +144,15 @@ def test_v0523_against_neighbour_matches_git(capsys, persistent_cache, tmp_path)
     # What 0.5.22 is known to give (a fixed release, so this is stable): 0.5.23 grew
     # the aux-capture fields next to which 0001 declares ours, and reordered
     # model_runner's imports; 0002/0004/0005 apply at offsets. 0.5.23 also grew
-    # http_server's imports (uvicorn's Multiprocess, load_pointer_head) around 0007's.
+    # http_server's imports (uvicorn's Multiprocess, load_pointer_head) around 0007's, and
+    # serving_chat's imports around 0008's.
     failing = {k[:4]: v[1] for k, v in want.items() if v[0] == "fails"}
     assert failing == {
         "0001": {("python/sglang/srt/arg_groups/fields/exec_.py", 1),
                  ("python/sglang/srt/arg_groups/pipeline.py", 1)},
         "0003": {("python/sglang/srt/model_executor/model_runner.py", 1)},
         "0007": {("python/sglang/srt/entrypoints/http_server.py", 1)},
+        "0008": {("python/sglang/srt/entrypoints/openai/serving_chat.py", 1)},
     }
     assert rc == 1 and report["state"] == "conflict"
     assert report["patches"][2]["note"] == "checked without 0001"
