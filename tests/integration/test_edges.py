@@ -285,11 +285,15 @@ def test_an_index_line_that_is_not_an_object_does_not_stop_the_scheduler(dump, m
     """The writer dies between a file's rename and its lock's release while index.jsonl
     holds a line that is not a JSON object: settling the orphan logs, it never raises into
     the scheduler; the file counts as written and the next request is served."""
-    inject_writer(monkeypatch, tmp_path, """
+    # once: the writer started in its place may start before PYTHONPATH is restored below
+    inject_writer(monkeypatch, tmp_path, f"""
         import os, signal
         from sglang_ext import format as fmt
         _real = fmt.complete
         def complete(*a):
+            if os.path.exists({str(tmp_path / "killed")!r}):
+                return _real(*a)
+            open({str(tmp_path / "killed")!r}, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         fmt.complete = complete
     """)
