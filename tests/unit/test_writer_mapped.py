@@ -31,20 +31,18 @@ def _dump_dir(tmp_path, need):
     return d, fmt.open_dump_dir(d)
 
 
-@pytest.fixture
-def shm_dir(tmp_path):
-    d, fd = _dump_dir(tmp_path, 1 << 30)
-    yield d, fd
-    os.close(fd)
-    shutil.rmtree(d, ignore_errors=True)
+def _shm_fixture(need):
+    @pytest.fixture
+    def fixture(tmp_path):
+        d, fd = _dump_dir(tmp_path, need)
+        yield d, fd
+        os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+    return fixture
 
 
-@pytest.fixture
-def big_shm_dir(tmp_path):
-    d, fd = _dump_dir(tmp_path, 6 << 30)
-    yield d, fd
-    os.close(fd)
-    shutil.rmtree(d, ignore_errors=True)
+shm_dir = _shm_fixture(1 << 30)
+big_shm_dir = _shm_fixture(6 << 30)
 
 
 def _spare_maps(pid, d):

@@ -58,61 +58,57 @@ def _spare_flags(trace_path, key="spare"):
     return {e["name"]: e[key] for e in events if e["event"] == "file"}
 
 
+def _one_after_another(shm_dir, tmp_path, monkeypatch, sizes, spares, threads=1, chunk_from=None):
+    """Requests of ``sizes`` tokens written one after the other by a writer with
+    ``spares`` (from request ``chunk_from`` on, in chunks of 300 rows), each waited for and
+    followed by a pause in which the next spare is made (the next forward); every file is
+    checked against its rows. Returns the files' names and their trace events' ``spare``
+    and ``mapped`` flags."""
+    d, fd = shm_dir
+    trace_path = str(tmp_path / "trace.jsonl")
+    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
+    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=threads, layer_ids=[1, 2, 3, 4], num_layers=4,
+                        stats_interval_s=0, register_atexit=False, spares=spares)
+    try:
+        names = []
+        for i, tokens in enumerate(sizes):
+            chunk = 300 if chunk_from is not None and i >= chunk_from else None
+            names.append(_write(writer, fd, f"r{i}", _rows(tokens, i), chunk=chunk))
+            assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
+            assert writer.wait_idle(30)
+            time.sleep(0.3)
+    finally:
+        assert writer.close()
+    for i, (tokens, name) in enumerate(zip(sizes, names)):
+        rec = fmt.load(os.path.join(d, name))
+        assert torch.equal(rec.hidden_states, _rows(tokens, i).view(tokens, SLOTS, HIDDEN)), \
+            f"file {i} differs from its rows"
+        assert rec.token_ids.tolist() == list(range(100, 100 + tokens))
+    spare, mapped = _spare_flags(trace_path), _spare_flags(trace_path, "mapped")
+    return names, [spare[n] for n in names], [mapped[n] for n in names]
+
+
 def test_files_written_into_spares_equal_their_rows(shm_dir, tmp_path, monkeypatch):
     """Five requests one after the other (8, 8, 5, 6 and 6 MiB; the third in a spare
     made larger, the fourth in one made smaller, the last two in chunks): every file loads
     equal to its rows and token ids, has its layout's size, is indexed, and no temporary
     file stays; the later ones were written into spares, by stores into the spare's
     mapping where it held the whole file (the second, third and fifth), else by pwrite."""
-    d, fd = shm_dir
-    trace_path = str(tmp_path / "trace.jsonl")
-    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
-    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=2, layer_ids=[1, 2, 3, 4], num_layers=4,
-                        stats_interval_s=0, register_atexit=False, spares=1)
-    try:
-        sizes = [1024, 1024, 640, 768, 768]
-        names = []
-        for i, tokens in enumerate(sizes):
-            names.append(_write(writer, fd, f"r{i}", _rows(tokens, i), chunk=300 if i >= 3 else None))
-            assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
-            assert writer.wait_idle(30)
-            time.sleep(0.3)  # the next spare is made meanwhile (the next forward)
-    finally:
-        assert writer.close()
-    for i, (tokens, name) in enumerate(zip(sizes, names)):
-        rec = fmt.load(os.path.join(d, name))
-        want = _rows(tokens, i).view(tokens, SLOTS, HIDDEN)
-        assert torch.equal(rec.hidden_states, want), f"file {i} differs from its rows"
-        assert rec.token_ids.tolist() == list(range(100, 100 + tokens))
+    d, _ = shm_dir
+    names, spare, mapped = _one_after_another(shm_dir, tmp_path, monkeypatch, [1024, 1024, 640, 768, 768],
+                                              spares=1, threads=2, chunk_from=3)
     assert [r["file"] for r in fmt.read_index(d)] == names
     assert sorted(os.listdir(d)) == sorted(names + [fmt.INDEX_NAME])
-    flags = _spare_flags(trace_path)
-    assert flags[names[0]] is False and all(flags[n] for n in names[1:]), flags
-    mapped = _spare_flags(trace_path, "mapped")
-    assert [mapped[n] for n in names] == [False, True, True, False, True], mapped
+    assert spare == [False, True, True, True, True]
+    assert mapped == [False, True, True, False, True]
 
 
 def test_no_spares_when_told(shm_dir, tmp_path, monkeypatch):
     """``spares=0`` (``KIMI_SGLANG_WRITER_SPARES=0``) makes none: every file is created
     fresh and written by ``pwrite``, and nothing is held in the directory's filesystem
     between files."""
-    d, fd = shm_dir
-    trace_path = str(tmp_path / "trace.jsonl")
-    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
-    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=1, layer_ids=[1, 2, 3, 4], num_layers=4,
-                        stats_interval_s=0, register_atexit=False, spares=0)
-    try:
-        names = []
-        for i in range(3):
-            names.append(_write(writer, fd, f"n{i}", _rows(1024, i)))
-            assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
-            assert writer.wait_idle(30)
-            time.sleep(0.3)
-    finally:
-        assert writer.close()
-    flags = _spare_flags(trace_path)
-    assert [flags[n] for n in names] == [False, False, False], flags
-
+    _, spare, mapped = _one_after_another(shm_dir, tmp_path, monkeypatch, [1024] * 3, spares=0)
+    assert spare == mapped == [False, False, False]
 
 def test_a_request_that_fails_in_a_spare_leaves_its_error_and_no_file(shm_dir):
     """The spare taken by a request whose rows never all arrive: ``.error`` under the
@@ -206,26 +202,8 @@ def test_a_spare_is_kept_across_nearby_sizes_and_small_files_change_nothing(shm_
 def test_small_files_take_no_spare(shm_dir, tmp_path, monkeypatch):
     """Between two large files, a file below SPARE_MIN_BYTES is written fresh and leaves
     the spare to the next large one, which stores into it."""
-    d, fd = shm_dir
-    trace_path = str(tmp_path / "trace.jsonl")
-    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
-    writer = DumpWriter(fd, arena_bytes=64 << 20, threads=1, layer_ids=[1, 2, 3, 4], num_layers=4,
-                        stats_interval_s=0, register_atexit=False, spares=1)
-    try:
-        names = []
-        for i, tokens in enumerate([1024, 64, 1024]):
-            names.append(_write(writer, fd, f"s{i}", _rows(tokens, i)))
-            assert fmt.wait_complete(os.path.join(d, names[-1]), timeout=30) is None
-            assert writer.wait_idle(30)
-            time.sleep(0.3)
-    finally:
-        assert writer.close()
-    for i, (tokens, name) in enumerate(zip([1024, 64, 1024], names)):
-        assert torch.equal(fmt.load(os.path.join(d, name)).hidden_states,
-                           _rows(tokens, i).view(tokens, SLOTS, HIDDEN))
-    assert [_spare_flags(trace_path)[n] for n in names] == [False, False, True]
-    assert [_spare_flags(trace_path, "mapped")[n] for n in names] == [False, False, True]
-
+    _, spare, mapped = _one_after_another(shm_dir, tmp_path, monkeypatch, [1024, 64, 1024], spares=1)
+    assert spare == mapped == [False, False, True]
 
 def test_spares_off_tmpfs_are_not_mapped(tmp_path):
     """On a disk filesystem (here the test's temporary directory, when it is not tmpfs) a
