@@ -42,6 +42,10 @@ total 60.0):
   bf16: submit 12.9, queue 1.8, write 24.1, close 0.0, rename 0.05, release 0.7, seen 1.6
   (the wake-up is a thread switch on 2 busy cores), total 28.7 (0.48 x);
   fp8 (``OMP_NUM_THREADS=1``): write 14.2, total 20.6.
+On the H200 host (16 cores, rows on the GPU, 21 reps; bench/results/2026-12-03-h200-filelatency.md):
+bf16 without spares write 25.8, total 28.2; with the default spare (mapped, stores by up to
+8 threads) write 2.4, total 4.6; fp8 with it total 2.9.
+
 Writing one file from several threads (disjoint ``pwrite``s) was measured too and gains
 nothing: the kernel holds the file's inode lock for each write (64 MiB: 1 thread 38-48 ms,
 2 threads 46-51, 4 threads 45-52).
