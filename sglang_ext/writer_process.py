@@ -377,7 +377,7 @@ class Spares:
         self.count = count
         self.size = 0  # what to make: the last file's size (0: nothing)
         self.made = 0  # spares made (tests, the log)
-        self.ready: List[Spare] = []  # each a file of self.size bytes
+        self.ready: List[Spare] = []  # each holds a file of self.size bytes (_fits)
         self.enabled = True
         self.closed = False
         self.mappable = on_tmpfs(dir_fd)  # see the class doc: elsewhere spares take pwrite only
@@ -438,7 +438,8 @@ class Spares:
                     self.made += 1
 
     def _make(self, size: int) -> Optional["Spare"]:
-        """One unnamed file of ``size`` allocated bytes (mapped: ``Spare.map``), or None."""
+        """One unnamed file of ``size`` allocated bytes (mapped on tmpfs: ``Spare.mapping``),
+        or None."""
         try:
             st = os.fstatvfs(self.dir_fd)
             if st.f_bavail * st.f_frsize < SPARE_FREE_FACTOR * size:

@@ -76,20 +76,6 @@ def _wait_router(proc, url, log, timeout=120):
     raise RuntimeError(f"router did not answer /health: {open(log).read()[-2000:]}")
 
 
-def _wait_kv_pool(server, timeout=300):
-    """Until ``server``'s log says its KV pool is allocated (SGLang: "Memory pool end"), or
-    it is healthy; raises what ``wait_healthy`` raises if it died or never got there."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(server.log_path, errors="replace") as f:
-            if "Memory pool end" in f.read():
-                return
-        if server.proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    server.wait_healthy(timeout=max(1.0, deadline - time.monotonic()))
-
-
 def _manifest(out):
     with open(os.path.join(out, "manifest.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -108,8 +94,9 @@ def test_three_servers_behind_the_router_one_killed(tiny_model, reference, rng, 
                                  tiny_model.spec.layers_flag, "direct", ServerOptions(), port)
             cmd[cmd.index("--mem-fraction-static") + 1] = MEM_FRACTION
             os.makedirs(os.path.join(scratch_dir, f"dump{k}"))
-            if servers:  # SGLang sizes its KV pool from the memory free at its start:
-                _wait_kv_pool(servers[-1])  # one after the other, or one sees the other's pool vanish
+            if servers:  # SGLang sizes its KV pool from the memory free at its start: one after
+                last = servers[-1]  # the other, or one sees the other's pool appear under it
+                last.wait_until(lambda: "Memory pool end" in last.log_text() or last.healthy())
             servers.append(launch(cmd, os.path.join(server_log_dir, f"server-fleet-{k}.log"),
                                   dump_dir=os.path.join(scratch_dir, f"dump{k}")))
         t0 = time.monotonic()

@@ -7,42 +7,21 @@ against the same request written by ``pwrite`` (spares off)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
-import pytest
 import torch
 
 from sglang_ext import format as fmt
 from sglang_ext.writer import DumpWriter
 
-from test_writer_spares import HIDDEN, SLOTS, _rows, _write
+from test_writer_spares import HIDDEN, SLOTS, _rows, _write, shm_fixture
 
-SHM = "/dev/shm"
 ROW = SLOTS * HIDDEN * 2  # bf16 bytes of one token
 
 
-def _dump_dir(tmp_path, need):
-    if not os.path.isdir(SHM) or shutil.disk_usage(SHM).free < need:
-        pytest.skip(f"needs /dev/shm with {need >> 30} GiB free")
-    d = os.path.join(SHM, f"kimi-mapped-{os.getpid()}-{tmp_path.name}")
-    os.makedirs(d)
-    return d, fmt.open_dump_dir(d)
-
-
-def _shm_fixture(need):
-    @pytest.fixture
-    def fixture(tmp_path):
-        d, fd = _dump_dir(tmp_path, need)
-        yield d, fd
-        os.close(fd)
-        shutil.rmtree(d, ignore_errors=True)
-    return fixture
-
-
-shm_dir = _shm_fixture(1 << 30)
-big_shm_dir = _shm_fixture(6 << 30)
+shm_dir = shm_fixture(1 << 30)
+big_shm_dir = shm_fixture(6 << 30)
 
 
 def _spare_maps(pid, d):

@@ -21,16 +21,24 @@ SHM = "/dev/shm"
 SLOTS, HIDDEN = 4, 1024  # 8 KiB a token: SPARE_MIN_BYTES (4 MiB) from 512 tokens
 
 
-@pytest.fixture
-def shm_dir(tmp_path):
-    if not os.path.isdir(SHM) or shutil.disk_usage(SHM).free < 1 << 30:
-        pytest.skip("needs /dev/shm with 1 GiB free")
-    d = os.path.join(SHM, f"kimi-spares-{os.getpid()}-{tmp_path.name}")
-    os.makedirs(d)
-    fd = fmt.open_dump_dir(d)
-    yield d, fd
-    os.close(fd)
-    shutil.rmtree(d, ignore_errors=True)
+def shm_fixture(need):
+    """A fixture: ``(path, descriptor)`` of a fresh dump directory in /dev/shm (tmpfs,
+    where the allocation is what spares save), removed after the test; skips the test
+    when /dev/shm has less than ``need`` bytes free."""
+    @pytest.fixture
+    def fixture(tmp_path):
+        if not os.path.isdir(SHM) or shutil.disk_usage(SHM).free < need:
+            pytest.skip(f"needs /dev/shm with {need >> 30} GiB free")
+        d = os.path.join(SHM, f"kimi-spares-{os.getpid()}-{tmp_path.name}")
+        os.makedirs(d)
+        fd = fmt.open_dump_dir(d)
+        yield d, fd
+        os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+    return fixture
+
+
+shm_dir = shm_fixture(1 << 30)
 
 
 def _rows(tokens, seed):
@@ -142,9 +150,7 @@ def test_spares_are_unnamed_sized_and_given_back(shm_dir):
         time.sleep(0.2)
         assert spares.take() is None and spares.made == 0
         spares.want(SPARE_MIN_BYTES * 2)
-        deadline = time.monotonic() + 10
-        while not spares.ready and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _ready(spares)
         assert spares.made == 1 and os.listdir(d) == []
         got = spares.take()
         st = os.fstat(got.fd)
@@ -157,8 +163,7 @@ def test_spares_are_unnamed_sized_and_given_back(shm_dir):
         time.sleep(0.2)
         assert spares.take() is None, "a take must not start a refill (only a written file)"
         spares.want(SPARE_MIN_BYTES * 2)
-        while not spares.ready and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _ready(spares)
     finally:
         spares.close()
     assert spares.ready == [] and os.listdir(d) == []
