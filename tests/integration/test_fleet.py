@@ -174,7 +174,7 @@ def test_an_answer_in_a_directory_this_machine_does_not_see_stops_the_run(tmp_pa
     names a directory missing here stops the run with one sentence, exit 3."""
     server = FakeServer(tmp_path / "server")
     try:
-        server.dump = lambda ids, rid, early=False: {
+        server.dump = lambda ids, rid, early=False, extra=None: {
             "id": rid, "hidden_states_path": f"/nonexistent-node7/dump/{fmt.safe_stem(rid)}{fmt.SUFFIX}"}
         from sglang_ext.__main__ import main
 
