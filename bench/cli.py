@@ -88,6 +88,9 @@ def build_parser():
                     help=f"comma-separated, of {', '.join(planning.MODES)} (bench/README.md)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every grid cell this many times, interleaved (cells carry 'rep')")
+    ap.add_argument("--counterbalance", action="store_true",
+                    help="odd rounds run their modes in reverse order (ABBA): a drift over a shape's "
+                         "rounds falls on every mode alike in the pooled ratios")
     ap.add_argument("--prompt-lens", type=_ints, default=[512, 2048, 8192])
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
     ap.add_argument("--cell-tokens", type=int, default=0,
@@ -143,6 +146,7 @@ def new_results(args, plan, gpu, date):
                                         "max_host_mb", "deadline_s", "ceiling_mib")}
         | {"prompt_lens": args.prompt_lens, "concurrency": args.concurrency,
            "mem_fraction_static": args.mem_fraction_static, "repeat": args.repeat,
+           "counterbalance": plan["counterbalance"],
            "writer_cpus": os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip() or None}
         | ({"vllm_gpu_memory_utilization": peer.gpu_memory_utilization(args),
             "peer_reference": args.peer_reference}

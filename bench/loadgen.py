@@ -39,14 +39,15 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, store=None, visible=None):
+               api="sglang", wait_files=False, store=None, visible=None, skip=False):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
 
     ``early`` (mode dump_early): each request asks to be answered before its file is
     complete (``format.WAIT_PARAM``), as ``sglang_ext.client.extract`` does; a thread waits for
     its previous file's lock after its next answer (one file pending per thread), and the
-    wall time ends when every file is complete.
+    wall time ends when every file is complete. ``skip`` (mode dump_skip): each request asks
+    not to be dumped (``format.DUMP_PARAM``).
 
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
@@ -73,6 +74,8 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
             body["return_hidden_states"] = True
         if early:
             body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
+        if skip:
+            body["sampling_params"]["custom_params"] = {fmt.DUMP_PARAM: False}
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
@@ -149,7 +152,8 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store
     visible = []
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"),
-                               early=mode in ("dump_early", "dump_store_early"), **api_args(mode),
+                               early=mode in ("dump_early", "dump_store_early"), skip=mode == "dump_skip",
+                               **api_args(mode),
                                **({"store": store, "visible": visible} if store is not None else {}))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]

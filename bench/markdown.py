@@ -102,6 +102,11 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
            f"geometric mean {num(h.get('dump_early_vs_nodump_geomean'), '{:.3f}')}"
            if h.get("dump_early_vs_nodump_min") is not None else ""),
     ]
+    if h.get("nodump_again_vs_nodump_min") is not None:
+        lines.append(f"- no change at all ((a') = server A again in the same round, over (a)): "
+                     f"{num(h['nodump_again_vs_nodump_min'], '{:.3f}')} to "
+                     f"{num(h.get('nodump_again_vs_nodump_max'), '{:.3f}')}: this run's noise floor")
+    lines += _pooled(h.get("pooled") or [])
     for mode in STORE_MODES:
         if h.get(f"{mode}_vs_nodump_min") is not None:
             lines.append(f"- {mode}_vs_nodump: min {num(h[f'{mode}_vs_nodump_min'], '{:.3f}')} (at concurrency >= 8: "
@@ -138,6 +143,24 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
             f"- vLLM's host memory: server RSS growth {mib(mem.get('rss_delta_bytes_vllm_dump'))} "
             f"with extraction (without: {mib(mem.get('rss_delta_bytes_vllm_nodump'))}); it has no "
             "cap of its own (pinned buffers per request, cached by torch's host allocator)")
+    return lines
+
+
+def _pooled(pooled: List[dict]) -> List[str]:
+    """The pooled ratios (report.pooled_ratios) as a table: a row per shape, a column per mode."""
+    if not pooled:
+        return []
+    shown = [m for m in ORDER if any(x["mode"] == m for x in pooled)]
+    shapes = sorted({(x["prompt_len"], x["concurrency"]) for x in pooled})
+    by = {(x["mode"], x["prompt_len"], x["concurrency"]): x for x in pooled}
+    lines = ["", "Pooled over the rounds (a shape's tokens over its seconds, every round, over (a)'s"
+             " likewise; (a') is no change at all):", "",
+             "| prompt | conc | rounds | " + " | ".join(shown) + " |",
+             "|---:|---:|---:|" + "---:|" * len(shown)]
+    for plen, conc in shapes:
+        rounds = max(by[(m, plen, conc)]["rounds"] for m in shown if (m, plen, conc) in by)
+        cols = [num(by.get((m, plen, conc), {}).get("vs_nodump"), "{:.3f}") for m in shown]
+        lines.append(f"| {plen} | {conc} | {rounds} | " + " | ".join(cols) + " |")
     return lines
 
 

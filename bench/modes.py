@@ -24,6 +24,7 @@ class Mode:
     peer: bool = False  # served by vLLM (bench.peer)
     grid: bool = True  # run for every shape and round (json: once, at 2k x 8)
     store: bool = False  # its samples go to Mooncake Store (bench/store.py), not files
+    control: bool = False  # writes no file; its ratio to its base is reported beside the dumps'
 
 
 MODES: Tuple[Mode, ...] = (
@@ -43,6 +44,13 @@ MODES: Tuple[Mode, ...] = (
     # (s'): the store sink, each client waiting for its previous sample, as a trainer would
     Mode("dump_store_early", "S", "(s') store sink, early answers", "#da8bc3", "(s')/(a)", dumps=True,
          store=True),
+    # (b skip): server B, each request asking not to be dumped (format.DUMP_PARAM): the
+    # forward captures the dump layers as for every extend batch, nothing is copied or
+    # written; (b skip)/(a) is the capture's share of a dump's cost
+    Mode("dump_skip", "B", "(b skip) dump on, requests not dumped", "#c7e9c0", control=True),
+    # (a'): server A again, last in its round (first with --counterbalance's odd rounds): the
+    # ratio (a')/(a) is what no change at all measures in that round, the run's noise floor
+    Mode("nodump_again", "A", "(a') no dump, again", "#9ecae1", control=True),
     # (c): upstream's JSON return_hidden_states
     Mode("json", "A", "(c) JSON", "#c44e52", grid=False),
     Mode("vllm_nodump", "V", "vLLM (a) no dump", "#4c72b0", peer=True),

@@ -69,7 +69,9 @@ def make_plan(args):
     and the sizes: "cell_tokens", "min_rounds", "deadline_s", "ceiling_mib",
     "writer_reps", "writer_threads", "max_host_mb"}``. Cells in run order: the headline
     shape (2k prompts, concurrency 8) first, so that a run cut short by the deadline still
-    has it; then the rest, a shape's modes one after another, ``--repeat`` rounds interleaved."""
+    has it; then the rest, a shape's modes one after another, ``--repeat`` rounds interleaved;
+    with ``--counterbalance`` every odd round runs its modes in reverse order (ABBA), so a
+    drift over a shape's rounds weighs on each mode alike once the rounds are pooled."""
     prof = PROFILES[args.profile]
     cell_tokens = args.cell_tokens or prof["cell_tokens"]
     min_rounds, json_requests = prof["min_rounds"], prof["json_requests"]
@@ -80,6 +82,7 @@ def make_plan(args):
             "deadline_s": args.deadline_s or prof["deadline_s"],
             "ceiling_mib": prof["ceiling_mib"], "writer_log_wait_s": prof["writer_log_wait_s"],
             "writer_reps": prof["writer_reps"], "writer_threads": writer_threads(),
+            "counterbalance": bool(getattr(args, "counterbalance", False)),
             "max_host_mb": args.max_host_mb or config.DEFAULT_MAX_HOST_MB}
     est_total = 0.0
     if not args.skip_ceilings:
@@ -99,7 +102,8 @@ def make_plan(args):
             scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for rep in range(args.repeat):
-                for mode in GRID_MODES:
+                reverse = getattr(args, "counterbalance", False) and rep % 2 == 1
+                for mode in (GRID_MODES[::-1] if reverse else GRID_MODES):
                     if mode in modes and not (no_peer and peer.is_peer(mode)):
                         cells.append({"mode": mode, "prompt_len": plen, "concurrency": conc,
                                       "requests": n, "prompt_tokens": n * plen}

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Tuple
 
 from bench import markdown, modes, report
 
@@ -23,18 +22,6 @@ COLORS = {m.name: m.color for m in modes.MODES if m.label}
 LABELS = {m.name: m.label for m in modes.MODES if m.label}
 STYLE = {m.name: {"hatch": "//", "edgecolor": "white"} for m in modes.MODES if m.peer}
 RATIOS = tuple((m.name, m.ratio_label) for m in modes.MODES if m.ratio_label)
-
-
-def shape_tps(cells: List[dict], mode: str) -> Dict[Tuple[int, int], float]:
-    """{(prompt_len, concurrency): tokens/s} of ``mode``'s cells with a rate, over the
-    rounds: sum of prompt tokens / sum of wall seconds (one cell: its own rate)."""
-    sums: Dict[Tuple[int, int], List[float]] = {}
-    for c in cells:
-        if c["mode"] == mode and c.get("prefill_tps"):
-            s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
-            s[0] += c["prompt_tokens"]
-            s[1] += c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
-    return {k: t / w for k, (t, w) in sums.items() if w}
 
 
 def _label(prompt_len, concurrency):
@@ -60,7 +47,7 @@ def plot(results: dict, path: str) -> str:
         x = {k: i for i, k in enumerate(keys)}
         ax = axes[0][j]
         shown = [mode for mode in MODES if any(c["mode"] == mode for c in cells)]
-        bars = {mode: shape_tps(cells, mode) for mode in shown}
+        bars = {mode: report.shape_tps(cells, mode) for mode in shown}
         width = 0.8 / max(len(shown), 1)
         for k, mode in enumerate(shown):
             pts = [(x[key], tps) for key, tps in bars[mode].items()]

@@ -15,7 +15,7 @@ A results file (what ``cli`` writes): ``{"date", "gpu", "profile", "versions", "
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from bench import modes
 
@@ -25,6 +25,9 @@ TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
 # which modes are a dump's cost, and each one's no-dump base: bench/modes.py
 DUMP_MODES = modes.names(dumps=True)
 STORE_MODES = modes.names(store=True)
+# no file written, their ratio reported (nodump_again: the noise floor; dump_skip: the capture)
+CONTROL_MODES = modes.names(control=True)
+NOISE_MODE = "nodump_again"
 # the store sink's target: (s') >= 0.95 x (a) at concurrency >= 8 (issue 35)
 STORE_TARGET_CONCURRENCY = 8
 # the no-dump mode each dump mode's ratio divides by (the same engine's)
@@ -156,6 +159,36 @@ def nearest(table: Dict[str, float], size: float) -> Optional[float]:
 ANY_REP = object()
 
 
+def shape_tps(cells: List[dict], mode: str) -> Dict[Tuple[int, int], float]:
+    """{(prompt_len, concurrency): tokens/s} of ``mode``'s error-free cells with a rate,
+    pooled over the rounds: sum of prompt tokens / sum of wall seconds (one cell: its own
+    rate)."""
+    sums: Dict[Tuple[int, int], List[float]] = {}
+    for c in cells:
+        if c.get("mode") == mode and c.get("prefill_tps") and not c.get("error"):
+            s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
+            s[0] += c["prompt_tokens"]
+            s[1] += c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
+    return {k: t / w for k, (t, w) in sums.items() if w}
+
+
+def pooled_ratios(cells: List[dict]) -> List[dict]:
+    """Per shape and mode (the dump modes and the controls), its tokens/s pooled over the
+    rounds (``shape_tps``) over its base's pooled likewise: ``{"mode", "prompt_len",
+    "concurrency", "rounds", "vs_nodump"}``. Rounds pooled this way weigh each by its
+    seconds, and with ``--counterbalance`` a drift within a round falls on both sides."""
+    out = []
+    for mode in DUMP_MODES + CONTROL_MODES:
+        tps = shape_tps(cells, mode)
+        base = shape_tps(cells, BASE_MODE.get(mode, "nodump"))
+        for (plen, conc), v in sorted(tps.items()):
+            rounds = sum(1 for c in cells if (c.get("mode"), c.get("prompt_len"), c.get("concurrency"))
+                         == (mode, plen, conc) and c.get("prefill_tps") and not c.get("error"))
+            out.append({"mode": mode, "prompt_len": plen, "concurrency": conc, "rounds": rounds,
+                        "vs_nodump": ratio(v, base.get((plen, conc)))})
+    return out
+
+
 def find_cell(cells, mode, prompt_len, concurrency, rep=ANY_REP):
     """The first error-free cell of that mode and shape; with ``rep``, of that repetition
     (``--repeat``: cells carry ``rep`` 0..N-1; without it they carry none, i.e. None)."""
@@ -229,8 +262,17 @@ def headline(results: dict) -> Dict[str, dict]:
         for plen, wr in writer.items():
             w = ceiling_w(d2h, nearest(shm, wr["file_bytes"]))
             wvc[plen] = ratio(wr.get("gbps"), w)
+        noise = [ratio(c["prefill_tps"], (find_cell(cells, "nodump", c["prompt_len"], c["concurrency"],
+                                                    c.get("rep")) or {}).get("prefill_tps"))
+                 for c in cells if c.get("mode") == NOISE_MODE and not c.get("error")]
+        noise = [x for x in noise if x is not None]
+        control = ({"nodump_again_vs_nodump_min": min(noise), "nodump_again_vs_nodump_max": max(noise)}
+                   if noise else {})
+        repeated = any(c.get("rep") for c in cells) or any(c.get("mode") in CONTROL_MODES for c in cells)
         out[model] = {
             "cells": per_cell,
+            **({"pooled": pooled_ratios(cells)} if repeated else {}),
+            **control,
             "dump_vs_nodump_min": min(r) if r else None,
             "dump_vs_nodump_geomean": geomean(r),
             "dump_early_vs_nodump_min": min(r_early) if r_early else None,

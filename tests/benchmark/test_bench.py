@@ -112,6 +112,49 @@ def test_repetitions_pair_with_their_own_nodump_cells():
     assert "| 2048 | 32 | dump #1 | 4 | 150000 |" in md and "| 4.00 |" in md
 
 
+def test_control_rounds_and_pooled_ratios():
+    """(a') is server A again in its round: its ratio to (a) is the run's noise floor, never
+    a dump's cost; the pooled ratios are a shape's tokens over its seconds, every round."""
+    res = sample()
+    res["models"]["m"]["cells"] = [
+        cell("nodump", 2048, 8, 100_000.0, rep=0),
+        cell("dump", 2048, 8, 90_000.0, rep=0),
+        cell("nodump_again", 2048, 8, 104_000.0, rep=0),
+        cell("nodump_again", 2048, 8, 98_000.0, rep=1),
+        cell("dump", 2048, 8, 60_000.0, rep=1),
+        cell("nodump", 2048, 8, 50_000.0, rep=1),
+    ]
+    h = report.headline(res)["m"]
+    assert [c["mode"] for c in h["cells"]] == ["dump", "dump"]  # the control is no dump cell
+    assert h["nodump_again_vs_nodump_min"] == pytest.approx(1.04)  # 104k / 100k
+    assert h["nodump_again_vs_nodump_max"] == pytest.approx(1.96)  # 98k / 50k
+    pooled = {x["mode"]: x for x in h["pooled"]}
+    # each cell holds tokens = 2048 x its requests; pooled = sum(tokens) / sum(seconds)
+    toks = res["models"]["m"]["cells"][0]["prompt_tokens"]
+    a = 2 * toks / (toks / 100_000 + toks / 50_000)
+    assert pooled["dump"]["vs_nodump"] == pytest.approx((2 * toks / (toks / 90_000 + toks / 60_000)) / a)
+    assert pooled["nodump_again"]["vs_nodump"] == pytest.approx((2 * toks / (toks / 104_000 + toks / 98_000)) / a)
+    assert pooled["dump"]["rounds"] == 2
+    md = markdown.render_markdown(res | {"headline": report.headline(res), "targets": []})
+    assert "this run's noise floor" in md
+    row = f"| 2048 | 8 | 2 | {pooled['dump']['vs_nodump']:.3f} | {pooled['nodump_again']['vs_nodump']:.3f} |"
+    assert row in md
+
+
+def test_counterbalance_reverses_odd_rounds():
+    argv = ["--quick", "--models", "llama-mid", "--prompt-lens", "512", "--concurrency", "1",
+            "--modes", "nodump,dump,nodump_again", "--repeat", "3"]
+    order = [(c.get("rep"), c["mode"]) for c in plan.make_plan(_args(argv + ["--counterbalance"]))["models"]["llama-mid"]["cells"]]
+    assert order == [(0, "nodump"), (0, "dump"), (0, "nodump_again"),
+                     (1, "nodump_again"), (1, "dump"), (1, "nodump"),
+                     (2, "nodump"), (2, "dump"), (2, "nodump_again")]
+    plain = [c["mode"] for c in plan.make_plan(_args(argv))["models"]["llama-mid"]["cells"]]
+    assert plain == ["nodump", "dump", "nodump_again"] * 3
+    # the control is served by A, as (a): no extra server on the GPU
+    servers_ = plan.make_plan(_args(argv))["models"]["llama-mid"]["servers"]
+    assert sorted(servers_) == ["A", "B"]
+
+
 def test_targets_pass_and_fail():
     res = sample()
     rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
@@ -270,7 +313,8 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
         "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "A", "vllm_nodump": "V",
-        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S", "dump_nospares": "N"}
+        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S", "dump_nospares": "N",
+        "nodump_again": "A", "dump_skip": "B"}
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
     shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
@@ -520,6 +564,29 @@ def test_rehearsal_against_a_fake_server(tmp_path):
     assert "dump/nodump min" in proc.stdout
 
 
+def test_rehearsal_with_the_control_and_counterbalanced_rounds(tmp_path):
+    """(a') runs on server A in the grid, odd rounds reversed; the results carry its noise
+    floor and the pooled table."""
+    proc, out, shm, res_path = rehearse(
+        tmp_path, "--prompt-lens", "16", "--concurrency", "1", "--cell-tokens", "64",
+        "--modes", "nodump,dump,dump_skip,nodump_again", "--repeat", "2", "--counterbalance")
+    res = json.loads(res_path.read_text())
+    cells = res["models"]["deepseek-tiny"]["cells"]
+    forward = ["nodump", "dump", "dump_skip", "nodump_again"]
+    assert [(c["rep"], c["mode"]) for c in cells] == [(0, m) for m in forward] + [(1, m) for m in forward[::-1]]
+    assert not any(c.get("error") for c in cells), cells
+    # dump_skip: server B, nothing written (the fake writes a file per dumped request)
+    assert [c.get("files") for c in cells if c["mode"] == "dump"] == [4, 4]
+    assert all("files" not in c for c in cells if c["mode"] == "dump_skip")
+    assert sum(1 for f in shm.rglob("*.safetensors")) == 0  # each cell's files removed after it
+    h = res["headline"]["deepseek-tiny"]
+    assert h["nodump_again_vs_nodump_min"] > 0
+    assert {x["mode"] for x in h["pooled"]} == {"dump", "dump_skip", "nodump_again"}
+    assert res["config"]["counterbalance"] is True
+    md = (out / res_path.name.replace(".json", ".md")).read_text()
+    assert "| prompt | conc | rounds | dump | dump_skip | nodump_again |" in md and "noise floor" in md
+
+
 def test_ceilings_phase_runs_on_cpu(tmp_path):
     """The ceilings sub-program (``python -m bench.ceilings``: safetensors writes from
     threads, DumpWriter start/copy_rows/finish) on CPU tensors: without CUDA the copy
@@ -578,7 +645,7 @@ def test_stage_stats_joins_file_and_response_events():
 def test_plot_pools_the_rounds_of_a_shape():
     """The plot's bar of a shape run in several rounds is their tokens over their wall
     seconds (not the last round's drawn over the others)."""
-    from bench.plot import shape_tps
+    from bench.report import shape_tps
 
     cells = [{"mode": "nodump", "prompt_len": 2048, "concurrency": 8, "prompt_tokens": 1000, "wall_s": 1.0,
               "prefill_tps": 1000.0},
