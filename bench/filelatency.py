@@ -154,7 +154,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (rows on the GPU)")
     ap.add_argument("--threads", type=int, default=8, help="writer threads")
     ap.add_argument("--spares", type=int, default=1,
-                    help="files kept allocated and mapped ahead (KIMI_SGLANG_WRITER_SPARES, the server's default 1; "
+                    help="the most files kept allocated and mapped ahead (KIMI_SGLANG_WRITER_SPARES; the server keeps "
+                         "up to 8, as many as files begin at once; one request at a time here needs 1; "
                          "0: none, each file by one thread's pwrite)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)

@@ -28,7 +28,9 @@ from typing import Optional, Sequence, Tuple
 DEFAULT_MAX_HOST_MB = 4096
 DEFAULT_WRITER_THREADS = 8  # as vLLM's hidden-states connector
 MAX_WRITER_SPARES = 8  # spare files made ahead (writer_process.Spares), each one file's size
-DEFAULT_WRITER_SPARES = 1  # one: the next file's pages exist and are mapped before its rows come
+# the most kept ready: as many as files begin at once (a prefill batch's requests), learnt
+# by writer_process.Spares within its byte budget; 1 keeps one for the next file only
+DEFAULT_WRITER_SPARES = 8
 MAX_WRITER_THREADS = 256  # /dev/shm saturates at ~8 (bench ceilings); more only costs memory
 MAX_CPUS = 1 << 16  # CPU numbers parse_cpu_list accepts when not checked against this host
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SGLang kills schedulers 15 s after its shutdown request
@@ -307,9 +309,10 @@ def env_settings(this_host: bool = True) -> dict:
     (``KIMI_SGLANG_FILE_MODE``, permission bits of the files the dump creates, the umask
     still applies; ``env_file_mode``) and ``writer_cpus`` (``KIMI_SGLANG_WRITER_CPUS``,
     the CPUs the writer process runs on, a ``taskset -c`` list; None: the scheduler's;
-    ``writer_spares`` (``KIMI_SGLANG_WRITER_SPARES``, files of the last file's size the
-    writer keeps allocated and mapped ahead, 0 to ``MAX_WRITER_SPARES``, default
-    ``DEFAULT_WRITER_SPARES``: a file's rows then go by parallel stores instead of one
+    ``writer_spares`` (``KIMI_SGLANG_WRITER_SPARES``, the most files of the last file's
+    size the writer keeps allocated and mapped ahead, 0 to ``MAX_WRITER_SPARES``, default
+    ``DEFAULT_WRITER_SPARES``; as many are kept as files begin at once, within 1 GiB,
+    ``writer_process.Spares``: a file's rows then go by parallel stores instead of one
     thread's ``pwrite`` into pages allocated on the way, docs/performance.md; 0 turns
     them off);
     ``this_host``: checked against this host's CPUs, which a plan made for another host

@@ -119,8 +119,9 @@ class DumpWriter:
     ``store_url``: a ``mooncake://`` address (``store.StoreConfig.from_url``) selects the
     store sink: the writer process puts each request as one object into Mooncake Store
     (``store_writer``) and ``dir_fd`` is ``None``; a request is then named by its handle
-    (``reserve_handle``) instead of a reserved file; ``spares``: files of the last
-    file's size the writer process keeps allocated ahead (``writer_process.Spares``,
+    (``reserve_handle``) instead of a reserved file; ``spares``: the most files of
+    the last file's size the writer process keeps allocated ahead (``writer_process.Spares``
+    keeps as many as files begin at once, within its byte budget;
     ``KIMI_SGLANG_WRITER_SPARES``; file sink only; 0: none).
 
     Raises ``OSError`` when the arena cannot be made and ``RuntimeError`` when the writer

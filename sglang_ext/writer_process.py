@@ -343,6 +343,9 @@ class Writer(Sink):
 # never push a real file into ENOSPC on a nearly full /dev/shm.
 SPARE_MIN_BYTES = 4 << 20
 SPARE_MAX_BYTES = 1 << 30
+# The most bytes of spares one writer process holds at once (Spares.target): llama-8b's
+# 2k-token files (64 MiB) may have 8 ready, Kimi-K2.5's 10k-token ones (~570 MiB) one.
+SPARE_BUDGET_BYTES = 1 << 30
 SPARE_FREE_FACTOR = 8
 
 
@@ -353,14 +356,22 @@ class Spares:
     zeroing its pages (bench/filelatency.py: 64 MiB in ~44 ms fresh, ~24 ms into
     allocated pages, on the development box); the kernel serializes writes to one file
     (the inode's lock), so more threads on one file do not help, but the allocation can
-    happen before the rows arrive. One thread of its own keeps up to ``count`` unnamed
-    files (``O_TMPFILE`` in the dump directory) of the size of the last file written
-    (``want``) allocated (``posix_fallocate``) and mapped shared with ``MAP_POPULATE``
-    (the page tables filled ahead too); a writer thread ``take``s one at a request's
-    ``Begin`` and names it with its temporary name (``Writer._create``). A file no larger
-    than its spare gets its rows by stores into that mapping, split across threads
-    (``copier.Copier``: stores into a mapping take no inode lock); a larger one by
-    ``pwrite``. Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
+    happen before the rows arrive. One thread of its own keeps ``target`` unnamed files
+    (``O_TMPFILE`` in the dump directory) of the size of the last file written (``want``)
+    allocated (``posix_fallocate``) and mapped shared with ``MAP_POPULATE`` (the page
+    tables filled ahead too); a writer thread ``take``s one at a request's ``Begin`` and
+    names it with its temporary name (``Writer._create``). A file no larger than its spare
+    gets its rows by stores into that mapping, split across threads (``copier.Copier``:
+    stores into a mapping take no inode lock); a larger one by ``pwrite``.
+
+    ``target`` follows how many files begin at once. It starts at 1 (one request at a
+    time), grows by one for each file that found no spare ready (a prefill batch of
+    several requests begins their files together, and the last of them is what a waiting
+    answer, or a run's end, waits for) and shrinks by one for each ready spare thrown
+    away because file sizes moved (so a mixed-length workload does not keep allocating
+    spares it never uses). It stays within ``count`` (``KIMI_SGLANG_WRITER_SPARES``) and
+    within ``budget`` bytes of spares at once (``SPARE_BUDGET_BYTES``; one spare at
+    least). Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
     by ``fallocate`` is the page a store lands in, so a full filesystem cannot turn a
     store into a SIGBUS; on a disk filesystem (copy-on-write ones: btrfs, XFS with
     reflinks) a first store may need new blocks, so there spares only save the
@@ -372,11 +383,14 @@ class Spares:
     a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate`` turns spares
     off for the process; any other failure (no space) skips one round."""
 
-    def __init__(self, dir_fd: int, count: int = 1):
+    def __init__(self, dir_fd: int, count: int = 1, budget: int = 0):
         self.dir_fd = dir_fd
-        self.count = count
+        self.count = count  # the most spares kept ready
+        self.budget = budget or SPARE_BUDGET_BYTES  # the most bytes of spares at once
+        self.target = min(1, count)  # how many to keep ready now (the class doc)
         self.size = 0  # what to make: the last file's size (0: nothing)
         self.made = 0  # spares made (tests, the log)
+        self.missed = 0  # takes that found none ready once a size was known (tests)
         self.ready: List[Spare] = []  # each holds a file of self.size bytes (_fits)
         self.enabled = True
         self.closed = False
@@ -399,12 +413,19 @@ class Spares:
                 self.ready = [s for s in self.ready if _fits(s.size, size)]
                 for spare in stale:
                     spare.close()
+                self.target = max(min(1, self.count), self.target - len(stale))
             self.cond.notify()
 
     def take(self) -> Optional["Spare"]:
-        """A spare (``self.size`` bytes allocated, mapped if it could be), or None."""
+        """A spare (``self.size`` bytes allocated, mapped if it could be), or None. None,
+        once a size is known, raises ``target`` by one (the class doc)."""
         with self.cond:  # no refill now: it would compete with this file's write (want)
-            return self.ready.pop() if self.ready else None
+            if self.ready:
+                return self.ready.pop()
+            if self.size and self.enabled:
+                self.missed += 1
+                self.target = min(self.target + 1, self.count)
+            return None
 
     def close(self) -> None:
         with self.cond:
@@ -415,7 +436,10 @@ class Spares:
             self.cond.notify()
 
     def _wanted(self) -> int:
-        return self.size if self.size and len(self.ready) < self.count else 0
+        if not self.size:
+            return 0
+        most = min(self.target, max(1, self.budget // self.size))
+        return self.size if len(self.ready) < most else 0
 
     def _run(self) -> None:
         while True:
@@ -762,7 +786,7 @@ def main(argv=None) -> int:
                    help="a mooncake:// address (store.StoreConfig.from_url): the store sink")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--spares", type=int, default=0,
-                   help="files kept allocated ahead (Spares; file sink only, 0: none)")
+                   help="the most files kept allocated ahead (Spares; file sink only, 0: none)")
     p.add_argument("--tag", required=True, help="names this writer's temporary files")
     p.add_argument("--meta", required=True,
                    help='JSON {"layer_ids": [...], "num_layers": N, "extra": {...}}')

@@ -585,7 +585,7 @@ def test_writer_settings_come_from_the_environment_and_bad_values_name_the_varia
                                       "writer_cpus": (0,), "watchdog_s": 5}.items()
     monkeypatch.delenv("KIMI_SGLANG_WATCHDOG_S")
     monkeypatch.delenv("KIMI_SGLANG_WRITER_SPARES")
-    assert env_settings()["writer_spares"] == 1  # one spare unless told
+    assert env_settings()["writer_spares"] == 8  # up to eight unless told (Spares keeps as many as files begin at once)
     for name, value, message in [("KIMI_SGLANG_WRITER_SPARES", "9", "from 0 to 8"),
                                  ("KIMI_SGLANG_WRITER_SPARES", "1.5", "whole number"),
                                  ("KIMI_SGLANG_WRITER_SPARES", "-1", ">= 0"),("KIMI_SGLANG_DRAIN_TIMEOUT_S", "soon", "number of seconds"),

@@ -49,7 +49,8 @@ def _wait_for(cond, timeout=60.0):
 
 
 def test_drain_deadline_while_rows_are_stored_into_spares(big_shm_dir):
-    """Three ~312 MiB requests, each in a spare of its own, on three writer threads,
+    """Three ~312 MiB requests begun together, each in a spare of its own (a batch of
+    three before them had the writer keep three), on three writer threads,
     their rows being stored by the copier (pieces queued for its pool threads) when
     ``close(0)`` passes the drain deadline: the main thread fails their queued finishes
     while the copies run. The writer process must not die by SIGSEGV (a store into a
@@ -62,22 +63,35 @@ def test_drain_deadline_while_rows_are_stored_into_spares(big_shm_dir):
                         layer_ids=[1, 2, 3, 4], num_layers=4, stats_interval_s=0,
                         register_atexit=False, spares=count)
     proc = writer._proc
-    try:
-        first = _write(writer, fd, "w0", _rows(tokens, 0))
-        assert fmt.wait_complete(os.path.join(d, first), timeout=60) is None
-        _wait_for(lambda: _spare_maps(proc.pid, d) == count)
-        rows = [_rows(tokens, 1 + i) for i in range(count)]
-        pend = [writer.start(f"r{i}", list(range(tokens)), SLOTS * HIDDEN, torch.bfloat16)
+    rows = [_rows(tokens, 1 + i) for i in range(count)]
+
+    def begin_together(prefix):  # as a prefill batch of ``count`` requests does
+        pend = [writer.start(f"{prefix}{i}", list(range(tokens)), SLOTS * HIDDEN, torch.bfloat16)
                 for i in range(count)]
         for p, r in zip(pend, rows):
             writer.copy_rows(r, [(p, 0, tokens)], ready=True)
         writer.flush()
-        time.sleep(0.01)  # the copies start
-        res = []
+        return pend
+
+    def finish(prefix, pend):
+        out = []
         for i, p in enumerate(pend):
-            res.append(fmt.reserve(fd, f"r{i}"))
-            writer.finish(p, res[-1])
+            out.append(fmt.reserve(fd, f"{prefix}{i}"))
+            writer.finish(p, out[-1])
         writer.flush()
+        return out
+
+    try:
+        first = _write(writer, fd, "w0", _rows(tokens, 0))
+        assert fmt.wait_complete(os.path.join(d, first), timeout=60) is None
+        # a batch that finds one spare for three files: the writer keeps three from now on
+        warm = finish("w", begin_together("w"))
+        for r in warm:
+            assert fmt.wait_complete(os.path.join(d, r.name), timeout=60) is None
+        _wait_for(lambda: _spare_maps(proc.pid, d) == count)
+        pend = begin_together("r")
+        time.sleep(0.01)  # the copies start
+        res = finish("r", pend)
     finally:
         writer.close(0)
     # 0: it ended by itself; SIGKILL: close's own end of a writer still inside its copies
@@ -92,7 +106,7 @@ def test_drain_deadline_while_rows_are_stored_into_spares(big_shm_dir):
         else:
             assert err == fmt.SHUTDOWN_MESSAGE
     fmt.clean_stale(fd)
-    finals = {first} | {r.name for r in res if os.path.exists(os.path.join(d, r.name))}
+    finals = {first} | {r.name for r in warm} | {r.name for r in res if os.path.exists(os.path.join(d, r.name))}
     errors = {r.name + fmt.ERROR_SUFFIX for r in res if r.name not in finals}
     assert sorted(os.listdir(d)) == sorted(finals | errors | {fmt.INDEX_NAME})
 

@@ -239,3 +239,98 @@ def test_spares_off_tmpfs_are_not_mapped(tmp_path):
         assert on_tmpfs(shm)
     finally:
         os.close(shm)
+
+
+def test_spares_follow_how_many_files_begin_at_once(shm_dir):
+    """``target``: one spare to begin with; each take that finds none ready (several files
+    begun at once) adds one, up to ``count``; the byte budget caps what is made; a size
+    change that throws ready spares away lowers it by as many; a take before any file
+    was written (no size known) changes nothing."""
+    d, fd = shm_dir
+    size = SPARE_MIN_BYTES * 2
+    spares = Spares(fd, count=3)
+    try:
+        assert spares.take() is None and spares.missed == 0 and spares.target == 1
+        spares.want(size)
+        assert len(_ready(spares)) == 1
+        taken = [spares.take() for _ in range(4)]  # four files begin together
+        assert taken[0] is not None and taken[1:] == [None] * 3
+        assert spares.missed == 3 and spares.target == 3  # 1 + 3, capped at count
+        taken[0].close()
+        spares.want(size)  # their files written: three are made, one after another
+        assert [s.size for s in _ready(spares, 3)] == [size] * 3
+        time.sleep(0.2)
+        assert len(spares.ready) == 3 and spares.made == 4
+        spares.want(size * 3)  # the sizes moved: the three go, the target with them
+        assert spares.target == 1
+        assert [s.size for s in _ready(spares)] == [size * 3]
+        time.sleep(0.2)
+        assert len(spares.ready) == 1
+    finally:
+        spares.close()
+    assert os.listdir(d) == []
+
+
+def test_the_byte_budget_caps_the_spares_held(shm_dir):
+    """With room for two spares in the budget, a target of four makes two; a file larger
+    than the whole budget still gets one."""
+    d, fd = shm_dir
+    size = SPARE_MIN_BYTES * 2
+    spares = Spares(fd, count=8, budget=2 * size)
+    try:
+        spares.want(size)
+        _ready(spares)
+        assert [spares.take() is not None for _ in range(4)] == [True, False, False, False]
+        assert spares.target == 4
+        spares.want(size)
+        assert len(_ready(spares, 2)) == 2
+        time.sleep(0.3)
+        assert len(spares.ready) == 2, "the budget holds two"
+        for s in [spares.take(), spares.take()]:
+            s.close()
+        spares.want(size * 3)  # one file over the whole budget: one spare all the same
+        assert [s.size for s in _ready(spares)] == [size * 3]
+        time.sleep(0.3)
+        assert len(spares.ready) == 1
+    finally:
+        spares.close()
+
+
+def test_a_batch_of_files_begun_together_is_written_into_spares(shm_dir, tmp_path, monkeypatch):
+    """A writer process (4 threads, the default spares) given five batches of four
+    requests each, every batch's files begun together as a prefill batch does: the
+    first batch finds no spare (no size known yet; a file written before another thread
+    began its own may lend it one), the next ones grow the target, and by the last batch
+    every file's rows are stored into a spare's mapping. Every file equals its rows."""
+    d, fd = shm_dir
+    trace_path = str(tmp_path / "trace.jsonl")
+    monkeypatch.setenv("KIMI_SGLANG_TRACE", trace_path)
+    tokens, batches, per = 1024, 5, 4
+    writer = DumpWriter(fd, arena_bytes=128 << 20, threads=per, layer_ids=[1, 2, 3, 4], num_layers=4,
+                        stats_interval_s=0, register_atexit=False, spares=8)
+    names = []
+    try:
+        for b in range(batches):
+            pend = [writer.start(f"b{b}r{i}", list(range(100, 100 + tokens)), SLOTS * HIDDEN, torch.bfloat16)
+                    for i in range(per)]
+            rows = torch.cat([_rows(tokens, b * per + i) for i in range(per)])
+            writer.copy_rows(rows, [(p, i * tokens, tokens) for i, p in enumerate(pend)], ready=True)
+            for i, p in enumerate(pend):
+                res = fmt.reserve(fd, f"b{b}r{i}")
+                writer.finish(p, res)
+                names.append(res.name)
+            writer.flush()
+            for name in names[-per:]:
+                assert fmt.wait_complete(os.path.join(d, name), timeout=30) is None
+            assert writer.wait_idle(30)
+            time.sleep(0.5)  # the next forward: spares are made meanwhile
+    finally:
+        assert writer.close()
+    for k, name in enumerate(names):
+        rec = fmt.load(os.path.join(d, name))
+        assert torch.equal(rec.hidden_states, _rows(tokens, k).view(tokens, SLOTS, HIDDEN)), f"file {k} differs"
+    mapped = _spare_flags(trace_path, "mapped")
+    by_batch = [[mapped[n] for n in names[b * per:(b + 1) * per]] for b in range(batches)]
+    # the first batch had no size to go by (a file written meanwhile may lend one its spare)
+    assert sum(by_batch[0]) <= 1, by_batch
+    assert by_batch[-1] == [True] * per, by_batch
