@@ -18,7 +18,7 @@ import time
 
 from sglang_ext import config
 
-from bench import ceilings, markdown, peer, plan as planning, report, servers
+from bench import ceilings, markdown, peer, plan as planning, report, servers, targets
 from bench.models import MODELS
 from bench.runner import Clock, run_model
 
@@ -60,7 +60,7 @@ def versions():
 def save_results(results, out_dir, stem):
     """Headline and targets recomputed, then ``stem``.json and ``stem``.md in ``out_dir``."""
     results["headline"] = report.headline(results)
-    results["targets"] = report.targets(results, results["headline"])
+    results["targets"] = targets.targets(results, results["headline"])
     with open(os.path.join(out_dir, stem + ".json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:

@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 
-from bench import peer, report
+from bench import modes, peer, report
 
 MANIFEST = "hidden_states_manifest"  # the store sink's answer (docs/store.md)
 _local = threading.local()
@@ -39,9 +39,12 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, store=None, visible=None, skip=False):
+               api="sglang", wait_files=False, store=None, visible=None, skip=False, answers=None):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
+    ``answers`` (a list): gets each response's arrival, seconds after the first send; the
+    wall time minus the last of them is the cell's drain (``report.cell_stats``): with
+    early answers, the files (or samples) still being written when the last answer came.
 
     ``early`` (mode dump_early): each request asks to be answered before its file is
     complete (``format.WAIT_PARAM``), as ``sglang_ext.client.extract`` does; a thread waits for
@@ -80,11 +83,13 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
     pending = []  # list.append is atomic under the GIL
+    arrived = [] if answers is None else answers
 
     def one(i):
         t = time.perf_counter()
         r = _session().post(url, data=bodies[i], timeout=timeout, headers={"Content-Type": "application/json"})
         content = r.content
+        arrived.append(time.perf_counter() - t0)
         if store is not None:
             return store_one(t, r.status_code, content)
         if wait_files and r.status_code == 200:
@@ -149,17 +154,17 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store
     if prompts is None:
         prompts = cell_prompts(cell, spec, rng)
     offset = trace_size(trace_path)
-    visible = []
+    visible, answers = [], []
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"),
-                               early=mode in ("dump_early", "dump_store_early"), skip=mode == "dump_skip",
-                               **api_args(mode),
+                               early=mode in modes.names(early=True), skip=mode == "dump_skip",
+                               answers=answers, **api_args(mode),
                                **({"store": store, "visible": visible} if store is not None else {}))
     lat = [r[0] for r in results]
     bad = [r for r in results if r[1] != 200]
     out = {"mode": mode, "prompt_len": cell["prompt_len"], "concurrency": cell["concurrency"],
            "requests": len(prompts)}
-    out.update(report.cell_stats(lat, sum(map(len, prompts)), wall))
+    out.update(report.cell_stats(lat, sum(map(len, prompts)), wall, max(answers, default=None)))
     if bad:
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
     if store is not None:

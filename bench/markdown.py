@@ -1,14 +1,18 @@
 """A results file as Markdown (``render_markdown``: the ``.md`` beside each JSON) and as
 the short plain-text table printed last (``summary_table``). The numbers come from
-``report``; a results file without ``headline`` or ``targets`` gets them computed.
+``report`` and ``targets``; a results file without ``headline`` or ``targets`` gets them computed.
 """
 
 from __future__ import annotations
 
 from typing import List
 
-from bench.modes import MODES
-from bench.report import DUMP_MODES, STORE_MODES, headline, mib, num, targets
+from bench.modes import MODES, names
+from bench.report import DUMP_MODES, STORE_MODES, headline, mib, num
+from bench.targets import targets
+
+
+EARLY_MODES = names(early=True)
 
 
 def render_markdown(results: dict) -> str:
@@ -65,16 +69,18 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
     """One model's cells, its ratios, file check, host memory."""
     by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"], c.get("rep")): c
                for c in h.get("cells", [])}
+    drained = any("drain_s" in c for c in m.get("cells", []))  # runs since the drain was measured
     lines = [
         "",
         f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})",
         "",
         "The last two columns divide the row's tokens/s (a dump's (b)) by (a) of its round"
-        " and by min((a), W/B).",
+        " and by min((a), W/B)." + (" drain: the cell's wall time after its last answer (early"
+                                    " answers: the last files' write)." if drained else ""),
         "",
-        "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | GB/s written |"
-        " JSON MB/resp | row/(a) | row/bound |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | " + ("drain ms | " if drained else "")
+        + "GB/s written | JSON MB/resp | row/(a) | row/bound |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if drained else ""),
     ]
     for c in sorted(m.get("cells", []),
                     key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
@@ -82,7 +88,7 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         label = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
         if c.get("error"):
             lines.append(f"| {c['prompt_len']} | {c['concurrency']} | {label} | "
-                         f"ERROR: {c['error'][:80]} |||||||||")
+                         f"ERROR: {c['error'][:80]} |||||||||" + ("|" if drained else ""))
             continue
         hc = by_cell.get((c["mode"], c["prompt_len"], c["concurrency"], c.get("rep")), {})
         json_mb = (c["response_bytes"] / c["requests"] / 1e6) if c.get("response_bytes") else None
@@ -90,7 +96,9 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         lines.append(
             f"| {c['prompt_len']} | {c['concurrency']} | {label} | {c['requests']} | "
             f"{num(c.get('prefill_tps'))} | {num(c.get('p50_s'), '{:.3f}')} | "
-            f"{num(c.get('p99_s'), '{:.3f}')} | {written} | "
+            f"{num(c.get('p99_s'), '{:.3f}')} | "
+            + (f"{num(c['drain_s'] * 1e3 if c.get('drain_s') is not None else None, '{:.1f}')} | " if drained else "")
+            + f"{written} | "
             f"{num(json_mb, '{:.1f}')} | {num(hc.get('dump_vs_nodump'), '{:.3f}')} | "
             f"{num(hc.get('dump_vs_bound'), '{:.3f}')} |"
         )
@@ -153,13 +161,19 @@ def _pooled(pooled: List[dict]) -> List[str]:
     shown = [m for m in ORDER if any(x["mode"] == m for x in pooled)]
     shapes = sorted({(x["prompt_len"], x["concurrency"]) for x in pooled})
     by = {(x["mode"], x["prompt_len"], x["concurrency"]): x for x in pooled}
+    # early answers again, each cell up to its last answer (its final drain aside)
+    answered = [m for m in EARLY_MODES if m in shown
+                and any("vs_nodump_to_last_answer" in x for x in pooled if x["mode"] == m)]
     lines = ["", "Pooled over the rounds (a shape's tokens over its seconds, every round, over (a)'s"
-             " likewise; (a') is no change at all):", "",
-             "| prompt | conc | rounds | " + " | ".join(shown) + " |",
-             "|---:|---:|---:|" + "---:|" * len(shown)]
+             " likewise; (a') is no change at all"
+             + ("; \"to last answer\": both sides' seconds up to each cell's last answer, the"
+                " final drain of the early answers' last files aside" if answered else "") + "):", "",
+             "| prompt | conc | rounds | " + " | ".join(shown + [f"{m} to last answer" for m in answered]) + " |",
+             "|---:|---:|---:|" + "---:|" * (len(shown) + len(answered))]
     for plen, conc in shapes:
         rounds = max(by[(m, plen, conc)]["rounds"] for m in shown if (m, plen, conc) in by)
         cols = [num(by.get((m, plen, conc), {}).get("vs_nodump"), "{:.3f}") for m in shown]
+        cols += [num(by.get((m, plen, conc), {}).get("vs_nodump_to_last_answer"), "{:.3f}") for m in answered]
         lines.append(f"| {plen} | {conc} | {rounds} | " + " | ".join(cols) + " |")
     return lines
 

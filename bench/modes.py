@@ -25,6 +25,7 @@ class Mode:
     grid: bool = True  # run for every shape and round (json: once, at 2k x 8)
     store: bool = False  # its samples go to Mooncake Store (bench/store.py), not files
     control: bool = False  # writes no file; its ratio to its base is reported beside the dumps'
+    early: bool = False  # answered before its file (or sample) is complete; a client waits for it later
 
 
 MODES: Tuple[Mode, ...] = (
@@ -32,7 +33,8 @@ MODES: Tuple[Mode, ...] = (
     # (b): answered after the file
     Mode("dump", "B", "(b) dump", "#dd8452", "(b)/min((a), W/B)", dumps=True),
     # (b'): answered early
-    Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True),
+    Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True,
+         early=True),
     # (b, no spares): server N, KIMI_SGLANG_WRITER_SPARES=0 (each file's pages allocated
     # as its rows are written by one pwrite: the writer before spare files became the default)
     Mode("dump_nospares", "N", "(b) dump, no spare files", "#8c8c8c", "(b no spares)/min((a), W/B)",
@@ -43,7 +45,7 @@ MODES: Tuple[Mode, ...] = (
     Mode("dump_store", "S", "(s) store sink", "#937860", "(s)/(a)", dumps=True, store=True),
     # (s'): the store sink, each client waiting for its previous sample, as a trainer would
     Mode("dump_store_early", "S", "(s') store sink, early answers", "#da8bc3", "(s')/(a)", dumps=True,
-         store=True),
+         store=True, early=True),
     # (b skip): server B, each request asking not to be dumped (format.DUMP_PARAM): the
     # forward captures the dump layers as for every extend batch, nothing is copied or
     # written; (b skip)/(a) is the capture's share of a dump's cost

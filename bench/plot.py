@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from bench import markdown, modes, report
+from bench import markdown, modes, report, targets
 
 # drawn: the modes with a label (bench/modes.py), in its order; the peer's bars: our colours, hatched
 MODES = tuple(m.name for m in modes.MODES if m.label)
@@ -93,7 +93,7 @@ def plot(results: dict, path: str) -> str:
             ax.scatter([p[0] for p in pr], [p[1] for p in pr], marker="D", color="k", zorder=3,
                        label="(b) vLLM / (b) ours")
         if ratios:  # the target is the dump's against its bound, not the engines' ratio
-            ax.axhline(report.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
+            ax.axhline(targets.TARGET_DUMP_VS_BOUND, color="k", ls="--", lw=1, label="0.95 target")
         ax.set_ylim(0, max([1.2] + [v + 0.05 for v in drawn_ratios]))
         ax.set_xticks(range(len(keys)), [_label(p, c) for p, c in keys], rotation=45)
         ax.set_ylabel("dump throughput ratio")

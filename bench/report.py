@@ -1,4 +1,5 @@
-"""Pure functions of the benchmark: statistics, headline ratios, targets, stage times.
+"""Pure functions of the benchmark: statistics, headline ratios, stage times (the targets
+they are held to: ``bench.targets``).
 
 No torch, no CUDA, no server: ``loadgen`` and ``cli`` feed them measured numbers, the tests
 hand-made ones; ``markdown`` and ``plot`` show them. Units are in the names (``_s``
@@ -9,7 +10,7 @@ A results file (what ``cli`` writes): ``{"date", "gpu", "profile", "versions", "
 "writer_alone": {model: {prompt_len: {"gbps", "file_bytes", ...}}}}, "models": {model:
 {"hidden_size", "layer_ids", "cells": [{"mode", "prompt_len", "concurrency", "rep",
 "requests", "prompt_tokens", "wall_s", "prefill_tps", "p50_s", "p99_s", "file_bytes",
-"write_gbps", "response_bytes", "stages", ...}], "host_memory", "peer_unsupported",
+"write_gbps", "response_bytes", "drain_s", "stages", ...}], "host_memory", "peer_unsupported",
 "peer_files"}}, "headline", "targets", "phases", "skipped"}``."""
 
 from __future__ import annotations
@@ -19,16 +20,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from bench import modes
 
-TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
-TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
-TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
 # which modes are a dump's cost, and each one's no-dump base: bench/modes.py
 DUMP_MODES = modes.names(dumps=True)
 STORE_MODES = modes.names(store=True)
 # no file written, their ratio reported (nodump_again: the noise floor; dump_skip: the capture)
 CONTROL_MODES = modes.names(control=True)
 NOISE_MODE = "nodump_again"
-# the store sink's target: (s') >= 0.95 x (a) at concurrency >= 8 (issue 35)
+# the store sink's target: (s') >= 0.95 x (a) at concurrency >= 8 (issue 35, bench.targets)
 STORE_TARGET_CONCURRENCY = 8
 # the no-dump mode each dump mode's ratio divides by (the same engine's)
 BASE_MODE = {m.name: m.base for m in modes.MODES if m.base != "nodump"}
@@ -50,20 +48,28 @@ def percentile(values: Iterable[float], q: float) -> float:
     return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
 
 
-def cell_stats(latencies_s: List[float], prompt_tokens: int, wall_s: float) -> Dict[str, float]:
+def cell_stats(latencies_s: List[float], prompt_tokens: int, wall_s: float,
+               last_answer_s: Optional[float] = None) -> Dict[str, float]:
     """Prefill throughput and latency percentiles of one batch of requests.
 
     ``prefill_tps`` = prompt tokens / wall time of the whole batch (first send to last
-    response), with ``max_new_tokens=1`` so the time is prefill (plus, for a dump, the
-    file write the response waits for).
+    response, or, with early answers, to the last file complete), with
+    ``max_new_tokens=1`` so the time is prefill (plus, for a dump, the file write the
+    response waits for). ``last_answer_s`` (seconds after the first send the last
+    response arrived) adds ``drain_s``, the wall time after it: with early answers the
+    write of the last files, which a cell of a few dozen requests pays once as a run of
+    a whole dataset does at its end.
     """
-    return {
+    out = {
         "prompt_tokens": int(prompt_tokens),
         "wall_s": float(wall_s),
         "prefill_tps": prompt_tokens / wall_s if wall_s > 0 else float("nan"),
         "p50_s": percentile(latencies_s, 50),
         "p99_s": percentile(latencies_s, 99),
     }
+    if last_answer_s is not None:
+        out["drain_s"] = max(0.0, float(wall_s) - float(last_answer_s))
+    return out
 
 
 # Stages of one file, from sglang_ext/trace.py's timestamps: (name, start key, end key).
@@ -159,33 +165,41 @@ def nearest(table: Dict[str, float], size: float) -> Optional[float]:
 ANY_REP = object()
 
 
-def shape_tps(cells: List[dict], mode: str) -> Dict[Tuple[int, int], float]:
+def shape_tps(cells: List[dict], mode: str, to_last_answer: bool = False) -> Dict[Tuple[int, int], float]:
     """{(prompt_len, concurrency): tokens/s} of ``mode``'s error-free cells with a rate,
     pooled over the rounds: sum of prompt tokens / sum of wall seconds (one cell: its own
-    rate)."""
+    rate). ``to_last_answer``: seconds up to each cell's last answer (its wall less its
+    ``drain_s``; cells without one count whole)."""
     sums: Dict[Tuple[int, int], List[float]] = {}
     for c in cells:
         if c.get("mode") == mode and c.get("prefill_tps") and not c.get("error"):
             s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
             s[0] += c["prompt_tokens"]
-            s[1] += c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
-    return {k: t / w for k, (t, w) in sums.items() if w}
+            wall = c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
+            s[1] += wall - ((c.get("drain_s") or 0.0) if to_last_answer else 0.0)
+    return {k: t / w for k, (t, w) in sums.items() if w > 0}
 
 
 def pooled_ratios(cells: List[dict]) -> List[dict]:
     """Per shape and mode (the dump modes and the controls), its tokens/s pooled over the
     rounds (``shape_tps``) over its base's pooled likewise: ``{"mode", "prompt_len",
-    "concurrency", "rounds", "vs_nodump"}``. Rounds pooled this way weigh each by its
-    seconds, and with ``--counterbalance`` a drift within a round falls on both sides."""
+    "concurrency", "rounds", "vs_nodump", "vs_nodump_to_last_answer"}`` (the latter both
+    up to their cells' last answers: a dump's cost per request, its final drain aside).
+    Rounds pooled this way weigh each by its seconds, and with ``--counterbalance`` a
+    drift within a round falls on both sides."""
     out = []
     for mode in DUMP_MODES + CONTROL_MODES:
         tps = shape_tps(cells, mode)
         base = shape_tps(cells, BASE_MODE.get(mode, "nodump"))
+        tps_ans = shape_tps(cells, mode, to_last_answer=True)
+        base_ans = shape_tps(cells, BASE_MODE.get(mode, "nodump"), to_last_answer=True)
         for (plen, conc), v in sorted(tps.items()):
             rounds = sum(1 for c in cells if (c.get("mode"), c.get("prompt_len"), c.get("concurrency"))
                          == (mode, plen, conc) and c.get("prefill_tps") and not c.get("error"))
             out.append({"mode": mode, "prompt_len": plen, "concurrency": conc, "rounds": rounds,
-                        "vs_nodump": ratio(v, base.get((plen, conc)))})
+                        "vs_nodump": ratio(v, base.get((plen, conc))),
+                        "vs_nodump_to_last_answer": ratio(tps_ans.get((plen, conc)),
+                                                          base_ans.get((plen, conc)))})
     return out
 
 
@@ -335,57 +349,6 @@ def peer_summary(rows: List[dict], vllm_ratios: List[float]) -> Dict[str, Option
             "vllm_dump_vs_nodump_geomean": geomean(vllm_ratios),
             "vllm_dump_vs_ours_dump_min": min(vs) if vs else None,
             "vllm_dump_vs_ours_dump_geomean": geomean(vs)}
-
-
-def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
-    """Pass/fail of each target: ``{"model", "target", "value", "threshold", "pass"}``;
-    ``pass`` is None where the inputs were not measured (skipped or failed)."""
-    rows = []
-
-    def add(model, name, value, threshold, ok=None, note=""):
-        if ok is None:
-            ok = None if value is None else value >= threshold
-        rows.append({"model": model, "target": name, "value": value, "threshold": threshold,
-                     "pass": ok, "note": note})
-
-    for model, h in head.items():
-        for mode, name in (("dump", "(b) >= 0.95 x min((a), W/B), worst cell"),
-                           ("dump_early", "(b, early answers) >= 0.95 x min((a), W/B), worst cell")):
-            cells = [c for c in h["cells"] if c.get("mode", "dump") == mode]
-            if mode == "dump_early" and not cells:
-                continue  # not in this run's modes
-            worst = min((c["dump_vs_bound"] for c in cells if c["dump_vs_bound"] is not None),
-                        default=None)
-            add(model, name, worst, TARGET_DUMP_VS_BOUND)
-        for mode, name in (("dump_store", "(s) store sink >= 0.95 x (a) at conc >= 8, worst cell"),
-                           ("dump_store_early", "(s') store sink, early answers >= 0.95 x (a) at conc >= 8, "
-                                                "worst cell")):
-            if any(c.get("mode") == mode for c in h["cells"]):
-                add(model, name, h.get(f"{mode}_vs_nodump_min_conc8"), TARGET_DUMP_VS_BOUND)
-        add(model, "(b) >= 30 x (c) at 2k/conc 8", h["dump_vs_json"], TARGET_DUMP_VS_JSON)
-        add(model, "writer alone >= 0.70 W (2k files)", h["writer_vs_ceiling"],
-            TARGET_WRITER_VS_CEILING)
-        mem = results.get("models", {}).get(model, {}).get("host_memory", {})
-        cap = mem.get("cap_bytes")
-        peak = mem.get("log_host_bytes_peak")
-        pool = mem.get("log_pinned_pool_peak")
-        rss = mem.get("rss_delta_bytes")
-        rss_a = mem.get("rss_delta_bytes_nodump")
-        note = (f"writer budget peak {mib(peak)}, pinned pool peak {mib(pool)}, cap {mib(cap)}; "
-                f"RSS growth {mib(rss)} (server without dump: {mib(rss_a)})")
-        if cap is not None and (peak is not None or pool is not None):
-            # What the dump path holds: the budget (live buffers) and the process's pinned
-            # pool (live + torch's cache, including what the process held before). The
-            # server's RSS also holds SGLang's and Triton's own growth, so it is reported,
-            # not checked (deepseek-tiny grew 6.3 GiB with a 128-192 MiB budget peak: not
-            # attributed yet); server A's growth (no dump, but the JSON cells) beside it.
-            held = max(x for x in (peak, pool) if x is not None)
-            add(model, "host memory under the cap", held, cap, ok=held <= cap, note=note)
-        elif cap is not None and rss is not None:
-            add(model, "host memory under the cap", rss, cap, ok=rss <= cap + (512 << 20), note=note)
-        else:
-            add(model, "host memory under the cap", None, cap)
-    return rows
 
 
 def mib(x) -> str:

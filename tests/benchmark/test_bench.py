@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, loadgen, markdown, models, plan, report
+from bench import cli, loadgen, markdown, models, plan, report, targets
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -74,6 +74,63 @@ def test_cell_stats_throughput_is_tokens_over_wall():
     s = report.cell_stats([1.0, 2.0, 3.0], prompt_tokens=6144, wall_s=2.0)
     assert s["prefill_tps"] == 3072.0
     assert s["p50_s"] == 2.0
+
+
+def test_cell_stats_drain_is_the_wall_after_the_last_answer():
+    s = report.cell_stats([0.4, 0.4], prompt_tokens=4096, wall_s=1.0, last_answer_s=0.96)
+    assert s["drain_s"] == pytest.approx(0.04) and s["prefill_tps"] == 4096.0
+    assert "drain_s" not in report.cell_stats([0.4], prompt_tokens=1, wall_s=1.0)
+    # the last answer can come after the last file only by the clock's grain: never negative
+    assert report.cell_stats([0.4], 1, wall_s=1.0, last_answer_s=1.0000001)["drain_s"] == 0.0
+
+
+def _issue39_cells(early_drain_s=0.0):
+    """Two rounds of four shapes: (a), (b) waiting, (b') early, (b fp8). Each (b') cell is
+    (a)'s wall plus ``early_drain_s`` of drain, every cell 32 requests."""
+    out = []
+    walls = {  # (prompt, conc): (a), (b), (b fp8) seconds per round
+        (2048, 1): (2.0, 2.1, 2.05), (512, 1): (6.0, 6.5, 6.4),
+        (2048, 8): (1.6, 1.64, 1.63), (512, 8): (2.0, 2.05, 2.1)}
+    for rep in range(2):
+        for (plen, conc), (a, b, f) in walls.items():
+            tokens = 32 * plen
+            for mode, wall, drain in (("nodump", a, 0.001), ("dump", b, 0.001),
+                                      ("dump_early", a + early_drain_s, early_drain_s), ("dump_fp8", f, 0.001)):
+                out.append(cell(mode, plen, conc, tokens / wall, reqs=32, rep=rep, drain_s=drain))
+    return out
+
+
+def test_latency_targets_on_the_pooled_rounds():
+    """Issue 39's targets, each the worst shape pooled over the rounds: waiting answers at
+    concurrency 1 (>= 0.90) and at >= 8 (>= 0.97), early answers (>= 0.98), fp8 against
+    bf16 (>= 1): here 512 x 8's fp8 is slower than its bf16 (2.1 s against 2.05 s)."""
+    res = sample()
+    res["models"]["m"]["cells"] = _issue39_cells(early_drain_s=0.04)
+    rows = {t["target"]: t for t in targets.targets(res, report.headline(res))}
+    conc1 = rows["(b) waiting >= 0.90 x (a) at conc 1, pooled, worst shape"]
+    assert conc1["value"] == pytest.approx(6.0 / 6.5) and conc1["pass"] is True
+    conc8 = rows["(b) waiting >= 0.97 x (a) at conc >= 8, pooled, worst shape"]
+    assert conc8["value"] == pytest.approx(1.6 / 1.64) and conc8["pass"] is True
+    early = rows["(b') early >= 0.98 x (a), pooled, worst shape"]
+    assert early["value"] == pytest.approx(1.6 / 1.64) and early["pass"] is False  # 40 ms on 1.6 s
+    fp8 = rows["(b fp8) >= (b) bf16, pooled, worst shape"]
+    assert fp8["value"] == pytest.approx(2.05 / 2.1) and fp8["pass"] is False
+    # the pooled table says the early answers' cost up to their last answers: none here
+    pooled = {(x["mode"], x["prompt_len"], x["concurrency"]): x for x in report.headline(res)["m"]["pooled"]}
+    e = pooled[("dump_early", 2048, 8)]
+    assert e["vs_nodump"] == pytest.approx(1.6 / 1.64)
+    assert e["vs_nodump_to_last_answer"] == pytest.approx((1.6 - 0.001) / 1.6)
+    md = markdown.render_markdown(res | {"headline": report.headline(res), "targets": list(rows.values())})
+    assert "| dump | dump_early | dump_fp8 | dump_early to last answer |" in md
+    assert "| 2048 | 8 | dump_early #1 | 32 | " in md and " | 40.0 | " in md  # the drain column, in ms
+    assert "(b') early >= 0.98 x (a), pooled, worst shape" in md
+
+
+def test_latency_targets_only_for_modes_that_ran():
+    res = sample()  # dump and nodump only, one round
+    names = {t["target"] for t in targets.targets(res, report.headline(res))}
+    assert "(b) waiting >= 0.90 x (a) at conc 1, pooled, worst shape" in names
+    assert not any("early" in n or "fp8" in n for n in names)
 
 
 def test_headline_ratios():
@@ -157,7 +214,7 @@ def test_counterbalance_reverses_odd_rounds():
 
 def test_targets_pass_and_fail():
     res = sample()
-    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    rows = {t["target"]: t for t in targets.targets(res, report.headline(res))}
     bound = rows["(b) >= 0.95 x min((a), W/B), worst cell"]
     assert bound["value"] == pytest.approx(290_000 / (10e9 / 32768))  # 0.950272
     assert bound["pass"] is True
@@ -166,19 +223,19 @@ def test_targets_pass_and_fail():
     assert rows["host memory under the cap"]["pass"] is True
     # RSS growth is reported, not checked, while the writer's own numbers are there...
     res["models"]["m"]["host_memory"]["rss_delta_bytes"] = 5 * 1024 * MiB
-    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    rows = {t["target"]: t for t in targets.targets(res, report.headline(res))}
     assert rows["host memory under the cap"]["pass"] is True
     assert "RSS growth 5120 MiB" in rows["host memory under the cap"]["note"]
     # ...a pinned pool over the cap fails...
     res["models"]["m"]["host_memory"]["log_pinned_pool_peak"] = 4097 * MiB
     res["models"]["m"]["cells"][4]["prefill_tps"] = 200_000.0
-    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    rows = {t["target"]: t for t in targets.targets(res, report.headline(res))}
     assert rows["host memory under the cap"]["pass"] is False
     assert rows["host memory under the cap"]["value"] == 4097 * MiB
     # ...and without them, RSS growth over the cap + 512 MiB fails
     del res["models"]["m"]["host_memory"]["log_pinned_pool_peak"]
     del res["models"]["m"]["host_memory"]["log_host_bytes_peak"]
-    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    rows = {t["target"]: t for t in targets.targets(res, report.headline(res))}
     assert rows["host memory under the cap"]["pass"] is False
     assert rows["(b) >= 0.95 x min((a), W/B), worst cell"]["pass"] is False
 
@@ -188,7 +245,7 @@ def test_targets_not_measured_when_missing():
     res["models"]["m"]["cells"] = [c for c in res["models"]["m"]["cells"] if c["mode"] != "json"]
     res["models"]["m"]["host_memory"] = {}
     res["ceilings"]["writer_alone"] = {}
-    rows = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    rows = {t["target"]: t for t in targets.targets(res, report.headline(res))}
     assert rows["(b) >= 30 x (c) at 2k/conc 8"]["pass"] is None
     assert rows["writer alone >= 0.70 W (2k files)"]["pass"] is None
     assert rows["host memory under the cap"]["pass"] is None
@@ -552,6 +609,8 @@ def test_rehearsal_against_a_fake_server(tmp_path):
     # ends when every file is complete, so all 16 are there and counted
     e = cells[("dump_early", 16, 1)]
     assert e["files"] == 16 and e["wall_s"] >= 0.05
+    # ...and the last file is written 50 ms after the last answer: the cell's drain
+    assert 0.05 <= e["drain_s"] < e["wall_s"] and cells[("nodump", 16, 1)]["drain_s"] < 0.05
     assert e["file_bytes"] == cells[("dump", 16, 1)]["file_bytes"]
     j = cells[("json", 2048, 8)]
     assert j["requests"] == 8 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 8 * 2048 * 8 * 5

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, markdown, peer, peerfiles, plan, report, servers
+from bench import cli, markdown, peer, peerfiles, plan, report, servers, targets
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -211,7 +211,7 @@ def test_peer_table_pairs_each_engine_with_itself_per_round():
     per_cell = {(c["mode"], c["rep"]): c["dump_vs_nodump"] for c in h["cells"]}
     assert per_cell[("vllm_dump", 1)] == pytest.approx(0.9) and per_cell[("dump", 1)] == pytest.approx(0.95)
     assert h["dump_vs_nodump_min"] == pytest.approx(0.9)  # ours only
-    tg = report.targets(res, report.headline(res))
+    tg = targets.targets(res, report.headline(res))
     worst = next(t for t in tg if t["target"].startswith("(b) >= 0.95"))
     assert worst["value"] == pytest.approx(0.9)  # bound = (a) without ceilings: ours alone
     res["models"]["llama-8b"]["peer_files"] = {

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, markdown, plan, report, servers
+from bench import cli, markdown, plan, report, servers, targets
 from bench import store as bstore
 from fake_store_server import DELAY_S, StandIn
 from mooncake_fixture import needs_mooncake
@@ -118,7 +118,7 @@ def test_store_ratio_target_and_tables():
     assert head["dump_store_vs_nodump_min_conc8"] is None
     cell = next(c for c in head["cells"] if c["mode"] == "dump_store_early")
     assert cell["w_tps"] is None and cell["dump_vs_bound"] == pytest.approx(0.96)  # bound: (a) alone
-    tg = {t["target"]: t for t in report.targets(res, report.headline(res))}
+    tg = {t["target"]: t for t in targets.targets(res, report.headline(res))}
     assert tg["(s') store sink, early answers >= 0.95 x (a) at conc >= 8, worst cell"]["pass"] is True
     assert tg["(s) store sink >= 0.95 x (a) at conc >= 8, worst cell"]["pass"] is None
     md = markdown.render_markdown(res)
