@@ -53,14 +53,46 @@ def quantize_fp8(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torc
     ``num_slots`` is L, the layer slots in one row (the row is ``L`` blocks of ``H``).
     Returns ``(fp8 [n, L*H] float8_e4m3fn, scales [n, L] float32)``, both contiguous and
     on ``rows``' device, with ``rows ~= fp8.view(n, L, H).float() * scales[..., None]``
-    (error bound: module docstring); ``rows`` is not modified. Works through blocks of
-    rows so the float32 temporaries stay near ``BLOCK_ELEMENTS`` x 4 bytes however large
-    the batch (on the GPU: ~64 MiB beside the fp8 output, not 4 bytes per element of a
-    whole prefill chunk). Runs on the current CUDA stream for CUDA tensors.
+    (error bound: module docstring); ``rows`` is not modified. Runs on the current CUDA
+    stream for CUDA tensors: in one fused kernel where ``quant_kernel.usable`` says so
+    (it gives the same bits; a launch that fails turns it off for the device, with a
+    warning), else as ``quantize_fp8_torch``.
     Raises ``ValueError`` when the row width is not a multiple of ``num_slots``.
     """
+    _check(rows, num_slots)
+    if rows.is_cuda:
+        from sglang_ext import quant_kernel
+
+        if quant_kernel.usable(rows, num_slots):
+            try:
+                return quant_kernel.quantize(rows, num_slots)
+            except Exception as e:  # noqa: BLE001 - e.g. a block size that does not compile
+                quant_kernel.refuse(rows.device, f"{type(e).__name__}: {e}")
+    return quantize_fp8_torch(rows, num_slots)
+
+
+def warm_up(device, num_slots: int, hidden_size: int, dtype: torch.dtype) -> bool:
+    """Before the first batch (the session's start): decide and compile the fused kernel
+    ``quantize_fp8`` takes for CUDA rows of ``num_slots`` x ``hidden_size`` ``dtype``
+    values (``quant_kernel.warm_up``). True when it will be used; False (and a warning
+    where it failed) when the torch form stays."""
+    from sglang_ext import quant_kernel
+
+    return quant_kernel.warm_up(device, num_slots, hidden_size, dtype)
+
+
+def _check(rows: torch.Tensor, num_slots: int) -> None:
     if rows.dim() != 2 or num_slots < 1 or rows.shape[1] % num_slots:
         raise ValueError(f"rows of shape {tuple(rows.shape)} are not [n, {num_slots} layer slots * H]")
+
+
+def quantize_fp8_torch(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8`` in torch operations, the reference the fused kernel is held to.
+    Works through blocks of rows so the float32 temporaries stay near
+    ``BLOCK_ELEMENTS`` x 4 bytes however large the batch (on the GPU: ~64 MiB beside the
+    fp8 output, not 4 bytes per element of a whole prefill chunk). Raises ``ValueError``
+    as ``quantize_fp8``."""
+    _check(rows, num_slots)
     n, width = rows.shape
     h = width // num_slots
     q = torch.empty((n, width), dtype=FP8_DTYPE, device=rows.device)

@@ -324,6 +324,7 @@ class DumpSession:
             if any(removed.values()):
                 logger.warning("hidden-state dump: removed leftovers of an earlier run: %s", removed)
         on_cuda = str(model_runner.device).startswith("cuda")
+        device = torch.device(model_runner.device, model_runner.gpu_id) if on_cuda else None
         self.writer = DumpWriter(
             self.dir_fd,
             arena_bytes=config.max_host_bytes,
@@ -331,7 +332,7 @@ class DumpSession:
             layer_ids=self.layer_ids,
             num_layers=self.num_layers,
             metadata=self.metadata,
-            device=torch.device(model_runner.device, model_runner.gpu_id) if on_cuda else None,
+            device=device,
             metrics_model_name=model_name(model_runner.server_args),
             drain_timeout_s=config.drain_timeout_s,
             stats_interval_s=config.stats_interval_s,
@@ -341,6 +342,15 @@ class DumpSession:
             watchdog_s=config.watchdog_s,
             store_url=config.directory if config.store is not None else None,
         )
+        hidden = getattr(model_runner.model_config, "hidden_size", None)
+        if config.hidden_states_dtype == "fp8" and on_cuda and isinstance(hidden, int):
+            from sglang_ext import quant
+
+            # the fused fp8 kernel decided and compiled now, not in the first batch's hook
+            fused = quant.warm_up(device, len(self.layer_ids), hidden,
+                                  getattr(model_runner, "dtype", None) or torch.bfloat16)
+            logger.info("hidden-state dump: fp8 rows quantized %s", "in one fused kernel" if fused
+                        else "by torch kernels")
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Close the writer (``DumpWriter.close``: queued files are written within

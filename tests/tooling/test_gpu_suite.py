@@ -52,12 +52,16 @@ def store_ids(m):
 
 VLM = ["test_chat_one_image_data_url", "test_chat_image_file_url_between_text", "test_chat_text_only",
        "test_kimi_chat_image_dump_file", "test_kimi_rows_match_sglang_json_hidden_states"]
+# test_gpu_quant.py: the fused fp8 kernel against the torch form, no server
+QUANT = ["test_kernel_is_ready_on_this_gpu",
+         *[f"test_kernel_equals_the_torch_form[{c}]" for c in ("llama-8b-2k", "kimi-512", "fp16-odd", "fp32", "empty")],
+         "test_probe_rows_equal_the_torch_form", "test_the_writer_path_takes_the_kernel"]
 
 
 def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gpu=True):
     """The GPU suite's ids for ``--models`` = ``models``: per model its groups; then
-    test_gpu_vlm.py's (no model_name, its own models), single GPU, only when ``models`` is
-    every tiny model (a run narrowed by --models leaves the module out)."""
+    test_gpu_quant.py's and test_gpu_vlm.py's (no model_name), single GPU, only when
+    ``models`` is every tiny model (a run narrowed by --models leaves them out)."""
     ids = []
     for m in models:
         if single_gpu:
@@ -77,6 +81,7 @@ def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gp
             if m == "deepseek":
                 ids.append(f"tests/gpu/test_gpu_parallel.py::test_dp_attention_equals[{m}]")
     if single_gpu and set(models) == set(tiny_models.MODELS):
+        ids += [f"tests/gpu/test_gpu_quant.py::{t}" for t in QUANT]
         ids += [f"tests/gpu/test_gpu_vlm.py::{t}" for t in VLM]
     return ids
 
@@ -141,6 +146,7 @@ def test_models_option_and_k_pick_one_model():
     assert sorted(collected("tests/gpu", "-k", "deepseek")) == sorted(expected_ids(models=("deepseek",)))
     assert collected("tests/gpu", "--models", "llama", "-k", "store") == store_ids("llama")
     assert collected("tests/gpu", "-k", "vlm") == [f"tests/gpu/test_gpu_vlm.py::{t}" for t in VLM]
+    assert collected("tests/gpu", "-k", "quant") == [f"tests/gpu/test_gpu_quant.py::{t}" for t in QUANT]
     proc = run_pytest("--collect-only", "-q", "tests/gpu", "--models", "llama,gpt")
     assert proc.returncode == 4 and "--models: unknown model(s) ['gpt']" in proc.stderr
 

@@ -121,3 +121,49 @@ def test_blocks_of_rows_give_the_same_result_and_leave_the_input_alone(monkeypat
     q2, s2 = quant.quantize_fp8(rows, 4)
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
     assert torch.equal(rows, before)
+
+
+def test_the_fused_kernel_is_used_only_where_it_agrees_with_the_torch_form(monkeypatch, caplog):
+    """``quant_kernel.ready`` runs the kernel once per device on its probe and compares it
+    bit for bit with ``quantize_fp8_torch``: a kernel that differs in one fp8 value is not
+    used (one warning names the difference) and ``quantize_fp8`` keeps the torch form; on
+    the CPU the kernel never runs (``usable`` is False for CPU rows). The kernel itself
+    runs on the GPU only (tests/gpu/test_gpu_quant.py)."""
+    from sglang_ext import quant_kernel
+
+    def off_by_one_bit(rows, slots):
+        q, s = quant.quantize_fp8_torch(rows, slots)
+        q.view(torch.uint8).view(-1)[5] ^= 1
+        return q, s
+
+    monkeypatch.setattr(quant_kernel, "_READY", {})
+    monkeypatch.setattr(quant_kernel, "quantize", off_by_one_bit)
+    with caplog.at_level("WARNING", logger="sglang_ext.quant_kernel"):
+        assert quant_kernel.ready("cpu") is False
+        assert quant_kernel.ready("cpu") is False  # decided once
+    warned = [r.getMessage() for r in caplog.records if "fused" in r.getMessage()]
+    assert len(warned) == 1 and "differs from the torch form in 1 values" in warned[0]
+    monkeypatch.setattr(quant_kernel, "quantize", quant.quantize_fp8_torch)
+    monkeypatch.setattr(quant_kernel, "_READY", {})
+    assert quant_kernel.ready("cpu") is True  # a kernel that agrees is taken...
+    rows = quant_kernel.probe("cpu")
+    assert not quant_kernel.usable(rows, 4)  # ...on CUDA rows only
+    q, s = quant.quantize_fp8(rows, 4)
+    rq, rs = quant.quantize_fp8_torch(rows, 4)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+def test_the_probe_holds_ties_a_zero_slot_and_subnormals():
+    """The probe the kernel must match: scaled by 1 (an amax of 448), 124, 13.5 and 2.125
+    lie halfway between two e4m3 values, so only round-to-nearest-even gives the torch
+    form's bits (128, 14 and 2); one slot is all zero (scale 1e-12, fp8 zeros); a slot of
+    values up to 3e-5 beside a 1.0 quantizes them into e4m3's subnormals."""
+    from sglang_ext import quant_kernel
+
+    rows = quant_kernel.probe("cpu", torch.float32)
+    q, s = quant.quantize_fp8_torch(rows, 4)
+    q = q.view(12, 4, 160).float()
+    assert s[3, 2] == 1.0 and q[3, 2, :6].tolist() == [448.0, 128.0, -128.0, 2.0, -2.0, 14.0]
+    assert s[2, 1] == quant.SCALE_FLOOR and not q[2, 1].any()
+    tiny = q[4, 0, 1:] * s[4, 0]
+    assert 0 < tiny.abs().max() < 2 ** -6 * s[4, 0]  # below e4m3's smallest normal, not all zero
