@@ -9,9 +9,14 @@ than bf16 ones at 512 tokens x 1. One program per (token, layer slot) loads its 
 values once, takes their amax and writes the fp8 values and the scale: one launch, one
 pass over the rows.
 
-Same numbers as the torch form, bit for bit: float32 throughout, IEEE divisions
-(``div_rn``: the torch form's CUDA divisions are IEEE too), the clamp to +-448, then
-the cast to e4m3 by round-to-nearest-even (Triton's default, as torch's). ``ready``
+Same numbers as the torch form on the GPU, bit for bit: float32 throughout; the scale as
+torch's CUDA kernel computes ``amax / 448``, i.e. ``amax * float32(1/448)`` (it divides by
+a scalar through its reciprocal: ``inv_fp8_max``); the values by IEEE division
+(``div_rn``, as torch's tensor-by-tensor CUDA division); the clamp to +-448; the cast to
+e4m3 by round-to-nearest-even (Triton's default, as torch's). The first version divided
+the amax by 448 exactly and differed from the torch form in the last bit of about half
+the scales on the H200 (tests/gpu/results-2026-12-04-h200-v0.5.23-s7-pytest-quant.json),
+which the probe caught: the server kept the torch form. ``ready``
 checks that once per device on a probe that holds the hard cases (exact ties between two
 e4m3 values, an all-zero slot, values in e4m3's subnormal range, magnitudes from 1e-3 to
 1e4) before the kernel is used; a device where it fails, or where Triton is missing,
@@ -43,18 +48,28 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fp8_rows(x_ptr, q_ptr, s_ptr, h, fp8_max, floor, BLOCK: tl.constexpr):
+    def fp8_rows(x_ptr, q_ptr, s_ptr, h, fp8_max, inv_fp8_max, floor, BLOCK: tl.constexpr):
         slot = tl.program_id(0).to(tl.int64)  # one (token, layer slot): h contiguous values
         offs = tl.arange(0, BLOCK)
         mask = offs < h
         x = tl.load(x_ptr + slot * h + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), floor)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_fp8_max, floor)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
         tl.store(q_ptr + slot * h + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + slot, scale)
 
     _KERNEL = (triton, fp8_rows)
     return _KERNEL
+
+
+def inv_fp8_max() -> float:
+    """float32(1) / float32(448), as a Python float (exactly that float32 value): the
+    factor torch's CUDA division of a tensor by the scalar 448 multiplies by
+    (BinaryDivTrueKernel.cu: a CPU scalar divisor becomes ``a * reciprocal(b)``), so the
+    kernel's scales are the torch form's on the GPU bit for bit."""
+    from sglang_ext.quant import FP8_MAX
+
+    return (torch.ones((), dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32)).item()
 
 
 def usable(rows: torch.Tensor, num_slots: int) -> bool:
@@ -80,7 +95,7 @@ def quantize(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Te
     scales = torch.empty((n, num_slots), dtype=torch.float32, device=rows.device)
     if n:
         block = triton.next_power_of_2(h)
-        fp8_rows[(n * num_slots,)](rows, q, scales, h, FP8_MAX, SCALE_FLOOR, BLOCK=block,
+        fp8_rows[(n * num_slots,)](rows, q, scales, h, FP8_MAX, inv_fp8_max(), SCALE_FLOOR, BLOCK=block,
                                     num_warps=max(1, min(16, block // 512)))
     return q, scales
 

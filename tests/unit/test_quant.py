@@ -6,6 +6,7 @@ read back with safetensors directly.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,33 @@ def test_the_probe_holds_ties_a_zero_slot_and_subnormals():
     assert s[2, 1] == quant.SCALE_FLOOR and not q[2, 1].any()
     tiny = q[4, 0, 1:] * s[4, 0]
     assert 0 < tiny.abs().max() < 2 ** -6 * s[4, 0]  # below e4m3's smallest normal, not all zero
+
+
+def test_the_kernels_scales_are_torch_cudas_amax_times_the_reciprocal(tmp_path):
+    """The fused kernel's scales, run by Triton's CPU interpreter (its fp8 cast is not the
+    GPU's, so only the scales are compared here): ``amax * float32(1/448)``, what torch's
+    CUDA kernel computes for ``amax / 448`` (a division by a scalar is a multiplication by
+    its reciprocal there), which differs from the exact quotient in the last bit of some
+    scales; the kernel's first version took the quotient, and the GPU probe refused it."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from sglang_ext import quant, quant_kernel\n"
+        "g = torch.Generator().manual_seed(5)\n"
+        "rows = torch.cat([quant_kernel.probe('cpu', torch.float32),"
+        " torch.randn(244, 640, generator=g) * torch.logspace(-3, 4, 4).repeat_interleave(160)])\n"
+        "q, s = quant_kernel.quantize(rows, 4)\n"
+        "amax = rows.view(-1, 4, 160).abs().amax(2)\n"
+        "want = (amax * quant_kernel.inv_fp8_max()).clamp(min=quant.SCALE_FLOOR)\n"
+        "exact = (amax / torch.tensor(448.0)).clamp(min=quant.SCALE_FLOOR)\n"
+        "print(int((s != want).sum()), int((want != exact).sum()), s.numel())\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    differ, quotient_differs, total = map(int, out.stdout.split())
+    assert total == 256 * 4 and differ == 0, f"{differ} of {total} scales are not amax * float32(1/448)"
+    assert quotient_differs > 0  # the case the first version got wrong is in these rows
