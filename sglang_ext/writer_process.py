@@ -346,6 +346,9 @@ SPARE_MAX_BYTES = 1 << 30
 # The most bytes of spares one writer process holds at once (Spares.target): llama-8b's
 # 2k-token files (64 MiB) may have 8 ready, Kimi-K2.5's 10k-token ones (~570 MiB) one.
 SPARE_BUDGET_BYTES = 1 << 30
+# Spares.target grows only after this many files in a row fit spares of the size before
+# them: sizes that keep moving (mixed prompt lengths) would have it make spares they throw away
+STEADY_FILES = 3
 SPARE_FREE_FACTOR = 8
 
 
@@ -369,9 +372,11 @@ class Spares:
     several requests begins their files together, and the last of them is what a waiting
     answer, or a run's end, waits for) and shrinks by one for each ready spare thrown
     away because file sizes moved (so a mixed-length workload does not keep allocating
-    spares it never uses). It stays within ``count`` (``KIMI_SGLANG_WRITER_SPARES``) and
-    within ``budget`` bytes of spares at once (``SPARE_BUDGET_BYTES``; one spare at
-    least). Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
+    spares it never uses: it grows only after ``STEADY_FILES`` files in a row whose sizes
+    fit spares of the size before them). It stays within ``count`` (``KIMI_SGLANG_WRITER_SPARES``) and within
+    ``budget`` bytes of ready spares (``SPARE_BUDGET_BYTES``; one spare at least). It does
+    not decay with time: after a burst, what it reached stays held (within the budget)
+    until sizes move. Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
     by ``fallocate`` is the page a store lands in, so a full filesystem cannot turn a
     store into a SIGBUS; on a disk filesystem (copy-on-write ones: btrfs, XFS with
     reflinks) a first store may need new blocks, so there spares only save the
@@ -391,6 +396,7 @@ class Spares:
         self.size = 0  # what to make: the last file's size (0: nothing)
         self.made = 0  # spares made (tests, the log)
         self.missed = 0  # takes that found none ready once a size was known (tests)
+        self.steady = 0  # files in a row whose size fit spares of the one before (take)
         self.ready: List[Spare] = []  # each holds a file of self.size bytes (_fits)
         self.enabled = True
         self.closed = False
@@ -407,24 +413,30 @@ class Spares:
         if not SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES:
             return
         with self.cond:
+            moved = False  # spares of the last size would not do for this one
             if size != self.size:
+                moved = bool(self.size) and not _fits(self.size, size)
                 self.size = size
                 stale = [s for s in self.ready if not _fits(s.size, size)]
                 self.ready = [s for s in self.ready if _fits(s.size, size)]
                 for spare in stale:
                     spare.close()
                 self.target = max(min(1, self.count), self.target - len(stale))
+            self.steady = 0 if moved else self.steady + 1
             self.cond.notify()
 
     def take(self) -> Optional["Spare"]:
         """A spare (``self.size`` bytes allocated, mapped if it could be), or None. None,
-        once a size is known, raises ``target`` by one (the class doc)."""
+        once a size is known and after ``STEADY_FILES`` files in a row whose sizes fit
+        spares of the size before them (files coming together, not sizes moving), raises
+        ``target`` by one (the class doc)."""
         with self.cond:  # no refill now: it would compete with this file's write (want)
             if self.ready:
                 return self.ready.pop()
             if self.size and self.enabled:
                 self.missed += 1
-                self.target = min(self.target + 1, self.count)
+                if self.steady >= STEADY_FILES:
+                    self.target = min(self.target + 1, self.count)
             return None
 
     def close(self) -> None:
@@ -436,10 +448,13 @@ class Spares:
             self.cond.notify()
 
     def _wanted(self) -> int:
-        if not self.size:
+        """The size of the next spare to make, or 0: ``target`` not reached, and the ready
+        spares (each up to twice ``size``, ``_fits``) plus this one within ``budget``, one
+        spare at least."""
+        if not self.size or len(self.ready) >= self.target:
             return 0
-        most = min(self.target, max(1, self.budget // self.size))
-        return self.size if len(self.ready) < most else 0
+        held = sum(s.size for s in self.ready)
+        return self.size if not self.ready or held + self.size <= self.budget else 0
 
     def _run(self) -> None:
         while True:
@@ -452,7 +467,8 @@ class Spares:
             spare = self._make(size)
             if spare is None:
                 with self.cond:  # retry at the next file written (want), not in a loop
-                    self.cond.wait()
+                    if not self.closed:
+                        self.cond.wait()
                 continue
             with self.cond:
                 if self.closed or not _fits(spare.size, self.size):

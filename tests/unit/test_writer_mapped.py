@@ -49,7 +49,7 @@ def _wait_for(cond, timeout=60.0):
 
 
 def test_drain_deadline_while_rows_are_stored_into_spares(big_shm_dir):
-    """Three ~312 MiB requests begun together, each in a spare of its own (a batch of
+    """Three ~312 MiB requests begun together, each in a spare of its own (batches of
     three before them had the writer keep three), on three writer threads,
     their rows being stored by the copier (pieces queued for its pool threads) when
     ``close(0)`` passes the drain deadline: the main thread fails their queued finishes
@@ -84,10 +84,13 @@ def test_drain_deadline_while_rows_are_stored_into_spares(big_shm_dir):
     try:
         first = _write(writer, fd, "w0", _rows(tokens, 0))
         assert fmt.wait_complete(os.path.join(d, first), timeout=60) is None
-        # a batch that finds one spare for three files: the writer keeps three from now on
-        warm = finish("w", begin_together("w"))
-        for r in warm:
-            assert fmt.wait_complete(os.path.join(d, r.name), timeout=60) is None
+        # two batches of three: the first makes the size steady (STEADY_FILES files of it),
+        # the second finds one spare for three files, so the writer keeps three from now on
+        warm = []
+        for prefix in ("w", "v"):
+            warm += finish(prefix, begin_together(prefix))
+            for r in warm[-count:]:
+                assert fmt.wait_complete(os.path.join(d, r.name), timeout=60) is None
         _wait_for(lambda: _spare_maps(proc.pid, d) == count)
         pend = begin_together("r")
         time.sleep(0.01)  # the copies start

@@ -15,7 +15,7 @@ import torch
 
 from sglang_ext import format as fmt
 from sglang_ext.writer import DumpWriter
-from sglang_ext.writer_process import SPARE_MIN_BYTES, Spares, on_tmpfs
+from sglang_ext.writer_process import SPARE_MIN_BYTES, STEADY_FILES, Spares, on_tmpfs
 
 SHM = "/dev/shm"
 SLOTS, HIDDEN = 4, 1024  # 8 KiB a token: SPARE_MIN_BYTES (4 MiB) from 512 tokens
@@ -242,16 +242,17 @@ def test_spares_off_tmpfs_are_not_mapped(tmp_path):
 
 
 def test_spares_follow_how_many_files_begin_at_once(shm_dir):
-    """``target``: one spare to begin with; each take that finds none ready (several files
-    begun at once) adds one, up to ``count``; the byte budget caps what is made; a size
-    change that throws ready spares away lowers it by as many; a take before any file
-    was written (no size known) changes nothing."""
+    """``target``: one spare to begin with; once files of one size come steadily
+    (``STEADY_FILES`` in a row), each take that finds none ready (several files begun at
+    once) adds one, up to ``count``; a size change that throws ready spares away lowers it
+    by as many; a take before any file was written (no size known) changes nothing."""
     d, fd = shm_dir
     size = SPARE_MIN_BYTES * 2
     spares = Spares(fd, count=3)
     try:
         assert spares.take() is None and spares.missed == 0 and spares.target == 1
-        spares.want(size)
+        for _ in range(STEADY_FILES):  # files of one size, one after another
+            spares.want(size)
         assert len(_ready(spares)) == 1
         taken = [spares.take() for _ in range(4)]  # four files begin together
         assert taken[0] is not None and taken[1:] == [None] * 3
@@ -278,7 +279,8 @@ def test_the_byte_budget_caps_the_spares_held(shm_dir):
     size = SPARE_MIN_BYTES * 2
     spares = Spares(fd, count=8, budget=2 * size)
     try:
-        spares.want(size)
+        for _ in range(STEADY_FILES):
+            spares.want(size)
         _ready(spares)
         assert [spares.take() is not None for _ in range(4)] == [True, False, False, False]
         assert spares.target == 4
@@ -294,6 +296,61 @@ def test_the_byte_budget_caps_the_spares_held(shm_dir):
         assert len(spares.ready) == 1
     finally:
         spares.close()
+
+
+def test_the_budget_counts_the_spares_ready_at_their_own_size(shm_dir):
+    """Two spares fill a budget of four files' size when they are twice the size of the
+    files now written (a ready spare is kept for files down to half its size): none more
+    is made, though the target asks for four."""
+    d, fd = shm_dir
+    big = SPARE_MIN_BYTES * 2
+    spares = Spares(fd, count=4, budget=2 * big)
+    try:
+        for _ in range(STEADY_FILES):
+            spares.want(big)
+        _ready(spares)
+        assert [spares.take() is not None for _ in range(4)] == [True, False, False, False]
+        for _ in range(STEADY_FILES):
+            spares.want(big)
+        assert len(_ready(spares, 2)) == 2
+        spares.target = 4  # as a later batch of four would ask
+        for _ in range(STEADY_FILES):
+            spares.want(big // 2 + 4096)  # the two 2x spares still hold these files
+        time.sleep(0.3)
+        assert [s.size for s in spares.ready] == [big, big], "the budget is full at the spares' own size"
+    finally:
+        spares.close()
+
+
+def test_sizes_that_keep_moving_do_not_grow_the_target(shm_dir):
+    """Batches of four files whose sizes alternate between 4 MiB and 12 MiB (no spare of
+    one holds the other) find no spare ready, yet the target stays 1: it would only make
+    spares of the wrong size to throw away. Batches of one size grow it."""
+    d, fd = shm_dir
+    spares = Spares(fd, count=8)
+    try:
+        for b in range(6):
+            size = SPARE_MIN_BYTES * (1 if b % 2 else 3)
+            taken = [spares.take() for _ in range(4)]
+            for t in taken:
+                if t is not None:
+                    t.close()
+            for _ in range(4):
+                spares.want(size)
+                size = SPARE_MIN_BYTES * 3 if size == SPARE_MIN_BYTES else SPARE_MIN_BYTES
+            time.sleep(0.3)
+        assert spares.target == 1 and spares.missed > 0
+        for _ in range(STEADY_FILES):
+            spares.want(SPARE_MIN_BYTES * 2)
+        time.sleep(0.3)
+        taken = [spares.take() for _ in range(4)]
+        assert spares.target == 4, spares.target
+        for t in taken:
+            if t is not None:
+                t.close()
+    finally:
+        spares.close()
+    assert os.listdir(d) == []
 
 
 def test_a_batch_of_files_begun_together_is_written_into_spares(shm_dir, tmp_path, monkeypatch):
