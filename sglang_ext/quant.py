@@ -82,7 +82,7 @@ def warm_up(device, num_slots: int, hidden_size: int, dtype: torch.dtype) -> boo
 
 
 def _check(rows: torch.Tensor, num_slots: int) -> None:
-    if rows.dim() != 2 or num_slots < 1 or rows.shape[1] % num_slots:
+    if rows.dim() != 2 or num_slots < 1 or rows.shape[1] < num_slots or rows.shape[1] % num_slots:
         raise ValueError(f"rows of shape {tuple(rows.shape)} are not [n, {num_slots} layer slots * H]")
 
 

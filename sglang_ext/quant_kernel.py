@@ -26,6 +26,7 @@ as the GPU does, so the kernel is checked on the GPU only: tests/gpu/test_gpu_qu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Dict, Optional, Tuple
 
@@ -53,8 +54,13 @@ def _kernel():
         offs = tl.arange(0, BLOCK)
         mask = offs < h
         x = tl.load(x_ptr + slot * h + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_fp8_max, floor)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+        # NaN stays NaN as in torch's amax and clamp (Triton's max and min drop it by default)
+        amax = tl.max(tl.abs(x), axis=0)
+        amax = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)
+        nan = tl.PropagateNan.ALL
+        scale = tl.maximum(amax * inv_fp8_max, floor, propagate_nan=nan)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max, propagate_nan=nan), fp8_max,
+                       propagate_nan=nan)
         tl.store(q_ptr + slot * h + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + slot, scale)
 
@@ -83,9 +89,10 @@ def usable(rows: torch.Tensor, num_slots: int) -> bool:
 
 
 def quantize(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``quant.quantize_fp8`` in one launch on the current CUDA stream: ``rows``
-    ``[n, L*H]`` (bf16, fp16 or fp32, contiguous, on a CUDA device) to ``(fp8 [n, L*H]
-    float8_e4m3fn, scales [n, L] float32)``. The caller checks ``usable`` first."""
+    """``quant.quantize_fp8`` in one launch on the current CUDA stream of ``rows``'
+    device: ``rows`` ``[n, L*H]`` (bf16, fp16 or fp32, contiguous, on a CUDA device) to
+    ``(fp8 [n, L*H] float8_e4m3fn, scales [n, L] float32)``. The caller checks ``usable``
+    first."""
     from sglang_ext.quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 
     triton, fp8_rows = _kernel()
@@ -95,39 +102,69 @@ def quantize(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Te
     scales = torch.empty((n, num_slots), dtype=torch.float32, device=rows.device)
     if n:
         block = triton.next_power_of_2(h)
-        fp8_rows[(n * num_slots,)](rows, q, scales, h, FP8_MAX, inv_fp8_max(), SCALE_FLOOR, BLOCK=block,
-                                    num_warps=max(1, min(16, block // 512)))
+        # Triton launches on the current device (CPU rows: the interpreter, in tests)
+        with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():
+            fp8_rows[(n * num_slots,)](rows, q, scales, h, FP8_MAX, inv_fp8_max(), SCALE_FLOOR,
+                                        BLOCK=block, num_warps=max(1, min(16, block // 512)))
     return q, scales
 
 
-def probe(device, dtype=torch.bfloat16) -> torch.Tensor:
-    """Rows ``[12, 4 * 160]`` of ``dtype`` on ``device`` holding what the cast can get wrong:
-    four slots of magnitudes 1e-3, 1, 30 and 1e4 (random, seeded), an all-zero slot,
-    values at exact ties between two e4m3 values once scaled (an amax of 448 scales by 1:
-    124 lies between 120 and 128, 13.5 between 13 and 14, 2.125 between 2 and 2.25), and
-    values far below a slot's amax (e4m3's subnormals once scaled)."""
+def probe(device, dtype=torch.bfloat16, slots: int = 4, hidden: int = 160) -> torch.Tensor:
+    """Rows ``[12, slots * hidden]`` (``hidden`` >= 8) of ``dtype`` on ``device`` holding
+    what the kernel can get wrong: slots of magnitudes 1e-3, 1, 30 and 1e4 in turn (random,
+    seeded); an all-zero slot; values at exact ties between two e4m3 values once scaled
+    (an amax of 448 scales by 1: 124 lies between 120 and 128, 13.5 between 13 and 14,
+    2.125 between 2 and 2.25); values far below their slot's amax (e4m3's subnormals once
+    scaled); a NaN, and +-Inf (the torch form keeps them NaN)."""
     g = torch.Generator().manual_seed(39)
-    rows = torch.randn(12, 4 * 160, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4]).repeat_interleave(160)
-    rows[2, 160:320] = 0.0
+    mags = torch.tensor([1e-3, 1.0, 30.0, 1e4]).repeat(slots)[:slots].repeat_interleave(hidden)
+    rows = torch.randn(12, slots * hidden, generator=g) * mags
+    h = hidden
+
+    def at(row, slot):
+        return row, slice((slot % slots) * h, (slot % slots) * h + h)
+
+    rows[at(2, 1)] = 0.0
     ties = torch.tensor([448.0, 124.0, -124.0, 2.125, -2.125, 13.5, 0.01, -0.0039])
-    rows[3, 320:320 + len(ties)] = ties
-    rows[4, :160] = torch.linspace(-1.0, 1.0, 160) * 3e-5  # scaled by 448: below 2^-6, e4m3 subnormals
-    rows[4, 0] = 1.0
+    r, cols = at(3, 2)
+    rows[r, cols.start:cols.start + len(ties)] = ties
+    rows[r, cols.start + len(ties):cols.stop] = rows[r, cols.start + len(ties):cols.stop].clamp(-400, 400)
+    r, cols = at(4, 0)
+    rows[r, cols] = torch.linspace(-1.0, 1.0, h) * 3e-5  # scaled by 448: below 2^-6, e4m3 subnormals
+    rows[r, cols.start] = 1.0
+    r, cols = at(5, 1)
+    rows[r, cols.start + 3] = float("nan")
+    r, cols = at(6, 0)
+    rows[r, cols.start + 1], rows[r, cols.start + 2] = float("inf"), float("-inf")
     return rows.to(dtype).to(device)
 
 
+def _differs(device, dtype, slots: int, hidden: int) -> Optional[str]:
+    """Why the kernel's output differs from the torch form on ``probe`` rows of this
+    shape and dtype (bit for bit, scales included, NaN payloads too), or None."""
+    from sglang_ext.quant import quantize_fp8_torch
+
+    rows = probe(device, dtype, slots, hidden)
+    q, s = quantize(rows, slots)
+    rq, rs = quantize_fp8_torch(rows, slots)
+    bad = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum()) + int((s.view(torch.int32) != rs.view(torch.int32)).sum())
+    return f"it differs from the torch form in {bad} values ({dtype}, {slots} x {hidden})" if bad else None
+
+
 def warm_up(device, num_slots: int, hidden_size: int, dtype: torch.dtype) -> bool:
-    """At start-up, off any request's path: ``ready`` on ``device``, then one launch for
-    rows of ``hidden_size`` values of ``dtype`` per slot, so the kernel that batches use
-    is compiled (Triton compiles per block size and dtype on first launch, which in a
-    batch's hook would stall the scheduler for a second or more). Returns whether the
-    kernel will be used."""
-    if hidden_size > MAX_HIDDEN or not ready(device):
+    """At start-up, off any request's path: ``ready`` on ``device``, then the probe again
+    in the shape and dtype batches will have (``num_slots`` x ``hidden_size`` values of
+    ``dtype``: Triton compiles per block size and dtype, and the kernel that runs must be
+    the one that agreed; compiling it in a batch's hook would also stall the scheduler for
+    a second or more). Returns whether the kernel will be used."""
+    if hidden_size > MAX_HIDDEN or hidden_size < 8 or not ready(device):
         return False
     try:
-        quantize(torch.zeros((1, num_slots * hidden_size), dtype=dtype, device=device), num_slots)
+        why = _differs(device, dtype, num_slots, hidden_size)
     except Exception as e:  # noqa: BLE001 - the probe's block size compiled, this one did not
-        refuse(device, f"{type(e).__name__}: {e}")
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        refuse(device, why)
         return False
     return True
 
@@ -145,17 +182,11 @@ def ready(device) -> bool:
     key = str(torch.device(device))
     if key in _READY:
         return _READY[key]
-    from sglang_ext.quant import quantize_fp8_torch
-
     why: Optional[str] = None
     try:
         for dtype in (torch.bfloat16, torch.float32):
-            rows = probe(device, dtype)
-            q, s = quantize(rows, 4)
-            rq, rs = quantize_fp8_torch(rows, 4)
-            if not (torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)):
-                bad = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum()) + int((s != rs).sum())
-                why = f"it differs from the torch form in {bad} values ({dtype})"
+            why = _differs(device, dtype, 4, 160)
+            if why is not None:
                 break
     except Exception as e:  # noqa: BLE001 - no Triton, no compiler, an old GPU: the torch form
         why = f"{type(e).__name__}: {e}"

@@ -2,7 +2,8 @@
 form (quant.quantize_fp8_torch, itself checked on the CPU against hs-connectors' formula
 and the error bound: tests/unit/test_quant.py). No server: ``-k quant`` runs it alone.
 
-Cases: the kernel's own probe (ties between e4m3 values, an all-zero slot, subnormals),
+Cases: the kernel's own probe (ties between e4m3 values, an all-zero slot, subnormals,
+a NaN and +-Inf) at its shape and the served ones,
 a prefill batch of Llama-3.1-8B's shape (2048 tokens x 4 slots x 4096, bf16) and of
 Kimi-K2.5's (512 x 4 x 7168: H not a power of two, so the last block is masked), random
 rows at 1e-3..1e4, fp16 and float32 rows, an empty batch; and that the writer's path
@@ -29,7 +30,7 @@ def _same(rows, slots):
     q, s = quant_kernel.quantize(rows, slots)
     rq, rs = quant.quantize_fp8_torch(rows, slots)
     diff_q = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
-    diff_s = int((s != rs).sum())
+    diff_s = int((s.view(torch.int32) != rs.view(torch.int32)).sum())  # bits: NaN scales too
     assert diff_q == 0 and diff_s == 0, (
         f"{tuple(rows.shape)} {rows.dtype}: {diff_q} fp8 values and {diff_s} scales differ from the torch form")
     return q, s
@@ -57,8 +58,15 @@ def test_kernel_equals_the_torch_form(n, slots, h, dtype):
 
 
 def test_probe_rows_equal_the_torch_form():
-    for dtype in (torch.bfloat16, torch.float32):
+    """The probe (NaN and +-Inf included) at its own shape and at the served ones."""
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
         _same(quant_kernel.probe("cuda", dtype), 4)
+    for slots, hidden in ((4, 4096), (4, 7168), (3, 1000)):
+        _same(quant_kernel.probe("cuda", torch.bfloat16, slots, hidden), slots)
+
+
+def test_warm_up_takes_the_served_shape():
+    assert quant_kernel.warm_up(torch.device("cuda", 0), 4, 4096, torch.bfloat16)
 
 
 def test_the_writer_path_takes_the_kernel(monkeypatch):

@@ -55,7 +55,8 @@ VLM = ["test_chat_one_image_data_url", "test_chat_image_file_url_between_text", 
 # test_gpu_quant.py: the fused fp8 kernel against the torch form, no server
 QUANT = ["test_kernel_is_ready_on_this_gpu",
          *[f"test_kernel_equals_the_torch_form[{c}]" for c in ("llama-8b-2k", "kimi-512", "fp16-odd", "fp32", "empty")],
-         "test_probe_rows_equal_the_torch_form", "test_the_writer_path_takes_the_kernel"]
+         "test_probe_rows_equal_the_torch_form", "test_warm_up_takes_the_served_shape",
+         "test_the_writer_path_takes_the_kernel"]
 
 
 def expected_ids(models=("llama", "deepseek", "kimi"), multi_gpu=True, single_gpu=True):

@@ -76,6 +76,8 @@ def test_scales_match_hs_connectors_formula_per_layer():
 def test_row_width_not_a_multiple_of_the_slots_is_refused():
     with pytest.raises(ValueError, match=r"not \[n, 3 layer slots \* H\]"):
         quant.quantize_fp8(torch.zeros(2, 8), 3)
+    with pytest.raises(ValueError, match=r"not \[n, 3 layer slots \* H\]"):
+        quant.quantize_fp8(torch.zeros(2, 0), 3)
 
 
 def test_fp8_file_layout_and_load(dump_dir):
@@ -151,11 +153,13 @@ def test_the_fused_kernel_is_used_only_where_it_agrees_with_the_torch_form(monke
     assert not quant_kernel.usable(rows, 4)  # ...on CUDA rows only
     q, s = quant.quantize_fp8(rows, 4)
     rq, rs = quant.quantize_fp8_torch(rows, 4)
-    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), rs.view(torch.int32))
 
 
-def test_the_probe_holds_ties_a_zero_slot_and_subnormals():
-    """The probe the kernel must match: scaled by 1 (an amax of 448), 124, 13.5 and 2.125
+def test_the_probe_holds_ties_a_zero_slot_subnormals_nan_and_inf():
+    """The probe the kernel must match (the torch form's answers on it): scaled by 1 (an
+    amax of 448), 124, 13.5 and 2.125
     lie halfway between two e4m3 values, so only round-to-nearest-even gives the torch
     form's bits (128, 14 and 2); one slot is all zero (scale 1e-12, fp8 zeros); a slot of
     values up to 3e-5 beside a 1.0 quantizes them into e4m3's subnormals."""
@@ -168,6 +172,10 @@ def test_the_probe_holds_ties_a_zero_slot_and_subnormals():
     assert s[2, 1] == quant.SCALE_FLOOR and not q[2, 1].any()
     tiny = q[4, 0, 1:] * s[4, 0]
     assert 0 < tiny.abs().max() < 2 ** -6 * s[4, 0]  # below e4m3's smallest normal, not all zero
+    # a NaN makes its slot NaN, scale and values (so a file shows it); +-Inf make the
+    # slot's scale Inf and those two values NaN, the others 0
+    assert s[5, 1].isnan() and q[5, 1].isnan().all()
+    assert s[6, 0] == float("inf") and q[6, 0, 1:3].isnan().all() and not q[6, 0, 3:].any()
 
 
 def test_the_kernels_scales_are_torch_cudas_amax_times_the_reciprocal(tmp_path):
@@ -190,7 +198,9 @@ def test_the_kernels_scales_are_torch_cudas_amax_times_the_reciprocal(tmp_path):
         "amax = rows.view(-1, 4, 160).abs().amax(2)\n"
         "want = (amax * quant_kernel.inv_fp8_max()).clamp(min=quant.SCALE_FLOOR)\n"
         "exact = (amax / torch.tensor(448.0)).clamp(min=quant.SCALE_FLOOR)\n"
-        "print(int((s != want).sum()), int((want != exact).sum()), s.numel())\n")
+        "same = (s == want) | (s.isnan() & want.isnan())  # the probe's NaN slot stays NaN\n"
+        "assert s.isnan().sum() == 1 and s.isinf().sum() == 1\n"
+        "print(int((~same).sum()), int((want != exact).sum()), s.numel())\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
