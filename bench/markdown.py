@@ -76,7 +76,7 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
         "",
         "The last two columns divide the row's tokens/s (a dump's (b)) by (a) of its round"
         " and by min((a), W/B)." + (" drain: the cell's wall time after its last answer (early"
-                                    " answers: the last files' write)." if drained else ""),
+                                    " answers: the last files' (or samples') write)." if drained else ""),
         "",
         "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | " + ("drain ms | " if drained else "")
         + "GB/s written | JSON MB/resp | row/(a) | row/bound |",
@@ -163,15 +163,18 @@ def _pooled(pooled: List[dict]) -> List[str]:
     by = {(x["mode"], x["prompt_len"], x["concurrency"]): x for x in pooled}
     # early answers again, each cell up to its last answer (its final drain aside)
     answered = [m for m in EARLY_MODES if m in shown
-                and any("vs_nodump_to_last_answer" in x for x in pooled if x["mode"] == m)]
+                and any(x.get("vs_nodump_to_last_answer") is not None for x in pooled if x["mode"] == m)]
     lines = ["", "Pooled over the rounds (a shape's tokens over its seconds, every round, over (a)'s"
              " likewise; (a') is no change at all"
+             + ("; a mode's rounds are those its base ran too" if any(
+                 len({by[(m, p, c)]["rounds"] for m in shown if (m, p, c) in by}) > 1 for p, c in shapes) else "")
              + ("; \"to last answer\": both sides' seconds up to each cell's last answer, the"
                 " final drain of the early answers' last files aside" if answered else "") + "):", "",
              "| prompt | conc | rounds | " + " | ".join(shown + [f"{m} to last answer" for m in answered]) + " |",
              "|---:|---:|---:|" + "---:|" * (len(shown) + len(answered))]
     for plen, conc in shapes:
-        rounds = max(by[(m, plen, conc)]["rounds"] for m in shown if (m, plen, conc) in by)
+        counts = sorted({by[(m, plen, conc)]["rounds"] for m in shown if (m, plen, conc) in by})
+        rounds = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else counts[0]  # paired per mode
         cols = [num(by.get((m, plen, conc), {}).get("vs_nodump"), "{:.3f}") for m in shown]
         cols += [num(by.get((m, plen, conc), {}).get("vs_nodump_to_last_answer"), "{:.3f}") for m in answered]
         lines.append(f"| {plen} | {conc} | {rounds} | " + " | ".join(cols) + " |")

@@ -165,41 +165,66 @@ def nearest(table: Dict[str, float], size: float) -> Optional[float]:
 ANY_REP = object()
 
 
-def shape_tps(cells: List[dict], mode: str, to_last_answer: bool = False) -> Dict[Tuple[int, int], float]:
+def shape_tps(cells: List[dict], mode: str) -> Dict[Tuple[int, int], float]:
     """{(prompt_len, concurrency): tokens/s} of ``mode``'s error-free cells with a rate,
     pooled over the rounds: sum of prompt tokens / sum of wall seconds (one cell: its own
-    rate). ``to_last_answer``: seconds up to each cell's last answer (its wall less its
-    ``drain_s``; cells without one count whole)."""
+    rate). A ratio of two modes pools only the rounds both ran: ``paired_ratio``."""
     sums: Dict[Tuple[int, int], List[float]] = {}
-    for c in cells:
-        if c.get("mode") == mode and c.get("prefill_tps") and not c.get("error"):
-            s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
-            s[0] += c["prompt_tokens"]
-            wall = c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
-            s[1] += wall - ((c.get("drain_s") or 0.0) if to_last_answer else 0.0)
-    return {k: t / w for k, (t, w) in sums.items() if w > 0}
+    for c in _good(cells, mode):
+        s = sums.setdefault((c["prompt_len"], c["concurrency"]), [0.0, 0.0])
+        s[0] += c["prompt_tokens"]
+        s[1] += _wall(c)
+    return {k: t / w for k, (t, w) in sums.items() if w}
+
+
+def _good(cells: List[dict], mode: str, shape: Optional[Tuple[int, int]] = None) -> List[dict]:
+    return [c for c in cells if c.get("mode") == mode and c.get("prefill_tps") and not c.get("error")
+            and (shape is None or (c["prompt_len"], c["concurrency"]) == shape)]
+
+
+def _wall(c: dict) -> float:
+    return c.get("wall_s") or c["prompt_tokens"] / c["prefill_tps"]
+
+
+def paired_ratio(cells: List[dict], mode: str, base: str, shape: Tuple[int, int],
+                 to_last_answer: bool = False) -> Tuple[Optional[float], int]:
+    """``(ratio, rounds)``: ``mode``'s tokens/s at ``shape`` over ``base``'s, each pooled
+    (tokens over wall seconds) over the rounds (``rep``) both have an error-free cell in, so
+    a round the deadline cut from one side drops from the other too; ``(None, 0)`` when
+    they share none. ``to_last_answer``: seconds up to each cell's last answer (its wall
+    less its ``drain_s``), None unless every cell pooled has one."""
+    mine = {c.get("rep"): c for c in _good(cells, mode, shape)}
+    theirs = {c.get("rep"): c for c in _good(cells, base, shape)}
+    reps = [r for r in mine if r in theirs]
+    if not reps:
+        return None, 0
+    pooled = []
+    for side in (mine, theirs):
+        chosen = [side[r] for r in reps]
+        if to_last_answer and any("drain_s" not in c for c in chosen):
+            return None, len(reps)
+        seconds = sum(_wall(c) - (c["drain_s"] if to_last_answer else 0.0) for c in chosen)
+        pooled.append(sum(c["prompt_tokens"] for c in chosen) / seconds if seconds > 0 else None)
+    return ratio(pooled[0], pooled[1]), len(reps)
 
 
 def pooled_ratios(cells: List[dict]) -> List[dict]:
-    """Per shape and mode (the dump modes and the controls), its tokens/s pooled over the
-    rounds (``shape_tps``) over its base's pooled likewise: ``{"mode", "prompt_len",
-    "concurrency", "rounds", "vs_nodump", "vs_nodump_to_last_answer"}`` (the latter both
-    up to their cells' last answers: a dump's cost per request, its final drain aside).
-    Rounds pooled this way weigh each by its seconds, and with ``--counterbalance`` a
-    drift within a round falls on both sides."""
+    """Per shape and mode (the dump modes and the controls), ``paired_ratio`` over its
+    base: ``{"mode", "prompt_len", "concurrency", "rounds", "vs_nodump",
+    "vs_nodump_to_last_answer"}`` (``rounds``: the rounds both ran; the latter up to the
+    cells' last answers, a dump's cost per request with its final drain aside, None for
+    runs without the drain measured). Rounds pooled this way weigh each by its seconds,
+    and with ``--counterbalance`` a drift within a round falls on both sides."""
     out = []
     for mode in DUMP_MODES + CONTROL_MODES:
-        tps = shape_tps(cells, mode)
-        base = shape_tps(cells, BASE_MODE.get(mode, "nodump"))
-        tps_ans = shape_tps(cells, mode, to_last_answer=True)
-        base_ans = shape_tps(cells, BASE_MODE.get(mode, "nodump"), to_last_answer=True)
-        for (plen, conc), v in sorted(tps.items()):
-            rounds = sum(1 for c in cells if (c.get("mode"), c.get("prompt_len"), c.get("concurrency"))
-                         == (mode, plen, conc) and c.get("prefill_tps") and not c.get("error"))
-            out.append({"mode": mode, "prompt_len": plen, "concurrency": conc, "rounds": rounds,
-                        "vs_nodump": ratio(v, base.get((plen, conc))),
-                        "vs_nodump_to_last_answer": ratio(tps_ans.get((plen, conc)),
-                                                          base_ans.get((plen, conc)))})
+        base = BASE_MODE.get(mode, "nodump")
+        for shape in sorted({(c["prompt_len"], c["concurrency"]) for c in _good(cells, mode)}):
+            value, rounds = paired_ratio(cells, mode, base, shape)
+            if value is None:
+                continue
+            out.append({"mode": mode, "prompt_len": shape[0], "concurrency": shape[1], "rounds": rounds,
+                        "vs_nodump": value,
+                        "vs_nodump_to_last_answer": paired_ratio(cells, mode, base, shape, True)[0]})
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from bench.report import mib, ratio, shape_tps
+from bench.report import mib, paired_ratio
 
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
@@ -72,7 +72,7 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
 
 
 def latency_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float]]:
-    """Issue 39's targets, each on the worst shape of the rounds pooled (``shape_tps``):
+    """Issue 39's targets, each on the worst shape of the rounds pooled (``paired_ratio``):
     ``(name, value, threshold)`` for each whose modes ran. Waiting answers (b) >=
     ``TARGET_WAITING_CONC1`` x (a) at concurrency 1 and >= ``TARGET_WAITING_CONC8`` at
     concurrency >= 8; early answers (b') >= ``TARGET_EARLY`` everywhere; fp8 files
@@ -80,8 +80,8 @@ def latency_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float
     out = []
 
     def worst(mode, base, keep=lambda shape: True):
-        num_, den = shape_tps(cells, mode), shape_tps(cells, base)
-        vals = [ratio(v, den.get(k)) for k, v in num_.items() if keep(k)]
+        shapes = {(c["prompt_len"], c["concurrency"]) for c in cells if c.get("mode") == mode}
+        vals = [paired_ratio(cells, mode, base, k)[0] for k in shapes if keep(k)]
         vals = [v for v in vals if v is not None]
         return min(vals) if vals else None
 
