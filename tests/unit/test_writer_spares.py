@@ -272,6 +272,19 @@ def test_spares_follow_how_many_files_begin_at_once(shm_dir):
     assert os.listdir(d) == []
 
 
+def _batch_after_steady_files(spares, size, n=4):
+    """``STEADY_FILES`` files of ``size`` written, then a batch of ``n`` begun together:
+    which of them got a spare (the first does; the others raise the target)."""
+    for _ in range(STEADY_FILES):
+        spares.want(size)
+    _ready(spares)
+    taken = [spares.take() for _ in range(n)]
+    for t in taken:
+        if t is not None:
+            t.close()
+    return [t is not None for t in taken]
+
+
 def test_the_byte_budget_caps_the_spares_held(shm_dir):
     """With room for two spares in the budget, a target of four makes two; a file larger
     than the whole budget still gets one."""
@@ -279,10 +292,7 @@ def test_the_byte_budget_caps_the_spares_held(shm_dir):
     size = SPARE_MIN_BYTES * 2
     spares = Spares(fd, count=8, budget=2 * size)
     try:
-        for _ in range(STEADY_FILES):
-            spares.want(size)
-        _ready(spares)
-        assert [spares.take() is not None for _ in range(4)] == [True, False, False, False]
+        assert _batch_after_steady_files(spares, size) == [True, False, False, False]
         assert spares.target == 4
         spares.want(size)
         assert len(_ready(spares, 2)) == 2
@@ -306,10 +316,7 @@ def test_the_budget_counts_the_spares_ready_at_their_own_size(shm_dir):
     big = SPARE_MIN_BYTES * 2
     spares = Spares(fd, count=4, budget=2 * big)
     try:
-        for _ in range(STEADY_FILES):
-            spares.want(big)
-        _ready(spares)
-        assert [spares.take() is not None for _ in range(4)] == [True, False, False, False]
+        assert _batch_after_steady_files(spares, big) == [True, False, False, False]
         for _ in range(STEADY_FILES):
             spares.want(big)
         assert len(_ready(spares, 2)) == 2
