@@ -43,6 +43,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A TCP port free on 127.0.0.1 now whose next one is free too (a master and its
+    metrics port, as the benchmark's ``--mooncake-port`` takes them): both bound at once,
+    then let go."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two free TCP ports in a row on 127.0.0.1 after 100 tries")
+
+
 def master_binary() -> str:
     """The ``mooncake_master`` the mooncake wheel ships in its package folder, else the
     one on ``PATH`` (the name itself when there is none: starting it then says so)."""

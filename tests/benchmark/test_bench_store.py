@@ -133,9 +133,9 @@ def test_store_ratio_target_and_tables():
 
 @pytest.fixture()
 def bench_store(tmp_path):
-    from testing.store import free_port
+    from testing.store import free_port_pair
 
-    bs = bstore.BenchStore(free_port(), 64 * MiB, str(tmp_path)).start()
+    bs = bstore.BenchStore(free_port_pair(), 64 * MiB, str(tmp_path)).start()  # its metrics: the next port
     standin = StandIn(bs.master.address)
     yield bs, standin
     standin.close()
@@ -221,10 +221,10 @@ def test_rehearsal_of_the_store_modes(tmp_path):
     ratios, the trace's forward end -> visible (the stand-in's put delay) and the client's
     answer -> visible."""
     pytest.importorskip("requests")
-    from testing.store import free_port, listening
+    from testing.store import free_port, free_port_pair, listening
 
     ports = [free_port() for _ in range(6)]
-    master_port = free_port()
+    master_port = free_port_pair()  # the master's metrics take the next port
     out, work = tmp_path / "out", tmp_path / "work"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), str(HERE.parents[1])])}
     proc = subprocess.run(
