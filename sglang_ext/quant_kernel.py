@@ -11,16 +11,17 @@ pass over the rows.
 
 Same numbers as the torch form on the GPU, bit for bit: float32 throughout; the scale as
 torch's CUDA kernel computes ``amax / 448``, i.e. ``amax * float32(1/448)`` (it divides by
-a scalar through its reciprocal: ``inv_fp8_max``); the values by IEEE division
+a scalar through its reciprocal: ``INV_FP8_MAX``); the values by IEEE division
 (``div_rn``, as torch's tensor-by-tensor CUDA division); the clamp to +-448; the cast to
 e4m3 by round-to-nearest-even (Triton's default, as torch's). The first version divided
 the amax by 448 exactly and differed from the torch form in the last bit of about half
 the scales on the H200 (tests/gpu/results-2026-12-04-h200-v0.5.23-s7-pytest-quant.json),
 which the probe caught: the server kept the torch form. ``ready``
 checks that once per device on a probe that holds the hard cases (exact ties between two
-e4m3 values, an all-zero slot, values in e4m3's subnormal range, magnitudes from 1e-3 to
-1e4) before the kernel is used; a device where it fails, or where Triton is missing,
-keeps the torch form, with a warning. (Triton's CPU interpreter does not round fp8 casts
+e4m3 values, an all-zero slot, values in e4m3's subnormal range, a NaN and +-Inf,
+magnitudes from 1e-3 to 1e4) before the kernel is used, and ``warm_up`` again in the
+served shape and dtype; a device where it fails, or where Triton is missing, keeps the
+torch form, with a warning. (Triton's CPU interpreter does not round fp8 casts
 as the GPU does, so the kernel is checked on the GPU only: tests/gpu/test_gpu_quant.py.)
 """
 
@@ -31,6 +32,8 @@ import logging
 from typing import Dict, Optional, Tuple
 
 import torch
+
+from sglang_ext.quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
 
 logger = logging.getLogger(__name__)
 
@@ -68,22 +71,18 @@ def _kernel():
     return _KERNEL
 
 
-def inv_fp8_max() -> float:
-    """float32(1) / float32(448), as a Python float (exactly that float32 value): the
-    factor torch's CUDA division of a tensor by the scalar 448 multiplies by
-    (BinaryDivTrueKernel.cu: a CPU scalar divisor becomes ``a * reciprocal(b)``), so the
-    kernel's scales are the torch form's on the GPU bit for bit."""
-    from sglang_ext.quant import FP8_MAX
-
-    return (torch.ones((), dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32)).item()
+# float32(1) / float32(448) as a Python float (exactly that float32 value): the factor
+# torch's CUDA division of a tensor by the scalar 448 multiplies by (BinaryDivTrueKernel.cu:
+# a CPU scalar divisor becomes ``a * reciprocal(b)``), so the kernel's scales are the torch
+# form's on the GPU bit for bit. Computed once: the hook launches the kernel every batch.
+INV_FP8_MAX = (torch.ones((), dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32)).item()
 
 
 def usable(rows: torch.Tensor, num_slots: int) -> bool:
-    """Whether ``quantize`` takes ``rows`` (``[n, L*H]`` on a CUDA device, contiguous,
-    ``H <= MAX_HIDDEN``) on a device where ``ready`` passed."""
-    if not rows.is_cuda or rows.dim() != 2 or not rows.is_contiguous() or num_slots < 1:
-        return False
-    if rows.shape[1] % num_slots or rows.shape[1] // num_slots > MAX_HIDDEN:
+    """Whether ``quantize`` takes ``rows`` (``[n, L*H]``, its shape checked by the caller,
+    ``quant.quantize_fp8``): on a CUDA device, contiguous, ``H <= MAX_HIDDEN``, a device
+    where ``ready`` passed."""
+    if not rows.is_cuda or not rows.is_contiguous() or rows.shape[1] // num_slots > MAX_HIDDEN:
         return False
     return ready(rows.device)
 
@@ -93,8 +92,6 @@ def quantize(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Te
     device: ``rows`` ``[n, L*H]`` (bf16, fp16 or fp32, contiguous, on a CUDA device) to
     ``(fp8 [n, L*H] float8_e4m3fn, scales [n, L] float32)``. The caller checks ``usable``
     first."""
-    from sglang_ext.quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
-
     triton, fp8_rows = _kernel()
     n, width = rows.shape
     h = width // num_slots
@@ -104,7 +101,7 @@ def quantize(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Te
         block = triton.next_power_of_2(h)
         # Triton launches on the current device (CPU rows: the interpreter, in tests)
         with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():
-            fp8_rows[(n * num_slots,)](rows, q, scales, h, FP8_MAX, inv_fp8_max(), SCALE_FLOOR,
+            fp8_rows[(n * num_slots,)](rows, q, scales, h, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
                                         BLOCK=block, num_warps=max(1, min(16, block // 512)))
     return q, scales
 

@@ -373,10 +373,12 @@ class Spares:
     answer, or a run's end, waits for) and shrinks by one for each ready spare thrown
     away because file sizes moved (so a mixed-length workload does not keep allocating
     spares it never uses: it grows only after ``STEADY_FILES`` files in a row whose sizes
-    fit spares of the size before them). It stays within ``count`` (``KIMI_SGLANG_WRITER_SPARES``) and within
-    ``budget`` bytes of ready spares (``SPARE_BUDGET_BYTES``; one spare at least). It does
-    not decay with time: after a burst, what it reached stays held (within the budget)
-    until sizes move. Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
+    fit spares of the size before them). It stays within ``count``
+    (``KIMI_SGLANG_WRITER_SPARES``) and within ``budget`` bytes of ready spares
+    (``SPARE_BUDGET_BYTES``; one spare at least). It does not decay with time: after a
+    burst, what it reached stays held (within the budget) until sizes move.
+
+    Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
     by ``fallocate`` is the page a store lands in, so a full filesystem cannot turn a
     store into a SIGBUS; on a disk filesystem (copy-on-write ones: btrfs, XFS with
     reflinks) a first store may need new blocks, so there spares only save the
