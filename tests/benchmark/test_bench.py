@@ -630,8 +630,10 @@ def test_rehearsal_against_a_fake_server(tmp_path):
     # ends when every file is complete, so all 16 are there and counted
     e = cells[("dump_early", 16, 1)]
     assert e["files"] == 16 and e["wall_s"] >= 0.05
-    # ...and the last file is written 50 ms after the last answer: the cell's drain
-    assert 0.05 <= e["drain_s"] < e["wall_s"] and cells[("nodump", 16, 1)]["drain_s"] < 0.05
+    # ...and the last file is written 50 ms after the last answer: the cell's drain. The
+    # fake's 50 ms begin before its answer leaves it and the client stamps the answer once
+    # read, so the drain is 50 ms less that transit (a CI run saw 49.998 ms): 10 ms allowed
+    assert 0.04 <= e["drain_s"] < e["wall_s"] and cells[("nodump", 16, 1)]["drain_s"] < 0.04
     assert e["file_bytes"] == cells[("dump", 16, 1)]["file_bytes"]
     j = cells[("json", 2048, 8)]
     assert j["requests"] == 8 and j["json_check"] == [1, 2048, 8] and j["response_bytes"] > 8 * 2048 * 8 * 5
