@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import List
 
 from bench.modes import MODES, names
-from bench.report import DUMP_MODES, STORE_MODES, headline, mib, num
+from bench.report import DUMP_MODES, HOOK_STAGES, STORE_MODES, headline, mib, num
 from bench.targets import targets
 
 
@@ -255,26 +255,34 @@ def _peer_files(pf) -> List[str]:
     return out
 
 
+def _mode_note(mode: str) -> str:
+    """A dump cell's row label after the model: '' for mode dump, ' (early)' for
+    dump_early, ' (fp8)' for dump_fp8, ' (nospares)' ..."""
+    return "" if mode == "dump" else f" ({mode.removeprefix('dump_')})"
+
+
 def _stages(results: dict) -> List[str]:
     """"Where the time goes": per dump cell, the stage trace's p50 / p99."""
     rows = []
-    for model, m in results.get("models", {}).items():
-        for c in m.get("cells", []):
-            st = c.get("stages")
-            if c.get("mode") not in DUMP_MODES or c.get("mode") in STORE_MODES or not st:
-                continue
-            cells = [num(st.get(k, {}).get("p50"), "{:.1f}") + " / " + num(st.get(k, {}).get("p99"), "{:.1f}")
-                     for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
-            rows.append(
-                f"| {model}{' (early)' if c['mode'] == 'dump_early' else ''} | {c['prompt_len']} | "
-                f"{c['concurrency']} | " + " | ".join(cells)
-                + f" | {num(st.get('hook_share'), '{:.2f}')} | {num(st.get('ready_before_response'), '{:.2f}')} |")
+    cells_of = [(model, c) for model, m in results.get("models", {}).items() for c in m.get("cells", [])
+                if c.get("mode") in DUMP_MODES and c.get("mode") not in STORE_MODES and c.get("stages")]
+    parts = any("hook_take" in c["stages"] for _, c in cells_of)  # traces since the hook's parts
+    for model, c in cells_of:
+        st = c["stages"]
+        cells = [num(st.get(k, {}).get("p50"), "{:.1f}") + " / " + num(st.get(k, {}).get("p99"), "{:.1f}")
+                 for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
+        if parts:  # the hook's parts, p50 in ms, after the hook's own cell
+            cells.insert(1, " / ".join(num(st.get(k, {}).get("p50"), "{:.2f}") for k, _, _ in HOOK_STAGES))
+        rows.append(
+            f"| {model}{_mode_note(c['mode'])} | {c['prompt_len']} | "
+            f"{c['concurrency']} | " + " | ".join(cells)
+            + f" | {num(st.get('hook_share'), '{:.2f}')} | {num(st.get('ready_before_response'), '{:.2f}')} |")
     if not rows:
         return []
     return ["", "## Where the time goes (dump cells, KIMI_SGLANG_TRACE; ms p50 / p99)", "",
-            "| model | prompt | conc | hook (per batch) | queue | d2h | write | release |"
-            " response wait | poll lag | hook share | file ready first |",
-            "|---|---:|---:|---|---|---|---|---|---|---|---:|---:|"] + rows
+            "| model | prompt | conc | hook (per batch) | " + ("hook: take / copy / send (p50) | " if parts else "")
+            + "queue | d2h | write | release | response wait | poll lag | hook share | file ready first |",
+            "|---|---:|---:|---|" + ("---|" if parts else "") + "---|---|---|---|---|---|---:|---:|"] + rows
 
 
 def _store(results: dict) -> List[str]:

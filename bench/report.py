@@ -91,6 +91,15 @@ STORE_STAGES = (
 )
 
 
+# Parts of one hook call (the scheduler thread, per extend batch; sglang_ext/trace.py):
+# (name, start key, end key). Traces before these keys existed have t0 and t1 only.
+HOOK_STAGES = (
+    ("hook_take", "t0", "t_take"),  # rows checked, finished requests' names reserved
+    ("hook_copy", "t_take", "t_copy"),  # arena opened, copies enqueued (fp8: quantized), files queued
+    ("hook_send", "t_copy", "t1"),  # the batch's message to the writer, its acks read
+)
+
+
 def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str, Any]:
     """Where a dump cell's time went, from ``KIMI_SGLANG_TRACE`` lines (trace.py).
 
@@ -98,7 +107,8 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     ``response_wait`` (the finished request waiting for its file in the tokenizer
     manager), ``poll_lag`` (file released -> the tokenizer manager sees it complete; slightly
     negative when the writer stamps ``t_released`` after the waiter saw the lock go), ``hook`` (scheduler
-    thread time per extend batch in ``on_prefill_result``), plus ``files``,
+    thread time per extend batch in ``on_prefill_result``) and its parts ``HOOK_STAGES``
+    (where the trace has them), plus ``files``,
     ``ready_before_response`` (share of files complete before their request finished)
     and, with ``wall_s``, ``hook_share`` (hook time / wall time). Store objects (the
     store sink's ``store`` events) instead: ``objects`` and the ``STORE_STAGES`` (``visible``:
@@ -117,14 +127,21 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
         values = [v * 1000 for v in values]
         return {"p50": percentile(values, 50), "p99": percentile(values, 99)}
 
+    def hook_stats(out):
+        out["hook"] = ms(hooks)
+        for name, a, b in HOOK_STAGES:
+            parts = [e[b] - e[a] for e in hook_events if e.get(a) is not None and e.get(b) is not None]
+            if parts:
+                out[name] = ms(parts)
+        if wall_s:
+            out["hook_share"] = sum(hooks) / wall_s
+        return out
+
     if not files:
         out: Dict[str, Any] = {"objects": len(objects)}
         for name, a, b in STORE_STAGES:
             out[name] = ms([o[b] - o[a] for o in objects if a in o and b in o])
-        out["hook"] = ms(hooks)
-        if wall_s:
-            out["hook_share"] = sum(hooks) / wall_s
-        return out
+        return hook_stats(out)
     out = {"files": len(files)}
     for name, a, b in STAGES:
         out[name] = ms([f[b] - f[a] for f in files.values() if a in f and b in f])
@@ -135,10 +152,7 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     out["ready_before_response"] = (
         sum(f["t_released"] <= r["t_meta"] for f, r in joined) / len(joined) if joined else None
     )
-    out["hook"] = ms(hooks)
-    if wall_s:
-        out["hook_share"] = sum(hooks) / wall_s
-    return out
+    return hook_stats(out)
 
 
 def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:

@@ -408,7 +408,9 @@ class DumpSession:
         opened: List[_Take] = []
         try:
             self._take(batch, hidden, extend_input_len_per_req or [], takes)
+            t_take = trace.now() if t0 is not None else None
             opened = self._hand_over(hidden, takes)
+            t_copy = trace.now() if t0 is not None else None
         except BaseException as e:  # an unexpected error: no named file may be left unsettled
             for take in takes:
                 if take.reservation is not None and not take.settled:
@@ -416,7 +418,7 @@ class DumpSession:
             raise
         self.writer.flush()
         if t0 is not None:
-            trace.record("hook", reqs=len(opened), t0=t0, t1=trace.now())
+            trace.record("hook", reqs=len(opened), t0=t0, t_take=t_take, t_copy=t_copy, t1=trace.now())
 
     def _take(self, batch, hidden, lens: List[int], takes: List[_Take]) -> None:
         """Check each request's rows of the batch and reserve the names of those it

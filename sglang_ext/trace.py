@@ -8,7 +8,11 @@ of the dump path append one JSON line per event to that file (``O_APPEND``, one
 Events (``"event"`` key):
 
 - ``hook``: one extend batch in ``hooks.on_prefill_result`` on the scheduler thread:
-  ``reqs`` (requests given rows), ``t0``, ``t1``.
+  ``reqs`` (requests given rows), ``t0``, ``t_take`` (each request's rows checked, the
+  names of those it finishes reserved: ``format.reserve``), ``t_copy`` (new requests
+  opened in the arena, the rows' copy enqueued (fp8: quantized first), finished files
+  queued), ``t1`` (the batch's message sent to the writer process, its acknowledgements
+  read).
 - ``file``: one file, recorded by the writer process: ``name``, ``bytes``, ``rows``, and
   from the scheduler ``t_start`` (the request's first rows seen) and ``t_submit`` (last
   rows sent, ``FINISH`` queued); from the writer process ``t_rows`` (its first rows'

@@ -705,7 +705,7 @@ def test_stage_stats_joins_file_and_response_events():
     """Two files (hand-made trace lines): per-stage medians in ms, the response wait,
     the poll lag, the share of files complete before their request finished."""
     ev = [
-        {"event": "hook", "reqs": 2, "t0": 0.0, "t1": 0.002},
+        {"event": "hook", "reqs": 2, "t0": 0.0, "t_take": 0.0005, "t_copy": 0.0015, "t1": 0.002},
         {"event": "file", "name": "a.safetensors", "t_start": 0.0, "t_submit": 0.001, "t_picked": 0.002,
          "t_copied": 0.004, "t_written": 0.014, "t_released": 0.015},
         {"event": "file", "name": "b.safetensors", "t_start": 0.0, "t_submit": 0.001, "t_picked": 0.011,
@@ -721,7 +721,12 @@ def test_stage_stats_joins_file_and_response_events():
     assert st["poll_lag"]["p50"] == pytest.approx(4.0)
     assert st["ready_before_response"] == 0.5
     assert st["hook"]["p50"] == pytest.approx(2.0) and st["hook_share"] == pytest.approx(0.02)
+    # the hook's parts: names reserved, copies enqueued, the message sent
+    assert [st[k]["p50"] for k in ("hook_take", "hook_copy", "hook_send")] == pytest.approx([0.5, 1.0, 0.5])
     assert report.stage_stats([{"event": "hook", "t0": 0, "t1": 1}]) == {}
+    # a trace from before the parts were recorded: the hook alone
+    old = report.stage_stats([{**e, "t_take": None, "t_copy": None} if e["event"] == "hook" else e for e in ev])
+    assert old["hook"]["p50"] == pytest.approx(2.0) and "hook_take" not in old
 
 
 def test_plot_pools_the_rounds_of_a_shape():

@@ -244,7 +244,11 @@ def test_trace_records_every_stage_in_order(dump, tmp_path, monkeypatch, session
         if sum(x["event"] == "file" for x in lines) == 2 or time.monotonic() > deadline:
             break
         time.sleep(0.01)
-    assert [x["reqs"] for x in lines if x["event"] == "hook"] == [2, 1]
+    hooks = [x for x in lines if x["event"] == "hook"]
+    assert [x["reqs"] for x in hooks] == [2, 1]
+    for h in hooks:  # the hook's parts, in the order it does them
+        parts = [h[k] for k in ("t0", "t_take", "t_copy", "t1")]
+        assert parts == sorted(parts), h
     files = {x["name"]: x for x in lines if x["event"] == "file"}
     responses = {x["name"]: x for x in lines if x["event"] == "response"}
     for rid, meta in metas.items():
