@@ -350,6 +350,9 @@ SPARE_BUDGET_BYTES = 1 << 30
 # them: sizes that keep moving (mixed prompt lengths) would have it make spares they throw away
 STEADY_FILES = 3
 SPARE_FREE_FACTOR = 8
+# Spares.target falls back to one after this long with no file begun or written: a burst's
+# spares (up to SPARE_BUDGET_BYTES of host memory on /dev/shm) are not held by an idle server
+SPARES_IDLE_S = 30.0
 
 
 class Spares:
@@ -375,8 +378,9 @@ class Spares:
     spares it never uses: it grows only after ``STEADY_FILES`` files in a row whose sizes
     fit spares of the size before them). It stays within ``count``
     (``KIMI_SGLANG_WRITER_SPARES``) and within ``budget`` bytes of ready spares
-    (``SPARE_BUDGET_BYTES``; one spare at least). It does not decay with time: after a
-    burst, what it reached stays held (within the budget) until sizes move.
+    (``SPARE_BUDGET_BYTES``; one spare at least). After ``idle_s`` seconds
+    (``SPARES_IDLE_S``) with no file begun (``take``) or written (``want``) it falls back
+    to one, and the ready spares beyond it go: an idle server does not hold a burst's spares.
 
     Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
     by ``fallocate`` is the page a store lands in, so a full filesystem cannot turn a
@@ -390,10 +394,12 @@ class Spares:
     a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate`` turns spares
     off for the process; any other failure (no space) skips one round."""
 
-    def __init__(self, dir_fd: int, count: int = 1, budget: int = 0):
+    def __init__(self, dir_fd: int, count: int = 1, budget: int = 0, idle_s: float = SPARES_IDLE_S):
         self.dir_fd = dir_fd
         self.count = count  # the most spares kept ready
         self.budget = budget or SPARE_BUDGET_BYTES  # the most bytes of spares at once
+        self.idle_s = idle_s  # no file for this long: target back to one (_decay)
+        self.used = time.monotonic()  # the last take or want
         self.target = min(1, count)  # how many to keep ready now (the class doc)
         self.size = 0  # what to make: the last file's size (0: nothing)
         self.made = 0  # spares made (tests, the log)
@@ -415,6 +421,7 @@ class Spares:
         if not SPARE_MIN_BYTES <= size <= SPARE_MAX_BYTES:
             return
         with self.cond:
+            self.used = time.monotonic()
             moved = False  # spares of the last size would not do for this one
             if size != self.size:
                 moved = bool(self.size) and not _fits(self.size, size)
@@ -433,6 +440,7 @@ class Spares:
         spares of the size before them (files coming together, not sizes moving), raises
         ``target`` by one (the class doc)."""
         with self.cond:  # no refill now: it would compete with this file's write (want)
+            self.used = time.monotonic()
             if self.ready:
                 return self.ready.pop()
             if self.size and self.enabled:
@@ -458,11 +466,31 @@ class Spares:
         held = sum(s.size for s in self.ready)
         return self.size if not self.ready or held + self.size <= self.budget else 0
 
+    def _idle_left(self) -> Optional[float]:
+        """Seconds until ``_decay`` has something to do, or None (the target is at its
+        floor and at most one spare is ready: wait for a file)."""
+        if self.target <= min(1, self.count) and len(self.ready) <= 1:
+            return None
+        return max(0.0, self.used + self.idle_s - time.monotonic())
+
+    def _decay(self) -> None:
+        """No file for ``idle_s``: the target back to one, the ready spares beyond it closed."""
+        if self.used + self.idle_s > time.monotonic():
+            return
+        self.target = min(1, self.count)
+        extra, self.ready = self.ready[self.target:], self.ready[:self.target]
+        for spare in extra:
+            spare.close()
+
     def _run(self) -> None:
         while True:
             with self.cond:
                 while not self.closed and self.enabled and not self._wanted():
-                    self.cond.wait()
+                    left = self._idle_left()
+                    if left == 0.0:
+                        self._decay()
+                    else:
+                        self.cond.wait(left)
                 if self.closed or not self.enabled:
                     return
                 size = self._wanted()

@@ -272,6 +272,35 @@ def test_spares_follow_how_many_files_begin_at_once(shm_dir):
     assert os.listdir(d) == []
 
 
+def test_an_idle_writer_keeps_one_spare_of_a_burst(shm_dir):
+    """``idle_s`` with no file begun or written: the target falls back to one and the
+    ready spares beyond it are closed (their memory given back); files coming within
+    ``idle_s`` of each other keep them."""
+    d, fd = shm_dir
+    size = SPARE_MIN_BYTES * 2
+    spares = Spares(fd, count=3, idle_s=0.6)
+    try:
+        assert _batch_after_steady_files(spares, size) == [True, False, False, False]
+        assert spares.target == 3
+        spares.want(size)
+        burst = _ready(spares, 3)
+        assert len(burst) == 3
+        for _ in range(6):  # a file every 0.2 s: not idle
+            time.sleep(0.2)
+            spares.want(size)
+        assert spares.target == 3 and len(spares.ready) == 3
+        deadline = time.monotonic() + 10
+        while len(spares.ready) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert spares.target == 1 and spares.ready == burst[:1], "one spare kept"
+        assert [s.mapping is None for s in burst] == [False, True, True], "the others closed"
+        time.sleep(0.3)
+        assert len(spares.ready) == 1 and spares.made == 4  # none made again while idle
+    finally:
+        spares.close()
+    assert os.listdir(d) == []
+
+
 def _batch_after_steady_files(spares, size, n=4):
     """``STEADY_FILES`` files of ``size`` written, then a batch of ``n`` begun together:
     which of them got a spare (the first does; the others raise the target)."""
