@@ -399,8 +399,13 @@ class DumpWriter:
     def poll(self) -> None:
         """Notice a writer process that has ended (killed by the watchdog, or dead) before a
         batch hands it new work: what it held fails, a new one starts, and the batch's new
-        requests go to that one. One ``waitpid(WNOHANG)``; call once per batch."""
+        requests go to that one. Reads the acknowledgements that arrived, where a closed
+        end of the socket shows a dying writer before it can be reaped (a process gives up
+        its descriptors, and so its files' locks, before its parent can wait for it: a
+        response woken by a lock it released can send the next request at once), then one
+        ``waitpid(WNOHANG)``; call once per batch."""
         if not self._closed:
+            self._read_acks()
             self._notice_end()
 
     def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:

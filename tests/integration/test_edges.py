@@ -308,6 +308,52 @@ def test_an_index_line_that_is_not_an_object_does_not_stop_the_scheduler(dump, m
     assert assert_complete_or_error(after, finish(after), dump)
 
 
+def test_a_dying_writer_not_yet_reaped_is_replaced_before_the_next_batch(dump, monkeypatch, tmp_path, sessions):
+    """A writer process that has given up its end of the socket (and its locks) but is not
+    yet reaped, as any dying process is for a moment: the next batch sees the closed
+    socket, starts a new writer and is written by it; nothing is sent into the closed one
+    (which failed that batch's requests). Here the old writer lingers 1.5 s that way."""
+    closed = tmp_path / "closed"
+    inject_writer(monkeypatch, tmp_path, f"""
+        import os, stat, threading, time
+        from sglang_ext import format as fmt, wire
+        _complete, _recv = fmt.complete, wire.recv_ops
+        def recv_ops(*a, **k):  # once the socket is gone, the main loop lingers
+            if os.path.exists({str(closed)!r}):
+                time.sleep(1.5)
+            return _recv(*a, **k)
+        def close_socket():
+            time.sleep(0.2)  # the file's acknowledgement goes out first
+            null = os.open(os.devnull, os.O_RDONLY)
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                        os.dup2(null, int(name))  # our end closes; the descriptor stays
+                except OSError:
+                    pass
+            open({str(closed)!r}, "w").close()
+        def complete(*a):
+            _complete(*a)
+            if not os.path.exists({str(tmp_path / "once")!r}):
+                open({str(tmp_path / "once")!r}, "w").close()
+                threading.Thread(target=close_socket, daemon=True).start()
+        fmt.complete = complete
+        wire.recv_ops = recv_ops
+    """)
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
+    pid = writer.pid
+    first = Req("first", 4, 1)
+    run_extend(sess, [(first, 0, 4)], IDS)
+    assert assert_complete_or_error(first, finish(first), dump)
+    assert wait_for(closed.exists)
+    after = Req("after", 4, 2)
+    run_extend(sess, [(after, 0, 4)], IDS)
+    assert assert_complete_or_error(after, finish(after), dump)
+    snap = idle(sess)
+    assert writer.pid != pid and snap["writer_restarts"] == 1 and snap["failures"] == 0, snap
+
+
 def test_a_writer_killed_while_the_scheduler_is_idle_answers_its_waiters_with_the_reason(dump, monkeypatch, tmp_path, sessions):
     """SIGKILL to the writer while a response waits and no batch follows: the watchdog
     thread settles the file (``.error`` with the reason, the lock removed), so the waiting
