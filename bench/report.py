@@ -91,8 +91,7 @@ STORE_STAGES = (
 )
 
 
-# Parts of one hook call (the scheduler thread, per extend batch; sglang_ext/trace.py):
-# (name, start key, end key). Traces before these keys existed have t0 and t1 only.
+# The parts of one hook call (trace.py's hook event; older traces: t0 and t1 only): (name, start, end).
 HOOK_STAGES = (
     ("hook_take", "t0", "t_take"),  # rows checked, finished requests' names reserved
     ("hook_copy", "t_take", "t_copy"),  # arena opened, copies enqueued (fp8: quantized), files queued
@@ -130,8 +129,7 @@ def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str,
     def hook_stats(out):
         out["hook"] = ms(hooks)
         for name, a, b in HOOK_STAGES:
-            parts = [e[b] - e[a] for e in hook_events if e.get(a) is not None and e.get(b) is not None]
-            if parts:
+            if parts := [e[b] - e[a] for e in hook_events if e.get(a) is not None and e.get(b) is not None]:
                 out[name] = ms(parts)
         if wall_s:
             out["hook_share"] = sum(hooks) / wall_s

@@ -16,6 +16,7 @@ import torch
 from sglang_ext import format as fmt
 from sglang_ext.writer import DumpWriter
 from sglang_ext.writer_process import SPARE_MIN_BYTES, STEADY_FILES, Spares, on_tmpfs
+from standins import wait_for
 
 SHM = "/dev/shm"
 SLOTS, HIDDEN = 4, 1024  # 8 KiB a token: SPARE_MIN_BYTES (4 MiB) from 512 tokens
@@ -289,9 +290,8 @@ def test_an_idle_writer_keeps_one_spare_of_a_burst(shm_dir):
             time.sleep(0.2)
             spares.want(size)
         assert spares.target == 3 and len(spares.ready) == 3
-        deadline = time.monotonic() + 10
-        while len(spares.ready) > 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # (the spares thread closes the others after it shrank the list: wait for both)
+        assert wait_for(lambda: len(spares.ready) == 1 and all(s.mapping is None for s in burst[1:]))
         assert spares.target == 1 and spares.ready == burst[:1], "one spare kept"
         assert [s.mapping is None for s in burst] == [False, True, True], "the others closed"
         time.sleep(0.3)
