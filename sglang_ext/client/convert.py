@@ -72,7 +72,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.dataset import DataError, iter_rows
-from sglang_ext.client.files import Staged, regular_or_why
+from sglang_ext.client.files import Staged, file_mode, regular_or_why
 
 GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
 MANIFEST = "manifest.jsonl"  # extract's (client.manifest.MANIFEST_NAME), in SRC
@@ -381,15 +381,16 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
     }
 
 
-def save_atomic(obj, path: str) -> None:
+def save_atomic(obj, path: str, mode: int) -> None:
     """``torch.save(obj)`` to ``path`` through a temporary name (``files.Staged``): ``path``
-    only ever holds a complete record. Made with mode 0666 before the umask, as ``open``."""
+    only ever holds a complete record. Made with ``mode`` before the umask (``main``: the
+    ``KIMI_SGLANG_FILE_MODE`` of extract's files, 0600: hidden states stay the user's)."""
     import torch
 
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
     with Staged(directory, name, unique=False) as staged:
-        tmp, fd = staged.create(0o666)
+        tmp, fd = staged.create(mode)
         with open(fd, "wb") as f:
             torch.save(obj, f)
         staged.publish(tmp)
@@ -421,6 +422,11 @@ def main(args) -> int:
         return 2
     if any(t < 0 for t in args.image_token_id or []):
         print("error: --image-token-id must be a non-negative token id", file=sys.stderr)
+        return 2
+    try:
+        mode = file_mode()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     with_images = image_rows(args.src)
     try:
@@ -461,7 +467,7 @@ def main(args) -> int:
             mask = masks[index] if masks is not None else None
             record = to_specforge_record(os.path.join(args.src, f"hs_{index}.safetensors"), norm, mask,
                                          args.image_token_id, with_images.get(index, 0))
-            save_atomic(record, dst)
+            save_atomic(record, dst, mode)
             written += 1
             if with_images.get(index):
                 image_records += 1

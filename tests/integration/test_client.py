@@ -28,6 +28,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -881,6 +882,35 @@ def test_waiting_for_a_request_slot_does_not_count_against_the_timeout(server, t
     write_jsonl(tmp_path / "d.jsonl", rows(4))
     assert extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--concurrency", 1,
                    "--timeout", 1, "--max-retries", 0) == 0
+
+
+def test_convert_records_are_the_users_alone(tmp_path, monkeypatch, capsys):
+    """convert's records hold hidden states, as extract's files: created 0600 under a
+    umask of 022 (as extract's), KIMI_SGLANG_FILE_MODE when set, a bad value refused
+    with one sentence (exit 2) before anything is written."""
+    from sglang_ext.__main__ import main
+
+    ids = [4, 5, 6, 7]
+    src = tmp_path / "hs"
+    src.mkdir()
+    save_file({"hidden_states": reference(ids).to(torch.bfloat16), "token_ids": torch.tensor(ids)},
+              str(src / "hs_0.safetensors"),
+              metadata=fmt.build_metadata(rid="r", layer_ids=LAYERS, num_layers=NUM_LAYERS))
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "a"), "--no-final-norm"]) == 0
+        monkeypatch.setenv("KIMI_SGLANG_FILE_MODE", "0640")
+        assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "b"), "--no-final-norm"]) == 0
+        monkeypatch.setenv("KIMI_SGLANG_FILE_MODE", "0777x")
+        capsys.readouterr()
+        assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "c"), "--no-final-norm"]) == 2
+    finally:
+        os.umask(old)
+    assert "KIMI_SGLANG_FILE_MODE" in capsys.readouterr().err
+    for dst, mode in (("a", 0o600), ("b", 0o640)):
+        st = os.stat(tmp_path / dst / "rows_0-5000" / "data_0.ckpt")
+        assert stat.S_IMODE(st.st_mode) == mode, (dst, oct(st.st_mode))
+    assert not (tmp_path / "c").exists()
 
 
 def test_validate_and_convert_take_fp8_files(tmp_path, capsys):
