@@ -24,6 +24,13 @@ from sglang_ext.client.manifest import final_name
 from sglang_ext.client.pending import server_name_ok
 
 
+def _not_the_servers_name(rid: str, path: str) -> FatalError:
+    return FatalError(f"hidden_states_path {path} is not the server's name for request {rid} "
+                      f"({fmt.safe_stem(rid)}[-n]{fmt.SUFFIX}): not taken; a server that names "
+                      f"its files otherwise (another version of the dump patches?) would fail "
+                      f"every request alike")
+
+
 class DumpDir:
     """The server's dump directory as this machine sees it, pinned for the run.
 
@@ -45,8 +52,9 @@ class DumpDir:
 
     def server_name_of(self, rid: str, path: str) -> str:
         """The bare name of ``rid``'s file from the server's ``path``. Raises ``CheckError``
-        (this row's error) when ``path`` is not in this directory or its name is not one
-        the server gives ``rid`` (``<safe_stem(rid)>[-n].safetensors``)."""
+        (this row's error) when ``path`` is not in this directory, ``FatalError`` when its
+        name is not one the server gives ``rid`` (``<safe_stem(rid)>[-n].safetensors``:
+        ``DumpDirs`` says why the run stops)."""
         directory, name = os.path.split(path)
         try:
             st = os.stat(directory or ".")
@@ -57,8 +65,7 @@ class DumpDir:
             raise CheckError(f"hidden_states_path {path} is not in the dump directory "
                              f"{self.path}: not taken")
         if not server_name_ok(rid, name):
-            raise CheckError(f"hidden_states_path {path} is not the server's name for request "
-                             f"{rid} ({fmt.safe_stem(rid)}[-n]{fmt.SUFFIX}): not taken")
+            raise _not_the_servers_name(rid, path)
         return name
 
     def require_waitable(self, name: str) -> None:
@@ -83,12 +90,15 @@ class DumpDirs:
 
     ``take(rid, path)`` returns ``(DumpDir, bare name)`` for an answer: its name must be
     the server's name for ``rid`` and its directory one of the run's (by device and inode).
-    Raises ``CheckError`` (this row's error: a bad name) or ``FatalError`` (the run stops:
-    every answer of that server would fail alike) when the directory does not exist on
-    this machine (the directory sink needs a filesystem shared with every server), when
-    ``--dump-dir`` was given and does not name it (a server's directory left out), or when
-    more than ``MAX_DUMP_DIRS`` were named. Raises ``OSError`` from ``__init__`` for a given path
-    that is not a directory."""
+    Raises ``FatalError`` (the run stops: every answer of that server would fail alike)
+    when the directory does not exist on this machine (the directory sink needs a
+    filesystem shared with every server), when the name is not the server's name for
+    ``rid`` (the patched server names every file so, ``format.safe_stem``: a server that
+    does not is of another series or not to be trusted, and retries would only leave more
+    of its files behind), when ``--dump-dir`` was given and does not name the directory (a
+    server's directory left out), or when more than ``MAX_DUMP_DIRS`` were named. Nothing
+    is taken or deleted then. Raises ``OSError`` from ``__init__`` for a given path that
+    is not a directory."""
 
     def __init__(self, paths: List[str]):
         self.fixed = bool(paths)
@@ -127,8 +137,7 @@ class DumpDirs:
                              f"{directory} (one per server behind a router), or leave --dump-dir "
                              f"out to take each answer's directory")
         if not server_name_ok(rid, name):  # before a directory is adopted for it
-            raise CheckError(f"hidden_states_path {path} is not the server's name for request "
-                             f"{rid} ({fmt.safe_stem(rid)}[-n]{fmt.SUFFIX}): not taken")
+            raise _not_the_servers_name(rid, path)
         if len(self.dirs) >= MAX_DUMP_DIRS:
             raise FatalError(f"the servers named more than {MAX_DUMP_DIRS} dump directories: "
                              f"pass each server's --dump-hidden-states-dir with --dump-dir")
