@@ -34,6 +34,12 @@ class Row:
     input_ids: Optional[List[int]]
     chat: Optional[ChatPrompt] = None
     error: Optional[str] = None
+    where: str = ""  # the row in messages: "row 3 (line 5 of data.jsonl)" (iter_rows)
+
+    @property
+    def name(self) -> str:
+        """How messages name the row: ``where``, else ``row <index>``."""
+        return self.where or f"row {self.index}"
 
 
 def _input_ids(row: Dict[str, Any], where: str) -> List[int]:
@@ -56,10 +62,10 @@ def make_row(index: int, row: Dict[str, Any], where: str, tokenizer) -> Row:
         try:
             chat = chat_prompt(row["messages"])
         except ImagePartError as e:
-            return Row(index, None, error=f"{where}: {e}")
+            return Row(index, None, error=f"{where}: {e}", where=where)
         ids = _input_ids(row, where) if row.get("input_ids") is not None else None
-        return Row(index, ids, chat=chat)
-    return Row(index, _ids_from_row(row, where, tokenizer))
+        return Row(index, ids, chat=chat, where=where)
+    return Row(index, _ids_from_row(row, where, tokenizer), where=where)
 
 
 def _ids_from_row(row: Dict[str, Any], where: str, tokenizer) -> List[int]:

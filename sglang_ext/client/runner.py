@@ -193,7 +193,7 @@ async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]
                 continue
             size = await asyncio.to_thread(store.take, exp, row.index, row.input_ids, opts.validate)
         except (RequestError, CheckError, OSError) as e:
-            print(f"row {row.index}: the sample an earlier run was answered for is not taken "
+            print(f"{row.name}: the sample an earlier run was answered for is not taken "
                   f"({e}); requesting it again", file=sys.stderr)
             continue
         return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle),
@@ -244,7 +244,7 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
         except FatalError:
             raise
         except RowError as e:
-            raise RowError(f"row {row.index}: {e}") from None
+            raise RowError(f"{row.name}: {e}") from None
         except (RequestError, CheckError, OSError) as e:
             last = e
             if progress is not None:
@@ -252,8 +252,8 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             if abort.is_set():
                 return None
             if attempt < opts.max_retries:  # the last try's error is reported by the caller
-                print(f"row {row.index}: try {attempt + 1} failed, retrying: {e}", file=sys.stderr)
-    raise RequestError(f"row {row.index}: {opts.max_retries + 1} tries failed; last: {last}")
+                print(f"{row.name}: try {attempt + 1} failed, retrying: {e}", file=sys.stderr)
+    raise RequestError(f"{row.name}: {opts.max_retries + 1} tries failed; last: {last}")
 
 
 async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats,
@@ -310,13 +310,13 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 except FatalError as e:
                     if not abort.is_set():
                         stats.bad_input = isinstance(e, UsageError)
-                        stats.aborted = f"row {row.index}: {e}"
+                        stats.aborted = f"{row.name}: {e}"
                         print(f"error: {stats.aborted}", file=sys.stderr)
                         abort.set()
                     continue
                 except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
                     if not isinstance(e, RequestError):
-                        e = RequestError(f"row {row.index}: {type(e).__name__}: {e}")
+                        e = RequestError(f"{row.name}: {type(e).__name__}: {e}")
                     stats.failed += 1
                     stats.failed_indices.append(row.index)
                     consecutive += 1

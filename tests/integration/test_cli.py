@@ -288,7 +288,7 @@ def test_a_refused_row_is_not_retried(server, tmp_path):
                           "--concurrency", 1, "--max-retries", 5))
     assert r.returncode == 1
     assert server.requests == 2
-    assert "row 0: the server refused the row (HTTP 400)" in r.stderr
+    assert "row 0 (line 1 of d.jsonl): the server refused the row (HTTP 400)" in r.stderr
 
 
 def test_endpoint_with_a_path_aborts_at_once(server, tmp_path):

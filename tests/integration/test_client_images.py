@@ -195,7 +195,7 @@ def test_an_image_the_server_cannot_read_fails_that_row_once(server, tmp_path, c
         {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/missing.png"}}]}]}, image_row(2)]
     assert extract(server, write_rows(tmp_path / "d.jsonl", rows), tmp_path / "out") == EXIT_FAILED
     err = capsys.readouterr().err
-    assert "row 1: the server refused the row (HTTP 400)" in err and "cannot read the image" in err
+    assert "row 1 (line 2 of d.jsonl): the server refused the row (HTTP 400)" in err and "cannot read the image" in err
     assert len(server.chat_bodies) == 3
     assert hs_indices(tmp_path / "out") == {0, 2}
 
@@ -221,7 +221,7 @@ def test_row_input_ids_must_equal_the_ids_the_server_ran(server, tmp_path, capsy
     assert extract(server, path, tmp_path / "out") == EXIT_FAILED
     err = capsys.readouterr().err
     n = len(wrong_ids)
-    assert (f"row 1: the server ran {n} prompt token(s), which differ from the row's {n} "
+    assert (f"row 1 (line 2 of d.jsonl): the server ran {n} prompt token(s), which differ from the row's {n} "
             f"input_ids at position 3") in err
     assert len(server.chat_bodies) == 2
     assert hs_indices(tmp_path / "out") == {0}

@@ -350,7 +350,7 @@ def test_an_error_marker_retries_the_row_and_is_removed(master, server, tmp_path
     out = tmp_path / "out"
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, store=trainer_url(master)) == 0
     err = capsys.readouterr().err
-    assert "row 2: try 1 failed, retrying: the server failed the sample (extract-2-0-" in err
+    assert "row 2 (line 3 of d.jsonl): try 1 failed, retrying: the server failed the sample (extract-2-0-" in err
     assert "No space left on device" in err
     assert server.counts[tuple(data[0])] == 2 and server.counts[tuple(data[1])] == 1
     assert hs_indices(out) == set(range(4))
@@ -361,7 +361,7 @@ def test_an_error_marker_retries_the_row_and_is_removed(master, server, tmp_path
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out2, "--max-retries", 1,
                    store=trainer_url(master)) == EXIT_FAILED
     err = capsys.readouterr().err
-    assert "row 0: 2 tries failed; last: the server failed the sample" in err
+    assert "row 0 (line 1 of d.jsonl): 2 tries failed; last: the server failed the sample" in err
     assert hs_indices(out2) == {1, 3}
     assert server.left_in_store() == []
 
@@ -374,7 +374,7 @@ def test_a_missing_object_times_out_with_a_sentence(master, server, tmp_path, ca
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 0,
                    "--store-timeout", 0.3, store=trainer_url(master)) == EXIT_FAILED
     err = capsys.readouterr().err
-    assert re.search(r"row 1: 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{8}' did not appear "
+    assert re.search(r"row 1 \(line 2 of d\.jsonl\): 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{8}' did not appear "
                      r"in the Mooncake store at 127\.0\.0\.1:\d+ within 0\.3 s \(--store-timeout\)", err), err
     assert "Traceback" not in err
     assert hs_indices(out) == {0, 2}
