@@ -141,8 +141,12 @@ async def _post(session, url: str, payload: Any, http_slots: asyncio.Semaphore,
                     raise RowError(f"the server refused the row (HTTP 400): {brief(text)}")
                 if resp.status != 200:
                     raise RequestError(f"HTTP {resp.status}: {brief(text)}")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise RequestError(f"{type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:  # its message is empty: say which limit it was
+            total = getattr(getattr(session, "timeout", None), "total", None)
+            raise RequestError(f"no answer within {total:g} s (--timeout)" if total
+                               else "no answer in time (--timeout)") from None
+        except aiohttp.ClientError as e:
+            raise RequestError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
     return text
 
 

@@ -884,6 +884,18 @@ def test_waiting_for_a_request_slot_does_not_count_against_the_timeout(server, t
                    "--timeout", 1, "--max-retries", 0) == 0
 
 
+def test_a_request_past_the_timeout_says_which_limit(server, tmp_path, capsys):
+    """A server slower than --timeout: the row fails with a sentence naming the limit
+    (asyncio's TimeoutError has no message of its own: the retry line said only
+    'TimeoutError: ')."""
+    server.delay = 1.5
+    write_jsonl(tmp_path / "d.jsonl", rows(1))
+    assert extract(server, tmp_path / "d.jsonl", tmp_path / "out", "--timeout", 0.3,
+                   "--max-retries", 0) == 1
+    err = capsys.readouterr().err
+    assert "1 tries failed; last: no answer within 0.3 s (--timeout)" in err, err
+
+
 def test_convert_records_are_the_users_alone(tmp_path, monkeypatch, capsys):
     """convert's records hold hidden states, as extract's files: created 0600 under a
     umask of 022 (as extract's), KIMI_SGLANG_FILE_MODE when set, a bad value refused
