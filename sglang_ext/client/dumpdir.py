@@ -116,6 +116,20 @@ class DumpDirs:
             d.close()
         self.dirs = []
 
+    def adopt(self, path: str) -> bool:
+        """Take ``path`` (the server's own word for its dump directory, ``http.server_dump_dir``)
+        as one of the run's before any answer, as an answer's directory would be; True when
+        it was. Nothing happens when ``--dump-dir`` was given, for a store URL, or for a path
+        that is not a directory here (an answer then says so: ``take``)."""
+        if self.fixed or "://" in path or not os.path.isdir(path):
+            return False
+        if not any(d.path == os.path.abspath(path) for d in self.dirs):
+            try:
+                self.dirs.append(DumpDir(path))
+            except OSError:
+                return False
+        return True
+
     def take(self, rid: str, path: str, on_new=None) -> Tuple[DumpDir, str]:
         """See the class doc; ``on_new(path)`` is called for a directory adopted now."""
         directory, name = os.path.split(path)

@@ -96,7 +96,7 @@ from typing import List
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
 from sglang_ext.client.files import RunLock, RunLockHeld, file_mode, regular_or_why
-from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe
+from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
 from sglang_ext.client.runner import Options, Stats, run
@@ -210,6 +210,10 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         return EXIT_ABORTED
     if note:
         print(note, file=sys.stderr)
+    if not args.dump_dir and args.store is None:  # where requests not yet answered leave files
+        server_dir = asyncio.run(server_dump_dir(args.endpoint, min(args.timeout, PROBE_TIMEOUT_S)))
+        if server_dir:
+            dump.adopt(server_dir)
     try:
         os.makedirs(args.out, exist_ok=True)
         locks.append(RunLock(args.out, args.rank, mode).acquire())  # before touching what is there
@@ -221,7 +225,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
             manifest_kind = regular_or_why(os.path.join(args.out, MANIFEST_NAME))
         except FileNotFoundError:
             pass
-        pending = PendingFiles(args.out, args.rank, mode)
+        pending = PendingFiles(args.out, args.rank, mode, store=args.store is not None)
         for d in dump.dirs:
             pending.dump_dir(d.path)
     except RunLockHeld as e:
@@ -346,6 +350,12 @@ def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> 
     if busy:
         print(f"{len(busy)} file(s) {when} are still being written by the server (e.g. "
               f"{busy[0]}); the next run of this command removes them", file=sys.stderr)
+    unplaced = pending.unplaced()
+    if unplaced:
+        print(f"note: {unplaced} request(s) were sent and never answered, and this run knows no "
+              f"dump directory (no --dump-dir, no answer, none in the server's /server_info): "
+              f"files the server wrote for them stay in its --dump-hidden-states-dir; pass "
+              f"--dump-dir DIR to the same command to have them removed", file=sys.stderr)
     return busy
 
 

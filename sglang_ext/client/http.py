@@ -90,6 +90,33 @@ def brief(text: str) -> str:
 PROBE_TIMEOUT_S = 30.0  # at most: a server that has not answered GET /health by then is not up
 
 
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # SGLang 0.5.23's, then older releases
+
+
+async def server_dump_dir(endpoint: str, timeout: float) -> Optional[str]:
+    """The server's ``--dump-hidden-states-dir`` as its ``GET /server_info`` gives it (the
+    resolved server args; ``/get_server_info`` on releases without it), or None: no such
+    answer within ``timeout``, not JSON, no string there (a server without the dump, a
+    router that does not forward it). Only a hint, for a run given no ``--dump-dir``: the
+    directory where requests sent before any answer leave their files."""
+    import aiohttp
+
+    base = endpoint.rstrip("/")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            for path in SERVER_INFO_PATHS:
+                async with session.get(base + path) as resp:
+                    body = await resp.read()  # read: a connection released unread is reset
+                    if resp.status != 200:
+                        continue
+                    info = json.loads(body)
+                    value = info.get("dump_hidden_states_dir") if isinstance(info, dict) else None
+                    return value if isinstance(value, str) and value else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None
+    return None
+
+
 async def probe(endpoint: str, timeout: float) -> Tuple[Optional[str], Optional[str]]:
     """One ``GET <endpoint>/health`` before any row is sent: ``(error, note)``, each one
     sentence or None.

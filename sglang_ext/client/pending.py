@@ -80,8 +80,9 @@ def _lock_held(dir_fd: int, name: str) -> Optional[bool]:
 class PendingFiles(Journal):
     """Journal of this rank's requests whose server file may still exist (see module doc)."""
 
-    def __init__(self, out_dir: str, rank: int, mode: int = 0o600):
+    def __init__(self, out_dir: str, rank: int, mode: int = 0o600, store: bool = False):
         super().__init__(journal_path(out_dir, rank), mode)
+        self.store = store  # samples go to a store (--store): no server file to look for
         self.rids: Dict[str, Optional[str]] = {}  # rid -> server path (None: not answered yet)
         self.dump_dirs: List[str] = []
         for rec in self._records():
@@ -109,6 +110,12 @@ class PendingFiles(Journal):
         if directory not in self.dump_dirs:
             self._add_dir(directory)
             self._append({"dir": directory})
+
+    def unplaced(self) -> int:
+        """Requests whose file no sweep can look for: sent, never answered, and no dump
+        directory known (no ``--dump-dir``, no answer, no word from the server's
+        ``/server_info``)."""
+        return 0 if self.store or self.dump_dirs else len(self.rids)
 
     def sent(self, rid: str) -> None:
         self.rids[rid] = None
@@ -140,7 +147,9 @@ class PendingFiles(Journal):
         """Remove what unsettled requests left; returns ``(files removed, files still being
         written)``. ``forget_unanswered``: also settle requests that were never answered
         and left nothing (at start: their run is over; at the end of a run the server may
-        still be working on them, so they stay for the next run's sweep)."""
+        still be working on them, so they stay for the next run's sweep). While no dump
+        directory is known (``unplaced``) unanswered requests stay whatever it says: a run
+        given ``--dump-dir`` removes what they left."""
         removed = 0
         busy: List[str] = []
         dir_fds: Dict[str, Optional[int]] = {}
@@ -167,7 +176,8 @@ class PendingFiles(Journal):
                         if unlink_regular(dir_fd, entry):
                             removed += 1
                             found = True
-                if busy_here or (path is None and not found and not forget_unanswered):
+                if busy_here or (path is None and not found
+                                 and (not forget_unanswered or self.unplaced())):
                     continue
                 self.rids.pop(rid)
         finally:

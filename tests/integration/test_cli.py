@@ -82,7 +82,9 @@ class Server:
     (``.lock`` held) and write that much later (the first ``delay_first`` requests only;
     None: all). The first ``hang_first`` requests get their file written, then no answer.
     ``answer_path``: None, or ``f(request number from 1, path written) -> path answered``
-    (a hostile server naming another file). ``GET /health`` answers 200, as SGLang's does."""
+    (a hostile server naming another file). ``GET /health`` answers 200, as SGLang's does;
+    ``GET /server_info`` gives ``dump_hidden_states_dir`` among the server's args, as the
+    patched SGLang's does (``server_info``: False answers 404, as a router may)."""
 
     def __init__(self, dump_dir: Path, mode: str = "dump"):
         self.dump_dir = str(dump_dir)
@@ -96,9 +98,19 @@ class Server:
         self.lock = threading.Lock()
         self.release = threading.Event()
         self.answer_path = None
+        self.server_info = True
         server = self
 
         class Handler(_HealthOnly):
+            def do_GET(self):
+                if self.path != "/server_info" or not server.server_info:
+                    return super().do_GET()
+                data = json.dumps({"dump_hidden_states_dir": server.dump_dir, "tp_size": 1}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 code, obj = server.generate(body)
@@ -352,6 +364,43 @@ def test_files_of_a_killed_run_are_removed_by_the_next_run(server, tmp_path):
     assert f"removed {len(left)} file(s) an earlier run of this command left" in r.stderr, r.stderr
     assert server_files(server) == []
     assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(6))
+
+
+@pytest.mark.parametrize("server_info", [True, False])
+def test_files_of_requests_interrupted_before_any_answer_are_removed(server, tmp_path, server_info):
+    """Ctrl-C while every request is still unanswered (their files written), no --dump-dir:
+    the client learned the dump directory from the server's /server_info, so the
+    interrupted run removes those files (a new user's review saw them stay for good); a
+    server that does not say (a router) leaves the run without it: the interrupted run
+    and the next one's start say how to have them removed, and the next run removes them
+    once its first answer names the directory."""
+    server.server_info = server_info
+    server.hang_first = 4  # each written, never answered
+    path = write_jsonl(tmp_path / "d.jsonl", rows(4))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *extract_args(
+        server, path, str(out), "--concurrency", 4)], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len([n for n in server_files(server) if n.endswith(fmt.SUFFIX)]) < 4 \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    server.hang_first = 0
+    r = cli(*extract_args(server, path, out))
+    assert r.returncode == 0, r.stderr
+    hint = "4 request(s) were sent and never answered, and this run knows no dump directory"
+    assert (hint in err) == (hint in r.stderr) == (not server_info), (err, r.stderr)
+    assert ("removed 4 file(s) interrupted tries left" in err) == server_info, err
+    assert server_files(server) == [], (err, r.stderr)
+    assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(4))
 
 
 def test_a_timed_out_try_is_reported_then_removed(server, tmp_path):
