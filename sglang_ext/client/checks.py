@@ -3,7 +3,7 @@ its final name ``hs_<i>`` and again when a rerun finds it there (resume)."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from sglang_ext import format as fmt
 
@@ -58,3 +58,19 @@ def check_file(path: str, input_ids: Optional[List[int]], full: bool) -> int:
         if not bool(torch.isfinite(record.hidden_states).all()):
             raise CheckError(f"{path}: hidden_states hold non-finite values")
     return len(input_ids)
+
+
+def sample_layout(path: str) -> Tuple[str, Tuple[int, ...], str]:
+    """What every sample of one dataset shares: ``(layer_ids, (L, H), dtype)`` of a file,
+    from its header (its metadata's ``layer_ids``, ``hidden_states``' shape past the token
+    axis, its safetensors dtype, e.g. ``BF16``). Raises ``CheckError`` for an unreadable
+    file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as f:
+            hs = f.get_slice(fmt.KEY_HIDDEN_STATES)
+            return ((f.metadata() or {}).get("layer_ids", "?"), tuple(hs.get_shape()[1:]),
+                    hs.get_dtype())
+    except Exception as e:  # noqa: BLE001 - a file removed or replaced under the run
+        raise CheckError(f"{path}: unreadable: {e}") from None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from sglang_ext import format as fmt
-from sglang_ext.client.checks import CheckError, check_file
+from sglang_ext.client.checks import CheckError, check_file, sample_layout
 from sglang_ext.client.dataset import Row
 from sglang_ext.client.dumpdir import DumpDir, DumpDirs, move_into_place
 from sglang_ext.client.files import unlink_regular
@@ -274,6 +274,31 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     def tick():
         progress.tick(stats)
 
+    first: List[Tuple[str, Tuple[str, Tuple[int, ...], str]]] = []  # the run's first sample and its layout
+
+    async def same_layout(row) -> bool:
+        """The sample ``row`` took (new or resumed) has the layout of the run's first one;
+        else the run stops (one server's samples beside another's: other layer ids,
+        hidden size or dtype, e.g. a rerun against a server started with other flags)."""
+        name = final_name(row.index)
+        try:
+            layout = await asyncio.to_thread(sample_layout, os.path.join(opts.out_dir, name))
+        except CheckError as e:
+            layout = (str(e), (), "")
+        if not first:
+            first.append((name, layout))
+        if layout == first[0][1]:
+            return True
+        if not abort.is_set():
+            stats.aborted = (f"{name} holds layers {layout[0]} x {list(layout[1])} {layout[2]}, "
+                             f"but {first[0][0]} in {opts.out_dir} holds {first[0][1][0]} x "
+                             f"{list(first[0][1][1])} {first[0][1][2]}: one dataset of two server "
+                             f"configurations; extract into a fresh --out, or remove the samples "
+                             f"of the other server first")
+            print(f"error: {stats.aborted}", file=sys.stderr)
+            abort.set()
+        return False
+
     async def worker(session):
         nonlocal consecutive
         while True:
@@ -296,6 +321,8 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
                     print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
                 elif n is not None:
+                    if not await same_layout(row):
+                        continue
                     stats.resumed += 1
                     if row.index not in manifest:
                         size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
@@ -330,6 +357,8 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                     if got is None:  # aborted while it was being tried
                         continue
                     rec, worker = got
+                    if not await same_layout(row):
+                        continue
                     progress.sample(worker, rec["num_tokens"])
                     consecutive = 0
                     manifest.add(rec)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -48,10 +49,10 @@ def reference_bf16(ids) -> bytes:
     return bytes(out)
 
 
-def write_file(path: str, ids) -> None:
+def write_file(path: str, ids, layer_ids: str = "[2, 4]") -> None:
     hs = reference_bf16(ids)
     header = json.dumps({
-        "__metadata__": {"format": fmt.FORMAT_VERSION, "layer_ids": "[2, 4]", "num_layers": "4"},
+        "__metadata__": {"format": fmt.FORMAT_VERSION, "layer_ids": layer_ids, "num_layers": "4"},
         "hidden_states": {"dtype": "BF16", "shape": [len(ids), SLOTS, HIDDEN],
                           "data_offsets": [0, len(hs)]},
         "token_ids": {"dtype": "I64", "shape": [len(ids)],
@@ -99,6 +100,7 @@ class Server:
         self.release = threading.Event()
         self.answer_path = None
         self.server_info = True
+        self.layer_ids = "[2, 4]"  # the files' metadata (another server's configuration)
         server = self
 
         class Handler(_HealthOnly):
@@ -167,7 +169,7 @@ class Server:
 
             threading.Thread(target=later, daemon=True).start()
             return 200, {"text": "x", "meta_info": {"hidden_states_path": path, fmt.PENDING_KEY: True}}
-        write_file(path, ids)
+        write_file(path, ids, self.layer_ids)
         if self.answer_path is not None:
             path = self.answer_path(n, path)
         return 200, {"text": "x", "meta_info": {"hidden_states_path": path}}
@@ -401,6 +403,25 @@ def test_files_of_requests_interrupted_before_any_answer_are_removed(server, tmp
     assert ("removed 4 file(s) interrupted tries left" in err) == server_info, err
     assert server_files(server) == [], (err, r.stderr)
     assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(4))
+
+
+def test_a_rerun_against_a_server_of_other_layers_stops_instead_of_mixing(server, tmp_path):
+    """Resume after the server was restarted with other --dump-hidden-states-layers: the
+    first new sample's layout differs from the samples already in --out, and the run
+    stops (exit 3) naming both, instead of a dataset of two layouts (a new user's review:
+    exit 0, 'resumed': 1, and convert failing later with an unrelated sentence)."""
+    path = write_jsonl(tmp_path / "d.jsonl", rows(4))
+    out = tmp_path / "out"
+    assert cli(*extract_args(server, path, out)).returncode == 0
+    for i in (1, 2):
+        (out / f"hs_{i}.safetensors").unlink()
+    server.layer_ids = "[1, 3]"
+    r = cli(*extract_args(server, path, out, "--concurrency", 1, "--no-early-answers"))  # in order
+    assert r.returncode == 3, r.stderr
+    assert "one dataset of two server configurations" in r.stderr, r.stderr
+    assert re.search(r"hs_1\.safetensors holds layers \[1, 3\] x \[2, 4\] BF16, but hs_0\.safetensors "
+                     r".* holds \[2, 4\] x \[2, 4\] BF16", r.stderr), r.stderr
+    assert '"resumed": 1' in r.stdout and '"extracted": 0' in r.stdout, r.stdout
 
 
 def test_a_timed_out_try_is_reported_then_removed(server, tmp_path):
