@@ -64,7 +64,8 @@ Guarantees:
 - Leftovers: the server's files of requests this client never took (killed or
   interrupted runs, tries that timed out while the server still wrote) are journaled and
   removed from the dump directory by ``sglang_ext.client.pending`` (at start and at the end);
-  files still being written are reported. Ctrl-C ends with one line (exit 130).
+  files still being written are reported. Ctrl-C ends with one line (exit 130), SIGTERM
+  (a batch scheduler's time limit) the same way (exit 143).
 
 - Store: a server started with ``--dump-hidden-states-dir mooncake://...`` answers with
   ``meta_info.hidden_states_manifest`` instead of a path; with ``--store mooncake://HOST:PORT?...``
@@ -77,7 +78,8 @@ Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of 
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
 (read from the file's header with numpy, without torch); with ``--validate`` (needs torch)
 also the whole file is loaded through ``sglang_ext.format.load`` and must be finite.
-Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted, 130 interrupted.
+Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted, 130 interrupted,
+143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -103,15 +106,29 @@ from sglang_ext.client.runner import Options, Stats, run
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+EXIT_TERMINATED = 143  # SIGTERM (a batch scheduler's time limit, kill), as a shell reports it
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is as Ctrl-C is: the same sweep, line and resume."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
 
 
 def main(args) -> int:
     """``sglang-ext extract``: the exit codes of the module doc."""
     held: List[Options] = []  # whose dump directory (if any) is closed at the end
     locks: List[RunLock] = []  # the run's hold on --out, released last
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _main(args, held, locks)
+    except _Terminated:  # before or after the run's own handling: still one line, no traceback
+        print("extract: terminated (SIGTERM); run the same command again to resume", file=sys.stderr)
+        return EXIT_TERMINATED
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for opts in held:
             opts.dump.close()
             if opts.store is not None:
@@ -280,14 +297,15 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
                   f"are kept in {args.out}: fix the row and run the same command again to resume",
                   file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
-        print(f"extract: interrupted: {stats.done} sample(s) extracted in this run, "
+        how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
+        print(f"extract: {how}: {stats.done} sample(s) extracted in this run, "
               f"{stats.done + stats.resumed} of {total} done for rank {args.rank}; run the same "
               f"command again to resume" + (f" (it also removes the {len(left)} file(s) the "
                                             f"server is still writing)" if left else ""),
               file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
     elapsed = time.monotonic() - t0
     left = _report_sweep(pending, forget_unanswered=False, when="timed-out tries left")
     if fetcher is not None and not stats.aborted:

@@ -339,6 +339,39 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
     assert "run the same command again to resume" in lines[0]
 
 
+def test_sigterm_ends_as_ctrl_c_does(server, tmp_path):
+    """SIGTERM (a batch scheduler's time limit) mid-run: one line, exit 143, no traceback,
+    --out released, and the same command resumes (a new user's review: exit 143 with no
+    word and no summary)."""
+    server.write_delay_s = 0.3  # answered early, files written later: tries in flight
+    path = write_jsonl(tmp_path / "d.jsonl", rows(40))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *extract_args(
+        server, path, str(out), "--concurrency", 2)], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while server.requests < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    assert "extract: terminated (SIGTERM): " in err and "run the same command again to resume" in err, err
+    server.write_delay_s = 0.0
+    r = cli(*extract_args(server, path, out))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(40))
+    time.sleep(0.5)  # the last delayed writes of the terminated run land...
+    r = cli(*extract_args(server, path, out))  # ...and the next run removes them
+    assert r.returncode == 0 and not [n for n in server_files(server) if n.endswith(fmt.SUFFIX)], \
+        (r.stderr, server_files(server))
+
+
 def test_files_of_a_killed_run_are_removed_by_the_next_run(server, tmp_path):
     """A run killed while the server still writes (early answers) or before it answers
     leaves files in the dump directory; the next run removes every one of them."""
