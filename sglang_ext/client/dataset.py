@@ -72,6 +72,9 @@ def _ids_from_row(row: Dict[str, Any], where: str, tokenizer) -> List[int]:
     if row.get("input_ids") is not None:
         ids = _input_ids(row, where)
     elif row.get("messages") is not None:
+        if not isinstance(row["messages"], list):
+            raise DataError(f"{where}: messages must be a list of {{role, content}} objects, "
+                            f"not {type(row['messages']).__name__}")
         if tokenizer is None:
             raise DataError(f"{where} has messages without image parts but no --tokenizer was "
                             f"given (text-only chats are tokenized here; rows with images go "

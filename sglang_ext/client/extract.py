@@ -145,6 +145,10 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         print("error: --concurrency and --max-consecutive-failures must be >= 1, "
               "--max-retries >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
+    for flag, value in (("--backoff", args.backoff), ("--max-backoff", args.max_backoff)):
+        if not (math.isfinite(value) and value >= 0):
+            print(f"error: {flag} {value} must be a number of seconds >= 0", file=sys.stderr)
+            return EXIT_BAD_INPUT
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         print(f"error: --timeout {args.timeout} must be a positive number of seconds",
               file=sys.stderr)
@@ -307,7 +311,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
               file=sys.stderr)
         return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
     elapsed = time.monotonic() - t0
-    left = _report_sweep(pending, forget_unanswered=False, when="timed-out tries left")
+    left = _report_sweep(pending, forget_unanswered=False, when="tries given up on left")
     if fetcher is not None and not stats.aborted:
         _, kept = asyncio.run(fetcher.sweep())
         if kept:

@@ -32,7 +32,9 @@ class Progress:
     def __init__(self, total: int, disable: bool):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, unit="row", dynamic_ncols=True, disable=disable,
+        # disable None: no bar where stderr is no terminal (a log file, a batch job's
+        # output), where its redraws would only pile up; the summary line says it all
+        self.bar = tqdm(total=total, unit="row", dynamic_ncols=True, disable=True if disable else None,
                         file=sys.stderr, smoothing=0.1)
         self.start = time.monotonic()
         self.rows = 0

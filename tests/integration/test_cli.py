@@ -589,6 +589,26 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(server, tmp_path, va
     assert server.requests == 0 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flag, value", [("--backoff", "-5"), ("--backoff", "nan"), ("--max-backoff", "inf")])
+def test_a_backoff_that_is_not_a_number_of_seconds_is_refused(server, tmp_path, flag, value):
+    """(A new user's review: --backoff -5 and nan were taken silently.)"""
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    r = cli(*extract_args(server, path, tmp_path / "out", f"{flag}={value}"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"error: {flag} {float(value)} must be a number of seconds >= 0"
+    assert server.requests == 0 and not (tmp_path / "out").exists()
+
+
+def test_messages_that_are_not_a_list_are_named_so(server, tmp_path):
+    """(A new user's review: {"messages": "x"} was reported as messages without a tokenizer.)"""
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"messages": "notalist"}) + "\n")
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert "row 0 (line 1 of m.jsonl): messages must be a list of {role, content} objects, not str" \
+        in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("endpoint, reason", [
     ("http://", "names no host"),
     ("http://:30000", "names no host"),
