@@ -47,9 +47,10 @@ def _input_ids(row: Dict[str, Any], where: str) -> List[int]:
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if not isinstance(ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63 for t in ids
     ):
-        raise DataError(f"{where}: input_ids must be a list of non-negative integers")
+        raise DataError(f"{where}: input_ids must be a list of non-negative integers below 2**63 "
+                        f"(the files' token_ids are int64)")
     if not ids:
         raise DataError(f"{where} has no tokens")
     return ids

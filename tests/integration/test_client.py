@@ -869,7 +869,7 @@ def test_convert_names_a_corrupt_file_and_leaves_no_empty_dst(tmp_path, capsys):
 
 
 def test_input_ids_must_be_non_negative_integers(server, tmp_path, capsys):
-    for bad in ("abc", 5, [1.7, 2.2], [True, False], [-1, 2]):
+    for bad in ("abc", 5, [1.7, 2.2], [True, False], [-1, 2], [1, 2 ** 63]):  # int64 in the files
         (tmp_path / "d.jsonl").write_text(json.dumps({"input_ids": bad}) + "\n")
         assert extract(server, tmp_path / "d.jsonl", tmp_path / "out") == EXIT_BAD_INPUT, bad
         assert "input_ids must be a list of non-negative integers" in capsys.readouterr().err
