@@ -394,7 +394,12 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "extract",
         help="send a dataset to a dumping server; collect hs_<i>.safetensors",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="Row i becomes OUT/hs_<i>.safetensors (hidden_states [T, L, H] in the server's "
+               "dtype, token_ids [T] int64) plus a line of OUT/manifest.jsonl; a rerun resumes. "
+               "Exit codes: 0 every row done, 1 some rows failed all their tries (rerun to "
+               "retry them), 2 bad input (nothing sent), 3 aborted (the reason first on "
+               "stderr), 130 Ctrl-C, 143 SIGTERM. More: docs/client.md.",
         formatter_class=_DefaultsHelp,
     )
     p.add_argument("--endpoint", required=True,
@@ -414,10 +419,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dump-dir", default=None, action="append",
                    help="the server's --dump-hidden-states-dir as this machine sees it: extract "
                         "moves and deletes only regular files directly in it that carry the "
-                        "server's name for the request; an answer naming anything else fails "
-                        "its row. Repeat it for servers behind a router that write to "
-                        "directories of their own (default: each directory an answer names, "
-                        "when this machine sees it; one that it does not see stops the run)")
+                        "server's name for the request: an answer naming another name stops "
+                        "the run (exit 3), one naming no regular file fails its try. Repeat it "
+                        "for servers behind a router that write to directories of their own "
+                        "(default: the one the server's GET /server_info names and each one an "
+                        "answer names, when this machine sees it; one that it does not see "
+                        "stops the run)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer path for rows with text-only messages (apply_chat_template); "
                         "rows with images use the server's chat template")
