@@ -160,6 +160,7 @@ async def _post(session, url: str, payload: Any, http_slots: asyncio.Semaphore,
         try:
             async with session.post(url, json=payload) as resp:
                 body = await resp.read()
+                pending.answered(rid)
                 text = body.decode("utf-8", errors="replace")
                 if resp.status in (404, 405):
                     raise FatalError(f"POST {url} answered HTTP {resp.status}: --endpoint must be "

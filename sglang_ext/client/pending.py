@@ -6,8 +6,10 @@ takes it: the client was killed (or interrupted) after sending the request, or a
 out while the server was still writing. This module keeps a journal of such requests in
 ``OUT/.extract-pending-rank<R>.jsonl`` and removes what they left:
 
-- ``sent(rid)`` before a request goes out, ``named(rid, path)`` when the server names its
-  file, ``settled(rid)`` once that file is gone (moved into ``OUT``, or its write failed
+- ``sent(rid)`` before a request goes out, ``answered(rid)`` when any HTTP answer came
+  (the server is done with it: a file it wrote is named, or there is none, or only an
+  ``.error``), ``named(rid, path)`` when the server names its file, ``settled(rid)`` once
+  that file is gone (moved into ``OUT``, or its write failed
   and the ``.error`` file was removed);
 - ``sweep()`` removes, for every unsettled request, its file and ``.error`` file when no
   writer holds its ``.lock`` any more, and returns the files still being written. A
@@ -33,7 +35,7 @@ import errno
 import fcntl
 import os
 import stat
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.files import Journal, unlink_regular
@@ -83,13 +85,18 @@ class PendingFiles(Journal):
     def __init__(self, out_dir: str, rank: int, mode: int = 0o600, store: bool = False):
         super().__init__(journal_path(out_dir, rank), mode)
         self.store = store  # samples go to a store (--store): no server file to look for
-        self.rids: Dict[str, Optional[str]] = {}  # rid -> server path (None: not answered yet)
+        self.rids: Dict[str, Optional[str]] = {}  # rid -> server path (None: none named)
+        self.answered_rids: Set[str] = set()  # of rids: an HTTP answer came (answered)
         self.dump_dirs: List[str] = []
         for rec in self._records():
             if isinstance(rec.get("dir"), str):
                 self._add_dir(rec["dir"])
             elif isinstance(rec.get("done"), str):
                 self.rids.pop(rec["done"], None)
+                self.answered_rids.discard(rec["done"])
+            elif isinstance(rec.get("answered"), str):
+                if rec["answered"] in self.rids:
+                    self.answered_rids.add(rec["answered"])
             elif isinstance(rec.get("rid"), str):
                 path = rec.get("path") if isinstance(rec.get("path"), str) else None
                 self.rids[rec["rid"]] = path or self.rids.get(rec["rid"])
@@ -103,7 +110,8 @@ class PendingFiles(Journal):
         if not self.rids:
             return []
         return ([{"dir": d} for d in self.dump_dirs]
-                + [{"rid": rid, "path": path} if path else {"rid": rid} for rid, path in self.rids.items()])
+                + [{"rid": rid, "path": path} if path else {"rid": rid} for rid, path in self.rids.items()]
+                + [{"answered": rid} for rid in self.answered_rids if rid in self.rids])
 
     def dump_dir(self, directory: str) -> None:
         """Journal the run's dump directory: the only one whose files a sweep removes."""
@@ -111,15 +119,28 @@ class PendingFiles(Journal):
             self._add_dir(directory)
             self._append({"dir": directory})
 
+    def _unplaced(self, rid: str) -> bool:
+        """No sweep can look for ``rid``'s file yet: never answered (the server may still
+        write it), and no dump directory known (no ``--dump-dir``, no answer, no word from
+        the server's ``/server_info``). Kept journaled until a run knows one."""
+        return not (self.store or self.dump_dirs) and self.rids.get(rid, "") is None \
+            and rid not in self.answered_rids
+
     def unplaced(self) -> int:
-        """Requests whose file no sweep can look for: sent, never answered, and no dump
-        directory known (no ``--dump-dir``, no answer, no word from the server's
-        ``/server_info``)."""
-        return 0 if self.store or self.dump_dirs else len(self.rids)
+        """How many requests are ``_unplaced``."""
+        return sum(map(self._unplaced, self.rids))
 
     def sent(self, rid: str) -> None:
         self.rids[rid] = None
         self._append({"rid": rid})
+
+    def answered(self, rid: str) -> None:
+        """An HTTP answer for ``rid`` came, whatever it said: the server is done with the
+        request, so a run that knows no dump directory need not keep it (``_unplaced``).
+        Journaled when the journal is rewritten (each sweep), not a line per request: a
+        run killed before that keeps such requests as unanswered, the careful side."""
+        if rid in self.rids:
+            self.answered_rids.add(rid)
 
     def named(self, rid: str, path: str) -> None:
         """The server named ``rid``'s file ``path``: a checked name in the run's dump
@@ -129,6 +150,7 @@ class PendingFiles(Journal):
         self._append({"rid": rid, "path": path})
 
     def settled(self, rid: str) -> None:
+        self.answered_rids.discard(rid)
         if self.rids.pop(rid, "absent") != "absent":
             self._append({"done": rid})
 
@@ -177,9 +199,10 @@ class PendingFiles(Journal):
                             removed += 1
                             found = True
                 if busy_here or (path is None and not found
-                                 and (not forget_unanswered or self.unplaced())):
+                                 and (not forget_unanswered or self._unplaced(rid))):
                     continue
                 self.rids.pop(rid)
+                self.answered_rids.discard(rid)
         finally:
             for fd in dir_fds.values():
                 if fd is not None:

@@ -438,6 +438,30 @@ def test_files_of_requests_interrupted_before_any_answer_are_removed(server, tmp
     assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(4))
 
 
+def test_answered_requests_without_files_do_not_pile_up_in_the_journal(server, tmp_path):
+    """A server that answers every try with an error (HTTP 500) and no word of its dump
+    directory: each run journals its tries, and the next forgets them, since the server
+    answered (no file can be pending); they are not kept as 'never answered' (a review
+    saw the journal grow 8, 16, 24, 32 over four runs)."""
+    server.server_info = False
+    server.status = 500
+    path = write_jsonl(tmp_path / "d.jsonl", rows(3))
+    out = tmp_path / "out"
+    journal = out / ".extract-pending-rank0.jsonl"
+
+    def journaled():
+        recs = [json.loads(x) for x in journal.read_text().splitlines()] if journal.exists() else []
+        return {r["rid"] for r in recs if "rid" in r} - {r["done"] for r in recs if "done" in r}
+
+    sizes = []
+    for _ in range(3):
+        r = cli(*extract_args(server, path, out, "--max-retries", 1))
+        assert r.returncode == 1, r.stderr
+        assert "never answered" not in r.stderr, r.stderr
+        sizes.append(len(journaled()))
+    assert sizes == [6, 6, 6], sizes  # 3 rows x 2 tries, each run's own
+
+
 def test_a_rerun_against_a_server_of_other_layers_stops_instead_of_mixing(server, tmp_path):
     """Resume after the server was restarted with other --dump-hidden-states-layers: the
     first new sample's layout differs from the samples already in --out, and the run
