@@ -408,6 +408,7 @@ class Spares:
         self.ready: List[Spare] = []  # each holds a file of self.size bytes (_fits)
         self.enabled = True
         self.closed = False
+        self.stalled = False  # a make failed (no space): none is tried until the next want
         self.mappable = on_tmpfs(dir_fd)  # see the class doc: elsewhere spares take pwrite only
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="hs-writer-spares", daemon=True)
@@ -422,6 +423,7 @@ class Spares:
             return
         with self.cond:
             self.used = time.monotonic()
+            self.stalled = False
             moved = False  # spares of the last size would not do for this one
             if size != self.size:
                 moved = bool(self.size) and not _fits(self.size, size)
@@ -482,23 +484,27 @@ class Spares:
         for spare in extra:
             spare.close()
 
+    def _wait(self, until) -> None:
+        """Under ``cond``: wait until ``until()``, closed or disabled, decaying on time."""
+        while not self.closed and self.enabled and not until():
+            left = self._idle_left()
+            if left == 0.0:
+                self._decay()
+            else:
+                self.cond.wait(left)
+
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.closed and self.enabled and not self._wanted():
-                    left = self._idle_left()
-                    if left == 0.0:
-                        self._decay()
-                    else:
-                        self.cond.wait(left)
+                self._wait(self._wanted)
                 if self.closed or not self.enabled:
                     return
                 size = self._wanted()
             spare = self._make(size)
             if spare is None:
                 with self.cond:  # retry at the next file written (want), not in a loop
-                    if not self.closed:
-                        self.cond.wait()
+                    self.stalled = True
+                    self._wait(lambda: not self.stalled)
                 continue
             with self.cond:
                 if self.closed or not _fits(spare.size, self.size):

@@ -119,9 +119,11 @@ class DumpDirs:
     def adopt(self, path: str) -> bool:
         """Take ``path`` (the server's own word for its dump directory, ``http.server_dump_dir``)
         as one of the run's before any answer, as an answer's directory would be; True when
-        it was. Nothing happens when ``--dump-dir`` was given, for a store URL, or for a path
-        that is not a directory here (an answer then says so: ``take``)."""
-        if self.fixed or "://" in path or not os.path.isdir(path):
+        it was. Nothing happens when ``--dump-dir`` was given, for a store URL, for a
+        relative path (the server's flag as given, relative to the server's working
+        directory, not this one's) or for a path that is not a directory here (an answer
+        then says so: ``take``)."""
+        if self.fixed or "://" in path or not os.path.isabs(path) or not os.path.isdir(path):
             return False
         if not any(d.path == os.path.abspath(path) for d in self.dirs):
             try:

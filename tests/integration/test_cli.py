@@ -438,6 +438,31 @@ def test_files_of_requests_interrupted_before_any_answer_are_removed(server, tmp
     assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(4))
 
 
+def test_only_an_absolute_directory_from_server_info_is_adopted(tmp_path, monkeypatch):
+    """/server_info gives the flag as the server was started: a relative path is the
+    server's working directory's, not ours, so it is not taken (a review saw the client's
+    own ./dump adopted and the server's files left behind); nor is a store URL, a path
+    that is no directory here, or any with --dump-dir given."""
+    from sglang_ext.client.dumpdir import DumpDirs
+
+    (tmp_path / "dump").mkdir()
+    monkeypatch.chdir(tmp_path)
+    dirs = DumpDirs([])
+    try:
+        assert not dirs.adopt("dump") and not dirs.adopt("mooncake://h:50051")
+        assert not dirs.adopt(str(tmp_path / "missing")) and dirs.dirs == []
+        assert dirs.adopt(str(tmp_path / "dump")) and [d.path for d in dirs.dirs] == [str(tmp_path / "dump")]
+    finally:
+        dirs.close()
+    fixed = DumpDirs([str(tmp_path / "dump")])
+    try:
+        other = tmp_path / "other"
+        other.mkdir()
+        assert not fixed.adopt(str(other)) and len(fixed.dirs) == 1
+    finally:
+        fixed.close()
+
+
 def test_answered_requests_without_files_do_not_pile_up_in_the_journal(server, tmp_path):
     """A server that answers every try with an error (HTTP 500) and no word of its dump
     directory: each run journals its tries, and the next forgets them, since the server
