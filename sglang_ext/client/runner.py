@@ -8,6 +8,7 @@ a store manifest is taken from the Mooncake Store (``fetch``, imported only with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import uuid
@@ -276,25 +277,32 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
 
     first: List[Tuple[str, Tuple[str, Tuple[int, ...], str]]] = []  # the run's first sample and its layout
 
-    async def same_layout(row) -> bool:
-        """The sample ``row`` took (new or resumed) has the layout of the run's first one;
-        else the run stops (one server's samples beside another's: other layer ids,
-        hidden size or dtype, e.g. a rerun against a server started with other flags)."""
+    async def same_layout(row, taken: bool) -> bool:
+        """The sample ``row`` has (``taken``: was just taken into OUT; else resumed) has the
+        layout of the run's first one; else the run stops (one server's samples beside
+        another's: other layer ids, hidden size or dtype, e.g. a rerun against a server
+        started with other flags) and a sample just taken is removed again, so OUT keeps one
+        layout. A file that cannot be read now (removed under the run) is let pass: it was
+        checked a moment ago, and the next run checks it again."""
         name = final_name(row.index)
+        path = os.path.join(opts.out_dir, name)
         try:
-            layout = await asyncio.to_thread(sample_layout, os.path.join(opts.out_dir, name))
-        except CheckError as e:
-            layout = (str(e), (), "")
+            layout = await asyncio.to_thread(sample_layout, path)
+        except CheckError:
+            return True
         if not first:
             first.append((name, layout))
         if layout == first[0][1]:
             return True
+        if taken:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if not abort.is_set():
             stats.aborted = (f"{name} holds layers {layout[0]} x {list(layout[1])} {layout[2]}, "
                              f"but {first[0][0]} in {opts.out_dir} holds {first[0][1][0]} x "
                              f"{list(first[0][1][1])} {first[0][1][2]}: one dataset of two server "
-                             f"configurations; extract into a fresh --out, or remove the samples "
-                             f"of the other server first")
+                             f"configurations{' (so it was not kept)' if taken else ''}; extract "
+                             f"into a fresh --out, or remove the samples of the other server first")
             print(f"error: {stats.aborted}", file=sys.stderr)
             abort.set()
         return False
@@ -321,7 +329,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
                     print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
                 elif n is not None:
-                    if not await same_layout(row):
+                    if not await same_layout(row, taken=False):
                         continue
                     stats.resumed += 1
                     if row.index not in manifest:
@@ -357,7 +365,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                     if got is None:  # aborted while it was being tried
                         continue
                     rec, worker = got
-                    if not await same_layout(row):
+                    if not await same_layout(row, taken=True):
                         continue
                     progress.sample(worker, rec["num_tokens"])
                     consecutive = 0

@@ -504,6 +504,11 @@ def test_a_rerun_against_a_server_of_other_layers_stops_instead_of_mixing(server
     assert re.search(r"hs_1\.safetensors holds layers \[1, 3\] x \[2, 4\] BF16, but hs_0\.safetensors "
                      r".* holds \[2, 4\] x \[2, 4\] BF16", r.stderr), r.stderr
     assert '"resumed": 1' in r.stdout and '"extracted": 0' in r.stdout, r.stdout
+    assert "(so it was not kept)" in r.stderr and not (out / "hs_1.safetensors").exists()
+    server.layer_ids = "[2, 4]"  # the server as it was: the same command completes the set
+    r = cli(*extract_args(server, path, out))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.glob("hs_*")) == [f"hs_{i}.safetensors" for i in range(4)]
 
 
 def test_a_timed_out_try_is_reported_then_removed(server, tmp_path):
