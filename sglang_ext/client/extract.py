@@ -110,11 +110,35 @@ EXIT_TERMINATED = 143  # SIGTERM (a batch scheduler's time limit, kill), as a sh
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the run is as Ctrl-C is: the same sweep, line and resume."""
+    """SIGTERM, handled as Ctrl-C is: the same sweep, line and resume."""
 
 
-def _on_sigterm(signum, frame):
+def _on_sigterm(signum, frame):  # outside the run's event loop (set-up, the summary)
     raise _Terminated()
+
+
+async def _run_until_sigterm(coro) -> None:
+    """Await the run ``coro``; a SIGTERM meanwhile cancels it at an await (as asyncio does
+    for Ctrl-C), so no task is cut inside aiohttp's own code, and raises ``_Terminated``.
+    Then the process-wide handler is back (the loop's removal would leave SIGTERM's default)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    terminated = []
+
+    def on_sigterm():
+        terminated.append(True)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        await coro
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated() from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def main(args) -> int:
@@ -292,7 +316,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
 
     progress = Progress(total, args.no_progress)
     try:
-        asyncio.run(run(args, opts, rows, total, stats, pending, progress))
+        asyncio.run(_run_until_sigterm(run(args, opts, rows, total, stats, pending, progress)))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         _report_sweep(pending, forget_unanswered=False, when="stopped tries left")
