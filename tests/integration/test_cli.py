@@ -339,6 +339,24 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
     assert "run the same command again to resume" in lines[0]
 
 
+def signal_extract(args, until, sig, timeout=30):
+    """``python -m sglang_ext ARGS`` in a process of its own; once ``until()`` holds (at
+    most ``timeout`` s), send it ``sig`` and return ``(exit code, stderr)``."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
 def test_sigterm_ends_as_ctrl_c_does(server, tmp_path):
     """SIGTERM (a batch scheduler's time limit) mid-run: one line, exit 143, no traceback,
     --out released, and the same command resumes (a new user's review: exit 143 with no
@@ -346,20 +364,9 @@ def test_sigterm_ends_as_ctrl_c_does(server, tmp_path):
     server.write_delay_s = 0.3  # answered early, files written later: tries in flight
     path = write_jsonl(tmp_path / "d.jsonl", rows(40))
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *extract_args(
-        server, path, str(out), "--concurrency", 2)], cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while server.requests < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, err
+    code, err = signal_extract(extract_args(server, path, str(out), "--concurrency", 2),
+                               lambda: server.requests >= 4, signal.SIGTERM)
+    assert code == 143, err
     assert "Traceback" not in err and "CancelledError" not in err, err
     assert "extract: terminated (SIGTERM): " in err and "run the same command again to resume" in err, err
     server.write_delay_s = 0.0
@@ -413,21 +420,10 @@ def test_files_of_requests_interrupted_before_any_answer_are_removed(server, tmp
     server.hang_first = 4  # each written, never answered
     path = write_jsonl(tmp_path / "d.jsonl", rows(4))
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *extract_args(
-        server, path, str(out), "--concurrency", 4)], cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len([n for n in server_files(server) if n.endswith(fmt.SUFFIX)]) < 4 \
-                and time.monotonic() < deadline:
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
+    code, err = signal_extract(
+        extract_args(server, path, str(out), "--concurrency", 4),
+        lambda: len([n for n in server_files(server) if n.endswith(fmt.SUFFIX)]) >= 4, signal.SIGINT)
+    assert code == 130, err
     server.hang_first = 0
     r = cli(*extract_args(server, path, out))
     assert r.returncode == 0, r.stderr
