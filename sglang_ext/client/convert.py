@@ -216,8 +216,9 @@ def load_loss_masks(data: str, indices: Sequence[int],
     counted from 0 as ``extract`` counts them). Raises ``ConvertError`` when DATA has too
     few rows, one of those rows has no ``loss_mask``, or (``token_ids``: index -> the
     file's token ids) a row's ``input_ids`` differ from its file's token ids (the message
-    names the row and the first differing position). Rows with ``messages`` instead of
-    ``input_ids`` are not compared."""
+    names the row and the first differing position), a ``loss_mask`` that is not 0s and 1s,
+    or (``token_ids``) one of another length than its file's tokens. Rows with ``messages``
+    instead of ``input_ids`` are not compared to the file's ids."""
     wanted = set(indices)
     masks: Dict[int, list] = {}
     n_rows = 0
@@ -229,11 +230,20 @@ def load_loss_masks(data: str, indices: Sequence[int],
             mask = row.get("loss_mask")
             if mask is None:
                 raise ConvertError(f"--loss-mask-from {data}: {where} has no loss_mask")
-            masks[index] = list(mask.tolist() if hasattr(mask, "tolist") else mask)
+            mask = list(mask.tolist() if hasattr(mask, "tolist") else mask) \
+                if isinstance(mask, list) or hasattr(mask, "tolist") else None
+            if mask is None or not all(isinstance(v, int) and v in (0, 1) for v in mask):
+                raise ConvertError(f"--loss-mask-from {data}: {where}'s loss_mask must be a list "
+                                   f"of 0 and 1 (one per token)")
+            masks[index] = mask
             ids = row.get("input_ids")
             if token_ids is not None and ids is not None and index in token_ids:
                 _require_same_ids(data, where, index, list(ids.tolist() if hasattr(ids, "tolist")
                                                            else ids), token_ids[index])
+            if token_ids is not None and index in token_ids and len(mask) != len(token_ids[index]):
+                raise ConvertError(f"--loss-mask-from {data}: {where}'s loss_mask has {len(mask)} "
+                                   f"values for hs_{index}.safetensors' {len(token_ids[index])} "
+                                   f"tokens")
     except DataError as e:
         raise ConvertError(f"--loss-mask-from: {e}") from None
     except OSError as e:

@@ -791,6 +791,20 @@ def test_convert_refuses_loss_masks_of_other_prompts(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
+def test_convert_refuses_loss_masks_that_are_not_zeros_and_ones_of_the_right_length(tmp_path):
+    """Checked for every row before any record is written (a new user's review: [7, 7, 7]
+    was written as it was, and a wrong length failed per file after earlier records)."""
+    src = _src_with(tmp_path)
+    for masks, says in (([[0, 1, 1], [7, 7, 7]], "row 1 (line 2 of d.jsonl)'s loss_mask must be a list of 0 and 1"),
+                        ([[0, 1, 1], [0, 1]], "row 1 (line 2 of d.jsonl)'s loss_mask has 2 values for "
+                                              "hs_1.safetensors' 3 tokens")):
+        data = write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3], [1, 2, 3]], masks=masks)
+        r = cli("convert", "--to", "specforge", src, tmp_path / "dst", "--no-final-norm",
+                "--loss-mask-from", data)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+        assert not (tmp_path / "dst").exists()
+
+
 def test_convert_refuses_a_model_with_another_layer_count(tmp_path):
     src = _src_with(tmp_path)
     model = tmp_path / "model"
