@@ -54,7 +54,8 @@ class Answer(NamedTuple):
 
 def endpoint_error(url: str) -> Optional[str]:
     """Why ``--endpoint`` is not a usable base URL (one sentence), or None: it must be
-    http(s), parse, name a host and, if it names a port, one in 1..65535."""
+    http(s), parse, name a host and, if it names a port, one in 1..65535, and hold no
+    query or fragment (request paths are appended to it)."""
     if not url.startswith(("http://", "https://")):
         return f"--endpoint {url} must start with http:// or https://"
     try:
@@ -68,6 +69,9 @@ def endpoint_error(url: str) -> Optional[str]:
                 f"e.g. http://127.0.0.1:30000")
     if port is not None and not 1 <= port <= 65535:
         return f"--endpoint {url} has port {port}: a port is a number from 1 to 65535"
+    if parts.query or parts.fragment:  # paths are appended to it: ?x=1/health
+        return (f"--endpoint {url} has a query or fragment: pass the server's base URL, "
+                f"e.g. http://127.0.0.1:30000")
     return None
 
 

@@ -667,6 +667,7 @@ def test_messages_that_are_not_a_list_are_named_so(server, tmp_path):
     ("http://127.0.0.1:port", "is not a valid URL (Port could not be cast to integer value"),
     ("http://[::1", "is not a valid URL (Invalid IPv6 URL)"),
     ("ftp://127.0.0.1:30000", "must start with http:// or https://"),
+    ("http://127.0.0.1:30000?x=1", "has a query or fragment"),  # was probed as ?x=1/health
 ])
 def test_a_malformed_endpoint_is_refused_at_once(tmp_path, endpoint, reason):
     """Refused before any try (no retries, no 36 s of backoff, no journal in --out)."""
