@@ -93,6 +93,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from typing import List
 
@@ -121,6 +122,9 @@ async def _run_until_sigterm(coro) -> None:
     """Await the run ``coro``; a SIGTERM meanwhile cancels it at an await (as asyncio does
     for Ctrl-C), so no task is cut inside aiohttp's own code, and raises ``_Terminated``.
     Then the process-wide handler is back (the loop's removal would leave SIGTERM's default)."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        await coro
+        return
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     terminated = []
@@ -145,14 +149,16 @@ def main(args) -> int:
     """``sglang-ext extract``: the exit codes of the module doc."""
     held: List[Options] = []  # whose dump directory (if any) is closed at the end
     locks: List[RunLock] = []  # the run's hold on --out, released last
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    main_thread = threading.current_thread() is threading.main_thread()  # (called as a library)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return _main(args, held, locks)
     except _Terminated:  # before or after the run's own handling: still one line, no traceback
         print("extract: terminated (SIGTERM); run the same command again to resume", file=sys.stderr)
         return EXIT_TERMINATED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         for opts in held:
             opts.dump.close()
             if opts.store is not None:

@@ -884,6 +884,18 @@ def test_waiting_for_a_request_slot_does_not_count_against_the_timeout(server, t
                    "--timeout", 1, "--max-retries", 0) == 0
 
 
+def test_extract_runs_from_a_thread_that_is_not_the_main_one(server, tmp_path):
+    """Called as a library from a worker thread, where signal handlers cannot be set
+    (SIGTERM's handling is the main thread's), extract runs as usual."""
+    write_jsonl(tmp_path / "d.jsonl", rows(3))
+    got = []
+    t = threading.Thread(target=lambda: got.append(extract(server, tmp_path / "d.jsonl", tmp_path / "out")))
+    t.start()
+    t.join(60)
+    assert got == [0]
+    assert sorted(p.name for p in (tmp_path / "out").glob("hs_*")) == [f"hs_{i}.safetensors" for i in range(3)]
+
+
 def test_a_request_past_the_timeout_says_which_limit(server, tmp_path, capsys):
     """A server slower than --timeout: the row fails with a sentence naming the limit
     (asyncio's TimeoutError has no message of its own: the retry line said only
