@@ -230,9 +230,9 @@ def load_loss_masks(data: str, indices: Sequence[int],
             mask = row.get("loss_mask")
             if mask is None:
                 raise ConvertError(f"--loss-mask-from {data}: {where} has no loss_mask")
-            mask = list(mask.tolist() if hasattr(mask, "tolist") else mask) \
-                if isinstance(mask, list) or hasattr(mask, "tolist") else None
-            if mask is None or not all(isinstance(v, int) and v in (0, 1) for v in mask):
+            if hasattr(mask, "tolist"):  # a datasets / numpy column
+                mask = mask.tolist()
+            if not isinstance(mask, list) or not all(isinstance(v, int) and v in (0, 1) for v in mask):
                 raise ConvertError(f"--loss-mask-from {data}: {where}'s loss_mask must be a list "
                                    f"of 0 and 1 (one per token)")
             masks[index] = mask

@@ -278,8 +278,8 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     first: List[Tuple[str, Tuple[str, Tuple[int, ...], str]]] = []  # the run's first sample and its layout
 
     async def same_layout(row, taken: bool) -> bool:
-        """The sample ``row`` has (``taken``: was just taken into OUT; else resumed) has the
-        layout of the run's first one; else the run stops (one server's samples beside
+        """Whether row's sample in OUT (``taken``: just taken; else resumed) has the
+        layout of the run's first one; if not, the run stops (one server's samples beside
         another's: other layer ids, hidden size or dtype, e.g. a rerun against a server
         started with other flags) and a sample just taken is removed again, so OUT keeps one
         layout. A file that cannot be read now (removed under the run) is let pass: it was
