@@ -390,26 +390,46 @@ class Reference:
         return torch.nonzero(top[:, -2] - top[:, -1] < self.tie_margin).flatten().tolist()
 
     def __call__(self, ids: Sequence[int], layer_ids: Sequence[int], rows: Optional[Sequence[int]] = None):
+        out = self.batch([(ids, rows)], layer_ids)
+        self.near_ties = self.near_ties_of[0]
+        return out[0]
 
+    def batch(self, prompts: Sequence[Tuple[Sequence[int], Optional[Sequence[int]]]],
+              layer_ids: Sequence[int]) -> List[torch.Tensor]:
+        """``[ref(ids, layer_ids, rows) for ids, rows in prompts]``, each decoder layer read
+        from the checkpoint once for all of them: the prompts' residual streams stay on the
+        device side by side (sum of T x H float32), attention runs per prompt, the per-token
+        parts over all of them at once (each routed expert dequantized once per token
+        chunk, not once per prompt). ``near_ties_of[j]``: prompt j's ``near_ties``."""
         n = self.num_layers
         if any(k < 0 or k > n for k in layer_ids):
             raise ValueError(f"layer ids {list(layer_ids)}: the slice has {n} layers (ids 0..{n})")
-        pick = torch.tensor(list(rows) if rows is not None else range(len(ids)), device=self.device)
-        taken: Dict[int, "torch.Tensor"] = {}
-        self.near_ties = {}
+        lengths = [len(ids) for ids, _ in prompts]
+        starts = [sum(lengths[:j]) for j in range(len(prompts))]
+        embed = self.ckpt.get(f"{PREFIX}model.embed_tokens.weight")
+        every = torch.tensor([t for ids, _ in prompts for t in ids], device=self.device)
+        x = embed[every].float()[None]  # [1, sum T, H]
+        del embed, every
+        picks = [torch.tensor(list(rows) if rows is not None else range(t), device=self.device) + o
+                 for (_, rows), t, o in zip(prompts, lengths, starts)]
+        taken: List[Dict[int, torch.Tensor]] = [{} for _ in prompts]
+        self.near_ties_of = [{} for _ in prompts]
         with torch.no_grad():
-            x = self.ckpt.get(f"{PREFIX}model.embed_tokens.weight")[torch.tensor(list(ids), device=self.device)]
-            x = x.float()[None]  # [1, T, H]
-            pe = self.rotary(x, torch.arange(len(ids), device=self.device)[None])
-            for i in range(n):
+            for i in range(n + 1):
                 if i in layer_ids:
-                    taken[i] = x[0, pick].cpu()
+                    for j, pick in enumerate(picks):
+                        taken[j][i] = x[0, pick].cpu()
+                if i == n:
+                    break
                 layer, moe = self._layer(i)
-                a = torch.empty_like(x)
-                for sl in self._chunks(x.shape[1], self.token_chunk):
-                    a[:, sl] = layer.input_layernorm(x[:, sl])
-                x += self._attention(layer, a, pe)
-                del a
+                for t, o in zip(lengths, starts):
+                    part = x[:, o:o + t]
+                    a = torch.empty_like(part)
+                    for sl in self._chunks(t, self.token_chunk):
+                        a[:, sl] = layer.input_layernorm(part[:, sl])
+                    pe = self.rotary(a, torch.arange(t, device=self.device)[None])
+                    part += self._attention(layer, a, pe)
+                    del a, pe
                 ties: List[int] = []
                 for sl in self._chunks(x.shape[1], self.token_chunk):
                     h = layer.post_attention_layernorm(x[:, sl])
@@ -417,10 +437,9 @@ class Reference:
                         ties += [sl.start + p for p in self._ties(layer, h[0])]
                     x[:, sl] += layer.mlp(h)
                 if moe:
-                    self.near_ties[i] = ties
+                    for j, (t, o) in enumerate(zip(lengths, starts)):
+                        self.near_ties_of[j][i] = [p - o for p in ties if o <= p < o + t]
                 del layer
                 if self.device != "cpu":
                     torch.cuda.empty_cache()
-            if n in layer_ids:
-                taken[n] = x[0, pick].cpu()
-        return torch.stack([taken[k] for k in layer_ids], dim=1)  # [R, L, H]
+        return [torch.stack([t[k] for k in layer_ids], dim=1) for t in taken]  # [R, L, H] each

@@ -134,6 +134,10 @@ def test_reference_equals_hf_whole_forward(slice_dir):
     rows = [0, 17, 52]
     torch.testing.assert_close(ref(ids, [3, 1], rows=rows), want[rows][:, [2, 0]], rtol=1e-5, atol=1e-4)
     assert set(ref.near_ties) == {1, 2}  # the MoE layers
+    short = ids[:9]
+    both = ref.batch([(short, None), (ids, rows)], [2])  # one pass over the layers, two prompts
+    torch.testing.assert_close(both[0], ref(short, [2]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1], want[rows][:, [1]], rtol=1e-5, atol=1e-4)
     # the sublayers add about a tenth each (the module doc's premise of the tolerances)
     growth = (want[:, 2].norm(dim=-1) / want[:, 0].norm(dim=-1)).mean().item()
     assert 1.0 < growth < 1.6, growth
