@@ -328,7 +328,7 @@ class Reference:
         self.num_layers = self.config.num_hidden_layers
         self.token_chunk, self.score_bytes, self.tie_margin = token_chunk, score_bytes, tie_margin
         self.near_ties: Dict[int, List[int]] = {}
-        self.rotary = hf.DeepseekV3RotaryEmbedding(self.config, device=device)
+        self.rotary = hf.DeepseekV3RotaryEmbedding(self.config).to(device)
         with torch.device("meta"):
             norm = hf.DeepseekV3RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
         self.norm = self._load(norm, f"{PREFIX}model.norm.")
@@ -385,7 +385,9 @@ class Reference:
         """Positions of ``h`` [T, H] (the MoE's input) whose top-k choice is within
         ``tie_margin`` of the next expert's score."""
 
-        scores = torch.sigmoid(layer.mlp.gate(h).float()) + layer.mlp.gate.e_score_correction_bias
+        logits = layer.mlp.gate(h)
+        logits = logits[0] if isinstance(logits, tuple) else logits  # transformers >= 5.19: (logits, ...)
+        scores = torch.sigmoid(logits.float()) + layer.mlp.gate.e_score_correction_bias
         top = scores.topk(self.config.num_experts_per_tok + 1, dim=-1).values
         return torch.nonzero(top[:, -2] - top[:, -1] < self.tie_margin).flatten().tolist()
 

@@ -329,8 +329,10 @@ def test_files_match_reference(slice_dir, record_property):
     torch.cuda.empty_cache()
     kept = sorted(n[:-5] for n in os.listdir(KEEP) if n.endswith(".json"))
     assert kept, "no kept files: run the serving phases first"
-    ref = Reference(slice_dir, device="cuda", score_bytes=6e9)
+    ref = Reference(slice_dir, device="cuda", score_bytes=float(os.environ.get("KIMI_SLICE_SCORE_BYTES", "2e9")))
     prompts = [json.load(open(os.path.join(KEEP, f"{k}.json"))) for k in kept]
+    longest = int(os.environ.get("KIMI_SLICE_REF_MAX_TOKENS", "0")) or LONG[-1]  # a partial run
+    kept, prompts = zip(*[(k, p) for k, p in zip(kept, prompts) if len(p["ids"]) <= longest])
     t0 = time.monotonic()
     blocks = ref.batch([(p["ids"], p["rows"]) for p in prompts], LAYER_IDS)
     record_property("reference_s", round(time.monotonic() - t0, 1))
