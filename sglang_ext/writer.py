@@ -56,6 +56,8 @@ DIED_MESSAGE = "the hidden-state writer process died before the file was written
 STUCK_MESSAGE = ("the hidden-state writer process made no progress for {seconds:g} s "
                  "(KIMI_SGLANG_WATCHDOG_S) and was replaced before the file was written")
 START_TIMEOUT_S = 60.0
+# ops no writer thread carries out (the main thread does): not progress the watchdog awaits
+_UNCOUNTED = (wire.Close, wire.Failures)
 
 
 class WriterDied(RuntimeError):
@@ -284,6 +286,8 @@ class DumpWriter:
             self._spawn()
             # Their answers are out (their manifests): the new writer puts their markers.
             self._out.ops.extend(wire.MarkError(handle, message) for handle in orphans)
+            if failed:  # the dead writer never counted them: the new one does
+                self._out.ops.append(wire.Failures(failed))
 
     def _forget_writer(self, message: str) -> int:
         """Settle what the writer that is gone had not acknowledged: a file already in
@@ -592,7 +596,7 @@ class DumpWriter:
             return
         if self._closed or not self.is_current(pending):
             fmt.fail(reservation, SHUTDOWN_MESSAGE if self._closed else DIED_MESSAGE)
-            self.stats.failures += 1
+            self.failed_here()
             return
         if pending.times is not None:
             pending.times["t_submit"] = trace.now()
@@ -682,7 +686,7 @@ class DumpWriter:
                 if not isinstance(e, WriterDied):
                     self._writer_died()
                 return
-            self._ops_sent += sum(type(op) is not wire.Close for op in msg.ops)
+            self._ops_sent += sum(type(op) not in _UNCOUNTED for op in msg.ops)
             for fd in msg.fds:  # the writer holds these locks now
                 os.close(fd)
 
@@ -707,7 +711,7 @@ class DumpWriter:
                 else:
                     fmt.fail(fmt.Reservation(self.dir_fd, op.name, next(fds)), why)
                 failed += 1
-        self.stats.failures += failed
+        self.failed_here(failed)
         # The writer may hold these requests' temporary files (an earlier message opened
         # them): it drops them; a later FINISH of theirs then fails there (no rows).
         self._out.ops.extend(wire.Abandon(key) for key in dict.fromkeys(keys))
@@ -791,6 +795,15 @@ class DumpWriter:
         self.stats.failures += failed
 
     # ---- counters ------------------------------------------------------------------------
+    def failed_here(self, count: int = 1) -> None:
+        """``count`` requests failed on the scheduler's side (the session refused them, or
+        their message never reached the writer): counted here and, with the next message,
+        by the writer process (``wire.Failures``), whose log line and
+        ``kimi_sglang:dump_failures_total`` count every failure."""
+        if count > 0:
+            self.stats.failures += count
+            self._out.ops.append(wire.Failures(count))
+
     def wait_idle(self, timeout: float) -> bool:
         """Send what is queued and wait until the writer process has acknowledged every
         file and arena range; True if it did within ``timeout`` s (tests, benchmarks)."""

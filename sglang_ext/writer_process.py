@@ -298,8 +298,10 @@ class Writer(Sink):
                              "and it cannot be removed (%s); it stays, without an index line",
                              name, e, e2)
                 return
-            raise OSError(e.errno, f"the index line could not be written ({e.strerror or e}); "
-                                   f"the file was removed") from None
+            # a sentence, not an OSError: one of format's own (a FIFO at the index) has
+            # no errno, which would read "OSError: [Errno None] ..."
+            raise RuntimeError(f"the index line could not be written ({e.strerror or e}); "
+                               f"the file was removed") from None
 
     def _release(self, job: _Job) -> None:
         """Drop a request's temporary file; never raises (what cannot be removed now is a
@@ -658,6 +660,13 @@ class _Levels:
             self.failures += 1
         self._dirty = True
 
+    def failed_elsewhere(self, count: int) -> None:
+        """``count`` requests failed on the scheduler's side (``wire.Failures``)."""
+        self.failures += count
+        if self.metrics is not None:
+            self.metrics.failed(count)
+        self._dirty = True
+
     def publish(self) -> None:
         if self._dirty and self.metrics is not None:
             self.metrics.levels(queue_depth=self.queue_depth, host_bytes_in_use=self.held)
@@ -743,6 +752,9 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
                         continue
                     if kind is wire.MarkError:
                         workers[0].queue.put((op, None, False, False))
+                        continue
+                    if kind is wire.Failures:
+                        levels.failed_elsewhere(op.count)
                         continue
                     fd = next(fds, None) if kind is wire.Finish else None
                     levels.received(op)
