@@ -16,7 +16,9 @@ the drain timeout; if the scheduler dies, the writer sees its socket close and d
 same. If the writer process dies (killed, out of memory), the scheduler notices at its
 next batch: the files it had not finished get ``<name>.error`` (their responses carry
 ``hidden_states_error``), requests still in prefill fail at their next chunk, and a new
-writer process is started; the server keeps serving.
+writer process is started; the server keeps serving. One that keeps ending right after its
+start is started again after a pause that doubles each time (``RESTART_FIRST_S`` up to
+``RESTART_MAX_S``), during which requests fail at once with a sentence.
 
 The store sink (``store_url``) uses the same path: the writer process puts objects into
 Mooncake Store instead of writing files, requests are named by store handles, and the
@@ -56,6 +58,15 @@ DIED_MESSAGE = "the hidden-state writer process died before the file was written
 STUCK_MESSAGE = ("the hidden-state writer process made no progress for {seconds:g} s "
                  "(KIMI_SGLANG_WATCHDOG_S) and was replaced before the file was written")
 START_TIMEOUT_S = 60.0
+# Restart backoff: a writer process that ends within RESTART_QUICK_S of its start died at
+# start (an import that fails, a store it cannot join); after the second such end in a row
+# the next start waits RESTART_FIRST_S, doubling up to RESTART_MAX_S, and requests that
+# come meanwhile fail at once with BACKOFF_MESSAGE.
+RESTART_QUICK_S = 10.0
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 60.0
+BACKOFF_MESSAGE = ("the hidden-state writer process ended {count} times in a row within {quick:g} s "
+                   "of its start ({how}); the next one starts in {left:.0f} s")
 # ops no writer thread carries out (the main thread does): not progress the watchdog awaits
 _UNCOUNTED = (wire.Close, wire.Failures)
 
@@ -198,6 +209,10 @@ class DumpWriter:
         self._ops_sent = 0  # ops this generation's writer was sent (watchdog)
         self._settle_lock = threading.Lock()  # _forget_writer and the watchdog's _settle_dead
         self._stuck: Optional[str] = None  # set by the watchdog before it kills the writer
+        self._started = 0.0  # when this generation's writer process started
+        self._quick_ends = 0  # writer processes in a row that ended within RESTART_QUICK_S
+        self._retry_at: Optional[float] = None  # backoff: no writer process until then
+        self._last_end = ""  # how the last one ended, in words (BACKOFF_MESSAGE)
         self._spawn()
         self.watchdog_s = watchdog_s
         self._stop_watchdog = threading.Event()
@@ -218,6 +233,8 @@ class DumpWriter:
         return self._proc.pid if self._proc is not None else None
 
     def _spawn(self) -> None:
+        self._started = time.monotonic()
+        self._retry_at = None
         arena_mod.reset_progress(self._mm)
         self._ops_sent = 0
         self._stuck = None
@@ -275,19 +292,46 @@ class DumpWriter:
         message = self._death_message(code)
         orphans = list(self._outstanding.values()) if self.store_url is not None else []
         failed = self._forget_writer(message)
+        quick = time.monotonic() - self._started < RESTART_QUICK_S
+        self._quick_ends = self._quick_ends + 1 if quick else 0
+        self._last_end = _how(code)
+        delay = 0.0 if self._quick_ends < 2 else min(RESTART_MAX_S,
+                                                     RESTART_FIRST_S * 2 ** (self._quick_ends - 2))
+        if self._closed:
+            then = ""
+        elif delay:
+            then = (f"; it ended {self._quick_ends} times in a row within {RESTART_QUICK_S:g} s of "
+                    f"its start: starting a new one in {delay:g} s, requests fail until then")
+        else:
+            then = "; starting a new one"
         logger.error("hidden-state dump: the writer process (pid %s) ended (%s); %d files in "
-                     "flight failed%s", proc.pid if proc else None, how, failed,
-                     "" if self._closed else "; starting a new one")
+                     "flight failed%s", proc.pid if proc else None, how, failed, then)
         if self.metrics_model_name is not None and proc is not None:
             mark_dead(proc.pid)
         if not self._closed:
             self.generation += 1
-            self.stats.restarts += 1
-            self._spawn()
-            # Their answers are out (their manifests): the new writer puts their markers.
+            if delay:
+                self._proc = None
+                self._retry_at = time.monotonic() + delay
+            else:
+                self.stats.restarts += 1
+                self._spawn()
+            # Their answers are out (their manifests): the next writer puts their markers.
             self._out.ops.extend(wire.MarkError(handle, message) for handle in orphans)
-            if failed:  # the dead writer never counted them: the new one does
+            if failed:  # the dead writer never counted them: the next one does
                 self._out.ops.append(wire.Failures(failed))
+
+    def _revive(self) -> None:
+        """Start the next writer process once the backoff (``_writer_died``) is over;
+        while it lasts, raise ``WriterDied`` with ``BACKOFF_MESSAGE``."""
+        if self._retry_at is None or self._closed:
+            return
+        left = self._retry_at - time.monotonic()
+        if left > 0:
+            raise WriterDied(BACKOFF_MESSAGE.format(count=self._quick_ends, quick=RESTART_QUICK_S,
+                                                    how=self._last_end, left=max(1.0, left)))
+        self.stats.restarts += 1
+        self._spawn()
 
     def _forget_writer(self, message: str) -> int:
         """Settle what the writer that is gone had not acknowledged: a file already in
@@ -411,6 +455,10 @@ class DumpWriter:
         if not self._closed:
             self._read_acks()
             self._notice_end()
+            try:
+                self._revive()
+            except WriterDied:
+                pass  # still backing off: the batch's new requests fail in start()
 
     def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:
         """Open a request of ``len(token_ids)`` prompt tokens whose rows are
@@ -428,6 +476,7 @@ class DumpWriter:
         dtype = self._file_dtype(dtype)
         if self._closed:
             raise RuntimeError(SHUTDOWN_MESSAGE)
+        self._revive()
         fmt.check_rid(rid)
         fmt.row_bytes(row_width, _dtype_name(dtype))  # a dtype no file can hold fails here
         ids = array.array("q", token_ids)
@@ -659,7 +708,7 @@ class DumpWriter:
     # ---- messages ------------------------------------------------------------------------
     def _send(self) -> None:
         out = self._out
-        if not out.ops:
+        if not out.ops or self._retry_at is not None:  # backing off: kept for the next writer
             return
         self._out = _Outbox()
         seq = 0
@@ -855,9 +904,10 @@ class DumpWriter:
         deadline = time.monotonic() + max(0.0, timeout) + 2.0
         while self._sock is not None and proc.poll() is None and time.monotonic() < deadline:
             self._wait_acks(0.05)
+        late = False
         try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            late = False
+            if proc is not None:  # None: closed while backing off (_writer_died)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             late = True
             proc.kill()

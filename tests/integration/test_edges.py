@@ -10,6 +10,7 @@ with real signals and real FIFOs.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -225,6 +226,62 @@ def test_a_slow_writer_that_makes_progress_is_not_killed(dump, monkeypatch, tmp_
     run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
     assert all(assert_complete_or_error(r, finish(r, timeout=30), dump) for r in reqs)
     assert idle(sess)["writer_restarts"] == 0
+
+
+def test_a_writer_that_dies_at_start_is_restarted_with_backoff(dump, monkeypatch, tmp_path, caplog, sessions):
+    """Writer processes that end at start (here: exit 3 while $DIE exists) are started
+    again after a pause that doubles, not at every batch (a review saw 60 starts in 60 s,
+    an error line each): 40 batches over about 4 s start at most 5, one log line each;
+    every request of those batches ends with an error, those during a pause at once with
+    the sentence that says when the next start comes; once the cause is gone the next
+    start serves requests again."""
+    die = tmp_path / "die"
+    inject_writer(monkeypatch, tmp_path, """
+        import os, sys
+        if os.path.exists(os.environ["DIE"]):
+            sys.stderr.write("injected: this writer process cannot start\\n")
+            os._exit(3)
+    """, DIE=str(die))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
+    first = Req("first", 4, 1)
+    run_extend(sess, [(first, 0, 4)], IDS)
+    assert assert_complete_or_error(first, finish(first), dump)
+    die.touch()
+    os.kill(writer.pid, signal.SIGKILL)  # the first end in a row: its successor starts at once
+    assert _gone(writer.pid)
+    metas = []
+    with caplog.at_level("ERROR", logger="sglang_ext.writer"):
+        for i in range(40):
+            req = Req(f"b{i}", 4, i + 2)
+            run_extend(sess, [(req, 0, 4)], IDS)
+            t0 = time.monotonic()
+            metas.append(finish(req, timeout=20))
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.1)
+    ended = [r.getMessage() for r in caplog.records if "ended (" in r.getMessage()]
+    starts = writer.snapshot()["writer_restarts"]
+    # one line per end; the last may be waiting for its successor
+    assert 2 <= starts <= 5 and len(ended) - starts in (0, 1), (starts, ended)
+    assert "starting a new one in 1 s, requests fail until then" in ended[1] + ended[2], ended
+    assert all(m.get("hidden_states_error") for m in metas), metas
+    waited = [m["hidden_states_error"] for m in metas if "the next one starts in" in m["hidden_states_error"]]
+    assert len(waited) >= 20, metas
+    assert re.search(r"ended \d times in a row within 10 s of its start \(exit code 3\); "
+                     r"the next one starts in \d+ s$", waited[-1]), waited[-1]
+    die.unlink()
+    deadline, tries = time.monotonic() + 30, 0
+    while True:  # requests fail until the pause is over, then the next writer serves them
+        after = Req("after", 4, 99)
+        run_extend(sess, [(after, 0, 4)], IDS)
+        meta = finish(after, timeout=20)
+        tries += 1
+        if "hidden_states_path" in meta or time.monotonic() > deadline:
+            break
+        assert "the next one starts in" in meta["hidden_states_error"], meta
+        time.sleep(0.2)
+    assert assert_complete_or_error(after, meta, dump)
+    assert idle(sess)["failures"] == 40 + tries - 1
 
 
 # ---- 8: one outcome per request ----------------------------------------------------------
