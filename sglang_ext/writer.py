@@ -126,9 +126,9 @@ class DumpWriter:
     device before the copy: fp8 rows plus float32 scales per token and layer slot);
     ``cpus``: the CPUs the writer process (and its threads) run on
     (``KIMI_SGLANG_WRITER_CPUS``), or ``None`` for the scheduler's; ``watchdog_s``:
-    seconds the writer process may hold ops without carrying out any
+    seconds the writer process may hold ops without carrying out any or writing a byte
     (``KIMI_SGLANG_WATCHDOG_S``) before a watchdog thread kills it (a stopped process, a
-    write blocked for good): its files fail, a new one starts (``None``: no watchdog);
+    write blocked for good; a slow one writes bytes): its files fail, a new one starts (``None``: no watchdog);
     ``store_url``: a ``mooncake://`` address (``store.StoreConfig.from_url``) selects the
     store sink: the writer process puts each request as one object into Mooncake Store
     (``store_writer``) and ``dir_fd`` is ``None``; a request is then named by its handle
@@ -383,9 +383,10 @@ class DumpWriter:
     def _watchdog(self) -> None:
         """Beside the scheduler thread, once a ``min(1, watchdog_s / 4)`` s:
 
-        - kill a writer process that holds ops and carries out none for ``watchdog_s``
-          (stopped, or blocked for good; progress is an op carried out, so one op, a
-          chunk's write or a rename, longer than that counts as a stop too);
+        - kill a writer process that holds ops and for ``watchdog_s`` carries out none and
+          writes no byte (stopped, or blocked for good; progress is an op carried out or a
+          slice of rows written, ``writer_process.WRITE_SLICE_BYTES``: a chunk that takes
+          minutes on a slow disk is not a stop);
         - settle the files of a writer process that has ended, whatever ended it: each
           gets ``<name>.error`` (or, renamed already, its index line) and its lock goes,
           so a waiting response has its sentence within about a second
@@ -395,7 +396,7 @@ class DumpWriter:
         backpressure, the next batch: ``poll``), counts what failed and starts a new one.
         """
         interval = min(1.0, self.watchdog_s / 4)
-        seen, since, gen, settled = -1, time.monotonic(), -1, -1
+        seen, since, gen, settled = None, time.monotonic(), -1, -1
         while not self._stop_watchdog.wait(interval):
             proc, now, current = self._proc, time.monotonic(), self.generation
             if self._closed or proc is None or self._mm is None:
@@ -407,19 +408,22 @@ class DumpWriter:
                 continue
             try:
                 done = arena_mod.read_progress(self._mm)
+                mark = (done, arena_mod.read_bytes(self._mm))
             except (ValueError, TypeError, BufferError):  # closed meanwhile
                 continue
-            if gen != current or done != seen or self._ops_sent <= done:
-                seen, since, gen = done, now, current
+            if gen != current or mark != seen or self._ops_sent <= done:
+                seen, since, gen = mark, now, current
                 continue
             if now - since >= self.watchdog_s:
-                stuck = f"{self._ops_sent - done} ops in hand, none carried out for {now - since:.0f} s"
+                stuck = (f"{self._ops_sent - done} ops in hand, none carried out and no byte written "
+                         f"for {now - since:.0f} s")
                 with self._settle_lock:
                     if self._proc is not proc:
                         continue
                     self._stuck = stuck
-                logger.error("hidden-state dump: the writer process (pid %d) made no progress for "
-                             "%.0f s with %d ops in hand; killing it (KIMI_SGLANG_WATCHDOG_S)",
+                logger.error("hidden-state dump: the writer process (pid %d) made no progress (no op "
+                             "carried out, no byte written) for %.0f s with %d ops in hand; "
+                             "killing it (KIMI_SGLANG_WATCHDOG_S)",
                              proc.pid, now - since, self._ops_sent - done)
                 try:
                     proc.send_signal(signal.SIGKILL)

@@ -69,6 +69,14 @@ from sglang_ext.sink import Sink
 logger = logging.getLogger("sglang_ext.writer_process")
 
 COPY_TIMEOUT_S = 600.0  # a batch's device-to-host copy that takes longer: the GPU is hung
+# Rows go to a file in slices of at most these many bytes, each counted as written in the
+# arena's progress page when done (arena.bump_bytes): the scheduler's watchdog takes bytes
+# written as progress, so a chunk slower to write than KIMI_SGLANG_WATCHDOG_S (0.9 GB on
+# a disk below 15 MB/s at 60 s) is not a stop, while a stopped process still is. A pwrite
+# may block on the disk (1 MiB: a stop only below ~17 KB/s at 60 s); a copy into a spare's
+# mapping (tmpfs pages allocated ahead) never does, and is split over the copier's threads.
+WRITE_SLICE_BYTES = 1 << 20
+COPY_SLICE_BYTES = 64 << 20
 LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
 
 
@@ -100,6 +108,10 @@ class _Job:
     times: Dict[str, float] = field(default_factory=dict)
 
 
+def _nothing(nbytes: int) -> None:
+    pass
+
+
 def _unmap(job: _Job) -> None:
     if job.mapping is not None:
         job.mapping.close()
@@ -124,6 +136,7 @@ class Writer(Sink):
         self.layer_ids = list(layer_ids)
         self.num_layers = num_layers
         self.extra = dict(extra)
+        self.wrote = _nothing  # wrote(nbytes) after each slice: the thread's byte counter (_Thread)
 
     # ---- ops ----------------------------------------------------------------------
     def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False, final: bool = False) -> None:
@@ -191,7 +204,15 @@ class Writer(Sink):
         job.tmp = tmp  # only once it is ours: _discard unlinks nothing else
         fmt.pwrite_all(job.fd, layout.header, 0)
         ids = specs[-1].nbytes
-        fmt.pwrite_all(job.fd, self.view[token_off:token_off + ids], layout.offsets[fmt.KEY_TOKEN_IDS])
+        self._pwrite(job.fd, token_off, ids, layout.offsets[fmt.KEY_TOKEN_IDS])
+
+    def _pwrite(self, fd: int, off: int, n: int, at: int) -> None:
+        """``n`` bytes of the arena from ``off`` to file offset ``at``, by ``pwrite`` in
+        slices of ``WRITE_SLICE_BYTES``, each counted (``wrote``) once written."""
+        for s in range(0, n, WRITE_SLICE_BYTES):
+            m = min(WRITE_SLICE_BYTES, n - s)
+            fmt.pwrite_all(fd, self.view[off + s:off + s + m], at + s)
+            self.wrote(m)
 
     def _create(self, tmp: str, size: int) -> tuple:
         """The temporary file ``tmp`` of a ``size``-byte file: a spare (``Spares``: its
@@ -221,10 +242,14 @@ class Writer(Sink):
         if off < 0 or n < 0 or off + n > len(self.mm) or at < 0 or at + n > job.size:
             raise fmt.DumpFormatError(f"{n} bytes at arena offset {off} to file offset {at} "
                                       f"fall outside the arena or the {job.size}-byte file")
-        if job.mapping is not None:
-            self.copier.copy(arena_mod.address(job.mapping) + at, self.arena_base + off, n)
-        else:
-            fmt.pwrite_all(job.fd, self.view[off:off + n], at)
+        if job.mapping is None:
+            self._pwrite(job.fd, off, n, at)
+            return
+        dst, src = arena_mod.address(job.mapping) + at, self.arena_base + off
+        for s in range(0, n, COPY_SLICE_BYTES):
+            m = min(COPY_SLICE_BYTES, n - s)
+            self.copier.copy(dst + s, src + s, m)
+            self.wrote(m)
 
     def _rows(self, job: _Job, row0: int, nrows: int, off: int, scale_off: Optional[int]) -> None:
         if row0 != job.rows or row0 + nrows > job.num_tokens:
@@ -591,12 +616,15 @@ class Spare:
 class _Thread:
     """One writer thread with its own queue, so a request's ops run in order. ``progress``:
     the arena's first page (``arena.attach_progress``), where it counts the ops it has
-    carried out for the scheduler's watchdog (slot ``i``), or None."""
+    carried out and the bytes its writer has written for the scheduler's watchdog (slot
+    ``i``), or None."""
 
     def __init__(self, i: int, writer: Writer, progress=None):
         self.i = i
         self.writer = writer
         self.progress = progress
+        if progress is not None:  # bytes written count as progress too (WRITE_SLICE_BYTES)
+            writer.wrote = lambda nbytes: arena_mod.bump_bytes(progress, i, nbytes)
         self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"hs-writer-{i}", daemon=True)
         self.thread.start()

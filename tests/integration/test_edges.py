@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 
+import pytest
 import torch
 
 from sglang_ext import format as fmt
@@ -282,6 +284,85 @@ def test_a_writer_that_dies_at_start_is_restarted_with_backoff(dump, monkeypatch
         time.sleep(0.2)
     assert assert_complete_or_error(after, meta, dump)
     assert idle(sess)["failures"] == 40 + tries - 1
+
+
+SLOW_BPS = 2 << 20  # the slow disk's write rate: 2 MiB/s
+BLKIO = "/sys/fs/cgroup/blkio"  # cgroup v1's block I/O controller
+
+
+@pytest.fixture
+def slow_disk(tmp_path):
+    """``(directory, join)``: an empty directory on a disk that writes ``SLOW_BPS`` bytes a
+    second for the processes ``join(pid)`` puts there: ext4 on a loop device mounted
+    ``sync`` (a write returns once on the device), throttled by cgroup v1's
+    ``blkio.throttle.write_bps_device``. Skips where that cannot be made (not root, no
+    loop device, no blkio controller)."""
+    def sh(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    image, mnt = tmp_path / "disk.img", tmp_path / "slow"
+    group = os.path.join(BLKIO, f"kimi-slow-{os.getpid()}-{tmp_path.name}")
+    if os.geteuid() != 0 or not os.path.exists(os.path.join(BLKIO, "blkio.throttle.write_bps_device")):
+        pytest.skip("a throttled disk needs root and cgroup v1's blkio controller")
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    loop = sh("losetup", "--find", "--show", str(image)).stdout.strip()
+    if not loop or sh("mkfs.ext4", "-q", "-F", loop).returncode:
+        if loop:
+            sh("losetup", "-d", loop)
+        pytest.skip("no loop device or mkfs.ext4 here: no throttled disk")
+    mnt.mkdir()
+    try:
+        assert sh("mount", "-o", "sync", loop, str(mnt)).returncode == 0
+        os.mkdir(group)
+        with open(f"/sys/block/{os.path.basename(loop)}/dev") as f:
+            device = f.read().strip()
+        with open(os.path.join(group, "blkio.throttle.write_bps_device"), "w") as f:
+            f.write(f"{device} {SLOW_BPS}")
+
+        def join(pid):
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+
+        (mnt / "hs").mkdir()
+        yield mnt / "hs", join
+    finally:
+        sh("umount", "-l", str(mnt))
+        sh("losetup", "-d", loop)
+        if os.path.isdir(group):
+            wait_for(lambda: sh("rmdir", group).returncode == 0, timeout=10)
+
+
+def test_a_writer_writing_to_a_slow_disk_is_not_killed_but_a_stopped_one_is(slow_disk, monkeypatch, sessions):
+    """One chunk of 8 MiB rows to a disk that writes 2 MiB/s takes ~4 s, twice the
+    watchdog's 2 s: the writer writes bytes all along, so it is not killed (a review saw a
+    16k-token Kimi-K2.5 chunk killed on every retry below 15 MB/s: progress was counted per
+    op) and the file equals its rows. The same writer SIGSTOPped in the middle of the next
+    such chunk writes nothing more: it is replaced and that request fails with the reason."""
+    d, join = slow_disk
+    monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "2")
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_SPARES", "0")
+    sess = sessions.start(make_runner(d, layers="2,4"))
+    writer = sess.writer
+    pid = writer.pid
+    join(pid)
+    tokens = (8 << 20) // (2 * 8 * 4)  # 2 layer slots x HIDDEN 8 x float32: 8 MiB of rows
+    big = Req("big", tokens, 1)
+    t0 = time.monotonic()
+    run_extend(sess, [(big, 0, tokens)], IDS)
+    meta = finish(big, timeout=120)
+    took = time.monotonic() - t0
+    assert assert_complete_or_error(big, meta, d), meta
+    assert took > 3, f"the disk wrote 8 MiB in {took:.1f} s: not slow, the test proves nothing"
+    assert writer.pid == pid and idle(sess)["writer_restarts"] == 0
+    stopped = Req("stopped", tokens, 2)
+    run_extend(sess, [(stopped, 0, tokens)], IDS)
+    time.sleep(1.0)  # a few slices written
+    os.kill(pid, signal.SIGSTOP)
+    meta = finish(stopped, timeout=120)
+    assert "made no progress for 2 s" in meta.get("hidden_states_error", ""), meta
+    assert _gone(pid)
+    assert files(d) == [f"{fmt.safe_stem('big')}{fmt.SUFFIX}"]
 
 
 # ---- 8: one outcome per request ----------------------------------------------------------
