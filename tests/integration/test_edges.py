@@ -233,7 +233,8 @@ def test_a_slow_writer_that_makes_progress_is_not_killed(dump, monkeypatch, tmp_
 def test_a_writer_that_dies_at_start_is_restarted_with_backoff(dump, monkeypatch, tmp_path, caplog, sessions):
     """Writer processes that end at start (here: exit 3 while $DIE exists) are started
     again after a pause that doubles, not at every batch (a review saw 60 starts in 60 s,
-    an error line each): 40 batches over about 4 s start at most 5, one log line each;
+    an error line each): 40 batches (4 s or more) start a handful (at most 7 even if they
+    took a minute; 40 before), one log line each;
     every request of those batches ends with an error, those during a pause at once with
     the sentence that says when the next start comes; once the cause is gone the next
     start serves requests again."""
@@ -264,7 +265,7 @@ def test_a_writer_that_dies_at_start_is_restarted_with_backoff(dump, monkeypatch
     ended = [r.getMessage() for r in caplog.records if "ended (" in r.getMessage()]
     starts = writer.snapshot()["writer_restarts"]
     # one line per end; the last may be waiting for its successor
-    assert 2 <= starts <= 5 and len(ended) - starts in (0, 1), (starts, ended)
+    assert 2 <= starts <= 7 and len(ended) - starts in (0, 1), (starts, ended)
     assert "starting a new one in 1 s, requests fail until then" in ended[1] + ended[2], ended
     assert all(m.get("hidden_states_error") for m in metas), metas
     waited = [m["hidden_states_error"] for m in metas if "the next one starts in" in m["hidden_states_error"]]
@@ -272,7 +273,7 @@ def test_a_writer_that_dies_at_start_is_restarted_with_backoff(dump, monkeypatch
     assert re.search(r"ended \d times in a row within 10 s of its start \(exit code 3\); "
                      r"the next one starts in \d+ s$", waited[-1]), waited[-1]
     die.unlink()
-    deadline, tries = time.monotonic() + 30, 0
+    deadline, tries = time.monotonic() + 90, 0
     while True:  # requests fail until the pause is over, then the next writer serves them
         after = Req("after", 4, 99)
         run_extend(sess, [(after, 0, 4)], IDS)
