@@ -291,6 +291,7 @@ class DumpWriter:
         how = _how(code) if self._stuck is None else f"killed by the watchdog: {self._stuck}"
         message = self._death_message(code)
         orphans = list(self._outstanding.values()) if self.store_url is not None else []
+        unsent = _failures(self._out.ops)  # counted here, not yet by a writer process
         failed = self._forget_writer(message)
         quick = time.monotonic() - self._started < RESTART_QUICK_S
         self._quick_ends = self._quick_ends + 1 if quick else 0
@@ -318,8 +319,8 @@ class DumpWriter:
                 self._spawn()
             # Their answers are out (their manifests): the next writer puts their markers.
             self._out.ops.extend(wire.MarkError(handle, message) for handle in orphans)
-            if failed:  # the dead writer never counted them: the next one does
-                self._out.ops.append(wire.Failures(failed))
+            if failed + unsent:  # the dead writer never counted them: the next one does
+                self._out.ops.append(wire.Failures(failed + unsent))
 
     def _revive(self) -> None:
         """Start the next writer process once the backoff (``_writer_died``) is over;
@@ -736,8 +737,11 @@ class DumpWriter:
                 for m in messages[i:]:
                     for fd in m.fds:
                         wire.close_quiet(fd)
+                unsent = _failures(op for m in messages[i:] for op in m.ops)
                 if not isinstance(e, WriterDied):
                     self._writer_died()
+                if unsent:  # for the next writer process's counters
+                    self._out.ops.append(wire.Failures(unsent))
                 return
             self._ops_sent += sum(type(op) not in _UNCOUNTED for op in msg.ops)
             for fd in msg.fds:  # the writer holds these locks now
@@ -952,6 +956,11 @@ class DumpWriter:
 def _dtype_name(dtype: torch.dtype) -> str:
     """A torch dtype as ``format`` and ``wire`` name it: ``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).replace("torch.", "")
+
+
+def _failures(ops) -> int:
+    """The requests ``wire.Failures`` ops among ``ops`` count."""
+    return sum(op.count for op in ops if type(op) is wire.Failures)
 
 
 def _how(code: Optional[int]) -> str:
