@@ -7,9 +7,10 @@ process gets the descriptor at spawn). On CUDA the scheduler registers the mappi
 DMA like copies into ``pin_memory`` tensors, with no per-request pinned allocation.
 
 The first page holds one int64 at offset 0: the copy sequence number (``SEQ_OFFSET``),
-and from ``PROGRESS_OFFSET`` one int64 per writer thread: how many ops it has carried out
-(the only bytes the writer process writes, through its own small mapping,
-``attach_progress``), which the scheduler's watchdog reads.
+from ``PROGRESS_OFFSET`` one int64 per writer thread: how many ops it has carried out, and
+from ``BYTES_OFFSET`` one per writer thread: how many bytes it has written (the only bytes
+the writer process writes, through its own small mapping, ``attach_progress``), which the
+scheduler's watchdog reads.
 The scheduler enqueues, on its copy stream after a batch's row copies, a copy of the
 batch's sequence number into it; stream order makes it land only after those rows. The
 writer process reads rows of a batch once it sees that number (``wait_seq``): no CUDA in
@@ -32,10 +33,13 @@ from typing import List, Optional, Tuple
 
 HEADER_BYTES = 4096
 SEQ_OFFSET = 0
-# Progress counters of the writer process: one int64 per writer thread (ops carried out),
-# from PROGRESS_OFFSET to the end of the first page; the scheduler's watchdog sums them.
+# Progress counters of the writer process: one int64 per writer thread (ops carried out)
+# from PROGRESS_OFFSET, then one per writer thread (bytes written) from BYTES_OFFSET to the
+# end of the first page; the scheduler's watchdog sums each kind.
 PROGRESS_OFFSET = 64
-PROGRESS_SLOTS = (HEADER_BYTES - PROGRESS_OFFSET) // 8
+PROGRESS_SLOTS = 256  # config.MAX_WRITER_THREADS
+BYTES_OFFSET = PROGRESS_OFFSET + 8 * PROGRESS_SLOTS
+BYTES_SLOTS = (HEADER_BYTES - BYTES_OFFSET) // 8
 ALIGN = 512  # every range starts on a 512-byte boundary (DMA- and sector-friendly)
 
 
@@ -226,6 +230,18 @@ def read_progress(mm: mmap.mmap) -> int:
     return sum(struct.unpack_from(f"<{PROGRESS_SLOTS}q", mm, PROGRESS_OFFSET))
 
 
+def bump_bytes(page: mmap.mmap, slot: int, nbytes: int) -> None:
+    """``nbytes`` more written by writer thread ``slot`` (threads past ``BYTES_SLOTS``
+    share a slot: an update may be lost, the counter still moves)."""
+    off = BYTES_OFFSET + 8 * (slot % BYTES_SLOTS)
+    struct.pack_into("<q", page, off, struct.unpack_from("<q", page, off)[0] + nbytes)
+
+
+def read_bytes(mm: mmap.mmap) -> int:
+    """Bytes written by the writer process so far: the sum of its threads' counters."""
+    return sum(struct.unpack_from(f"<{BYTES_SLOTS}q", mm, BYTES_OFFSET))
+
+
 def reset_progress(mm: mmap.mmap) -> None:
-    """Zero the counters (before a new writer process starts)."""
+    """Zero the counters, ops and bytes (before a new writer process starts)."""
     mm[PROGRESS_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - PROGRESS_OFFSET)

@@ -60,8 +60,8 @@ class DumpMetrics:
         self.files.inc()
         self.bytes.inc(nbytes)
 
-    def failed(self) -> None:
-        self.failures.inc()
+    def failed(self, count: int = 1) -> None:
+        self.failures.inc(count)
 
     def levels(self, *, queue_depth: int, host_bytes_in_use: int) -> None:
         self.queue_depth.set(queue_depth)

@@ -549,6 +549,8 @@ class DumpSession:
 
     def _fail(self, req, state: _ReqDump, e: BaseException) -> None:
         logger.error("hidden-state dump for rid %s failed: %s", fmt.brief_rid(req.rid), e)
+        if self.writer is not None:
+            self.writer.failed_here()
         self._drop(state)
         state.done = True
         set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")

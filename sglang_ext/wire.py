@@ -28,6 +28,10 @@ scheduler thread.
 - ``MarkError(name, message)`` (store sink): put the error marker ``<name>:error``
   holding ``message``: the request was answered with its manifest, and its object will
   never come (the writer process that held it died, or its message was refused).
+- ``Failures(count)``: ``count`` requests failed on the scheduler's side (refused
+  before the writer saw them, or held by a writer process that died): the writer counts
+  them with its own (its log line, ``kimi_sglang:dump_failures_total``). Carried out by
+  the main thread, not a writer thread (no progress counted).
 - ``Close(timeout_s)``: finish what was received within ``timeout_s``, then exit.
 
 ``piece`` ids name arena ranges; a range is given back when every op naming it is done.
@@ -110,6 +114,10 @@ class MarkError(NamedTuple):
     message: str
 
 
+class Failures(NamedTuple):
+    count: int
+
+
 class DonePiece(NamedTuple):
     piece: int
     nbytes: int
@@ -127,9 +135,9 @@ class Failed(NamedTuple):
     message: str
 
 
-Op = Union[Begin, Rows, Finish, Abandon, Close, MarkError]
+Op = Union[Begin, Rows, Finish, Abandon, Close, MarkError, Failures]
 Ack = Union[DonePiece, Wrote, Failed]
-OPS = (Begin, Rows, Finish, Abandon, Close, MarkError)
+OPS = (Begin, Rows, Finish, Abandon, Close, MarkError, Failures)
 ACKS = (DonePiece, Wrote, Failed)
 CODES = {cls: code for code, cls in enumerate(OPS + ACKS)}  # each type's first field on the wire
 _TYPES = {code: cls for cls, code in CODES.items()}

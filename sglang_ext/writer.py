@@ -16,7 +16,9 @@ the drain timeout; if the scheduler dies, the writer sees its socket close and d
 same. If the writer process dies (killed, out of memory), the scheduler notices at its
 next batch: the files it had not finished get ``<name>.error`` (their responses carry
 ``hidden_states_error``), requests still in prefill fail at their next chunk, and a new
-writer process is started; the server keeps serving.
+writer process is started; the server keeps serving. One that keeps ending right after its
+start is started again after a pause that doubles each time (``RESTART_FIRST_S`` up to
+``RESTART_MAX_S``), during which requests fail at once with a sentence.
 
 The store sink (``store_url``) uses the same path: the writer process puts objects into
 Mooncake Store instead of writing files, requests are named by store handles, and the
@@ -56,6 +58,17 @@ DIED_MESSAGE = "the hidden-state writer process died before the file was written
 STUCK_MESSAGE = ("the hidden-state writer process made no progress for {seconds:g} s "
                  "(KIMI_SGLANG_WATCHDOG_S) and was replaced before the file was written")
 START_TIMEOUT_S = 60.0
+# Restart backoff: a writer process that ends within RESTART_QUICK_S of its start died at
+# start (an import that fails, a store it cannot join); after the second such end in a row
+# the next start waits RESTART_FIRST_S, doubling up to RESTART_MAX_S, and requests that
+# come meanwhile fail at once with BACKOFF_MESSAGE.
+RESTART_QUICK_S = 10.0
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 60.0
+BACKOFF_MESSAGE = ("the hidden-state writer process ended {count} times in a row within {quick:g} s "
+                   "of its start ({how}); the next one starts in {left:.0f} s")
+# ops no writer thread carries out (the main thread does): not progress the watchdog awaits
+_UNCOUNTED = (wire.Close, wire.Failures)
 
 
 class WriterDied(RuntimeError):
@@ -113,9 +126,9 @@ class DumpWriter:
     device before the copy: fp8 rows plus float32 scales per token and layer slot);
     ``cpus``: the CPUs the writer process (and its threads) run on
     (``KIMI_SGLANG_WRITER_CPUS``), or ``None`` for the scheduler's; ``watchdog_s``:
-    seconds the writer process may hold ops without carrying out any
+    seconds the writer process may hold ops without carrying out any or writing a byte
     (``KIMI_SGLANG_WATCHDOG_S``) before a watchdog thread kills it (a stopped process, a
-    write blocked for good): its files fail, a new one starts (``None``: no watchdog);
+    write blocked for good; a slow one writes bytes): its files fail, a new one starts (``None``: no watchdog);
     ``store_url``: a ``mooncake://`` address (``store.StoreConfig.from_url``) selects the
     store sink: the writer process puts each request as one object into Mooncake Store
     (``store_writer``) and ``dir_fd`` is ``None``; a request is then named by its handle
@@ -196,6 +209,10 @@ class DumpWriter:
         self._ops_sent = 0  # ops this generation's writer was sent (watchdog)
         self._settle_lock = threading.Lock()  # _forget_writer and the watchdog's _settle_dead
         self._stuck: Optional[str] = None  # set by the watchdog before it kills the writer
+        self._started = 0.0  # when this generation's writer process started
+        self._quick_ends = 0  # writer processes in a row that ended within RESTART_QUICK_S
+        self._retry_at: Optional[float] = None  # backoff: no writer process until then
+        self._last_end = ""  # how the last one ended, in words (BACKOFF_MESSAGE)
         self._spawn()
         self.watchdog_s = watchdog_s
         self._stop_watchdog = threading.Event()
@@ -216,6 +233,8 @@ class DumpWriter:
         return self._proc.pid if self._proc is not None else None
 
     def _spawn(self) -> None:
+        self._started = time.monotonic()
+        self._retry_at = None
         arena_mod.reset_progress(self._mm)
         self._ops_sent = 0
         self._stuck = None
@@ -272,18 +291,48 @@ class DumpWriter:
         how = _how(code) if self._stuck is None else f"killed by the watchdog: {self._stuck}"
         message = self._death_message(code)
         orphans = list(self._outstanding.values()) if self.store_url is not None else []
+        unsent = _failures(self._out.ops)  # counted here, not yet by a writer process
         failed = self._forget_writer(message)
+        quick = time.monotonic() - self._started < RESTART_QUICK_S
+        self._quick_ends = self._quick_ends + 1 if quick else 0
+        self._last_end = _how(code)
+        delay = 0.0 if self._quick_ends < 2 else min(RESTART_MAX_S,
+                                                     RESTART_FIRST_S * 2 ** (self._quick_ends - 2))
+        if self._closed:
+            then = ""
+        elif delay:
+            then = (f"; it ended {self._quick_ends} times in a row within {RESTART_QUICK_S:g} s of "
+                    f"its start: starting a new one in {delay:g} s, requests fail until then")
+        else:
+            then = "; starting a new one"
         logger.error("hidden-state dump: the writer process (pid %s) ended (%s); %d files in "
-                     "flight failed%s", proc.pid if proc else None, how, failed,
-                     "" if self._closed else "; starting a new one")
+                     "flight failed%s", proc.pid if proc else None, how, failed, then)
         if self.metrics_model_name is not None and proc is not None:
             mark_dead(proc.pid)
         if not self._closed:
             self.generation += 1
-            self.stats.restarts += 1
-            self._spawn()
-            # Their answers are out (their manifests): the new writer puts their markers.
+            if delay:
+                self._proc = None
+                self._retry_at = time.monotonic() + delay
+            else:
+                self.stats.restarts += 1
+                self._spawn()
+            # Their answers are out (their manifests): the next writer puts their markers.
             self._out.ops.extend(wire.MarkError(handle, message) for handle in orphans)
+            if failed + unsent:  # the dead writer never counted them: the next one does
+                self._out.ops.append(wire.Failures(failed + unsent))
+
+    def _revive(self) -> None:
+        """Start the next writer process once the backoff (``_writer_died``) is over;
+        while it lasts, raise ``WriterDied`` with ``BACKOFF_MESSAGE``."""
+        if self._retry_at is None or self._closed:
+            return
+        left = self._retry_at - time.monotonic()
+        if left > 0:
+            raise WriterDied(BACKOFF_MESSAGE.format(count=self._quick_ends, quick=RESTART_QUICK_S,
+                                                    how=self._last_end, left=max(1.0, left)))
+        self.stats.restarts += 1
+        self._spawn()
 
     def _forget_writer(self, message: str) -> int:
         """Settle what the writer that is gone had not acknowledged: a file already in
@@ -335,9 +384,10 @@ class DumpWriter:
     def _watchdog(self) -> None:
         """Beside the scheduler thread, once a ``min(1, watchdog_s / 4)`` s:
 
-        - kill a writer process that holds ops and carries out none for ``watchdog_s``
-          (stopped, or blocked for good; progress is an op carried out, so one op, a
-          chunk's write or a rename, longer than that counts as a stop too);
+        - kill a writer process that holds ops and for ``watchdog_s`` carries out none and
+          writes no byte (stopped, or blocked for good; progress is an op carried out or a
+          slice of rows written, ``writer_process.WRITE_SLICE_BYTES``: a chunk that takes
+          minutes on a slow disk is not a stop);
         - settle the files of a writer process that has ended, whatever ended it: each
           gets ``<name>.error`` (or, renamed already, its index line) and its lock goes,
           so a waiting response has its sentence within about a second
@@ -347,7 +397,7 @@ class DumpWriter:
         backpressure, the next batch: ``poll``), counts what failed and starts a new one.
         """
         interval = min(1.0, self.watchdog_s / 4)
-        seen, since, gen, settled = -1, time.monotonic(), -1, -1
+        seen, since, gen, settled = None, time.monotonic(), -1, -1
         while not self._stop_watchdog.wait(interval):
             proc, now, current = self._proc, time.monotonic(), self.generation
             if self._closed or proc is None or self._mm is None:
@@ -359,19 +409,22 @@ class DumpWriter:
                 continue
             try:
                 done = arena_mod.read_progress(self._mm)
+                mark = (done, arena_mod.read_bytes(self._mm))
             except (ValueError, TypeError, BufferError):  # closed meanwhile
                 continue
-            if gen != current or done != seen or self._ops_sent <= done:
-                seen, since, gen = done, now, current
+            if gen != current or mark != seen or self._ops_sent <= done:
+                seen, since, gen = mark, now, current
                 continue
             if now - since >= self.watchdog_s:
-                stuck = f"{self._ops_sent - done} ops in hand, none carried out for {now - since:.0f} s"
+                stuck = (f"{self._ops_sent - done} ops in hand, none carried out and no byte written "
+                         f"for {now - since:.0f} s")
                 with self._settle_lock:
                     if self._proc is not proc:
                         continue
                     self._stuck = stuck
-                logger.error("hidden-state dump: the writer process (pid %d) made no progress for "
-                             "%.0f s with %d ops in hand; killing it (KIMI_SGLANG_WATCHDOG_S)",
+                logger.error("hidden-state dump: the writer process (pid %d) made no progress (no op "
+                             "carried out, no byte written) for %.0f s with %d ops in hand; "
+                             "killing it (KIMI_SGLANG_WATCHDOG_S)",
                              proc.pid, now - since, self._ops_sent - done)
                 try:
                     proc.send_signal(signal.SIGKILL)
@@ -407,6 +460,10 @@ class DumpWriter:
         if not self._closed:
             self._read_acks()
             self._notice_end()
+            try:
+                self._revive()
+            except WriterDied:
+                pass  # still backing off: the batch's new requests fail in start()
 
     def start(self, rid: str, token_ids: Sequence[int], row_width: int, dtype: torch.dtype) -> PendingDump:
         """Open a request of ``len(token_ids)`` prompt tokens whose rows are
@@ -424,6 +481,7 @@ class DumpWriter:
         dtype = self._file_dtype(dtype)
         if self._closed:
             raise RuntimeError(SHUTDOWN_MESSAGE)
+        self._revive()
         fmt.check_rid(rid)
         fmt.row_bytes(row_width, _dtype_name(dtype))  # a dtype no file can hold fails here
         ids = array.array("q", token_ids)
@@ -592,7 +650,7 @@ class DumpWriter:
             return
         if self._closed or not self.is_current(pending):
             fmt.fail(reservation, SHUTDOWN_MESSAGE if self._closed else DIED_MESSAGE)
-            self.stats.failures += 1
+            self.failed_here()
             return
         if pending.times is not None:
             pending.times["t_submit"] = trace.now()
@@ -655,7 +713,7 @@ class DumpWriter:
     # ---- messages ------------------------------------------------------------------------
     def _send(self) -> None:
         out = self._out
-        if not out.ops:
+        if not out.ops or self._retry_at is not None:  # backing off: kept for the next writer
             return
         self._out = _Outbox()
         seq = 0
@@ -679,10 +737,13 @@ class DumpWriter:
                 for m in messages[i:]:
                     for fd in m.fds:
                         wire.close_quiet(fd)
+                unsent = _failures(op for m in messages[i:] for op in m.ops)
                 if not isinstance(e, WriterDied):
                     self._writer_died()
+                if unsent:  # for the next writer process's counters
+                    self._out.ops.append(wire.Failures(unsent))
                 return
-            self._ops_sent += sum(type(op) is not wire.Close for op in msg.ops)
+            self._ops_sent += sum(type(op) not in _UNCOUNTED for op in msg.ops)
             for fd in msg.fds:  # the writer holds these locks now
                 os.close(fd)
 
@@ -707,7 +768,7 @@ class DumpWriter:
                 else:
                     fmt.fail(fmt.Reservation(self.dir_fd, op.name, next(fds)), why)
                 failed += 1
-        self.stats.failures += failed
+        self.failed_here(failed)
         # The writer may hold these requests' temporary files (an earlier message opened
         # them): it drops them; a later FINISH of theirs then fails there (no rows).
         self._out.ops.extend(wire.Abandon(key) for key in dict.fromkeys(keys))
@@ -791,6 +852,15 @@ class DumpWriter:
         self.stats.failures += failed
 
     # ---- counters ------------------------------------------------------------------------
+    def failed_here(self, count: int = 1) -> None:
+        """``count`` requests failed on the scheduler's side (the session refused them, or
+        their message never reached the writer): counted here and, with the next message,
+        by the writer process (``wire.Failures``), whose log line and
+        ``kimi_sglang:dump_failures_total`` count every failure."""
+        if count > 0:
+            self.stats.failures += count
+            self._out.ops.append(wire.Failures(count))
+
     def wait_idle(self, timeout: float) -> bool:
         """Send what is queued and wait until the writer process has acknowledged every
         file and arena range; True if it did within ``timeout`` s (tests, benchmarks)."""
@@ -842,9 +912,10 @@ class DumpWriter:
         deadline = time.monotonic() + max(0.0, timeout) + 2.0
         while self._sock is not None and proc.poll() is None and time.monotonic() < deadline:
             self._wait_acks(0.05)
+        late = False
         try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            late = False
+            if proc is not None:  # None: closed while backing off (_writer_died)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             late = True
             proc.kill()
@@ -885,6 +956,11 @@ class DumpWriter:
 def _dtype_name(dtype: torch.dtype) -> str:
     """A torch dtype as ``format`` and ``wire`` name it: ``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).replace("torch.", "")
+
+
+def _failures(ops) -> int:
+    """The requests ``wire.Failures`` ops among ``ops`` count."""
+    return sum(op.count for op in ops if type(op) is wire.Failures)
 
 
 def _how(code: Optional[int]) -> str:

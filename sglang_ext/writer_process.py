@@ -7,8 +7,8 @@ its own, so nothing it does (system calls, per-file Python) slows the scheduler 
 
 Per request (all names relative to the dump directory's descriptor):
 
-1. ``Begin``: create its temporary file (``format.tmp_name``) exclusively (or name a
-   spare whose pages are allocated already, ``Spares``), write the
+1. ``Begin``: create its temporary file (``format.tmp_name``) exclusively (or take a
+   spare whose pages are allocated already, unnamed until its ``Finish``, ``Spares``), write the
    safetensors header (``format.file_layout``: shapes and metadata are known from the
    first chunk) and the token ids.
 2. ``Rows``: ``pwrite`` each chunk's rows from the arena to their place in the file, as
@@ -69,6 +69,14 @@ from sglang_ext.sink import Sink
 logger = logging.getLogger("sglang_ext.writer_process")
 
 COPY_TIMEOUT_S = 600.0  # a batch's device-to-host copy that takes longer: the GPU is hung
+# Rows go to a file in slices of at most these many bytes, each counted as written in the
+# arena's progress page when done (arena.bump_bytes): the scheduler's watchdog takes bytes
+# written as progress, so a chunk slower to write than KIMI_SGLANG_WATCHDOG_S (0.9 GB on
+# a disk below 15 MB/s at 60 s) is not a stop, while a stopped process still is. A pwrite
+# may block on the disk (1 MiB: a stop only below ~17 KB/s at 60 s); a copy into a spare's
+# mapping (tmpfs pages allocated ahead) never does, and is split over the copier's threads.
+WRITE_SLICE_BYTES = 1 << 20
+COPY_SLICE_BYTES = 64 << 20
 LOST_MESSAGE = "the rows never arrived from the GPU (the device-to-host copy did not finish)"
 
 
@@ -100,6 +108,10 @@ class _Job:
     times: Dict[str, float] = field(default_factory=dict)
 
 
+def _nothing(nbytes: int) -> None:
+    pass
+
+
 def _unmap(job: _Job) -> None:
     if job.mapping is not None:
         job.mapping.close()
@@ -124,6 +136,7 @@ class Writer(Sink):
         self.layer_ids = list(layer_ids)
         self.num_layers = num_layers
         self.extra = dict(extra)
+        self.wrote = _nothing  # wrote(nbytes) after each slice: the thread's byte counter (_Thread)
 
     # ---- ops ----------------------------------------------------------------------
     def handle(self, op: wire.Op, fd: Optional[int], lost: bool = False, final: bool = False) -> None:
@@ -188,24 +201,31 @@ class Writer(Sink):
         job.size = layout.size
         tmp = fmt.tmp_name(self.tag, key)
         job.fd, job.spare, job.mapping = self._create(tmp, layout.size)
-        job.tmp = tmp  # only once it is ours: _discard unlinks nothing else
+        job.tmp = "" if job.spare else tmp  # only once it is ours: _discard unlinks nothing else
         fmt.pwrite_all(job.fd, layout.header, 0)
         ids = specs[-1].nbytes
-        fmt.pwrite_all(job.fd, self.view[token_off:token_off + ids], layout.offsets[fmt.KEY_TOKEN_IDS])
+        self._pwrite(job.fd, token_off, ids, layout.offsets[fmt.KEY_TOKEN_IDS])
+
+    def _pwrite(self, fd: int, off: int, n: int, at: int) -> None:
+        """``n`` bytes of the arena from ``off`` to file offset ``at``, by ``pwrite`` in
+        slices of ``WRITE_SLICE_BYTES``, each counted (``wrote``) once written."""
+        for s in range(0, n, WRITE_SLICE_BYTES):
+            m = min(WRITE_SLICE_BYTES, n - s)
+            fmt.pwrite_all(fd, self.view[off + s:off + s + m], at + s)
+            self.wrote(m)
 
     def _create(self, tmp: str, size: int) -> tuple:
-        """The temporary file ``tmp`` of a ``size``-byte file: a spare (``Spares``: its
-        pages allocated already, so the rows' write only copies) given that name, else a
-        new one (``format.create_tmp``). Returns ``(descriptor, whether a spare, the
-        spare's mapping where it holds the whole file and a ``Copier`` is set, else
-        None)``."""
+        """The temporary file of a ``size``-byte file: a spare (``Spares``: its pages
+        allocated already, so the rows' write only copies), left unnamed until the
+        request's ``Finish`` (``_finish`` links it in), else a new one named ``tmp``
+        (``format.create_tmp``). Returns ``(descriptor, whether a spare, the spare's
+        mapping where it holds the whole file and a ``Copier`` is set, else None)``."""
         spare = self.spares.take() if self.spares is not None and size >= SPARE_MIN_BYTES else None
         if spare is not None:
             try:
                 os.ftruncate(spare.fd, size)
-                os.link(f"/proc/self/fd/{spare.fd}", tmp, dst_dir_fd=self.dir_fd)
-            except OSError as e:  # a name planted at tmp, /proc missing: a new file instead
-                logger.warning("hidden-state dump: a spare file could not be named (%s)", e)
+            except OSError as e:
+                logger.warning("hidden-state dump: a spare file could not be sized (%s)", e)
                 spare.close()
             else:
                 mapping = spare.mapping if self.copier is not None and size <= spare.size else None
@@ -221,10 +241,14 @@ class Writer(Sink):
         if off < 0 or n < 0 or off + n > len(self.mm) or at < 0 or at + n > job.size:
             raise fmt.DumpFormatError(f"{n} bytes at arena offset {off} to file offset {at} "
                                       f"fall outside the arena or the {job.size}-byte file")
-        if job.mapping is not None:
-            self.copier.copy(arena_mod.address(job.mapping) + at, self.arena_base + off, n)
-        else:
-            fmt.pwrite_all(job.fd, self.view[off:off + n], at)
+        if job.mapping is None:
+            self._pwrite(job.fd, off, n, at)
+            return
+        dst, src = arena_mod.address(job.mapping) + at, self.arena_base + off
+        for s in range(0, n, COPY_SLICE_BYTES):
+            m = min(COPY_SLICE_BYTES, n - s)
+            self.copier.copy(dst + s, src + s, m)
+            self.wrote(m)
 
     def _rows(self, job: _Job, row0: int, nrows: int, off: int, scale_off: Optional[int]) -> None:
         if row0 != job.rows or row0 + nrows > job.num_tokens:
@@ -251,6 +275,10 @@ class Writer(Sink):
                 raise RuntimeError(job.error)
             if job.rows != job.num_tokens:
                 raise fmt.DumpFormatError(f"{job.rows} of {job.num_tokens} rows captured")
+            if job.spare:  # complete now: the spare gets its temporary name (Spares)
+                tmp = fmt.tmp_name(self.tag, key)
+                os.link(f"/proc/self/fd/{job.fd}", tmp, dst_dir_fd=self.dir_fd)
+                job.tmp = tmp
             os.close(job.fd)
             job.fd = None
             t_copied = trace.now()
@@ -298,8 +326,10 @@ class Writer(Sink):
                              "and it cannot be removed (%s); it stays, without an index line",
                              name, e, e2)
                 return
-            raise OSError(e.errno, f"the index line could not be written ({e.strerror or e}); "
-                                   f"the file was removed") from None
+            # a sentence, not an OSError: one of format's own (a FIFO at the index) has
+            # no errno, which would read "OSError: [Errno None] ..."
+            raise RuntimeError(f"the index line could not be written ({e.strerror or e}); "
+                               f"the file was removed") from None
 
     def _release(self, job: _Job) -> None:
         """Drop a request's temporary file; never raises (what cannot be removed now is a
@@ -350,8 +380,9 @@ SPARE_BUDGET_BYTES = 1 << 30
 # them: sizes that keep moving (mixed prompt lengths) would have it make spares they throw away
 STEADY_FILES = 3
 SPARE_FREE_FACTOR = 8
-# Spares.target falls back to one after this long with no file begun or written: a burst's
-# spares (up to SPARE_BUDGET_BYTES of host memory on /dev/shm) are not held by an idle server
+# After this long with no file begun or written Spares.target falls back to one and every
+# ready spare goes: an idle server holds none (up to SPARE_BUDGET_BYTES of host memory on
+# /dev/shm per writing rank)
 SPARES_IDLE_S = 30.0
 
 
@@ -365,8 +396,14 @@ class Spares:
     happen before the rows arrive. One thread of its own keeps ``target`` unnamed files
     (``O_TMPFILE`` in the dump directory) of the size of the last file written (``want``)
     allocated (``posix_fallocate``) and mapped shared with ``MAP_POPULATE`` (the page
-    tables filled ahead too); a writer thread ``take``s one at a request's ``Begin`` and
-    names it with its temporary name (``Writer._create``). A file no larger than its spare
+    tables filled ahead too); a writer thread ``take``s one at a request's ``Begin``
+    (``Writer._create``) and links it into the directory under its temporary name only
+    at its ``Finish``, once every row is in (``Writer._finish``), then renames it as any
+    file. Unnamed while rows are stored into it, it cannot be truncated by a neighbour
+    who finds it in the directory (a store past a file's end is a SIGBUS of the whole
+    process, which Python cannot turn into an error); only a process that may open the
+    writer's own descriptors (``/proc/<pid>/fd``: its user, who may as well signal it)
+    reaches it. A file no larger than its spare
     gets its rows by stores into that mapping, split across threads (``copier.Copier``:
     stores into a mapping take no inode lock); a larger one by ``pwrite``.
 
@@ -380,19 +417,20 @@ class Spares:
     (``KIMI_SGLANG_WRITER_SPARES``) and within ``budget`` bytes of ready spares
     (``SPARE_BUDGET_BYTES``; one spare at least). After ``idle_s`` seconds
     (``SPARES_IDLE_S``) with no file begun (``take``) or written (``want``) it falls back
-    to one, and the ready spares beyond it go: an idle server does not hold a burst's spares.
+    to one and every ready spare goes (``idle``): an idle server holds no spare; the next
+    file written makes one again.
 
     Spares are mapped on tmpfs only (``on_tmpfs``), where a page allocated
     by ``fallocate`` is the page a store lands in, so a full filesystem cannot turn a
     store into a SIGBUS; on a disk filesystem (copy-on-write ones: btrfs, XFS with
     reflinks) a first store may need new blocks, so there spares only save the
-    allocation and rows go by ``pwrite``. (A hostile process of the same user truncating
-    the temporary file under the writer could still SIGBUS it.) Files smaller than
-    ``SPARE_MIN_BYTES`` take no spare.
+    allocation and rows go by ``pwrite``. Files smaller than ``SPARE_MIN_BYTES`` take no
+    spare.
 
     Unnamed, a spare is never seen in the directory and vanishes with the process, even
-    a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate`` turns spares
-    off for the process; any other failure (no space) skips one round."""
+    a SIGKILLed one. A filesystem without ``O_TMPFILE`` or ``fallocate``, or no
+    ``/proc/self/fd`` (the link at ``Finish``), turns spares off for the process; any
+    other failure (no space) skips one round."""
 
     def __init__(self, dir_fd: int, count: int = 1, budget: int = 0, idle_s: float = SPARES_IDLE_S):
         self.dir_fd = dir_fd
@@ -406,9 +444,10 @@ class Spares:
         self.missed = 0  # takes that found none ready once a size was known (tests)
         self.steady = 0  # files in a row whose size fit spares of the one before (take)
         self.ready: List[Spare] = []  # each holds a file of self.size bytes (_fits)
-        self.enabled = True
+        self.enabled = os.path.isdir("/proc/self/fd")  # a spare is linked in through it
         self.closed = False
         self.stalled = False  # a make failed (no space): none is tried until the next want
+        self.idle = False  # idle_s passed without a file: spares given back until the next want
         self.mappable = on_tmpfs(dir_fd)  # see the class doc: elsewhere spares take pwrite only
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="hs-writer-spares", daemon=True)
@@ -423,7 +462,7 @@ class Spares:
             return
         with self.cond:
             self.used = time.monotonic()
-            self.stalled = False
+            self.stalled = self.idle = False
             moved = False  # spares of the last size would not do for this one
             if size != self.size:
                 moved = bool(self.size) and not _fits(self.size, size)
@@ -463,25 +502,27 @@ class Spares:
         """The size of the next spare to make, or 0: ``target`` not reached, and the ready
         spares (each up to twice ``size``, ``_fits``) plus this one within ``budget``, one
         spare at least."""
-        if not self.size or len(self.ready) >= self.target:
+        if self.idle or not self.size or len(self.ready) >= self.target:
             return 0
         held = sum(s.size for s in self.ready)
         return self.size if not self.ready or held + self.size <= self.budget else 0
 
     def _idle_left(self) -> Optional[float]:
         """Seconds until ``_decay`` has something to do, or None (the target is at its
-        floor and at most one spare is ready: wait for a file)."""
-        if self.target <= min(1, self.count) and len(self.ready) <= 1:
+        floor and no spare is ready: wait for a file)."""
+        if self.target <= min(1, self.count) and not self.ready:
             return None
         return max(0.0, self.used + self.idle_s - time.monotonic())
 
     def _decay(self) -> None:
-        """No file for ``idle_s``: the target back to one, the ready spares beyond it closed."""
+        """No file for ``idle_s``: the target back to one, every ready spare closed, none
+        made until the next file is written (``idle``)."""
         if self.used + self.idle_s > time.monotonic():
             return
         self.target = min(1, self.count)
-        extra, self.ready = self.ready[self.target:], self.ready[:self.target]
-        for spare in extra:
+        self.idle = True
+        gone, self.ready = self.ready, []
+        for spare in gone:
             spare.close()
 
     def _wait(self, until) -> None:
@@ -589,12 +630,15 @@ class Spare:
 class _Thread:
     """One writer thread with its own queue, so a request's ops run in order. ``progress``:
     the arena's first page (``arena.attach_progress``), where it counts the ops it has
-    carried out for the scheduler's watchdog (slot ``i``), or None."""
+    carried out and the bytes its writer has written for the scheduler's watchdog (slot
+    ``i``), or None."""
 
     def __init__(self, i: int, writer: Writer, progress=None):
         self.i = i
         self.writer = writer
         self.progress = progress
+        if progress is not None:  # bytes written count as progress too (WRITE_SLICE_BYTES)
+            writer.wrote = lambda nbytes: arena_mod.bump_bytes(progress, i, nbytes)
         self.queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"hs-writer-{i}", daemon=True)
         self.thread.start()
@@ -656,6 +700,13 @@ class _Levels:
         elif kind is wire.Failed:
             self.queue_depth -= 1
             self.failures += 1
+        self._dirty = True
+
+    def failed_elsewhere(self, count: int) -> None:
+        """``count`` requests failed on the scheduler's side (``wire.Failures``)."""
+        self.failures += count
+        if self.metrics is not None:
+            self.metrics.failed(count)
         self._dirty = True
 
     def publish(self) -> None:
@@ -743,6 +794,9 @@ def serve(sock: socket.socket, mm, dir_fd: int, *, threads: int, tag: str, layer
                         continue
                     if kind is wire.MarkError:
                         workers[0].queue.put((op, None, False, False))
+                        continue
+                    if kind is wire.Failures:
+                        levels.failed_elsewhere(op.count)
                         continue
                     fd = next(fds, None) if kind is wire.Finish else None
                     levels.received(op)

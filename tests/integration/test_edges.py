@@ -10,9 +10,12 @@ with real signals and real FIFOs.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import time
 
+import pytest
 import torch
 
 from sglang_ext import format as fmt
@@ -201,8 +204,11 @@ def test_a_fifo_planted_at_the_index_blocks_nothing(dump, monkeypatch, sessions)
     req = Req("fifo", 4, 1)
     run_extend(sess, [(req, 0, 4)], IDS)
     t0 = time.monotonic()
-    assert finish(req, timeout=20).get("hidden_states_error")
+    error = finish(req, timeout=20).get("hidden_states_error", "")
     assert time.monotonic() - t0 < 10
+    # a sentence: a review saw "OSError: [Errno None] the index line could not be written"
+    assert error == (f"the index line could not be written ({fmt.INDEX_NAME} is a FIFO, not a "
+                     f"regular file); the file was removed"), error
     assert files(dump) == []
     os.unlink(dump / fmt.INDEX_NAME)
     after = Req("after", 4, 2)
@@ -222,6 +228,142 @@ def test_a_slow_writer_that_makes_progress_is_not_killed(dump, monkeypatch, tmp_
     run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
     assert all(assert_complete_or_error(r, finish(r, timeout=30), dump) for r in reqs)
     assert idle(sess)["writer_restarts"] == 0
+
+
+def test_a_writer_that_dies_at_start_is_restarted_with_backoff(dump, monkeypatch, tmp_path, caplog, sessions):
+    """Writer processes that end at start (here: exit 3 while $DIE exists) are started
+    again after a pause that doubles, not at every batch (a review saw 60 starts in 60 s,
+    an error line each): 40 batches (4 s or more) start a handful (at most 7 even if they
+    took a minute; 40 before), one log line each;
+    every request of those batches ends with an error, those during a pause at once with
+    the sentence that says when the next start comes; once the cause is gone the next
+    start serves requests again."""
+    die = tmp_path / "die"
+    inject_writer(monkeypatch, tmp_path, """
+        import os, sys
+        if os.path.exists(os.environ["DIE"]):
+            sys.stderr.write("injected: this writer process cannot start\\n")
+            os._exit(3)
+    """, DIE=str(die))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    writer = sess.writer
+    first = Req("first", 4, 1)
+    run_extend(sess, [(first, 0, 4)], IDS)
+    assert assert_complete_or_error(first, finish(first), dump)
+    die.touch()
+    os.kill(writer.pid, signal.SIGKILL)  # the first end in a row: its successor starts at once
+    assert _gone(writer.pid)
+    metas = []
+    with caplog.at_level("ERROR", logger="sglang_ext.writer"):
+        for i in range(40):
+            req = Req(f"b{i}", 4, i + 2)
+            run_extend(sess, [(req, 0, 4)], IDS)
+            t0 = time.monotonic()
+            metas.append(finish(req, timeout=20))
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.1)
+    ended = [r.getMessage() for r in caplog.records if "ended (" in r.getMessage()]
+    starts = writer.snapshot()["writer_restarts"]
+    # one line per end; the last may be waiting for its successor
+    assert 2 <= starts <= 7 and len(ended) - starts in (0, 1), (starts, ended)
+    assert "starting a new one in 1 s, requests fail until then" in ended[1] + ended[2], ended
+    assert all(m.get("hidden_states_error") for m in metas), metas
+    waited = [m["hidden_states_error"] for m in metas if "the next one starts in" in m["hidden_states_error"]]
+    assert len(waited) >= 20, metas
+    assert re.search(r"ended \d times in a row within 10 s of its start \(exit code 3\); "
+                     r"the next one starts in \d+ s$", waited[-1]), waited[-1]
+    die.unlink()
+    deadline, tries = time.monotonic() + 90, 0
+    while True:  # requests fail until the pause is over, then the next writer serves them
+        after = Req("after", 4, 99)
+        run_extend(sess, [(after, 0, 4)], IDS)
+        meta = finish(after, timeout=20)
+        tries += 1
+        if "hidden_states_path" in meta or time.monotonic() > deadline:
+            break
+        assert "the next one starts in" in meta["hidden_states_error"], meta
+        time.sleep(0.2)
+    assert assert_complete_or_error(after, meta, dump)
+    assert idle(sess)["failures"] == 40 + tries - 1
+
+
+SLOW_BPS = 2 << 20  # the slow disk's write rate: 2 MiB/s
+BLKIO = "/sys/fs/cgroup/blkio"  # cgroup v1's block I/O controller
+
+
+@pytest.fixture
+def slow_disk(tmp_path):
+    """``(directory, join)``: an empty directory on a disk that writes ``SLOW_BPS`` bytes a
+    second for the processes ``join(pid)`` puts there: ext4 on a loop device mounted
+    ``sync`` (a write returns once on the device), throttled by cgroup v1's
+    ``blkio.throttle.write_bps_device``. Skips where that cannot be made (not root, no
+    loop device, no blkio controller)."""
+    def sh(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    image, mnt = tmp_path / "disk.img", tmp_path / "slow"
+    group = os.path.join(BLKIO, f"kimi-slow-{os.getpid()}-{tmp_path.name}")
+    if os.geteuid() != 0 or not os.path.exists(os.path.join(BLKIO, "blkio.throttle.write_bps_device")):
+        pytest.skip("a throttled disk needs root and cgroup v1's blkio controller")
+    with open(image, "wb") as f:
+        f.truncate(64 << 20)
+    loop = sh("losetup", "--find", "--show", str(image)).stdout.strip()
+    if not loop or sh("mkfs.ext4", "-q", "-F", loop).returncode:
+        if loop:
+            sh("losetup", "-d", loop)
+        pytest.skip("no loop device or mkfs.ext4 here: no throttled disk")
+    mnt.mkdir()
+    try:
+        assert sh("mount", "-o", "sync", loop, str(mnt)).returncode == 0
+        os.mkdir(group)
+        with open(f"/sys/block/{os.path.basename(loop)}/dev") as f:
+            device = f.read().strip()
+        with open(os.path.join(group, "blkio.throttle.write_bps_device"), "w") as f:
+            f.write(f"{device} {SLOW_BPS}")
+
+        def join(pid):
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+
+        (mnt / "hs").mkdir()
+        yield mnt / "hs", join
+    finally:
+        sh("umount", "-l", str(mnt))
+        sh("losetup", "-d", loop)
+        if os.path.isdir(group):
+            wait_for(lambda: sh("rmdir", group).returncode == 0, timeout=10)
+
+
+def test_a_writer_writing_to_a_slow_disk_is_not_killed_but_a_stopped_one_is(slow_disk, monkeypatch, sessions):
+    """One chunk of 8 MiB rows to a disk that writes 2 MiB/s takes ~4 s, twice the
+    watchdog's 2 s: the writer writes bytes all along, so it is not killed (a review saw a
+    16k-token Kimi-K2.5 chunk killed on every retry below 15 MB/s: progress was counted per
+    op) and the file equals its rows. The same writer SIGSTOPped in the middle of the next
+    such chunk writes nothing more: it is replaced and that request fails with the reason."""
+    d, join = slow_disk
+    monkeypatch.setenv("KIMI_SGLANG_WATCHDOG_S", "2")
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_SPARES", "0")
+    sess = sessions.start(make_runner(d, layers="2,4"))
+    writer = sess.writer
+    pid = writer.pid
+    join(pid)
+    tokens = (8 << 20) // (2 * 8 * 4)  # 2 layer slots x HIDDEN 8 x float32: 8 MiB of rows
+    big = Req("big", tokens, 1)
+    t0 = time.monotonic()
+    run_extend(sess, [(big, 0, tokens)], IDS)
+    meta = finish(big, timeout=120)
+    took = time.monotonic() - t0
+    assert assert_complete_or_error(big, meta, d), meta
+    assert took > 3, f"the disk wrote 8 MiB in {took:.1f} s: not slow, the test proves nothing"
+    assert writer.pid == pid and idle(sess)["writer_restarts"] == 0
+    stopped = Req("stopped", tokens, 2)
+    run_extend(sess, [(stopped, 0, tokens)], IDS)
+    time.sleep(1.0)  # a few slices written
+    os.kill(pid, signal.SIGSTOP)
+    meta = finish(stopped, timeout=120)
+    assert "made no progress for 2 s" in meta.get("hidden_states_error", ""), meta
+    assert _gone(pid)
+    assert files(d) == [f"{fmt.safe_stem('big')}{fmt.SUFFIX}"]
 
 
 # ---- 8: one outcome per request ----------------------------------------------------------

@@ -772,6 +772,38 @@ def test_counters_in_the_log_and_in_prometheus(dump, monkeypatch, tmp_path, capl
     assert value("dump_queue_depth") is None, "a writer that exited leaves no gauge behind"
 
 
+def test_failures_on_the_scheduler_side_are_counted_everywhere(dump, monkeypatch, tmp_path, capfd, sessions):
+    """Requests the scheduler fails itself (rids over ``format.MAX_RID_CHARS``, refused
+    before the writer process sees them) count as failures like the writer's own: in the
+    scheduler's counters, the writer process's log line and
+    ``kimi_sglang:dump_failures_total`` (a review saw 8 errors shown as 0 failures)."""
+    pytest.importorskip("prometheus_client")
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(prom))
+    monkeypatch.setenv("KIMI_SGLANG_STATS_INTERVAL_S", "0.000001")
+    runner = make_runner(dump, layers="2,4")
+    runner.server_args.enable_metrics = True
+    sess = sessions.start(runner)
+    bad = [Req("r" * (fmt.MAX_RID_CHARS + 1) + str(i), 4, i + 1) for i in range(3)]
+    ok = Req("ok", 4, 9)
+    run_extend(sess, [(r, 0, 4) for r in bad] + [(ok, 0, 4)], IDS)
+    assert all(f"at most {fmt.MAX_RID_CHARS}" in finish(r)["hidden_states_error"] for r in bad)
+    assert assert_complete_or_error(ok, finish(ok), dump)
+    snap = idle(sess)
+    assert (snap["failures"], snap["files_written"]) == (3, 1), snap
+    label = '{model_name="/models/tiny"}'
+    assert wait_for(lambda: _prometheus(prom).get(f"kimi_sglang:dump_failures_total{label}") == 3.0), \
+        _prometheus(prom)
+    assert _prometheus(prom)[f"kimi_sglang:dump_files_written_total{label}"] == 1.0
+    assert wait_for(lambda: _logged_failures(capfd, 3))
+
+
+def _logged_failures(capfd, n):
+    """The writer process's counter line (on stderr) says ``n`` failures."""
+    return f"'failures': {n}," in capfd.readouterr().err
+
+
 def test_metrics_only_with_enable_metrics():
     import types
 
