@@ -366,11 +366,17 @@ class _stderr_without:
         except (AttributeError, OSError, ValueError):
             pass
         self.tmp = tempfile.TemporaryFile()
-        self.saved = os.dup(2)
-        os.dup2(self.tmp.fileno(), 2)
+        try:
+            self.saved = os.dup(2)
+            os.dup2(self.tmp.fileno(), 2)
+        except OSError:  # no stderr to filter
+            self.saved = None
         return self
 
     def __exit__(self, *exc):
+        if self.saved is None:
+            self.tmp.close()
+            return False
         os.dup2(self.saved, 2)
         os.close(self.saved)
         with self.tmp:

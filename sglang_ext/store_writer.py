@@ -159,7 +159,7 @@ class Connection:
         """A put or look-up found the master not answering (``e``): from now until it
         answers again, ``get`` fails at once (see the class doc)."""
         with self._down_lock:
-            if self._down is not None or self._stop.is_set():
+            if self._down is not None or self._stop.is_set() or not self._ready:
                 return
             self._down = f"{e}; requests fail at once until it answers again"
             start, self._watching = not self._watching, True

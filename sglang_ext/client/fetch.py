@@ -302,6 +302,9 @@ class StoreFetcher(Journal):
         # Mooncake's INFO lines (its set-up, ~16 per run) would bury extract's own on the
         # user's terminal; warnings and errors still show (MC_LOG_LEVEL: Mooncake's own).
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        why = self.config.memory_problem()
+        if why is not None:
+            raise StoreUnreachable(f"--store: {why}")
         client = store_client.StoreClient(self.config)
         try:
             client.connect(subject="--store", probe_s=PROBE_TIMEOUT_S, handshake_s=HANDSHAKE_S)

@@ -543,6 +543,19 @@ def _cmd(server, data, out, master):
 
 
 @needs_mooncake
+def test_a_good_run_prints_no_mooncake_set_up_noise(master, server, tmp_path):
+    """Mooncake logs ``E... Local segment descriptor not found`` at every client's set-up
+    (its transfer engine looks up the client's own segment before registering it); a good
+    ``extract --store`` run keeps it off the user's terminal (issue 51)."""
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    r = subprocess.run(_cmd(server, path, tmp_path / "out", master), cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Local segment descriptor not found" not in r.stderr, r.stderr
+    assert hs_indices(tmp_path / "out") == {0, 1}
+
+
+@needs_mooncake
 def test_killed_while_waiting_then_rerun_takes_the_journaled_objects_without_asking_again(
         master, server, tmp_path):
     data = rows(6)

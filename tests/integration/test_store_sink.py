@@ -454,6 +454,36 @@ def test_start_up_refuses_a_master_that_accepts_connections_and_never_answers():
         silent.close()
 
 
+def test_a_writer_connection_to_a_master_that_never_answers_fails_requests_with_a_sentence():
+    """The writer's own set-up completes Mooncake's in a subprocess first: a master that
+    accepts and never answers fails the request in one sentence, and the process is never
+    frozen (before: ``setup`` held the GIL for minutes)."""
+    import ctypes
+
+    from sglang_ext import store_writer
+
+    silent = SilentMaster()
+    cfg = store.StoreConfig.from_url(f"mooncake://{silent.address}?protocol=tcp&local_hostname=127.0.0.1")
+    arena = ctypes.create_string_buffer(1 << 20)
+    conn = store_writer.Connection(cfg, ctypes.addressof(arena), len(arena))
+    try:
+        with pytest.raises(store.StoreUnavailable, match=rf"the Mooncake master at {re.escape(silent.address)} "
+                                                         r"accepts connections but did not complete"):
+            conn.get()
+    finally:
+        conn.close()
+        silent.close()
+
+
+def test_an_unreachable_metadata_server_is_refused_at_start(master):
+    args = types.SimpleNamespace(
+        dump_hidden_states_dir=master_config(master) + f"&metadata_server=http://127.0.0.1:{_free_port()}/metadata",
+        dump_hidden_states_layers=None, dump_hidden_states_max_host_mb=64, dump_hidden_states_dtype=None)
+    with pytest.raises(DumpConfigError, match=r"^--dump-hidden-states-dir: cannot reach the Mooncake "
+                                              r"metadata_server http://127\.0\.0\.1:\d+/metadata \("):
+        check_server_args(args)
+
+
 def test_a_stopped_master_fails_puts_fast_and_marks_them_once_it_answers(tmp_path, sessions):
     """SIGSTOP of a real master: the first put waits one RPC timeout (MC_RPC_TIMEOUT_MS),
     later requests fail at once (their arena ranges go back: the writer catches up while
