@@ -150,20 +150,29 @@ def store_target(value: Optional[str]):
 
 def check_store_reachable(config, timeout_s: float = 5.0) -> None:
     """At start-up, for the store sink: ``mooncake.store`` imports (the package and the
-    shared libraries its extension loads: libibverbs, librdmacm, libnuma) and the
-    master (``config.master_server_address``, a ``store.StoreConfig``) accepts a TCP
-    connection within ``timeout_s``. Raises ``DumpConfigError``, one sentence naming the
-    flag, else. (Mooncake's own client setup waits ~90 s for a master that is not there;
-    a typo must not cost that. A master that goes away later fails requests, not the
-    server.)"""
+    shared libraries its extension loads: libibverbs, librdmacm, libnuma), the segment
+    and buffer fit this host's memory (``StoreConfig.memory_problem``), and Mooncake's
+    own client set-up against the master (``config.master_server_address``, a
+    ``store.StoreConfig``) completes, in a subprocess, within
+    ``store_client.HANDSHAKE_S`` (``store_client.handshake``: its TCP port is probed
+    first, within ``timeout_s``; a ``metadata_server`` URL's too). Raises
+    ``DumpConfigError``, one sentence naming the flag, else. (A typo, a hung master or
+    its metrics port must not cost Mooncake's ~90 s of retries nor freeze the writer;
+    a master that goes away later fails requests, not the server.)"""
     from sglang_ext import store_client
 
     why = store_client.mooncake_import_error()
     if why is not None:
         raise DumpConfigError(f"--dump-hidden-states-dir: the Mooncake store sink {why}")
+    why = config.memory_problem()
+    if why is not None:
+        raise DumpConfigError(f"--dump-hidden-states-dir: {why}")
     why = store_client.master_unreachable(config, timeout_s)
     if why is not None:
         raise DumpConfigError(f"--dump-hidden-states-dir: {why}; is mooncake_master running there?")
+    why = store_client.handshake(config, probe_s=timeout_s)
+    if why is not None:
+        raise DumpConfigError(f"--dump-hidden-states-dir: {why}")
 
 
 def check_directory(path: Optional[str]) -> str:

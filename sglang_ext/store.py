@@ -7,8 +7,8 @@ mooncake``), unchanged. The contract (docs/store.md) comes from hs-connectors'
 ``get_sample``) and ``mooncake_hidden_states_connector.py`` (``sanitize_key``,
 ``request_finished``'s transfer manifest):
 
-- the object's key is ``unique_handle(rid)``: ``handle_for(rid)`` + ``-`` + 8 random hex
-  digits, so it is never another answer's (readers take it from the manifest); its bytes are the tensors of
+- the object's key is ``unique_handle(rid)``: ``handle_for(rid)`` + ``-`` + 32 random hex
+  digits (128 bits), so it is never another answer's (readers take it from the manifest); its bytes are the tensors of
   ``format.dump_tensors`` (``hidden_states`` ``[T, L, H]``, fp8 adds
   ``hidden_states_scales`` float32 ``[T, L, 1]``, ``token_ids`` int64 ``[T]``), each at a
   64-byte-aligned offset, zero padding between and after, ``total_bytes`` in all
@@ -54,6 +54,7 @@ OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
 RPC_FAIL = -900  # the master did not answer
+RPC_TIMEOUT = -901  # the master did not answer within MC_RPC_TIMEOUT_MS (a hung or stopped master)
 
 Part = Union[Tuple[int, int], bytes, bytearray, memoryview]
 
@@ -72,6 +73,7 @@ class StoreUnavailable(StoreError):
 
 # ---------------------------------------------------------------- configuration
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SIZE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -95,6 +97,24 @@ def default_hostname() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def metadata_address(url: str) -> Optional[Tuple[str, int]]:
+    """``(host, port)`` of a ``metadata_server`` URL (``http://HOST:PORT/metadata``,
+    ``etcd://HOST:PORT``, ``redis://HOST:PORT``), None when it names none."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https", "etcd", "redis") or not parts.hostname or port is None:
+        return None
+    return parts.hostname, port
+
+
+def _redact(url: str) -> str:
+    """``url`` with any ``USER:SECRET@`` cut out (a sentence never quotes a secret)."""
+    return re.sub(r"(?<=://)[^/@?#]*@", "", str(url), count=1)
 
 
 def is_loopback(host: str) -> Optional[bool]:
@@ -150,6 +170,14 @@ class StoreConfig:
         for key in ("global_segment_size", "local_buffer_size"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise ValueError(f"mooncake setting {key} must be a byte count >= 0, not {getattr(self, key)!r}")
+        for key in ("device_name", "local_hostname", "metadata_server", "master_server_address"):
+            if _CONTROL.search(getattr(self, key)):
+                raise ValueError(f"mooncake setting {key} {getattr(self, key)!r} holds a control character "
+                                 f"(a NUL, a newline...): Mooncake would fail every request with it")
+        if self.metadata_server != "P2PHANDSHAKE" and metadata_address(self.metadata_server) is None:
+            raise ValueError(f"mooncake setting metadata_server {self.metadata_server!r} is neither P2PHANDSHAKE "
+                             f"nor a URL with a host and port (http://HOST:PORT/metadata, etcd://HOST:PORT, "
+                             f"redis://HOST:PORT)")
 
     @classmethod
     def is_url(cls, text: str) -> bool:
@@ -167,9 +195,12 @@ class StoreConfig:
             parts = urlsplit(str(url))
             port = parts.port
         except ValueError:
-            raise ValueError(f"{url!r} is not a mooncake://HOST:PORT address") from None
+            raise ValueError(f"{_redact(url)!r} is not a mooncake://HOST:PORT address") from None
         if parts.scheme != SCHEME or not parts.hostname or port is None or parts.path not in ("", "/"):
-            raise ValueError(f"{url!r} is not a mooncake://HOST:PORT address (the master's)")
+            raise ValueError(f"{_redact(url)!r} is not a mooncake://HOST:PORT address (the master's)")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(f"{_redact(url)!r} carries credentials (USER:SECRET@), which Mooncake's master "
+                             f"neither takes nor checks: remove them (docs/store.md says who can read the store)")
         kwargs: Dict[str, Any] = {}
         for key, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
             name = cls.KEYS.get(key)
@@ -181,6 +212,20 @@ class StoreConfig:
             kwargs[name] = parse_size(key, value) if name.endswith("_size") else value
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return cls(master_server_address=f"{host}:{port}", **kwargs)
+
+    def memory_problem(self) -> Optional[str]:
+        """One sentence when ``global_segment_size`` + ``local_buffer_size`` exceed this
+        host's physical memory (Mooncake would map them and then fail puts, or the
+        process be killed), else None."""
+        try:
+            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+        want = self.global_segment_size + self.local_buffer_size
+        if want <= ram:
+            return None
+        return (f"mooncake settings global_segment_size {self.global_segment_size} + local_buffer_size "
+                f"{self.local_buffer_size} bytes are more than this host's memory ({ram} bytes)")
 
     def loopback_warning(self) -> Optional[str]:
         """One sentence when ``local_hostname`` (by default this host name's address,
@@ -223,25 +268,31 @@ def handle_for(rid: str) -> str:
     return "k" + safe if safe[:1].isdigit() else safe
 
 
-HANDLE_SUFFIX_HEX = 8  # hex digits of unique_handle's random suffix
+HANDLE_SUFFIX_HEX = 32  # hex digits of unique_handle's random suffix: 128 bits
+OLD_SUFFIX_HEX = 8  # servers before 128-bit suffixes
 
 
 def unique_handle(rid: str) -> str:
-    """The handle of one answer for request ``rid``: ``handle_for(rid)`` + ``"-"`` + 8
-    random hex digits (``secrets.token_hex(4)``). A key per answer, not per rid: two
-    scheduler processes, servers sharing a master, a repeated rid, or rids that sanitize
-    alike (``a.b``/``a_b``) never share an object or a stale ``<handle>:error``; 2**32
-    suffixes per rid make a collision (refused by ``store_client.StoreClient.put``) negligible.
+    """The handle of one answer for request ``rid``: ``handle_for(rid)`` + ``"-"`` + 32
+    random hex digits (``secrets.token_hex(16)``, 128 bits). A key per answer, not per
+    rid: two scheduler processes, servers sharing a master, a repeated rid, or rids that
+    sanitize alike (``a.b``/``a_b``) never share an object or a stale ``<handle>:error``.
+    (A collision, refused by ``store_client.StoreClient.put``, fails both requests
+    through the marker.) hs-connectors' reader takes the handle as an opaque key.
     ``ValueError`` for an empty rid."""
     return f"{handle_for(rid)}-{secrets.token_hex(HANDLE_SUFFIX_HEX // 2)}"
 
 
 def handle_matches(rid: str, handle: str) -> bool:
     """Whether ``handle`` is one the server may name for ``rid``: ``handle_for(rid)``
-    itself (servers before unique handles) or that + ``-`` + 8 lowercase hex digits
-    (``unique_handle``); anything else is another request's."""
+    itself (servers before unique handles) or that + ``-`` + 32 (or, from servers before
+    128-bit suffixes, 8) lowercase hex digits (``unique_handle``); anything else is
+    another request's."""
     base = handle_for(rid)
-    return handle == base or re.fullmatch(re.escape(base) + "-[0-9a-f]{%d}" % HANDLE_SUFFIX_HEX, handle) is not None
+    return handle == base or re.fullmatch(re.escape(base) + "-" + SUFFIX_RE, handle) is not None
+
+
+SUFFIX_RE = "(?:[0-9a-f]{%d}|[0-9a-f]{%d})" % (HANDLE_SUFFIX_HEX, OLD_SUFFIX_HEX)
 
 
 def _align(n: int) -> int:
@@ -353,9 +404,10 @@ def status_error(op: str, key: str, rc: int, nbytes: int, config: StoreConfig) -
         return StoreFull(
             f"the Mooncake store has no room for {key!r} ({nbytes} bytes): trainers must consume "
             f"samples faster, or raise global_segment_size ({config.global_segment_size} bytes now)")
-    if rc == RPC_FAIL:
+    if rc in (RPC_FAIL, RPC_TIMEOUT):
         return StoreUnavailable(
-            f"the Mooncake master at {config.master_server_address} does not answer ({op} of {key!r} failed)")
+            f"the Mooncake master at {config.master_server_address} does not answer ({op} of {key!r} failed"
+            f"{' after MC_RPC_TIMEOUT_MS' if rc == RPC_TIMEOUT else ''})")
     if rc == OBJECT_ALREADY_EXISTS:
-        return StoreError(f"store handle {key!r} already holds an object (a repeated request id?)")
+        return StoreError(f"store handle {key!r} already holds another answer's object (a handle collision)")
     return StoreError(f"Mooncake {op} of {key!r} failed with status {rc}")

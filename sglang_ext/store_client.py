@@ -20,17 +20,29 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang_ext.store import (
     ERROR_MAX_CHARS, ERROR_SUFFIX, INVALID_PARAMS, OBJECT_NOT_FOUND, TENSOR_ALIGN, PackedLayout, Part,
-    StoreConfig, StoreError, StoreUnavailable, part_size, status_error,
+    StoreConfig, StoreError, StoreUnavailable, metadata_address, part_size, status_error,
 )
 
 INSTALL_HINT = "pip install -r requirements/store.txt"
 BUFFER_GRANULE = 4 << 20  # registered buffers are sized in steps of this many bytes
+HANDSHAKE_S = 20.0  # the longest Mooncake's own set-up may take in ``handshake``'s subprocess
+# Mooncake's defaults set by ``StoreClient.connect`` where the environment sets none: an RPC
+# to the master gives up after 5 s, not 30 (a hung master fails puts in seconds), and the
+# client's set-up tries 3 times, not 20 x 3 s, while it holds the GIL.
+MOONCAKE_ENV = {"MC_RPC_TIMEOUT_MS": "5000", "MC_STORE_CLIENT_SETUP_RETRIES": "3"}
+# Printed by Mooncake's transfer engine (transfer_metadata.cpp) at every client's set-up
+# with P2PHANDSHAKE, before the client's own segment is registered; harmless.
+BENIGN_SETUP_LINE = "Local segment descriptor not found"
 
 
 class MooncakeMissing(StoreUnavailable):
@@ -67,6 +79,69 @@ def master_unreachable(config: StoreConfig, timeout_s: float = 5.0) -> Optional[
     return None
 
 
+_HANDSHAKE = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup(sys.argv[1], sys.argv[2], 0, 1 << 20, sys.argv[3], sys.argv[4], sys.argv[5])
+print("handshake", rc, flush=True)
+if rc == 0:
+    s.close()
+"""
+
+
+def handshake(config: StoreConfig, timeout_s: float = HANDSHAKE_S, probe_s: float = 5.0) -> Optional[str]:
+    """None when Mooncake's own client set-up against ``config``'s master completes
+    within ``timeout_s`` seconds, else why not (one clause naming the master). The
+    set-up runs in a short-lived subprocess (a reader's: no segment lent), because
+    ``MooncakeDistributedStore.setup`` holds the GIL while it waits: against a master
+    that accepts connections and never answers (hung, stopped, or an address that names
+    its HTTP metrics port) it would freeze the calling process, signals included. The
+    master's TCP port is probed first (``master_unreachable``, ``probe_s``)."""
+    why = master_unreachable(config, probe_s)
+    if why is not None:
+        return why
+    addr = config.master_server_address
+    if config.metadata_server != "P2PHANDSHAKE":
+        host, port = metadata_address(config.metadata_server)
+        try:
+            socket.create_connection((host, port), timeout=probe_s).close()
+        except OSError as e:
+            return (f"cannot reach the Mooncake metadata_server {config.metadata_server} "
+                    f"({getattr(e, 'strerror', None) or e})")
+    env = dict(os.environ, MC_LOG_LEVEL="ERROR", MC_STORE_CLIENT_SETUP_RETRIES="1",
+               MC_RPC_TIMEOUT_MS=str(int(timeout_s * 500)), MC_RPC_CONNECT_TIMEOUT_MS=str(int(timeout_s * 500)))
+    argv = [sys.executable, "-c", _HANDSHAKE, config.local_hostname, config.metadata_server,
+            config.protocol, config.device_name, addr]
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+        timed_out = False
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except BaseException as e:  # the deadline, or a signal's exception (extract's SIGTERM)
+            proc.kill()
+            out, _ = proc.communicate()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            timed_out = True
+        err.seek(0)
+        errors = [ln.strip() for ln in err.read().decode("utf-8", "replace").splitlines()
+                  if ln.startswith("E") and BENIGN_SETUP_LINE not in ln]
+    words = out.decode("utf-8", "replace").split()
+    if words[:2] == ["handshake", "0"] and not timed_out:
+        return None
+    if timed_out or any("timed out" in ln for ln in errors):
+        return (f"the Mooncake master at {addr} accepts connections but did not complete Mooncake's client "
+                f"set-up within {timeout_s:g} s (a hung or stopped mooncake_master, or an address naming "
+                f"another service, e.g. the master's HTTP metrics port)")
+    last = errors[-1].split("] ", 1)[-1][:200] if errors else f"exit status {proc.returncode}"
+    status = words[1] if words[:1] == ["handshake"] and len(words) > 1 else "none"
+    return (f"the Mooncake master at {addr} accepts connections but Mooncake's client set-up against it "
+            f"failed (status {status}: {last}): is it mooncake_master's RPC port, and are the URL's settings "
+            f"usable on this host?")
+
+
 class StoreClient:
     """One Mooncake client: puts packed objects and error markers, looks them up, reads
     and removes them.
@@ -93,12 +168,17 @@ class StoreClient:
 
     # -- setup
 
-    def connect(self, subject: str = "the Mooncake store sink", probe_s: Optional[float] = None) -> "StoreClient":
+    def connect(self, subject: str = "the Mooncake store sink", probe_s: Optional[float] = None,
+                handshake_s: Optional[float] = None) -> "StoreClient":
         """Set the client up (idempotent). ``MooncakeMissing`` (``subject`` + why) when
         ``mooncake.store`` does not import; ``StoreUnavailable`` when the master at
         ``master_server_address`` cannot be reached: with ``probe_s``, its TCP port is
         probed first (``master_unreachable``), so a dead master costs seconds rather than
-        Mooncake's ~90 s of setup retries."""
+        Mooncake's ~90 s of setup retries; with ``handshake_s`` too, Mooncake's own
+        set-up is first completed in a subprocess within that many seconds
+        (``handshake``: a hung master never freezes this process). ``MOONCAKE_ENV``'s
+        defaults are set in the environment first (where it sets none). Mooncake's
+        ``BENIGN_SETUP_LINE`` is kept off stderr."""
         with self._lock:
             if self._store is not None:
                 return self
@@ -108,14 +188,21 @@ class StoreClient:
             from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
 
             c = self.config
+            for key, value in MOONCAKE_ENV.items():
+                os.environ.setdefault(key, value)
             if probe_s is not None:
                 why = master_unreachable(c, probe_s)
                 if why is not None:
                     raise StoreUnavailable(f"{why}: is mooncake_master running there?")
+            if handshake_s is not None:
+                why = handshake(c, handshake_s, probe_s or 5.0)
+                if why is not None:
+                    raise StoreUnavailable(why)
             store = MooncakeDistributedStore()
             try:
-                rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
-                                 c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
+                with _stderr_without(BENIGN_SETUP_LINE):
+                    rc = store.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
+                                     c.local_buffer_size, c.protocol, c.device_name, c.master_server_address)
             except Exception as e:  # noqa: BLE001 - pybind raises RuntimeError/TypeError
                 raise StoreUnavailable(
                     f"could not set up the Mooncake client for the master at {c.master_server_address}: {e}") from None
@@ -259,9 +346,48 @@ class StoreClient:
     def _check_absent(self, store: Any, handle: str) -> None:
         rc = store.is_exist(handle)
         if rc == 1:
-            raise StoreError(f"store handle {handle!r} already holds an object (a repeated request id?)")
+            raise StoreError(f"store handle {handle!r} already holds another answer's object (a handle "
+                             f"collision): both requests fail")
         if rc < 0:
             raise status_error("put", handle, rc, 0, self.config)
+
+
+class _stderr_without:
+    """While open, file descriptor 2 goes to a temporary file; on close its lines are
+    written back to the real stderr, less those holding ``text`` (Mooncake's native
+    threads write to fd 2 directly, so ``sys.stderr`` cannot filter them)."""
+
+    def __init__(self, text: str):
+        self.text = text.encode()
+
+    def __enter__(self):
+        try:
+            sys.stderr.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+        self.tmp = tempfile.TemporaryFile()
+        try:
+            self.saved = os.dup(2)
+            os.dup2(self.tmp.fileno(), 2)
+        except OSError:  # no stderr to filter
+            self.saved = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            self.tmp.close()
+            return False
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        with self.tmp:
+            self.tmp.seek(0)
+            kept = b"".join(ln for ln in self.tmp.read().splitlines(keepends=True) if self.text not in ln)
+        if kept:
+            try:
+                os.write(2, kept)
+            except OSError:
+                pass
+        return False
 
 
 def _as_bytes(part: Part) -> bytes:

@@ -39,6 +39,7 @@ puts their markers with the same message while the master answers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -64,6 +65,14 @@ STAGING_KEEP_BYTES = 512 << 20
 # long for their error markers (the scheduler kills the process 2 s past the deadline).
 CUT_OFF_PROBE_S = 0.5
 CUT_OFF_MARK_S = 1.0
+# Mooncake's own set-up, completed in a subprocess before this process's (store_client.handshake):
+# a hung master fails the attempt within this many seconds instead of freezing the writer.
+HANDSHAKE_S = 15.0
+# Error markers of requests failed while the master did not answer, kept to be put once it
+# answers again (``Connection.unavailable``); beyond this many the oldest are only logged.
+MAX_DEFERRED_MARKERS = 65536
+MARKER_ROUNDS = 12  # watch rounds (RETRY_CONNECT_S apart) a deferred marker is retried when refused
+PROBE_KEY = "sglang_ext-probe"  # looked up (never put) to learn whether the master answers
 
 
 class Connection:
@@ -79,7 +88,17 @@ class Connection:
     first attempt only, at most ``FIRST_CONNECT_WAIT_S``; later, while not connected, it
     raises the last error at once. ``putting`` brackets a put, so that ``close`` (at exit)
     knows the ones the drain deadline cut off. Once, at its start, it warns when
-    ``local_hostname`` is loopback and the master is not (``StoreConfig.loopback_warning``)."""
+    ``local_hostname`` is loopback and the master is not (``StoreConfig.loopback_warning``).
+
+    Each attempt also completes Mooncake's own set-up in a subprocess first
+    (``store_client.handshake``, ``HANDSHAKE_S``): Mooncake's ``setup`` holds the GIL
+    while it waits, so a master that accepts connections and never answers would freeze
+    this process (the watchdog then kills it). Once connected, a put or look-up that
+    finds the master not answering (``StoreUnavailable``: an RPC failed or ran past
+    ``MC_RPC_TIMEOUT_MS``, 5 s by default) trips ``unavailable``: until a look-up
+    answers again (tried every ``RETRY_CONNECT_S`` on a thread of its own), ``get``
+    fails at once, so requests fail and their arena ranges go back without waiting on
+    the master; their error markers (``defer_marker``) are put once it answers."""
 
     def __init__(self, config: store.StoreConfig, addr: int, size: int):
         self.sink = store_client.StoreClient(config)
@@ -91,6 +110,10 @@ class Connection:
         self.buffers = store_client.RegisteredBuffers(self.sink, keep_bytes=STAGING_KEEP_BYTES)
         self._putting: Set[str] = set()  # handles whose put has started and not returned
         self._putting_lock = threading.Lock()
+        self._down: Optional[str] = None  # why requests fail at once (the master stopped answering)
+        self._deferred: Deque[Tuple[str, str, int]] = collections.deque()  # (handle, message, rounds left)
+        self._down_lock = threading.Lock()
+        self._watching = False  # a _watch thread runs
         warning = config.loopback_warning()
         if warning is not None:
             logger.warning("hidden-state dump: %s", warning)
@@ -99,7 +122,7 @@ class Connection:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.sink.connect(probe_s=PROBE_S)
+                self.sink.connect(probe_s=PROBE_S, handshake_s=HANDSHAKE_S)
                 self.sink.register(self._addr, self._size)
                 self._ready = True
                 logger.info("hidden-state dump: connected to the Mooncake master at %s",
@@ -122,7 +145,75 @@ class Connection:
                 f"still being set up after {FIRST_CONNECT_WAIT_S:g} s")
         if not self._ready:
             raise store.StoreUnavailable(str(self._error or "the Mooncake client is not set up"))
+        down = self._down
+        if down is not None:
+            raise store.StoreUnavailable(down)
         return self.sink
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client was set up (the master may have stopped answering since)."""
+        return self._ready
+
+    def unavailable(self, e: store.StoreUnavailable) -> None:
+        """A put or look-up found the master not answering (``e``): from now until it
+        answers again, ``get`` fails at once (see the class doc)."""
+        with self._down_lock:
+            if self._down is not None or self._stop.is_set() or not self._ready:
+                return
+            self._down = f"{e}; requests fail at once until it answers again"
+            start, self._watching = not self._watching, True
+        logger.error("hidden-state dump: %s; requests fail at once until it answers again (checked every %g s)",
+                     e, RETRY_CONNECT_S)
+        if start:
+            threading.Thread(target=self._watch, name="hs-store-watch", daemon=True).start()
+
+    def defer_marker(self, handle: str, message: str) -> None:
+        """Put ``<handle>:error`` once the master answers again (``unavailable``)."""
+        with self._down_lock:
+            if len(self._deferred) >= MAX_DEFERRED_MARKERS:
+                old = self._deferred.popleft()
+                logger.error("hidden-state dump: the error marker of store handle %s is dropped (more than %d "
+                             "waiting for the master); its reader will time out", old[0], MAX_DEFERRED_MARKERS)
+            self._deferred.append((handle, message, MARKER_ROUNDS))
+
+    def _watch(self) -> None:
+        """Every ``RETRY_CONNECT_S``: look ``PROBE_KEY`` up (Mooncake releases the GIL and
+        gives up after ``MC_RPC_TIMEOUT_MS``); once the master answers, let requests
+        through again and put the deferred markers (one refused for want of room, while
+        the client mounts its segment again, is retried for ``MARKER_ROUNDS`` rounds).
+        Ends when the master answers and no marker waits."""
+        while not self._stop.wait(RETRY_CONNECT_S):
+            try:
+                self.sink.exists(PROBE_KEY)
+            except store.StoreError:
+                continue
+            with self._down_lock:
+                if self._down is not None:
+                    self._down = None
+                    logger.info("hidden-state dump: the Mooncake master at %s answers again",
+                                self.sink.config.master_server_address)
+                todo, self._deferred = list(self._deferred), collections.deque()
+                if not todo:
+                    self._watching = False
+                    return
+            keep = []
+            for n, (handle, message, rounds) in enumerate(todo):
+                try:
+                    self.sink.put_error(handle, message)
+                except store.StoreUnavailable:
+                    keep.extend(todo[n:])
+                    break
+                except store.StoreError as e:
+                    if rounds > 1:
+                        keep.append((handle, message, rounds - 1))
+                    else:
+                        logger.error("hidden-state dump: the error marker of store handle %s could not be put "
+                                     "(%s); its reader will time out", handle, e)
+            with self._down_lock:
+                self._deferred.extendleft(reversed(keep))
+        with self._down_lock:
+            self._watching = False
 
     @contextlib.contextmanager
     def putting(self, handle: str) -> Iterator[None]:
@@ -145,6 +236,9 @@ class Connection:
         self._stop.set()
         if not self._ready:
             return
+        if self._deferred:
+            logger.error("hidden-state dump: %d error markers waiting for the master are not put (exit); "
+                         "their readers time out", len(self._deferred))
         with self._putting_lock:
             cut = sorted(self._putting)
         if cut:
@@ -336,8 +430,9 @@ class StoreWriter(Sink):
                          fmt.brief_rid(job.rid if job is not None else key), handle, message)
             if job is not None:
                 self._release(job)
-            self._fail(key, handle, message, existing=isinstance(e, store.StoreError)
-                       and "already holds an object" in str(e))
+            if isinstance(e, store.StoreUnavailable):
+                self.connection.unavailable(e)
+            self._fail(key, handle, message)
             return
         if self.metrics is not None:
             self.metrics.written(nbytes)
@@ -347,20 +442,28 @@ class StoreWriter(Sink):
                          **dict(job.times, **(times or {})), t_picked=t_picked, t_copied=t_written,
                          t_written=t_written, t_released=trace.now())
 
-    def _fail(self, key: int, handle: str, message: str, existing: bool = False) -> None:
-        """Request ``key`` failed: its marker (not when ``existing``: the handle is another
-        request's object, whose reader the marker would fail), the counter, ``Failed``."""
-        if not existing:
-            self._mark(handle, message)
+    def _fail(self, key: int, handle: str, message: str) -> None:
+        """Request ``key`` failed: its marker, the counter, ``Failed``. (A put refused
+        because its handle holds another answer's object, a collision, is marked too:
+        both readers fail rather than one taking the other's sample.)"""
+        self._mark(handle, message)
         if self.metrics is not None:
             self.metrics.failed()
         self._ack(wire.Failed(key, handle, message))
 
     def _mark(self, handle: str, message: str) -> None:
-        """Put ``<handle>:error``; when the store refuses even that, the log says so (the
-        request's reader then times out)."""
+        """Put ``<handle>:error``; while the master does not answer, once it does
+        (``Connection.defer_marker``); when the store refuses even that, the log says so
+        (the request's reader then times out)."""
         try:
             self.connection.get().put_error(handle, message)
+        except store.StoreUnavailable as e:
+            if self.connection.connected:
+                self.connection.unavailable(e)
+                self.connection.defer_marker(handle, message)
+            else:
+                logger.error("hidden-state dump: the error marker of store handle %s could not be put "
+                             "(%s); its reader will time out", handle, e)
         except Exception as e:  # noqa: BLE001 - nothing more to do than say so
             logger.error("hidden-state dump: the error marker of store handle %s could not be put "
                          "(%s); its reader will time out", handle, e)

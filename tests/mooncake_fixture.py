@@ -71,3 +71,33 @@ def master_config(master: "Master", segment: int = 64 * MiB, buffer: str = "16Mi
     """The ``mooncake://`` address of ``master`` with a ``segment``-byte segment (TCP, local host)."""
     return (f"mooncake://{master.address}?protocol=tcp&global_segment_size={segment}"
             f"&local_buffer_size={buffer}&local_hostname=127.0.0.1")
+
+
+class SilentMaster:
+    """A TCP server that accepts connections and never answers: a hung ``mooncake_master``,
+    or an address that names another service (its HTTP metrics port, by typo). ``address``
+    is ``127.0.0.1:PORT``; ``close`` ends it."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)  # read nothing, answer nothing
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.held:
+            c.close()

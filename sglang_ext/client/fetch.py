@@ -9,7 +9,7 @@ packed object under the manifest's ``handle``, visible only once complete, or th
 
 1. ``expect``: the manifest is checked against the request before anything is read: the
    handle is one the server names for the rid (``store.handle_matches``: ``handle_for(rid)``
-   or that + ``-`` + 8 hex digits, the unique suffix every answer now has), and tensors, offsets, sizes
+   or that + ``-`` + 32 hex digits, the unique suffix every answer now has; 8 from older servers), and tensors, offsets, sizes
    and ``total_aligned_bytes`` are exactly ``store.pack_layout(len(prompt), L, H, dtype)``'s
    (so ``hidden_states`` has one row per prompt token, fp8 scales are ``[T, L, 1]``); a
    ``layer_ids`` in its metadata must name L layers, and L, H and the dtype must be those
@@ -55,6 +55,8 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
+import stat
 import time
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qsl, urlsplit
@@ -71,6 +73,7 @@ DEFAULT_WAIT_S = 120.0  # hs-connectors' get_generated timeout
 POLL_FIRST_S = 0.001
 POLL_MAX_S = 0.05
 PROBE_TIMEOUT_S = 10.0  # a master that does not accept a TCP connection by then is not up
+HANDSHAKE_S = 20.0  # Mooncake's own set-up, in a subprocess first (store_client.handshake)
 FILE_META_KEYS = ("layer_ids", "num_layers", "model_path", "sglang_version",
                   "sglang_ext_version", "series", "image_token_id")
 INSTALL_HINT = store_client.INSTALL_HINT
@@ -88,6 +91,17 @@ class MooncakeMissing(StoreUnreachable):
     """The mooncake package is not importable here."""
 
 
+class JournalRefused(OSError):
+    """The ``--store`` journal is not this user's own file (one sentence)."""
+
+
+def _ours(index: Any, rid: Any) -> bool:
+    """Whether ``rid`` is one this command makes for row ``index`` (``runner``:
+    ``<prefix>-<index>-<try>-<8 hex>``)."""
+    return (isinstance(index, int) and not isinstance(index, bool) and index >= 0 and isinstance(rid, str)
+            and re.fullmatch(r".+-%d-\d+-[0-9a-f]{8}" % index, rid, re.DOTALL) is not None)
+
+
 _SENT_PREFIX = "sent:"  # journal key of a request not answered yet (no handle has ':')
 
 
@@ -97,9 +111,9 @@ def _sent_key(rid: str) -> str:
 
 def _sent_pattern(rid: str) -> str:
     """The master's regex (``remove_by_regex``) for every object an answer to ``rid`` may
-    have made: ``handle_for(rid)``, optionally ``-`` + 8 hex digits, optionally ``:error``
+    have made: ``handle_for(rid)``, optionally ``-`` + 32 (or 8) hex digits, optionally ``:error``
     (a handle holds only ``[a-zA-Z0-9_-]``, nothing to escape)."""
-    return f"^{st.handle_for(rid)}(-[0-9a-f]{{{st.HANDLE_SUFFIX_HEX}}})?({st.ERROR_SUFFIX})?$"
+    return f"^{st.handle_for(rid)}(-{st.SUFFIX_RE})?({st.ERROR_SUFFIX})?$"
 
 
 def journal_path(out_dir: str, rank: int) -> str:
@@ -154,7 +168,7 @@ def expect(manifest: Any, rid: str, input_ids: Optional[List[int]],
     handle = manifest.get("handle")
     if not isinstance(handle, str) or not st.handle_matches(rid, handle):
         raise FetchError(f"hidden_states_manifest names the object {str(handle)[:120]!r}, not a server "
-                         f"handle for request {rid} ({st.handle_for(rid)!r} or that + '-' + 8 hex "
+                         f"handle for request {rid} ({st.handle_for(rid)!r} or that + '-' + 32 hex "
                          f"digits): not taken")
     try:
         hs = manifest["tensors"][fmt.KEY_HIDDEN_STATES]
@@ -209,14 +223,36 @@ class StoreFetcher(Journal):
 
     # -- the journal
 
+    def _check_owner(self) -> None:
+        """``JournalRefused`` unless the journal is absent or a regular file of this user
+        that neither group nor others may write (module doc)."""
+        try:
+            info = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        why = None
+        if not stat.S_ISREG(info.st_mode):
+            why = "is not a regular file"
+        elif info.st_uid != os.geteuid():
+            why = f"belongs to another user (uid {info.st_uid})"
+        elif info.st_mode & 0o022:
+            why = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+        if why is not None:
+            raise JournalRefused(f"the store journal {self.path} {why}: it names objects this run would "
+                                 f"remove from the store, so it is not read; remove it (or fix its owner "
+                                 f"and mode) if it is this user's")
+
     def _read(self) -> None:
+        self._check_owner()
         for rec in self._records():
             if isinstance(rec.get("done"), str):
                 for handles in self.open.values():
                     handles.pop(rec["done"], None)
-            elif isinstance(rec.get("index"), int) and isinstance(rec.get("rid"), str) and rec["rid"]:
+            elif _ours(rec.get("index"), rec.get("rid")):
                 manifest = rec.get("manifest") if isinstance(rec.get("manifest"), dict) else None
                 if manifest is not None and isinstance(manifest.get("handle"), str):
+                    if not st.handle_matches(rec["rid"], manifest["handle"]):
+                        continue  # not a handle the server names for this rid: never ours to remove
                     handles = self.open.setdefault(rec["index"], {})
                     handles.pop(_sent_key(rec["rid"]), None)
                     handles[manifest["handle"]] = (rec["rid"], manifest)
@@ -258,14 +294,20 @@ class StoreFetcher(Journal):
     # -- the client
 
     def connect(self) -> "StoreFetcher":
-        """Set the Mooncake client up. ``MooncakeMissing`` (one sentence) when mooncake is
-        not installed, ``StoreUnreachable`` when the master does not answer."""
+        """Set the Mooncake client up: Mooncake's own set-up is completed in a subprocess
+        first (``store_client.handshake``, ``HANDSHAKE_S``), so a master that accepts
+        connections and never answers costs seconds and SIGTERM/Ctrl-C still work (the
+        set-up holds the GIL while it waits). ``MooncakeMissing`` (one sentence) when
+        mooncake is not installed, ``StoreUnreachable`` when the master does not answer."""
         # Mooncake's INFO lines (its set-up, ~16 per run) would bury extract's own on the
         # user's terminal; warnings and errors still show (MC_LOG_LEVEL: Mooncake's own).
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        why = self.config.memory_problem()
+        if why is not None:
+            raise StoreUnreachable(f"--store: {why}")
         client = store_client.StoreClient(self.config)
         try:
-            client.connect(subject="--store", probe_s=PROBE_TIMEOUT_S)
+            client.connect(subject="--store", probe_s=PROBE_TIMEOUT_S, handshake_s=HANDSHAKE_S)
         except store_client.MooncakeMissing as e:
             raise MooncakeMissing(str(e)) from None
         except st.StoreError as e:

@@ -156,7 +156,7 @@ def test_one_rid_twice_then_again(store_server, store_reader, reference, tiny_mo
     from sglang_ext import store
 
     rid = f"store-dup-{dump_dtype}"
-    unique = re.compile(re.escape(store.handle_for(rid)) + "-[0-9a-f]{8}")
+    unique = re.compile(re.escape(store.handle_for(rid)) + "-[0-9a-f]{32}")
     prompts = [rand_ids(rng, 200), rand_ids(rng, 200)]
     metas = [store_server.generate(ids, 1, rid)["meta_info"] for ids in prompts]
     handles = [m.get(st.MANIFEST, {}).get("handle", "") for m in metas]

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from dumpfiles import write_dump
 from fake_sglang_server import JsonHandler
-from mooncake_fixture import HAVE_MOONCAKE, MiB, _free_port, master_config, needs_mooncake
+from mooncake_fixture import HAVE_MOONCAKE, MiB, SilentMaster, _free_port, master_config, needs_mooncake
 
 from sglang_ext import format as fmt
 from sglang_ext import store as st
@@ -374,7 +374,7 @@ def test_a_missing_object_times_out_with_a_sentence(master, server, tmp_path, ca
     assert extract(server, write_jsonl(tmp_path / "d.jsonl", data), out, "--max-retries", 0,
                    "--store-timeout", 0.3, store=trainer_url(master)) == EXIT_FAILED
     err = capsys.readouterr().err
-    assert re.search(r"row 1 \(line 2 of d\.jsonl\): 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{8}' did not appear "
+    assert re.search(r"row 1 \(line 2 of d\.jsonl\): 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{32}' did not appear "
                      r"in the Mooncake store at 127\.0\.0\.1:\d+ within 0\.3 s \(--store-timeout\)", err), err
     assert "Traceback" not in err
     assert hs_indices(out) == {0, 2}
@@ -415,6 +415,86 @@ def test_an_unreachable_master_is_one_sentence(tmp_path, capsys):
         assert s.counts == {}  # nothing sent
     finally:
         s.close()
+
+
+@needs_mooncake
+@pytest.mark.parametrize("sigterm", [False, True])
+def test_a_master_that_never_answers_is_one_sentence_and_sigterm_ends_the_wait(tmp_path, sigterm):
+    """A master that accepts connections and never answers: Mooncake's set-up runs in a
+    subprocess with a deadline, so the run ends with one sentence, or at once on SIGTERM
+    (exit 143), and nothing is sent (before: setup held the GIL, SIGTERM waited minutes)."""
+    silent = SilentMaster()
+    s = StoreServer(sink=None)
+    proc = None
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", rows(1))
+        url = f"mooncake://{silent.address}?protocol=tcp&local_hostname=127.0.0.1"
+        proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", "extract", "--endpoint", s.url, "--data",
+                                 data, "--out", str(tmp_path / "o"), "--no-progress", "--store", url],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if sigterm:  # once the set-up's subprocess runs (extract's handlers are in place by then)
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+            deadline = time.monotonic() + 60
+            while not children.read_text().split() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        if sigterm:
+            assert proc.returncode == 143 and "terminated (SIGTERM)" in err, err
+        else:
+            assert proc.returncode == EXIT_ABORTED, err
+            assert f"the Mooncake master at {silent.address} accepts connections but did not complete " \
+                   f"Mooncake's client set-up" in err, err
+        assert "Traceback" not in err and s.counts == {}
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        s.close()
+        silent.close()
+
+
+@needs_mooncake
+@pytest.mark.parametrize("mode", [0o620, 0o602])
+def test_a_store_journal_others_may_write_is_refused(master, server, tmp_path, capsys, mode):
+    """``OUT/.extract-store-rank0.jsonl`` names objects the run removes from the store: a
+    journal group or others may write is not read (one sentence, exit 2, nothing sent)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / ".extract-store-rank0.jsonl"
+    journal.write_text(json.dumps({"index": 0, "rid": "extract-0-0-0123abcd"}) + "\n")
+    journal.chmod(mode)
+    code = extract(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), out, store=trainer_url(master))
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT, err
+    assert f"the store journal {journal} is writable by group or others (mode {mode:o})" in err, err
+    assert "Traceback" not in err and server.counts == {}
+
+
+@needs_mooncake
+def test_a_forged_store_journal_removes_no_other_runs_objects(master, server, sink, tmp_path):
+    """Journal records naming objects this run could not have made (a rid of another shape,
+    a handle that is not the server's for its rid) are ignored: another run's objects stay."""
+    victims = [st.unique_handle("other-run-7"), st.unique_handle("extract-0-0-0123abcd") + "x",
+               "trainer_cache"]
+    for h in victims:
+        sink.put(h, [b"v" * 64])
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / ".extract-store-rank0.jsonl"
+    layout = st.pack_layout(3, len(LAYERS), HIDDEN, "bfloat16")
+    recs = [{"index": 0, "rid": "other-run-7"},
+            {"index": 0, "rid": "other-run-7", "manifest": layout.manifest(victims[0])},
+            {"index": 0, "rid": "extract-0-0-0123abcd", "manifest": layout.manifest(victims[1])},
+            {"index": 0, "rid": "extract-0-0-0123abcd", "manifest": layout.manifest("trainer_cache")}]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    journal.chmod(0o600)
+    try:
+        assert extract(server, write_jsonl(tmp_path / "d.jsonl", rows(2)), out, store=trainer_url(master)) == 0
+        assert [h for h in victims if not sink.exists(h)] == []
+    finally:
+        for h in victims:
+            sink.remove(h)
 
 
 def test_without_the_mooncake_package_is_one_sentence(tmp_path):
@@ -460,6 +540,19 @@ def test_mooncake_missing_a_shared_library_is_one_sentence_quoting_it(tmp_path):
 def _cmd(server, data, out, master):
     return [sys.executable, "-m", "sglang_ext", "extract", "--endpoint", server.url, "--data", data,
             "--out", str(out), "--concurrency", "4", "--no-progress", "--store", trainer_url(master)]
+
+
+@needs_mooncake
+def test_a_good_run_prints_no_mooncake_set_up_noise(master, server, tmp_path):
+    """Mooncake logs ``E... Local segment descriptor not found`` at every client's set-up
+    (its transfer engine looks up the client's own segment before registering it); a good
+    ``extract --store`` run keeps it off the user's terminal (issue 51)."""
+    path = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    r = subprocess.run(_cmd(server, path, tmp_path / "out", master), cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Local segment descriptor not found" not in r.stderr, r.stderr
+    assert hs_indices(tmp_path / "out") == {0, 1}
 
 
 @needs_mooncake

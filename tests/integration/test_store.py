@@ -267,7 +267,7 @@ def test_error_marker_is_an_error_to_the_reader(sink, reader):
 @needs_mooncake
 def test_existing_handle_is_refused(sink, reader):
     sink.put("dup", [b"first"])
-    with pytest.raises(st.StoreError, match="'dup' already holds an object"):
+    with pytest.raises(st.StoreError, match="'dup' already holds another answer's object"):
         sink.put("dup", [b"second"])
     assert reader.store._store.get("dup") == b"first"
     sink.remove("dup")

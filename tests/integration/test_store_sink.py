@@ -12,6 +12,7 @@ answer, the master killed mid-burst and restarted, a full store, the writer SIGK
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -26,7 +27,7 @@ from sglang_ext import format as fmt
 from sglang_ext import hooks, store
 from sglang_ext.config import DumpConfig, DumpConfigError
 from sglang_ext.session import check_server_args
-from mooncake_fixture import MiB, Master, _free_port, master_config, needs_mooncake
+from mooncake_fixture import MiB, Master, SilentMaster, _free_port, master_config, needs_mooncake
 from test_faults import gone
 from standins import Req, finish, idle, inject_writer, make_runner, reference, run_extend, wait_for
 
@@ -171,7 +172,7 @@ def test_every_answer_gets_its_own_handle(master, reader, sessions):
     handles = [m[MANIFEST]["handle"] for m in metas]
     assert len(set(handles)) == len(handles), handles
     for req, handle in zip(reqs, handles):
-        assert re.fullmatch(re.escape(store.handle_for(req.rid)) + "-[0-9a-f]{8}", handle), (req.rid, handle)
+        assert re.fullmatch(re.escape(store.handle_for(req.rid)) + "-[0-9a-f]{32}", handle), (req.rid, handle)
         assert store.handle_matches(req.rid, handle)
     for req, meta in zip(reqs, metas):
         assert torch.equal(read(reader, meta)["hidden_states"], reference(req, IDS)), req.rid
@@ -433,6 +434,109 @@ def test_a_writer_whose_master_is_gone_fails_its_requests_in_seconds():
         assert time.monotonic() - t0 < 1
     finally:
         conn.close()
+
+
+def test_start_up_refuses_a_master_that_accepts_connections_and_never_answers():
+    """A hung master (or its HTTP metrics port named by typo) passes a TCP probe; start-up
+    completes Mooncake's own set-up in a subprocess with a deadline, and refuses it in
+    one sentence naming the address (before: accepted, then the writer froze in setup)."""
+    silent = SilentMaster()
+    try:
+        args = types.SimpleNamespace(
+            dump_hidden_states_dir=f"mooncake://{silent.address}?protocol=tcp&local_hostname=127.0.0.1",
+            dump_hidden_states_layers=None, dump_hidden_states_max_host_mb=64, dump_hidden_states_dtype=None)
+        with pytest.raises(DumpConfigError) as e:
+            check_server_args(args)
+        said = str(e.value)
+        assert said.startswith("--dump-hidden-states-dir: the Mooncake master at " + silent.address), said
+        assert "did not complete Mooncake's client set-up" in said and "\n" not in said
+    finally:
+        silent.close()
+
+
+def test_a_writer_connection_to_a_master_that_never_answers_fails_requests_with_a_sentence():
+    """The writer's own set-up completes Mooncake's in a subprocess first: a master that
+    accepts and never answers fails the request in one sentence, and the process is never
+    frozen (before: ``setup`` held the GIL for minutes)."""
+    import ctypes
+
+    from sglang_ext import store_writer
+
+    silent = SilentMaster()
+    cfg = store.StoreConfig.from_url(f"mooncake://{silent.address}?protocol=tcp&local_hostname=127.0.0.1")
+    arena = ctypes.create_string_buffer(1 << 20)
+    conn = store_writer.Connection(cfg, ctypes.addressof(arena), len(arena))
+    try:
+        with pytest.raises(store.StoreUnavailable, match=rf"the Mooncake master at {re.escape(silent.address)} "
+                                                         r"accepts connections but did not complete"):
+            conn.get()
+    finally:
+        conn.close()
+        silent.close()
+
+
+def test_an_unreachable_metadata_server_is_refused_at_start(master):
+    args = types.SimpleNamespace(
+        dump_hidden_states_dir=master_config(master) + f"&metadata_server=http://127.0.0.1:{_free_port()}/metadata",
+        dump_hidden_states_layers=None, dump_hidden_states_max_host_mb=64, dump_hidden_states_dtype=None)
+    with pytest.raises(DumpConfigError, match=r"^--dump-hidden-states-dir: cannot reach the Mooncake "
+                                              r"metadata_server http://127\.0\.0\.1:\d+/metadata \("):
+        check_server_args(args)
+
+
+def test_a_stopped_master_fails_puts_fast_and_marks_them_once_it_answers(tmp_path, sessions):
+    """SIGSTOP of a real master: the first put waits one RPC timeout (MC_RPC_TIMEOUT_MS),
+    later requests fail at once (their arena ranges go back: the writer catches up while
+    the master is still stopped), and once it runs again every failed request's
+    ``<handle>:error`` is in the store (before: each put waited 30 s and no marker came)."""
+    m = Master(tmp_path)
+    try:
+        sess = sessions.start(store_runner(m))
+        first = Req("stop-0", 4, 1)
+        run_extend(sess, [(first, 0, 4)], IDS)
+        finish(first)
+        assert idle(sess)["files_written"] == 1
+        os.kill(m.process.proc.pid, signal.SIGSTOP)
+        reqs = [Req(f"stop-{i}", 4, i + 1) for i in range(1, 9)]
+        for i in range(0, 8, 2):
+            run_extend(sess, [(r, 0, 4) for r in reqs[i:i + 2]], IDS)
+        metas = [finish(r, 60) for r in reqs]
+        snap = idle(sess, 60)  # while the master is stopped
+        assert (snap["files_written"], snap["failures"]) == (1, 8), snap
+        os.kill(m.process.proc.pid, signal.SIGCONT)
+        reader = reader_for(m)
+        handles = [meta[MANIFEST]["handle"] for meta in metas]
+        assert wait_for(lambda: all(exists(reader, h + store.ERROR_SUFFIX) for h in handles), 60), \
+            [h for h in handles if not exists(reader, h + store.ERROR_SUFFIX)]
+        said = reader.store._store.get(handles[-1] + store.ERROR_SUFFIX).decode()
+        assert f"the Mooncake master at {m.address} does not answer" in said, said
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(m.process.proc.pid, signal.SIGCONT)
+        m.kill()
+
+
+def test_a_handle_collision_fails_both_requests_through_the_marker(master, reader, sessions, monkeypatch):
+    """Two live requests of one rid whose random suffixes collide (forced here): the
+    second put is refused and its marker makes both readers fail, rather than the second
+    reader taking the first request's sample (before: no marker). Handles carry 128 bits."""
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
+    assert re.fullmatch(r"k1-[0-9a-f]{32}", store.unique_handle("1"))
+    sess = sessions.start(store_runner(master))
+    monkeypatch.setattr(store.secrets, "token_hex", lambda n: "ab" * n)
+    a, b = Req("twin", 4, 1), Req("twin", 4, 2)
+    run_extend(sess, [(a, 0, 4)], IDS)
+    meta_a = finish(a)
+    idle(sess)
+    run_extend(sess, [(b, 0, 4)], IDS)
+    meta_b = finish(b)
+    snap = idle(sess)
+    handle = meta_a[MANIFEST]["handle"]
+    assert meta_b[MANIFEST]["handle"] == handle and snap["failures"] >= 1
+    assert exists(reader, handle + store.ERROR_SUFFIX)
+    with pytest.raises(MooncakeIntegrityError, match="handle collision"):
+        read(reader, meta_b)
 
 
 def test_start_up_quotes_a_mooncake_that_cannot_load(master, tmp_path):

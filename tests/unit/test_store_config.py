@@ -55,3 +55,43 @@ def test_the_writer_warns_once_at_start(caplog):
         quiet.close()
     said = [r.getMessage() for r in caplog.records if "loopback" in r.getMessage()]
     assert len(said) == 1 and "local_hostname URL key" in said[0], said
+
+
+@pytest.mark.parametrize("query, words", [
+    ("device=mlx5%000", "mooncake setting device_name 'mlx5\\x000' holds a control character"),
+    ("local_hostname=a%0Ab", "mooncake setting local_hostname 'a\\nb' holds a control character"),
+    ("metadata_server=etcd-1", "metadata_server 'etcd-1' is neither P2PHANDSHAKE nor a URL with a host and port"),
+    ("metadata_server=http://meta/x", "is neither P2PHANDSHAKE nor a URL with a host and port"),
+])
+def test_url_settings_mooncake_would_fail_on_are_refused_in_one_sentence(query, words):
+    with pytest.raises(ValueError) as e:
+        store.StoreConfig.from_url(f"mooncake://10.0.0.1:50051?{query}")
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_credentials_in_the_url_are_refused_and_never_quoted():
+    with pytest.raises(ValueError) as e:
+        store.StoreConfig.from_url("mooncake://alice:s3cret@10.0.0.1:50051?protocol=tcp")
+    said = str(e.value)
+    assert "carries credentials (USER:SECRET@), which Mooncake's master neither takes nor checks" in said
+    assert "s3cret" not in said and "alice" not in said and "mooncake://10.0.0.1:50051?protocol=tcp" in said
+
+
+def test_a_segment_larger_than_the_host_is_named():
+    import os
+
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    big = store.StoreConfig.from_url("mooncake://10.0.0.1:50051?global_segment_size=1000TiB")
+    assert big.memory_problem() == (
+        f"mooncake settings global_segment_size {1000 << 40} + local_buffer_size {256 << 20} bytes are more "
+        f"than this host's memory ({ram} bytes)")
+    assert store.StoreConfig.from_url("mooncake://10.0.0.1:50051?global_segment_size=1GiB").memory_problem() is None
+
+
+def test_handles_carry_128_random_bits_and_old_8_hex_handles_still_match():
+    import re
+
+    h = store.unique_handle("3f.a")
+    assert re.fullmatch(r"k3f_a-[0-9a-f]{32}", h), h
+    assert store.handle_matches("3f.a", h) and store.handle_matches("3f.a", "k3f_a-0123abcd")
+    assert not store.handle_matches("3f.a", "k3f_a-0123abc") and not store.handle_matches("3f.b", h)
