@@ -262,7 +262,10 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     if note:
         print(note, file=sys.stderr)
     if not args.dump_dir and args.store is None:  # where requests not yet answered leave files
-        server_dir = asyncio.run(server_dump_dir(args.endpoint, min(args.timeout, PROBE_TIMEOUT_S)))
+        server_dir, note = asyncio.run(server_dump_dir(args.endpoint,
+                                                       min(args.timeout, PROBE_TIMEOUT_S)))
+        if note:
+            print(note, file=sys.stderr)
         if server_dir:
             dump.adopt(server_dir)
     try:

@@ -101,10 +101,14 @@ class Server:
         self.answer_path = None
         self.server_info = True
         self.layer_ids = "[2, 4]"  # the files' metadata (another server's configuration)
+        self.raw_get = {}  # GET path -> f(handler): a hostile answer written by f itself
+        self.raw_post = None  # None, or f(handler, request body): the same for every POST
         server = self
 
         class Handler(_HealthOnly):
             def do_GET(self):
+                if self.path in server.raw_get:
+                    return server.raw_get[self.path](self)
                 if self.path != "/server_info" or not server.server_info:
                     return super().do_GET()
                 data = json.dumps({"dump_hidden_states_dir": server.dump_dir, "tp_size": 1}).encode()
@@ -115,6 +119,8 @@ class Server:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.raw_post is not None:
+                    return server.raw_post(self, body)
                 code, obj = server.generate(body)
                 if code is None:
                     return

@@ -391,3 +391,128 @@ def test_staged_fixed_name_replaces_a_leftover_and_publishes(tmp_path):
     assert (tmp_path / "data_0.ckpt").read_bytes() == b"record"
     assert (tmp_path / "elsewhere").read_bytes() == b"not ours"
     assert stat.S_IMODE(os.lstat(tmp_path / "data_0.ckpt").st_mode) == 0o600 & ~_umask()
+
+
+# ---- issue 50 item 1: extract bounds what it reads from a server --------------------------------
+def _endless(handler, *_):
+    """HTTP 200 and a JSON body that never ends (no Content-Length: closed-delimited),
+    as fast as the socket takes it, until the client goes away."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.end_headers()
+    chunk = b" " * (1 << 16)
+    try:
+        handler.wfile.write(b'{"meta_info": {"x": "')
+        for _ in range(1 << 16):  # 4 GiB at most, then the test's server gives up
+            handler.wfile.write(chunk)
+    except OSError:
+        pass
+
+
+def _trickle(handler, *_):
+    """HTTP 200 announcing 100000 bytes, then one byte a second (for at most 120 s)."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", "100000")
+    handler.end_headers()
+    try:
+        for _ in range(120):
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(1)
+    except OSError:
+        pass
+
+
+def _nested(handler, *_):
+    """HTTP 200 and valid JSON nested 100000 levels deep."""
+    data = b"[" * 100_000 + b"]" * 100_000
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    try:
+        handler.wfile.write(data)
+    except OSError:
+        pass
+
+
+def _at_most_4_gib():
+    """preexec_fn: the client's address space capped, so that a regression that reads an
+    endless answer fails fast with MemoryError instead of filling this machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def _no_traceback(r):
+    assert "Traceback" not in r.stderr and "RecursionError" not in r.stderr, r.stderr
+
+
+def test_an_endless_answer_to_generate_fails_its_row_at_the_answer_bound(server, tmp_path):
+    server.raw_post = _endless
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0, "--dump-dir", server.dump_dir),
+            timeout=120, preexec_fn=_at_most_4_gib)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert (f"the answer to POST {server.url}/generate is over 16 MiB (extract reads at most "
+            f"16 MiB of an answer)") in r.stderr, r.stderr
+
+
+def test_an_endless_server_info_is_left_at_the_answer_bound_and_the_run_goes_on(server, tmp_path):
+    """/server_info is only a hint (the dump directory before any answer): past the bound it
+    is a note, and the rows are extracted as usual."""
+    server.raw_get["/server_info"] = _endless
+    data = rows(2)
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), out),
+            timeout=120, preexec_fn=_at_most_4_gib)
+    _no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    assert (f"note: the answer to GET {server.url}/server_info is over 16 MiB (extract reads at "
+            f"most 16 MiB of an answer): its dump directory is not taken from it") in r.stderr, r.stderr
+    for i, ids in enumerate(data):
+        result_is_regular_and_right(out, i, ids)
+
+
+def test_a_deeply_nested_server_info_is_one_note_and_the_run_goes_on(server, tmp_path):
+    server.raw_get["/server_info"] = _nested
+    data = rows(2)
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), tmp_path / "out"),
+            timeout=120)
+    _no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    assert (f"note: the answer to GET {server.url}/server_info is JSON nested deeper than "
+            f"Python's parser takes") in r.stderr, r.stderr
+
+
+def test_a_deeply_nested_answer_to_generate_is_one_sentence(server, tmp_path):
+    server.raw_post = _nested
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0, "--dump-dir", server.dump_dir), timeout=120)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert (f"the answer to POST {server.url}/generate is JSON nested deeper than Python's "
+            f"parser takes") in r.stderr, r.stderr
+
+
+def test_timeout_covers_an_answer_that_trickles(server, tmp_path):
+    """A byte a second forever: --timeout 3 ends the try (the test's own limit is 60 s, the
+    server would go on for 120)."""
+    server.raw_post = _trickle
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0, "--timeout", 3, "--dump-dir", server.dump_dir),
+            timeout=60)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert "no answer within 3 s (--timeout)" in r.stderr, r.stderr
+
+
+def test_timeout_covers_a_server_info_that_trickles(server, tmp_path):
+    server.raw_get["/server_info"] = _trickle
+    data = rows(1)
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), tmp_path / "out",
+                          "--timeout", 3), timeout=60)
+    _no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    result_is_regular_and_right(tmp_path / "out", 0, data[0])
