@@ -398,7 +398,12 @@ def write_summary(path: str, summary: dict, mode: int) -> None:
 def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> List[str]:
     """Sweep the server files this rank's requests left (see ``sglang_ext.client.pending``); say
     what was removed and what is still being written. Returns the latter."""
-    removed, busy = pending.sweep(forget_unanswered)
+    try:
+        removed, busy = pending.sweep(forget_unanswered)
+    except OSError as e:  # the journal's rewrite (a full disk): the next run reads it again
+        print(f"cannot rewrite {pending.path} ({e.strerror or e}); the next run of this command "
+              f"sweeps again", file=sys.stderr)
+        return []
     if removed:
         print(f"removed {removed} file(s) {when} in the server's dump directory "
               f"({', '.join(pending.dump_dirs)})", file=sys.stderr)

@@ -307,77 +307,104 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             abort.set()
         return False
 
+    def stop(why: str) -> None:
+        """Abort the run for ``why`` (one sentence, first on stderr), once."""
+        if not abort.is_set():
+            stats.aborted = why
+            print(f"error: {why}", file=sys.stderr)
+            abort.set()
+
+    def add_line(row: Row, rec: Dict[str, Any]) -> bool:
+        """Append ``rec`` to the manifest; False when OUT cannot take it (a full disk): the
+        row fails, its hs_<i> stays for the next run, and the run stops (the next rows
+        would fail alike)."""
+        try:
+            manifest.add(rec)
+            return True
+        except OSError as e:
+            why = e.strerror or str(e)
+            stats.failed += 1
+            stats.failed_indices.append(row.index)
+            print(f"{row.name}: cannot append its line to {manifest.path} ({why}); "
+                  f"{final_name(row.index)} is kept for the next run", file=sys.stderr)
+            stop(f"{manifest.path}: {why}: no sample can be recorded; free space there (or "
+                 f"fix the directory) and run the same command again to resume")
+            return False
+
     async def worker(session):
-        nonlocal consecutive
         while True:
             row = await queue.get()
             try:
-                if row is None:
-                    return
-                if abort.is_set():
-                    continue
-                if row.error is not None:  # a malformed image part: this row alone fails
-                    stats.failed += 1
-                    stats.failed_indices.append(row.index)  # bad data, not a failing server:
-                    print(row.error, file=sys.stderr)        # not a consecutive failure
-                    tick()
-                    continue
-                n, redo = await asyncio.to_thread(
-                    existing, opts.out_dir, row.index, row.input_ids, opts.validate,
-                    row.chat.digest if row.chat is not None else None,
-                    manifest.records.get(row.index))
-                if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
-                    print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
-                elif n is not None:
-                    if not await same_layout(row, taken=False):
-                        continue
-                    stats.resumed += 1
-                    if row.index not in manifest:
-                        size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
-                        manifest.add(record(row.index, n, None, size))
-                    if opts.store is not None:  # taken before a kill: its objects go now
-                        await opts.store.consumed(row.index)
-                    tick()
-                    continue
-                try:
-                    got = await extract_one(session, opts, row, stats, http_slots, pending, abort,
-                                            progress)
-                except FatalError as e:
-                    if not abort.is_set():
-                        stats.bad_input = isinstance(e, UsageError)
-                        stats.aborted = f"{row.name}: {e}"
-                        print(f"error: {stats.aborted}", file=sys.stderr)
-                        abort.set()
-                    continue
-                except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
-                    if not isinstance(e, RequestError):
-                        e = RequestError(f"{row.name}: {type(e).__name__}: {e}")
-                    stats.failed += 1
-                    stats.failed_indices.append(row.index)
-                    consecutive += 1
-                    print(str(e), file=sys.stderr)
-                    if consecutive >= opts.max_consecutive_failures and not abort.is_set():
-                        stats.aborted = (f"{consecutive} consecutive samples failed "
-                                         f"(--max-consecutive-failures); last: {e}")
-                        print(f"error: {stats.aborted}", file=sys.stderr)
-                        abort.set()
-                else:
-                    if got is None:  # aborted while it was being tried
-                        continue
-                    rec, worker = got
-                    if not await same_layout(row, taken=True):
-                        continue
-                    progress.sample(worker, rec["num_tokens"])
-                    consecutive = 0
-                    manifest.add(rec)
-                    if opts.store is not None:  # in OUT and in the manifest: remove the object(s)
-                        await opts.store.consumed(row.index)
-                    stats.done += 1
-                    stats.tokens += rec["num_tokens"]
-                    stats.bytes += rec["bytes"]
-                tick()
+                if row is not None and not abort.is_set():
+                    await one_row(session, row)
+            except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
+                stop(f"{row.name}: {type(e).__name__}: {e}")
             finally:
                 queue.task_done()
+            if row is None:
+                return
+
+    async def one_row(session, row: Row) -> None:
+        """All of one row: resume, tries, the manifest line; counts go to ``stats``."""
+        nonlocal consecutive
+        if row.error is not None:  # a malformed image part: this row alone fails
+            stats.failed += 1
+            stats.failed_indices.append(row.index)  # bad data, not a failing server:
+            print(row.error, file=sys.stderr)        # not a consecutive failure
+            tick()
+            return
+        n, redo = await asyncio.to_thread(
+            existing, opts.out_dir, row.index, row.input_ids, opts.validate,
+            row.chat.digest if row.chat is not None else None,
+            manifest.records.get(row.index))
+        if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
+            print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
+        elif n is not None:
+            if not await same_layout(row, taken=False):
+                return
+            stats.resumed += 1
+            if row.index not in manifest:
+                size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
+                if not add_line(row, record(row.index, n, None, size)):
+                    return
+            if opts.store is not None:  # taken before a kill: its objects go now
+                await opts.store.consumed(row.index)
+            tick()
+            return
+        try:
+            got = await extract_one(session, opts, row, stats, http_slots, pending, abort,
+                                    progress)
+        except FatalError as e:
+            if not abort.is_set():
+                stats.bad_input = isinstance(e, UsageError)
+            stop(f"{row.name}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001 - a row's error: the run goes on
+            if not isinstance(e, RequestError):
+                e = RequestError(f"{row.name}: {type(e).__name__}: {e}")
+            stats.failed += 1
+            stats.failed_indices.append(row.index)
+            consecutive += 1
+            print(str(e), file=sys.stderr)
+            if consecutive >= opts.max_consecutive_failures:
+                stop(f"{consecutive} consecutive samples failed (--max-consecutive-failures); "
+                     f"last: {e}")
+        else:
+            if got is None:  # aborted while it was being tried
+                return
+            rec, worker = got
+            if not await same_layout(row, taken=True):
+                return
+            if not add_line(row, rec):
+                return
+            progress.sample(worker, rec["num_tokens"])
+            consecutive = 0
+            if opts.store is not None:  # in OUT and in the manifest: remove the object(s)
+                await opts.store.consumed(row.index)
+            stats.done += 1
+            stats.tokens += rec["num_tokens"]
+            stats.bytes += rec["bytes"]
+        tick()
 
     timeout = aiohttp.ClientTimeout(total=opts.timeout)
     # Twice as many workers as HTTP requests in flight: while one waits for its file

@@ -11,10 +11,12 @@ FIFOs (``os.mkfifo``), real sockets.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
 import stat
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -516,3 +518,101 @@ def test_timeout_covers_a_server_info_that_trickles(server, tmp_path):
     _no_traceback(r)
     assert r.returncode == 0, r.stderr
     result_is_regular_and_right(tmp_path / "out", 0, data[0])
+
+
+# ---- issue 50 item 3: OUT fills up ------------------------------------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 1 MiB tmpfs (``mount -t tmpfs``, as root) at tmp_path/fs, unmounted after."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"mount -t tmpfs failed: {r.stderr}"
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(fs):
+    """Write fs/filler until the filesystem refuses (ENOSPC): no page is left."""
+    with open(fs / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
+def _renaming_server(server, fs, ids, n):
+    """``server`` answers each /generate by renaming one of ``n`` files made beforehand (in
+    fs/stage, for ``ids``) to the request's name in its dump directory (fs/dump): a rename
+    needs no free space, so the file reaches OUT (same filesystem) on a full disk. Before
+    its first answer it fills fs (``_fill``): the client's journal has its page by then."""
+    stage = fs / "stage"
+    stage.mkdir()
+    for k in range(n):
+        write_file(str(stage / f"{k}{fmt.SUFFIX}"), ids)
+    count = []
+
+    def answer(handler, body):
+        if not count:
+            _fill(fs)
+        count.append(1)
+        path = os.path.join(server.dump_dir, fmt.safe_stem(body["rid"]) + fmt.SUFFIX)
+        os.rename(stage / f"{len(count) - 1}{fmt.SUFFIX}", path)
+        data = json.dumps({"text": "x", "meta_info": {"hidden_states_path": path}}).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    server.raw_post = answer
+
+
+@pytest.mark.parametrize("manifest_before", [0, 4086])
+def test_a_full_out_fails_the_row_naming_the_manifest_and_stops_the_run(tmp_path, small_fs,
+                                                                        manifest_before):
+    """OUT and the dump directory on one real 1 MiB tmpfs, filled up at the first answer.
+    One worker (--concurrency 1 --no-early-answers): the manifest's ENOSPC escaped it and
+    the run hung. With a manifest of 4086 bytes (10 short of its page) the append was a
+    short write: a torn line, which the next line was glued onto. Now the row fails naming
+    the manifest, the run stops (exit 3) with a sentence, the manifest holds whole lines
+    only, and once there is room again the next run records the sample."""
+    ids = [1, 2, 3]
+    server = Server(small_fs / "dump")
+    out = small_fs / "out"
+    out.mkdir()
+    manifest = out / "manifest.jsonl"
+    before = b""
+    if manifest_before:  # an earlier run's line for another row, padded to 4086 bytes
+        head = b'{"index":999,"num_tokens":3,"file":"hs_999.safetensors","pad":"'
+        before = head + b"x" * (manifest_before - len(head) - 3) + b'"}\n'
+        manifest.write_bytes(before)
+        assert len(before) == manifest_before
+    try:
+        _renaming_server(server, small_fs, ids, 3)
+        data = write_jsonl(tmp_path / "d.jsonl", [ids] * 3)
+        args = extract_args(server, data, out, "--concurrency", 1, "--no-early-answers",
+                            "--max-retries", 0)
+        r = cli(*args, timeout=120)
+        _no_traceback(r)
+        assert r.returncode == 3, r.stderr
+        assert (f"row 0 (line 1 of d.jsonl): cannot append its line to {manifest} (No space left "
+                f"on device); hs_0.safetensors is kept for the next run") in r.stderr, r.stderr
+        assert (f"error: {manifest}: No space left on device: no sample can be recorded; free "
+                f"space there (or fix the directory) and run the same command again to resume"
+                ) in r.stderr, r.stderr
+        assert (manifest.read_bytes() if manifest.exists() else b"") == before
+        assert sorted(p.name for p in out.glob("hs_*")) == ["hs_0.safetensors"]
+        os.unlink(small_fs / "filler")
+        server.raw_post = None
+        r = cli(*args, timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(line) for line in manifest.read_bytes()[len(before):].splitlines()]
+        assert sorted(rec["index"] for rec in lines) == [0, 1, 2], lines
+    finally:
+        server.close()
