@@ -616,3 +616,51 @@ def test_a_full_out_fails_the_row_naming_the_manifest_and_stops_the_run(tmp_path
         assert sorted(rec["index"] for rec in lines) == [0, 1, 2], lines
     finally:
         server.close()
+
+
+# ---- issue 50 item 9: a file of any size or shape is not taken ---------------------------------
+def _declaring(path, ids, tensors):
+    """A safetensors file holding ``token_ids`` ``ids`` (I64, first) and declaring
+    ``tensors`` ({name: (dtype, shape, nbytes)}) after them, their data left sparse
+    (``truncate``): valid for the safetensors library, of any size."""
+    header = {"token_ids": {"dtype": "I64", "shape": [len(ids)], "data_offsets": [0, 8 * len(ids)]}}
+    pos = 8 * len(ids)
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(i.to_bytes(8, "little") for i in ids))
+        f.truncate(8 + len(text) + pos)
+
+
+@pytest.mark.parametrize("tensors,bound", [
+    ({"hidden_states": ("BF16", [3, 0, 4], 0)},
+     "hidden_states shape [3, 0, 4], not [T, L, H] with every dimension >= 1"),
+    ({"hidden_states": ("BF16", [3, 1, 268_435_456], 3 << 29)},
+     "hidden_states shape [3, 1, 268435456] holds 268435456 values per token, over the 4194304 "
+     "(layers x hidden) extract takes"),
+    ({"hidden_states": ("BF16", [3, 2, 4], 48), "padding": ("U8", [3 << 29], 3 << 29)},
+     # 3 x (2 x 4 x 2 bytes + 4 x 2 + 8) + 1 MiB
+     f"bytes, over the {3 * (16 + 8 + 8) + (1 << 20)} that 3 tokens x 2 layers x 4 hidden (BF16) "
+     f"take with scales, token ids and a 1 MiB header: not a dump file"),
+])
+def test_a_file_of_another_size_or_shape_is_refused_before_it_is_taken(server, tmp_path, tensors,
+                                                                        bound):
+    """The server's file for a 3-token row declares a zero dimension, a row of 2**28 values
+    or 1.5 GiB beside its tensors (sparse): the try fails naming the bound, and nothing of
+    it reaches OUT (before, a [3, 0, 4] file was kept as hs_0, and a 1.5 GiB one taken)."""
+    def answer(n, path):
+        _declaring(path, [1, 2, 3], tensors)
+        return path
+
+    server.answer_path = answer
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3]]), out,
+                          "--max-retries", 0, "--dump-dir", server.dump_dir), timeout=60)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert bound in r.stderr, r.stderr
+    assert "the server's file " in r.stderr, r.stderr
+    assert sorted(os.listdir(out)) == ["manifest.jsonl"] or not (out / "manifest.jsonl").exists()
+    assert not list(out.glob("hs_*")) and not list(out.glob(".hs_*"))
