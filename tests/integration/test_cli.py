@@ -862,3 +862,24 @@ def test_extract_help_shows_real_defaults_only():
     text = " ".join(r.stdout.split())
     assert "(default: None)" not in text
     assert "HTTP requests in flight" in text and "(default: 32)" in text and "(default: 600.0)" in text
+
+
+def test_ctrl_c_while_the_command_is_imported_is_one_line():
+    """A real SIGINT, sent by the process to itself when ``python -m sglang_ext extract``
+    starts importing extract's module (the first half second of a run, where a new user's
+    Ctrl-C printed a KeyboardInterrupt traceback)."""
+    code = (
+        "import os, runpy, signal, sys\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'sglang_ext.client.extract':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "sys.argv = ['sglang_ext', 'extract', '--help']\n"
+        "runpy.run_module('sglang_ext', run_name='__main__', alter_sys=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip().splitlines() == ["sglang-ext extract: interrupted"], r.stderr
