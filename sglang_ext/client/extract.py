@@ -337,8 +337,10 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     except KeyboardInterrupt as e:
         left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
         how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
-        print(f"extract: {how}: {stats.done} sample(s) extracted in this run, "
-              f"{stats.done + stats.resumed} of {total} done for rank {args.rank}; run the same "
+        # stats.taken, not stats.done: rows cancelled after their file reached OUT count
+        # (a new user's review saw 813 said, 829 in OUT, 829 resumed by the next run)
+        print(f"extract: {how}: {len(stats.taken)} sample(s) extracted in this run, "
+              f"{len(stats.taken) + stats.resumed} of {total} done for rank {args.rank}; run the same "
               f"command again to resume" + (f" (it also removes the {len(left)} file(s) the "
                                             f"server is still writing)" if left else ""),
               file=sys.stderr)

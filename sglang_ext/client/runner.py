@@ -13,7 +13,7 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.checks import CheckError, check_file, sample_layout
@@ -75,8 +75,19 @@ class Stats:
     tokens: int = 0
     bytes: int = 0
     failed_indices: List[int] = field(default_factory=list)
+    # rows whose file this run put into OUT (``put_in_out``), counted in the thread that
+    # did it: a file put there after Ctrl-C cancelled its row's await still counts
+    taken: Set[int] = field(default_factory=set)
     aborted: Optional[str] = None
     bad_input: bool = False  # the abort is the command line's (UsageError): exit 2
+
+
+def put_in_out(taken: Set[int], index: int, fn, *args):
+    """``fn(*args)``, which puts row ``index``'s file into OUT (``move_into_place``,
+    ``StoreFetcher.take``), then ``index`` added to ``taken``; run in a worker thread."""
+    result = fn(*args)
+    taken.add(index)
+    return result
 
 
 async def request_once(session, opts: Options, row: Row, attempt: int,
@@ -159,7 +170,8 @@ def chat_record(row: Row, rec: Dict[str, Any]) -> Dict[str, Any]:
     return rec
 
 
-async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer) -> Dict[str, Any]:
+async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer,
+                          taken: Set[int]) -> Dict[str, Any]:
     """The store half of a try: check the answer's manifest against ``row``, journal it,
     wait for its object (``--store-timeout``) and write it as ``OUT/hs_<i>``; returns the
     manifest record. Raises ``FetchError`` (a ``RequestError``), ``RowError``
@@ -171,11 +183,12 @@ async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer) -> 
     exp = fetch.expect(answer.manifest, rid, ids, store.shape)  # rid is journaled already
     store.answered(row.index, rid, answer.manifest)
     await store.wait(exp, opts.store_timeout)
-    size = await asyncio.to_thread(store.take, exp, row.index, ids, opts.validate)
+    size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index, ids,
+                                   opts.validate)
     return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle), size))
 
 
-async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]:
+async def resume_from_store(opts: Options, row: Row, taken: Set[int]) -> Optional[Dict[str, Any]]:
     """A rerun's first try of an unfinished row: take the newest object an earlier run
     was answered for, if it is still in the store (no new request); returns its record, or
     None (nothing journaled, or gone: the row is requested again). Journaled objects that
@@ -192,7 +205,8 @@ async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]
             exp = fetch.expect(manifest, rid, row.input_ids, store.shape)
             if await asyncio.to_thread(store.state, exp.handle) != "ready":
                 continue
-            size = await asyncio.to_thread(store.take, exp, row.index, row.input_ids, opts.validate)
+            size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index,
+                                           row.input_ids, opts.validate)
         except (RequestError, CheckError, OSError) as e:
             print(f"{row.name}: the sample an earlier run was answered for is not taken "
                   f"({e}); requesting it again", file=sys.stderr)
@@ -221,18 +235,19 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             return None
         try:
             if attempt == 0 and opts.store is not None and opts.store.resumable(row.index):
-                rec = await resume_from_store(opts, row)
+                rec = await resume_from_store(opts, row, stats.taken)
                 if rec is not None:
                     return rec, STORE
             rid, answer = await request_once(session, opts, row, attempt, http_slots, pending)
             if answer.manifest is not None:
                 where.append(STORE)
-                return await take_from_store(opts, row, rid, answer), STORE
+                return await take_from_store(opts, row, rid, answer, stats.taken), STORE
             dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
             ids = expected_ids(row, answer)  # RowError: the file stays journaled, swept at the end
             try:
                 size = await asyncio.to_thread(
-                    move_into_place, dump, name, opts.out_dir, row.index, ids,
+                    put_in_out, stats.taken, row.index, move_into_place, dump, name, opts.out_dir,
+                    row.index, ids,
                     opts.validate, opts.file_mode,
                 )
             finally:
@@ -297,6 +312,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
         if taken:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            stats.taken.discard(row.index)
         if not abort.is_set():
             stats.aborted = (f"{name} holds layers {layout[0]} x {list(layout[1])} {layout[2]}, "
                              f"but {first[0][0]} in {opts.out_dir} holds {first[0][1][0]} x "

@@ -883,3 +883,26 @@ def test_ctrl_c_while_the_command_is_imported_is_one_line():
                        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
     assert r.returncode == 130, r.stderr
     assert r.stderr.strip().splitlines() == ["sglang-ext extract: interrupted"], r.stderr
+
+
+def test_the_ctrl_c_line_counts_every_file_the_run_put_in_out(server, tmp_path):
+    """Ctrl-C in the middle of a fast run (32 workers): the line's count is the number of
+    hs_<i> in OUT, which the next run resumes (a new user's review saw "813" said, 829 files
+    in OUT and 829 resumed: rows cancelled after their file was moved were not counted)."""
+    data = [[1, 2, 3]] * 400
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+
+    def in_out():
+        return len(list(out.glob("hs_*.safetensors"))) if out.exists() else 0
+
+    code, err = signal_extract(extract_args(server, path, str(out), "--concurrency", 16),
+                               lambda: in_out() >= 60, signal.SIGINT)
+    assert code == 130, err
+    said = re.search(r"extract: interrupted: (\d+) sample\(s\) extracted in this run, (\d+) of 400", err)
+    assert said, err
+    files = in_out()
+    assert (int(said[1]), int(said[2])) == (files, files), err
+    r = cli(*extract_args(server, path, out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert summary(r.stdout)["resumed"] == files
