@@ -151,6 +151,7 @@ def main(args) -> int:
     locks: List[RunLock] = []  # the run's hold on --out, released last
     main_thread = threading.current_thread() is threading.main_thread()  # (called as a library)
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    made_out = not os.path.lexists(args.out)  # --out is this run's to remove if left empty
     try:
         return _main(args, held, locks)
     except _Terminated:  # before or after the run's own handling: still one line, no traceback
@@ -165,6 +166,11 @@ def main(args) -> int:
                 opts.store.close()
         for lock in locks:
             lock.release()
+        if made_out:  # a run stopped before any file (a bad row, an abort) leaves no empty --out
+            try:
+                os.rmdir(args.out)
+            except OSError:  # not empty (samples, a journal), or never made
+                pass
 
 
 def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:

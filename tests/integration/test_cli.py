@@ -906,3 +906,18 @@ def test_the_ctrl_c_line_counts_every_file_the_run_put_in_out(server, tmp_path):
     r = cli(*extract_args(server, path, out), timeout=120)
     assert r.returncode == 0, r.stderr
     assert summary(r.stdout)["resumed"] == files
+
+
+def test_a_run_stopped_at_a_bad_row_leaves_no_empty_out(server, tmp_path):
+    """The dataset's first row has no input_ids (and no --tokenizer): the run stops at it
+    (exit 2) and the --out it created is gone again (a new user's review found an empty
+    one left behind); an --out that existed before stays."""
+    path = write_jsonl(tmp_path / "d.jsonl", [None, [1, 2, 3]])
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert "row 0 (line 1 of" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()
+    r = cli(*extract_args(server, path, tmp_path / "mine"))
+    assert r.returncode == 2, r.stderr
+    assert os.listdir(tmp_path / "mine") == []

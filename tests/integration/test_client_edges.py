@@ -92,8 +92,8 @@ def test_a_symlink_named_by_the_server_is_never_followed_nor_kept(server, tmp_pa
     assert r.returncode == 1, r.stderr
     assert victim.read_bytes() == before
     assert "is not a regular file" in r.stderr, r.stderr
-    out = tmp_path / "out"
-    assert not [n for n in os.listdir(out) if os.path.islink(out / n)]
+    out = tmp_path / "out"  # the run left it empty: removed (issue 51)
+    assert not out.exists() or not [n for n in os.listdir(out) if os.path.islink(out / n)]
     assert not list(out.glob("hs_*"))
 
 
@@ -662,5 +662,4 @@ def test_a_file_of_another_size_or_shape_is_refused_before_it_is_taken(server, t
     assert r.returncode == 1, r.stderr
     assert bound in r.stderr, r.stderr
     assert "the server's file " in r.stderr, r.stderr
-    assert sorted(os.listdir(out)) == ["manifest.jsonl"] or not (out / "manifest.jsonl").exists()
-    assert not list(out.glob("hs_*")) and not list(out.glob(".hs_*"))
+    assert not out.exists(), os.listdir(out)  # nothing of it reached OUT, left empty: removed
