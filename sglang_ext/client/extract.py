@@ -72,7 +72,8 @@ Guarantees:
   (the same URL form, trainer-side settings) each sample is waited for in the Mooncake
   Store (``--store-timeout``), checked, written as ``hs_<i>`` in the file sink's format and
   removed from the store once in the manifest (``sglang_ext.client.fetch``): no filesystem
-  is shared with the server. Such an answer without ``--store`` stops the run (exit 2).
+  is shared with the server. Such an answer without ``--store`` stops the run (exit 2), and
+  an answer naming a file with ``--store`` (a server writing files) stops it (exit 3).
 
 Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token

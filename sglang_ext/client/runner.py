@@ -96,8 +96,8 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     with images); returns ``(rid, answer)``. The wait for an HTTP slot is outside
     ``--timeout``, which bounds the HTTP request. ``pending`` journals the request (a store
     answer settles it at once: the server writes no file). Raises ``RequestError``
-    (``RowError``; ``FatalError`` when retrying cannot help, ``UsageError`` for a store
-    answer without ``--store``)."""
+    (``RowError``; ``FatalError`` when retrying cannot help or for a file answer with
+    ``--store``, ``UsageError`` for a store answer without ``--store``)."""
     rid = f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}"
     if opts.store is not None:
         opts.store.sent(row.index, rid)
@@ -108,6 +108,12 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     else:
         answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
                                 http_slots, pending)
+    if answer.manifest is None and opts.store is not None:
+        raise FatalError(f"the server at {opts.endpoint} writes files (its answers carry "
+                         f"meta_info.{fmt.PATH_KEY}, e.g. {answer.path}), not samples into a "
+                         f"Mooncake Store: --store has nothing to collect; run without --store "
+                         f"(where this machine sees the server's dump directory), or start the "
+                         f"server with --dump-hidden-states-dir mooncake://...")
     if answer.manifest is not None:
         pending.settled(rid)
         if opts.store is None:

@@ -663,3 +663,22 @@ def test_a_file_of_another_size_or_shape_is_refused_before_it_is_taken(server, t
     assert bound in r.stderr, r.stderr
     assert "the server's file " in r.stderr, r.stderr
     assert not out.exists(), os.listdir(out)  # nothing of it reached OUT, left empty: removed
+
+
+# ---- issue 51: --store against a server that writes files ---------------------------------------
+def test_store_against_a_file_sink_server_stops_with_the_mismatch(server, tmp_path, master):
+    """A real mooncake_master for --store, a server that answers with hidden_states_path:
+    before, the run took the files and said nothing of --store doing nothing; now it stops
+    at the first answer (exit 3) naming both sides."""
+    from mooncake_fixture import HAVE_MOONCAKE
+
+    assert HAVE_MOONCAKE, "tests/run.sh installs Mooncake (requirements/store.txt)"
+    url = f"mooncake://{master.address}?protocol=tcp&local_buffer_size=16MiB&local_hostname=127.0.0.1"
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(3)), out,
+                          "--store", url, "--concurrency", 1), timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert (f"the server at {server.url} writes files (its answers carry "
+            f"meta_info.hidden_states_path, e.g. {server.dump_dir}/") in r.stderr, r.stderr
+    assert "not samples into a Mooncake Store: --store has nothing to collect" in r.stderr, r.stderr
+    assert not list(out.glob("hs_*"))
