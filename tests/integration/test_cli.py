@@ -921,3 +921,20 @@ def test_a_run_stopped_at_a_bad_row_leaves_no_empty_out(server, tmp_path):
     r = cli(*extract_args(server, path, tmp_path / "mine"))
     assert r.returncode == 2, r.stderr
     assert os.listdir(tmp_path / "mine") == []
+
+
+def test_convert_help_is_plain_text_with_shapes_and_to_is_optional(tmp_path):
+    """convert --help showed RST (double backticks) and a required --to of one choice: the
+    help is plain text giving the record's shapes, and --to may be left out (``--to
+    specforge`` is still taken)."""
+    text = " ".join(cli("convert", "--help").stdout.split())
+    assert "``" not in text, text
+    for words in ("hidden_states [T, L, H]", "input_ids [T] int64", "loss_mask [T] int64",
+                  "aux_hidden_state [1, T, (L-1)*H]", "hidden_state [1, T, H]",
+                  "specforge, the only one, is the default"):
+        assert words in text, words
+    (tmp_path / "src").mkdir()
+    r = cli("convert", tmp_path / "src", tmp_path / "dst", "--no-final-norm")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"error: SRC {tmp_path / 'src'} holds no hs_<i>.safetensors files "
+                                f"(extract --out writes them); nothing to convert")
