@@ -17,8 +17,9 @@ in ``kv_transfer_params.hidden_states_path`` (or ``choices[0].meta_info``) or, w
 the transfer manifest. The file's token ids must equal ``choices[0].prompt_token_ids`` (and
 the row's ``input_ids`` when it has them: else the row fails, not retried), and it goes to
 ``hs_<i>`` as any other, its manifest line with ``images`` and ``request_sha256``. The server
-fetches the images itself: a ``file://`` path must name a file on the server's filesystem.
-A malformed image part fails its row with one sentence; the run goes on.
+fetches the images itself: a ``file://`` path must name a file on the server's filesystem,
+under a directory given with ``--image-root`` (none by default; ``images.ImageAccess``).
+A malformed or refused image part fails its row with one sentence; the run goes on.
 
 Guarantees:
 
@@ -102,6 +103,7 @@ from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, ran
 from sglang_ext.client.dumpdir import DumpDirs
 from sglang_ext.client.files import RunLock, RunLockHeld, file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
+from sglang_ext.client.images import ImageAccess
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
 from sglang_ext.client.runner import Options, Stats, run
@@ -206,6 +208,13 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         except ValueError as e:
             print(f"error: --store: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    roots = []
+    for root in args.image_root or []:
+        if not os.path.isabs(root):
+            print(f"error: --image-root {root} must be an absolute path on the server's "
+                  f"filesystem", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        roots.append(os.path.normpath("/" + root.lstrip("/")))
     if not os.path.exists(args.data):
         print(f"error: --data {args.data} does not exist", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -326,7 +335,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     held[:] = [opts]
     stats = Stats()
     total = len(range(args.rank, n_rows, args.world_size))
-    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
+    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank, ImageAccess(tuple(roots)))
     t0 = time.monotonic()
     from sglang_ext.client.progress import Progress  # tqdm: checked above
 
@@ -458,7 +467,13 @@ def add_parser(subparsers) -> None:
                         "rows whose messages hold image parts (image_url with an http(s), "
                         "file:// or data: URL; speculators' image path/url) go through "
                         "/v1/chat/completions: the server fetches the images, so a file:// "
-                        "path must name a file the SERVER can read")
+                        "path must name a file the SERVER can read, under an --image-root")
+    p.add_argument("--image-root", default=None, action="append", metavar="DIR",
+                   help="absolute directory on the server's filesystem whose files image "
+                        "rows may name as file:// URLs or paths (repeatable; default: none, "
+                        "every file:// image is refused: SGLang's loader reads any path it is "
+                        "given, e.g. /dev/zero without end); /proc, /dev and /sys never, "
+                        "http(s) to link-local addresses never")
     p.add_argument("--out", required=True,
                    help="output directory (hs_<i>.safetensors, manifest.jsonl), files created "
                         "with mode 0600 or env KIMI_SGLANG_FILE_MODE (octal, e.g. 0640), the "
