@@ -72,7 +72,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.dataset import DataError, iter_rows
-from sglang_ext.client.files import Staged, file_mode, regular_or_why
+from sglang_ext.client.files import Staged, dir_mode, file_mode, regular_or_why
 
 GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
 MANIFEST = "manifest.jsonl"  # extract's (client.manifest.MANIFEST_NAME), in SRC
@@ -398,7 +398,7 @@ def save_atomic(obj, path: str, mode: int) -> None:
     import torch
 
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=dir_mode(mode), exist_ok=True)
     with Staged(directory, name, unique=False) as staged:
         tmp, fd = staged.create(mode)
         with open(fd, "wb") as f:
@@ -462,7 +462,7 @@ def main(args) -> int:
         return 2
     made_dst = not os.path.isdir(args.dst)
     try:
-        os.makedirs(args.dst, exist_ok=True)
+        os.makedirs(args.dst, mode=dir_mode(mode), exist_ok=True)
     except OSError as e:
         print(f"error: DST {args.dst}: cannot make the directory ({e.strerror or e})",
               file=sys.stderr)

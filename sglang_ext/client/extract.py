@@ -101,7 +101,7 @@ from typing import List
 
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
-from sglang_ext.client.files import RunLock, RunLockHeld, file_mode, regular_or_why
+from sglang_ext.client.files import RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
 from sglang_ext.client.images import ImageAccess
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
@@ -285,7 +285,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         if server_dir:
             dump.adopt(server_dir)
     try:
-        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(args.out, mode=dir_mode(mode), exist_ok=True)
         locks.append(RunLock(args.out, args.rank, mode).acquire())  # before touching what is there
         removed = clean_tmp(args.out)
         with tempfile.TemporaryFile(dir=args.out, prefix=".extract-probe-"):

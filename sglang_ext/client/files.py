@@ -1,7 +1,8 @@
 """Files the client creates, checks and removes: never through a symlink, never a partial
 file under a final name.
 
-- ``file_mode()``: the mode of every file the client creates (format's rule, umask applied);
+- ``file_mode()``: the mode of every file the client creates (format's rule, umask applied),
+  ``dir_mode``: of every directory it makes;
 - ``kind_of`` / ``regular_or_why``: what a name holds, in words, without opening it (an
   open of a FIFO blocks for good);
 - ``unlink_regular`` / ``unlink_entry``: remove a name (only a regular file / whatever
@@ -35,6 +36,13 @@ def file_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return mode & ~umask
+
+
+def dir_mode(mode: int) -> int:
+    """The mode of a directory the client makes (extract's OUT, convert's DST and its
+    ``rows_*``), from ``file_mode()``'s: search (x) wherever read is given, so 0600 makes
+    0700 and 0640 0750 (a file mode that keeps the files private keeps their names so)."""
+    return mode | (mode & 0o444) >> 2
 
 
 def kind_of(mode: int) -> str:

@@ -274,10 +274,12 @@ def test_outputs_are_0600_by_default_and_follow_kimi_sglang_file_mode(server, tm
         assert r.returncode == 0, r.stderr
         assert _modes(tmp_path / "out") == {"hs_0.safetensors": 0o600, "hs_1.safetensors": 0o600,
                                             "manifest.jsonl": 0o600}
+        assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o700  # was 0755
         r = cli(*extract_args(server, path, tmp_path / "out2"), timeout=60,
                 env=dict(KIMI_SGLANG_FILE_MODE="0640"))
         assert r.returncode == 0, r.stderr
         assert set(_modes(tmp_path / "out2").values()) == {0o640}
+        assert stat.S_IMODE(os.stat(tmp_path / "out2").st_mode) == 0o750
         os.umask(0o027)  # the umask still applies to the mode asked for
         r = cli(*extract_args(server, path, tmp_path / "out3"), timeout=60,
                 env=dict(KIMI_SGLANG_FILE_MODE="0666"))
