@@ -38,9 +38,20 @@ Guarantees:
   through a symlink (``lstat``, ``O_NOFOLLOW``, ``fstat``). An answer naming anything
   else (a path outside, a symlink, a FIFO, another name) is that row's error and the
   named file is left alone. The journal (``sglang_ext.client.pending``) deletes only such files.
+- Bounds on what a server sends (each a try's error, one sentence naming it): an answer's
+  body up to 16 MiB and its JSON up to Python's nesting limit (``http.read_answer``,
+  ``parse_answer``; ``--timeout`` covers an answer that trickles); a file's header before
+  anything of it is moved or copied (``checks.check_header``: ``[T, L, H]``, every
+  dimension >= 1, T the row's tokens, L x H <= 4M, size <= T x (L x H x dtype bytes + 4 L
+  + 8) + 1 MiB).
+- A full OUT: manifest lines are appended whole or not at all; a failed append fails its
+  row naming the manifest and stops the run (exit 3), the row's ``hs_<i>`` kept for the
+  rerun.
 - Files extract creates (``hs_<i>``, the manifest, the journal, temporary files) get
   mode 0600, or ``KIMI_SGLANG_FILE_MODE`` (octal, e.g. ``0640``; the server reads the
-  same variable), the umask applied; an invalid value is one sentence, exit 2.
+  same variable), the umask applied; an invalid value is one sentence, exit 2. The
+  ``--out`` it makes gets that mode with search bits (0700 by default), and is removed
+  again when the run leaves it empty.
 - Resume: an index whose ``hs_<i>.safetensors`` is a regular file and passes the check
   is skipped (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files
   are removed at start. A row with images is skipped only when its manifest line names
