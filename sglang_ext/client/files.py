@@ -158,12 +158,12 @@ def append_line(path: str, line: bytes, mode: int) -> None:
                 if n == 0:
                     raise OSError(errno.EIO, os.strerror(errno.EIO))
                 view = view[n:]
-        except OSError:
+        except OSError as e:
             try:
                 os.ftruncate(fd, size)
             except OSError:
                 pass
-            raise
+            raise OSError(e.errno, e.strerror, path) from None  # named: os.write's is not
     finally:
         os.close(fd)  # releases the flock
 

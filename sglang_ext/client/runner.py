@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import sys
 import uuid
@@ -80,6 +81,15 @@ class Stats:
     taken: Set[int] = field(default_factory=set)
     aborted: Optional[str] = None
     bad_input: bool = False  # the abort is the command line's (UsageError): exit 2
+
+
+OUT_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space (or quota) left where OUT is
+
+
+def out_full(e: OSError, out_dir: str) -> str:
+    """The sentence that stops a run whose OUT is full (``e``: ENOSPC or EDQUOT)."""
+    return (f"{e.filename or out_dir}: {e.strerror}: no sample can be written; free space "
+            f"there (or fix the directory) and run the same command again to resume")
 
 
 def put_in_out(taken: Set[int], index: int, fn, *args):
@@ -268,6 +278,8 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
         except RowError as e:
             raise RowError(f"{row.name}: {e}") from None
         except (RequestError, CheckError, OSError) as e:
+            if isinstance(e, OSError) and e.errno in OUT_FULL:  # every next try would fail alike
+                raise FatalError(out_full(e, opts.out_dir)) from None
             last = e
             if progress is not None:
                 progress.failed_try(where[-1] if where else None)
@@ -344,13 +356,11 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             manifest.add(rec)
             return True
         except OSError as e:
-            why = e.strerror or str(e)
             stats.failed += 1
             stats.failed_indices.append(row.index)
-            print(f"{row.name}: cannot append its line to {manifest.path} ({why}); "
+            print(f"{row.name}: cannot append its line to {manifest.path} ({e.strerror or e}); "
                   f"{final_name(row.index)} is kept for the next run", file=sys.stderr)
-            stop(f"{manifest.path}: {why}: no sample can be recorded; free space there (or "
-                 f"fix the directory) and run the same command again to resume")
+            stop(out_full(e, opts.out_dir))
             return False
 
     async def worker(session):

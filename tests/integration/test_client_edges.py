@@ -605,7 +605,7 @@ def test_a_full_out_fails_the_row_naming_the_manifest_and_stops_the_run(tmp_path
         assert r.returncode == 3, r.stderr
         assert (f"row 0 (line 1 of d.jsonl): cannot append its line to {manifest} (No space left "
                 f"on device); hs_0.safetensors is kept for the next run") in r.stderr, r.stderr
-        assert (f"error: {manifest}: No space left on device: no sample can be recorded; free "
+        assert (f"error: {manifest}: No space left on device: no sample can be written; free "
                 f"space there (or fix the directory) and run the same command again to resume"
                 ) in r.stderr, r.stderr
         assert (manifest.read_bytes() if manifest.exists() else b"") == before
@@ -684,3 +684,27 @@ def test_store_against_a_file_sink_server_stops_with_the_mismatch(server, tmp_pa
             f"meta_info.hidden_states_path, e.g. {server.dump_dir}/") in r.stderr, r.stderr
     assert "not samples into a Mooncake Store: --store has nothing to collect" in r.stderr, r.stderr
     assert not list(out.glob("hs_*"))
+
+
+def test_an_out_full_before_the_first_request_stops_the_run_naming_the_journal(tmp_path, small_fs):
+    """OUT on a real tmpfs filled before the run: the request journal's first line cannot
+    be written, so nothing is sent and the run stops at once (exit 3) naming the journal
+    (before: every try of every row failed on its own, "[Errno 28] ...", retried, exit 1)."""
+    from sglang_ext.client.pending import journal_path
+
+    server = Server(tmp_path / "dump")
+    server.server_info = False  # else its dump directory is journaled at start: exit 2 there
+    out = small_fs / "out"
+    out.mkdir()
+    _fill(small_fs)
+    try:
+        r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(3)), out,
+                              "--concurrency", 1, "--max-retries", 2), timeout=120)
+    finally:
+        server.close()
+    _no_traceback(r)
+    assert r.returncode == 3, r.stderr
+    assert (f"error: row 0 (line 1 of d.jsonl): {journal_path(str(out), 0)}: No space left on "
+            f"device: no sample can be written; free space there (or fix the directory) and run "
+            f"the same command again to resume") in r.stderr, r.stderr
+    assert "retrying" not in r.stderr and server.requests == 0
