@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -575,15 +576,18 @@ def _renaming_server(server, fs, ids, n):
     server.raw_post = answer
 
 
+@pytest.mark.parametrize("workers", [("--concurrency", 1, "--no-early-answers"),
+                                     ("--concurrency", 8)], ids=["1-worker", "16-workers"])
 @pytest.mark.parametrize("manifest_before", [0, 4086])
 def test_a_full_out_fails_the_row_naming_the_manifest_and_stops_the_run(tmp_path, small_fs,
-                                                                        manifest_before):
+                                                                        manifest_before, workers):
     """OUT and the dump directory on one real 1 MiB tmpfs, filled up at the first answer.
-    One worker (--concurrency 1 --no-early-answers): the manifest's ENOSPC escaped it and
-    the run hung. With a manifest of 4086 bytes (10 short of its page) the append was a
-    short write: a torn line, which the next line was glued onto. Now the row fails naming
-    the manifest, the run stops (exit 3) with a sentence, the manifest holds whole lines
-    only, and once there is room again the next run records the sample."""
+    The manifest's ENOSPC escaped the worker: with one (--concurrency 1 --no-early-answers)
+    the run hung, with 16 it was a traceback. With a manifest of 4086 bytes (10 short of
+    its page) the append was a short write: a torn line, which the next line was glued
+    onto. Now the row fails naming the manifest, the run stops (exit 3) with a sentence,
+    the manifest holds whole lines only, and once there is room again the next run records
+    every sample."""
     ids = [1, 2, 3]
     server = Server(small_fs / "dump")
     out = small_fs / "out"
@@ -598,18 +602,20 @@ def test_a_full_out_fails_the_row_naming_the_manifest_and_stops_the_run(tmp_path
     try:
         _renaming_server(server, small_fs, ids, 3)
         data = write_jsonl(tmp_path / "d.jsonl", [ids] * 3)
-        args = extract_args(server, data, out, "--concurrency", 1, "--no-early-answers",
-                            "--max-retries", 0)
+        args = extract_args(server, data, out, *workers, "--max-retries", 0)
         r = cli(*args, timeout=120)
         _no_traceback(r)
         assert r.returncode == 3, r.stderr
-        assert (f"row 0 (line 1 of d.jsonl): cannot append its line to {manifest} (No space left "
-                f"on device); hs_0.safetensors is kept for the next run") in r.stderr, r.stderr
-        assert (f"error: {manifest}: No space left on device: no sample can be written; free "
-                f"space there (or fix the directory) and run the same command again to resume"
-                ) in r.stderr, r.stderr
+        row = re.search(r"row (\d) \(line \d of d.jsonl\): cannot append its line to (\S+) "
+                        r"\(No space left on device\); hs_(\d).safetensors is kept for the next "
+                        r"run", r.stderr)
+        assert row and row[2] == str(manifest) and row[1] == row[3], r.stderr
+        assert r.stderr.count(f"error: {manifest}: No space left on device: no sample can be "
+                              f"written; free space there (or fix the directory) and run the "
+                              f"same command again to resume") == 1, r.stderr
         assert (manifest.read_bytes() if manifest.exists() else b"") == before
-        assert sorted(p.name for p in out.glob("hs_*")) == ["hs_0.safetensors"]
+        taken = sorted(p.name for p in out.glob("hs_*"))
+        assert f"hs_{row[1]}.safetensors" in taken, taken
         os.unlink(small_fs / "filler")
         server.raw_post = None
         r = cli(*args, timeout=120)
