@@ -62,12 +62,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else "")
-    args = parser.parse_args(argv)
-    try:
+    try:  # Ctrl-C while the command's module is imported, too: one line, no traceback
+        parser = build_parser(command if command in COMMANDS else "")
+        args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print(f"sglang-ext {args.command}: interrupted", file=sys.stderr)
+        prog = f"sglang-ext {command}" if command in COMMANDS else "sglang-ext"
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`... | head`): nothing more to say
         sys.stderr.close()

@@ -3,6 +3,7 @@ its final name ``hs_<i>`` and again when a rerun finds it there (resume)."""
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 from sglang_ext import format as fmt
@@ -16,14 +17,54 @@ class NotRegularError(CheckError):
     """A name holds something else than a regular file (a symlink, a FIFO, a directory)."""
 
 
+# The most values one token's hidden_states row may hold (layer slots x hidden size): 4M,
+# ten times Kimi-K2.5's 61 layers x 7168; a header naming more is not a dump's.
+MAX_ROW_VALUES = 1 << 22
+# What a file may hold besides its tensors: the header (JSON, metadata with the rid, the
+# padding to the 4096-byte data start, format.file_layout).
+MAX_HEADER_ALLOWANCE = 1 << 20
+_ITEM_BYTES = {code: size for code, size in fmt.SAFETENSORS_DTYPES.values()}
+
+
+def check_header(f, size: int, num_tokens: Optional[int], shown: str) -> int:
+    """Check what a file's header declares against a dump's bounds; returns its tokens T.
+
+    ``f``: the file opened with safetensors' ``safe_open`` (which itself refuses a file
+    whose tensors do not cover it exactly), ``size`` its bytes. ``hidden_states`` must be
+    ``[T, L, H]`` with every dimension >= 1, T == ``num_tokens`` when given,
+    ``L x H <= MAX_ROW_VALUES``, and the file at most ``T x (L x H x dtype bytes + 4 L + 8)
+    + MAX_HEADER_ALLOWANCE`` bytes (its hidden states, fp8 scales and token ids, plus the
+    header): a file of any other size is not the answer to a row of T tokens. Raises
+    ``CheckError`` naming ``shown`` and the bound."""
+    hs = f.get_slice(fmt.KEY_HIDDEN_STATES)
+    shape, dtype = list(hs.get_shape()), hs.get_dtype()
+    if len(shape) != 3 or min(shape) < 1:
+        raise CheckError(f"{shown}: hidden_states shape {shape}, not [T, L, H] with every "
+                         f"dimension >= 1")
+    t, layers, hidden = shape
+    if num_tokens is not None and t != num_tokens:
+        raise CheckError(f"{shown}: hidden_states shape {shape} for {num_tokens} tokens")
+    if layers * hidden > MAX_ROW_VALUES:
+        raise CheckError(f"{shown}: hidden_states shape {shape} holds {layers * hidden} values "
+                         f"per token, over the {MAX_ROW_VALUES} (layers x hidden) extract takes")
+    bound = t * (layers * hidden * _ITEM_BYTES.get(dtype, 8) + 4 * layers + 8) + MAX_HEADER_ALLOWANCE
+    if size > bound:
+        raise CheckError(f"{shown}: {size} bytes, over the {bound} that {t} tokens x {layers} "
+                         f"layers x {hidden} hidden ({dtype}) take with scales, token ids and "
+                         f"a 1 MiB header: not a dump file")
+    return t
+
+
 def check_file(path: str, input_ids: Optional[List[int]], full: bool) -> int:
     """Check a file against the request's token ids; returns its number of tokens.
 
     Cheap check (always, without torch): keys, ``token_ids == input_ids``,
-    ``hidden_states`` is ``[len(input_ids), L, H]`` (shape from the header, tensor not
-    loaded). ``input_ids`` None (a chat request with images whose answer gave no prompt
-    token ids): the file's own ``token_ids`` stand, ``hidden_states`` needs one row each. ``full`` (needs torch): also load everything through ``format.load`` and
-    require finite values (fp8 files: dequantized, so a NaN or infinite scale counts).
+    ``hidden_states`` is ``[len(input_ids), L, H]`` and the file's size within
+    ``check_header``'s bound (from the header, tensor not loaded). ``input_ids`` None (a
+    chat request with images whose answer gave no prompt token ids): the file's own
+    ``token_ids`` stand, ``hidden_states`` needs one row each. ``full`` (needs torch):
+    also load everything through ``format.load`` and require finite values (fp8 files:
+    dequantized, so a NaN or infinite scale counts).
     Raises ``CheckError``.
     """
     from safetensors import safe_open
@@ -34,6 +75,8 @@ def check_file(path: str, input_ids: Optional[List[int]], full: bool) -> int:
             missing = {fmt.KEY_HIDDEN_STATES, fmt.KEY_TOKEN_IDS} - keys
             if missing:
                 raise CheckError(f"{path}: missing keys {sorted(missing)}")
+            check_header(f, os.stat(path).st_size, None if input_ids is None else len(input_ids),
+                         path)
             ids = f.get_tensor(fmt.KEY_TOKEN_IDS)
             shape = list(f.get_slice(fmt.KEY_HIDDEN_STATES).get_shape())
     except CheckError:

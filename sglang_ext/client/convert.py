@@ -1,4 +1,4 @@
-"""``sglang-ext convert --to specforge SRC DST``: hs_<i>.safetensors -> SpecForge EAGLE-3 records.
+"""``sglang-ext convert [--to specforge] SRC DST``: hs_<i>.safetensors -> SpecForge EAGLE-3 records.
 
 SpecForge's offline EAGLE-3 trainer (``OfflineEagle3Dataset``, ``build_offline_eagle3_dataset``
 in ``specforge/data/preprocessing.py``) reads every ``*.ckpt`` under a directory, each a
@@ -72,7 +72,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.dataset import DataError, iter_rows
-from sglang_ext.client.files import Staged, file_mode, regular_or_why
+from sglang_ext.client.files import Staged, dir_mode, file_mode, regular_or_why
 
 GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
 MANIFEST = "manifest.jsonl"  # extract's (client.manifest.MANIFEST_NAME), in SRC
@@ -398,7 +398,7 @@ def save_atomic(obj, path: str, mode: int) -> None:
     import torch
 
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=dir_mode(mode), exist_ok=True)
     with Staged(directory, name, unique=False) as staged:
         tmp, fd = staged.create(mode)
         with open(fd, "wb") as f:
@@ -462,7 +462,7 @@ def main(args) -> int:
         return 2
     made_dst = not os.path.isdir(args.dst)
     try:
-        os.makedirs(args.dst, exist_ok=True)
+        os.makedirs(args.dst, mode=dir_mode(mode), exist_ok=True)
     except OSError as e:
         print(f"error: DST {args.dst}: cannot make the directory ({e.strerror or e})",
               file=sys.stderr)
@@ -513,9 +513,19 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "convert",
         help="convert hs_<i>.safetensors to another trainer's format (SpecForge)",
-        description=__doc__.split("\n\n")[0],
+        description="Convert extract's hs_<i>.safetensors (hidden_states [T, L, H], token_ids "
+                    "[T] int64) into SpecForge's offline EAGLE-3 records: "
+                    "DST/rows_<g>-<g+5000>/data_<i>.ckpt, each a torch.save'd dict of "
+                    "input_ids [T] int64, loss_mask [T] int64, aux_hidden_state [1, T, (L-1)*H] "
+                    "(every slot but the last) and hidden_state [1, T, H] (the last slot, after "
+                    "the model's final norm), in the files' dtype (fp8 files: bf16). Existing "
+                    "records are kept (resume).",
+        epilog="Exit codes: 0 every record written or already there, 1 a file could not be "
+               "converted (named), 2 bad input (nothing written). More: "
+               "docs/client.md.",
     )
-    p.add_argument("--to", required=True, choices=["specforge"], help="target format")
+    p.add_argument("--to", default="specforge", choices=["specforge"],
+                   help="target format; specforge, the only one, is the default")
     p.add_argument("src", help="directory with hs_<i>.safetensors (extract --out)")
     p.add_argument("dst", help="output directory (rows_<g>-<g+5000>/data_<i>.ckpt)")
     p.add_argument("--model", default=None, help="HF checkpoint dir: final norm weight + rms_norm_eps; its num_hidden_layers "

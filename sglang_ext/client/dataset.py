@@ -17,7 +17,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from sglang_ext.client.images import ChatPrompt, ImagePartError, chat_prompt, has_image_parts
+from sglang_ext.client.images import (
+    ChatPrompt,
+    ImageAccess,
+    ImagePartError,
+    chat_prompt,
+    has_image_parts,
+)
 
 
 class DataError(ValueError):
@@ -56,12 +62,14 @@ def _input_ids(row: Dict[str, Any], where: str) -> List[int]:
     return ids
 
 
-def make_row(index: int, row: Dict[str, Any], where: str, tokenizer) -> Row:
-    """The ``Row`` to send for DATA's row. Raises ``DataError``; a malformed image part
-    gives a ``Row`` with ``error`` (that row alone fails)."""
+def make_row(index: int, row: Dict[str, Any], where: str, tokenizer,
+             access: ImageAccess = ImageAccess()) -> Row:
+    """The ``Row`` to send for DATA's row. Raises ``DataError``; a malformed image part, or
+    one whose URL ``access`` does not forward, gives a ``Row`` with ``error`` (that row
+    alone fails)."""
     if has_image_parts(row.get("messages")):
         try:
-            chat = chat_prompt(row["messages"])
+            chat = chat_prompt(row["messages"], access)
         except ImagePartError as e:
             return Row(index, None, error=f"{where}: {e}", where=where)
         ids = _input_ids(row, where) if row.get("input_ids") is not None else None
@@ -199,9 +207,10 @@ def load_tokenizer(path: Optional[str]):
                         f"({type(e).__name__}: {one_line(e)})") from None
 
 
-def rank_rows(data: str, tokenizer, world_size: int, rank: int) -> Iterator[Row]:
-    """The rows of DATA this rank sends (``index % world_size == rank``), as token ids.
-    Raises ``DataError``."""
+def rank_rows(data: str, tokenizer, world_size: int, rank: int,
+              access: ImageAccess = ImageAccess()) -> Iterator[Row]:
+    """The rows of DATA this rank sends (``index % world_size == rank``), as token ids;
+    image URLs forwarded under ``access``. Raises ``DataError``."""
     for index, row, where in iter_rows(data, tokenizer):
         if index % world_size == rank:
-            yield make_row(index, row, where, tokenizer)
+            yield make_row(index, row, where, tokenizer, access)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from sglang_ext import format as fmt
-from sglang_ext.client.checks import CheckError, NotRegularError, check_file
+from sglang_ext.client.checks import CheckError, NotRegularError, check_file, check_header
 from sglang_ext.client.files import Staged, kind_of
 from sglang_ext.client.http import FatalError
 from sglang_ext.client.manifest import final_name
@@ -183,14 +183,35 @@ def open_regular(name: str, dir_fd: int, shown: str) -> int:
         raise NotRegularError(f"{shown} is not a regular file ({kind_of(mode)})") from None
 
 
-def _copy_fd(src_fd: int, staged: Staged, mode: int) -> str:
-    """Copy an open file into a new temporary file of ``staged`` (created
-    ``O_EXCL|O_NOFOLLOW`` with ``mode``), flushed to disk; returns its name."""
+def check_before_taking(fd: int, input_ids: Optional[List[int]], shown: str) -> int:
+    """``checks.check_header`` on the server's open file ``fd`` before anything is moved
+    or copied into OUT (its shapes, its tokens, its size bound); returns its size. Raises
+    ``CheckError``."""
+    from safetensors import safe_open
+
+    size = os.fstat(fd).st_size
+    try:
+        with safe_open(f"/proc/self/fd/{fd}", framework="numpy") as f:
+            if fmt.KEY_HIDDEN_STATES not in set(f.keys()):
+                raise CheckError(f"{shown}: missing keys ['{fmt.KEY_HIDDEN_STATES}']")
+            check_header(f, size, None if input_ids is None else len(input_ids), shown)
+    except CheckError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise CheckError(f"{shown}: unreadable: {e}") from None
+    return size
+
+
+def _copy_fd(src_fd: int, staged: Staged, mode: int, limit: int) -> str:
+    """Copy an open file, ``limit`` bytes at most (its checked size), into a new temporary
+    file of ``staged`` (created ``O_EXCL|O_NOFOLLOW`` with ``mode``), flushed to disk;
+    returns its name. A file that grew past ``limit`` is cut there (the check in OUT then
+    refuses it)."""
     tmp, dst = staged.create(mode)
     try:
         offset = 0
-        while True:
-            chunk = os.pread(src_fd, 1 << 20, offset)
+        while offset < limit:
+            chunk = os.pread(src_fd, min(1 << 20, limit - offset), offset)
             if not chunk:
                 break
             view = memoryview(chunk)
@@ -209,7 +230,9 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
     returns its size.
 
     Only a regular file is taken (a symlink, FIFO, ... raises ``NotRegularError`` and is
-    left where it is). It goes to a temporary name in ``out_dir`` first (rename, or across
+    left where it is), and only one whose header passes ``check_before_taking`` (shapes,
+    tokens, ``checks.check_header``'s size bound: else ``CheckError``, left where it is,
+    nothing copied). It goes to a temporary name in ``out_dir`` first (rename, or across
     filesystems a copy through a descriptor opened ``O_NOFOLLOW`` and then the unlink of
     that same file), is made a regular file of this user with ``mode`` (copied when another
     name links it or another user owns it), is checked there, and only then renamed onto
@@ -222,6 +245,11 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
         if not stat.S_ISREG(st_mode):
             raise NotRegularError(f"{shown} is not a regular file ({kind_of(st_mode)}): "
                                   f"left where it is")
+        fd = open_regular(name, dump.fd, shown)
+        try:
+            checked = check_before_taking(fd, input_ids, shown)
+        finally:
+            os.close(fd)
         tmp = staged.name()
         try:
             os.rename(name, tmp, src_dir_fd=dump.fd, dst_dir_fd=staged.fd)
@@ -239,7 +267,7 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
                     # Another name links it (a hard link elsewhere) or another user owns it:
                     # whoever holds that could change it after the check, and a chmod would
                     # reach through the link. Keep a copy of our own instead.
-                    kept = _copy_fd(fd, staged, mode)
+                    kept = _copy_fd(fd, staged, mode, checked)
                     os.unlink(tmp, dir_fd=staged.fd)
                     tmp = kept
                 else:
@@ -249,7 +277,7 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
         else:
             fd = open_regular(name, dump.fd, shown)
             try:
-                tmp = _copy_fd(fd, staged, mode)
+                tmp = _copy_fd(fd, staged, mode, checked)
                 st = os.fstat(fd)
                 now = os.stat(name, dir_fd=dump.fd, follow_symlinks=False)
                 if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):  # the file copied, not a swap

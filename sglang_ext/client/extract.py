@@ -17,8 +17,9 @@ in ``kv_transfer_params.hidden_states_path`` (or ``choices[0].meta_info``) or, w
 the transfer manifest. The file's token ids must equal ``choices[0].prompt_token_ids`` (and
 the row's ``input_ids`` when it has them: else the row fails, not retried), and it goes to
 ``hs_<i>`` as any other, its manifest line with ``images`` and ``request_sha256``. The server
-fetches the images itself: a ``file://`` path must name a file on the server's filesystem.
-A malformed image part fails its row with one sentence; the run goes on.
+fetches the images itself: a ``file://`` path must name a file on the server's filesystem,
+under a directory given with ``--image-root`` (none by default; ``images.ImageAccess``).
+A malformed or refused image part fails its row with one sentence; the run goes on.
 
 Guarantees:
 
@@ -37,9 +38,20 @@ Guarantees:
   through a symlink (``lstat``, ``O_NOFOLLOW``, ``fstat``). An answer naming anything
   else (a path outside, a symlink, a FIFO, another name) is that row's error and the
   named file is left alone. The journal (``sglang_ext.client.pending``) deletes only such files.
+- Bounds on what a server sends (each a try's error, one sentence naming it): an answer's
+  body up to 16 MiB and its JSON up to Python's nesting limit (``http.read_answer``,
+  ``parse_answer``; ``--timeout`` covers an answer that trickles); a file's header before
+  anything of it is moved or copied (``checks.check_header``: ``[T, L, H]``, every
+  dimension >= 1, T the row's tokens, L x H <= 4M, size <= T x (L x H x dtype bytes + 4 L
+  + 8) + 1 MiB).
+- A full OUT: manifest lines are appended whole or not at all; a failed append fails its
+  row naming the manifest and stops the run (exit 3), the row's ``hs_<i>`` kept for the
+  rerun.
 - Files extract creates (``hs_<i>``, the manifest, the journal, temporary files) get
   mode 0600, or ``KIMI_SGLANG_FILE_MODE`` (octal, e.g. ``0640``; the server reads the
-  same variable), the umask applied; an invalid value is one sentence, exit 2.
+  same variable), the umask applied; an invalid value is one sentence, exit 2. The
+  ``--out`` it makes gets that mode with search bits (0700 by default), and is removed
+  again when the run leaves it empty.
 - Resume: an index whose ``hs_<i>.safetensors`` is a regular file and passes the check
   is skipped (and gets a manifest line if a kill lost it); leftover ``.hs_*.tmp`` files
   are removed at start. A row with images is skipped only when its manifest line names
@@ -72,7 +84,8 @@ Guarantees:
   (the same URL form, trainer-side settings) each sample is waited for in the Mooncake
   Store (``--store-timeout``), checked, written as ``hs_<i>`` in the file sink's format and
   removed from the store once in the manifest (``sglang_ext.client.fetch``): no filesystem
-  is shared with the server. Such an answer without ``--store`` stops the run (exit 2).
+  is shared with the server. Such an answer without ``--store`` stops the run (exit 2), and
+  an answer naming a file with ``--store`` (a server writing files) stops it (exit 3).
 
 Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
@@ -99,8 +112,9 @@ from typing import List
 
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
-from sglang_ext.client.files import RunLock, RunLockHeld, file_mode, regular_or_why
+from sglang_ext.client.files import RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
+from sglang_ext.client.images import ImageAccess
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
 from sglang_ext.client.runner import Options, Stats, run
@@ -151,6 +165,7 @@ def main(args) -> int:
     locks: List[RunLock] = []  # the run's hold on --out, released last
     main_thread = threading.current_thread() is threading.main_thread()  # (called as a library)
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    made_out = not os.path.lexists(args.out)  # --out is this run's to remove if left empty
     try:
         return _main(args, held, locks)
     except _Terminated:  # before or after the run's own handling: still one line, no traceback
@@ -165,6 +180,11 @@ def main(args) -> int:
                 opts.store.close()
         for lock in locks:
             lock.release()
+        if made_out:  # a run stopped before any file (a bad row, an abort) leaves no empty --out
+            try:
+                os.rmdir(args.out)
+            except OSError:  # not empty (samples, a journal), or never made
+                pass
 
 
 def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
@@ -199,6 +219,13 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         except ValueError as e:
             print(f"error: --store: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    roots = []
+    for root in args.image_root or []:
+        if not os.path.isabs(root):
+            print(f"error: --image-root {root} must be an absolute path on the server's "
+                  f"filesystem", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        roots.append(os.path.normpath("/" + root.lstrip("/")))
     if not os.path.exists(args.data):
         print(f"error: --data {args.data} does not exist", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -262,11 +289,14 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     if note:
         print(note, file=sys.stderr)
     if not args.dump_dir and args.store is None:  # where requests not yet answered leave files
-        server_dir = asyncio.run(server_dump_dir(args.endpoint, min(args.timeout, PROBE_TIMEOUT_S)))
+        server_dir, note = asyncio.run(server_dump_dir(args.endpoint,
+                                                       min(args.timeout, PROBE_TIMEOUT_S)))
+        if note:
+            print(note, file=sys.stderr)
         if server_dir:
             dump.adopt(server_dir)
     try:
-        os.makedirs(args.out, exist_ok=True)
+        os.makedirs(args.out, mode=dir_mode(mode), exist_ok=True)
         locks.append(RunLock(args.out, args.rank, mode).acquire())  # before touching what is there
         removed = clean_tmp(args.out)
         with tempfile.TemporaryFile(dir=args.out, prefix=".extract-probe-"):
@@ -316,7 +346,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     held[:] = [opts]
     stats = Stats()
     total = len(range(args.rank, n_rows, args.world_size))
-    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank)
+    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank, ImageAccess(tuple(roots)))
     t0 = time.monotonic()
     from sglang_ext.client.progress import Progress  # tqdm: checked above
 
@@ -334,8 +364,10 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     except KeyboardInterrupt as e:
         left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
         how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
-        print(f"extract: {how}: {stats.done} sample(s) extracted in this run, "
-              f"{stats.done + stats.resumed} of {total} done for rank {args.rank}; run the same "
+        # stats.taken, not stats.done: rows cancelled after their file reached OUT count
+        # (a new user's review saw 813 said, 829 in OUT, 829 resumed by the next run)
+        print(f"extract: {how}: {len(stats.taken)} sample(s) extracted in this run, "
+              f"{len(stats.taken) + stats.resumed} of {total} done for rank {args.rank}; run the same "
               f"command again to resume" + (f" (it also removes the {len(left)} file(s) the "
                                             f"server is still writing)" if left else ""),
               file=sys.stderr)
@@ -395,7 +427,12 @@ def write_summary(path: str, summary: dict, mode: int) -> None:
 def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> List[str]:
     """Sweep the server files this rank's requests left (see ``sglang_ext.client.pending``); say
     what was removed and what is still being written. Returns the latter."""
-    removed, busy = pending.sweep(forget_unanswered)
+    try:
+        removed, busy = pending.sweep(forget_unanswered)
+    except OSError as e:  # the journal's rewrite (a full disk): the next run reads it again
+        print(f"cannot rewrite {pending.path} ({e.strerror or e}); the next run of this command "
+              f"sweeps again", file=sys.stderr)
+        return []
     if removed:
         print(f"removed {removed} file(s) {when} in the server's dump directory "
               f"({', '.join(pending.dump_dirs)})", file=sys.stderr)
@@ -441,7 +478,13 @@ def add_parser(subparsers) -> None:
                         "rows whose messages hold image parts (image_url with an http(s), "
                         "file:// or data: URL; speculators' image path/url) go through "
                         "/v1/chat/completions: the server fetches the images, so a file:// "
-                        "path must name a file the SERVER can read")
+                        "path must name a file the SERVER can read, under an --image-root")
+    p.add_argument("--image-root", default=None, action="append", metavar="DIR",
+                   help="absolute directory on the server's filesystem whose files image "
+                        "rows may name as file:// URLs or paths (repeatable; default: none, "
+                        "every file:// image is refused: SGLang's loader reads any path it is "
+                        "given, e.g. /dev/zero without end); /proc, /dev and /sys never, "
+                        "http(s) to link-local addresses never")
     p.add_argument("--out", required=True,
                    help="output directory (hs_<i>.safetensors, manifest.jsonl), files created "
                         "with mode 0600 or env KIMI_SGLANG_FILE_MODE (octal, e.g. 0640), the "

@@ -1,11 +1,14 @@
 """Files the client creates, checks and removes: never through a symlink, never a partial
 file under a final name.
 
-- ``file_mode()``: the mode of every file the client creates (format's rule, umask applied);
+- ``file_mode()``: the mode of every file the client creates (format's rule, umask applied),
+  ``dir_mode``: of every directory it makes;
 - ``kind_of`` / ``regular_or_why``: what a name holds, in words, without opening it (an
   open of a FIFO blocks for good);
 - ``unlink_regular`` / ``unlink_entry``: remove a name (only a regular file / whatever
   entry it is, never what a symlink points to);
+- ``append_line``: add one whole line to a JSON-lines file (the manifest, a journal), or
+  nothing;
 - ``Staged``: build a file under a temporary name and rename it onto its final name once
   complete (``extract``'s ``hs_<i>``, ``convert``'s records, the pending journal);
 - ``RunLock``: one ``extract`` run per rank and output directory at a time.
@@ -13,6 +16,7 @@ file under a final name.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -32,6 +36,13 @@ def file_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return mode & ~umask
+
+
+def dir_mode(mode: int) -> int:
+    """The mode of a directory the client makes (extract's OUT, convert's DST and its
+    ``rows_*``), from ``file_mode()``'s: search (x) wherever read is given, so 0600 makes
+    0700 and 0640 0750 (a file mode that keeps the files private keeps their names so)."""
+    return mode | (mode & 0o444) >> 2
 
 
 def kind_of(mode: int) -> str:
@@ -128,6 +139,35 @@ class Staged:
         self._names.remove(tmp)
 
 
+def append_line(path: str, line: bytes, mode: int) -> None:
+    """Append ``line`` (one ``\n``-terminated line) to ``path`` (created with ``mode``,
+    never through a symlink or into a FIFO): whole or not at all. Under an exclusive
+    ``flock`` (ranks share the manifest) the file's size is taken, the line written with
+    ``O_APPEND`` (one ``write``, then the rest of a short one), and after a failed write
+    (a full disk: the short write's rest raises ``ENOSPC``) the file is truncated back to
+    that size, so no torn line is left for the next one to be glued onto. Raises
+    ``OSError``."""
+    fd = fmt.open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode=mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        view = memoryview(line)
+        try:
+            while view:
+                n = os.write(fd, view)
+                if n == 0:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                view = view[n:]
+        except OSError as e:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise OSError(e.errno, e.strerror, path) from None  # named: os.write's is not
+    finally:
+        os.close(fd)  # releases the flock
+
+
 class Journal:
     """An append-only JSON-lines journal a run keeps beside its output (``path``), read
     back by the next run: ``_records`` yields its dicts (a torn last line of a killed run
@@ -162,12 +202,8 @@ class Journal:
         raise NotImplementedError
 
     def _append(self, rec: dict) -> None:
-        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
-        fd = fmt.open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode=self.mode)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        append_line(self.path, (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8"),
+                    self.mode)
         self._appended += 1
         if self._appended >= self.COMPACT_EVERY:
             self._rewrite()

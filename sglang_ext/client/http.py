@@ -4,6 +4,12 @@
 Errors: ``RequestError`` (one try failed: retry it), ``RowError`` (HTTP 400, the server
 refused the row: do not retry) and ``FatalError`` (an answer no retry can change: stop the
 run). A quoted answer body is cut to one short line (``dataset.one_line``).
+
+Bounds on what a server sends: an answer's body is read up to ``MAX_ANSWER_BYTES`` (16 MiB)
+and its JSON parsed up to the nesting Python's parser takes (about 1000 levels); past
+either, the try fails with one sentence (``/server_info``: a note, the hint is dropped).
+``--timeout`` (aiohttp's total timeout) bounds a whole request, an answer that trickles
+included.
 """
 
 from __future__ import annotations
@@ -40,6 +46,45 @@ class UsageError(FatalError):
 # The answer's meta_info key of a server that puts samples into a Mooncake Store: the
 # transfer manifest (sglang_ext.store.PackedLayout.manifest), where files give PATH_KEY.
 MANIFEST_KEY = fmt.MANIFEST_KEY
+
+
+# The most of one answer's body read: SGLang's answer to one prompt is a few KiB, a chat
+# answer with ``prompt_token_ids`` about 7 bytes per prompt token (16 MiB: ~2M tokens).
+MAX_ANSWER_BYTES = 16 << 20
+
+
+class BoundError(RequestError):
+    """An answer over a bound extract keeps (``read_answer``, ``parse_answer``)."""
+
+
+async def read_answer(resp, what: str) -> bytes:
+    """The body of ``resp`` (``what``: "POST URL", for the message), at most
+    ``MAX_ANSWER_BYTES``. Raises ``BoundError`` past that bound (an announced
+    Content-Length is refused before any byte is read), and what aiohttp raises."""
+    too_long = BoundError(f"the answer to {what} is over {MAX_ANSWER_BYTES >> 20} MiB (extract "
+                          f"reads at most {MAX_ANSWER_BYTES >> 20} MiB of an answer)")
+    if resp.content_length is not None and resp.content_length > MAX_ANSWER_BYTES:
+        raise too_long
+    chunks, n = [], 0
+    while True:
+        chunk = await resp.content.read(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        n += len(chunk)
+        if n > MAX_ANSWER_BYTES:
+            raise too_long
+        chunks.append(chunk)
+
+
+def parse_answer(text: str, what: str) -> Any:
+    """``json.loads(text)``. Raises ``ValueError`` for text that is not JSON and
+    ``BoundError`` for JSON nested deeper than Python's parser takes (its recursion
+    limit, about 1000 levels: a RecursionError otherwise)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise BoundError(f"the answer to {what} is JSON nested deeper than Python's parser "
+                         f"takes (about 1000 levels)") from None
 
 
 class Answer(NamedTuple):
@@ -97,12 +142,14 @@ PROBE_TIMEOUT_S = 30.0  # at most: a server that has not answered GET /health by
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")  # SGLang 0.5.23's, then older releases
 
 
-async def server_dump_dir(endpoint: str, timeout: float) -> Optional[str]:
-    """The server's ``--dump-hidden-states-dir`` as its ``GET /server_info`` gives it (the
-    resolved server args; ``/get_server_info`` on releases without it), or None: no such
-    answer within ``timeout``, not JSON, no string there (a server without the dump, a
-    router that does not forward it). Only a hint, for a run given no ``--dump-dir``: the
-    directory where requests sent before any answer leave their files."""
+async def server_dump_dir(endpoint: str, timeout: float) -> Tuple[Optional[str], Optional[str]]:
+    """``(directory, note)``: the server's ``--dump-hidden-states-dir`` as its ``GET
+    /server_info`` gives it (the resolved server args; ``/get_server_info`` on releases
+    without it), or None: no such answer within ``timeout``, not JSON, no string there (a
+    server without the dump, a router that does not forward it). Only a hint, for a run
+    given no ``--dump-dir``: the directory where requests sent before any answer leave
+    their files. ``note``: one sentence when the answer broke a bound (``read_answer``,
+    ``parse_answer``) and was dropped, else None."""
     import aiohttp
 
     base = endpoint.rstrip("/")
@@ -110,15 +157,18 @@ async def server_dump_dir(endpoint: str, timeout: float) -> Optional[str]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
             for path in SERVER_INFO_PATHS:
                 async with session.get(base + path) as resp:
-                    body = await resp.read()  # read: a connection released unread is reset
+                    what = f"GET {base + path}"
+                    body = await read_answer(resp, what)  # read: a connection released unread is reset
                     if resp.status != 200:
                         continue
-                    info = json.loads(body)
+                    info = parse_answer(body.decode("utf-8", errors="replace"), what)
                     value = info.get("dump_hidden_states_dir") if isinstance(info, dict) else None
-                    return value if isinstance(value, str) and value else None
+                    return (value if isinstance(value, str) and value else None), None
+    except BoundError as e:
+        return None, f"note: {e}: its dump directory is not taken from it"
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-        return None
-    return None
+        return None, None
+    return None, None
 
 
 async def probe(endpoint: str, timeout: float) -> Tuple[Optional[str], Optional[str]]:
@@ -163,7 +213,7 @@ async def _post(session, url: str, payload: Any, http_slots: asyncio.Semaphore,
         pending.sent(rid)
         try:
             async with session.post(url, json=payload) as resp:
-                body = await resp.read()
+                body = await read_answer(resp, f"POST {url}")
                 pending.answered(rid)
                 text = body.decode("utf-8", errors="replace")
                 if resp.status in (404, 405):
@@ -214,9 +264,10 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
         # write is the caller's, so this HTTP slot is free for the next prompt.
         sampling["custom_params"] = {fmt.WAIT_PARAM: False}
     payload: Any = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
-    text = await _post(session, endpoint.rstrip("/") + "/generate", payload, http_slots, pending, rid)
+    url = endpoint.rstrip("/") + "/generate"
+    text = await _post(session, url, payload, http_slots, pending, rid)
     try:
-        meta = json.loads(text)["meta_info"]
+        meta = parse_answer(text, f"POST {url}")["meta_info"]
     except (ValueError, KeyError, TypeError):
         raise RequestError(f"response without meta_info: {brief(text)}") from None
     if not isinstance(meta, dict):
@@ -253,7 +304,7 @@ async def chat_completion(session, endpoint: str, body: Dict[str, Any],
     url = endpoint.rstrip("/") + "/v1/chat/completions"
     text = await _post(session, url, body, http_slots, pending, body["rid"])
     try:
-        answer = json.loads(text)
+        answer = parse_answer(text, f"POST {url}")
         choice = answer["choices"][0]
         if not isinstance(answer, dict) or not isinstance(choice, dict):
             raise TypeError

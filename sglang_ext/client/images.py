@@ -19,6 +19,13 @@ a bare absolute path is taken as ``file://``. The server fetches or reads every 
 a ``file://`` path must name a file on the SERVER's filesystem, readable by it (SGLang reads
 local paths as given). Every part is sent as OpenAI's ``image_url`` shape.
 
+What is forwarded (``ImageAccess``; SGLang 0.5.23's loader opens whatever ``file://`` path
+it is given, ``/dev/zero`` until its memory runs out, and fetches any http(s) host): http(s)
+URLs except to a literal link-local or unspecified address (a cloud metadata service);
+``data:`` URLs; ``file://`` paths only inside a directory the user names (``extract
+--image-root DIR``; none by default), never under ``/proc``, ``/dev`` or ``/sys``, never
+through ``..``. A refused URL fails its row with one sentence.
+
 A malformed part (another ``type``, no URL, a scheme other than those, a relative
 ``file://`` path, a data URL that is not base64 image data) is ``ImagePartError``: one
 sentence naming the message and part; ``extract`` fails that row alone with it.
@@ -29,11 +36,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import ipaddress
 import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import unquote, urlsplit
 
 from sglang_ext import format as fmt
@@ -44,6 +52,48 @@ _DATA_URL = re.compile(r"data:(image/[A-Za-z0-9.+-]+)((?:;[A-Za-z0-9=._-]+)*);ba
 
 class ImagePartError(ValueError):
     """A message's image part cannot be sent (one sentence: which message, which part, why)."""
+
+
+NEVER_READ = ("/proc", "/dev", "/sys")  # no image there; /dev/zero never ends
+
+
+@dataclass(frozen=True)
+class ImageAccess:
+    """The image URLs extract forwards to the server (see the module doc): ``roots`` the
+    absolute directories (``--image-root``, normalized) whose files a ``file://`` URL may
+    name; none: no ``file://`` URL at all."""
+
+    roots: Tuple[str, ...] = ()
+
+    def file_error(self, url: str, path: str) -> Optional[str]:
+        """Why the ``file://`` URL ``url`` (its decoded ``path``) is not forwarded, or None."""
+        if ".." in path.split("/"):
+            return f"has the URL {url[:80]!r}, whose path climbs out through '..'"
+        path = os.path.normpath("/" + path.lstrip("/"))  # "//proc" is /proc
+        for top in NEVER_READ:
+            if path == top or path.startswith(top + "/"):
+                return (f"has the URL {url[:80]!r}, under {top}: the server would read its own "
+                        f"{top} (SGLang's loader reads any file:// path, /dev/zero without end)")
+        if not any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.roots):
+            where = ", ".join(self.roots) if self.roots else "none given"
+            return (f"has the URL {url[:80]!r}, outside every --image-root ({where}): the server "
+                    f"reads file:// paths from its own filesystem, so extract forwards only "
+                    f"those under a directory you name with --image-root DIR")
+        return None
+
+
+def host_error(url: str, host: str) -> Optional[str]:
+    """Why an http(s) URL to ``host`` is not forwarded (a literal link-local or unspecified
+    address: 169.254.169.254 is a cloud's metadata service, as the server sees it), or None.
+    Names are left to the server's resolver."""
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if addr.is_link_local or addr.is_unspecified:
+        return (f"has the URL {url[:80]!r}, whose host {host} is a link-local or unspecified "
+                f"address (a cloud metadata service answers there to the server): not sent")
+    return None
 
 
 @dataclass(frozen=True)
@@ -91,16 +141,21 @@ def _url_of(part: Dict[str, Any]) -> Any:
     return ref.get("url") if isinstance(ref, dict) else ref
 
 
-def check_url(url: Any) -> str:
-    """``url`` as sent, or ``ImagePartError`` (why, without the part's place)."""
+def check_url(url: Any, access: ImageAccess = ImageAccess()) -> str:
+    """``url`` as sent, or ``ImagePartError`` (why, without the part's place): malformed,
+    or not forwarded under ``access``."""
     if not isinstance(url, str) or not url.strip():
         raise ImagePartError("has no image URL (image_url.url, url, image or path)")
     if url.startswith("/"):
         url = "file://" + url
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
-        if not urlsplit(url).hostname:
+        host = urlsplit(url).hostname
+        if not host:
             raise ImagePartError(f"has the URL {url[:80]!r}, which names no host")
+        why = host_error(url, host)
+        if why:
+            raise ImagePartError(why)
     elif scheme == "file":
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
@@ -108,6 +163,9 @@ def check_url(url: Any) -> str:
                                  f"on the server's filesystem")
         if not unquote(parts.path).strip("/"):
             raise ImagePartError(f"has the URL {url[:80]!r}, which names no file")
+        why = access.file_error(url, unquote(parts.path))
+        if why:
+            raise ImagePartError(why)
     elif scheme == "data":
         m = _DATA_URL.fullmatch(url)
         if not m:
@@ -126,7 +184,7 @@ def check_url(url: Any) -> str:
     return url
 
 
-def _part(part: Any, where: str) -> Tuple[Any, bool]:
+def _part(part: Any, where: str, access: ImageAccess) -> Tuple[Any, bool]:
     """One content part in OpenAI's shape and whether it is an image."""
     if isinstance(part, str):
         return {"type": "text", "text": part}, False
@@ -139,7 +197,7 @@ def _part(part: Any, where: str) -> Tuple[Any, bool]:
         return {"type": "text", "text": part["text"]}, False
     if kind in IMAGE_TYPES:
         try:
-            url = check_url(_url_of(part))
+            url = check_url(_url_of(part), access)
         except ImagePartError as e:
             raise ImagePartError(f"{where} (type {kind}) {e}") from None
         image_url: Dict[str, Any] = {"url": url}
@@ -151,10 +209,10 @@ def _part(part: Any, where: str) -> Tuple[Any, bool]:
                          f"parts ({', '.join(IMAGE_TYPES)}) only")
 
 
-def chat_prompt(messages: Any) -> ChatPrompt:
-    """Check a row's ``messages`` (at least one image part) and shape them for the chat
-    request. Raises ``ImagePartError`` (one sentence naming message ``m`` and part ``p``,
-    both from 0)."""
+def chat_prompt(messages: Any, access: ImageAccess = ImageAccess()) -> ChatPrompt:
+    """Check a row's ``messages`` (at least one image part, each URL forwarded under
+    ``access``) and shape them for the chat request. Raises ``ImagePartError`` (one
+    sentence naming message ``m`` and part ``p``, both from 0)."""
     if not isinstance(messages, list) or not messages:
         raise ImagePartError("messages must be a non-empty list of {role, content} objects")
     out: List[Dict[str, Any]] = []
@@ -167,7 +225,7 @@ def chat_prompt(messages: Any) -> ChatPrompt:
         if isinstance(content, list):
             parts = []
             for p, part in enumerate(content):
-                shaped_part, is_image = _part(part, f"message {m} part {p}")
+                shaped_part, is_image = _part(part, f"message {m} part {p}", access)
                 parts.append(shaped_part)
                 images += is_image
             shaped["content"] = parts

@@ -1,8 +1,8 @@
 """OUT, extract's output directory: ``hs_<i>.safetensors``, ``manifest.jsonl`` and resume.
 
-``manifest.jsonl`` holds one JSON line per sample (``record``), appended with one
-``O_APPEND`` write so that lines never interleave; the last line of an index wins and a
-torn last line (a killed run) is ignored. A row with images also gets ``images`` and
+``manifest.jsonl`` holds one JSON line per sample (``record``), appended whole or not at
+all (``files.append_line``: lines never interleave, a full disk leaves no torn line); the
+last line of an index wins and a torn last line (a killed run) is ignored. A row with images also gets ``images`` and
 ``request_sha256`` (``runner.chat_record``), which a rerun checks before keeping its file. A rerun keeps every ``hs_<i>`` that is a regular
 file and passes ``checks.check_file`` (``existing``), and removes the temporary files a
 killed run left (``clean_tmp``).
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.checks import CheckError, check_file
-from sglang_ext.client.files import regular_or_why
+from sglang_ext.client.files import append_line, regular_or_why
 
 MANIFEST_NAME = "manifest.jsonl"
 # files.Staged's temporary names for hs_<i> (unique: a random suffix)
@@ -58,14 +58,10 @@ class Manifest:
         return index in self.records
 
     def add(self, rec: Dict[str, Any]) -> None:
-        """One ``write`` with ``O_APPEND``: lines from concurrent writers never interleave."""
-        line = (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     self.mode)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        """Append ``rec``'s line whole or not at all (``files.append_line``). Raises
+        ``OSError`` (a full disk: ``ENOSPC``), the file as it was before."""
+        append_line(self.path, (json.dumps(rec, separators=(",", ":")) + "\n").encode("utf-8"),
+                    self.mode)
         self.records[rec["index"]] = rec
 
 

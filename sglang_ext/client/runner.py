@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.checks import CheckError, check_file, sample_layout
@@ -75,8 +76,28 @@ class Stats:
     tokens: int = 0
     bytes: int = 0
     failed_indices: List[int] = field(default_factory=list)
+    # rows whose file this run put into OUT (``put_in_out``), counted in the thread that
+    # did it: a file put there after Ctrl-C cancelled its row's await still counts
+    taken: Set[int] = field(default_factory=set)
     aborted: Optional[str] = None
     bad_input: bool = False  # the abort is the command line's (UsageError): exit 2
+
+
+OUT_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space (or quota) left where OUT is
+
+
+def out_full(e: OSError, out_dir: str) -> str:
+    """The sentence that stops a run whose OUT is full (``e``: ENOSPC or EDQUOT)."""
+    return (f"{e.filename or out_dir}: {e.strerror}: no sample can be written; free space "
+            f"there (or fix the directory) and run the same command again to resume")
+
+
+def put_in_out(taken: Set[int], index: int, fn, *args):
+    """``fn(*args)``, which puts row ``index``'s file into OUT (``move_into_place``,
+    ``StoreFetcher.take``), then ``index`` added to ``taken``; run in a worker thread."""
+    result = fn(*args)
+    taken.add(index)
+    return result
 
 
 async def request_once(session, opts: Options, row: Row, attempt: int,
@@ -85,8 +106,8 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     with images); returns ``(rid, answer)``. The wait for an HTTP slot is outside
     ``--timeout``, which bounds the HTTP request. ``pending`` journals the request (a store
     answer settles it at once: the server writes no file). Raises ``RequestError``
-    (``RowError``; ``FatalError`` when retrying cannot help, ``UsageError`` for a store
-    answer without ``--store``)."""
+    (``RowError``; ``FatalError`` when retrying cannot help or for a file answer with
+    ``--store``, ``UsageError`` for a store answer without ``--store``)."""
     rid = f"{opts.rid_prefix}-{row.index}-{attempt}-{uuid.uuid4().hex[:8]}"
     if opts.store is not None:
         opts.store.sent(row.index, rid)
@@ -97,6 +118,12 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
     else:
         answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
                                 http_slots, pending)
+    if answer.manifest is None and opts.store is not None:
+        raise FatalError(f"the server at {opts.endpoint} writes files (its answers carry "
+                         f"meta_info.{fmt.PATH_KEY}, e.g. {answer.path}), not samples into a "
+                         f"Mooncake Store: --store has nothing to collect; run without --store "
+                         f"(where this machine sees the server's dump directory), or start the "
+                         f"server with --dump-hidden-states-dir mooncake://...")
     if answer.manifest is not None:
         pending.settled(rid)
         if opts.store is None:
@@ -159,7 +186,8 @@ def chat_record(row: Row, rec: Dict[str, Any]) -> Dict[str, Any]:
     return rec
 
 
-async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer) -> Dict[str, Any]:
+async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer,
+                          taken: Set[int]) -> Dict[str, Any]:
     """The store half of a try: check the answer's manifest against ``row``, journal it,
     wait for its object (``--store-timeout``) and write it as ``OUT/hs_<i>``; returns the
     manifest record. Raises ``FetchError`` (a ``RequestError``), ``RowError``
@@ -171,11 +199,12 @@ async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer) -> 
     exp = fetch.expect(answer.manifest, rid, ids, store.shape)  # rid is journaled already
     store.answered(row.index, rid, answer.manifest)
     await store.wait(exp, opts.store_timeout)
-    size = await asyncio.to_thread(store.take, exp, row.index, ids, opts.validate)
+    size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index, ids,
+                                   opts.validate)
     return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle), size))
 
 
-async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]:
+async def resume_from_store(opts: Options, row: Row, taken: Set[int]) -> Optional[Dict[str, Any]]:
     """A rerun's first try of an unfinished row: take the newest object an earlier run
     was answered for, if it is still in the store (no new request); returns its record, or
     None (nothing journaled, or gone: the row is requested again). Journaled objects that
@@ -192,7 +221,8 @@ async def resume_from_store(opts: Options, row: Row) -> Optional[Dict[str, Any]]
             exp = fetch.expect(manifest, rid, row.input_ids, store.shape)
             if await asyncio.to_thread(store.state, exp.handle) != "ready":
                 continue
-            size = await asyncio.to_thread(store.take, exp, row.index, row.input_ids, opts.validate)
+            size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index,
+                                           row.input_ids, opts.validate)
         except (RequestError, CheckError, OSError) as e:
             print(f"{row.name}: the sample an earlier run was answered for is not taken "
                   f"({e}); requesting it again", file=sys.stderr)
@@ -221,18 +251,19 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             return None
         try:
             if attempt == 0 and opts.store is not None and opts.store.resumable(row.index):
-                rec = await resume_from_store(opts, row)
+                rec = await resume_from_store(opts, row, stats.taken)
                 if rec is not None:
                     return rec, STORE
             rid, answer = await request_once(session, opts, row, attempt, http_slots, pending)
             if answer.manifest is not None:
                 where.append(STORE)
-                return await take_from_store(opts, row, rid, answer), STORE
+                return await take_from_store(opts, row, rid, answer, stats.taken), STORE
             dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
             ids = expected_ids(row, answer)  # RowError: the file stays journaled, swept at the end
             try:
                 size = await asyncio.to_thread(
-                    move_into_place, dump, name, opts.out_dir, row.index, ids,
+                    put_in_out, stats.taken, row.index, move_into_place, dump, name, opts.out_dir,
+                    row.index, ids,
                     opts.validate, opts.file_mode,
                 )
             finally:
@@ -247,6 +278,8 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
         except RowError as e:
             raise RowError(f"{row.name}: {e}") from None
         except (RequestError, CheckError, OSError) as e:
+            if isinstance(e, OSError) and e.errno in OUT_FULL:  # every next try would fail alike
+                raise FatalError(out_full(e, opts.out_dir)) from None
             last = e
             if progress is not None:
                 progress.failed_try(where[-1] if where else None)
@@ -297,6 +330,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
         if taken:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+            stats.taken.discard(row.index)
         if not abort.is_set():
             stats.aborted = (f"{name} holds layers {layout[0]} x {list(layout[1])} {layout[2]}, "
                              f"but {first[0][0]} in {opts.out_dir} holds {first[0][1][0]} x "
@@ -307,77 +341,102 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             abort.set()
         return False
 
+    def stop(why: str) -> None:
+        """Abort the run for ``why`` (one sentence, first on stderr), once."""
+        if not abort.is_set():
+            stats.aborted = why
+            print(f"error: {why}", file=sys.stderr)
+            abort.set()
+
+    def add_line(row: Row, rec: Dict[str, Any]) -> bool:
+        """Append ``rec`` to the manifest; False when OUT cannot take it (a full disk): the
+        row fails, its hs_<i> stays for the next run, and the run stops (the next rows
+        would fail alike)."""
+        try:
+            manifest.add(rec)
+            return True
+        except OSError as e:
+            stats.failed += 1
+            stats.failed_indices.append(row.index)
+            print(f"{row.name}: cannot append its line to {manifest.path} ({e.strerror or e}); "
+                  f"{final_name(row.index)} is kept for the next run", file=sys.stderr)
+            stop(out_full(e, opts.out_dir))
+            return False
+
     async def worker(session):
-        nonlocal consecutive
         while True:
             row = await queue.get()
             try:
-                if row is None:
-                    return
-                if abort.is_set():
-                    continue
-                if row.error is not None:  # a malformed image part: this row alone fails
-                    stats.failed += 1
-                    stats.failed_indices.append(row.index)  # bad data, not a failing server:
-                    print(row.error, file=sys.stderr)        # not a consecutive failure
-                    tick()
-                    continue
-                n, redo = await asyncio.to_thread(
-                    existing, opts.out_dir, row.index, row.input_ids, opts.validate,
-                    row.chat.digest if row.chat is not None else None,
-                    manifest.records.get(row.index))
-                if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
-                    print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
-                elif n is not None:
-                    if not await same_layout(row, taken=False):
-                        continue
-                    stats.resumed += 1
-                    if row.index not in manifest:
-                        size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
-                        manifest.add(record(row.index, n, None, size))
-                    if opts.store is not None:  # taken before a kill: its objects go now
-                        await opts.store.consumed(row.index)
-                    tick()
-                    continue
-                try:
-                    got = await extract_one(session, opts, row, stats, http_slots, pending, abort,
-                                            progress)
-                except FatalError as e:
-                    if not abort.is_set():
-                        stats.bad_input = isinstance(e, UsageError)
-                        stats.aborted = f"{row.name}: {e}"
-                        print(f"error: {stats.aborted}", file=sys.stderr)
-                        abort.set()
-                    continue
-                except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
-                    if not isinstance(e, RequestError):
-                        e = RequestError(f"{row.name}: {type(e).__name__}: {e}")
-                    stats.failed += 1
-                    stats.failed_indices.append(row.index)
-                    consecutive += 1
-                    print(str(e), file=sys.stderr)
-                    if consecutive >= opts.max_consecutive_failures and not abort.is_set():
-                        stats.aborted = (f"{consecutive} consecutive samples failed "
-                                         f"(--max-consecutive-failures); last: {e}")
-                        print(f"error: {stats.aborted}", file=sys.stderr)
-                        abort.set()
-                else:
-                    if got is None:  # aborted while it was being tried
-                        continue
-                    rec, worker = got
-                    if not await same_layout(row, taken=True):
-                        continue
-                    progress.sample(worker, rec["num_tokens"])
-                    consecutive = 0
-                    manifest.add(rec)
-                    if opts.store is not None:  # in OUT and in the manifest: remove the object(s)
-                        await opts.store.consumed(row.index)
-                    stats.done += 1
-                    stats.tokens += rec["num_tokens"]
-                    stats.bytes += rec["bytes"]
-                tick()
+                if row is not None and not abort.is_set():
+                    await one_row(session, row)
+            except Exception as e:  # noqa: BLE001 - a worker must never die: the run would hang
+                stop(f"{row.name}: {type(e).__name__}: {e}")
             finally:
                 queue.task_done()
+            if row is None:
+                return
+
+    async def one_row(session, row: Row) -> None:
+        """All of one row: resume, tries, the manifest line; counts go to ``stats``."""
+        nonlocal consecutive
+        if row.error is not None:  # a malformed image part: this row alone fails
+            stats.failed += 1
+            stats.failed_indices.append(row.index)  # bad data, not a failing server:
+            print(row.error, file=sys.stderr)        # not a consecutive failure
+            tick()
+            return
+        n, redo = await asyncio.to_thread(
+            existing, opts.out_dir, row.index, row.input_ids, opts.validate,
+            row.chat.digest if row.chat is not None else None,
+            manifest.records.get(row.index))
+        if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
+            print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
+        elif n is not None:
+            if not await same_layout(row, taken=False):
+                return
+            stats.resumed += 1
+            if row.index not in manifest:
+                size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
+                if not add_line(row, record(row.index, n, None, size)):
+                    return
+            if opts.store is not None:  # taken before a kill: its objects go now
+                await opts.store.consumed(row.index)
+            tick()
+            return
+        try:
+            got = await extract_one(session, opts, row, stats, http_slots, pending, abort,
+                                    progress)
+        except FatalError as e:
+            if not abort.is_set():
+                stats.bad_input = isinstance(e, UsageError)
+            stop(f"{row.name}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001 - a row's error: the run goes on
+            if not isinstance(e, RequestError):
+                e = RequestError(f"{row.name}: {type(e).__name__}: {e}")
+            stats.failed += 1
+            stats.failed_indices.append(row.index)
+            consecutive += 1
+            print(str(e), file=sys.stderr)
+            if consecutive >= opts.max_consecutive_failures:
+                stop(f"{consecutive} consecutive samples failed (--max-consecutive-failures); "
+                     f"last: {e}")
+        else:
+            if got is None:  # aborted while it was being tried
+                return
+            rec, worker = got
+            if not await same_layout(row, taken=True):
+                return
+            if not add_line(row, rec):
+                return
+            progress.sample(worker, rec["num_tokens"])
+            consecutive = 0
+            if opts.store is not None:  # in OUT and in the manifest: remove the object(s)
+                await opts.store.consumed(row.index)
+            stats.done += 1
+            stats.tokens += rec["num_tokens"]
+            stats.bytes += rec["bytes"]
+        tick()
 
     timeout = aiohttp.ClientTimeout(total=opts.timeout)
     # Twice as many workers as HTTP requests in flight: while one waits for its file

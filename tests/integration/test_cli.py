@@ -101,10 +101,14 @@ class Server:
         self.answer_path = None
         self.server_info = True
         self.layer_ids = "[2, 4]"  # the files' metadata (another server's configuration)
+        self.raw_get = {}  # GET path -> f(handler): a hostile answer written by f itself
+        self.raw_post = None  # None, or f(handler, request body): the same for every POST
         server = self
 
         class Handler(_HealthOnly):
             def do_GET(self):
+                if self.path in server.raw_get:
+                    return server.raw_get[self.path](self)
                 if self.path != "/server_info" or not server.server_info:
                     return super().do_GET()
                 data = json.dumps({"dump_hidden_states_dir": server.dump_dir, "tp_size": 1}).encode()
@@ -115,6 +119,8 @@ class Server:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if server.raw_post is not None:
+                    return server.raw_post(self, body)
                 code, obj = server.generate(body)
                 if code is None:
                     return
@@ -856,3 +862,79 @@ def test_extract_help_shows_real_defaults_only():
     text = " ".join(r.stdout.split())
     assert "(default: None)" not in text
     assert "HTTP requests in flight" in text and "(default: 32)" in text and "(default: 600.0)" in text
+
+
+def test_ctrl_c_while_the_command_is_imported_is_one_line():
+    """A real SIGINT, sent by the process to itself when ``python -m sglang_ext extract``
+    starts importing extract's module (the first half second of a run, where a new user's
+    Ctrl-C printed a KeyboardInterrupt traceback)."""
+    code = (
+        "import os, runpy, signal, sys\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'sglang_ext.client.extract':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "sys.argv = ['sglang_ext', 'extract', '--help']\n"
+        "runpy.run_module('sglang_ext', run_name='__main__', alter_sys=True)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip().splitlines() == ["sglang-ext extract: interrupted"], r.stderr
+
+
+def test_the_ctrl_c_line_counts_every_file_the_run_put_in_out(server, tmp_path):
+    """Ctrl-C in the middle of a fast run (32 workers): the line's count is the number of
+    hs_<i> in OUT, which the next run resumes (a new user's review saw "813" said, 829 files
+    in OUT and 829 resumed: rows cancelled after their file was moved were not counted)."""
+    data = [[1, 2, 3]] * 400
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+
+    def in_out():
+        return len(list(out.glob("hs_*.safetensors"))) if out.exists() else 0
+
+    code, err = signal_extract(extract_args(server, path, str(out), "--concurrency", 16),
+                               lambda: in_out() >= 60, signal.SIGINT)
+    assert code == 130, err
+    said = re.search(r"extract: interrupted: (\d+) sample\(s\) extracted in this run, (\d+) of 400", err)
+    assert said, err
+    files = in_out()
+    assert (int(said[1]), int(said[2])) == (files, files), err
+    r = cli(*extract_args(server, path, out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert summary(r.stdout)["resumed"] == files
+
+
+def test_a_run_stopped_at_a_bad_row_leaves_no_empty_out(server, tmp_path):
+    """The dataset's first row has no input_ids (and no --tokenizer): the run stops at it
+    (exit 2) and the --out it created is gone again (a new user's review found an empty
+    one left behind); an --out that existed before stays."""
+    path = write_jsonl(tmp_path / "d.jsonl", [None, [1, 2, 3]])
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert "row 0 (line 1 of" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()
+    r = cli(*extract_args(server, path, tmp_path / "mine"))
+    assert r.returncode == 2, r.stderr
+    assert os.listdir(tmp_path / "mine") == []
+
+
+def test_convert_help_is_plain_text_with_shapes_and_to_is_optional(tmp_path):
+    """convert --help showed RST (double backticks) and a required --to of one choice: the
+    help is plain text giving the record's shapes, and --to may be left out (``--to
+    specforge`` is still taken)."""
+    text = " ".join(cli("convert", "--help").stdout.split())
+    assert "``" not in text, text
+    for words in ("hidden_states [T, L, H]", "input_ids [T] int64", "loss_mask [T] int64",
+                  "aux_hidden_state [1, T, (L-1)*H]", "hidden_state [1, T, H]",
+                  "specforge, the only one, is the default"):
+        assert words in text, words
+    (tmp_path / "src").mkdir()
+    r = cli("convert", tmp_path / "src", tmp_path / "dst", "--no-final-norm")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"error: SRC {tmp_path / 'src'} holds no hs_<i>.safetensors files "
+                                f"(extract --out writes them); nothing to convert")

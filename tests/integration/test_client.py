@@ -702,6 +702,10 @@ def test_convert_to_specforge_loads_in_its_own_reader(server, tmp_path, capsys):
         want_mask[-1] = 0  # SpecForge zeroes the last position itself
         assert item["loss_mask"][0].tolist() == want_mask
     assert seen == set(range(6))
+    old = os.umask(0o022)
+    os.umask(old)
+    for d in (dst, dst / "rows_0-5000"):  # KIMI_SGLANG_FILE_MODE's 0600, searchable: 0700 (was 0755)
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700 & ~old, d
     # resume: nothing rewritten, and the run says the old records are kept
     before = (dst / "rows_0-5000" / "data_3.ckpt").read_bytes()
     capsys.readouterr()

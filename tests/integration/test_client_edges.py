@@ -11,10 +11,13 @@ FIFOs (``os.mkfifo``), real sockets.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import socket
 import stat
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -90,8 +93,8 @@ def test_a_symlink_named_by_the_server_is_never_followed_nor_kept(server, tmp_pa
     assert r.returncode == 1, r.stderr
     assert victim.read_bytes() == before
     assert "is not a regular file" in r.stderr, r.stderr
-    out = tmp_path / "out"
-    assert not [n for n in os.listdir(out) if os.path.islink(out / n)]
+    out = tmp_path / "out"  # the run left it empty: removed (issue 51)
+    assert not out.exists() or not [n for n in os.listdir(out) if os.path.islink(out / n)]
     assert not list(out.glob("hs_*"))
 
 
@@ -272,10 +275,12 @@ def test_outputs_are_0600_by_default_and_follow_kimi_sglang_file_mode(server, tm
         assert r.returncode == 0, r.stderr
         assert _modes(tmp_path / "out") == {"hs_0.safetensors": 0o600, "hs_1.safetensors": 0o600,
                                             "manifest.jsonl": 0o600}
+        assert stat.S_IMODE(os.stat(tmp_path / "out").st_mode) == 0o700  # was 0755
         r = cli(*extract_args(server, path, tmp_path / "out2"), timeout=60,
                 env=dict(KIMI_SGLANG_FILE_MODE="0640"))
         assert r.returncode == 0, r.stderr
         assert set(_modes(tmp_path / "out2").values()) == {0o640}
+        assert stat.S_IMODE(os.stat(tmp_path / "out2").st_mode) == 0o750
         os.umask(0o027)  # the umask still applies to the mode asked for
         r = cli(*extract_args(server, path, tmp_path / "out3"), timeout=60,
                 env=dict(KIMI_SGLANG_FILE_MODE="0666"))
@@ -391,3 +396,321 @@ def test_staged_fixed_name_replaces_a_leftover_and_publishes(tmp_path):
     assert (tmp_path / "data_0.ckpt").read_bytes() == b"record"
     assert (tmp_path / "elsewhere").read_bytes() == b"not ours"
     assert stat.S_IMODE(os.lstat(tmp_path / "data_0.ckpt").st_mode) == 0o600 & ~_umask()
+
+
+# ---- issue 50 item 1: extract bounds what it reads from a server --------------------------------
+def _endless(handler, *_):
+    """HTTP 200 and a JSON body that never ends (no Content-Length: closed-delimited),
+    as fast as the socket takes it, until the client goes away."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.end_headers()
+    chunk = b" " * (1 << 16)
+    try:
+        handler.wfile.write(b'{"meta_info": {"x": "')
+        for _ in range(1 << 16):  # 4 GiB at most, then the test's server gives up
+            handler.wfile.write(chunk)
+    except OSError:
+        pass
+
+
+def _trickle(handler, *_):
+    """HTTP 200 announcing 100000 bytes, then one byte a second (for at most 120 s)."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", "100000")
+    handler.end_headers()
+    try:
+        for _ in range(120):
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(1)
+    except OSError:
+        pass
+
+
+def _nested(handler, *_):
+    """HTTP 200 and valid JSON nested 100000 levels deep."""
+    data = b"[" * 100_000 + b"]" * 100_000
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    try:
+        handler.wfile.write(data)
+    except OSError:
+        pass
+
+
+def _at_most_4_gib():
+    """preexec_fn: the client's address space capped, so that a regression that reads an
+    endless answer fails fast with MemoryError instead of filling this machine."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def _no_traceback(r):
+    assert "Traceback" not in r.stderr and "RecursionError" not in r.stderr, r.stderr
+
+
+def test_an_endless_answer_to_generate_fails_its_row_at_the_answer_bound(server, tmp_path):
+    server.raw_post = _endless
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0, "--dump-dir", server.dump_dir),
+            timeout=120, preexec_fn=_at_most_4_gib)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert (f"the answer to POST {server.url}/generate is over 16 MiB (extract reads at most "
+            f"16 MiB of an answer)") in r.stderr, r.stderr
+
+
+def test_an_endless_server_info_is_left_at_the_answer_bound_and_the_run_goes_on(server, tmp_path):
+    """/server_info is only a hint (the dump directory before any answer): past the bound it
+    is a note, and the rows are extracted as usual."""
+    server.raw_get["/server_info"] = _endless
+    data = rows(2)
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), out),
+            timeout=120, preexec_fn=_at_most_4_gib)
+    _no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    assert (f"note: the answer to GET {server.url}/server_info is over 16 MiB (extract reads at "
+            f"most 16 MiB of an answer): its dump directory is not taken from it") in r.stderr, r.stderr
+    for i, ids in enumerate(data):
+        result_is_regular_and_right(out, i, ids)
+
+
+def test_a_deeply_nested_server_info_is_one_note_and_the_run_goes_on(server, tmp_path):
+    server.raw_get["/server_info"] = _nested
+    data = rows(2)
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), tmp_path / "out"),
+            timeout=120)
+    _no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    assert (f"note: the answer to GET {server.url}/server_info is JSON nested deeper than "
+            f"Python's parser takes") in r.stderr, r.stderr
+
+
+def test_a_deeply_nested_answer_to_generate_is_one_sentence(server, tmp_path):
+    server.raw_post = _nested
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0, "--dump-dir", server.dump_dir), timeout=120)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert (f"the answer to POST {server.url}/generate is JSON nested deeper than Python's "
+            f"parser takes") in r.stderr, r.stderr
+
+
+def test_timeout_covers_an_answer_that_trickles(server, tmp_path):
+    """A byte a second forever: --timeout 3 ends the try (the test's own limit is 60 s, the
+    server would go on for 120)."""
+    server.raw_post = _trickle
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), tmp_path / "out",
+                          "--max-retries", 0, "--timeout", 3, "--dump-dir", server.dump_dir),
+            timeout=60)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert "no answer within 3 s (--timeout)" in r.stderr, r.stderr
+
+
+def test_timeout_covers_a_server_info_that_trickles(server, tmp_path):
+    server.raw_get["/server_info"] = _trickle
+    data = rows(1)
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", data), tmp_path / "out",
+                          "--timeout", 3), timeout=60)
+    _no_traceback(r)
+    assert r.returncode == 0, r.stderr
+    result_is_regular_and_right(tmp_path / "out", 0, data[0])
+
+
+# ---- issue 50 item 3: OUT fills up ------------------------------------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 1 MiB tmpfs (``mount -t tmpfs``, as root) at tmp_path/fs, unmounted after."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"mount -t tmpfs failed: {r.stderr}"
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(fs):
+    """Write fs/filler until the filesystem refuses (ENOSPC): no page is left."""
+    with open(fs / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
+def _renaming_server(server, fs, ids, n):
+    """``server`` answers each /generate by renaming one of ``n`` files made beforehand (in
+    fs/stage, for ``ids``) to the request's name in its dump directory (fs/dump): a rename
+    needs no free space, so the file reaches OUT (same filesystem) on a full disk. Before
+    its first answer it fills fs (``_fill``): the client's journal has its page by then."""
+    stage = fs / "stage"
+    stage.mkdir()
+    for k in range(n):
+        write_file(str(stage / f"{k}{fmt.SUFFIX}"), ids)
+    count = []
+
+    def answer(handler, body):
+        if not count:
+            _fill(fs)
+        count.append(1)
+        path = os.path.join(server.dump_dir, fmt.safe_stem(body["rid"]) + fmt.SUFFIX)
+        os.rename(stage / f"{len(count) - 1}{fmt.SUFFIX}", path)
+        data = json.dumps({"text": "x", "meta_info": {"hidden_states_path": path}}).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    server.raw_post = answer
+
+
+@pytest.mark.parametrize("workers", [("--concurrency", 1, "--no-early-answers"),
+                                     ("--concurrency", 8)], ids=["1-worker", "16-workers"])
+@pytest.mark.parametrize("manifest_before", [0, 4086])
+def test_a_full_out_fails_the_row_naming_the_manifest_and_stops_the_run(tmp_path, small_fs,
+                                                                        manifest_before, workers):
+    """OUT and the dump directory on one real 1 MiB tmpfs, filled up at the first answer.
+    The manifest's ENOSPC escaped the worker: with one (--concurrency 1 --no-early-answers)
+    the run hung, with 16 it was a traceback. With a manifest of 4086 bytes (10 short of
+    its page) the append was a short write: a torn line, which the next line was glued
+    onto. Now the row fails naming the manifest, the run stops (exit 3) with a sentence,
+    the manifest holds whole lines only, and once there is room again the next run records
+    every sample."""
+    ids = [1, 2, 3]
+    server = Server(small_fs / "dump")
+    out = small_fs / "out"
+    out.mkdir()
+    manifest = out / "manifest.jsonl"
+    before = b""
+    if manifest_before:  # an earlier run's line for another row, padded to 4086 bytes
+        head = b'{"index":999,"num_tokens":3,"file":"hs_999.safetensors","pad":"'
+        before = head + b"x" * (manifest_before - len(head) - 3) + b'"}\n'
+        manifest.write_bytes(before)
+        assert len(before) == manifest_before
+    try:
+        _renaming_server(server, small_fs, ids, 3)
+        data = write_jsonl(tmp_path / "d.jsonl", [ids] * 3)
+        args = extract_args(server, data, out, *workers, "--max-retries", 0)
+        r = cli(*args, timeout=120)
+        _no_traceback(r)
+        assert r.returncode == 3, r.stderr
+        row = re.search(r"row (\d) \(line \d of d.jsonl\): cannot append its line to (\S+) "
+                        r"\(No space left on device\); hs_(\d).safetensors is kept for the next "
+                        r"run", r.stderr)
+        assert row and row[2] == str(manifest) and row[1] == row[3], r.stderr
+        assert r.stderr.count(f"error: {manifest}: No space left on device: no sample can be "
+                              f"written; free space there (or fix the directory) and run the "
+                              f"same command again to resume") == 1, r.stderr
+        assert (manifest.read_bytes() if manifest.exists() else b"") == before
+        taken = sorted(p.name for p in out.glob("hs_*"))
+        assert f"hs_{row[1]}.safetensors" in taken, taken
+        os.unlink(small_fs / "filler")
+        server.raw_post = None
+        r = cli(*args, timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(line) for line in manifest.read_bytes()[len(before):].splitlines()]
+        assert sorted(rec["index"] for rec in lines) == [0, 1, 2], lines
+    finally:
+        server.close()
+
+
+# ---- issue 50 item 9: a file of any size or shape is not taken ---------------------------------
+def _declaring(path, ids, tensors):
+    """A safetensors file holding ``token_ids`` ``ids`` (I64, first) and declaring
+    ``tensors`` ({name: (dtype, shape, nbytes)}) after them, their data left sparse
+    (``truncate``): valid for the safetensors library, of any size."""
+    header = {"token_ids": {"dtype": "I64", "shape": [len(ids)], "data_offsets": [0, 8 * len(ids)]}}
+    pos = 8 * len(ids)
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(i.to_bytes(8, "little") for i in ids))
+        f.truncate(8 + len(text) + pos)
+
+
+@pytest.mark.parametrize("tensors,bound", [
+    ({"hidden_states": ("BF16", [3, 0, 4], 0)},
+     "hidden_states shape [3, 0, 4], not [T, L, H] with every dimension >= 1"),
+    ({"hidden_states": ("BF16", [3, 1, 268_435_456], 3 << 29)},
+     "hidden_states shape [3, 1, 268435456] holds 268435456 values per token, over the 4194304 "
+     "(layers x hidden) extract takes"),
+    ({"hidden_states": ("BF16", [3, 2, 4], 48), "padding": ("U8", [3 << 29], 3 << 29)},
+     # 3 x (2 x 4 x 2 bytes + 4 x 2 + 8) + 1 MiB
+     f"bytes, over the {3 * (16 + 8 + 8) + (1 << 20)} that 3 tokens x 2 layers x 4 hidden (BF16) "
+     f"take with scales, token ids and a 1 MiB header: not a dump file"),
+])
+def test_a_file_of_another_size_or_shape_is_refused_before_it_is_taken(server, tmp_path, tensors,
+                                                                        bound):
+    """The server's file for a 3-token row declares a zero dimension, a row of 2**28 values
+    or 1.5 GiB beside its tensors (sparse): the try fails naming the bound, and nothing of
+    it reaches OUT (before, a [3, 0, 4] file was kept as hs_0, and a 1.5 GiB one taken)."""
+    def answer(n, path):
+        _declaring(path, [1, 2, 3], tensors)
+        return path
+
+    server.answer_path = answer
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", [[1, 2, 3]]), out,
+                          "--max-retries", 0, "--dump-dir", server.dump_dir), timeout=60)
+    _no_traceback(r)
+    assert r.returncode == 1, r.stderr
+    assert bound in r.stderr, r.stderr
+    assert "the server's file " in r.stderr, r.stderr
+    assert not out.exists(), os.listdir(out)  # nothing of it reached OUT, left empty: removed
+
+
+# ---- issue 51: --store against a server that writes files ---------------------------------------
+def test_store_against_a_file_sink_server_stops_with_the_mismatch(server, tmp_path, master):
+    """A real mooncake_master for --store, a server that answers with hidden_states_path:
+    before, the run took the files and said nothing of --store doing nothing; now it stops
+    at the first answer (exit 3) naming both sides."""
+    from mooncake_fixture import HAVE_MOONCAKE
+
+    assert HAVE_MOONCAKE, "tests/run.sh installs Mooncake (requirements/store.txt)"
+    url = f"mooncake://{master.address}?protocol=tcp&local_buffer_size=16MiB&local_hostname=127.0.0.1"
+    out = tmp_path / "out"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(3)), out,
+                          "--store", url, "--concurrency", 1), timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert (f"the server at {server.url} writes files (its answers carry "
+            f"meta_info.hidden_states_path, e.g. {server.dump_dir}/") in r.stderr, r.stderr
+    assert "not samples into a Mooncake Store: --store has nothing to collect" in r.stderr, r.stderr
+    assert not list(out.glob("hs_*"))
+
+
+def test_an_out_full_before_the_first_request_stops_the_run_naming_the_journal(tmp_path, small_fs):
+    """OUT on a real tmpfs filled before the run: the request journal's first line cannot
+    be written, so nothing is sent and the run stops at once (exit 3) naming the journal
+    (before: every try of every row failed on its own, "[Errno 28] ...", retried, exit 1)."""
+    from sglang_ext.client.pending import journal_path
+
+    server = Server(tmp_path / "dump")
+    server.server_info = False  # else its dump directory is journaled at start: exit 2 there
+    out = small_fs / "out"
+    out.mkdir()
+    _fill(small_fs)
+    try:
+        r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(3)), out,
+                              "--concurrency", 1, "--max-retries", 2), timeout=120)
+    finally:
+        server.close()
+    _no_traceback(r)
+    assert r.returncode == 3, r.stderr
+    assert (f"error: row 0 (line 1 of d.jsonl): {journal_path(str(out), 0)}: No space left on "
+            f"device: no sample can be written; free space there (or fix the directory) and run "
+            f"the same command again to resume") in r.stderr, r.stderr
+    assert "retrying" not in r.stderr and server.requests == 0

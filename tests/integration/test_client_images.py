@@ -33,7 +33,7 @@ from test_client import (
 
 from sglang_ext import format as fmt
 from sglang_ext.client.extract import EXIT_ABORTED, EXIT_FAILED
-from sglang_ext.client.images import ImagePartError, chat_prompt
+from sglang_ext.client.images import ImageAccess, ImagePartError, chat_prompt
 from sglang_ext.client.manifest import MANIFEST_NAME
 
 
@@ -63,7 +63,7 @@ def write_rows(path, rows):
 
 
 def expected_ids(row):
-    p = chat_prompt(row["messages"])
+    p = chat_prompt(row["messages"], ImageAccess(("/",)))
     return render_chat(p.messages, p.continue_final)
 
 
@@ -96,7 +96,8 @@ def test_image_rows_go_through_chat_completions_and_text_rows_keep_generate(
         {"input_ids": [8, 9, 10, 11]},
     ]
     out = tmp_path / "out"
-    assert extract(server, write_rows(tmp_path / "d.jsonl", rows), out, "--concurrency", 2) == 0
+    assert extract(server, write_rows(tmp_path / "d.jsonl", rows), out, "--concurrency", 2,
+                   "--image-root", str(tmp_path)) == 0
     assert server.generate_calls == 2 and len(server.chat_bodies) == 4
     assert server.asked_early == 6  # chat requests asked for early answers too
     bodies = {b["messages"][-1]["content"][0].get("text", "") if isinstance(b["messages"][-1]["content"], list)
@@ -168,9 +169,10 @@ def test_a_malformed_image_part_fails_its_row_in_one_sentence_and_the_run_goes_o
 
 
 def test_chat_prompt_shapes_and_refusals():
+    srv = ImageAccess(("/srv/img",))
     shaped = chat_prompt([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}},
-        {"type": "image_url", "image_url": "/srv/img/b.png"}, "hi"]}])
+        {"type": "image_url", "image_url": "/srv/img/b.png"}, "hi"]}], srv)
     assert shaped.messages[0]["content"] == [
         {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}},
         {"type": "image_url", "image_url": {"url": "file:///srv/img/b.png"}},
@@ -179,7 +181,7 @@ def test_chat_prompt_shapes_and_refusals():
     # the digest follows the image, not only the text
     other = chat_prompt([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/c.png", "detail": "low"}},
-        {"type": "image_url", "image_url": "/srv/img/b.png"}, "hi"]}])
+        {"type": "image_url", "image_url": "/srv/img/b.png"}, "hi"]}], srv)
     assert other.digest != shaped.digest
     with pytest.raises(ImagePartError, match="message 1 is not an object with a role string"):
         chat_prompt([{"role": "user", "content": [{"type": "image", "url": "https://h/x"}]}, "x"])
@@ -193,7 +195,8 @@ def test_an_image_the_server_cannot_read_fails_that_row_once(server, tmp_path, c
     row fails at once, not retried; the others are extracted."""
     rows = [image_row(0), {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/missing.png"}}]}]}, image_row(2)]
-    assert extract(server, write_rows(tmp_path / "d.jsonl", rows), tmp_path / "out") == EXIT_FAILED
+    assert extract(server, write_rows(tmp_path / "d.jsonl", rows), tmp_path / "out",
+                   "--image-root", str(tmp_path)) == EXIT_FAILED
     err = capsys.readouterr().err
     assert "row 1 (line 2 of d.jsonl): the server refused the row (HTTP 400)" in err and "cannot read the image" in err
     assert len(server.chat_bodies) == 3
@@ -333,3 +336,62 @@ def test_convert_masks_image_positions_out_of_the_loss(server, tmp_path, capsys)
                  "--image-token-id", str(IMAGE_TOKEN)]) == 0
     rec = torch.load(dst2 / "rows_0-5000" / "data_2.ckpt", weights_only=True)
     assert rec["loss_mask"].tolist() == [0 if t == IMAGE_TOKEN else 1 for t in expected_ids(rows[2])]
+
+
+@pytest.mark.parametrize("url,roots,why", [
+    ("file:///dev/zero", (), "under /dev: the server would read its own /dev (SGLang's loader "
+                             "reads any file:// path, /dev/zero without end)"),
+    ("/proc/self/environ", ("/",), "under /proc"),
+    ("file:////sys/kernel/x", ("/",), "under /sys"),
+    ("file:///srv/img/x.png", (), "outside every --image-root (none given): the server reads "
+                                  "file:// paths from its own filesystem"),
+    ("file:///etc/passwd", ("/srv/img",), "outside every --image-root (/srv/img)"),
+    ("file:///srv/img-other/x.png", ("/srv/img",), "outside every --image-root (/srv/img)"),
+    ("file:///srv/img/../../etc/passwd", ("/srv/img",), "whose path climbs out through '..'"),
+    ("file:///srv/img/%2e%2e/x", ("/srv/img",), "whose path climbs out through '..'"),
+    ("http://169.254.169.254/latest/meta-data/", (), "whose host 169.254.169.254 is a link-local"),
+    ("http://[fe80::1]/x.png", (), "whose host fe80::1 is a link-local"),
+    ("https://0.0.0.0/x.png", (), "is a link-local or unspecified address"),
+])
+def test_image_urls_the_server_must_not_read_are_refused(url, roots, why):
+    """What extract forwards (issue 50 item 14): SGLang 0.5.23's loader reads any file://
+    path (a review read /dev/zero to 3 GB in 5 s) and fetches any host, so file:// only
+    under --image-root, never /proc, /dev, /sys or through '..', never a link-local host."""
+    with pytest.raises(ImagePartError) as e:
+        chat_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": url}]}],
+                    ImageAccess(roots))
+    assert why in str(e.value), str(e.value)
+    assert str(e.value).startswith("message 0 part 0 (type image_url) has the URL "), str(e.value)
+
+
+def test_file_urls_under_an_image_root_are_forwarded(server, tmp_path, capsys):
+    """A real run: a file:// image outside --image-root and /dev/zero fail their rows with
+    one sentence each and are never sent; the one under it is sent as given."""
+    pictures = tmp_path / "pictures"
+    pictures.mkdir()
+    (pictures / "cat.png").write_bytes(b"\x89PNG fake image bytes")
+    (tmp_path / "secret.png").write_bytes(b"not for the server")
+
+    def row(url):
+        return {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, "what is it"]}]}
+
+    rows = [row(f"file://{pictures}/cat.png"), row(f"file://{tmp_path}/secret.png"),
+            row("file:///dev/zero")]
+    assert extract(server, write_rows(tmp_path / "d.jsonl", rows), tmp_path / "out",
+                   "--image-root", str(pictures)) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert f"row 1 (line 2 of d.jsonl): message 0 part 0 (type image_url) has the URL " \
+           f"'file://{tmp_path}/secret.png', outside every --image-root ({pictures})" in err, err
+    assert "row 2 (line 3 of d.jsonl): message 0 part 0 (type image_url) has the URL " \
+           "'file:///dev/zero', under /dev" in err, err
+    assert [b["messages"][0]["content"][0]["image_url"]["url"] for b in server.chat_bodies] == [
+        f"file://{pictures}/cat.png"]
+    assert hs_indices(tmp_path / "out") == {0}
+
+
+def test_a_relative_image_root_is_refused(server, tmp_path, capsys):
+    assert extract(server, write_rows(tmp_path / "d.jsonl", [image_row(0)]), tmp_path / "out",
+                   "--image-root", "pictures") == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --image-root pictures must be an absolute path on the server's filesystem")

@@ -400,7 +400,7 @@ def test_a_manifest_without_store_is_one_sentence_naming_the_flag(server, tmp_pa
     err = capsys.readouterr().err
     assert "puts its samples into a Mooncake Store" in err and "pass --store mooncake://HOST:PORT" in err
     assert "Traceback" not in err
-    assert hs_indices(out) == set()
+    assert not out.exists()  # the run left it empty: removed (issue 51)
 
 
 def test_an_unreachable_master_is_one_sentence(tmp_path, capsys):
