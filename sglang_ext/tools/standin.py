@@ -199,7 +199,7 @@ class Server:
                 pass
 
             def reply(self, code: int, obj: Any) -> None:
-                body = json.dumps(obj).encode()
+                body = b"" if obj is None else json.dumps(obj).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -224,8 +224,8 @@ class Server:
 
     def get(self, path: str) -> Tuple[int, Any]:
         d = self.dump
-        if path == "/health":
-            return 200, {}
+        if path == "/health":  # SGLang's: 200, no body
+            return 200, None
         if path in ("/server_info", "/get_server_info"):
             return 200, {"model_path": MODEL_PATH, "version": VERSION, "dump_hidden_states_dir": d.target,
                          "dump_hidden_states_layers": ",".join(map(str, d.layer_ids)),
