@@ -96,7 +96,11 @@ class Dump:
         self.store = None
         store_config = config.store_target(target)
         if store_config is None:
-            os.makedirs(target, mode=0o700, exist_ok=True)
+            if not os.path.lexists(target):
+                try:
+                    os.makedirs(target, mode=0o700)
+                except OSError as e:
+                    raise config.DumpConfigError(f"--dump-dir {target}: cannot create it ({e.strerror})") from None
             self.target = config.check_directory(target)
             self.dir_fd = fmt.open_dump_dir(self.target)
             fmt.clean_stale(self.dir_fd)
