@@ -221,6 +221,9 @@ class Server:
                     self.reply(*server.post(self.path, body))
                 except (BadRequest, ValueError) as e:
                     self.reply(400, {"error": {"message": str(e)}, "object": "error", "code": 400})
+                except Exception as e:  # noqa: BLE001 - e.g. custom_params not an object: a sentence
+                    self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}"}, "object": "error",
+                                     "code": 500})
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
@@ -230,7 +233,7 @@ class Server:
         d = self.dump
         if path == "/health":  # SGLang's: 200, no body
             return 200, None
-        if path in ("/server_info", "/get_server_info"):
+        if path == "/server_info":
             return 200, {"model_path": MODEL_PATH, "version": VERSION, "dump_hidden_states_dir": d.target,
                          "dump_hidden_states_layers": ",".join(map(str, d.layer_ids)),
                          "num_hidden_layers": d.num_layers, "hidden_size": d.hidden_size}
