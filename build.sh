@@ -4,7 +4,7 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: ./build.sh [--base vX.Y.Z] [--base-image IMAGE] [--name NAME] [--push] [--tag NAME]...
+Usage: ./build.sh [--base vX.Y.Z] [--base-image IMAGE] [--name NAME] [--push | --load] [--tag NAME]...
                   [--wheel FILE] [--dry-run] [-- EXTRA_BUILD_ARGS...]
 
 Builds the kimi-sglang image for linux/amd64: first the sglang-ext wheel (into

@@ -14,7 +14,8 @@ Three products, one package:
   (the one Mooncake client, the sink's and ``extract --store``'s); ``metrics``, ``trace``,
   ``compat``.
 - ``sglang_ext.client``: ``extract`` and ``convert``, run wherever the server is reachable.
-- ``sglang_ext.tools``: the patch-series tooling and the container's entrypoint.
+- ``sglang_ext.tools``: the patch-series tooling, the container's entrypoint and the
+  stand-in server for trying the client without a GPU.
 
 SGLang's processes import only the first; the client imports ``format``, ``store`` and
 ``store_client`` of it.

@@ -22,6 +22,7 @@ COMMANDS = {
     "patches": ("sglang_ext.tools.patches", "check/apply/maintain the SGLang patch series"),
     "extract": ("sglang_ext.client.extract", "send a dataset to a dumping server; collect hs_<i>.safetensors"),
     "convert": ("sglang_ext.client.convert", "convert hs_<i>.safetensors to another trainer's format (SpecForge)"),
+    "standin": ("sglang_ext.tools.standin", "a stand-in server (no GPU, no model) for trying extract"),
 }
 
 

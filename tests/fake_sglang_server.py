@@ -5,13 +5,14 @@ the bench's orchestration (``python -m bench``) on a CPU: the same flags, /healt
 - ``--dump-hidden-states-dir DIR``: writes one safetensors file per request by hand (an
   8-byte header length, the JSON header, the bytes), hidden_states BF16
   ``[T, len(layers), 64]`` (``hidden_rows``: a value per token id and layer slot, which
-  tests/fake_vllm_server.py writes too; fp8 files hold zeros), and answers
-  ``meta_info.hidden_states_path``; logs a
-  'hidden-state dump: {...}' snapshot line as sglang_ext's writer does. A request with
+  tests/fake_vllm_server.py writes too; fp8 files hold zeros), under the name the patched
+  server gives the request's rid (``format.reserve``: its ``.lock`` held until the file is
+  renamed into place, ``format.complete``), and answers ``meta_info.hidden_states_path``;
+  logs a 'hidden-state dump: {...}' snapshot line as sglang_ext's writer does. A request with
   ``custom_params {"hidden_states_wait": false}`` is answered at once with
-  ``hidden_states_pending: true`` while ``<path>.lock`` is held (flock); the file follows
-  50 ms later, then the lock goes, as sglang_ext.format's protocol says. A request with
-  ``custom_params {"hidden_states_dump": false}`` is not dumped.
+  ``hidden_states_pending: true``; the file follows 50 ms later, then the lock goes, as
+  sglang_ext.format's protocol says. A request with ``custom_params {"hidden_states_dump":
+  false}`` is not dumped. (``sglang-ext standin`` is the documented one for trying ``extract``.)
 - ``--enable-return-hidden-states`` and ``return_hidden_states: true``: answers
   ``meta_info.hidden_states`` as a ``[T, 8]`` nested list.
 
@@ -21,7 +22,6 @@ It checks nothing about models; it is not SGLang.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import socket
@@ -29,7 +29,10 @@ import struct
 import sys
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from sglang_ext import format as fmt
 
 HIDDEN = 64
 
@@ -89,26 +92,32 @@ def main():
     lock = threading.Lock()
     state = {"n": 0, "bytes": 0, "peak": 0}
 
-    def dump(ids, early=False):
-        with lock:
-            state["n"] += 1
-            name = f"req-{state['n']}.safetensors"
-        path = os.path.join(args.dump_hidden_states_dir, name)
-        if early:
-            fd = os.open(path + ".lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    dump_dir = os.path.abspath(args.dump_hidden_states_dir or ".")
+    dir_fd = fmt.open_dump_dir(dump_dir) if args.dump_hidden_states_dir else None
 
+    def dump(ids, rid, early=False):
+        res = fmt.reserve(dir_fd, rid)
+        path = os.path.join(dump_dir, res.name)
+
+        def finish():
+            tmp = fmt.tmp_name("fake", 0)
+            write(ids, os.path.join(dump_dir, tmp))
+            fmt.publish(dir_fd, tmp, res.name)
+            fmt.complete(res)
+
+        if early:
             def later():
                 time.sleep(0.05)
-                write(ids, path)
-                os.unlink(path + ".lock")
-                os.close(fd)
+                finish()
 
             threading.Thread(target=later, daemon=True).start()
             return path
-        return write(ids, path)
+        finish()
+        return path
 
     def write(ids, path):
+        with lock:
+            state["n"] += 1
         t = len(ids)
         fp8 = args.dump_hidden_states_dtype == "fp8"  # sglang_ext.format's fp8 layout
         hs = t * len(layers) * HIDDEN * (1 if fp8 else 2)
@@ -147,7 +156,7 @@ def main():
             params = (req.get("sampling_params") or {}).get("custom_params") or {}
             if args.dump_hidden_states_dir and params.get("hidden_states_dump") is not False:
                 early = params.get("hidden_states_wait") is False
-                meta["hidden_states_path"] = dump(ids, early)
+                meta["hidden_states_path"] = dump(ids, req.get("rid") or uuid.uuid4().hex, early)
                 if early:
                     meta["hidden_states_pending"] = True
             self.reply(200, {"output_ids": [1], "meta_info": meta})

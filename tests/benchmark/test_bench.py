@@ -610,6 +610,36 @@ def rehearse(tmp_path, *extra, models="deepseek-tiny", timeout=120, drop_env=())
     return proc, out, shm, res_path
 
 
+def test_fake_server_names_files_as_the_patched_server(tmp_path):
+    """tests/fake_sglang_server.py names each file from the request's rid (format.reserve),
+    so ``extract`` takes every answer: it named them ``req-N``, and extract stopped at the
+    first one (exit 3, not the server's name for the request)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dump, data = tmp_path / "dump", tmp_path / "data.jsonl"
+    dump.mkdir(mode=0o700)
+    data.write_text("".join(json.dumps({"input_ids": list(range(i, i + 3 + i))}) + "\n" for i in range(3)))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    server = subprocess.Popen([sys.executable, str(REPO / "tests" / "fake_sglang_server.py"), "--port", str(port),
+                               "--dump-hidden-states-dir", str(dump)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().startswith("Memory pool end")
+        for early in ([], ["--no-early-answers"]):
+            out = tmp_path / f"out{len(early)}"
+            done = subprocess.run([sys.executable, "-m", "sglang_ext", "extract", "--data", str(data), "--out",
+                                   str(out), "--endpoint", f"http://127.0.0.1:{port}", *early],
+                                  env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert sorted(p.name for p in out.glob("hs_*")) == [f"hs_{i}.safetensors" for i in range(3)]
+    finally:
+        server.kill()
+        server.wait()
+    assert sorted(p.name for p in dump.iterdir()) == [], "files, locks or temporaries left in the dump directory"
+
+
 def test_rehearsal_against_a_fake_server(tmp_path):
     """The bench end to end on a CPU: start two (fake) servers, warm up, every cell, the
     dump files' bytes, the JSON bytes, the log's writer peak, results JSON + Markdown."""

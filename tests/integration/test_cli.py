@@ -229,9 +229,9 @@ def server_files(server) -> list:
 def test_every_command_answers_help_and_only_its_module_is_imported():
     r = cli("--help")
     assert r.returncode == 0, r.stderr
-    for name in ("patches", "extract", "convert"):
+    for name in ("patches", "extract", "convert", "standin"):
         assert name in r.stdout
-    for name in ("extract", "convert", "patches"):
+    for name in ("extract", "convert", "patches", "standin"):
         r = cli(name, "--help")
         assert r.returncode == 0, (name, r.stderr)
         assert f"usage: sglang-ext {name}" in r.stdout

@@ -109,6 +109,19 @@ def test_apply_script_uses_the_patches_command():
 # build.sh
 # --------------------------------------------------------------------------
 
+def test_build_sh_usage_line_names_every_option():
+    """The usage synopsis (``./build.sh --help``'s first lines) names every option the
+    argument loop takes (it left out --load)."""
+    r = subprocess.run(["bash", str(REPO / "build.sh"), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    synopsis = r.stdout.split("\n\n", 1)[0]
+    loop = (REPO / "build.sh").read_text().split('while [[ $# -gt 0 ]]; do', 1)[1].split("done", 1)[0]
+    options = set(re.findall(r"^\s+(--[a-z-]+)\)", loop, re.M))
+    assert {"--load", "--push", "--base"} <= options
+    missing = sorted(o for o in options if not re.search(re.escape(o) + r"\b", synopsis))
+    assert not missing, f"the usage line lacks {missing}:\n{synopsis}"
+
+
 FAKE_DOCKER = """#!/bin/sh
 printf '%s\\n' "$@" > "{log}.$$"
 echo "---" >> "{log}.$$"

@@ -178,6 +178,10 @@ def test_series_checks_clean_and_applies_to_checkout(capsys, pristine, tmp_path)
     assert report["state"] == "clean"
     assert [p["status"] for p in report["patches"]] == ["clean"] * len(patch_files())
     assert git(co, "status", "--porcelain").stdout == ""  # check changed nothing
+    rc, out = cli(capsys, "check", "--series", SERIES_DIR, "--target", co)
+    # an unpatched tree: the series would apply, it is not applied (it said CLEAN)
+    assert rc == 0, out
+    assert out.splitlines()[0].endswith(": APPLIES CLEANLY (not applied)"), out
 
     rc, out = cli(capsys, "apply", "--series", SERIES_DIR, "--target", co)
     assert rc == 0, out
@@ -317,6 +321,15 @@ def test_partial_tree_offers_revert_and_revert_restores_the_release(capsys, pris
     assert git(co, "status", "--porcelain").stdout == ""
 
 
+def test_revert_of_one_patch_says_patch(capsys, pristine, tmp_path):
+    co = clone(pristine, tmp_path / "co")
+    git(co, "apply", str(patch_files()[0]))
+    rc, out = cli(capsys, "revert", "--series", SERIES_DIR, "--target", co)
+    assert rc == 0, out
+    assert f"note: reverted 1 patch in {co} (0001)" in out, out  # was "1 patches"
+    assert git(co, "status", "--porcelain").stdout == ""
+
+
 def test_revert_of_a_fully_applied_site_packages(capsys, wheel, tmp_path):
     sp = site_packages(wheel.path, tmp_path / "sp")
     release = tree_hashes(sp)
@@ -326,7 +339,7 @@ def test_revert_of_a_fully_applied_site_packages(capsys, wheel, tmp_path):
     rc, out = cli(capsys, "revert", "--series", SERIES_DIR, "--target", sp)
     assert rc == 0, out
     n = len(patch_files())
-    assert f"reverted {n} patches" in out and ": CLEAN" in out
+    assert f"reverted {n} patches" in out and ": APPLIES CLEANLY (not applied)" in out
     assert tree_hashes(sp) == release
 
 

@@ -322,6 +322,6 @@ def revert_series(series: Series, tree: Tree) -> SeriesReport:
         done.append(patch)
     after = check_series(series, tree)
     after.changed = True
-    after.notes.insert(0, f"reverted {len(done)} patches in {tree.root} "
+    after.notes.insert(0, f"reverted {len(done)} patch{'' if len(done) == 1 else 'es'} in {tree.root} "
                           f"({', '.join(p.name[:4] for p in reversed(done))})")
     return after

@@ -8,12 +8,18 @@ from typing import Iterable
 from .check import SeriesReport
 
 
+# The headline of each state: ``clean`` is a tree the series would apply to (not applied).
+STATE_WORDS = {"clean": "APPLIES CLEANLY (not applied)", "applied": "APPLIED",
+               "partial": "PARTIAL (some patches applied)", "conflict": "CONFLICT"}
+
+
 def format_table(report: SeriesReport) -> str:
     """Plain-text table: one row per patch (name, status, details), then notes."""
     rows = [(r.patch, r.status, r.detail()) for r in report.patches]
     w0 = max([len("patch")] + [len(r[0]) for r in rows])
     w1 = max([len("status")] + [len(r[1]) for r in rows])
-    lines = [f"series {report.series} against {report.target}: {report.state.upper()}",
+    lines = [f"series {report.series} against {report.target}: "
+             f"{STATE_WORDS.get(report.state, report.state.upper())}",
              f"{'patch'.ljust(w0)}  {'status'.ljust(w1)}  details",
              f"{'-' * w0}  {'-' * w1}  -------"]
     lines += [f"{a.ljust(w0)}  {b.ljust(w1)}  {c}".rstrip() for a, b, c in rows]

@@ -1,0 +1,369 @@
+"""``sglang-ext standin``: a stand-in server for trying the client without a GPU.
+
+Not SGLang and no model: an HTTP server that answers as the patched SGLang server does
+for what ``extract`` (and speculators' client) send, and writes each request's file
+exactly as the patched server names and lays it out, through ``sglang_ext.format`` itself:
+the name (``reserve``: ``<safe_stem(rid)>[-n].safetensors``, its ``.lock`` held until the
+file is in place), the layout and metadata (``file_layout``, ``build_metadata``), a
+temporary name then a rename (``tmp_name``, ``create_tmp``, ``publish``), the
+``index.jsonl`` line, then ``complete`` (or ``fail``: ``<name>.error``). Only the values
+differ: ``hidden_states[t, j, h]`` is ``values(token_ids, layer_ids, hidden_size)``, a
+pseudo-random number from (token id, position, layer id, channel), and the metadata says
+so (``model_path`` is ``"kimi-sglang standin"``). Needs numpy alone (the ``[client]``
+install); ``mooncake://`` also needs requirements/store.txt.
+
+Endpoints:
+- ``GET /health`` (200), ``GET /server_info`` (``dump_hidden_states_dir`` absolute, the
+  layers, ``model_path``), ``GET /v1/models``.
+- ``POST /generate`` ``{"input_ids": [int, ...], "rid"?, "sampling_params"?}``: one prompt
+  (no tokenizer: ``text`` is refused, HTTP 400). ``meta_info.hidden_states_path`` once the
+  file is complete; with ``custom_params {"hidden_states_wait": false}`` at once with
+  ``hidden_states_pending: true`` (the file is complete when ``<path>.lock`` is gone);
+  ``{"hidden_states_dump": false}``: no file. A failed write: ``hidden_states_error``.
+- ``POST /v1/completions`` ``{"prompt": [int, ...]}``: the OpenAI answer plus top-level
+  ``kv_transfer_params {"hidden_states_path": P}`` (speculators' client); a failed dump is
+  HTTP 500. ``/v1/chat/completions`` is HTTP 400: there is no chat template.
+- Store sink (``--dump-dir mooncake://HOST:PORT?...``, as the server's flag): each sample
+  is put into the Mooncake Store in ``sglang_ext.store``'s packed layout, the answer (always
+  at once) carries ``meta_info.hidden_states_manifest``; a failed put leaves the
+  ``<handle>:error`` marker. The store connection is ``sglang_ext.store_client``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from sglang_ext import __version__
+from sglang_ext import format as fmt
+
+MODEL_PATH = "kimi-sglang standin"  # the files' model_path: these are not a model's values
+VERSION = "standin"  # the files' sglang_version and series: no SGLang ran
+DTYPE = "bfloat16"
+
+# values(): multipliers of the key (golden-ratio and xxhash32 primes) and lowbias32's.
+_K_ID, _K_POS, _K_LAYER = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
+_M1, _M2 = 0x7FEB352D, 0x846CA68B
+_U32 = 0xFFFFFFFF
+
+
+def values(token_ids, layer_ids, hidden_size: int) -> np.ndarray:
+    """The stand-in's hidden states: float32 ``[T, len(layer_ids), hidden_size]``.
+
+    Element ``[t, j, h]``: ``key = (id_t * 0x9E3779B1 + t * 0x85EBCA77 + layer_ids[j] *
+    0xC2B2AE3D + h) mod 2**32``, hashed by lowbias32 (``x ^= x >> 16; x *= 0x7feb352d;
+    x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``, mod 2**32), then ``((x >> 24) - 128)
+    / 64``: one of 256 values in [-2, 2), each exact in bf16, so the file holds them
+    unrounded. Deterministic: the same prompt gives the same rows on every run."""
+    ids = np.asarray(token_ids, dtype=np.uint64).reshape(-1, 1, 1)
+    pos = np.arange(ids.shape[0], dtype=np.uint64).reshape(-1, 1, 1)
+    lay = np.asarray(layer_ids, dtype=np.uint64).reshape(1, -1, 1)
+    ch = np.arange(hidden_size, dtype=np.uint64).reshape(1, 1, -1)
+    x = (ids * _K_ID + pos * _K_POS + lay * _K_LAYER + ch) & _U32
+    x ^= x >> 16
+    x = (x * _M1) & _U32
+    x ^= x >> 15
+    x = (x * _M2) & _U32
+    x ^= x >> 16
+    return ((x >> 24).astype(np.float32) - 128.0) / 64.0
+
+
+def bf16_bytes(x: np.ndarray) -> bytes:
+    """bf16 bytes of float32 ``x`` whose values bf16 holds exactly (``values``'): the upper
+    half of each float32."""
+    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+
+
+class Dump:
+    """Where samples go: the directory sink (``dir_fd`` open) or the store sink
+    (``store``: a connected ``store_client.StoreClient``). ``metadata(rid)``: a file's
+    ``__metadata__``."""
+
+    def __init__(self, target: str, layer_ids: Tuple[int, ...], num_layers: int, hidden_size: int):
+        from sglang_ext import config
+
+        self.layer_ids, self.num_layers, self.hidden_size = layer_ids, num_layers, hidden_size
+        self.dir_fd: Optional[int] = None
+        self.store = None
+        store_config = config.store_target(target)
+        if store_config is None:
+            if not os.path.lexists(target):
+                try:
+                    os.makedirs(target, mode=0o700)
+                except OSError as e:
+                    raise config.DumpConfigError(f"--dump-dir {target}: cannot create it ({e.strerror})") from None
+            self.target = config.check_directory(target)
+            self.dir_fd = fmt.open_dump_dir(self.target)
+            fmt.clean_stale(self.dir_fd)
+        else:
+            from sglang_ext.store_client import StoreClient
+
+            self.target = target
+            self.store = StoreClient(store_config).connect("the stand-in's store sink", probe_s=5.0)
+
+    def metadata(self, rid: str) -> Dict[str, str]:
+        return fmt.build_metadata(rid=rid, layer_ids=self.layer_ids, num_layers=self.num_layers, extra={
+            "model_path": MODEL_PATH, "sglang_version": VERSION, "sglang_ext_version": __version__,
+            "series": VERSION})
+
+    def tensors(self, ids: List[int]) -> Dict[str, bytes]:
+        return {fmt.KEY_HIDDEN_STATES: bf16_bytes(values(ids, self.layer_ids, self.hidden_size)),
+                fmt.KEY_TOKEN_IDS: np.asarray(ids, dtype="<i8").tobytes()}
+
+    # -- directory sink: the writer process's steps (writer_process._begin, _finish, _index)
+    def write(self, res: fmt.Reservation, rid: str, ids: List[int]) -> None:
+        """Write ``res``'s file, index it, release the lock; on any failure ``fmt.fail``
+        (``<name>.error``). Never raises."""
+        tmp = fmt.tmp_name("standin", os.getpid())
+        fd = None
+        try:
+            specs = fmt.dump_tensors(len(ids), len(self.layer_ids), self.hidden_size, DTYPE)
+            layout = fmt.file_layout(specs, self.metadata(rid))
+            data = self.tensors(ids)
+            fd = fmt.create_tmp(res.dir_fd, tmp)
+            fmt.pwrite_all(fd, layout.header, 0)
+            for spec in specs:
+                fmt.pwrite_all(fd, data[spec.name], layout.offsets[spec.name])
+            os.close(fd)
+            fd = None
+            fmt.publish(res.dir_fd, tmp, res.name)
+            tmp = ""
+            try:
+                fmt.append_index(res.dir_fd, fmt.index_record(rid, res.name, len(ids), layout.size,
+                                                              json.dumps(list(self.layer_ids))))
+            except OSError:
+                os.unlink(res.name, dir_fd=res.dir_fd)  # one outcome per request: no unindexed file
+                raise
+        except Exception as e:  # noqa: BLE001 - the request's error, as the writer reports it
+            if fd is not None:
+                os.close(fd)
+            if tmp:
+                try:
+                    os.unlink(tmp, dir_fd=res.dir_fd)
+                except OSError:
+                    pass
+            fmt.fail(res, f"{type(e).__name__}: {e}")
+            return
+        fmt.complete(res)
+
+    # -- store sink: the store writer's put (store_writer._finish, _fail)
+    def put(self, handle: str, layout, rid: str, ids: List[int]) -> None:
+        """Put the packed sample under ``handle``; on failure the ``<handle>:error``
+        marker. Never raises."""
+        try:
+            self.store.put_packed(handle, layout, {k: [v] for k, v in self.tensors(ids).items()})
+        except Exception as e:  # noqa: BLE001
+            try:
+                self.store.put_error(handle, f"{type(e).__name__}: {e}")
+            except Exception:  # noqa: BLE001 - the reader times out on the handle instead
+                pass
+
+    def close(self) -> None:
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+        if self.store is not None:
+            self.store.close()
+
+
+class BadRequest(ValueError):
+    """HTTP 400 with this sentence."""
+
+
+def _token_ids(value: Any, key: str) -> List[int]:
+    if not (isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63 for t in value)):
+        raise BadRequest(f"{key} must be one non-empty list of token ids (ints >= 0); the stand-in "
+                         f"takes one prompt per request and has no tokenizer")
+    return value
+
+
+class Server:
+    """The stand-in: ``dump`` (``Dump``) behind a threading HTTP server on ``host:port``
+    (0: any free port; ``url`` says which). Writes run on ``writers`` threads after the
+    name is reserved, as the writer process's do."""
+
+    def __init__(self, dump: Dump, host: str, port: int, writers: int = 2):
+        self.dump = dump
+        self.pool = ThreadPoolExecutor(writers, thread_name_prefix="standin-writer")
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def reply(self, code: int, obj: Any) -> None:
+                body = b"" if obj is None else json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self.reply(*server.get(self.path))
+
+            def do_POST(self):
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                    if not isinstance(body, dict):
+                        raise BadRequest("the request body must be a JSON object")
+                    self.reply(*server.post(self.path, body))
+                except (BadRequest, ValueError) as e:
+                    self.reply(400, {"error": {"message": str(e)}, "object": "error", "code": 400})
+                except Exception as e:  # noqa: BLE001 - e.g. custom_params not an object: a sentence
+                    self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}"}, "object": "error",
+                                     "code": 500})
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+
+    def get(self, path: str) -> Tuple[int, Any]:
+        d = self.dump
+        if path == "/health":  # SGLang's: 200, no body
+            return 200, None
+        if path == "/server_info":
+            return 200, {"model_path": MODEL_PATH, "version": VERSION, "dump_hidden_states_dir": d.target,
+                         "dump_hidden_states_layers": ",".join(map(str, d.layer_ids)),
+                         "num_hidden_layers": d.num_layers, "hidden_size": d.hidden_size}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": MODEL_PATH, "object": "model", "owned_by": "kimi-sglang"}]}
+        return 404, {"detail": "Not Found"}
+
+    def post(self, path: str, body: Dict[str, Any]) -> Tuple[int, Any]:
+        if path == "/generate":
+            ids = _token_ids(body.get("input_ids"), "input_ids")
+            params = (body.get("sampling_params") or {}).get("custom_params") or {}
+            meta = self.generate(ids, body.get("rid"), params)
+            return 200, {"text": "", "output_ids": [0], "meta_info": meta}
+        if path == "/v1/completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+                prompt = prompt[0]
+            ids = _token_ids(prompt, "prompt")
+            meta = self.generate(ids, body.get("rid"), body.get("custom_params") or {})
+            return self.completion(ids, meta, body)
+        if path == "/v1/chat/completions":
+            raise BadRequest("the stand-in has no chat template or tokenizer: send token ids to "
+                             "/generate (extract: rows with input_ids)")
+        return 404, {"detail": "Not Found"}
+
+    def generate(self, ids: List[int], rid: Any, params: Dict[str, Any]) -> Dict[str, Any]:
+        """One request's ``meta_info``: its file's path (or manifest, or error)."""
+        rid = uuid.uuid4().hex if rid is None else rid
+        if not isinstance(rid, str):
+            raise BadRequest(f"rid must be a string, not {type(rid).__name__}")
+        meta: Dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 1,
+                                "finish_reason": {"type": "length", "length": 1}}
+        if params.get(fmt.DUMP_PARAM) is False:
+            return meta
+        try:
+            fmt.check_rid(rid)
+        except ValueError as e:
+            return {**meta, fmt.ERROR_KEY: f"ValueError: {e}"}
+        d = self.dump
+        if d.store is not None:
+            from sglang_ext.store import pack_layout, unique_handle
+
+            layout = pack_layout(len(ids), len(d.layer_ids), d.hidden_size, DTYPE)
+            handle = unique_handle(rid)
+            self.pool.submit(d.put, handle, layout, rid, ids)
+            return {**meta, fmt.MANIFEST_KEY: layout.manifest(handle, d.metadata(rid))}
+        try:
+            res = fmt.reserve(d.dir_fd, rid)
+        except OSError as e:
+            return {**meta, fmt.ERROR_KEY: f"{type(e).__name__}: {e}"}
+        path = os.path.join(d.target, res.name)
+        if params.get(fmt.WAIT_PARAM) is False:
+            self.pool.submit(d.write, res, rid, ids)
+            return {**meta, fmt.PATH_KEY: path, fmt.PENDING_KEY: True}
+        self.pool.submit(d.write, res, rid, ids).result()
+        error = fmt.wait_complete(path)
+        return {**meta, fmt.ERROR_KEY: error} if error is not None else {**meta, fmt.PATH_KEY: path}
+
+    @staticmethod
+    def completion(ids: List[int], meta: Dict[str, Any], body: Dict[str, Any]) -> Tuple[int, Any]:
+        """The ``/v1/completions`` answer with the dump's ``kv_transfer_params``
+        (``responses.openai_completion_extras``: a failed dump is HTTP 500)."""
+        if meta.get(fmt.ERROR_KEY):
+            return 500, {"object": "error", "message": f"hidden-state dump failed: {meta[fmt.ERROR_KEY]}",
+                         "code": 500}
+        choice: Dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        if body.get("return_token_ids"):
+            choice["prompt_token_ids"] = ids
+        answer = {"id": f"cmpl-{meta['id']}", "object": "text_completion", "created": 0,
+                  "model": MODEL_PATH, "choices": [choice],
+                  "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}}
+        if fmt.MANIFEST_KEY in meta:
+            answer["kv_transfer_params"] = meta[fmt.MANIFEST_KEY]
+        elif fmt.PATH_KEY in meta:
+            answer["kv_transfer_params"] = {fmt.PATH_KEY: meta[fmt.PATH_KEY]}
+        return 200, answer
+
+    def serve(self) -> None:
+        """Serve until SIGTERM or Ctrl-C, then let the writes in flight finish."""
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            self.httpd.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.httpd.server_close()
+            self.pool.shutdown(wait=True)
+            self.dump.close()
+
+
+def _run(args) -> int:
+    from sglang_ext import config
+
+    try:
+        layer_ids = config.resolve_layer_ids(config.parse_layer_ids(args.layers), args.num_layers)
+        if args.hidden_size < 1:
+            raise ValueError(f"--hidden-size must be at least 1, not {args.hidden_size}")
+        dump = Dump(args.dump_dir, layer_ids, args.num_layers, args.hidden_size)
+    except (ValueError, OSError, RuntimeError) as e:  # DumpConfigError; the store's StoreError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        server = Server(dump, args.host, args.port)
+    except OSError as e:
+        dump.close()
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e})", file=sys.stderr)
+        return 2
+    print(f"stand-in server (not SGLang, no model: values from the token ids) at {server.url}, "
+          f"layers {list(layer_ids)}, hidden size {args.hidden_size}, dumping into {dump.target}",
+          file=sys.stderr, flush=True)
+    server.serve()
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Add ``standin`` to the top-level CLI's subparsers."""
+    p = subparsers.add_parser("standin", help="a stand-in server for trying extract without a GPU",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dump-dir", "--dump-hidden-states-dir", dest="dump_dir", required=True,
+                   help="directory for the files (created 0700 when missing; the server's rules "
+                        "otherwise), or mooncake://HOST:PORT?... for the store sink")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port (default 30000, SGLang's; 0: any free one)")
+    p.add_argument("--num-layers", type=int, default=8,
+                   help="N, the pretend model's decoder layers (default 8)")
+    p.add_argument("--layers", "--dump-hidden-states-layers", dest="layers",
+                   help="layer ids, e.g. 2,4,5,8 (default: [2, N//2, N-3, N], as the server)")
+    p.add_argument("--hidden-size", type=int, default=64, help="channels per layer (default 64)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,163 @@
+"""``sglang-ext standin`` as its own process: the answers the patched server gives (early
+answers, ``/v1/completions``' ``kv_transfer_params``, no dump, a refused rid, no tokenizer),
+its start-up sentences, SIGTERM, and the store sink against a real ``mooncake_master``,
+whose samples ``extract --store`` turns into the very files the directory sink writes.
+The values themselves are checked against an independent recomputation in test_tryit.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mooncake_fixture import master_config, needs_mooncake
+
+from sglang_ext import format as fmt
+
+LAYERS = [2, 4, 5, 8]
+
+
+class Standin:
+    """``python -m sglang_ext standin ARGS --port 0`` until ``stop()``; ``url`` once up."""
+
+    def __init__(self, tmp: Path, *args: str):
+        self.log = tmp / "standin.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", "standin", "--port", "0", *args],
+                                     stderr=subprocess.PIPE, text=True)
+        lines = []  # Mooncake's client may log first
+        while not lines or not lines[-1].startswith("stand-in server"):
+            lines.append(self.proc.stderr.readline())
+            assert lines[-1], "the stand-in did not start:\n" + "".join(lines)
+        self.url = re.search(r"at (http://\S+),", lines[-1]).group(1)
+
+    def post(self, path: str, body) -> tuple:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> tuple:
+        """SIGTERM; returns (exit code, the rest of stderr)."""
+        self.proc.send_signal(signal.SIGTERM)
+        err = self.proc.stderr.read()
+        return self.proc.wait(timeout=60), err
+
+
+@pytest.fixture
+def standin(tmp_path):
+    s = Standin(tmp_path, "--dump-dir", str(tmp_path / "dump"))
+    yield s
+    if s.proc.poll() is None:
+        s.proc.kill()
+        s.proc.wait()
+
+
+def test_answers_as_the_patched_server(standin, tmp_path):
+    dump = tmp_path / "dump"
+    assert oct(dump.stat().st_mode & 0o777) == "0o700"
+    with urllib.request.urlopen(standin.url + "/server_info") as r:
+        info = json.loads(r.read())
+    assert info["dump_hidden_states_dir"] == str(dump.resolve())
+    with urllib.request.urlopen(standin.url + "/health") as r:
+        assert r.status == 200 and r.read() == b""
+
+    # early answer: the name is reserved, the file complete once the lock is gone
+    code, ans = standin.post("/generate", {"input_ids": [3, 1, 4], "rid": "a/b c",
+                                           "sampling_params": {"custom_params": {fmt.WAIT_PARAM: False}}})
+    meta = ans["meta_info"]
+    assert code == 200 and meta[fmt.PENDING_KEY] is True and meta["id"] == "a/b c"
+    path = meta[fmt.PATH_KEY]
+    assert os.path.dirname(path) == str(dump.resolve()) and fmt.is_name_for("a/b c", os.path.basename(path))
+    assert fmt.wait_complete(path, timeout=60) is None
+    record = fmt.load(path)
+    assert record.token_ids.tolist() == [3, 1, 4] and list(record.hidden_states.shape) == [3, 4, 64]
+    assert str(record.hidden_states.dtype) == "torch.bfloat16" and record.layer_ids == LAYERS
+    assert record.metadata["rid"] == "a/b c" and record.metadata["model_path"] == "kimi-sglang standin"
+
+    # the same rid again: the next name, as reserve gives it; answered once complete
+    code, ans = standin.post("/generate", {"input_ids": [3, 1, 4], "rid": "a/b c"})
+    second = ans["meta_info"][fmt.PATH_KEY]
+    assert fmt.PENDING_KEY not in ans["meta_info"] and second != path
+    assert not os.path.exists(second + fmt.LOCK_SUFFIX)
+    assert open(second, "rb").read() == open(path, "rb").read()  # values depend on the prompt only
+
+    # speculators' client: /v1/completions with kv_transfer_params, file complete
+    code, ans = standin.post("/v1/completions", {"prompt": [7, 7], "max_tokens": 1, "return_token_ids": True})
+    assert code == 200 and ans["choices"][0]["prompt_token_ids"] == [7, 7]
+    kv_path = ans["kv_transfer_params"][fmt.PATH_KEY]
+    assert fmt.load(kv_path).token_ids.tolist() == [7, 7] and not os.path.exists(kv_path + fmt.LOCK_SUFFIX)
+
+    # not dumped; a rid the server refuses fails that request alone; no tokenizer
+    code, ans = standin.post("/generate", {"input_ids": [1], "sampling_params": {
+        "custom_params": {fmt.DUMP_PARAM: False}}})
+    assert code == 200 and not set(ans["meta_info"]) & set(fmt.RESPONSE_KEYS)
+    code, ans = standin.post("/generate", {"input_ids": [1], "rid": "x" * (fmt.MAX_RID_CHARS + 1)})
+    assert code == 200 and "at most 8192" in ans["meta_info"][fmt.ERROR_KEY]
+    code, ans = standin.post("/generate", {"text": "hello"})
+    assert code == 400 and "no tokenizer" in ans["error"]["message"]
+
+    index = fmt.read_index(str(dump))
+    assert [(r["rid"], r["num_tokens"]) for r in index] == [("a/b c", 3), ("a/b c", 3), (index[2]["rid"], 2)]
+    assert [os.path.join(str(dump.resolve()), r["file"]) for r in index] == [path, second, kv_path]
+    rc, err = standin.stop()
+    assert rc == 0 and "Traceback" not in err, err
+    assert sorted(n for n in os.listdir(dump) if n.startswith(".") or n.endswith((".lock", ".tmp"))) == []
+
+
+def test_bad_start_is_one_sentence(tmp_path):
+    (tmp_path / "file").write_text("")
+    run = [sys.executable, "-m", "sglang_ext", "standin"]
+    r = subprocess.run(run + ["--dump-dir", str(tmp_path / "file")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "is not a directory" in r.stderr, r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = subprocess.run(run + ["--dump-dir", str(tmp_path / "d"), "--port", str(s.getsockname()[1])],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: cannot listen on 127.0.0.1:"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@needs_mooncake
+def test_store_sink_samples_become_the_directory_sinks_files(master, tmp_path):
+    """Against a real master: answers carry the manifest, ``extract --store`` fetches the
+    samples, and each ``hs_<i>`` is byte for byte the file the stand-in's directory sink
+    writes for the same rid and prompt."""
+    from sglang_ext.tools import standin as standin_mod
+
+    server = Standin(tmp_path, "--dump-dir", master_config(master))
+    try:
+        data = [[5, 6, 7, 8], [9], [10, 11]]
+        (tmp_path / "d.jsonl").write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in data))
+        trainer = f"mooncake://{master.address}?protocol=tcp&local_buffer_size=16MiB&local_hostname=127.0.0.1"
+        r = subprocess.run([sys.executable, "-m", "sglang_ext", "extract", "--endpoint", server.url, "--data",
+                            str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "out"), "--store", trainer,
+                            "--no-progress"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        rc, err = server.stop()
+    assert rc == 0 and "Traceback" not in err, err
+    twin_dir = tmp_path / "twins"
+    twins = standin_mod.Dump(str(twin_dir), tuple(LAYERS), 8, 64)
+    try:
+        for i, ids in enumerate(data):
+            got = tmp_path / "out" / f"hs_{i}.safetensors"
+            rid = fmt.load(str(got)).metadata["rid"]
+            res = fmt.reserve(twins.dir_fd, rid)
+            twins.write(res, rid, ids)
+            assert got.read_bytes() == (twin_dir / res.name).read_bytes(), f"hs_{i} differs from the file sink's"
+    finally:
+        twins.close()
