@@ -39,7 +39,7 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, store=None, visible=None, skip=False, answers=None):
+               api="sglang", wait_files=False, store=None, visible=None, answers=None):
     """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
     results per request: (latency_s, status, response bytes, content or None).
     ``answers`` (a list): gets each response's arrival, seconds after the first send; the
@@ -49,8 +49,7 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     ``early`` (mode dump_early): each request asks to be answered before its file is
     complete (``format.WAIT_PARAM``), as ``sglang_ext.client.extract`` does; a thread waits for
     its previous file's lock after its next answer (one file pending per thread), and the
-    wall time ends when every file is complete. ``skip`` (mode dump_skip): each request asks
-    not to be dumped (``format.DUMP_PARAM``).
+    wall time ends when every file is complete.
 
     ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
     ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
@@ -77,8 +76,6 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
             body["return_hidden_states"] = True
         if early:
             body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
-        if skip:
-            body["sampling_params"]["custom_params"] = {fmt.DUMP_PARAM: False}
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
@@ -157,7 +154,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store
     visible, answers = [], []
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"),
-                               early=mode in modes.names(early=True), skip=mode == "dump_skip",
+                               early=mode in modes.names(early=True),
                                answers=answers, **api_args(mode),
                                **({"store": store, "visible": visible} if store is not None else {}))
     lat = [r[0] for r in results]

@@ -46,10 +46,6 @@ MODES: Tuple[Mode, ...] = (
     # (s'): the store sink, each client waiting for its previous sample, as a trainer would
     Mode("dump_store_early", "S", "(s') store sink, early answers", "#da8bc3", "(s')/(a)", dumps=True,
          store=True, early=True),
-    # (b skip): server B, each request asking not to be dumped (format.DUMP_PARAM): the
-    # forward captures the dump layers as for every extend batch, nothing is copied or
-    # written; (b skip)/(a) is the capture's share of a dump's cost
-    Mode("dump_skip", "B", "(b skip) dump on, requests not dumped", "#c7e9c0", control=True),
     # (a'): server A again, last in its round (first with --counterbalance's odd rounds): the
     # ratio (a')/(a) is what no change at all measures in that round, the run's noise floor
     Mode("nodump_again", "A", "(a') no dump, again", "#9ecae1", control=True),

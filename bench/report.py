@@ -23,7 +23,7 @@ from bench import modes
 # which modes are a dump's cost, and each one's no-dump base: bench/modes.py
 DUMP_MODES = modes.names(dumps=True)
 STORE_MODES = modes.names(store=True)
-# no file written, their ratio reported (nodump_again: the noise floor; dump_skip: the capture)
+# no file written, their ratio reported (nodump_again: the noise floor)
 CONTROL_MODES = modes.names(control=True)
 NOISE_MODE = "nodump_again"
 # the store sink's target: (s') >= 0.95 x (a) at concurrency >= 8 (issue 35, bench.targets)

@@ -392,7 +392,7 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
         "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "A", "vllm_nodump": "V",
         "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S", "dump_nospares": "N",
-        "nodump_again": "A", "dump_skip": "B"}
+        "nodump_again": "A"}
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
     shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
@@ -651,22 +651,20 @@ def test_rehearsal_with_the_control_and_counterbalanced_rounds(tmp_path):
     floor and the pooled table."""
     proc, out, shm, res_path = rehearse(
         tmp_path, "--prompt-lens", "16", "--concurrency", "1", "--cell-tokens", "64",
-        "--modes", "nodump,dump,dump_skip,nodump_again", "--repeat", "2", "--counterbalance")
+        "--modes", "nodump,dump,nodump_again", "--repeat", "2", "--counterbalance")
     res = json.loads(res_path.read_text())
     cells = res["models"]["deepseek-tiny"]["cells"]
-    forward = ["nodump", "dump", "dump_skip", "nodump_again"]
+    forward = ["nodump", "dump", "nodump_again"]
     assert [(c["rep"], c["mode"]) for c in cells] == [(0, m) for m in forward] + [(1, m) for m in forward[::-1]]
     assert not any(c.get("error") for c in cells), cells
-    # dump_skip: server B, nothing written (the fake writes a file per dumped request)
     assert [c.get("files") for c in cells if c["mode"] == "dump"] == [4, 4]
-    assert all("files" not in c for c in cells if c["mode"] == "dump_skip")
     assert sum(1 for f in shm.rglob("*.safetensors")) == 0  # each cell's files removed after it
     h = res["headline"]["deepseek-tiny"]
     assert h["nodump_again_vs_nodump_min"] > 0
-    assert {x["mode"] for x in h["pooled"]} == {"dump", "dump_skip", "nodump_again"}
+    assert {x["mode"] for x in h["pooled"]} == {"dump", "nodump_again"}
     assert res["config"]["counterbalance"] is True
     md = (out / res_path.name.replace(".json", ".md")).read_text()
-    assert "| prompt | conc | rounds | dump | dump_skip | nodump_again |" in md and "noise floor" in md
+    assert "| prompt | conc | rounds | dump | nodump_again |" in md and "noise floor" in md
 
 
 def test_ceilings_phase_runs_on_cpu(tmp_path):
