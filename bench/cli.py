@@ -102,8 +102,8 @@ def build_parser():
                     help=f"--dump-hidden-states-max-host-mb (default: the server's {config.DEFAULT_MAX_HOST_MB})")
     ap.add_argument("--case", default=None, help="results file name part (default: the profile)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where the dump directories go")
-    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000, 37000],
-                    help="ports of servers A, B, D, V, W, S, N")
+    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000],
+                    help="ports of servers A, B, D, V, W, S")
     ap.add_argument("--mooncake-port", type=int, default=36500,
                     help="the store modes' mooncake_master (its metrics: the next port)")
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0,

@@ -257,7 +257,7 @@ def _peer_files(pf) -> List[str]:
 
 def _mode_note(mode: str) -> str:
     """A dump cell's row label after the model: '' for mode dump, ' (early)' for
-    dump_early, ' (fp8)' for dump_fp8, ' (nospares)' ..."""
+    dump_early, ' (fp8)' for dump_fp8 ..."""
     return "" if mode == "dump" else f" ({mode.removeprefix('dump_')})"
 
 

@@ -35,10 +35,6 @@ MODES: Tuple[Mode, ...] = (
     # (b'): answered early
     Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True,
          early=True),
-    # (b, no spares): server N, KIMI_SGLANG_WRITER_SPARES=0 (each file's pages allocated
-    # as its rows are written by one pwrite: the writer before spare files became the default)
-    Mode("dump_nospares", "N", "(b) dump, no spare files", "#8c8c8c", "(b no spares)/min((a), W/B)",
-         dumps=True),
     # (b fp8): server D, --dump-hidden-states-dtype fp8
     Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True),
     # (s): the store sink (server S, mooncake://), done when the sample is visible in the store

@@ -330,8 +330,6 @@ def headline(results: dict) -> Dict[str, dict]:
             "dump_early_vs_nodump_geomean": geomean(r_early),
             "dump_fp8_vs_nodump_min": min(r_fp8) if r_fp8 else None,
             "dump_fp8_vs_nodump_geomean": geomean(r_fp8),
-            "dump_nospares_vs_nodump_min": min(ratios("dump_nospares"), default=None),
-            "dump_nospares_vs_nodump_geomean": geomean(ratios("dump_nospares")),
             "fp8_vs_bf16_bytes_per_token_max": max(fp8_bytes) if fp8_bytes else None,
             "dump_vs_json": ratio(
                 b_json["prefill_tps"] if b_json else None, c_json["prefill_tps"] if c_json else None

@@ -61,7 +61,7 @@ class Kind:
     whole argv (SGLang's by default); ``api``: "sglang" (``/generate``) or "vllm"
     (``/v1/completions``, ``bench.peer``); ``env``: its extra environment, when it is not
     ours (ours: ``server_env``); ``store``: it dumps into the run's Mooncake Store
-    (``bench.store``); ``extra_env``: settings of ours it runs with (``server_env``)."""
+    (``bench.store``)."""
 
     port_index: int
     flags: Callable[..., List[str]]
@@ -70,7 +70,6 @@ class Kind:
     api: str = "sglang"
     env: Optional[Callable[[], dict]] = None
     store: bool = False
-    extra_env: Optional[dict] = None
 
 
 KINDS = {
@@ -81,8 +80,6 @@ KINDS = {
     "W": Kind(4, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
               dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
     "S": Kind(5, _store_flags, store=True),
-    "N": Kind(6, lambda args, name, which: _dump(args, name, which), dump_suffix="-nospares",
-              extra_env={"KIMI_SGLANG_WRITER_SPARES": "0"}),
 }
 
 MODE_SERVER = {m.name: m.server for m in modes.MODES}
@@ -99,8 +96,8 @@ def port_of(args, which):
 
 def ports_problem(args, modes):
     """Why ``--ports`` is too short for the servers of ``modes`` (an error message), or None."""
-    words = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh"]
-    counts = ["one", "two", "three", "four", "five", "six", "seven"]
+    words = ["first", "second", "third", "fourth", "fifth", "sixth"]
+    counts = ["one", "two", "three", "four", "five", "six"]
     for mode in modes:
         which = server_for(args, mode)
         i = KINDS[which].port_index
@@ -139,13 +136,13 @@ def api_of(which):
 def server_env(which, trace_path):
     """Extra environment of a server: a kind's own (vLLM's: ``peer.vllm_env``); else a
     dumping one of ours (files or store) logs the writer's counters every 5 s (so the log holds its
-    host-memory peaks without waiting a minute), runs with its kind's ``extra_env`` and,
-    with ``trace_path``, writes stage timestamps there (sglang_ext/trace.py)."""
+    host-memory peaks without waiting a minute) and, with ``trace_path``, writes stage
+    timestamps there (sglang_ext/trace.py)."""
     if KINDS[which].env:
         return KINDS[which].env()
     if not dumps(which) and not stores(which):
         return None
-    env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5", **(KINDS[which].extra_env or {})}
+    env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
     if trace_path:
         env["KIMI_SGLANG_TRACE"] = trace_path
     return env

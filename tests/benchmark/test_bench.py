@@ -379,7 +379,6 @@ def test_dry_run_prints_the_plan_without_torch():
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     """Every mode has its server (A: nodump, json; B: dump, dump_early; D: dump_fp8;
-    N: dump_nospares, B's flags with spare files off in its environment;
     vLLM's V and W, tests/benchmark/test_bench_peer.py);
     all of our kinds carry testing/server.py's shared flags and the run's options, then
     only what makes the kind; dumping kinds get their own directory and the writer's
@@ -391,7 +390,7 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
         "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "A", "vllm_nodump": "V",
-        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S", "dump_nospares": "N",
+        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S",
         "nodump_again": "A"}
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
@@ -425,15 +424,6 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
                                                    "KIMI_SGLANG_TRACE": "/t.jsonl"}
     assert servers.server_env("D", None) == {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
     assert servers.server_env("A", "/t.jsonl") is None
-    seven = _args(["--modes", ",".join(plan.MODES), "--max-host-mb", "1024", "--dump-root", "/r",
-                   "--workdir", "/w", "--ports", "1,2,3,4,5,6,7"])
-    nospares = servers.server_cmd(seven, "deepseek-tiny", "N")
-    assert nospares[len(shared) + len(common):] == [
-        "--dump-hidden-states-dir", "/r/kimi-bench-deepseek-tiny-nospares"] + tails["B"][2:]
-    assert nospares[nospares.index("--port") + 1] == "7"  # --ports' seventh
-    assert servers.server_env("N", "/t.jsonl") == {"KIMI_SGLANG_STATS_INTERVAL_S": "5",
-                                                   "KIMI_SGLANG_WRITER_SPARES": "0",
-                                                   "KIMI_SGLANG_TRACE": "/t.jsonl"}
     # a server beyond --ports is a usage error that names it
     short = _args(["--modes", "nodump,dump_fp8", "--ports", "1,2"])
     assert servers.ports_problem(short, ["nodump", "dump_fp8"]) == (
