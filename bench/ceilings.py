@@ -31,8 +31,6 @@ from bench.loadgen import clear_dump_dir
 from bench.models import MODELS
 from bench.plan import writer_threads
 
-CHUNK = 8192  # SGLang 0.5.17's chunked prefill size on an H200 (gpu_mem 80-160 GB)
-
 
 def d2h_ceiling(torch, dev, out):
     """Pinned device-to-host copy of 1 GiB: best and median of 5, GB/s."""
@@ -103,7 +101,7 @@ def shm_rates(torch, d, sizes, threads, budget, free, pinned, out):
 
 def writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev, out):
     """``writer_alone``: a DumpWriter (arena + writer process) fed CUDA rows as the
-    scheduler feeds it (``start``, ``copy_rows`` per ``CHUNK``-row prefill chunk,
+    scheduler feeds it (``start``, ``copy_rows`` per prefill chunk of the model's,
     ``finish`` with a ``format.reserve``d name); GB/s of files until the writer process
     acknowledged every one, best of ``reps`` (each rep's in ``gbps_reps``)."""
     from sglang_ext import format as fmt
@@ -127,8 +125,8 @@ def writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev,
             for i in range(count):
                 rid = f"w{rep}-{i}"
                 p = writer.start(rid, ids, width, torch.bfloat16)
-                for c0 in range(0, rows, CHUNK):  # one copy per prefill chunk
-                    n = min(CHUNK, rows - c0)
+                for c0 in range(0, rows, s["chunk"]):  # one copy per prefill chunk
+                    n = min(s["chunk"], rows - c0)
                     writer.copy_rows(gpu_rows[c0:c0 + n], [(p, 0, n)], ready=True)
                     if c0 + n < rows:
                         writer.flush()
@@ -158,7 +156,7 @@ def writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev,
 def measure(sizes, threads, ceiling_mib, reps, max_host_mb, root):
     """All the ceilings, as a dict (the results' ``ceilings``). ``sizes``: one dict per
     (model, prompt length): model, prompt_len, rows, layers, hidden, layer_ids,
-    num_layers. Files go to ``root`` (--dump-root, /dev/shm by default), where server B's
+    num_layers, chunk (rows per prefill chunk). Files go to ``root`` (--dump-root, /dev/shm by default), where server B's
     dumps go; at most ``ceiling_mib`` MiB (and 40% of the free space) per measurement."""
     import torch
 
@@ -179,15 +177,15 @@ def measure(sizes, threads, ceiling_mib, reps, max_host_mb, root):
     return out
 
 
-def run(plan, prompt_lens, workdir, dump_root, timeout):
-    """The ceilings of ``plan``'s models and ``prompt_lens``, measured by ``python -m
+def run(plan, workdir, dump_root, timeout):
+    """The ceilings of ``plan``'s models at their prompt lengths, measured by ``python -m
     bench.ceilings`` (raises CalledProcessError or TimeoutExpired when it fails)."""
     part = os.path.join(workdir, "ceilings.json")
     os.makedirs(workdir, exist_ok=True)
-    sizes = [{"model": n, "prompt_len": p, "rows": p, "layers": len(MODELS[n]["layer_ids"]),
-              "hidden": MODELS[n]["hidden_size"], "layer_ids": MODELS[n]["layer_ids"],
-              "num_layers": MODELS[n]["num_layers"]}
-             for n in plan["models"] for p in prompt_lens]
+    sizes = [{"model": n, "prompt_len": p, "rows": p, "layers": len(MODELS[n].layer_ids),
+              "hidden": MODELS[n].hidden_size, "layer_ids": MODELS[n].layer_ids,
+              "num_layers": MODELS[n].num_layers, "chunk": MODELS[n].chunk}
+             for n, m in plan["models"].items() for p in m["prompt_lens"]]
     subprocess.run(module_argv("ceilings", "--out", part, "--sizes", json.dumps(sizes),
                                "--threads", str(plan["writer_threads"]),
                                "--ceiling-mib", str(plan["ceiling_mib"]), "--reps", str(plan["writer_reps"]),
@@ -201,7 +199,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.ceilings", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="the JSON file to write")
     ap.add_argument("--sizes", required=True, help="JSON list of dicts: model, prompt_len, rows, "
-                    "layers, hidden, layer_ids, num_layers")
+                    "layers, hidden, layer_ids, num_layers, chunk")
     ap.add_argument("--threads", type=int, default=None,
                     help="writer threads (default: KIMI_SGLANG_WRITER_THREADS as the server reads it)")
     ap.add_argument("--ceiling-mib", type=int, default=1024, help="MiB written per measurement")

@@ -91,8 +91,8 @@ def build_parser():
     ap.add_argument("--counterbalance", action="store_true",
                     help="odd rounds run their modes in reverse order (ABBA): a drift over a shape's "
                          "rounds falls on every mode alike in the pooled ratios")
-    ap.add_argument("--prompt-lens", type=_ints, default=[512, 2048, 8192])
-    ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+    ap.add_argument("--prompt-lens", type=_ints, help="prompt tokens of the grid (default: each model's)")
+    ap.add_argument("--concurrency", type=_ints, help="client threads of the grid (default: each model's)")
     ap.add_argument("--cell-tokens", type=int, default=0,
                     help="prompt tokens per cell (0: the profile's, times the model's cell_scale at concurrency >= 8)")
     ap.add_argument("--skip-ceilings", action="store_true", help="no host ceilings, no writer-alone run")
@@ -193,7 +193,7 @@ def main(argv=None):
     if not args.skip_ceilings:
         t0 = time.monotonic()
         try:
-            results["ceilings"] = ceilings.run(plan, args.prompt_lens, args.workdir, args.dump_root,
+            results["ceilings"] = ceilings.run(plan, args.workdir, args.dump_root,
                                                timeout=max(30, min(180, clock.left() - 60)))
         except Exception as e:  # noqa: BLE001
             results["ceilings"] = {"error": f"{type(e).__name__}: {e}"}

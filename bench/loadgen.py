@@ -135,12 +135,12 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     return time.perf_counter() - t0, results
 
 
-def cell_prompts(cell, spec, rng):
+def cell_prompts(cell, vocab, rng):
     """The random prompts of one cell: ``cell["requests"]`` lists of token ids."""
-    return make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
+    return make_prompts(rng, cell["requests"], cell["prompt_len"], vocab)
 
 
-def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store=None):
+def run_cell(server, cell, vocab, rng, mode, trace_path=None, prompts=None, store=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``
@@ -149,7 +149,7 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store
     here (not timed either way). Store modes (``store``: the run's ``bench.store.BenchStore``):
     ``BenchStore.cell_entries`` too, and the cell's samples are deleted after it."""
     if prompts is None:
-        prompts = cell_prompts(cell, spec, rng)
+        prompts = cell_prompts(cell, vocab, rng)
     offset = trace_size(trace_path)
     visible, answers = [], []
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
@@ -240,7 +240,7 @@ def safetensors_header(path):
     return {k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items()}, meta
 
 
-def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None, store=None):
+def warm_up(server, vocab, rng, plens, json_too, concs=(1, 8), mode=None, store=None):
     """One request, then a burst at every concurrency of the grid, at every prompt length:
     kernels (Triton's fused MoE compiles per batch-size bucket) compiled for the shapes
     before anything is timed. ``mode``: a mode the server serves, when it decides the API
@@ -248,14 +248,14 @@ def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None, store=N
     ``store``: the server dumps into it; each burst's samples are deleted after it."""
     for plen in plens:
         for conc in sorted({1, 8, *concs}):
-            _, results = send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc,
+            _, results = send_batch(server.port, make_prompts(rng, conc, plen, vocab), conc,
                                     store=store, **api_args(mode or ""))
             if store is not None:
                 _, failed = store.consume([r[4] for r in results if r[4]])
                 if failed:
                     print(f"  warm-up: {len(failed)} store samples failed: {failed[0][:300]}", flush=True)
     if json_too:
-        send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
+        send_batch(server.port, make_prompts(rng, 1, 512, vocab), 1, return_hidden_states=True)
 
 
 def clear_dump_dir(path):
@@ -339,13 +339,13 @@ class RssSampler:
         self._thread.join()
 
 
-def wait_writer_log(server, spec, rng, timeout):
+def wait_writer_log(server, vocab, rng, timeout):
     """Send a small dump request every 2 s until the writer logs a new snapshot line (it
     logs after a write at most once a minute), so the log's peak covers every cell."""
     seen = len(re.findall(r"hidden-state dump: \{", server.log_text()))
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        send_batch(server.port, make_prompts(rng, 1, 16, spec["vocab"]), 1)
+        send_batch(server.port, make_prompts(rng, 1, 16, vocab), 1)
         if len(re.findall(r"hidden-state dump: \{", server.log_text())) > seen:
             return True
         time.sleep(2)

@@ -39,13 +39,8 @@ DEFAULT_MODULE = "vllm.entrypoints.openai.api_server"
 ENV_PYTHON = "KIMI_BENCH_VLLM_PYTHON"
 ENV_PYTHONPATH = "KIMI_BENCH_VLLM_PYTHONPATH"
 ENV_LD_LIBRARY_PATH = "KIMI_BENCH_VLLM_LD_LIBRARY_PATH"
-# SGLang's default chunked prefill on an H200, and vLLM's own default on a 70-160 GiB GPU
-# (engine/arg_utils.py, get_batch_defaults): passed explicitly so that the two stay equal.
-DEFAULT_BATCHED_TOKENS = 8192
-UNSUPPORTED = {
-    "deepseek": ("vLLM 0.33's extract_hidden_states has no MLA support (ExampleHiddenStatesConnector:"
-                 " 'MLA verifiers are unsupported'), so the DeepseekV3 workload is ours alone"),
-}
+MLA_UNSUPPORTED = ("vLLM 0.33's extract_hidden_states has no MLA support (ExampleHiddenStatesConnector:"
+                   " 'MLA verifiers are unsupported'), so the DeepseekV3 workload is ours alone")
 VERSION_LINE = re.compile(r"vLLM server version (\S+?),")
 
 
@@ -56,7 +51,7 @@ def is_peer(mode: str) -> bool:
 
 def unsupported(name: str) -> Optional[str]:
     """Why model ``name`` has no vLLM cells (None: it has)."""
-    return UNSUPPORTED.get(MODELS[name]["arch"])
+    return MLA_UNSUPPORTED if MODELS[name].mla else None
 
 
 def speculative_config(layer_ids: List[int]) -> dict:
@@ -80,7 +75,7 @@ def kv_transfer_config(dump_dir: str, threads: int) -> dict:
 def dump_flags(name: str, dump_dir: str) -> List[str]:
     """The flags that make server W extract: both configs as JSON."""
     threads = config.env_settings(this_host=False)["writer_threads"]
-    return ["--speculative-config", json.dumps(speculative_config(MODELS[name]["layer_ids"])),
+    return ["--speculative-config", json.dumps(speculative_config(MODELS[name].layer_ids)),
             "--kv-transfer-config", json.dumps(kv_transfer_config(dump_dir, threads))]
 
 
@@ -98,7 +93,9 @@ def vllm_command(args, name: str, port: int, extra: List[str]) -> List[str]:
     cmd = [python, "-m", args.vllm_server_module, "--model", model_path(args, name),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--gpu-memory-utilization", str(gpu_memory_utilization(args)),
-           "--max-num-batched-tokens", str(DEFAULT_BATCHED_TOKENS),
+           # our servers' prefill chunk (SGLang's default on an H200 is also vLLM's on a
+           # 70-160 GiB GPU, engine/arg_utils.py get_batch_defaults), so that the two stay equal
+           "--max-num-batched-tokens", str(MODELS[name].chunk),
            # as our servers: no prefix cache (a cached prefix would compute, and so store,
            # only its suffix), token ids in and out, triton attention
            "--no-enable-prefix-caching", "--skip-tokenizer-init", "--attention-backend", "TRITON_ATTN",

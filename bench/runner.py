@@ -73,8 +73,9 @@ class ModelRun:
         self.spec = MODELS[name]
         self.mp = plan["models"][name]
         self.m = results["models"].setdefault(name, {
-            "hidden_size": self.spec["hidden_size"], "num_layers": self.spec["num_layers"],
-            "layer_ids": self.spec["layer_ids"], "servers": self.mp["servers"], "cells": [],
+            "hidden_size": self.spec.hidden_size, "num_layers": self.spec.num_layers,
+            "layer_ids": self.spec.layer_ids, "servers": self.mp["servers"], "cells": [],
+            "prompt_lens": self.mp["prompt_lens"], "concurrency": self.mp["concurrency"],
             "startup_s": {},
         })
         if self.mp.get("peer_unsupported"):
@@ -134,8 +135,8 @@ class ModelRun:
             t0 = time.monotonic()
             for w, s in self.servers.items():
                 mode = {"V": "vllm_nodump", "W": "vllm_dump"}.get(w)
-                loadgen.warm_up(s, self.spec, self.rng, args.prompt_lens,
-                                json_too="--enable-return-hidden-states" in s.command, concs=args.concurrency,
+                loadgen.warm_up(s, self.spec.vocab, self.rng, self.mp["prompt_lens"],
+                                json_too="--enable-return-hidden-states" in s.command, concs=self.mp["concurrency"],
                                 mode=mode, store=self.store if servers.stores(w) else None)
             for d in self.dirs.values():
                 loadgen.clear_dump_dir(d)
@@ -196,8 +197,8 @@ class ModelRun:
             # the files' hidden size is the served model's (its config.json), not the spec's copy
             with open(os.path.join(model_path(args, self.name), "config.json")) as f:
                 hidden = json.load(f)["hidden_size"]
-            self.peer_pairs = peerfiles.collect(self.servers["B"], self.servers["W"], self.spec["vocab"], self.rng,
-                                                args.prompt_lens, self.peer_dir(), self.spec["layer_ids"], hidden)
+            self.peer_pairs = peerfiles.collect(self.servers["B"], self.servers["W"], self.spec.vocab, self.rng,
+                                                self.mp["prompt_lens"], self.peer_dir(), self.spec.layer_ids, hidden)
         except Exception as e:  # noqa: BLE001
             self.m["peer_files"] = {"error": f"collecting: {type(e).__name__}: {e}"[:500]}
         for w in ("B", "W"):
@@ -275,7 +276,7 @@ class ModelRun:
         mode = cell["mode"]
         try:
             traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
-            return loadgen.run_cell(server, cell, self.spec, self.rng, mode,
+            return loadgen.run_cell(server, cell, self.spec.vocab, self.rng, mode,
                                     trace_path=self.trace_path if traced else None,
                                     store=self.store if registry.BY_NAME[mode].store else None)
         except Exception as e:  # noqa: BLE001
@@ -323,7 +324,7 @@ class ModelRun:
         hm, b = self.m["host_memory"], self.servers["B"]
         wait_s = self.plan["writer_log_wait_s"]
         if wait_s and self.clock.left() > wait_s + 30:
-            loadgen.wait_writer_log(b, self.spec, self.rng, wait_s)
+            loadgen.wait_writer_log(b, self.spec.vocab, self.rng, wait_s)
             loadgen.clear_dump_dir(servers.dump_dir(self.args, self.name))
         log_b = b.log_text()
         hm["log_host_bytes_peak"] = loadgen.writer_log_peak(log_b)

@@ -26,21 +26,21 @@ from testing import server as launcher  # one launcher for the GPU suite and the
 
 def sglang_command(args, name, which, extra):
     """SGLang's argv for server ``which`` of model ``name``: the shared flags, the run's
-    options, then ``extra`` (what makes the kind)."""
+    options, the model's ``server_flags``, then ``extra`` (what makes the kind)."""
     cmd = launcher.base_command(args.server_module, model_path(args, name), port_of(args, which),
                                 args.mem_fraction_static, python=sys.executable)
     cmd += ["--skip-tokenizer-init", "--disable-radix-cache", *launcher.cuda_graph_max_bs_flags(32),
             "--log-level", "info", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]
-    return cmd + extra
+    return cmd + list(MODELS[name].server_flags) + extra
 
 
 def _dump(args, name, which, dtype=None):
-    return launcher.dump_flags(dump_dir(args, name, which), MODELS[name]["layers_flag"],
+    return launcher.dump_flags(dump_dir(args, name, which), MODELS[name].layers_flag,
                                args.max_host_mb or None, dtype)
 
 
 def _store_flags(args, name, which):
-    return launcher.dump_flags(bench_store.server_url(args.mooncake_port), MODELS[name]["layers_flag"],
+    return launcher.dump_flags(bench_store.server_url(args.mooncake_port), MODELS[name].layers_flag,
                                args.max_host_mb or None)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, loadgen, markdown, models, plan, report, targets
+from bench import cli, loadgen, markdown, models, peer, plan, report, targets
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -364,6 +364,47 @@ def test_plan_sizes_and_server_flags():
     assert json_cell["requests"] == 16
 
 
+def test_a_model_is_one_registry_entry(monkeypatch, tmp_path):
+    """A workload added as one ``models.Model`` (a checkpoint built into a directory by a
+    function, its own server flags and grid) reaches every part of a run: our servers carry
+    its flags before the kind's, its cells follow its prompt lengths and concurrencies
+    unless the flags name others, the ceilings and vLLM's batched tokens take its prefill
+    chunk, its MLA keeps vLLM out, and ``bench.models`` builds it once."""
+    built = []
+
+    def build(path):
+        os.makedirs(path)
+        (Path(path) / "model.safetensors").write_bytes(b"x")
+        built.append(path)
+
+    flags = ("--context-length", "132000", "--chunked-prefill-size", "16384")
+    monkeypatch.setitem(models.MODELS, "slice", models.Model(
+        build, hidden_size=7168, num_layers=4, vocab=163840, layers_flag="1,2,3,4", mla=True, server_flags=flags,
+        prompt_lens=(2048, 8192, 32768, 131072), concurrency=(1, 8)))
+    planned = plan.make_plan(_args(["--quick", "--models", "slice", "--modes", "nodump,dump,vllm_dump"]))
+    m = planned["models"]["slice"]
+    a, b = m["servers"]["A"], m["servers"]["B"]
+    assert a[-4:] == list(flags)  # no JSON cells: A has no flag of its own
+    at = b.index("--context-length")
+    assert b[at:at + 5] == [*flags, "--dump-hidden-states-dir"]
+    assert "W" not in m["servers"] and "vLLM 0.33's extract_hidden_states has no MLA" in m["peer_unsupported"]
+    shapes = {(c["prompt_len"], c["concurrency"]) for c in m["cells"]}
+    assert shapes == {(p, c) for p in (2048, 8192, 32768, 131072) for c in (1, 8)}
+    assert [c["mode"] for c in m["cells"][:2]] == ["nodump", "dump"] and m["cells"][0]["prompt_len"] == 2048
+    big = next(c for c in m["cells"] if c["mode"] == "dump" and c["prompt_len"] == 131072 and c["concurrency"] == 8)
+    assert big["dump_bytes"] == 8 * (131072 * (4 * 7168 * 2 + 8) + 1024)
+    assert planned["phases"][0]["file_sizes"][-1] == models.file_bytes(models.MODELS["slice"], 131072)
+    given = plan.make_plan(_args(["--quick", "--models", "slice", "--modes", "nodump", "--prompt-lens", "512",
+                                  "--concurrency", "2"]))
+    assert {(c["prompt_len"], c["concurrency"]) for c in given["models"]["slice"]["cells"]} == {(512, 2)}
+    assert models.MODELS["slice"].chunk == 16384 and models.MODELS["llama-8b"].chunk == 8192
+    vllm = peer.vllm_command(_args([]), "slice", 1, [])
+    assert vllm[vllm.index("--max-num-batched-tokens") + 1] == "16384"
+    models.main(["slice", str(tmp_path / "ckpt")])
+    models.main(["slice", str(tmp_path / "ckpt")])  # reused: a checkpoint is there
+    assert built == [str(tmp_path / "ckpt")]
+
+
 def _args(argv):
     return cli.build_parser().parse_args(argv)
 
@@ -667,7 +708,7 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     import os
 
     sizes = [{"model": "m", "prompt_len": 64, "rows": 64, "layers": 4, "hidden": 32,
-              "layer_ids": [2, 4, 5, 8], "num_layers": 8}]
+              "layer_ids": [2, 4, 5, 8], "num_layers": 8, "chunk": 8192}]
     part = tmp_path / "part.json"
     env = os.environ | {"PYTHONPATH": str(BENCH.parent), "KIMI_SGLANG_WRITER_THREADS": "2",
                         "CUDA_VISIBLE_DEVICES": ""}
