@@ -1,7 +1,6 @@
 """The client side of a cell: random prompts sent by ``concurrency`` client threads (a
-closed loop: each sends its next request when its last one returns), what came back
-(dump files, JSON hidden states), the warm-up, and what the server held meanwhile (its
-memory, the writer's log lines, the stage trace).
+closed loop), what came back (files, samples, JSON hidden states), the warm-up, and what
+the server held meanwhile (its memory, the writer's log lines, the stage trace).
 
 A server here is anything with ``port``, ``proc``, ``command`` and ``log_text()``
 (testing/server.py's ``Server``). Requests are SGLang's ``/generate`` with
@@ -21,8 +20,8 @@ import threading
 import time
 
 from bench import modes, peer, report
+from bench.store import MANIFEST
 
-MANIFEST = "hidden_states_manifest"  # the store sink's answer (docs/store.md)
 _local = threading.local()
 
 
@@ -135,21 +134,14 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     return time.perf_counter() - t0, results
 
 
-def cell_prompts(cell, vocab, rng):
-    """The random prompts of one cell: ``cell["requests"]`` lists of token ids."""
-    return make_prompts(rng, cell["requests"], cell["prompt_len"], vocab)
-
-
-def run_cell(server, cell, vocab, rng, mode, trace_path=None, prompts=None, store=None):
+def run_cell(server, cell, vocab, rng, mode, trace_path=None, store=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``
     (``report.stage_stats``); for json, the responses' bytes and one's nested shape;
-    ``error`` when requests failed). ``prompts``: made beforehand (``cell_prompts``), else
-    here (not timed either way). Store modes (``store``: the run's ``bench.store.BenchStore``):
+    ``error`` when requests failed). Store modes (``store``: the run's ``BenchStore``):
     ``BenchStore.cell_entries`` too, and the cell's samples are deleted after it."""
-    if prompts is None:
-        prompts = cell_prompts(cell, vocab, rng)
+    prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], vocab)  # not timed
     offset = trace_size(trace_path)
     visible, answers = [], []
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
@@ -337,19 +329,6 @@ class RssSampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-
-
-def wait_writer_log(server, vocab, rng, timeout):
-    """Send a small dump request every 2 s until the writer logs a new snapshot line (it
-    logs after a write at most once a minute), so the log's peak covers every cell."""
-    seen = len(re.findall(r"hidden-state dump: \{", server.log_text()))
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        send_batch(server.port, make_prompts(rng, 1, 16, vocab), 1)
-        if len(re.findall(r"hidden-state dump: \{", server.log_text())) > seen:
-            return True
-        time.sleep(2)
-    return False
 
 
 def writer_log_peak(text, key="host_bytes_peak"):

@@ -20,9 +20,9 @@ from bench.models import MODELS, file_bytes
 PROFILES = {
     # fits one ~9-minute device call with both models
     "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
-              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420, "writer_log_wait_s": 0},
+              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420},
     "full": {"cell_tokens": 256 * 1024, "min_rounds": 2, "json_requests": 16,
-             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000, "writer_log_wait_s": 65},
+             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000},
 }
 
 # the grid's modes, in the order they alternate within a shape (bench/modes.py); ``json``
@@ -87,7 +87,7 @@ def make_plan(args):
     plan = {"profile": args.profile, "modes": modes, "phases": [], "models": {},
             "cell_tokens": cell_tokens, "min_rounds": min_rounds,
             "deadline_s": args.deadline_s or prof["deadline_s"],
-            "ceiling_mib": prof["ceiling_mib"], "writer_log_wait_s": prof["writer_log_wait_s"],
+            "ceiling_mib": prof["ceiling_mib"],
             "writer_reps": prof["writer_reps"], "writer_threads": writer_threads(),
             "counterbalance": bool(getattr(args, "counterbalance", False)),
             "max_host_mb": args.max_host_mb or config.DEFAULT_MAX_HOST_MB}

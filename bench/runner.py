@@ -310,35 +310,21 @@ class ModelRun:
         self.save()
 
     def host_memory(self):
-        """The writer's host-memory peaks from server B's log (after waiting up to the
-        profile's ``writer_log_wait_s`` for its next snapshot line) and the sampled growth."""
+        """The sampled growth of each server's memory, and the writer's host-memory peaks
+        from server B's log (its counters every 5 s: ``servers.server_env``)."""
         hm = self.m.get("host_memory")
-        for which, key in self.SAMPLED[2:]:  # vLLM's servers
+        for which, key in self.SAMPLED:
             sampler = self.samplers.pop(which, None)
             if sampler:
                 sampler.__exit__(None, None, None)
                 if sampler.peak:
                     hm[key.replace("baseline", "delta")] = max(0, sampler.peak - hm[key])
-        if "B" not in self.servers:
-            return
-        hm, b = self.m["host_memory"], self.servers["B"]
-        wait_s = self.plan["writer_log_wait_s"]
-        if wait_s and self.clock.left() > wait_s + 30:
-            loadgen.wait_writer_log(b, self.spec.vocab, self.rng, wait_s)
-            loadgen.clear_dump_dir(servers.dump_dir(self.args, self.name))
-        log_b = b.log_text()
-        hm["log_host_bytes_peak"] = loadgen.writer_log_peak(log_b)
-        hm["log_pinned_pool_peak"] = loadgen.writer_log_peak(log_b, "pinned_pool_peak")
-        sampler_a, sampler = self.samplers.get("A"), self.samplers.get("B")
-        if sampler_a:
-            sampler_a.__exit__(None, None, None)
-            if sampler_a.peak:
-                hm["rss_delta_bytes_nodump"] = max(0, sampler_a.peak - hm["rss_baseline_bytes_nodump"])
-        if sampler:
-            sampler.__exit__(None, None, None)
-        if sampler and sampler.peak:
-            hm["rss_peak_bytes"] = sampler.peak
-            hm["rss_delta_bytes"] = max(0, sampler.peak - hm["rss_baseline_bytes"])
+                    if which == "B":
+                        hm["rss_peak_bytes"] = sampler.peak
+        if "B" in self.servers:
+            log_b = self.servers["B"].log_text()
+            hm["log_host_bytes_peak"] = loadgen.writer_log_peak(log_b)
+            hm["log_pinned_pool_peak"] = loadgen.writer_log_peak(log_b, "pinned_pool_peak")
 
 
 def run_model(args, plan, name, clock, results, save, skipped):
