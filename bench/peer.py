@@ -2,21 +2,12 @@
 (mode ``vllm_nodump``, server V) and with its own extraction (mode ``vllm_dump``, server W:
 ``speculative_config={"method": "extract_hidden_states", ...}`` plus the
 ``ExampleHiddenStatesConnector`` writing one safetensors file per request into
-``<dump root>/kimi-bench-<model>-vllm``): its command line, environment, request and
-response.
-
-- Command: ``python -m vllm.entrypoints.openai.api_server`` with the flags that make it
-  comparable with our servers (``vllm_command``), then the kind's own (W: ``dump_flags``).
-  ``KIMI_BENCH_VLLM_PYTHON``, ``KIMI_BENCH_VLLM_PYTHONPATH`` and
-  ``KIMI_BENCH_VLLM_LD_LIBRARY_PATH`` give its servers' interpreter and paths (default:
-  this process's); bench/run_bench.sh sets them from the staged vLLM stack.
-- Request: ``/v1/completions`` with ``prompt`` = token ids, ``max_tokens`` 1, as
-  speculators' offline generator sends it. The file is the response's
-  ``kv_transfer_params.hidden_states_path``, complete once the writer has released the
-  flock on ``<path>.lock``: the client waits with a blocking shared flock (``wait_file``),
-  as vLLM's ``load_hidden_states`` does, so (b) means "file complete" for both engines.
-- MLA models are vLLM's to refuse ("MLA verifiers are unsupported"): the DeepseekV3
-  workload is ours alone (``unsupported``).
+``<dump root>/kimi-bench-<model>-vllm``): its command line (``vllm_command``; interpreter
+and paths from ``KIMI_BENCH_VLLM_*``, which bench/run_bench.sh sets from the staged vLLM
+stack), environment, request (``/v1/completions``, token ids in, as speculators' offline
+generator sends it) and response (the file, complete once its lock is released:
+``wait_file``, so (b) means "file complete" for both engines). MLA models are vLLM's to
+refuse: those workloads are ours alone (``unsupported``).
 """
 
 from __future__ import annotations

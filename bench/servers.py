@@ -1,13 +1,10 @@
 """The servers of one model's run: which kind serves which mode, their command lines,
-dump directories and environment, and their start and stop.
-
-Every kind is one entry of ``KINDS``. Ours share testing/server.py's ``base_command`` (what
-the GPU suite verified) plus ``--skip-tokenizer-init --disable-radix-cache --log-level
-info``, no CUDA graphs (``max_new_tokens=1`` runs no decode step), and differ only in their
-last flags: A plain (plus ``--enable-return-hidden-states`` when ``json`` runs), B the dump
-flags, D B's plus ``--dump-hidden-states-dtype fp8``, S B's with the store's ``mooncake://``
-address instead of a directory (``bench.store``). V and W are the peer's (``bench.peer``).
-Starting, waiting and stopping is testing/server.py's launcher, the one the GPU suite uses.
+dump directories and environment, their start and stop (testing/server.py's launcher, the
+GPU suite's). Every kind is one entry of ``KINDS``: ours share testing/server.py's
+``base_command``, no radix cache, no CUDA graphs (``max_new_tokens=1`` runs no decode) and
+the model's ``server_flags``, and differ only in their last flags: A plain (plus
+``--enable-return-hidden-states`` when ``json`` runs), B the dump flags, D B's plus fp8, S
+the store's ``mooncake://`` address instead of a directory. V and W are vLLM's (``peer``).
 """
 
 from __future__ import annotations
@@ -55,13 +52,11 @@ def vllm_command(args, name, which, extra):
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of server. ``port_index``: its entry of ``--ports``; ``flags(args, name,
-    which)``: what follows the shared flags; ``dump_suffix``: its dump directory is
-    ``<dump root>/kimi-bench-<model><suffix>`` (None: it does not dump); ``command``: the
-    whole argv (SGLang's by default); ``api``: "sglang" (``/generate``) or "vllm"
-    (``/v1/completions``, ``bench.peer``); ``env``: its extra environment, when it is not
-    ours (ours: ``server_env``); ``store``: it dumps into the run's Mooncake Store
-    (``bench.store``)."""
+    """``port_index``: its entry of ``--ports``; ``flags(args, name, which)``: what follows
+    the shared flags; ``dump_suffix``: its dump directory is ``<dump root>/kimi-bench-<model>
+    <suffix>`` (None: none); ``command``: the whole argv; ``api``: "sglang" or "vllm";
+    ``env``: its environment when not ours (``server_env``); ``store``: it dumps into the
+    run's Mooncake Store."""
 
     port_index: int
     flags: Callable[..., List[str]]

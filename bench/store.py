@@ -4,12 +4,10 @@ itself (testing/store.py's, as the GPU suite's store module starts them), server
 ``mooncake://`` address (it lends none), and the trainer's side: a client of the
 benchmark's own that waits until a sample is visible and deletes what a cell put.
 
-"Visible" is what a trainer sees: ``is_exist(handle)`` true (Mooncake makes a key
-visible only once its put is whole), polled every ``POLL_S``; its error marker
-``<handle>:error`` is looked for every ``MARKER_EVERY`` polls and fails the request with
-the marker's sentence. The client-side response-to-visible time therefore has a
-resolution of about ``POLL_S`` plus one look-up; the trace's forward-end-to-visible
-(``report.stage_stats``) has none.
+"Visible" is what a trainer sees: ``is_exist(handle)`` true (Mooncake makes a key visible
+once its put is whole), polled every ``POLL_S`` (the client's response-to-visible has that
+resolution; the trace's forward-end-to-visible has none); ``<handle>:error`` every
+``MARKER_EVERY`` polls fails the request with the marker's sentence.
 """
 
 from __future__ import annotations
