@@ -158,9 +158,6 @@ def run_cell(server, cell, vocab, rng, mode, trace_path=None, store=None):
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
     if store is not None:
         out.update(store.cell_entries(results, visible, out, wall))
-        if trace_path:
-            time.sleep(0.3)  # the writer's trace line follows its put
-            out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
     elif mode in report.DUMP_MODES and not bad:
         paths, errors = [], []
         for r in results:
@@ -173,29 +170,25 @@ def run_cell(server, cell, vocab, rng, mode, trace_path=None, store=None):
                 paths.append(meta["hidden_states_path"])
             else:
                 errors.append(meta.get("hidden_states_error", "no hidden_states_path"))
-        sizes = [os.stat(p).st_size for p in paths]
-        out["file_bytes"] = sum(sizes)
-        out["bytes_per_token"] = sum(sizes) / out["prompt_tokens"] if out.get("prompt_tokens") else None
-        out["write_gbps"] = sum(sizes) / wall / 1e9
-        out["files"] = len(paths)
+        size = sum(os.stat(p).st_size for p in paths)
+        out.update(file_bytes=size, write_gbps=size / wall / 1e9, files=len(paths),
+                   bytes_per_token=size / out["prompt_tokens"] if out.get("prompt_tokens") else None)
         if errors:
             out["error"] = f"{len(errors)} requests without a file: {errors[0][:200]}"
         if paths:
             tensors, meta = safetensors_header(paths[0])
-            out["file_check"] = {"hidden_states": tensors.get("hidden_states"),
-                                 "layer_ids": meta.get("layer_ids")}
+            out["file_check"] = {"hidden_states": tensors.get("hidden_states"), "layer_ids": meta.get("layer_ids")}
             if "hidden_states_scales" in tensors:
                 out["file_check"]["hidden_states_scales"] = tensors["hidden_states_scales"]
             if peer.is_peer(mode):  # vLLM's files carry no metadata: the keys say what is there
                 out["file_check"]["token_ids"] = tensors.get("token_ids")
                 out["file_check"]["keys"] = sorted(tensors)
-        if trace_path:
-            time.sleep(0.3)  # the writer's trace line follows its lock release
-            out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
+    if trace_path and (store is not None or (mode in report.DUMP_MODES and not bad)):
+        time.sleep(0.3)  # the writer's trace line follows its lock release (its put)
+        out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
     if mode == "json" and not bad:
         out["response_bytes"] = sum(r[2] for r in results)
-        first = json.loads(results[0][3])
-        hs = first["meta_info"].get("hidden_states")
+        hs = json.loads(results[0][3])["meta_info"].get("hidden_states")
         out["json_check"] = describe_nested(hs)
         if hs is None:
             out["error"] = "response carries no meta_info.hidden_states"
@@ -212,14 +205,10 @@ def api_args(mode):
 
 def describe_nested(x):
     """Shape of a nested list (first elements), e.g. [2048, 4096]; None when absent."""
-    if x is None:
-        return None
-    shape = []
+    shape = None if x is None else []
     while isinstance(x, list):
         shape.append(len(x))
-        if not x:
-            break
-        x = x[0]
+        x = x[0] if x else None
     return shape
 
 

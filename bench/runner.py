@@ -1,9 +1,8 @@
-"""One model's run: build it, start the store modes' Mooncake Store (``bench.store``), start
-its servers together, sample their memory, warm them up, collect a few files of ours and vLLM's for the same prompts, run every cell of the
-plan in order (skipping what the deadline leaves no time for, and the time the file
-comparison needs), read the writer's host-memory peaks, stop the servers, compare those
-files. Results go into the shared ``results`` dict (``models.<name>``), saved after every
-cell.
+"""One model's run: build it, start the store modes' Mooncake Store, start its servers, sample
+their memory, warm them up, collect a few files of ours and vLLM's for the same prompts, run
+the plan's cells in order (skipping what the deadline, less the file comparison's time, leaves
+no room for), read the writer's host-memory peaks, stop the servers, compare those files.
+Results go into ``results["models"][name]``, saved after every cell.
 """
 
 from __future__ import annotations
@@ -49,11 +48,6 @@ def copy_log(src, dst, head=400, tail=4000):
         f.write("\n".join(lines) + "\n")
 
 
-def label_of(name, cell):
-    return (f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
-            + (f" #{cell['rep']}" if "rep" in cell else ""))
-
-
 def cell_line(label, r):
     """The line printed after a cell."""
     extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
@@ -73,11 +67,9 @@ class ModelRun:
         self.spec = MODELS[name]
         self.mp = plan["models"][name]
         self.m = results["models"].setdefault(name, {
-            "hidden_size": self.spec.hidden_size, "num_layers": self.spec.num_layers,
-            "layer_ids": self.spec.layer_ids, "servers": self.mp["servers"], "cells": [],
-            "prompt_lens": self.mp["prompt_lens"], "concurrency": self.mp["concurrency"],
-            "startup_s": {},
-        })
+            "hidden_size": self.spec.hidden_size, "num_layers": self.spec.num_layers, "layer_ids": self.spec.layer_ids,
+            "servers": self.mp["servers"], "cells": [], "prompt_lens": self.mp["prompt_lens"],
+            "concurrency": self.mp["concurrency"], "startup_s": {}})
         if self.mp.get("peer_unsupported"):
             self.m["peer_unsupported"] = self.mp["peer_unsupported"]
         self.peer_pairs = None  # pairs.json of the file comparison, once collected
@@ -285,7 +277,8 @@ class ModelRun:
 
     def run_cell(self, cell):
         args, name, clock = self.args, self.name, self.clock
-        label = label_of(name, cell)
+        label = f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}" + (
+            f" #{cell['rep']}" if "rep" in cell else "")
         need = planning.cell_need_s(cell, self.m["cells"]) + self.reserve_s()
         if clock.left() < need:
             self.skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
