@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import re
@@ -281,39 +282,33 @@ class RssSampler:
     def __init__(self, pid):
         import psutil
 
-        self.root = psutil.Process(pid)
-        self.peak = 0
+        self.psutil, self.root, self.peak = psutil, psutil.Process(pid), 0
         self._stop = threading.Event()
-        self._thread = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def rss(self):
-        import psutil
-
-        total = 0
+        ps, total = self.psutil, 0
         try:
             procs = [self.root] + self.root.children(recursive=True)
-        except psutil.Error:  # the server is gone
+        except ps.Error:  # the server is gone
             return 0
         for p in procs:  # PSS: memory shared by processes (the writer's arena) counted once
             try:
                 total += p.memory_full_info().pss
-            except (psutil.Error, AttributeError):
-                try:
+            except (ps.Error, AttributeError):
+                with contextlib.suppress(ps.Error):
                     total += p.memory_info().rss
-                except psutil.Error:
-                    pass
         return total
 
+    def _run(self):
+        while True:
+            self.peak = max(self.peak, self.rss())
+            if self._stop.wait(0.2):
+                return
+
     def __enter__(self):
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            self._stop.wait(0.2)
 
     def __exit__(self, *exc):
         self._stop.set()

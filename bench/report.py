@@ -100,20 +100,14 @@ HOOK_STAGES = (
 
 
 def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str, Any]:
-    """Where a dump cell's time went, from ``KIMI_SGLANG_TRACE`` lines (trace.py).
-
-    Returns milliseconds ``{stage: {"p50": .., "p99": ..}}`` for the writer stages above,
-    ``response_wait`` (the finished request waiting for its file in the tokenizer
-    manager), ``poll_lag`` (file released -> the tokenizer manager sees it complete; slightly
-    negative when the writer stamps ``t_released`` after the waiter saw the lock go), ``hook`` (scheduler
-    thread time per extend batch in ``on_prefill_result``) and its parts ``HOOK_STAGES``
-    (where the trace has them), plus ``files``,
-    ``ready_before_response`` (share of files complete before their request finished)
-    and, with ``wall_s``, ``hook_share`` (hook time / wall time). Store objects (the
-    store sink's ``store`` events) instead: ``objects`` and the ``STORE_STAGES`` (``visible``:
-    forward end to sample visible), ``hook``, ``hook_share``. Empty dict without file or
-    store events.
-    """
+    """Where a dump cell's time went, from ``KIMI_SGLANG_TRACE`` lines (trace.py): ms
+    ``{stage: {"p50", "p99"}}`` of ``STAGES``, ``response_wait`` (the finished request
+    waiting for its file), ``poll_lag`` (file released -> seen complete; slightly negative
+    when ``t_released`` is stamped after the waiter saw the lock go), ``hook`` (scheduler
+    time per extend batch) and its ``HOOK_STAGES``; ``files``, ``ready_before_response``
+    (share of files complete before their request finished) and, with ``wall_s``,
+    ``hook_share``. Store objects instead: ``objects`` and ``STORE_STAGES``. {} without
+    file or store events."""
     files = {e["name"]: e for e in events if e.get("event") == "file"}
     objects = [e for e in events if e.get("event") == "store"]
     if not files and not objects:

@@ -143,12 +143,11 @@ class BenchStore:
 
     def cell_entries(self, results, visible, out, wall):
         """What a store cell adds to its results entry ``out`` (``loadgen.run_cell``), from
-        ``send_batch``'s ``results`` and ``visible`` and the cell's ``wall`` s: ``objects``, ``file_bytes`` (their ``total_aligned_bytes``),
-        ``bytes_per_token``, ``write_gbps``, ``file_check`` (the first manifest's
-        ``hidden_states``), ``visible_ms`` (client side, response to visible: p50, p99, and
-        ``at_response``, the share visible at the first look-up; mode dump_store only),
-        ``removed`` (the samples deleted after the cell, untimed), ``error`` for answers
-        without a manifest, and when samples are left in the store."""
+        ``send_batch``'s ``results`` and ``visible`` and its ``wall`` s: ``objects``,
+        ``file_bytes`` (their ``total_aligned_bytes``), ``bytes_per_token``, ``write_gbps``,
+        ``file_check``, ``visible_ms`` (response to visible: p50, p99, ``at_response``: the
+        share visible at the first look-up), ``removed`` (deleted after the cell, untimed),
+        ``error`` for answers without a manifest or samples left in the store."""
         entry, manifests, errors = {}, [], []
         for r in results:
             if r[1] != 200:
