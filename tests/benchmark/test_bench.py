@@ -562,7 +562,7 @@ def test_sub_programs_are_modules_and_the_plan_needs_no_torch(tmp_path):
                            capture_output=True, text=True, check=True, cwd=tmp_path, env=env).stdout
     assert usage.startswith("usage: python -m bench") and "--internal" not in usage and "--peer-reference" in usage
     assert not (BENCH / "bench.py").exists()  # no script beside the package (its sys.path shim is gone)
-    for name, word in (("models", "llama-mid"), ("ceilings", "--sizes"), ("peerfiles", "pairs")):
+    for name, word in (("models", "llama-mid"), ("ceilings", "job"), ("peerfiles", "pairs")):
         out = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], capture_output=True,
                              text=True, cwd=tmp_path, env=env)
         assert out.returncode == 0 and f"python -m bench.{name}" in out.stdout, out.stderr
@@ -712,11 +712,10 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     part = tmp_path / "part.json"
     env = os.environ | {"PYTHONPATH": str(BENCH.parent), "KIMI_SGLANG_WRITER_THREADS": "2",
                         "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.ceilings", "--reps", "2",
-         "--ceiling-mib", "1", "--out", str(part), "--sizes", json.dumps(sizes),
-         "--dump-root", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env,
-        cwd=tmp_path)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"sizes": sizes, "reps": 2, "ceiling_mib": 1, "root": str(tmp_path)}))
+    proc = subprocess.run([sys.executable, "-m", "bench.ceilings", str(job), str(part)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(part.read_text())
     assert out["cuda"] is False and "d2h_pinned_gbps" not in out and out["writer_threads"] == 2
