@@ -40,30 +40,18 @@ def make_prompts(rng, n, length, vocab):
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
                api="sglang", wait_files=False, store=None, visible=None, answers=None):
-    """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
-    results per request: (latency_s, status, response bytes, content or None).
-    ``answers`` (a list): gets each response's arrival, seconds after the first send; the
-    wall time minus the last of them is the cell's drain (``report.cell_stats``): with
-    early answers, the files (or samples) still being written when the last answer came.
-
-    ``early`` (mode dump_early): each request asks to be answered before its file is
-    complete (``format.WAIT_PARAM``), as ``sglang_ext.client.extract`` does; a thread waits for
-    its previous file's lock after its next answer (one file pending per thread), and the
-    wall time ends when every file is complete.
-
-    ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
-    ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
-    the file, so each request waits for its file's lock before it counts as done (its
-    latency ends there), as our server's answers in mode dump do.
-
-    ``store`` (a ``bench.store.BenchStore``; modes dump_store, dump_store_early): the
-    answers carry a manifest and the sample appears in the store later; without
-    ``early`` each request waits until its sample is visible (its latency ends there) and
-    appends ``(response-to-visible s, visible at the first look-up)`` to ``visible``; with
-    ``early`` a thread waits for its previous sample after its next answer, as with
-    files. A sample that fails (its error marker, the timeout) fails its request (status
-    "store"). Results then carry the manifest's handle last: (latency_s, status,
-    response bytes, content or None, handle or None)."""
+    """Send all prompts with ``concurrency`` client threads; returns (wall_s, results), per
+    request (latency_s, status, response bytes, content or None[, store handle or None]).
+    ``answers`` (a list) gets each response's arrival, seconds after the first send (the wall
+    after the last is the cell's drain). ``early`` (dump_early): each request asks to be
+    answered before its file is complete (``format.WAIT_PARAM``), as ``extract`` does, and a
+    thread waits for its previous file after its next answer; the wall ends when every file
+    is complete. ``api="vllm"``: ``/v1/completions``; ``wait_files`` (vllm_dump): a request
+    counts once vLLM's file lock is released, as ours in mode dump. ``store`` (a
+    ``BenchStore``): the answers carry a manifest; without ``early`` a request counts once
+    its sample is visible, appending (response-to-visible s, visible at the first look-up)
+    to ``visible``; with ``early`` a thread waits for its previous sample as for files. A
+    sample that fails (its marker, the timeout) fails its request (status "store")."""
     from sglang_ext import format as fmt
 
     bodies = []

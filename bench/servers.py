@@ -143,19 +143,17 @@ def server_env(which, trace_path):
     return env
 
 
-# The log line of a server that has begun loading its weights: the next server may start,
-# its import (30-80 s of CPU work) overlapping this one's GPU phase, which ends long before
-# the next one takes its own memory snapshot. SGLang: model_runner.py "Load weight begin";
-# vLLM 0.33: v1/worker/gpu/model_runner.py "Loading model from scratch"; the later lines
-# (and /health) for servers that print neither.
+# A server's log line once it loads its weights: the next may start, its import (30-80 s of
+# CPU) overlapping this one's GPU phase. SGLang: model_runner.py "Load weight begin"; vLLM
+# 0.33: v1/worker/gpu/model_runner.py "Loading model from scratch"; later lines (and /health)
+# for servers that print neither.
 READY_FOR_NEXT = re.compile(r"Load weight begin|Loading model from scratch"
                             r"|KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up"
                             r"|init engine \(profile, create kv cache")
 
 
-# With vLLM's servers beside ours the GPU holds up to four model copies: the servers'
-# fractions of its memory (SGLang's --mem-fraction-static, vLLM's
-# --gpu-memory-utilization) must leave room for SGLang's activations and both CUDA contexts.
+# Up to four servers on one GPU: their shares (--mem-fraction-static, vLLM's
+# --gpu-memory-utilization) leave room for SGLang's activations and both CUDA contexts.
 MAX_MEMORY_SHARE = 0.9
 
 
@@ -175,10 +173,8 @@ def memory_problem(args, modes):
             f"lower --mem-fraction-static (0.2 fits four servers) or --vllm-gpu-memory-utilization")
 
 
-# Each server's KV pool in tokens, from its log: SGLang (model_runner: "KV Cache is
-# allocated. dtype: ..., #tokens: N") and vLLM 0.33 (v1/core/kv_cache_utils.py: "GPU KV
-# cache size: N tokens"). SGLang sizes it from the memory free when the server starts, so a
-# server started after another gets less at the same --mem-fraction-static.
+# A server's KV pool (tokens) from its log: SGLang's model_runner, vLLM 0.33's
+# kv_cache_utils. SGLang sizes it from the memory free at its start: a later server gets less.
 KV_TOKENS = re.compile(r"KV Cache is allocated\..*#tokens: (\d+)|GPU KV cache size: ([\d,]+) tokens")
 
 
@@ -189,13 +185,11 @@ def kv_tokens(log_text):
 
 
 def start_pair(specs, started, timeout):
-    """Start the servers of ``specs`` (``{which: (cmd, log_path, env)}``, in order) one
-    after another, each once the one before has begun loading its weights
-    (``READY_FOR_NEXT``, or it answers /health), so that their memory profiling does not
-    race while their imports overlap; then wait for all.
-    ``started`` (a dict) gets each ``launcher.Server`` as it is launched, so the caller
-    can stop them whatever happens. A server that dies while another starts is retried
-    once alone."""
+    """Start the servers of ``specs`` (``{which: (cmd, log_path, env)}``, in order), each once
+    the one before loads its weights (``READY_FOR_NEXT`` or /health: their imports overlap,
+    their memory profiling does not race), then wait for all. ``started`` gets each
+    ``launcher.Server`` as it is launched (the caller stops them whatever happens). A
+    server that dies while another starts is retried once alone."""
     order = list(specs)
     for i, which in enumerate(order):
         s = started[which] = launcher.launch(*specs[which])
