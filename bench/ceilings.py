@@ -6,9 +6,9 @@
 - ``writer_alone[<model>][<prompt len>]``: ``sglang_ext.writer.DumpWriter`` (the shared
   arena and the writer process) driven with CUDA rows as the scheduler drives it.
 
-``python -m bench.ceilings --out PART --sizes JSON ...`` measures and writes a JSON dict
-to PART; ``run`` starts it as a subprocess (its CUDA context and pinned memory go away
-after) and reads it. Without CUDA (a CPU check of this code) the copy ceiling is skipped
+``python -m bench.ceilings JOB OUT`` measures (``measure``'s keywords in JOB) and writes
+a JSON dict to OUT; ``run`` starts it as a subprocess (its CUDA context and pinned memory
+go away after) and reads it. Without CUDA (a CPU check of this code) the copy ceiling is skipped
 and the writer gets CPU rows; the numbers then mean nothing.
 """
 
@@ -30,8 +30,6 @@ from bench import child_env, module_argv
 from bench.loadgen import clear_dump_dir
 from bench.models import MODELS
 from bench.plan import writer_threads
-
-CHUNK = 8192  # SGLang 0.5.17's chunked prefill size on an H200 (gpu_mem 80-160 GB)
 
 
 def d2h_ceiling(torch, dev, out):
@@ -103,7 +101,7 @@ def shm_rates(torch, d, sizes, threads, budget, free, pinned, out):
 
 def writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev, out):
     """``writer_alone``: a DumpWriter (arena + writer process) fed CUDA rows as the
-    scheduler feeds it (``start``, ``copy_rows`` per ``CHUNK``-row prefill chunk,
+    scheduler feeds it (``start``, ``copy_rows`` per prefill chunk of the model's,
     ``finish`` with a ``format.reserve``d name); GB/s of files until the writer process
     acknowledged every one, best of ``reps`` (each rep's in ``gbps_reps``)."""
     from sglang_ext import format as fmt
@@ -127,8 +125,8 @@ def writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev,
             for i in range(count):
                 rid = f"w{rep}-{i}"
                 p = writer.start(rid, ids, width, torch.bfloat16)
-                for c0 in range(0, rows, CHUNK):  # one copy per prefill chunk
-                    n = min(CHUNK, rows - c0)
+                for c0 in range(0, rows, s["chunk"]):  # one copy per prefill chunk
+                    n = min(s["chunk"], rows - c0)
                     writer.copy_rows(gpu_rows[c0:c0 + n], [(p, 0, n)], ready=True)
                     if c0 + n < rows:
                         writer.flush()
@@ -158,7 +156,7 @@ def writer_alone(torch, d, sizes, threads, budget, free, reps, max_host_mb, dev,
 def measure(sizes, threads, ceiling_mib, reps, max_host_mb, root):
     """All the ceilings, as a dict (the results' ``ceilings``). ``sizes``: one dict per
     (model, prompt length): model, prompt_len, rows, layers, hidden, layer_ids,
-    num_layers. Files go to ``root`` (--dump-root, /dev/shm by default), where server B's
+    num_layers, chunk (rows per prefill chunk). Files go to ``root`` (--dump-root, /dev/shm by default), where server B's
     dumps go; at most ``ceiling_mib`` MiB (and 40% of the free space) per measurement."""
     import torch
 
@@ -179,39 +177,32 @@ def measure(sizes, threads, ceiling_mib, reps, max_host_mb, root):
     return out
 
 
-def run(plan, prompt_lens, workdir, dump_root, timeout):
-    """The ceilings of ``plan``'s models and ``prompt_lens``, measured by ``python -m
+def run(plan, workdir, dump_root, timeout):
+    """The ceilings of ``plan``'s models at their prompt lengths, measured by ``python -m
     bench.ceilings`` (raises CalledProcessError or TimeoutExpired when it fails)."""
-    part = os.path.join(workdir, "ceilings.json")
     os.makedirs(workdir, exist_ok=True)
-    sizes = [{"model": n, "prompt_len": p, "rows": p, "layers": len(MODELS[n]["layer_ids"]),
-              "hidden": MODELS[n]["hidden_size"], "layer_ids": MODELS[n]["layer_ids"],
-              "num_layers": MODELS[n]["num_layers"]}
-             for n in plan["models"] for p in prompt_lens]
-    subprocess.run(module_argv("ceilings", "--out", part, "--sizes", json.dumps(sizes),
-                               "--threads", str(plan["writer_threads"]),
-                               "--ceiling-mib", str(plan["ceiling_mib"]), "--reps", str(plan["writer_reps"]),
-                               "--max-host-mb", str(plan["max_host_mb"]), "--dump-root", dump_root),
-                   check=True, timeout=timeout, env=child_env())
+    job, part = os.path.join(workdir, "ceilings-job.json"), os.path.join(workdir, "ceilings.json")
+    sizes = [{"model": n, "prompt_len": p, "rows": p, "layers": len(MODELS[n].layer_ids),
+              "hidden": MODELS[n].hidden_size, "layer_ids": MODELS[n].layer_ids,
+              "num_layers": MODELS[n].num_layers, "chunk": MODELS[n].chunk}
+             for n, m in plan["models"].items() for p in m["prompt_lens"]]
+    with open(job, "w") as f:
+        json.dump({"sizes": sizes, "threads": plan["writer_threads"], "ceiling_mib": plan["ceiling_mib"],
+                   "reps": plan["writer_reps"], "max_host_mb": plan["max_host_mb"], "root": dump_root}, f)
+    subprocess.run(module_argv("ceilings", job, part), check=True, timeout=timeout, env=child_env())
     with open(part) as f:
         return json.load(f)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.ceilings", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="the JSON file to write")
-    ap.add_argument("--sizes", required=True, help="JSON list of dicts: model, prompt_len, rows, "
-                    "layers, hidden, layer_ids, num_layers")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="writer threads (default: KIMI_SGLANG_WRITER_THREADS as the server reads it)")
-    ap.add_argument("--ceiling-mib", type=int, default=1024, help="MiB written per measurement")
-    ap.add_argument("--reps", type=int, default=2, help="repetitions of the writer alone")
-    ap.add_argument("--max-host-mb", type=int, default=config.DEFAULT_MAX_HOST_MB,
-                    help="the writer's arena (--dump-hidden-states-max-host-mb)")
-    ap.add_argument("--dump-root", default="/dev/shm", help="where the files go")
+    ap.add_argument("job", help="JSON: measure()'s keywords (threads optional: KIMI_SGLANG_WRITER_THREADS's)")
+    ap.add_argument("out", help="the JSON file to write")
     args = ap.parse_args(argv)
-    out = measure(json.loads(args.sizes), args.threads or writer_threads(), args.ceiling_mib,
-                  args.reps, args.max_host_mb, args.dump_root)
+    with open(args.job) as f:
+        job = json.load(f)
+    out = measure(**{"threads": writer_threads(), "ceiling_mib": 1024, "reps": 2,
+                     "max_host_mb": config.DEFAULT_MAX_HOST_MB, "root": "/dev/shm"} | job)
     with open(args.out, "w") as f:
         json.dump(out, f)
     return 0

@@ -91,8 +91,8 @@ def build_parser():
     ap.add_argument("--counterbalance", action="store_true",
                     help="odd rounds run their modes in reverse order (ABBA): a drift over a shape's "
                          "rounds falls on every mode alike in the pooled ratios")
-    ap.add_argument("--prompt-lens", type=_ints, default=[512, 2048, 8192])
-    ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+    ap.add_argument("--prompt-lens", type=_ints, help="prompt tokens of the grid (default: each model's)")
+    ap.add_argument("--concurrency", type=_ints, help="client threads of the grid (default: each model's)")
     ap.add_argument("--cell-tokens", type=int, default=0,
                     help="prompt tokens per cell (0: the profile's, times the model's cell_scale at concurrency >= 8)")
     ap.add_argument("--skip-ceilings", action="store_true", help="no host ceilings, no writer-alone run")
@@ -102,8 +102,8 @@ def build_parser():
                     help=f"--dump-hidden-states-max-host-mb (default: the server's {config.DEFAULT_MAX_HOST_MB})")
     ap.add_argument("--case", default=None, help="results file name part (default: the profile)")
     ap.add_argument("--dump-root", default="/dev/shm", help="where the dump directories go")
-    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000, 37000],
-                    help="ports of servers A, B, D, V, W, S, N")
+    ap.add_argument("--ports", type=_ints, default=[31000, 32000, 33000, 34000, 35000, 36000],
+                    help="ports of servers A, B, D, V, W, S")
     ap.add_argument("--mooncake-port", type=int, default=36500,
                     help="the store modes' mooncake_master (its metrics: the next port)")
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0,
@@ -193,7 +193,7 @@ def main(argv=None):
     if not args.skip_ceilings:
         t0 = time.monotonic()
         try:
-            results["ceilings"] = ceilings.run(plan, args.prompt_lens, args.workdir, args.dump_root,
+            results["ceilings"] = ceilings.run(plan, args.workdir, args.dump_root,
                                                timeout=max(30, min(180, clock.left() - 60)))
         except Exception as e:  # noqa: BLE001
             results["ceilings"] = {"error": f"{type(e).__name__}: {e}"}

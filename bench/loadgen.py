@@ -1,7 +1,6 @@
 """The client side of a cell: random prompts sent by ``concurrency`` client threads (a
-closed loop: each sends its next request when its last one returns), what came back
-(dump files, JSON hidden states), the warm-up, and what the server held meanwhile (its
-memory, the writer's log lines, the stage trace).
+closed loop), what came back (files, samples, JSON hidden states), the warm-up, and what
+the server held meanwhile (its memory, the writer's log lines, the stage trace).
 
 A server here is anything with ``port``, ``proc``, ``command`` and ``log_text()``
 (testing/server.py's ``Server``). Requests are SGLang's ``/generate`` with
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import re
@@ -21,8 +21,8 @@ import threading
 import time
 
 from bench import modes, peer, report
+from bench.store import MANIFEST
 
-MANIFEST = "hidden_states_manifest"  # the store sink's answer (docs/store.md)
 _local = threading.local()
 
 
@@ -39,32 +39,19 @@ def make_prompts(rng, n, length, vocab):
 
 
 def send_batch(port, prompts, concurrency, return_hidden_states=False, early=False, timeout=600,
-               api="sglang", wait_files=False, store=None, visible=None, skip=False, answers=None):
-    """Send all prompts with ``concurrency`` client threads; returns (wall_s, results),
-    results per request: (latency_s, status, response bytes, content or None).
-    ``answers`` (a list): gets each response's arrival, seconds after the first send; the
-    wall time minus the last of them is the cell's drain (``report.cell_stats``): with
-    early answers, the files (or samples) still being written when the last answer came.
-
-    ``early`` (mode dump_early): each request asks to be answered before its file is
-    complete (``format.WAIT_PARAM``), as ``sglang_ext.client.extract`` does; a thread waits for
-    its previous file's lock after its next answer (one file pending per thread), and the
-    wall time ends when every file is complete. ``skip`` (mode dump_skip): each request asks
-    not to be dumped (``format.DUMP_PARAM``).
-
-    ``api="vllm"``: the peer's ``/v1/completions`` (``peer.completion_body``);
-    ``wait_files`` (mode vllm_dump): vLLM answers before its writer threads have written
-    the file, so each request waits for its file's lock before it counts as done (its
-    latency ends there), as our server's answers in mode dump do.
-
-    ``store`` (a ``bench.store.BenchStore``; modes dump_store, dump_store_early): the
-    answers carry a manifest and the sample appears in the store later; without
-    ``early`` each request waits until its sample is visible (its latency ends there) and
-    appends ``(response-to-visible s, visible at the first look-up)`` to ``visible``; with
-    ``early`` a thread waits for its previous sample after its next answer, as with
-    files. A sample that fails (its error marker, the timeout) fails its request (status
-    "store"). Results then carry the manifest's handle last: (latency_s, status,
-    response bytes, content or None, handle or None)."""
+               api="sglang", wait_files=False, store=None, visible=None, answers=None):
+    """Send all prompts with ``concurrency`` client threads; returns (wall_s, results), per
+    request (latency_s, status, response bytes, content or None[, store handle or None]).
+    ``answers`` (a list) gets each response's arrival, seconds after the first send (the wall
+    after the last is the cell's drain). ``early`` (dump_early): each request asks to be
+    answered before its file is complete (``format.WAIT_PARAM``), as ``extract`` does, and a
+    thread waits for its previous file after its next answer; the wall ends when every file
+    is complete. ``api="vllm"``: ``/v1/completions``; ``wait_files`` (vllm_dump): a request
+    counts once vLLM's file lock is released, as ours in mode dump. ``store`` (a
+    ``BenchStore``): the answers carry a manifest; without ``early`` a request counts once
+    its sample is visible, appending (response-to-visible s, visible at the first look-up)
+    to ``visible``; with ``early`` a thread waits for its previous sample as for files. A
+    sample that fails (its marker, the timeout) fails its request (status "store")."""
     from sglang_ext import format as fmt
 
     bodies = []
@@ -77,8 +64,6 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
             body["return_hidden_states"] = True
         if early:
             body["sampling_params"]["custom_params"] = {fmt.WAIT_PARAM: False}
-        if skip:
-            body["sampling_params"]["custom_params"] = {fmt.DUMP_PARAM: False}
         bodies.append(json.dumps(body).encode())
     url = f"http://127.0.0.1:{port}" + ("/v1/completions" if api == "vllm" else "/generate")
     slot = threading.local()
@@ -138,26 +123,19 @@ def send_batch(port, prompts, concurrency, return_hidden_states=False, early=Fal
     return time.perf_counter() - t0, results
 
 
-def cell_prompts(cell, spec, rng):
-    """The random prompts of one cell: ``cell["requests"]`` lists of token ids."""
-    return make_prompts(rng, cell["requests"], cell["prompt_len"], spec["vocab"])
-
-
-def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store=None):
+def run_cell(server, cell, vocab, rng, mode, trace_path=None, store=None):
     """One cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server``; returns the cell's results entry (``report.cell_stats`` plus, for dump
     modes, the files' bytes and one file's header, the stages of ``trace_path``
     (``report.stage_stats``); for json, the responses' bytes and one's nested shape;
-    ``error`` when requests failed). ``prompts``: made beforehand (``cell_prompts``), else
-    here (not timed either way). Store modes (``store``: the run's ``bench.store.BenchStore``):
+    ``error`` when requests failed). Store modes (``store``: the run's ``BenchStore``):
     ``BenchStore.cell_entries`` too, and the cell's samples are deleted after it."""
-    if prompts is None:
-        prompts = cell_prompts(cell, spec, rng)
+    prompts = make_prompts(rng, cell["requests"], cell["prompt_len"], vocab)  # not timed
     offset = trace_size(trace_path)
     visible, answers = [], []
     wall, results = send_batch(server.port, prompts, cell["concurrency"],
                                return_hidden_states=(mode == "json"),
-                               early=mode in modes.names(early=True), skip=mode == "dump_skip",
+                               early=mode in modes.names(early=True),
                                answers=answers, **api_args(mode),
                                **({"store": store, "visible": visible} if store is not None else {}))
     lat = [r[0] for r in results]
@@ -169,9 +147,6 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store
         out["error"] = f"{len(bad)} of {len(results)} requests failed: HTTP {bad[0][1]} {bad[0][3][:300]!r}"
     if store is not None:
         out.update(store.cell_entries(results, visible, out, wall))
-        if trace_path:
-            time.sleep(0.3)  # the writer's trace line follows its put
-            out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
     elif mode in report.DUMP_MODES and not bad:
         paths, errors = [], []
         for r in results:
@@ -184,29 +159,25 @@ def run_cell(server, cell, spec, rng, mode, trace_path=None, prompts=None, store
                 paths.append(meta["hidden_states_path"])
             else:
                 errors.append(meta.get("hidden_states_error", "no hidden_states_path"))
-        sizes = [os.stat(p).st_size for p in paths]
-        out["file_bytes"] = sum(sizes)
-        out["bytes_per_token"] = sum(sizes) / out["prompt_tokens"] if out.get("prompt_tokens") else None
-        out["write_gbps"] = sum(sizes) / wall / 1e9
-        out["files"] = len(paths)
+        size = sum(os.stat(p).st_size for p in paths)
+        out.update(file_bytes=size, write_gbps=size / wall / 1e9, files=len(paths),
+                   bytes_per_token=size / out["prompt_tokens"] if out.get("prompt_tokens") else None)
         if errors:
             out["error"] = f"{len(errors)} requests without a file: {errors[0][:200]}"
         if paths:
             tensors, meta = safetensors_header(paths[0])
-            out["file_check"] = {"hidden_states": tensors.get("hidden_states"),
-                                 "layer_ids": meta.get("layer_ids")}
+            out["file_check"] = {"hidden_states": tensors.get("hidden_states"), "layer_ids": meta.get("layer_ids")}
             if "hidden_states_scales" in tensors:
                 out["file_check"]["hidden_states_scales"] = tensors["hidden_states_scales"]
             if peer.is_peer(mode):  # vLLM's files carry no metadata: the keys say what is there
                 out["file_check"]["token_ids"] = tensors.get("token_ids")
                 out["file_check"]["keys"] = sorted(tensors)
-        if trace_path:
-            time.sleep(0.3)  # the writer's trace line follows its lock release
-            out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
+    if trace_path and (store is not None or (mode in report.DUMP_MODES and not bad)):
+        time.sleep(0.3)  # the writer's trace line follows its lock release (its put)
+        out["stages"] = report.stage_stats(read_trace(trace_path, offset), wall)
     if mode == "json" and not bad:
         out["response_bytes"] = sum(r[2] for r in results)
-        first = json.loads(results[0][3])
-        hs = first["meta_info"].get("hidden_states")
+        hs = json.loads(results[0][3])["meta_info"].get("hidden_states")
         out["json_check"] = describe_nested(hs)
         if hs is None:
             out["error"] = "response carries no meta_info.hidden_states"
@@ -223,14 +194,10 @@ def api_args(mode):
 
 def describe_nested(x):
     """Shape of a nested list (first elements), e.g. [2048, 4096]; None when absent."""
-    if x is None:
-        return None
-    shape = []
+    shape = None if x is None else []
     while isinstance(x, list):
         shape.append(len(x))
-        if not x:
-            break
-        x = x[0]
+        x = x[0] if x else None
     return shape
 
 
@@ -243,7 +210,7 @@ def safetensors_header(path):
     return {k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in header.items()}, meta
 
 
-def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None, store=None):
+def warm_up(server, vocab, rng, plens, json_too, concs=(1, 8), mode=None, store=None):
     """One request, then a burst at every concurrency of the grid, at every prompt length:
     kernels (Triton's fused MoE compiles per batch-size bucket) compiled for the shapes
     before anything is timed. ``mode``: a mode the server serves, when it decides the API
@@ -251,14 +218,14 @@ def warm_up(server, spec, rng, plens, json_too, concs=(1, 8), mode=None, store=N
     ``store``: the server dumps into it; each burst's samples are deleted after it."""
     for plen in plens:
         for conc in sorted({1, 8, *concs}):
-            _, results = send_batch(server.port, make_prompts(rng, conc, plen, spec["vocab"]), conc,
+            _, results = send_batch(server.port, make_prompts(rng, conc, plen, vocab), conc,
                                     store=store, **api_args(mode or ""))
             if store is not None:
                 _, failed = store.consume([r[4] for r in results if r[4]])
                 if failed:
                     print(f"  warm-up: {len(failed)} store samples failed: {failed[0][:300]}", flush=True)
     if json_too:
-        send_batch(server.port, make_prompts(rng, 1, 512, spec["vocab"]), 1, return_hidden_states=True)
+        send_batch(server.port, make_prompts(rng, 1, 512, vocab), 1, return_hidden_states=True)
 
 
 def clear_dump_dir(path):
@@ -303,56 +270,37 @@ class RssSampler:
     def __init__(self, pid):
         import psutil
 
-        self.root = psutil.Process(pid)
-        self.peak = 0
+        self.psutil, self.root, self.peak = psutil, psutil.Process(pid), 0
         self._stop = threading.Event()
-        self._thread = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def rss(self):
-        import psutil
-
-        total = 0
+        ps, total = self.psutil, 0
         try:
             procs = [self.root] + self.root.children(recursive=True)
-        except psutil.Error:  # the server is gone
+        except ps.Error:  # the server is gone
             return 0
         for p in procs:  # PSS: memory shared by processes (the writer's arena) counted once
             try:
                 total += p.memory_full_info().pss
-            except (psutil.Error, AttributeError):
-                try:
+            except (ps.Error, AttributeError):
+                with contextlib.suppress(ps.Error):
                     total += p.memory_info().rss
-                except psutil.Error:
-                    pass
         return total
 
+    def _run(self):
+        while True:
+            self.peak = max(self.peak, self.rss())
+            if self._stop.wait(0.2):
+                return
+
     def __enter__(self):
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss())
-            self._stop.wait(0.2)
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-
-
-def wait_writer_log(server, spec, rng, timeout):
-    """Send a small dump request every 2 s until the writer logs a new snapshot line (it
-    logs after a write at most once a minute), so the log's peak covers every cell."""
-    seen = len(re.findall(r"hidden-state dump: \{", server.log_text()))
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        send_batch(server.port, make_prompts(rng, 1, 16, spec["vocab"]), 1)
-        if len(re.findall(r"hidden-state dump: \{", server.log_text())) > seen:
-            return True
-        time.sleep(2)
-    return False
 
 
 def writer_log_peak(text, key="host_bytes_peak"):

@@ -45,112 +45,82 @@ def render_markdown(results: dict) -> str:
 
 
 def _ceilings(ceil: dict) -> List[str]:
-    lines = [
-        "## Ceilings",
-        "",
-        f"- pinned device-to-host copy: {num(ceil.get('d2h_pinned_gbps'), '{:.1f}')} GB/s",
-        f"- /dev/shm write, safetensors, {ceil.get('writer_threads', '?')} threads:",
-    ]
+    lines = ["## Ceilings", "", f"- pinned device-to-host copy: {num(ceil.get('d2h_pinned_gbps'), '{:.1f}')} GB/s",
+             f"- /dev/shm write, safetensors, {ceil.get('writer_threads', '?')} threads:"]
     for size, gbps in sorted(ceil.get("shm_write_gbps", {}).items(), key=lambda kv: float(kv[0])):
         lines.append(f"  - files of {float(size) / (1 << 20):.1f} MiB: {gbps:.1f} GB/s")
     for model, by_len in ceil.get("writer_alone", {}).items():
         for plen, wr in sorted(by_len.items(), key=lambda kv: int(kv[0])):
-            lines.append(
-                f"- writer alone, {model}, {plen}-token files "
-                f"({wr['file_bytes'] / (1 << 20):.1f} MiB): {num(wr.get('gbps'), '{:.1f}')} GB/s"
-            )
+            lines.append(f"- writer alone, {model}, {plen}-token files ({wr['file_bytes'] / (1 << 20):.1f} MiB): "
+                         f"{num(wr.get('gbps'), '{:.1f}')} GB/s")
     return lines
 
 
 ORDER = {m.name: i for i, m in enumerate(MODES)}  # within a round: bench/modes.py
 
 
+def _r3(x) -> str:
+    return num(x, "{:.3f}")
+
+
 def _model(model: str, m: dict, h: dict) -> List[str]:
     """One model's cells, its ratios, file check, host memory."""
-    by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"], c.get("rep")): c
-               for c in h.get("cells", [])}
+    by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"], c.get("rep")): c for c in h.get("cells", [])}
     drained = any("drain_s" in c for c in m.get("cells", []))  # runs since the drain was measured
-    lines = [
-        "",
-        f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})",
-        "",
-        "The last two columns divide the row's tokens/s (a dump's (b)) by (a) of its round"
-        " and by min((a), W/B)." + (" drain: the cell's wall time after its last answer (early"
-                                    " answers: the last files' (or samples') write)." if drained else ""),
-        "",
-        "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | " + ("drain ms | " if drained else "")
-        + "GB/s written | JSON MB/resp | row/(a) | row/bound |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if drained else ""),
-    ]
-    for c in sorted(m.get("cells", []),
-                    key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
-                                   ORDER.get(c["mode"], len(ORDER)))):
-        label = c["mode"] + (f" #{c['rep']}" if "rep" in c else "")
+    lines = ["", f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})", "",
+             "The last two columns divide the row's tokens/s (a dump's (b)) by (a) of its round and by min((a), W/B)."
+             + (" drain: the cell's wall time after its last answer (early answers: the last files' (or samples')"
+                " write)." if drained else ""), "",
+             "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | " + ("drain ms | " if drained else "")
+             + "GB/s written | JSON MB/resp | row/(a) | row/bound |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if drained else "")]
+    for c in sorted(m.get("cells", []), key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
+                                                       ORDER.get(c["mode"], len(ORDER)))):
+        head = f"| {c['prompt_len']} | {c['concurrency']} | {c['mode']}" + (f" #{c['rep']}" if "rep" in c else "")
         if c.get("error"):
-            lines.append(f"| {c['prompt_len']} | {c['concurrency']} | {label} | "
-                         f"ERROR: {c['error'][:80]} |||||||||" + ("|" if drained else ""))
+            lines.append(f"{head} | ERROR: {c['error'][:80]} |||||||||" + ("|" if drained else ""))
             continue
         hc = by_cell.get((c["mode"], c["prompt_len"], c["concurrency"], c.get("rep")), {})
         json_mb = (c["response_bytes"] / c["requests"] / 1e6) if c.get("response_bytes") else None
-        written = num(c.get("write_gbps"), "{:.2f}")
-        lines.append(
-            f"| {c['prompt_len']} | {c['concurrency']} | {label} | {c['requests']} | "
-            f"{num(c.get('prefill_tps'))} | {num(c.get('p50_s'), '{:.3f}')} | "
-            f"{num(c.get('p99_s'), '{:.3f}')} | "
-            + (f"{num(c['drain_s'] * 1e3 if c.get('drain_s') is not None else None, '{:.1f}')} | " if drained else "")
-            + f"{written} | "
-            f"{num(json_mb, '{:.1f}')} | {num(hc.get('dump_vs_nodump'), '{:.3f}')} | "
-            f"{num(hc.get('dump_vs_bound'), '{:.3f}')} |"
-        )
-    lines += [
-        "",
-        f"- dump_vs_nodump: min {num(h.get('dump_vs_nodump_min'), '{:.3f}')}, geometric mean "
-        f"{num(h.get('dump_vs_nodump_geomean'), '{:.3f}')}"
-        + (f"; early answers (dump_early): min {num(h.get('dump_early_vs_nodump_min'), '{:.3f}')}, "
-           f"geometric mean {num(h.get('dump_early_vs_nodump_geomean'), '{:.3f}')}"
-           if h.get("dump_early_vs_nodump_min") is not None else ""),
-    ]
+        drain = c["drain_s"] * 1e3 if c.get("drain_s") is not None else None
+        lines.append(f"{head} | {c['requests']} | {num(c.get('prefill_tps'))} | {_r3(c.get('p50_s'))} | "
+                     f"{_r3(c.get('p99_s'))} | " + (f"{num(drain, '{:.1f}')} | " if drained else "")
+                     + f"{num(c.get('write_gbps'), '{:.2f}')} | {num(json_mb, '{:.1f}')} | "
+                     f"{_r3(hc.get('dump_vs_nodump'))} | {_r3(hc.get('dump_vs_bound'))} |")
+    lines += ["", f"- dump_vs_nodump: min {_r3(h.get('dump_vs_nodump_min'))}, geometric mean "
+              f"{_r3(h.get('dump_vs_nodump_geomean'))}"
+              + (f"; early answers (dump_early): min {_r3(h.get('dump_early_vs_nodump_min'))}, geometric mean "
+                 f"{_r3(h.get('dump_early_vs_nodump_geomean'))}" if h.get("dump_early_vs_nodump_min") is not None
+                 else "")]
     if h.get("nodump_again_vs_nodump_min") is not None:
         lines.append(f"- no change at all ((a') = server A again in the same round, over (a)): "
-                     f"{num(h['nodump_again_vs_nodump_min'], '{:.3f}')} to "
-                     f"{num(h.get('nodump_again_vs_nodump_max'), '{:.3f}')}: this run's noise floor")
+                     f"{_r3(h['nodump_again_vs_nodump_min'])} to {_r3(h.get('nodump_again_vs_nodump_max'))}: "
+                     "this run's noise floor")
     lines += _pooled(h.get("pooled") or [])
-    for mode in STORE_MODES:
-        if h.get(f"{mode}_vs_nodump_min") is not None:
-            lines.append(f"- {mode}_vs_nodump: min {num(h[f'{mode}_vs_nodump_min'], '{:.3f}')} (at concurrency >= 8: "
-                         f"{num(h.get(f'{mode}_vs_nodump_min_conc8'), '{:.3f}')}), geometric mean "
-                         f"{num(h.get(f'{mode}_vs_nodump_geomean'), '{:.3f}')}")
-    lines += [
-        f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
-        f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}",
-    ]
-    fc = m.get("file_check")
-    if fc:
-        lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, "
-                     f"layer_ids {fc.get('layer_ids')}")
+    lines += [f"- {mode}_vs_nodump: min {_r3(h[f'{mode}_vs_nodump_min'])} (at concurrency >= 8: "
+              f"{_r3(h.get(f'{mode}_vs_nodump_min_conc8'))}), geometric mean {_r3(h.get(f'{mode}_vs_nodump_geomean'))}"
+              for mode in STORE_MODES if h.get(f"{mode}_vs_nodump_min") is not None]
+    lines += [f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
+              f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}"]
+    if fc := m.get("file_check"):
+        lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, layer_ids {fc.get('layer_ids')}")
     if m.get("error"):
         lines.append(f"- ERROR: {m['error'][:300]}")
-    kv = {w: n for w, n in (m.get("kv_tokens") or {}).items() if n}
-    if kv:
+    if kv := {w: n for w, n in (m.get("kv_tokens") or {}).items() if n}:
         most = max((c["prompt_len"] * c["concurrency"] for c in m.get("cells", []) if not c.get("error")), default=0)
         short = [w for w, n in kv.items() if n < most]
         lines.append("- KV pool (tokens): " + ", ".join(f"{w} {n}" for w, n in sorted(kv.items()))
                      + (f"; the largest cell sends {most} prompt tokens at once, more than the pool of "
                         f"{', '.join(short)} (requests wait for KV there; each frees its own after its prefill)"
                         if short else ""))
-    mem = m.get("host_memory", {})
-    if mem:
-        lines.append(
-            f"- host memory: writer budget peak {mib(mem.get('log_host_bytes_peak'))}, "
-            f"pinned pool peak {mib(mem.get('log_pinned_pool_peak'))}, "
-            f"server RSS growth {mib(mem.get('rss_delta_bytes'))} (without dump: "
-            f"{mib(mem.get('rss_delta_bytes_nodump'))}), cap {mib(mem.get('cap_bytes'))}"
-        )
+    if mem := m.get("host_memory", {}):
+        lines.append(f"- host memory: writer budget peak {mib(mem.get('log_host_bytes_peak'))}, pinned pool peak "
+                     f"{mib(mem.get('log_pinned_pool_peak'))}, server RSS growth {mib(mem.get('rss_delta_bytes'))} "
+                     f"(without dump: {mib(mem.get('rss_delta_bytes_nodump'))}), cap {mib(mem.get('cap_bytes'))}")
     if "rss_delta_bytes_vllm_dump" in mem or "rss_delta_bytes_vllm_nodump" in mem:
-        lines.append(
-            f"- vLLM's host memory: server RSS growth {mib(mem.get('rss_delta_bytes_vllm_dump'))} "
-            f"with extraction (without: {mib(mem.get('rss_delta_bytes_vllm_nodump'))}); it has no "
-            "cap of its own (pinned buffers per request, cached by torch's host allocator)")
+        lines.append(f"- vLLM's host memory: server RSS growth {mib(mem.get('rss_delta_bytes_vllm_dump'))} with "
+                     f"extraction (without: {mib(mem.get('rss_delta_bytes_vllm_nodump'))}); it has no cap of its "
+                     "own (pinned buffers per request, cached by torch's host allocator)")
     return lines
 
 
@@ -175,8 +145,8 @@ def _pooled(pooled: List[dict]) -> List[str]:
     for plen, conc in shapes:
         counts = sorted({by[(m, plen, conc)]["rounds"] for m in shown if (m, plen, conc) in by})
         rounds = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else counts[0]  # paired per mode
-        cols = [num(by.get((m, plen, conc), {}).get("vs_nodump"), "{:.3f}") for m in shown]
-        cols += [num(by.get((m, plen, conc), {}).get("vs_nodump_to_last_answer"), "{:.3f}") for m in answered]
+        cols = [_r3(by.get((m, plen, conc), {}).get("vs_nodump")) for m in shown]
+        cols += [_r3(by.get((m, plen, conc), {}).get("vs_nodump_to_last_answer")) for m in answered]
         lines.append(f"| {plen} | {conc} | {rounds} | " + " | ".join(cols) + " |")
     return lines
 
@@ -199,22 +169,17 @@ def _peer(results: dict, head: dict) -> List[str]:
         if h.get("peer"):
             lines += ["| prompt | conc | ours (b)/(a) | vLLM (b)/(a) | (a) vLLM/ours | (b) vLLM/ours |"
                       " ours B/token | vLLM B/token |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-            for x in h["peer"]:
-                rep = f" #{x['rep']}" if "rep" in x else ""
-                lines.append(
-                    f"| {x['prompt_len']} | {x['concurrency']}{rep} | {num(x['ours_dump_vs_nodump'], '{:.3f}')} | "
-                    f"{num(x['vllm_dump_vs_nodump'], '{:.3f}')} | {num(x['nodump_vllm_vs_ours'], '{:.3f}')} | "
-                    f"{num(x['dump_vllm_vs_ours'], '{:.3f}')} | {num(x['ours_bytes_per_token'])} | "
-                    f"{num(x['vllm_bytes_per_token'])} |")
-            lines += ["", f"- dump/no-dump, min / geometric mean: ours {num(h.get('dump_vs_nodump_min'), '{:.3f}')}"
-                      f" / {num(h.get('dump_vs_nodump_geomean'), '{:.3f}')}, vLLM "
-                      f"{num(h.get('vllm_dump_vs_nodump_min'), '{:.3f}')} / "
-                      f"{num(h.get('vllm_dump_vs_nodump_geomean'), '{:.3f}')}",
-                      f"- vLLM's dump tokens/s over ours: min {num(h.get('vllm_dump_vs_ours_dump_min'), '{:.3f}')},"
-                      f" geometric mean {num(h.get('vllm_dump_vs_ours_dump_geomean'), '{:.3f}')}"]
-            fc = next((c["file_check"] for c in m.get("cells", [])
-                       if c.get("mode") == "vllm_dump" and c.get("file_check")), None)
-            if fc:
+            lines += [f"| {x['prompt_len']} | {x['concurrency']}" + (f" #{x['rep']}" if "rep" in x else "") + " | "
+                      + " | ".join(_r3(x[k]) for k in ("ours_dump_vs_nodump", "vllm_dump_vs_nodump",
+                                                       "nodump_vllm_vs_ours", "dump_vllm_vs_ours"))
+                      + f" | {num(x['ours_bytes_per_token'])} | {num(x['vllm_bytes_per_token'])} |" for x in h["peer"]]
+            lines += ["", f"- dump/no-dump, min / geometric mean: ours {_r3(h.get('dump_vs_nodump_min'))} / "
+                      f"{_r3(h.get('dump_vs_nodump_geomean'))}, vLLM {_r3(h.get('vllm_dump_vs_nodump_min'))} / "
+                      f"{_r3(h.get('vllm_dump_vs_nodump_geomean'))}",
+                      f"- vLLM's dump tokens/s over ours: min {_r3(h.get('vllm_dump_vs_ours_dump_min'))}, geometric "
+                      f"mean {_r3(h.get('vllm_dump_vs_ours_dump_geomean'))}"]
+            if fc := next((c["file_check"] for c in m.get("cells", [])
+                           if c.get("mode") == "vllm_dump" and c.get("file_check")), None):
                 lines.append(f"- vLLM's files: keys {fc.get('keys')}, hidden_states {fc.get('hidden_states')}, "
                              f"token_ids {fc.get('token_ids')}")
         lines += _peer_files(m.get("peer_files"))
@@ -255,10 +220,9 @@ def _peer_files(pf) -> List[str]:
     return out
 
 
-def _mode_note(mode: str) -> str:
-    """A dump cell's row label after the model: '' for mode dump, ' (early)' for
-    dump_early, ' (fp8)' for dump_fp8, ' (nospares)' ..."""
-    return "" if mode == "dump" else f" ({mode.removeprefix('dump_')})"
+def _pair(d: dict) -> str:
+    """A stage's "p50 / p99" in ms."""
+    return num((d or {}).get("p50"), "{:.1f}") + " / " + num((d or {}).get("p99"), "{:.1f}")
 
 
 def _stages(results: dict) -> List[str]:
@@ -269,14 +233,12 @@ def _stages(results: dict) -> List[str]:
     parts = any("hook_take" in c["stages"] for _, c in cells_of)  # traces since the hook's parts
     for model, c in cells_of:
         st = c["stages"]
-        cells = [num(st.get(k, {}).get("p50"), "{:.1f}") + " / " + num(st.get(k, {}).get("p99"), "{:.1f}")
-                 for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
+        cells = [_pair(st.get(k)) for k in ("hook", "queue", "d2h", "write", "release", "response_wait", "poll_lag")]
         if parts:  # the hook's parts, p50 in ms, after the hook's own cell
             cells.insert(1, " / ".join(num(st.get(k, {}).get("p50"), "{:.2f}") for k, _, _ in HOOK_STAGES))
-        rows.append(
-            f"| {model}{_mode_note(c['mode'])} | {c['prompt_len']} | "
-            f"{c['concurrency']} | " + " | ".join(cells)
-            + f" | {num(st.get('hook_share'), '{:.2f}')} | {num(st.get('ready_before_response'), '{:.2f}')} |")
+        note = "" if c["mode"] == "dump" else f" ({c['mode'].removeprefix('dump_')})"  # early, fp8...
+        rows.append(f"| {model}{note} | {c['prompt_len']} | {c['concurrency']} | " + " | ".join(cells)
+                    + f" | {num(st.get('hook_share'), '{:.2f}')} | {num(st.get('ready_before_response'), '{:.2f}')} |")
     if not rows:
         return []
     return ["", "## Where the time goes (dump cells, KIMI_SGLANG_TRACE; ms p50 / p99)", "",
@@ -295,13 +257,9 @@ def _store(results: dict) -> List[str]:
             if c.get("mode") not in STORE_MODES or c.get("error"):
                 continue
             st, vis = c.get("stages") or {}, c.get("visible_ms") or {}
-
-            def pair(d):
-                return num(d.get("p50"), "{:.1f}") + " / " + num(d.get("p99"), "{:.1f}")
-
             rows.append(f"| {model} | {c['mode']}{' #' + str(c['rep']) if 'rep' in c else ''} | {c['prompt_len']} | "
-                        f"{c['concurrency']} | {num(c.get('prefill_tps'))} | {pair(st.get('visible') or {})} | "
-                        f"{pair(st.get('queue') or {})} | {pair(st.get('put') or {})} | {pair(vis)} | "
+                        f"{c['concurrency']} | {num(c.get('prefill_tps'))} | {_pair(st.get('visible'))} | "
+                        f"{_pair(st.get('queue'))} | {_pair(st.get('put'))} | {_pair(vis)} | "
                         f"{num(vis.get('at_response'), '{:.2f}')} | {c.get('objects', '-')} | {c.get('removed', '-')} |")
     if not rows:
         return []
@@ -320,17 +278,15 @@ def summary_table(results: dict) -> str:
     tgt = results.get("targets") or targets(results, head)
     out = [f"{'model':14} {'dump/nodump min':>15} {'early min':>9} {'dump/json':>9} {'writer/W':>8}"]
     for model, h in head.items():
-        out.append(f"{model:14} {num(h.get('dump_vs_nodump_min'), '{:.3f}'):>15} "
-                   f"{num(h.get('dump_early_vs_nodump_min'), '{:.3f}'):>9} "
-                   f"{num(h.get('dump_vs_json'), '{:.1f}'):>9} "
-                   f"{num(h.get('writer_vs_ceiling'), '{:.2f}'):>8}")
+        out.append(f"{model:14} {_r3(h.get('dump_vs_nodump_min')):>15} {_r3(h.get('dump_early_vs_nodump_min')):>9} "
+                   f"{num(h.get('dump_vs_json'), '{:.1f}'):>9} {num(h.get('writer_vs_ceiling'), '{:.2f}'):>8}")
         for mode in STORE_MODES:
             if h.get(f"{mode}_vs_nodump_min") is not None:
-                out.append(f"{'':14} {mode}/nodump min {num(h[f'{mode}_vs_nodump_min'], '{:.3f}')}, at conc >= 8 "
-                           f"{num(h.get(f'{mode}_vs_nodump_min_conc8'), '{:.3f}')}")
+                out.append(f"{'':14} {mode}/nodump min {_r3(h[f'{mode}_vs_nodump_min'])}, at conc >= 8 "
+                           f"{_r3(h.get(f'{mode}_vs_nodump_min_conc8'))}")
         if h.get("peer"):
-            out.append(f"{'':14} vLLM: dump/nodump min {num(h.get('vllm_dump_vs_nodump_min'), '{:.3f}')}, "
-                       f"its dump over ours min {num(h.get('vllm_dump_vs_ours_dump_min'), '{:.3f}')}")
+            out.append(f"{'':14} vLLM: dump/nodump min {_r3(h.get('vllm_dump_vs_nodump_min'))}, "
+                       f"its dump over ours min {_r3(h.get('vllm_dump_vs_ours_dump_min'))}")
     for model, m in results.get("models", {}).items():
         if m.get("peer_unsupported"):
             out.append(f"{model:14} ours alone: {m['peer_unsupported']}")

@@ -1,9 +1,10 @@
-"""The workloads: random-weight models of known shapes, their dump file size, their build.
+"""The workloads: one ``Model`` each in ``MODELS``, its shape, its build, its servers' flags.
 
-``python -m bench.models NAME PATH`` builds model ``NAME`` into ``PATH`` (bf16
-safetensors, ``torch.manual_seed(0)``; reused when already there). The run starts it as a
-subprocess (``runner``), so that its CUDA context and memory are gone before the servers
-start.
+``python -m bench.models NAME PATH`` builds model ``NAME`` into ``PATH`` (reused when a
+safetensors checkpoint is already there). The run starts it as a subprocess (``runner``),
+so that its CUDA context and memory are gone before the servers start. Adding a workload
+is one entry: a build function that fills a directory (here or in ``testing/``), the shape
+the plan sizes files with before anything is built, and what its servers and grid need.
 """
 
 from __future__ import annotations
@@ -12,41 +13,112 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
-# llama-8b: what most drafters are trained from (default layers [2, N//2, N-3, N]);
-# llama-mid: Llama-2-7B's widths, 8 layers; deepseek-tiny: tests/gpu's MLA + MoE model,
-# 16384 positions, all 4 layers dumped (the stress case: up to ~640k tok/s).
+from sglang_ext.config import default_layer_ids, parse_layer_ids
+
+CHUNK = 8192  # SGLang's default --chunked-prefill-size on an H200 (gpu_mem 80-160 GB)
+
+
+@dataclass(frozen=True)
+class Model:
+    """``build(path)``: writes a bf16 HF checkpoint into the empty directory ``path``.
+    ``hidden_size``, ``num_layers``, ``vocab``: the checkpoint's (prompts draw ids from
+    [3, vocab)); ``layers_flag``: ``--dump-hidden-states-layers`` (None: the server's
+    default ids); ``mla``: MLA attention, which vLLM's extraction refuses (``bench.peer``);
+    ``server_flags``: more SGLang flags for each of our servers (``--context-length``,
+    ``--chunked-prefill-size``, ``--trust-remote-code``...); ``prompt_lens``,
+    ``concurrency``: its grid where ``--prompt-lens``/``--concurrency`` are not given;
+    ``cell_scale``: its cells at concurrency >= 8 hold this many times the profile's
+    tokens; ``est_*``: assumptions for ``--dry-run``'s time estimates only."""
+
+    build: Callable[[str], object]
+    hidden_size: int
+    num_layers: int
+    vocab: int
+    layers_flag: Optional[str] = None
+    mla: bool = False
+    server_flags: Tuple[str, ...] = ()
+    prompt_lens: Tuple[int, ...] = (512, 2048, 8192)
+    concurrency: Tuple[int, ...] = (1, 8, 32)
+    cell_scale: int = 1
+    est_tps: int = 40_000
+    est_json_tps: int = 700
+    est_startup_s: int = 200
+    est_build_s: int = 60
+
+    @property
+    def layer_ids(self) -> List[int]:
+        """The layer ids its files hold, in file order (sglang_ext.config's rules)."""
+        return list(parse_layer_ids(self.layers_flag) or default_layer_ids(self.num_layers))
+
+    @property
+    def chunk(self) -> int:
+        """Prompt tokens per prefill forward: its ``--chunked-prefill-size``, else ``CHUNK``."""
+        flags = list(self.server_flags)
+        return int(flags[flags.index("--chunked-prefill-size") + 1]) if "--chunked-prefill-size" in flags else CHUNK
+
+
+def _save(cls, cfg, path):
+    """Random bf16 weights of ``cls(cfg)`` (``torch.manual_seed(0)``) saved into ``path``:
+    initialized on the GPU where it fits (1.9 B parameters: seconds there, a minute on the CPU)."""
+    import torch
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        with torch.device(device):
+            model = cls(cfg).to(torch.bfloat16)
+    except Exception as e:  # noqa: BLE001
+        if device == "cpu":
+            raise
+        print(f"init on the GPU failed ({type(e).__name__}: {e}); building on the CPU")
+        torch.cuda.empty_cache()
+        model = cls(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def llama(hidden_size, num_layers, vocab, intermediate_size, heads, kv_heads):
+    """A build function of a LlamaForCausalLM of that shape, 16384 positions."""
+    def build(path):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        _save(LlamaForCausalLM, LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            max_position_embeddings=16384), path)
+    return build
+
+
+def deepseek_tiny(path):
+    """testing/tiny_models.py's DeepseekV3 (the model the GPU suite verified), 16384 positions."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from testing import tiny_models
+
+    _save(DeepseekV3ForCausalLM, DeepseekV3Config(**tiny_models.deepseek_tiny_config(max_position_embeddings=16384)),
+          path)
+
+
 MODELS = {
-    "llama-8b": {
-        "arch": "llama", "hidden_size": 4096, "num_layers": 32, "vocab": 128256,
-        "intermediate_size": 14336, "heads": 32, "kv_heads": 8,
-        "layers_flag": None, "layer_ids": [2, 16, 29, 32],
-        # assumptions for --dry-run time estimates only
-        "est_tps": 40_000, "est_json_tps": 700, "est_startup_s": 200, "est_build_s": 40,
-    },
-    "llama-mid": {
-        "arch": "llama", "hidden_size": 4096, "num_layers": 8, "vocab": 32000,
-        "intermediate_size": 11008, "heads": 32, "kv_heads": 32,
-        "layers_flag": None, "layer_ids": [2, 4, 5, 8],
-        # assumptions for --dry-run time estimates only
-        "est_tps": 80_000, "est_json_tps": 1_300, "est_startup_s": 150, "est_build_s": 15,
-    },
-    "deepseek-tiny": {
-        "arch": "deepseek", "hidden_size": 1024, "num_layers": 4, "vocab": 1024,
-        "layers_flag": "1,2,3,4", "layer_ids": [1, 2, 3, 4],
-        "est_tps": 150_000, "est_json_tps": 5_000, "est_startup_s": 130, "est_build_s": 5,
-        # its cells at concurrency >= 8 hold 8x the profile's tokens (at 64k a cell lasts
-        # 0.1-0.6 s, where single stalls dominate)
-        "cell_scale": 8,
-    },
+    # what most drafters are trained from (default layers [2, N//2, N-3, N])
+    "llama-8b": Model(llama(4096, 32, 128256, 14336, 32, 8), 4096, 32, 128256, est_build_s=40),
+    # Llama-2-7B's widths, 8 layers
+    "llama-mid": Model(llama(4096, 8, 32000, 11008, 32, 32), 4096, 8, 32000,
+                       est_tps=80_000, est_json_tps=1_300, est_startup_s=150, est_build_s=15),
+    # MLA + MoE, all 4 layers dumped: the stress case (up to ~640k tok/s), a cell of 64k
+    # tokens lasting 0.1-0.6 s, where single stalls dominate, so 8x at concurrency >= 8
+    "deepseek-tiny": Model(deepseek_tiny, 1024, 4, 1024, layers_flag="1,2,3,4", mla=True, cell_scale=8,
+                           est_tps=150_000, est_json_tps=5_000, est_startup_s=130, est_build_s=5),
 }
 
 
 def file_bytes(spec, prompt_len, fp8=False):
     """Size of one dump file: hidden_states bf16 [T, L, H] (fp8: float8 [T, L, H] plus
     float32 scales [T, L, 1]) + token_ids int64 [T] + header."""
-    slots = len(spec["layer_ids"])
-    per_token = slots * spec["hidden_size"] + 4 * slots if fp8 else slots * spec["hidden_size"] * 2
+    slots = len(spec.layer_ids)
+    per_token = slots * spec.hidden_size + 4 * slots if fp8 else slots * spec.hidden_size * 2
     return prompt_len * (per_token + 8) + 1024
 
 
@@ -56,52 +128,18 @@ def model_path(args, name):
 
 
 def build(name, path):
-    """Build model ``name`` (a key of ``MODELS``) with random bf16 weights into ``path``;
-    nothing to do when a safetensors checkpoint is already there. DeepseekV3's config is
-    testing/tiny_models.py's (the model the GPU suite verified), with 16384 positions."""
-    import torch
-
-    spec = MODELS[name]
-    if os.path.exists(os.path.join(path, "model.safetensors.index.json")) or os.path.exists(
-        os.path.join(path, "model.safetensors")
-    ):
+    """Build model ``name`` (a key of ``MODELS``) into ``path``; nothing to do when a
+    safetensors checkpoint is already there."""
+    if any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors")):
         print(f"{name}: reusing {path}")
         return
     t0 = time.time()
-    if spec["arch"] == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(vocab_size=spec["vocab"], hidden_size=spec["hidden_size"],
-                          intermediate_size=spec["intermediate_size"],
-                          num_hidden_layers=spec["num_layers"], num_attention_heads=spec["heads"],
-                          num_key_value_heads=spec["kv_heads"], max_position_embeddings=16384)
-        cls = LlamaForCausalLM
-    else:
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-        from testing import tiny_models
-
-        cfg = DeepseekV3Config(**tiny_models.deepseek_tiny_config(max_position_embeddings=16384))
-        cls = DeepseekV3ForCausalLM
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:  # random init of 1.9 B parameters: seconds on the GPU, a minute on the CPU
-        with torch.device(device):
-            model = cls(cfg).to(torch.bfloat16)
-    except Exception as e:  # noqa: BLE001
-        if device == "cpu":
-            raise
-        print(f"{name}: init on the GPU failed ({type(e).__name__}: {e}); building on the CPU")
-        device = "cpu"
-        torch.cuda.empty_cache()
-        model = cls(cfg).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    print(f"{name}: built on {device} in {time.time() - t0:.1f} s -> {path}")
+    MODELS[name].build(path)
+    print(f"{name}: built in {time.time() - t0:.1f} s -> {path}")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.models",
-                                 description="build one workload with random weights")
+    ap = argparse.ArgumentParser(prog="python -m bench.models", description="build one workload with random weights")
     ap.add_argument("name", choices=sorted(MODELS))
     ap.add_argument("path", help="the model directory (reused when it holds a checkpoint)")
     args = ap.parse_args(argv)

@@ -35,10 +35,6 @@ MODES: Tuple[Mode, ...] = (
     # (b'): answered early
     Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True,
          early=True),
-    # (b, no spares): server N, KIMI_SGLANG_WRITER_SPARES=0 (each file's pages allocated
-    # as its rows are written by one pwrite: the writer before spare files became the default)
-    Mode("dump_nospares", "N", "(b) dump, no spare files", "#8c8c8c", "(b no spares)/min((a), W/B)",
-         dumps=True),
     # (b fp8): server D, --dump-hidden-states-dtype fp8
     Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True),
     # (s): the store sink (server S, mooncake://), done when the sample is visible in the store
@@ -46,10 +42,6 @@ MODES: Tuple[Mode, ...] = (
     # (s'): the store sink, each client waiting for its previous sample, as a trainer would
     Mode("dump_store_early", "S", "(s') store sink, early answers", "#da8bc3", "(s')/(a)", dumps=True,
          store=True, early=True),
-    # (b skip): server B, each request asking not to be dumped (format.DUMP_PARAM): the
-    # forward captures the dump layers as for every extend batch, nothing is copied or
-    # written; (b skip)/(a) is the capture's share of a dump's cost
-    Mode("dump_skip", "B", "(b skip) dump on, requests not dumped", "#c7e9c0", control=True),
     # (a'): server A again, last in its round (first with --counterbalance's odd rounds): the
     # ratio (a')/(a) is what no change at all measures in that round, the run's noise floor
     Mode("nodump_again", "A", "(a') no dump, again", "#9ecae1", control=True),

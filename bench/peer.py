@@ -2,21 +2,12 @@
 (mode ``vllm_nodump``, server V) and with its own extraction (mode ``vllm_dump``, server W:
 ``speculative_config={"method": "extract_hidden_states", ...}`` plus the
 ``ExampleHiddenStatesConnector`` writing one safetensors file per request into
-``<dump root>/kimi-bench-<model>-vllm``): its command line, environment, request and
-response.
-
-- Command: ``python -m vllm.entrypoints.openai.api_server`` with the flags that make it
-  comparable with our servers (``vllm_command``), then the kind's own (W: ``dump_flags``).
-  ``KIMI_BENCH_VLLM_PYTHON``, ``KIMI_BENCH_VLLM_PYTHONPATH`` and
-  ``KIMI_BENCH_VLLM_LD_LIBRARY_PATH`` give its servers' interpreter and paths (default:
-  this process's); bench/run_bench.sh sets them from the staged vLLM stack.
-- Request: ``/v1/completions`` with ``prompt`` = token ids, ``max_tokens`` 1, as
-  speculators' offline generator sends it. The file is the response's
-  ``kv_transfer_params.hidden_states_path``, complete once the writer has released the
-  flock on ``<path>.lock``: the client waits with a blocking shared flock (``wait_file``),
-  as vLLM's ``load_hidden_states`` does, so (b) means "file complete" for both engines.
-- MLA models are vLLM's to refuse ("MLA verifiers are unsupported"): the DeepseekV3
-  workload is ours alone (``unsupported``).
+``<dump root>/kimi-bench-<model>-vllm``): its command line (``vllm_command``; interpreter
+and paths from ``KIMI_BENCH_VLLM_*``, which bench/run_bench.sh sets from the staged vLLM
+stack), environment, request (``/v1/completions``, token ids in, as speculators' offline
+generator sends it) and response (the file, complete once its lock is released:
+``wait_file``, so (b) means "file complete" for both engines). MLA models are vLLM's to
+refuse: those workloads are ours alone (``unsupported``).
 """
 
 from __future__ import annotations
@@ -39,13 +30,8 @@ DEFAULT_MODULE = "vllm.entrypoints.openai.api_server"
 ENV_PYTHON = "KIMI_BENCH_VLLM_PYTHON"
 ENV_PYTHONPATH = "KIMI_BENCH_VLLM_PYTHONPATH"
 ENV_LD_LIBRARY_PATH = "KIMI_BENCH_VLLM_LD_LIBRARY_PATH"
-# SGLang's default chunked prefill on an H200, and vLLM's own default on a 70-160 GiB GPU
-# (engine/arg_utils.py, get_batch_defaults): passed explicitly so that the two stay equal.
-DEFAULT_BATCHED_TOKENS = 8192
-UNSUPPORTED = {
-    "deepseek": ("vLLM 0.33's extract_hidden_states has no MLA support (ExampleHiddenStatesConnector:"
-                 " 'MLA verifiers are unsupported'), so the DeepseekV3 workload is ours alone"),
-}
+MLA_UNSUPPORTED = ("vLLM 0.33's extract_hidden_states has no MLA support (ExampleHiddenStatesConnector:"
+                   " 'MLA verifiers are unsupported'), so the DeepseekV3 workload is ours alone")
 VERSION_LINE = re.compile(r"vLLM server version (\S+?),")
 
 
@@ -56,7 +42,7 @@ def is_peer(mode: str) -> bool:
 
 def unsupported(name: str) -> Optional[str]:
     """Why model ``name`` has no vLLM cells (None: it has)."""
-    return UNSUPPORTED.get(MODELS[name]["arch"])
+    return MLA_UNSUPPORTED if MODELS[name].mla else None
 
 
 def speculative_config(layer_ids: List[int]) -> dict:
@@ -80,7 +66,7 @@ def kv_transfer_config(dump_dir: str, threads: int) -> dict:
 def dump_flags(name: str, dump_dir: str) -> List[str]:
     """The flags that make server W extract: both configs as JSON."""
     threads = config.env_settings(this_host=False)["writer_threads"]
-    return ["--speculative-config", json.dumps(speculative_config(MODELS[name]["layer_ids"])),
+    return ["--speculative-config", json.dumps(speculative_config(MODELS[name].layer_ids)),
             "--kv-transfer-config", json.dumps(kv_transfer_config(dump_dir, threads))]
 
 
@@ -98,7 +84,9 @@ def vllm_command(args, name: str, port: int, extra: List[str]) -> List[str]:
     cmd = [python, "-m", args.vllm_server_module, "--model", model_path(args, name),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--gpu-memory-utilization", str(gpu_memory_utilization(args)),
-           "--max-num-batched-tokens", str(DEFAULT_BATCHED_TOKENS),
+           # our servers' prefill chunk (SGLang's default on an H200 is also vLLM's on a
+           # 70-160 GiB GPU, engine/arg_utils.py get_batch_defaults), so that the two stay equal
+           "--max-num-batched-tokens", str(MODELS[name].chunk),
            # as our servers: no prefix cache (a cached prefix would compute, and so store,
            # only its suffix), token ids in and out, triton attention
            "--no-enable-prefix-caching", "--skip-tokenizer-init", "--attention-backend", "TRITON_ATTN",

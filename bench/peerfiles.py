@@ -102,6 +102,19 @@ def _scaled(fixed: float, baseline: float, cap: float) -> float:
     return max(fixed, BASELINE_FACTOR * baseline) if baseline <= cap else fixed
 
 
+def _over(key: str, w, layer_ids: List[int], slot_tols: List[float], token_tol: float, slot_text: str,
+          token_text: str) -> List[str]:
+    """The problems of ``w`` (a ``checks.Worst``): each layer id's error above its
+    tolerance (``slot_text`` formatted with ``e``, ``tol``), the worst token row's above
+    ``token_tol`` (``token_text`` with ``tol``, ``where``); NaN is above every tolerance."""
+    out = [f"{key}: layer id {k}: " + slot_text.format(e=e, tol=tol)
+           for k, e, tol in zip(layer_ids, w.slots, slot_tols) if not e <= tol]
+    if not w.token <= token_tol:
+        out.append(f"{key}: per-token relative error {w.token:.3e} > " + token_text.format(tol=token_tol,
+                                                                                         where=w.token_where))
+    return out
+
+
 def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none", device: str = "cuda") -> dict:
     """Compare the pairs of ``doc`` (``pairs.json``'s content). Returns ``{"prompts",
     "prompt_lens", "layer_ids", "keys", "ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref",
@@ -159,27 +172,18 @@ def compare(doc: dict, model_path: Optional[str] = None, reference: str = "none"
                         "token_where": w.token_where, "files": w.files, "slots": w.slots}
     base = worst["hf_bf16_vs_ref"]
     if base.files:  # tolerances scaled by HF's own bf16 error, slot by slot
-        for k, e in zip(layer_ids, base.slots):
-            if not e <= BASELINE_MAX:
-                problems.append(f"hf_bf16_vs_ref: layer id {k}: HF's own bf16 forward is {e:.3e} off float32 "
-                                f"(> {BASELINE_MAX:g}: not bf16 rounding; that layer id keeps the fixed tolerance)")
-        if not base.token <= BASELINE_TOKEN_MAX:
-            problems.append(f"hf_bf16_vs_ref: per-token relative error {base.token:.3e} > {BASELINE_TOKEN_MAX:g} "
-                            f"({base.token_where}): not bf16 rounding; token rows keep the fixed tolerance")
+        problems += _over("hf_bf16_vs_ref", base, layer_ids, [BASELINE_MAX] * len(layer_ids), BASELINE_TOKEN_MAX,
+                          "HF's own bf16 forward is {e:.3e} off float32 (> {tol:g}: not bf16 rounding; that layer "
+                          "id keeps the fixed tolerance)", "{tol:g} ({where}): not bf16 rounding; token rows keep "
+                          "the fixed tolerance")
         tol_slots = [_scaled(checks.TOL_BLOCK, e, BASELINE_MAX) for e in base.slots]
         tol_token = _scaled(checks.TOL_TOKEN, base.token, BASELINE_TOKEN_MAX)
         out["tolerance"].update({"slots": tol_slots, "token_scaled": tol_token, "factor": BASELINE_FACTOR})
         for key in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref"):
-            w = worst[key]
-            if not w.files:
-                continue
-            for k, e, tol in zip(layer_ids, w.slots, tol_slots):
-                if not e <= tol:
-                    problems.append(f"{key}: layer id {k}: relative error {e:.3e} > {tol:.3e} "
-                                    f"(max({checks.TOL_BLOCK:g}, {BASELINE_FACTOR:g} x HF bf16's))")
-            if not w.token <= tol_token:
-                problems.append(f"{key}: per-token relative error {w.token:.3e} > {tol_token:.3e} "
-                                f"({w.token_where})")
+            if worst[key].files:
+                problems += _over(key, worst[key], layer_ids, tol_slots, tol_token,
+                                  "relative error {e:.3e} > {tol:.3e} (max(%g, %g x HF bf16's))"
+                                  % (checks.TOL_BLOCK, BASELINE_FACTOR), "{tol:.3e} ({where})")
     else:
         for key in ("ours_vs_vllm", "ours_vs_ref", "vllm_vs_ref"):
             if worst[key].files:

@@ -20,9 +20,9 @@ from bench.models import MODELS, file_bytes
 PROFILES = {
     # fits one ~9-minute device call with both models
     "quick": {"cell_tokens": 64 * 1024, "min_rounds": 1, "json_requests": 8,
-              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420, "writer_log_wait_s": 0},
+              "ceiling_mib": 1024, "writer_reps": 2, "deadline_s": 420},
     "full": {"cell_tokens": 256 * 1024, "min_rounds": 2, "json_requests": 16,
-             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000, "writer_log_wait_s": 65},
+             "ceiling_mib": 4096, "writer_reps": 3, "deadline_s": 3000},
 }
 
 # the grid's modes, in the order they alternate within a shape (bench/modes.py); ``json``
@@ -42,7 +42,7 @@ EST_STORE_S = 10
 
 def reference_s(spec):
     """Seconds assumed for the file comparison's float32 reference of model ``spec``."""
-    return 30 + 2 * spec["num_layers"]
+    return 30 + 2 * spec.num_layers
 
 
 def peer_files_s(spec, reference):
@@ -63,6 +63,13 @@ def cell_requests(prompt_len, concurrency, cell_tokens, min_rounds):
     return max(math.ceil(cell_tokens / prompt_len), concurrency * min_rounds, 1)
 
 
+def grid(args, name):
+    """``(prompt_lens, concurrency)`` of model ``name``: ``--prompt-lens`` and
+    ``--concurrency`` where given, else the model's own (bench/models.py)."""
+    spec = MODELS[name]
+    return list(args.prompt_lens or spec.prompt_lens), list(args.concurrency or spec.concurrency)
+
+
 def make_plan(args):
     """The plan of a run (``args``: cli's parsed flags): ``{"profile", "modes", "phases",
     "models": {name: {"servers": {which: argv}, "cells": [...], "est_s", "build_s"}}, "est_total_s",
@@ -80,26 +87,26 @@ def make_plan(args):
     plan = {"profile": args.profile, "modes": modes, "phases": [], "models": {},
             "cell_tokens": cell_tokens, "min_rounds": min_rounds,
             "deadline_s": args.deadline_s or prof["deadline_s"],
-            "ceiling_mib": prof["ceiling_mib"], "writer_log_wait_s": prof["writer_log_wait_s"],
+            "ceiling_mib": prof["ceiling_mib"],
             "writer_reps": prof["writer_reps"], "writer_threads": writer_threads(),
             "counterbalance": bool(getattr(args, "counterbalance", False)),
             "max_host_mb": args.max_host_mb or config.DEFAULT_MAX_HOST_MB}
     est_total = 0.0
+    head = (report.JSON_PROMPT_LEN, report.JSON_CONCURRENCY)
     if not args.skip_ceilings:
-        sizes = sorted({file_bytes(MODELS[m], p) for m in models for p in args.prompt_lens})
+        sizes = sorted({file_bytes(MODELS[m], p) for m in models for p in grid(args, m)[0]})
         plan["phases"].append({"phase": "ceilings", "file_sizes": sizes, "est_s": 25})
         est_total += 25
     for name in models:
         spec = MODELS[name]
         cells = []
         no_peer = peer.unsupported(name) if any(peer.is_peer(m) for m in modes) else None
-        grid = [(p, c) for p in args.prompt_lens for c in args.concurrency]
-        head = (report.JSON_PROMPT_LEN, report.JSON_CONCURRENCY)
-        grid.sort(key=lambda pc: pc != head)
+        plens, concs = grid(args, name)
+        shapes = sorted(((p, c) for p in plens for c in concs), key=lambda pc: pc != head)
         json_cell = {"mode": "json", "prompt_len": head[0], "concurrency": head[1],
                      "requests": json_requests, "prompt_tokens": json_requests * head[0]}
-        for plen, conc in grid:
-            scale = 1 if args.cell_tokens or conc < 8 else spec.get("cell_scale", 1)
+        for plen, conc in shapes:
+            scale = 1 if args.cell_tokens or conc < 8 else spec.cell_scale
             n = cell_requests(plen, conc, cell_tokens * scale, min_rounds)
             for rep in range(args.repeat):
                 reverse = getattr(args, "counterbalance", False) and rep % 2 == 1
@@ -110,17 +117,17 @@ def make_plan(args):
                                      | ({"rep": rep} if args.repeat > 1 else {}))
             if (plen, conc) == head and "json" in modes:
                 cells.append(dict(json_cell))
-        if "json" in modes and head not in grid:
+        if "json" in modes and head not in shapes:
             cells.append(dict(json_cell))
-        build_s = 0 if args.no_build else spec["est_build_s"]
+        build_s = 0 if args.no_build else spec.est_build_s
         kinds = sorted({servers.server_for(args, c["mode"]) for c in cells})
         vllm_s = EST_VLLM_STARTUP_S * sum(servers.api_of(w) == "vllm" for w in kinds)
         vllm_s += EST_EXTRA_SGLANG_STARTUP_S * max(0, sum(servers.api_of(w) == "sglang" for w in kinds) - 2)
         # when the first cell starts (every server is up before it)
         store_kind = any(servers.stores(w) for w in kinds)
-        clock = est_total + build_s + spec["est_startup_s"] + vllm_s + 20 + (EST_STORE_S if store_kind else 0)
+        clock = est_total + build_s + spec.est_startup_s + vllm_s + 20 + (EST_STORE_S if store_kind else 0)
         for c in cells:
-            tps = spec["est_json_tps"] if c["mode"] == "json" else spec["est_tps"]
+            tps = spec.est_json_tps if c["mode"] == "json" else spec.est_tps
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
             if c["mode"] in report.DUMP_MODES:
                 c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"], c["mode"] == "dump_fp8")
@@ -130,11 +137,12 @@ def make_plan(args):
         est = clock - est_total + 10
         est += peer_files_s(spec, args.peer_reference) if peer_files_wanted(modes, name) else 0
         est_total += est
-        plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est), "build_s": build_s}
+        plan["models"][name] = {"servers": cmds, "cells": cells, "est_s": round(est), "build_s": build_s,
+                                "prompt_lens": plens, "concurrency": concs}
         if store_kind:
             # every sample of a cell is held until the cell ends; a warm-up burst likewise
             held = [c["dump_bytes"] for c in cells if registry.BY_NAME[c["mode"]].store]
-            held.append(max(8, *args.concurrency) * file_bytes(spec, max(args.prompt_lens)))
+            held.append(max(8, *concs) * file_bytes(spec, max(plens)))
             plan["models"][name]["store"] = {"master_port": args.mooncake_port,
                                              "segment_bytes": bench_store.segment_bytes(held)}
         if no_peer:
@@ -170,7 +178,7 @@ def print_plan(plan):
               f"{[f'{s / (1 << 20):.1f} MiB' for s in ph['file_sizes']]}")
     for name, m in plan["models"].items():
         vllm = sum(servers.api_of(w) == "vllm" for w in m["servers"])
-        print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name]['est_startup_s']} s"
+        print(f"\n[{name}] ~{m['est_s']} s (start-up assumed {MODELS[name].est_startup_s} s"
               + (f" + {vllm} x {EST_VLLM_STARTUP_S} s for vLLM's" if vllm else "")
               + (f", the model's build {m['build_s']} s" if m.get("build_s") else "") + ")")
         if m.get("store"):

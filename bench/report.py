@@ -23,7 +23,7 @@ from bench import modes
 # which modes are a dump's cost, and each one's no-dump base: bench/modes.py
 DUMP_MODES = modes.names(dumps=True)
 STORE_MODES = modes.names(store=True)
-# no file written, their ratio reported (nodump_again: the noise floor; dump_skip: the capture)
+# no file written, their ratio reported (nodump_again: the noise floor)
 CONTROL_MODES = modes.names(control=True)
 NOISE_MODE = "nodump_again"
 # the store sink's target: (s') >= 0.95 x (a) at concurrency >= 8 (issue 35, bench.targets)
@@ -100,20 +100,14 @@ HOOK_STAGES = (
 
 
 def stage_stats(events: List[dict], wall_s: Optional[float] = None) -> Dict[str, Any]:
-    """Where a dump cell's time went, from ``KIMI_SGLANG_TRACE`` lines (trace.py).
-
-    Returns milliseconds ``{stage: {"p50": .., "p99": ..}}`` for the writer stages above,
-    ``response_wait`` (the finished request waiting for its file in the tokenizer
-    manager), ``poll_lag`` (file released -> the tokenizer manager sees it complete; slightly
-    negative when the writer stamps ``t_released`` after the waiter saw the lock go), ``hook`` (scheduler
-    thread time per extend batch in ``on_prefill_result``) and its parts ``HOOK_STAGES``
-    (where the trace has them), plus ``files``,
-    ``ready_before_response`` (share of files complete before their request finished)
-    and, with ``wall_s``, ``hook_share`` (hook time / wall time). Store objects (the
-    store sink's ``store`` events) instead: ``objects`` and the ``STORE_STAGES`` (``visible``:
-    forward end to sample visible), ``hook``, ``hook_share``. Empty dict without file or
-    store events.
-    """
+    """Where a dump cell's time went, from ``KIMI_SGLANG_TRACE`` lines (trace.py): ms
+    ``{stage: {"p50", "p99"}}`` of ``STAGES``, ``response_wait`` (the finished request
+    waiting for its file), ``poll_lag`` (file released -> seen complete; slightly negative
+    when ``t_released`` is stamped after the waiter saw the lock go), ``hook`` (scheduler
+    time per extend batch) and its ``HOOK_STAGES``; ``files``, ``ready_before_response``
+    (share of files complete before their request finished) and, with ``wall_s``,
+    ``hook_share``. Store objects instead: ``objects`` and ``STORE_STAGES``. {} without
+    file or store events."""
     files = {e["name"]: e for e in events if e.get("event") == "file"}
     objects = [e for e in events if e.get("event") == "store"]
     if not files and not objects:
@@ -252,96 +246,60 @@ def find_cell(cells, mode, prompt_len, concurrency, rep=ANY_REP):
 
 
 def headline(results: dict) -> Dict[str, dict]:
-    """Per model: ``dump_vs_nodump`` (per cell and round, plus min and geometric mean),
-    ``dump_vs_json`` at 2k/conc 8, ``writer_vs_ceiling`` (per prompt length, and at 2k),
-    and per dump cell the bound ``min((a), W/B)`` the target compares (b) with."""
+    """Per model: per dump cell (and round) its ratio to its base and to its bound
+    ``min((a), W/B)`` (the store's has no W: (a) alone); ``<mode>_vs_nodump_min`` and
+    ``_geomean`` of every dump mode (the store's also ``_min_conc8``); the pooled rounds;
+    the noise floor (a')/(a); fp8's bytes per token over bf16's; ``dump_vs_json`` at 2k x 8;
+    ``writer_vs_ceiling`` (per prompt length, and at 2k); with vLLM, ``peer_rows``."""
     ceil = results.get("ceilings", {})
-    d2h = ceil.get("d2h_pinned_gbps")
-    shm = ceil.get("shm_write_gbps", {})
+    d2h, shm = ceil.get("d2h_pinned_gbps"), ceil.get("shm_write_gbps", {})
     out = {}
     for model, m in results.get("models", {}).items():
         cells = m.get("cells", [])
         per_cell = []
         for b in (c for c in cells if c.get("mode") in DUMP_MODES and not c.get("error")):
-            a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"],
-                          b.get("rep"))
-            bytes_per_token = b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
-            file_bytes = b["file_bytes"] / b["requests"] if b.get("file_bytes") else None
-            # the store has no host ceiling measured here: its cells are bound by (a) alone
-            w = (None if b["mode"] in STORE_MODES
-                 else ceiling_w(d2h, nearest(shm, file_bytes) if file_bytes else None))
-            w_tps = w * 1e9 / bytes_per_token if (w and bytes_per_token) else None
+            a = find_cell(cells, BASE_MODE.get(b["mode"], "nodump"), b["prompt_len"], b["concurrency"], b.get("rep"))
+            per_token = b["file_bytes"] / b["prompt_tokens"] if b.get("file_bytes") else None
+            w = (None if b["mode"] in STORE_MODES or not per_token
+                 else ceiling_w(d2h, nearest(shm, b["file_bytes"] / b["requests"])))
+            w_tps = w * 1e9 / per_token if w else None
             a_tps = a["prefill_tps"] if a else None
-            bound = min(v for v in (a_tps, w_tps) if v is not None) if (a_tps or w_tps) else None
-            per_cell.append({
-                "mode": b["mode"],
-                "prompt_len": b["prompt_len"],
-                "concurrency": b["concurrency"],
-                **({"rep": b["rep"]} if "rep" in b else {}),
-                "dump_vs_nodump": ratio(b["prefill_tps"], a_tps),
-                "bytes_per_token": bytes_per_token,
-                "w_gbps": w,
-                "w_tps": w_tps,
-                "bound_tps": bound,
-                "dump_vs_bound": ratio(b["prefill_tps"], bound),
-            })
-        def ratios(mode):
-            return [x["dump_vs_nodump"] for x in per_cell
-                    if x.get("mode", "dump") == mode and x["dump_vs_nodump"] is not None]
-
-        r, r_early, r_fp8 = (ratios(m) for m in ("dump", "dump_early", "dump_fp8"))
-        store = {}
-        for mode in STORE_MODES:
-            rs = ratios(mode)
-            at8 = [x["dump_vs_nodump"] for x in per_cell if x["mode"] == mode and x["dump_vs_nodump"] is not None
-                   and x["concurrency"] >= STORE_TARGET_CONCURRENCY]
-            if rs:
-                store.update({f"{mode}_vs_nodump_min": min(rs), f"{mode}_vs_nodump_geomean": geomean(rs),
-                              f"{mode}_vs_nodump_min_conc8": min(at8) if at8 else None})
-        rows = peer_rows(cells)
-        fp8_bytes = []  # bytes per token of dump_fp8 / dump, same shape and round
-        for x in (c for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]):
-            y = next((c for c in per_cell if c["mode"] == "dump" and c["bytes_per_token"]
-                      and (c["prompt_len"], c["concurrency"], c.get("rep"))
-                      == (x["prompt_len"], x["concurrency"], x.get("rep"))), None)
-            if y:
-                fp8_bytes.append(x["bytes_per_token"] / y["bytes_per_token"])
-        b_json = find_cell(cells, "dump", JSON_PROMPT_LEN, JSON_CONCURRENCY)
-        c_json = find_cell(cells, "json", JSON_PROMPT_LEN, JSON_CONCURRENCY)
-        writer = ceil.get("writer_alone", {}).get(model, {})
-        wvc = {}
-        for plen, wr in writer.items():
-            w = ceiling_w(d2h, nearest(shm, wr["file_bytes"]))
-            wvc[plen] = ratio(wr.get("gbps"), w)
+            bound = min((v for v in (a_tps, w_tps) if v is not None), default=None)
+            per_cell.append({"mode": b["mode"], "prompt_len": b["prompt_len"], "concurrency": b["concurrency"],
+                             **({"rep": b["rep"]} if "rep" in b else {}),
+                             "dump_vs_nodump": ratio(b["prefill_tps"], a_tps), "bytes_per_token": per_token,
+                             "w_gbps": w, "w_tps": w_tps, "bound_tps": bound,
+                             "dump_vs_bound": ratio(b["prefill_tps"], bound)})
+        h = out[model] = {"cells": per_cell}
+        if any(c.get("rep") for c in cells) or any(c.get("mode") in CONTROL_MODES for c in cells):
+            h["pooled"] = pooled_ratios(cells)
         noise = [ratio(c["prefill_tps"], (find_cell(cells, "nodump", c["prompt_len"], c["concurrency"],
                                                     c.get("rep")) or {}).get("prefill_tps"))
                  for c in cells if c.get("mode") == NOISE_MODE and not c.get("error")]
-        noise = [x for x in noise if x is not None]
-        control = ({"nodump_again_vs_nodump_min": min(noise), "nodump_again_vs_nodump_max": max(noise)}
-                   if noise else {})
-        repeated = any(c.get("rep") for c in cells) or any(c.get("mode") in CONTROL_MODES for c in cells)
-        out[model] = {
-            "cells": per_cell,
-            **({"pooled": pooled_ratios(cells)} if repeated else {}),
-            **control,
-            "dump_vs_nodump_min": min(r) if r else None,
-            "dump_vs_nodump_geomean": geomean(r),
-            "dump_early_vs_nodump_min": min(r_early) if r_early else None,
-            "dump_early_vs_nodump_geomean": geomean(r_early),
-            "dump_fp8_vs_nodump_min": min(r_fp8) if r_fp8 else None,
-            "dump_fp8_vs_nodump_geomean": geomean(r_fp8),
-            "dump_nospares_vs_nodump_min": min(ratios("dump_nospares"), default=None),
-            "dump_nospares_vs_nodump_geomean": geomean(ratios("dump_nospares")),
-            "fp8_vs_bf16_bytes_per_token_max": max(fp8_bytes) if fp8_bytes else None,
-            "dump_vs_json": ratio(
-                b_json["prefill_tps"] if b_json else None, c_json["prefill_tps"] if c_json else None
-            ),
-            "writer_vs_ceiling": wvc.get(str(JSON_PROMPT_LEN)),
-            "writer_vs_ceiling_by_len": wvc,
-            **store,
-        }
-        if rows:
-            out[model].update(peer=rows, **peer_summary(rows, ratios("vllm_dump")))
+        if noise := [x for x in noise if x is not None]:
+            h.update(nodump_again_vs_nodump_min=min(noise), nodump_again_vs_nodump_max=max(noise))
+        for mode in DUMP_MODES:
+            rs = [x["dump_vs_nodump"] for x in per_cell if x["mode"] == mode and x["dump_vs_nodump"] is not None]
+            h.update({f"{mode}_vs_nodump_min": min(rs, default=None), f"{mode}_vs_nodump_geomean": geomean(rs)})
+            if mode in STORE_MODES:
+                h[f"{mode}_vs_nodump_min_conc8"] = min(
+                    (x["dump_vs_nodump"] for x in per_cell if x["mode"] == mode and x["dump_vs_nodump"] is not None
+                     and x["concurrency"] >= STORE_TARGET_CONCURRENCY), default=None)
+        same = {(c["prompt_len"], c["concurrency"], c.get("rep")): c["bytes_per_token"]
+                for c in per_cell if c["mode"] == "dump" and c["bytes_per_token"]}
+        fp8 = [c["bytes_per_token"] / same[k] for c in per_cell if c["mode"] == "dump_fp8" and c["bytes_per_token"]
+               and (k := (c["prompt_len"], c["concurrency"], c.get("rep"))) in same]
+        h["fp8_vs_bf16_bytes_per_token_max"] = max(fp8, default=None)
+        b_json, c_json = (find_cell(cells, mode, JSON_PROMPT_LEN, JSON_CONCURRENCY) for mode in ("dump", "json"))
+        h["dump_vs_json"] = ratio(b_json and b_json["prefill_tps"], c_json and c_json["prefill_tps"])
+        h["writer_vs_ceiling_by_len"] = {
+            plen: ratio(wr.get("gbps"), ceiling_w(d2h, nearest(shm, wr["file_bytes"])))
+            for plen, wr in ceil.get("writer_alone", {}).get(model, {}).items()}
+        h["writer_vs_ceiling"] = h["writer_vs_ceiling_by_len"].get(str(JSON_PROMPT_LEN))
+        if rows := peer_rows(cells):
+            vs = [x["dump_vllm_vs_ours"] for x in rows if x["dump_vllm_vs_ours"] is not None]
+            h.update(peer=rows, vllm_dump_vs_ours_dump_min=min(vs, default=None),
+                     vllm_dump_vs_ours_dump_geomean=geomean(vs))
     return out
 
 
@@ -376,16 +334,6 @@ def peer_rows(cells: List[dict]) -> List[dict]:
                      "dump_vllm_vs_ours": ratio(tps(w), tps(b)),
                      "ours_bytes_per_token": bpt(b), "vllm_bytes_per_token": bpt(w)})
     return rows
-
-
-def peer_summary(rows: List[dict], vllm_ratios: List[float]) -> Dict[str, Optional[float]]:
-    """Minimum and geometric mean of vLLM's own dump/no-dump ratio (``vllm_ratios``, the
-    headline's per-cell ones) and of vLLM's dump tokens/s over ours."""
-    vs = [x["dump_vllm_vs_ours"] for x in rows if x["dump_vllm_vs_ours"] is not None]
-    return {"vllm_dump_vs_nodump_min": min(vllm_ratios) if vllm_ratios else None,
-            "vllm_dump_vs_nodump_geomean": geomean(vllm_ratios),
-            "vllm_dump_vs_ours_dump_min": min(vs) if vs else None,
-            "vllm_dump_vs_ours_dump_geomean": geomean(vs)}
 
 
 def mib(x) -> str:

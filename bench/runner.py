@@ -1,9 +1,8 @@
-"""One model's run: build it, start the store modes' Mooncake Store (``bench.store``), start
-its servers together, sample their memory, warm them up, collect a few files of ours and vLLM's for the same prompts, run every cell of the
-plan in order (skipping what the deadline leaves no time for, and the time the file
-comparison needs), read the writer's host-memory peaks, stop the servers, compare those
-files. Results go into the shared ``results`` dict (``models.<name>``), saved after every
-cell.
+"""One model's run: build it, start the store modes' Mooncake Store, start its servers, sample
+their memory, warm them up, collect a few files of ours and vLLM's for the same prompts, run
+the plan's cells in order (skipping what the deadline, less the file comparison's time, leaves
+no room for), read the writer's host-memory peaks, stop the servers, compare those files.
+Results go into ``results["models"][name]``, saved after every cell.
 """
 
 from __future__ import annotations
@@ -49,11 +48,6 @@ def copy_log(src, dst, head=400, tail=4000):
         f.write("\n".join(lines) + "\n")
 
 
-def label_of(name, cell):
-    return (f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}"
-            + (f" #{cell['rep']}" if "rep" in cell else ""))
-
-
 def cell_line(label, r):
     """The line printed after a cell."""
     extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
@@ -73,10 +67,9 @@ class ModelRun:
         self.spec = MODELS[name]
         self.mp = plan["models"][name]
         self.m = results["models"].setdefault(name, {
-            "hidden_size": self.spec["hidden_size"], "num_layers": self.spec["num_layers"],
-            "layer_ids": self.spec["layer_ids"], "servers": self.mp["servers"], "cells": [],
-            "startup_s": {},
-        })
+            "hidden_size": self.spec.hidden_size, "num_layers": self.spec.num_layers, "layer_ids": self.spec.layer_ids,
+            "servers": self.mp["servers"], "cells": [], "prompt_lens": self.mp["prompt_lens"],
+            "concurrency": self.mp["concurrency"], "startup_s": {}})
         if self.mp.get("peer_unsupported"):
             self.m["peer_unsupported"] = self.mp["peer_unsupported"]
         self.peer_pairs = None  # pairs.json of the file comparison, once collected
@@ -134,8 +127,8 @@ class ModelRun:
             t0 = time.monotonic()
             for w, s in self.servers.items():
                 mode = {"V": "vllm_nodump", "W": "vllm_dump"}.get(w)
-                loadgen.warm_up(s, self.spec, self.rng, args.prompt_lens,
-                                json_too="--enable-return-hidden-states" in s.command, concs=args.concurrency,
+                loadgen.warm_up(s, self.spec.vocab, self.rng, self.mp["prompt_lens"],
+                                json_too="--enable-return-hidden-states" in s.command, concs=self.mp["concurrency"],
                                 mode=mode, store=self.store if servers.stores(w) else None)
             for d in self.dirs.values():
                 loadgen.clear_dump_dir(d)
@@ -196,8 +189,8 @@ class ModelRun:
             # the files' hidden size is the served model's (its config.json), not the spec's copy
             with open(os.path.join(model_path(args, self.name), "config.json")) as f:
                 hidden = json.load(f)["hidden_size"]
-            self.peer_pairs = peerfiles.collect(self.servers["B"], self.servers["W"], self.spec["vocab"], self.rng,
-                                                args.prompt_lens, self.peer_dir(), self.spec["layer_ids"], hidden)
+            self.peer_pairs = peerfiles.collect(self.servers["B"], self.servers["W"], self.spec.vocab, self.rng,
+                                                self.mp["prompt_lens"], self.peer_dir(), self.spec.layer_ids, hidden)
         except Exception as e:  # noqa: BLE001
             self.m["peer_files"] = {"error": f"collecting: {type(e).__name__}: {e}"[:500]}
         for w in ("B", "W"):
@@ -275,7 +268,7 @@ class ModelRun:
         mode = cell["mode"]
         try:
             traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
-            return loadgen.run_cell(server, cell, self.spec, self.rng, mode,
+            return loadgen.run_cell(server, cell, self.spec.vocab, self.rng, mode,
                                     trace_path=self.trace_path if traced else None,
                                     store=self.store if registry.BY_NAME[mode].store else None)
         except Exception as e:  # noqa: BLE001
@@ -284,7 +277,8 @@ class ModelRun:
 
     def run_cell(self, cell):
         args, name, clock = self.args, self.name, self.clock
-        label = label_of(name, cell)
+        label = f"{name} {cell['mode']} {cell['prompt_len']}x{cell['concurrency']}" + (
+            f" #{cell['rep']}" if "rep" in cell else "")
         need = planning.cell_need_s(cell, self.m["cells"]) + self.reserve_s()
         if clock.left() < need:
             self.skipped.append(f"{label} (deadline: {clock.left():.0f} s left)")
@@ -309,35 +303,21 @@ class ModelRun:
         self.save()
 
     def host_memory(self):
-        """The writer's host-memory peaks from server B's log (after waiting up to the
-        profile's ``writer_log_wait_s`` for its next snapshot line) and the sampled growth."""
+        """The sampled growth of each server's memory, and the writer's host-memory peaks
+        from server B's log (its counters every 5 s: ``servers.server_env``)."""
         hm = self.m.get("host_memory")
-        for which, key in self.SAMPLED[2:]:  # vLLM's servers
+        for which, key in self.SAMPLED:
             sampler = self.samplers.pop(which, None)
             if sampler:
                 sampler.__exit__(None, None, None)
                 if sampler.peak:
                     hm[key.replace("baseline", "delta")] = max(0, sampler.peak - hm[key])
-        if "B" not in self.servers:
-            return
-        hm, b = self.m["host_memory"], self.servers["B"]
-        wait_s = self.plan["writer_log_wait_s"]
-        if wait_s and self.clock.left() > wait_s + 30:
-            loadgen.wait_writer_log(b, self.spec, self.rng, wait_s)
-            loadgen.clear_dump_dir(servers.dump_dir(self.args, self.name))
-        log_b = b.log_text()
-        hm["log_host_bytes_peak"] = loadgen.writer_log_peak(log_b)
-        hm["log_pinned_pool_peak"] = loadgen.writer_log_peak(log_b, "pinned_pool_peak")
-        sampler_a, sampler = self.samplers.get("A"), self.samplers.get("B")
-        if sampler_a:
-            sampler_a.__exit__(None, None, None)
-            if sampler_a.peak:
-                hm["rss_delta_bytes_nodump"] = max(0, sampler_a.peak - hm["rss_baseline_bytes_nodump"])
-        if sampler:
-            sampler.__exit__(None, None, None)
-        if sampler and sampler.peak:
-            hm["rss_peak_bytes"] = sampler.peak
-            hm["rss_delta_bytes"] = max(0, sampler.peak - hm["rss_baseline_bytes"])
+                    if which == "B":
+                        hm["rss_peak_bytes"] = sampler.peak
+        if "B" in self.servers:
+            log_b = self.servers["B"].log_text()
+            hm["log_host_bytes_peak"] = loadgen.writer_log_peak(log_b)
+            hm["log_pinned_pool_peak"] = loadgen.writer_log_peak(log_b, "pinned_pool_peak")
 
 
 def run_model(args, plan, name, clock, results, save, skipped):

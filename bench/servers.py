@@ -1,13 +1,10 @@
 """The servers of one model's run: which kind serves which mode, their command lines,
-dump directories and environment, and their start and stop.
-
-Every kind is one entry of ``KINDS``. Ours share testing/server.py's ``base_command`` (what
-the GPU suite verified) plus ``--skip-tokenizer-init --disable-radix-cache --log-level
-info``, no CUDA graphs (``max_new_tokens=1`` runs no decode step), and differ only in their
-last flags: A plain (plus ``--enable-return-hidden-states`` when ``json`` runs), B the dump
-flags, D B's plus ``--dump-hidden-states-dtype fp8``, S B's with the store's ``mooncake://``
-address instead of a directory (``bench.store``). V and W are the peer's (``bench.peer``).
-Starting, waiting and stopping is testing/server.py's launcher, the one the GPU suite uses.
+dump directories and environment, their start and stop (testing/server.py's launcher, the
+GPU suite's). Every kind is one entry of ``KINDS``: ours share testing/server.py's
+``base_command``, no radix cache, no CUDA graphs (``max_new_tokens=1`` runs no decode) and
+the model's ``server_flags``, and differ only in their last flags: A plain (plus
+``--enable-return-hidden-states`` when ``json`` runs), B the dump flags, D B's plus fp8, S
+the store's ``mooncake://`` address instead of a directory. V and W are vLLM's (``peer``).
 """
 
 from __future__ import annotations
@@ -26,21 +23,21 @@ from testing import server as launcher  # one launcher for the GPU suite and the
 
 def sglang_command(args, name, which, extra):
     """SGLang's argv for server ``which`` of model ``name``: the shared flags, the run's
-    options, then ``extra`` (what makes the kind)."""
+    options, the model's ``server_flags``, then ``extra`` (what makes the kind)."""
     cmd = launcher.base_command(args.server_module, model_path(args, name), port_of(args, which),
                                 args.mem_fraction_static, python=sys.executable)
     cmd += ["--skip-tokenizer-init", "--disable-radix-cache", *launcher.cuda_graph_max_bs_flags(32),
             "--log-level", "info", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]
-    return cmd + extra
+    return cmd + list(MODELS[name].server_flags) + extra
 
 
 def _dump(args, name, which, dtype=None):
-    return launcher.dump_flags(dump_dir(args, name, which), MODELS[name]["layers_flag"],
+    return launcher.dump_flags(dump_dir(args, name, which), MODELS[name].layers_flag,
                                args.max_host_mb or None, dtype)
 
 
 def _store_flags(args, name, which):
-    return launcher.dump_flags(bench_store.server_url(args.mooncake_port), MODELS[name]["layers_flag"],
+    return launcher.dump_flags(bench_store.server_url(args.mooncake_port), MODELS[name].layers_flag,
                                args.max_host_mb or None)
 
 
@@ -55,13 +52,11 @@ def vllm_command(args, name, which, extra):
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of server. ``port_index``: its entry of ``--ports``; ``flags(args, name,
-    which)``: what follows the shared flags; ``dump_suffix``: its dump directory is
-    ``<dump root>/kimi-bench-<model><suffix>`` (None: it does not dump); ``command``: the
-    whole argv (SGLang's by default); ``api``: "sglang" (``/generate``) or "vllm"
-    (``/v1/completions``, ``bench.peer``); ``env``: its extra environment, when it is not
-    ours (ours: ``server_env``); ``store``: it dumps into the run's Mooncake Store
-    (``bench.store``); ``extra_env``: settings of ours it runs with (``server_env``)."""
+    """``port_index``: its entry of ``--ports``; ``flags(args, name, which)``: what follows
+    the shared flags; ``dump_suffix``: its dump directory is ``<dump root>/kimi-bench-<model>
+    <suffix>`` (None: none); ``command``: the whole argv; ``api``: "sglang" or "vllm";
+    ``env``: its environment when not ours (``server_env``); ``store``: it dumps into the
+    run's Mooncake Store."""
 
     port_index: int
     flags: Callable[..., List[str]]
@@ -70,7 +65,6 @@ class Kind:
     api: str = "sglang"
     env: Optional[Callable[[], dict]] = None
     store: bool = False
-    extra_env: Optional[dict] = None
 
 
 KINDS = {
@@ -81,8 +75,6 @@ KINDS = {
     "W": Kind(4, lambda args, name, which: peer.dump_flags(name, dump_dir(args, name, which)),
               dump_suffix="-vllm", command=vllm_command, api="vllm", env=peer.vllm_env),
     "S": Kind(5, _store_flags, store=True),
-    "N": Kind(6, lambda args, name, which: _dump(args, name, which), dump_suffix="-nospares",
-              extra_env={"KIMI_SGLANG_WRITER_SPARES": "0"}),
 }
 
 MODE_SERVER = {m.name: m.server for m in modes.MODES}
@@ -99,8 +91,8 @@ def port_of(args, which):
 
 def ports_problem(args, modes):
     """Why ``--ports`` is too short for the servers of ``modes`` (an error message), or None."""
-    words = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh"]
-    counts = ["one", "two", "three", "four", "five", "six", "seven"]
+    words = ["first", "second", "third", "fourth", "fifth", "sixth"]
+    counts = ["one", "two", "three", "four", "five", "six"]
     for mode in modes:
         which = server_for(args, mode)
         i = KINDS[which].port_index
@@ -139,31 +131,29 @@ def api_of(which):
 def server_env(which, trace_path):
     """Extra environment of a server: a kind's own (vLLM's: ``peer.vllm_env``); else a
     dumping one of ours (files or store) logs the writer's counters every 5 s (so the log holds its
-    host-memory peaks without waiting a minute), runs with its kind's ``extra_env`` and,
-    with ``trace_path``, writes stage timestamps there (sglang_ext/trace.py)."""
+    host-memory peaks without waiting a minute) and, with ``trace_path``, writes stage
+    timestamps there (sglang_ext/trace.py)."""
     if KINDS[which].env:
         return KINDS[which].env()
     if not dumps(which) and not stores(which):
         return None
-    env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5", **(KINDS[which].extra_env or {})}
+    env = {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
     if trace_path:
         env["KIMI_SGLANG_TRACE"] = trace_path
     return env
 
 
-# The log line of a server that has begun loading its weights: the next server may start,
-# its import (30-80 s of CPU work) overlapping this one's GPU phase, which ends long before
-# the next one takes its own memory snapshot. SGLang: model_runner.py "Load weight begin";
-# vLLM 0.33: v1/worker/gpu/model_runner.py "Loading model from scratch"; the later lines
-# (and /health) for servers that print neither.
+# A server's log line once it loads its weights: the next may start, its import (30-80 s of
+# CPU) overlapping this one's GPU phase. SGLang: model_runner.py "Load weight begin"; vLLM
+# 0.33: v1/worker/gpu/model_runner.py "Loading model from scratch"; later lines (and /health)
+# for servers that print neither.
 READY_FOR_NEXT = re.compile(r"Load weight begin|Loading model from scratch"
                             r"|KV [Cc]ache (is )?allocated|Memory pool end|Uvicorn running|fired up"
                             r"|init engine \(profile, create kv cache")
 
 
-# With vLLM's servers beside ours the GPU holds up to four model copies: the servers'
-# fractions of its memory (SGLang's --mem-fraction-static, vLLM's
-# --gpu-memory-utilization) must leave room for SGLang's activations and both CUDA contexts.
+# Up to four servers on one GPU: their shares (--mem-fraction-static, vLLM's
+# --gpu-memory-utilization) leave room for SGLang's activations and both CUDA contexts.
 MAX_MEMORY_SHARE = 0.9
 
 
@@ -183,10 +173,8 @@ def memory_problem(args, modes):
             f"lower --mem-fraction-static (0.2 fits four servers) or --vllm-gpu-memory-utilization")
 
 
-# Each server's KV pool in tokens, from its log: SGLang (model_runner: "KV Cache is
-# allocated. dtype: ..., #tokens: N") and vLLM 0.33 (v1/core/kv_cache_utils.py: "GPU KV
-# cache size: N tokens"). SGLang sizes it from the memory free when the server starts, so a
-# server started after another gets less at the same --mem-fraction-static.
+# A server's KV pool (tokens) from its log: SGLang's model_runner, vLLM 0.33's
+# kv_cache_utils. SGLang sizes it from the memory free at its start: a later server gets less.
 KV_TOKENS = re.compile(r"KV Cache is allocated\..*#tokens: (\d+)|GPU KV cache size: ([\d,]+) tokens")
 
 
@@ -197,13 +185,11 @@ def kv_tokens(log_text):
 
 
 def start_pair(specs, started, timeout):
-    """Start the servers of ``specs`` (``{which: (cmd, log_path, env)}``, in order) one
-    after another, each once the one before has begun loading its weights
-    (``READY_FOR_NEXT``, or it answers /health), so that their memory profiling does not
-    race while their imports overlap; then wait for all.
-    ``started`` (a dict) gets each ``launcher.Server`` as it is launched, so the caller
-    can stop them whatever happens. A server that dies while another starts is retried
-    once alone."""
+    """Start the servers of ``specs`` (``{which: (cmd, log_path, env)}``, in order), each once
+    the one before loads its weights (``READY_FOR_NEXT`` or /health: their imports overlap,
+    their memory profiling does not race), then wait for all. ``started`` gets each
+    ``launcher.Server`` as it is launched (the caller stops them whatever happens). A
+    server that dies while another starts is retried once alone."""
     order = list(specs)
     for i, which in enumerate(order):
         s = started[which] = launcher.launch(*specs[which])

@@ -4,12 +4,10 @@ itself (testing/store.py's, as the GPU suite's store module starts them), server
 ``mooncake://`` address (it lends none), and the trainer's side: a client of the
 benchmark's own that waits until a sample is visible and deletes what a cell put.
 
-"Visible" is what a trainer sees: ``is_exist(handle)`` true (Mooncake makes a key
-visible only once its put is whole), polled every ``POLL_S``; its error marker
-``<handle>:error`` is looked for every ``MARKER_EVERY`` polls and fails the request with
-the marker's sentence. The client-side response-to-visible time therefore has a
-resolution of about ``POLL_S`` plus one look-up; the trace's forward-end-to-visible
-(``report.stage_stats``) has none.
+"Visible" is what a trainer sees: ``is_exist(handle)`` true (Mooncake makes a key visible
+once its put is whole), polled every ``POLL_S`` (the client's response-to-visible has that
+resolution; the trace's forward-end-to-visible has none); ``<handle>:error`` every
+``MARKER_EVERY`` polls fails the request with the marker's sentence.
 """
 
 from __future__ import annotations
@@ -145,12 +143,11 @@ class BenchStore:
 
     def cell_entries(self, results, visible, out, wall):
         """What a store cell adds to its results entry ``out`` (``loadgen.run_cell``), from
-        ``send_batch``'s ``results`` and ``visible`` and the cell's ``wall`` s: ``objects``, ``file_bytes`` (their ``total_aligned_bytes``),
-        ``bytes_per_token``, ``write_gbps``, ``file_check`` (the first manifest's
-        ``hidden_states``), ``visible_ms`` (client side, response to visible: p50, p99, and
-        ``at_response``, the share visible at the first look-up; mode dump_store only),
-        ``removed`` (the samples deleted after the cell, untimed), ``error`` for answers
-        without a manifest, and when samples are left in the store."""
+        ``send_batch``'s ``results`` and ``visible`` and its ``wall`` s: ``objects``,
+        ``file_bytes`` (their ``total_aligned_bytes``), ``bytes_per_token``, ``write_gbps``,
+        ``file_check``, ``visible_ms`` (response to visible: p50, p99, ``at_response``: the
+        share visible at the first look-up), ``removed`` (deleted after the cell, untimed),
+        ``error`` for answers without a manifest or samples left in the store."""
         entry, manifests, errors = {}, [], []
         for r in results:
             if r[1] != 200:

@@ -26,8 +26,7 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
     def add(model, name, value, threshold, ok=None, note=""):
         if ok is None:
             ok = None if value is None else value >= threshold
-        rows.append({"model": model, "target": name, "value": value, "threshold": threshold,
-                     "pass": ok, "note": note})
+        rows.append({"model": model, "target": name, "value": value, "threshold": threshold, "pass": ok, "note": note})
 
     for model, h in head.items():
         for mode, name in (("dump", "(b) >= 0.95 x min((a), W/B), worst cell"),
@@ -35,9 +34,8 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
             cells = [c for c in h["cells"] if c.get("mode", "dump") == mode]
             if mode == "dump_early" and not cells:
                 continue  # not in this run's modes
-            worst = min((c["dump_vs_bound"] for c in cells if c["dump_vs_bound"] is not None),
-                        default=None)
-            add(model, name, worst, TARGET_DUMP_VS_BOUND)
+            add(model, name, min((c["dump_vs_bound"] for c in cells if c["dump_vs_bound"] is not None), default=None),
+                TARGET_DUMP_VS_BOUND)
         for mode, name in (("dump_store", "(s) store sink >= 0.95 x (a) at conc >= 8, worst cell"),
                            ("dump_store_early", "(s') store sink, early answers >= 0.95 x (a) at conc >= 8, "
                                                 "worst cell")):
@@ -46,22 +44,15 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
         for name, value, threshold in latency_targets(results.get("models", {}).get(model, {}).get("cells", [])):
             add(model, name, value, threshold)
         add(model, "(b) >= 30 x (c) at 2k/conc 8", h["dump_vs_json"], TARGET_DUMP_VS_JSON)
-        add(model, "writer alone >= 0.70 W (2k files)", h["writer_vs_ceiling"],
-            TARGET_WRITER_VS_CEILING)
+        add(model, "writer alone >= 0.70 W (2k files)", h["writer_vs_ceiling"], TARGET_WRITER_VS_CEILING)
         mem = results.get("models", {}).get(model, {}).get("host_memory", {})
-        cap = mem.get("cap_bytes")
-        peak = mem.get("log_host_bytes_peak")
-        pool = mem.get("log_pinned_pool_peak")
-        rss = mem.get("rss_delta_bytes")
-        rss_a = mem.get("rss_delta_bytes_nodump")
+        cap, peak, pool, rss, rss_a = (mem.get(k) for k in ("cap_bytes", "log_host_bytes_peak", "log_pinned_pool_peak",
+                                                              "rss_delta_bytes", "rss_delta_bytes_nodump"))
         note = (f"writer budget peak {mib(peak)}, pinned pool peak {mib(pool)}, cap {mib(cap)}; "
                 f"RSS growth {mib(rss)} (server without dump: {mib(rss_a)})")
         if cap is not None and (peak is not None or pool is not None):
-            # What the dump path holds: the budget (live buffers) and the process's pinned
-            # pool (live + torch's cache, including what the process held before). The
-            # server's RSS also holds SGLang's and Triton's own growth, so it is reported,
-            # not checked (deepseek-tiny grew 6.3 GiB with a 128-192 MiB budget peak: not
-            # attributed yet); server A's growth (no dump, but the JSON cells) beside it.
+            # What the dump path holds: the budget (live buffers) and the pinned pool (live +
+            # torch's cache). The RSS also holds SGLang's and Triton's growth: reported only.
             held = max(x for x in (peak, pool) if x is not None)
             add(model, "host memory under the cap", held, cap, ok=held <= cap, note=note)
         elif cap is not None and rss is not None:
@@ -82,22 +73,18 @@ def latency_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float
     def worst(mode, base, keep=lambda shape: True):
         shapes = {(c["prompt_len"], c["concurrency"]) for c in cells if c.get("mode") == mode}
         vals = [paired_ratio(cells, mode, base, k)[0] for k in shapes if keep(k)]
-        vals = [v for v in vals if v is not None]
-        return min(vals) if vals else None
+        return min((v for v in vals if v is not None), default=None)
 
     ran = {c.get("mode") for c in cells if not c.get("error")}
     if "dump" in ran:
         for name, keep, threshold in (
-                ("(b) waiting >= 0.90 x (a) at conc 1, pooled, worst shape",
-                 lambda k: k[1] == 1, TARGET_WAITING_CONC1),
-                ("(b) waiting >= 0.97 x (a) at conc >= 8, pooled, worst shape",
-                 lambda k: k[1] >= 8, TARGET_WAITING_CONC8)):
-            value = worst("dump", "nodump", keep)
-            if value is not None:
+                ("(b) waiting >= 0.90 x (a) at conc 1, pooled, worst shape", lambda k: k[1] == 1, TARGET_WAITING_CONC1),
+                ("(b) waiting >= 0.97 x (a) at conc >= 8, pooled, worst shape", lambda k: k[1] >= 8,
+                 TARGET_WAITING_CONC8)):
+            if (value := worst("dump", "nodump", keep)) is not None:
                 out.append((name, value, threshold))
     if "dump_early" in ran:
-        out.append(("(b') early >= 0.98 x (a), pooled, worst shape", worst("dump_early", "nodump"),
-                    TARGET_EARLY))
+        out.append(("(b') early >= 0.98 x (a), pooled, worst shape", worst("dump_early", "nodump"), TARGET_EARLY))
     if "dump_fp8" in ran and "dump" in ran:
         out.append(("(b fp8) >= (b) bf16, pooled, worst shape", worst("dump_fp8", "dump"), 1.0))
     return out

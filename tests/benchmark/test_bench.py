@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, loadgen, markdown, models, plan, report, targets
+from bench import cli, loadgen, markdown, models, peer, plan, report, targets
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -364,6 +364,47 @@ def test_plan_sizes_and_server_flags():
     assert json_cell["requests"] == 16
 
 
+def test_a_model_is_one_registry_entry(monkeypatch, tmp_path):
+    """A workload added as one ``models.Model`` (a checkpoint built into a directory by a
+    function, its own server flags and grid) reaches every part of a run: our servers carry
+    its flags before the kind's, its cells follow its prompt lengths and concurrencies
+    unless the flags name others, the ceilings and vLLM's batched tokens take its prefill
+    chunk, its MLA keeps vLLM out, and ``bench.models`` builds it once."""
+    built = []
+
+    def build(path):
+        os.makedirs(path)
+        (Path(path) / "model.safetensors").write_bytes(b"x")
+        built.append(path)
+
+    flags = ("--context-length", "132000", "--chunked-prefill-size", "16384")
+    monkeypatch.setitem(models.MODELS, "slice", models.Model(
+        build, hidden_size=7168, num_layers=4, vocab=163840, layers_flag="1,2,3,4", mla=True, server_flags=flags,
+        prompt_lens=(2048, 8192, 32768, 131072), concurrency=(1, 8)))
+    planned = plan.make_plan(_args(["--quick", "--models", "slice", "--modes", "nodump,dump,vllm_dump"]))
+    m = planned["models"]["slice"]
+    a, b = m["servers"]["A"], m["servers"]["B"]
+    assert a[-4:] == list(flags)  # no JSON cells: A has no flag of its own
+    at = b.index("--context-length")
+    assert b[at:at + 5] == [*flags, "--dump-hidden-states-dir"]
+    assert "W" not in m["servers"] and "vLLM 0.33's extract_hidden_states has no MLA" in m["peer_unsupported"]
+    shapes = {(c["prompt_len"], c["concurrency"]) for c in m["cells"]}
+    assert shapes == {(p, c) for p in (2048, 8192, 32768, 131072) for c in (1, 8)}
+    assert [c["mode"] for c in m["cells"][:2]] == ["nodump", "dump"] and m["cells"][0]["prompt_len"] == 2048
+    big = next(c for c in m["cells"] if c["mode"] == "dump" and c["prompt_len"] == 131072 and c["concurrency"] == 8)
+    assert big["dump_bytes"] == 8 * (131072 * (4 * 7168 * 2 + 8) + 1024)
+    assert planned["phases"][0]["file_sizes"][-1] == models.file_bytes(models.MODELS["slice"], 131072)
+    given = plan.make_plan(_args(["--quick", "--models", "slice", "--modes", "nodump", "--prompt-lens", "512",
+                                  "--concurrency", "2"]))
+    assert {(c["prompt_len"], c["concurrency"]) for c in given["models"]["slice"]["cells"]} == {(512, 2)}
+    assert models.MODELS["slice"].chunk == 16384 and models.MODELS["llama-8b"].chunk == 8192
+    vllm = peer.vllm_command(_args([]), "slice", 1, [])
+    assert vllm[vllm.index("--max-num-batched-tokens") + 1] == "16384"
+    models.main(["slice", str(tmp_path / "ckpt")])
+    models.main(["slice", str(tmp_path / "ckpt")])  # reused: a checkpoint is there
+    assert built == [str(tmp_path / "ckpt")]
+
+
 def _args(argv):
     return cli.build_parser().parse_args(argv)
 
@@ -379,7 +420,6 @@ def test_dry_run_prints_the_plan_without_torch():
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     """Every mode has its server (A: nodump, json; B: dump, dump_early; D: dump_fp8;
-    N: dump_nospares, B's flags with spare files off in its environment;
     vLLM's V and W, tests/benchmark/test_bench_peer.py);
     all of our kinds carry testing/server.py's shared flags and the run's options, then
     only what makes the kind; dumping kinds get their own directory and the writer's
@@ -391,8 +431,8 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
         "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "A", "vllm_nodump": "V",
-        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S", "dump_nospares": "N",
-        "nodump_again": "A", "dump_skip": "B"}
+        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S",
+        "nodump_again": "A"}
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
     shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
@@ -425,15 +465,6 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
                                                    "KIMI_SGLANG_TRACE": "/t.jsonl"}
     assert servers.server_env("D", None) == {"KIMI_SGLANG_STATS_INTERVAL_S": "5"}
     assert servers.server_env("A", "/t.jsonl") is None
-    seven = _args(["--modes", ",".join(plan.MODES), "--max-host-mb", "1024", "--dump-root", "/r",
-                   "--workdir", "/w", "--ports", "1,2,3,4,5,6,7"])
-    nospares = servers.server_cmd(seven, "deepseek-tiny", "N")
-    assert nospares[len(shared) + len(common):] == [
-        "--dump-hidden-states-dir", "/r/kimi-bench-deepseek-tiny-nospares"] + tails["B"][2:]
-    assert nospares[nospares.index("--port") + 1] == "7"  # --ports' seventh
-    assert servers.server_env("N", "/t.jsonl") == {"KIMI_SGLANG_STATS_INTERVAL_S": "5",
-                                                   "KIMI_SGLANG_WRITER_SPARES": "0",
-                                                   "KIMI_SGLANG_TRACE": "/t.jsonl"}
     # a server beyond --ports is a usage error that names it
     short = _args(["--modes", "nodump,dump_fp8", "--ports", "1,2"])
     assert servers.ports_problem(short, ["nodump", "dump_fp8"]) == (
@@ -531,7 +562,7 @@ def test_sub_programs_are_modules_and_the_plan_needs_no_torch(tmp_path):
                            capture_output=True, text=True, check=True, cwd=tmp_path, env=env).stdout
     assert usage.startswith("usage: python -m bench") and "--internal" not in usage and "--peer-reference" in usage
     assert not (BENCH / "bench.py").exists()  # no script beside the package (its sys.path shim is gone)
-    for name, word in (("models", "llama-mid"), ("ceilings", "--sizes"), ("peerfiles", "pairs")):
+    for name, word in (("models", "llama-mid"), ("ceilings", "job"), ("peerfiles", "pairs")):
         out = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], capture_output=True,
                              text=True, cwd=tmp_path, env=env)
         assert out.returncode == 0 and f"python -m bench.{name}" in out.stdout, out.stderr
@@ -681,22 +712,20 @@ def test_rehearsal_with_the_control_and_counterbalanced_rounds(tmp_path):
     floor and the pooled table."""
     proc, out, shm, res_path = rehearse(
         tmp_path, "--prompt-lens", "16", "--concurrency", "1", "--cell-tokens", "64",
-        "--modes", "nodump,dump,dump_skip,nodump_again", "--repeat", "2", "--counterbalance")
+        "--modes", "nodump,dump,nodump_again", "--repeat", "2", "--counterbalance")
     res = json.loads(res_path.read_text())
     cells = res["models"]["deepseek-tiny"]["cells"]
-    forward = ["nodump", "dump", "dump_skip", "nodump_again"]
+    forward = ["nodump", "dump", "nodump_again"]
     assert [(c["rep"], c["mode"]) for c in cells] == [(0, m) for m in forward] + [(1, m) for m in forward[::-1]]
     assert not any(c.get("error") for c in cells), cells
-    # dump_skip: server B, nothing written (the fake writes a file per dumped request)
     assert [c.get("files") for c in cells if c["mode"] == "dump"] == [4, 4]
-    assert all("files" not in c for c in cells if c["mode"] == "dump_skip")
     assert sum(1 for f in shm.rglob("*.safetensors")) == 0  # each cell's files removed after it
     h = res["headline"]["deepseek-tiny"]
     assert h["nodump_again_vs_nodump_min"] > 0
-    assert {x["mode"] for x in h["pooled"]} == {"dump", "dump_skip", "nodump_again"}
+    assert {x["mode"] for x in h["pooled"]} == {"dump", "nodump_again"}
     assert res["config"]["counterbalance"] is True
     md = (out / res_path.name.replace(".json", ".md")).read_text()
-    assert "| prompt | conc | rounds | dump | dump_skip | nodump_again |" in md and "noise floor" in md
+    assert "| prompt | conc | rounds | dump | nodump_again |" in md and "noise floor" in md
 
 
 def test_ceilings_phase_runs_on_cpu(tmp_path):
@@ -709,15 +738,14 @@ def test_ceilings_phase_runs_on_cpu(tmp_path):
     import os
 
     sizes = [{"model": "m", "prompt_len": 64, "rows": 64, "layers": 4, "hidden": 32,
-              "layer_ids": [2, 4, 5, 8], "num_layers": 8}]
+              "layer_ids": [2, 4, 5, 8], "num_layers": 8, "chunk": 8192}]
     part = tmp_path / "part.json"
     env = os.environ | {"PYTHONPATH": str(BENCH.parent), "KIMI_SGLANG_WRITER_THREADS": "2",
                         "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.ceilings", "--reps", "2",
-         "--ceiling-mib", "1", "--out", str(part), "--sizes", json.dumps(sizes),
-         "--dump-root", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env,
-        cwd=tmp_path)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"sizes": sizes, "reps": 2, "ceiling_mib": 1, "root": str(tmp_path)}))
+    proc = subprocess.run([sys.executable, "-m", "bench.ceilings", str(job), str(part)], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(part.read_text())
     assert out["cuda"] is False and "d2h_pinned_gbps" not in out and out["writer_threads"] == 2

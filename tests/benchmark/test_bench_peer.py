@@ -221,7 +221,7 @@ def test_peer_table_pairs_each_engine_with_itself_per_round():
                                                                     "layer slot 3"},
         "problems": ["ours_vs_vllm: block relative error 3.100e-02 > 0.02 (prompt 1 (2048 tokens))"]}
     res["models"]["deepseek-tiny"] = {"hidden_size": 1024, "layer_ids": [1, 2, 3, 4], "cells": [],
-                                      "peer_unsupported": peer.UNSUPPORTED["deepseek"]}
+                                      "peer_unsupported": peer.MLA_UNSUPPORTED}
     md = markdown.render_markdown(res)
     assert "## Side by side with vLLM" in md
     assert "| 2048 | 8 #0 | 0.900 | 0.500 | 0.800 | 0.444 | 32768 | 32000 |" in md

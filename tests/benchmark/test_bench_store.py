@@ -159,9 +159,8 @@ def test_store_cells_wait_for_visible_samples_and_delete_them(bench_store):
     from bench import loadgen
 
     bs, standin = bench_store
-    spec = {"vocab": 1000}
     cell = {"prompt_len": 64, "concurrency": 4, "requests": 8}
-    r = loadgen.run_cell(_Server(standin.port), cell, spec, random.Random(0), "dump_store", store=bs)
+    r = loadgen.run_cell(_Server(standin.port), cell, 1000, random.Random(0), "dump_store", store=bs)
     assert "error" not in r, r
     assert r["objects"] == r["removed"] == 8 and r["requests"] == 8
     layout = standin.store.pack_layout(64, 4, 8, "bfloat16")
@@ -175,7 +174,7 @@ def test_store_cells_wait_for_visible_samples_and_delete_them(bench_store):
     assert not any(standin.producer.exists(h) for h in standin.put)
 
     before = set(standin.put)
-    e = loadgen.run_cell(_Server(standin.port), cell, spec, random.Random(1), "dump_store_early", store=bs)
+    e = loadgen.run_cell(_Server(standin.port), cell, 1000, random.Random(1), "dump_store_early", store=bs)
     assert "error" not in e, e
     assert e["removed"] == 8 and "visible_ms" not in e
     new = set(standin.put) - before
@@ -196,7 +195,7 @@ def test_a_sample_that_fails_fails_its_request_and_is_deleted(bench_store):
     bs, standin = bench_store
     standin.fail.add(2)
     cell = {"prompt_len": 16, "concurrency": 2, "requests": 4}
-    r = loadgen.run_cell(_Server(standin.port), cell, {"vocab": 100}, random.Random(0), "dump_store", store=bs)
+    r = loadgen.run_cell(_Server(standin.port), cell, 100, random.Random(0), "dump_store", store=bs)
     assert "request 2 failed on purpose" in r["error"], r
     assert r["removed"] == 4 and len(standin.put) == 4
     assert not any(standin.producer.exists(h) or standin.producer.exists(h + ":error") for h in standin.put)
