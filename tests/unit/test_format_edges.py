@@ -412,3 +412,61 @@ def test_a_waiter_does_not_take_a_fifo_at_the_final_name_for_the_file(tmp_path):
     os.unlink(path)
     path.mkdir()
     assert "is not a regular file (a directory)" in fmt.wait_complete(str(path), timeout=5)
+
+
+# -- issue 50 #4: an appender killed mid-line never breaks the index ----------------------
+
+_APPEND_FOREVER = """
+    fd = fmt.open_dump_dir(sys.argv[1])
+    n = int(sys.argv[2])
+    while True:
+        fmt.append_index(fd, {"rid": f"k{n}", "file": f"k{n}.safetensors", "pad": "x" * 100_000})
+        n += 1
+"""
+
+
+def test_index_survives_appenders_killed_mid_line(dump_dir):
+    """Real SIGKILLs of a process appending 100 KB lines in a loop, 60 times: every torn
+    tail is cut back under the lock by the next append, a reader skips an unfinished last
+    line, and every record read is whole."""
+    d, fd = dump_dir
+    prog = "import os, sys\nfrom sglang_ext import format as fmt\n" + textwrap.dedent(_APPEND_FOREVER)
+    ready = d / fmt.INDEX_NAME
+    torn = 0
+    for i in range(60):
+        before = ready.stat().st_size if ready.exists() else 0
+        child = subprocess.Popen([sys.executable, "-c", prog, str(d), str(i * 1000)],
+                                 env=dict(os.environ), stderr=subprocess.PIPE)
+        while child.poll() is None and (ready.stat().st_size if ready.exists() else 0) <= before:
+            os.sched_yield()
+        child.kill()
+        child.wait()
+        assert child.returncode == -9, child.stderr.read().decode()
+        torn += not ready.read_bytes().endswith(b"\n")
+        fmt.read_index(str(d))  # readable between kills: an unfinished last line is skipped
+    fmt.append_index(fd, {"rid": "last", "file": "last.safetensors"})
+    records = fmt.read_index(str(d))
+    assert records[-1] == {"rid": "last", "file": "last.safetensors"}
+    bad = [r["rid"] for r in records[:-1] if r.get("pad") != "x" * 100_000]
+    assert bad == [], bad
+    assert torn > 0, "no kill landed inside a line: nothing was tested"
+    assert ready.read_bytes().count(b"\n") == len(records)
+
+
+def test_index_rotates_into_numbered_parts_read_in_order(dump_dir):
+    """Past ``part_bytes`` the append that finds the index that long renames it to
+    ``index-<k>.jsonl``; ``read_index`` reads the parts then ``index.jsonl`` in write
+    order, and a lock's mark still finds its line after the rotation."""
+    d, fd = dump_dir
+    res = fmt.reserve(fd, "marked")
+    for i in range(10):
+        fmt.append_index(fd, {"rid": f"r{i}", "file": f"r{i}.safetensors", "pad": "x" * 60},
+                         mark_fd=res.lock_fd if i == 3 else None, part_bytes=250)
+    parts = sorted(n for n in os.listdir(d) if n.startswith("index"))
+    assert parts == ["index-1.jsonl", "index-2.jsonl", "index-3.jsonl", fmt.INDEX_NAME], parts
+    assert all((d / p).stat().st_size <= 250 + 100 for p in parts)
+    assert [r["rid"] for r in fmt.read_index(str(d))] == [f"r{i}" for i in range(10)]
+    lock = os.open(d / res.lock_name, os.O_RDONLY)
+    assert fmt.indexed(fd, "r3.safetensors", lock) and not fmt.indexed(fd, "r4.safetensors", lock)
+    os.close(lock)
+    fmt.cancel(res)
