@@ -220,7 +220,7 @@ class DumpWriter:
         self._ops_sent = 0
         self._stuck = None
         mine, theirs = wire.socket_pair()
-        root = os.path.dirname(os.path.dirname(os.path.abspath(fmt.__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         # The package's root goes to the end of the child's sys.path (after the standard
         # library, unlike PYTHONPATH), for a checkout that is not installed.
         boot = ("import sys; sys.path.append(sys.argv.pop(1)); "

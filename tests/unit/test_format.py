@@ -322,13 +322,13 @@ def test_a_writer_that_dies_holding_the_lock_wakes_the_waiter(dump_dir, monkeypa
                               pass_fds=(res.lock_fd,))
     os.close(res.lock_fd)  # only the holder has it now
     calls = []
-    real = fmt._settled
+    real = fmt.completion._settled
 
     def counted(*a):
         calls.append(time.monotonic())
         return real(*a)
 
-    monkeypatch.setattr(fmt, "_settled", counted)
+    monkeypatch.setattr(fmt.completion, "_settled", counted)
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("err", fmt.wait_complete(path, timeout=30)))
     t.start()

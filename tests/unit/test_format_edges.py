@@ -156,11 +156,11 @@ def test_reserve_in_a_fresh_directory_takes_the_plain_name(tmp_path):
 
 def test_the_per_stem_hints_are_bounded(dump_dir, monkeypatch):
     _, fd = dump_dir
-    monkeypatch.setattr(fmt, "_NEXT_HINT_MAX", 8)
+    monkeypatch.setattr(fmt.names, "_NEXT_HINT_MAX", 8)
     held = [fmt.reserve(fd, f"lru-{i}") for i in range(20)]
-    assert len(fmt._NEXT_HINT) <= 8
+    assert len(fmt.names._NEXT_HINT) <= 8
     # The most recent stems are the ones kept.
-    assert fmt.safe_stem("lru-19") in {stem for _, _, stem in fmt._NEXT_HINT}
+    assert fmt.safe_stem("lru-19") in {stem for _, _, stem in fmt.names._NEXT_HINT}
     for r in held:
         fmt.cancel(r)
 
