@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from .keys import KEY_HIDDEN_STATES, INDEX_NAME
 from .files import DumpFormatError, open_regular, lexists_at, _close_never_raises
 from .completion import POLL_FIRST_S, POLL_MAX_S
+from .write import pwrite_all
 from .reader import read_header
 
 __all__ = [
@@ -76,19 +77,20 @@ def _open_index_locked(dir_fd: int, part_bytes: int) -> Tuple[int, int]:
 
 
 def _cut_partial_line(fd: int, size: int) -> int:
-    """Truncate the index back to the end of its last whole line (after its last
-    newline); returns the new size. Called under the index lock."""
-    end = size
-    while end > 0:
-        start = max(0, end - MAX_INDEX_LINE)
-        cut = os.pread(fd, end - start, start).rfind(b"\n")
-        if cut >= 0:
-            end = start + cut + 1
-            break
-        end = start
-    if end != size:
-        os.ftruncate(fd, end)
-    return end
+    """Cut a partial last line (one that does not end in a newline: its appender was
+    killed mid-write) back to the end of the last whole line; returns the new size.
+    A tail without a newline longer than ``MAX_INDEX_LINE`` is no line of ours (someone
+    wrote it by hand): it is kept and ended with a newline instead. Called under the
+    index lock."""
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    start = max(0, size - MAX_INDEX_LINE)
+    cut = os.pread(fd, size - start, start).rfind(b"\n")
+    if cut < 0 and start > 0:
+        pwrite_all(fd, b"\n", size)
+        return size + 1
+    os.ftruncate(fd, start + cut + 1)
+    return start + cut + 1
 
 
 def append_index(dir_fd: int, record: Mapping[str, Any], *, mark_fd: Optional[int] = None,

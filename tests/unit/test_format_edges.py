@@ -470,3 +470,19 @@ def test_index_rotates_into_numbered_parts_read_in_order(dump_dir):
     assert fmt.indexed(fd, "r3.safetensors", lock) and not fmt.indexed(fd, "r4.safetensors", lock)
     os.close(lock)
     fmt.cancel(res)
+
+
+def test_a_long_tail_without_newline_is_kept_and_ended_not_cut(dump_dir):
+    """A partial last line longer than any index line is no appender's (written by hand):
+    the next append keeps it, ends it with a newline and starts its own line; a reader
+    then names the bad line."""
+    d, fd = dump_dir
+    fmt.append_index(fd, {"rid": "a", "file": "a.safetensors"})
+    junk = b"y" * (fmt.MAX_INDEX_LINE + 10)
+    with open(d / fmt.INDEX_NAME, "ab") as f:
+        f.write(junk)
+    fmt.append_index(fd, {"rid": "b", "file": "b.safetensors"})
+    lines = (d / fmt.INDEX_NAME).read_bytes().split(b"\n")
+    assert lines[1] == junk and json.loads(lines[2]) == {"rid": "b", "file": "b.safetensors"}
+    with pytest.raises(ValueError, match="index.jsonl line 2 is not JSON"):
+        fmt.read_index(str(d))
