@@ -158,7 +158,10 @@ def _read_array(np, fd: int, path: str, key: str, entry: Any, start: int, size: 
         if got <= 0:
             raise DumpFormatError(f"{path}: the file shrank while {key} was read")
         view, pos = view[got:], pos + got
-    array = raw.view(width).reshape(shape)
+    try:
+        array = raw.view(width).reshape(shape)
+    except ValueError as e:  # dimensions whose product numpy cannot index, next to a 0
+        raise DumpFormatError(f"{path}: {key} of shape {shape}: {e}") from None
     if code == "BF16":  # a bf16 value is the top half of the float32 of the same value
         array = (array.astype(np.uint32) << 16).view(np.float32)
     elif code == "F8_E4M3":
