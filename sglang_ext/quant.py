@@ -41,10 +41,11 @@ from typing import Tuple
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-SCALE_FLOOR = 1e-12  # hs_connectors.fp8_utils' clamp: all-zero slots dequantize to 0
-BLOCK_ELEMENTS = 1 << 24  # elements per block of rows in quantize_fp8 (64 MiB of float32)
+# The convention's constants and the torch form live with the kernel that is held to them
+# (``quant_kernel``, which imports nothing of this module); here they are re-exported.
+from sglang_ext import quant_kernel
+from sglang_ext.quant_kernel import (  # noqa: F401
+    BLOCK_ELEMENTS, FP8_DTYPE, FP8_MAX, SCALE_FLOOR, _check, quantize_fp8_torch)
 
 
 def quantize_fp8(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -61,8 +62,6 @@ def quantize_fp8(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torc
     """
     _check(rows, num_slots)
     if rows.is_cuda:
-        from sglang_ext import quant_kernel
-
         if quant_kernel.usable(rows, num_slots):
             try:
                 return quant_kernel.quantize(rows, num_slots)
@@ -76,34 +75,7 @@ def warm_up(device, num_slots: int, hidden_size: int, dtype: torch.dtype) -> boo
     ``quantize_fp8`` takes for CUDA rows of ``num_slots`` x ``hidden_size`` ``dtype``
     values (``quant_kernel.warm_up``). True when it will be used; False (and a warning
     where it failed) when the torch form stays."""
-    from sglang_ext import quant_kernel
-
     return quant_kernel.warm_up(device, num_slots, hidden_size, dtype)
-
-
-def _check(rows: torch.Tensor, num_slots: int) -> None:
-    if rows.dim() != 2 or num_slots < 1 or rows.shape[1] < num_slots or rows.shape[1] % num_slots:
-        raise ValueError(f"rows of shape {tuple(rows.shape)} are not [n, {num_slots} layer slots * H]")
-
-
-def quantize_fp8_torch(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_fp8`` in torch operations, the reference the fused kernel is held to.
-    Works through blocks of rows so the float32 temporaries stay near
-    ``BLOCK_ELEMENTS`` x 4 bytes however large the batch (on the GPU: ~64 MiB beside the
-    fp8 output, not 4 bytes per element of a whole prefill chunk). Raises ``ValueError``
-    as ``quantize_fp8``."""
-    _check(rows, num_slots)
-    n, width = rows.shape
-    h = width // num_slots
-    q = torch.empty((n, width), dtype=FP8_DTYPE, device=rows.device)
-    scales = torch.empty((n, num_slots), dtype=torch.float32, device=rows.device)
-    step = max(1, BLOCK_ELEMENTS // max(width, 1))
-    for i in range(0, n, step):
-        x = rows[i:i + step].reshape(-1, num_slots, h).to(torch.float32, copy=True)
-        s = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_(min=SCALE_FLOOR)
-        q[i:i + step].view(-1, num_slots, h).copy_(x.div_(s).clamp_(-FP8_MAX, FP8_MAX))
-        scales[i:i + step].copy_(s.view(-1, num_slots))
-    return q, scales
 
 
 def dequantize(fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""The fp8 quantization of ``quant`` in one GPU kernel (Triton), for the scheduler's hook.
+"""The fp8 quantization of ``quant`` in its two forms: torch operations
+(``quantize_fp8_torch``, the reference) and one GPU kernel (Triton), for the scheduler's
+hook. ``quant`` (the public face: ``quantize_fp8``, ``warm_up``, ``dequantize``) imports this
+module; this one imports nothing of ``quant``.
 
 Why: ``quant.quantize_fp8``'s torch form launches about nine kernels per block of rows
 (cast, abs, amax, divisions, clamps, casts), and the hook launches them on the scheduler's
@@ -33,9 +36,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from sglang_ext.quant import FP8_DTYPE, FP8_MAX, SCALE_FLOOR
-
 logger = logging.getLogger(__name__)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_FLOOR = 1e-12  # hs_connectors.fp8_utils' clamp: all-zero slots dequantize to 0
+BLOCK_ELEMENTS = 1 << 24  # elements per block of rows in quantize_fp8 (64 MiB of float32)
 
 MAX_HIDDEN = 16384  # one program holds a slot's H values in registers: wider rows take the torch form
 _READY: Dict[str, bool] = {}  # device -> the kernel agreed with the torch form there
@@ -139,8 +145,6 @@ def probe(device, dtype=torch.bfloat16, slots: int = 4, hidden: int = 160) -> to
 def _differs(device, dtype, slots: int, hidden: int) -> Optional[str]:
     """Why the kernel's output differs from the torch form on ``probe`` rows of this
     shape and dtype (bit for bit, scales included, NaN payloads too), or None."""
-    from sglang_ext.quant import quantize_fp8_torch
-
     rows = probe(device, dtype, slots, hidden)
     q, s = quantize(rows, slots)
     rq, rs = quantize_fp8_torch(rows, slots)
@@ -192,3 +196,28 @@ def ready(device) -> bool:
         return False
     _READY[key] = True
     return True
+
+
+def _check(rows: torch.Tensor, num_slots: int) -> None:
+    if rows.dim() != 2 or num_slots < 1 or rows.shape[1] < num_slots or rows.shape[1] % num_slots:
+        raise ValueError(f"rows of shape {tuple(rows.shape)} are not [n, {num_slots} layer slots * H]")
+
+
+def quantize_fp8_torch(rows: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quant.quantize_fp8`` in torch operations, the reference the fused kernel is held to.
+    Works through blocks of rows so the float32 temporaries stay near
+    ``BLOCK_ELEMENTS`` x 4 bytes however large the batch (on the GPU: ~64 MiB beside the
+    fp8 output, not 4 bytes per element of a whole prefill chunk). Raises ``ValueError``
+    as ``quantize_fp8``."""
+    _check(rows, num_slots)
+    n, width = rows.shape
+    h = width // num_slots
+    q = torch.empty((n, width), dtype=FP8_DTYPE, device=rows.device)
+    scales = torch.empty((n, num_slots), dtype=torch.float32, device=rows.device)
+    step = max(1, BLOCK_ELEMENTS // max(width, 1))
+    for i in range(0, n, step):
+        x = rows[i:i + step].reshape(-1, num_slots, h).to(torch.float32, copy=True)
+        s = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_(min=SCALE_FLOOR)
+        q[i:i + step].view(-1, num_slots, h).copy_(x.div_(s).clamp_(-FP8_MAX, FP8_MAX))
+        scales[i:i + step].copy_(s.view(-1, num_slots))
+    return q, scales

@@ -239,7 +239,7 @@ class DumpWriter:
         self._ops_sent = 0
         self._stuck = None
         mine, theirs = wire.socket_pair()
-        root = os.path.dirname(os.path.dirname(os.path.abspath(fmt.__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         # The package's root goes to the end of the child's sys.path (after the standard
         # library, unlike PYTHONPATH), for a checkout that is not installed.
         boot = ("import sys; sys.path.append(sys.argv.pop(1)); "
@@ -1008,10 +1008,10 @@ def _fail_orphan(dir_fd: int, name: str, message: str) -> Optional[int]:
     if size is None:
         fmt.fail(fmt.Reservation(dir_fd, name, fd), message)
         return None
-    # It died between the rename and the lock's release: the index line may be missing.
+    # It died between the rename and the lock's release: the index line may be missing
+    # (the lock's mark says, without reading the index).
     try:
-        indexed = any(r.get("file") == name for r in fmt.read_index(f"/proc/self/fd/{dir_fd}"))
-        if not indexed:
+        if not fmt.indexed(dir_fd, name, fd):
             fmt.append_index(dir_fd, fmt.index_record_from_header(dir_fd, name, size))
     except Exception as e:  # noqa: BLE001 - an index someone edited must not stop the scheduler
         logger.error("hidden-state dump: cannot index %s after its writer died: %s", name, e)

@@ -285,7 +285,7 @@ class Writer(Sink):
             fmt.publish(self.dir_fd, job.tmp, res.name)
             job.tmp = ""
             t_written = trace.now()
-            self._index(job, res.name)
+            self._index(job, res)
             fmt.complete(res)
         except Exception as e:  # noqa: BLE001 - reported through .error and the ack
             message = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
@@ -310,14 +310,17 @@ class Writer(Sink):
                          t_written=t_written, t_released=trace.now())
         _unmap(job)  # last: unmapping 64 MiB takes ~10 ms, off the waiter's path
 
-    def _index(self, job: _Job, name: str) -> None:
+    def _index(self, job: _Job, res: fmt.Reservation) -> None:
         """Append the file's index line. If that fails, the request fails as a whole: the
         file, still locked (no waiter has seen it), is unlinked and the error raised, so
         the response, the counters, the index and the directory agree. Only if even the
-        unlink fails does the file stay, then counted as written without its line."""
+        unlink fails does the file stay, then counted as written without its line. The
+        lock file gets the line's mark (``format.indexed``) for a writer killed after it."""
+        name = res.name
         try:
             fmt.append_index(self.dir_fd, fmt.index_record(job.rid, name, job.num_tokens, job.size,
-                                                           json.dumps(self.layer_ids)))
+                                                           json.dumps(self.layer_ids)),
+                             mark_fd=res.lock_fd)
         except OSError as e:
             try:
                 os.unlink(name, dir_fd=self.dir_fd)

@@ -10,6 +10,7 @@ outside the dump directory. The table in docs/faults.md maps each fault to its t
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import re
@@ -320,6 +321,39 @@ def test_writer_dying_right_after_a_rename_counts_the_file_and_indexes_it(dump, 
     after = Req("after", 4, 2)
     run_extend(sess, [(after, 0, 4)], IDS)
     assert assert_complete_or_error(after, finish(after), dump)
+
+
+@pytest.mark.parametrize("where", ["publish", "complete"])
+def test_settling_a_dead_writers_file_reads_one_index_line_not_the_index(dump, monkeypatch, tmp_path,
+                                                                         sessions, where):
+    """The writer is killed after a file's rename, before (``publish``) or after
+    (``complete``) its index line, while the index starts with a line that is not JSON:
+    settling the file reads only the line its lock's mark points at, never the whole
+    index, so the file gets exactly one index line either way (the old scan failed on the
+    bad line and left the file unindexed)."""
+    inject_writer(monkeypatch, tmp_path, f"""
+        import os, signal
+        from sglang_ext import format as fmt
+        _real = fmt.{where}
+        def {where}(*a):
+            _real(*a)
+            if os.path.exists(os.environ["DIE_ONCE"]):
+                os.unlink(os.environ["DIE_ONCE"])
+                os.kill(os.getpid(), signal.SIGKILL)
+        fmt.{where} = {where}
+    """, DIE_ONCE=str(tmp_path / "die-once"))
+    (tmp_path / "die-once").touch()
+    (dump / fmt.INDEX_NAME).write_text("{not json\n")
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    req = Req("marked", 4, 1)
+    run_extend(sess, [(req, 0, 4)], IDS)
+    assert assert_complete_or_error(req, finish(req), dump)
+    snap = idle(sess)
+    assert snap["files_written"] == 1 and snap["failures"] == 0
+    lines = (dump / fmt.INDEX_NAME).read_text().splitlines()
+    name = f"{fmt.safe_stem('marked')}{fmt.SUFFIX}"
+    assert lines[0] == "{not json" and [json.loads(x)["file"] for x in lines[1:]] == [name], lines
+    assert json.loads(lines[1])["num_tokens"] == 4
 
 
 def test_copy_rows_refuses_rows_outside_the_batch(dump, sessions):

@@ -322,13 +322,13 @@ def test_a_writer_that_dies_holding_the_lock_wakes_the_waiter(dump_dir, monkeypa
                               pass_fds=(res.lock_fd,))
     os.close(res.lock_fd)  # only the holder has it now
     calls = []
-    real = fmt._settled
+    real = fmt.completion._settled
 
     def counted(*a):
         calls.append(time.monotonic())
         return real(*a)
 
-    monkeypatch.setattr(fmt, "_settled", counted)
+    monkeypatch.setattr(fmt.completion, "_settled", counted)
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("err", fmt.wait_complete(path, timeout=30)))
     t.start()
@@ -339,3 +339,71 @@ def test_a_writer_that_dies_holding_the_lock_wakes_the_waiter(dump_dir, monkeypa
     t.join(10)
     assert "missing" in result["err"]
     assert len(calls) >= 2 and calls[1] - calls[0] < 1.5  # woken by the death, not a 2 s poll
+
+
+# ---- reading without torch (issue 51) ----------------------------------------------------
+_LOAD_WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None  # 'import torch' raises ImportError, as on a client's light install
+import numpy as np
+from sglang_ext import format as fmt
+out, paths = sys.argv[1], sys.argv[2:]
+for i, path in enumerate(paths[:2]):
+    rec, deq = fmt.load(path), fmt.load(path, dequantize=True)
+    np.savez(f"{out}/{i}.npz", hs=rec.hidden_states, ids=rec.token_ids, deq=deq.hidden_states,
+             scales=np.zeros(0, np.float32) if rec.scales is None else rec.scales,
+             layer_ids=np.array(rec.layer_ids))
+for path in paths[2:]:
+    try:
+        fmt.load(path)
+    except fmt.DumpFormatError as e:
+        print("DumpFormatError:", e)
+"""
+
+
+def test_load_without_torch_gives_the_stored_values_exactly(dump_dir, tmp_path):
+    """``load`` in an interpreter where ``import torch`` fails: numpy arrays, bf16 widened
+    bit for bit (every bf16 bit pattern but NaNs' payloads), fp8 decoded (all 256 e4m3
+    bytes) and dequantized as torch's float32 ``fp8 * scale``; a truncated file is
+    ``DumpFormatError``. Reference: torch's own conversions, in this process."""
+    d, fd = dump_dir
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 1 << 16, (64, 4, 32), generator=g, dtype=torch.int32).to(torch.int16)
+    bf16 = bits.view(torch.bfloat16)
+    fp8 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(8, 2, 16)
+    scales = torch.rand(8, 2, 1, generator=g) * 10
+    paths = []
+    for rid, hs, sc in (("bf16", bf16, None), ("fp8", fp8, scales)):
+        res = fmt.reserve(fd, rid)
+        ids = torch.arange(hs.shape[0], dtype=torch.int64) * 7
+        write_dump(res, hs, ids, fmt.build_metadata(rid=rid, layer_ids=range(1, hs.shape[1] + 1),
+                                                    num_layers=40), sc)
+        fmt.complete(res)
+        paths.append(str(d / res.name))
+    cut = d / "cut.safetensors"
+    cut.write_bytes((d / os.path.basename(paths[0])).read_bytes()[:-100])
+    huge = d / "huge.safetensors"  # no bytes, but dimensions no array can have
+    text = json.dumps({"hidden_states": {"dtype": "BF16", "shape": [0, 2**60, 2**60], "data_offsets": [0, 0]},
+                       "token_ids": {"dtype": "I64", "shape": [0], "data_offsets": [0, 0]}}).encode()
+    huge.write_bytes(len(text).to_bytes(8, "little") + text)
+    r = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path), *paths, str(cut), str(huge)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(x.startswith("DumpFormatError: ") for x in lines), r.stdout
+    assert str(cut) in lines[0] and str(huge) in lines[1], r.stdout
+    import numpy as np
+
+    for i, (hs, sc) in enumerate(((bf16, None), (fp8, scales))):
+        got = np.load(tmp_path / f"{i}.npz")
+        want = hs.float().numpy()
+        nan = np.isnan(want)
+        assert got["hs"].dtype == np.float32 and np.array_equal(np.isnan(got["hs"]), nan)
+        same = got["hs"][~nan].view(np.uint32) == want[~nan].view(np.uint32)
+        assert same.all(), f"{(~same).sum()} values differ, first {got['hs'][~nan][~same][:4]} vs {want[~nan][~same][:4]}"
+        assert got["ids"].dtype == np.int64 and got["ids"].tolist() == (torch.arange(hs.shape[0]) * 7).tolist()
+        assert got["layer_ids"].tolist() == list(range(1, hs.shape[1] + 1))
+        if sc is not None:
+            assert np.array_equal(got["scales"], sc.numpy())
+            ref = fmt.load(paths[i], dequantize=True).hidden_states.numpy()  # torch's float32 fp8 * scale
+            assert np.array_equal(got["deq"], ref, equal_nan=True)

@@ -156,11 +156,11 @@ def test_reserve_in_a_fresh_directory_takes_the_plain_name(tmp_path):
 
 def test_the_per_stem_hints_are_bounded(dump_dir, monkeypatch):
     _, fd = dump_dir
-    monkeypatch.setattr(fmt, "_NEXT_HINT_MAX", 8)
+    monkeypatch.setattr(fmt.names, "_NEXT_HINT_MAX", 8)
     held = [fmt.reserve(fd, f"lru-{i}") for i in range(20)]
-    assert len(fmt._NEXT_HINT) <= 8
+    assert len(fmt.names._NEXT_HINT) <= 8
     # The most recent stems are the ones kept.
-    assert fmt.safe_stem("lru-19") in {stem for _, _, stem in fmt._NEXT_HINT}
+    assert fmt.safe_stem("lru-19") in {stem for _, _, stem in fmt.names._NEXT_HINT}
     for r in held:
         fmt.cancel(r)
 
@@ -412,3 +412,77 @@ def test_a_waiter_does_not_take_a_fifo_at_the_final_name_for_the_file(tmp_path):
     os.unlink(path)
     path.mkdir()
     assert "is not a regular file (a directory)" in fmt.wait_complete(str(path), timeout=5)
+
+
+# -- issue 50 #4: an appender killed mid-line never breaks the index ----------------------
+
+_APPEND_FOREVER = """
+    fd = fmt.open_dump_dir(sys.argv[1])
+    n = int(sys.argv[2])
+    while True:
+        fmt.append_index(fd, {"rid": f"k{n}", "file": f"k{n}.safetensors", "pad": "x" * 100_000})
+        n += 1
+"""
+
+
+def test_index_survives_appenders_killed_mid_line(dump_dir):
+    """Real SIGKILLs of a process appending 100 KB lines in a loop, 60 times: every torn
+    tail is cut back under the lock by the next append, a reader skips an unfinished last
+    line, and every record read is whole."""
+    d, fd = dump_dir
+    prog = "import os, sys\nfrom sglang_ext import format as fmt\n" + textwrap.dedent(_APPEND_FOREVER)
+    ready = d / fmt.INDEX_NAME
+    torn = 0
+    for i in range(60):
+        before = ready.stat().st_size if ready.exists() else 0
+        child = subprocess.Popen([sys.executable, "-c", prog, str(d), str(i * 1000)],
+                                 env=dict(os.environ), stderr=subprocess.PIPE)
+        while child.poll() is None and (ready.stat().st_size if ready.exists() else 0) <= before:
+            os.sched_yield()
+        child.kill()
+        child.wait()
+        assert child.returncode == -9, child.stderr.read().decode()
+        torn += not ready.read_bytes().endswith(b"\n")
+        fmt.read_index(str(d))  # readable between kills: an unfinished last line is skipped
+    fmt.append_index(fd, {"rid": "last", "file": "last.safetensors"})
+    records = fmt.read_index(str(d))
+    assert records[-1] == {"rid": "last", "file": "last.safetensors"}
+    bad = [r["rid"] for r in records[:-1] if r.get("pad") != "x" * 100_000]
+    assert bad == [], bad
+    assert torn > 0, "no kill landed inside a line: nothing was tested"
+    assert ready.read_bytes().count(b"\n") == len(records)
+
+
+def test_index_rotates_into_numbered_parts_read_in_order(dump_dir):
+    """Past ``part_bytes`` the append that finds the index that long renames it to
+    ``index-<k>.jsonl``; ``read_index`` reads the parts then ``index.jsonl`` in write
+    order, and a lock's mark still finds its line after the rotation."""
+    d, fd = dump_dir
+    res = fmt.reserve(fd, "marked")
+    for i in range(10):
+        fmt.append_index(fd, {"rid": f"r{i}", "file": f"r{i}.safetensors", "pad": "x" * 60},
+                         mark_fd=res.lock_fd if i == 3 else None, part_bytes=250)
+    parts = sorted(n for n in os.listdir(d) if n.startswith("index"))
+    assert parts == ["index-1.jsonl", "index-2.jsonl", "index-3.jsonl", fmt.INDEX_NAME], parts
+    assert all((d / p).stat().st_size <= 250 + 100 for p in parts)
+    assert [r["rid"] for r in fmt.read_index(str(d))] == [f"r{i}" for i in range(10)]
+    lock = os.open(d / res.lock_name, os.O_RDONLY)
+    assert fmt.indexed(fd, "r3.safetensors", lock) and not fmt.indexed(fd, "r4.safetensors", lock)
+    os.close(lock)
+    fmt.cancel(res)
+
+
+def test_a_long_tail_without_newline_is_kept_and_ended_not_cut(dump_dir):
+    """A partial last line longer than any index line is no appender's (written by hand):
+    the next append keeps it, ends it with a newline and starts its own line; a reader
+    then names the bad line."""
+    d, fd = dump_dir
+    fmt.append_index(fd, {"rid": "a", "file": "a.safetensors"})
+    junk = b"y" * (fmt.MAX_INDEX_LINE + 10)
+    with open(d / fmt.INDEX_NAME, "ab") as f:
+        f.write(junk)
+    fmt.append_index(fd, {"rid": "b", "file": "b.safetensors"})
+    lines = (d / fmt.INDEX_NAME).read_bytes().split(b"\n")
+    assert lines[1] == junk and json.loads(lines[2]) == {"rid": "b", "file": "b.safetensors"}
+    with pytest.raises(ValueError, match="index.jsonl line 2 is not JSON"):
+        fmt.read_index(str(d))

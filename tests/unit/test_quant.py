@@ -208,3 +208,16 @@ def test_the_kernels_scales_are_torch_cudas_amax_times_the_reciprocal(tmp_path):
     differ, quotient_differs, total = map(int, out.stdout.split())
     assert total == 256 * 4 and differ == 0, f"{differ} of {total} scales are not amax * float32(1/448)"
     assert quotient_differs > 0  # the case the first version got wrong is in these rows
+
+
+def test_quant_kernel_imports_nothing_of_quant():
+    """Data flows one way: ``quant`` (the public face) uses ``quant_kernel``; importing the
+    kernel module alone loads no ``sglang_ext.quant`` (they imported each other before)."""
+    import subprocess
+    import sys
+
+    code = "import sys, sglang_ext.quant_kernel; print('sglang_ext.quant' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False", r.stdout
