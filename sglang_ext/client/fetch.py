@@ -64,7 +64,7 @@ from urllib.parse import parse_qsl, urlsplit
 from sglang_ext import format as fmt
 from sglang_ext import store as st
 from sglang_ext import store_client
-from sglang_ext.client.checks import check_file
+from sglang_ext.client.checks import MAX_ROW_VALUES, check_file
 from sglang_ext.client.files import Journal, Staged
 from sglang_ext.client.http import RequestError
 from sglang_ext.client.manifest import final_name
@@ -175,13 +175,14 @@ def expect(manifest: Any, rid: str, input_ids: Optional[List[int]],
         dims = [int(d) for d in hs["shape"]]
         dtype = str(hs["dtype"]).removeprefix("torch.")
         meta = manifest["metadata"]
-        if len(dims) != 3 or not isinstance(meta, dict) or (input_ids is None and dims[0] < 1):
-            raise ValueError
+        if len(dims) != 3 or not isinstance(meta, dict) or min(dims) < 1 or dims[1] * dims[2] > MAX_ROW_VALUES:
+            raise ValueError  # [T, 0, H], a negative dimension, rows larger than extract takes
         layout = st.pack_layout(dims[0] if input_ids is None else len(input_ids), dims[1],
                                 dims[2], dtype)
     except (KeyError, TypeError, ValueError, fmt.DumpFormatError):
         raise FetchError(f"hidden_states_manifest does not describe hidden_states [T, L, H] "
-                         f"of a known dtype: {json.dumps(manifest)[:300]}") from None
+                         f"(each at least 1, L x H at most {MAX_ROW_VALUES}) of a known dtype: "
+                         f"{json.dumps(manifest)[:300]}") from None
     want = layout.manifest(handle)
     if manifest["tensors"] != want["tensors"] or meta.get("total_aligned_bytes") != layout.total_bytes:
         raise FetchError(f"hidden_states_manifest for {layout.num_tokens} prompt tokens does not match "

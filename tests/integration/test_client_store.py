@@ -273,6 +273,18 @@ def test_a_manifest_is_checked_against_the_request_before_anything_is_read():
         fetch.expect(m, rid, None)
 
 
+
+def test_a_manifest_of_an_empty_or_negative_shape_is_refused_even_when_self_consistent():
+    """Issue 50 #9: a manifest whose tensors, offsets and total agree with themselves but
+    describe [T, 0, H], a negative dimension or more values a row than extract takes is
+    refused in one sentence before anything is read."""
+    rid, ids = "extract-0-0-ab", [5, 6, 7]
+    for dims in ((3, 0, 8), (3, -2, 8), (3, 2, -8), (3, 2, 1 << 22)):
+        forged = st.pack_layout(*dims, "bfloat16").manifest(st.handle_for(rid))
+        with pytest.raises(fetch.FetchError, match="does not describe hidden_states"):
+            fetch.expect(forged, rid, ids)
+
+
 def test_store_url_is_checked_before_anything_is_sent(tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", rows(2))
     args = ["extract", "--endpoint", "http://127.0.0.1:9", "--data", data, "--out", str(tmp_path / "o"),
