@@ -13,6 +13,8 @@ may run in separate calls on one warm host, in this order:
 - ``test_fp8_files``: the same mixed batch and the 32k prompt from an fp8 dump server, and
   its benchmark cells (early answers).
 - ``test_nodump_bench``: the same cells against the entrypoint without the dump flags.
+- ``test_dump_equals_sglang_own_rows``: the mixed batch's short files against SGLang's own
+  ``return_hidden_states`` rows (a server without the dump): the dump path alone.
 - ``test_files_match_reference``: every kept file against ``kimi_slice.Reference``
   (float32, the same checkpoint): whole blocks for the mixed batch, ``SAMPLED`` rows of the
   long prompts; the suite's tolerances (fp8 widened by its bound); near-tie routing rows
@@ -48,6 +50,7 @@ DUMP = "/dev/shm/hs-kimi-slice"
 KEEP = "/dev/shm/kimi-slice-kept"  # files kept for the reference phase, with their prompts
 LONG = (8192, 32768, 65536, 131072)
 SAMPLED = 48  # rows compared per long prompt
+JSON_MAX_TOKENS = 720  # prompts the JSON comparison takes (7168 values a row, ~10 bytes each)
 BENCH_CELLS = [(2048, 1, 6), (2048, 8, 32), (8192, 1, 3), (8192, 8, 16), (32768, 1, 2), (32768, 8, 8)]
 ROUNDS = int(os.environ.get("KIMI_SLICE_ROUNDS", "2"))
 VOCAB = 163840
@@ -131,7 +134,7 @@ class Serving:
     tag = None
 
     @classmethod
-    def start(cls, model, tag, log_dir, dump: bool, dtype=None, env=None):
+    def start(cls, model, tag, log_dir, dump: bool, dtype=None, env=None, extra=()):
         if cls.current is None and os.path.exists(STATE):
             state = json.load(open(STATE))
             srv = Adopted(state["url"], state["pgid"])
@@ -151,7 +154,7 @@ class Serving:
             cmd = cmd[:cmd.index("--dump-hidden-states-dir")]
         if dtype:
             cmd += ["--dump-hidden-states-dtype", dtype]
-        cmd += ["--context-length", str(LONG[-1] + 1024)]
+        cmd += ["--context-length", str(LONG[-1] + 1024), *extra]
         srv = launch(cmd, os.path.join(log_dir, f"server-kimi-slice-{tag}.log"), env, DUMP)
         cls.current, cls.tag = srv, tag
         with open(STATE, "w") as f:
@@ -318,6 +321,85 @@ def test_nodump_bench(slice_dir, server_log_dir, record_property):
     _bench(srv, "nodump", rng, record_property, "nodump")
 
 
+def _final_norm(slice_dir, stream):
+    """The slice's final RMSNorm (its checkpoint weight, ``rms_norm_eps``) of ``stream``
+    [T, H] in float32: what SGLang's JSON hidden states hold for id N."""
+    import torch
+    from safetensors import safe_open
+
+    from testing.kimi_slice import PREFIX
+
+    cfg = json.load(open(os.path.join(slice_dir, "config.json")))["text_config"]
+    index = json.load(open(os.path.join(slice_dir, "model.safetensors.index.json")))["weight_map"]
+    name = f"{PREFIX}model.norm.weight"
+    with safe_open(os.path.join(slice_dir, index[name]), "pt") as f:
+        weight = f.get_tensor(name).float()
+    x = stream.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]) * weight
+
+
+def test_dump_equals_sglang_own_rows(slice_dir, server_log_dir, record_property):
+    """The dump path alone at Kimi's dimensions: the kept bf16 files of the mixed batch
+    (those of at most ``JSON_MAX_TOKENS`` tokens: SGLang's JSON is ~10 bytes a value)
+    against SGLang's own ``return_hidden_states`` rows of the same prompts (sent together,
+    as the dump server got them), from a server without the dump: the final norm of id N
+    within the suite's tolerances. Same kernels, same routing: what differs is the dump."""
+    import torch
+
+    from sglang_ext import format as fmt
+    from testing.reference import rel_errors
+
+    kept = sorted(n[:-5] for n in os.listdir(KEEP) if n.startswith("bf16-mixed") and n.endswith(".json"))
+    prompts = {k: json.load(open(os.path.join(KEEP, f"{k}.json")))["ids"] for k in kept}
+    prompts = {k: ids for k, ids in prompts.items() if len(ids) <= JSON_MAX_TOKENS}
+    assert prompts, "no kept bf16 files: run test_bf16_files first"
+    srv = Serving.start(slice_dir, "json", server_log_dir, dump=False,
+                        extra=["--enable-return-hidden-states", "--disable-radix-cache",
+                               "--disable-prefill-cuda-graph"])
+
+    def rows(ids):
+        r = srv.post({"input_ids": ids, "return_hidden_states": True,
+                      "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=900)
+        r.raise_for_status()
+        hs = r.json()["meta_info"]["hidden_states"]
+        return torch.tensor(hs[0] if isinstance(hs[0][0], list) else hs, dtype=torch.float32)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got_json = dict(zip(prompts, pool.map(rows, prompts.values())))
+    report, problems = {}, []
+    for k, ids in prompts.items():
+        rec = fmt.load(os.path.join(KEEP, f"{k}.safetensors"))
+        normed = _final_norm(slice_dir, torch.as_tensor(rec.hidden_states)[:, LAYER_IDS.index(LAYERS)])
+        want = got_json[k]
+        if tuple(want.shape) != tuple(normed.shape):
+            problems.append(f"{k}: JSON rows {tuple(want.shape)} != file rows {tuple(normed.shape)}")
+            continue
+        err = rel_errors(normed.unsqueeze(1), want.unsqueeze(1))
+        report[k] = {"tokens": len(ids), "block": round(err.block, 5), "token": round(err.token, 5),
+                     "worst_row": err.at[0]}
+        if not (err.block <= checks.TOL_BLOCK and err.token <= checks.TOL_TOKEN):
+            problems.append(f"{k}: final-normed id {LAYERS} rows differ from SGLang's own by {err.block:.3e} "
+                            f"(block), {err.token:.3e} (row {err.at[0]})")
+    record_property("dump_vs_sglang_json", report)
+    print(json.dumps(report, indent=1))
+    assert not problems, "\n".join(problems)
+
+
+def _worst_rows(got, want, rows, tie_rows, n=5):
+    """The ``n`` largest per-row errors as (position, layer slot, error, reference norm,
+    near-tie): where a mismatch lives, for the record."""
+    import torch
+
+    per = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)  # [R, L]
+    flat = torch.topk(per.flatten(), min(n, per.numel())).indices.tolist()
+    out = []
+    for f in flat:
+        r, sl = divmod(f, per.shape[1])
+        out.append([rows[r], LAYER_IDS[sl], round(per[r, sl].item(), 4), round(want[r, sl].norm().item(), 2),
+                    rows[r] in tie_rows])
+    return out
+
+
 def test_files_match_reference(slice_dir, record_property):
     import torch
 
@@ -357,7 +439,8 @@ def test_files_match_reference(slice_dir, record_property):
         worst_clean = max(clean) if clean else 0.0
         report[k] = {"tokens": len(p["ids"]), "rows": len(rows), "block": round(err.block, 5),
                      "token": round(err.token, 5), "token_without_ties": round(worst_clean, 5),
-                     "near_tie_rows": len(tie_rows & set(rows)), "slots": [round(s, 5) for s in err.slots]}
+                     "near_tie_rows": len(tie_rows & set(rows)), "slots": [round(s, 5) for s in err.slots],
+                     "worst_rows": _worst_rows(got, want, rows, tie_rows)}
         if not err.block <= tol_block:
             problems.append(f"{k}: block error {err.block:.3e} > {tol_block:.3e}")
         if not worst_clean <= tol_token:
