@@ -19,6 +19,7 @@ import torch
 from sglang_ext import format as fmt
 from sglang_ext.config import DumpConfig, DumpConfigError, sampling_settings
 
+from mooncake_fixture import master_config, needs_mooncake
 from standins import Req, finish, idle, make_runner, reference, run_extend, wait_for
 
 IDS = [2, 4]
@@ -180,11 +181,22 @@ def test_below_the_free_space_floor_requests_are_skipped_until_space_is_back(sma
     assert idle(sess)["failures"] == 0
 
 
-def test_the_floor_does_not_apply_to_the_store_sink():
-    from sglang_ext.sampling import DumpPolicy
-
-    policy = DumpPolicy(min_free_bytes=1 << 60, dir_fd=None)
-    assert policy.admit("r", None, 100) and policy.describe() == ""
+@needs_mooncake
+def test_the_store_sink_samples_within_the_budget_and_has_no_floor(master, sessions, clean_env):
+    """mooncake://: the rate and the budget apply as to files (a skipped request has no
+    manifest), the floor does not (a floor no disk could meet leaves requests dumped)."""
+    clean_env.setenv("KIMI_SGLANG_SAMPLE_RATE", "0.5")
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", repr(2 * 288 / GIB))
+    clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", "1e9")
+    sess = sessions.start(make_runner(master_config(master), layers="2,4"))
+    rids = [f"s{i}" for i in range(12)]
+    want = [r for r in rids if sampled(r, 0.5)][:2]
+    assert len(want) == 2
+    reqs = [Req(r, 4, i + 1) for i, r in enumerate(rids)]
+    run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
+    assert [r.rid for r in reqs if "hidden_states_manifest" in finish(r)] == want
+    assert all(finish(r) == {} for r in reqs if r.rid not in want)
+    assert idle(sess)["files_written"] == 2 and sess.policy.counts["disk_floor"] == 0
 
 
 # ---- bad values at start ----------------------------------------------------------------------
