@@ -1,5 +1,6 @@
 """What to dump: the dump directory, the layer ids, the host-memory cap, the file dtype,
-and the writer's environment settings (``KIMI_SGLANG_*``, ``env_settings``). Validated
+the writer's environment settings (``KIMI_SGLANG_*``, ``env_settings``) and the sampling
+of live traffic (``sampling_settings``). Validated
 here, at start-up: a bad value is a ``DumpConfigError``, one sentence naming the flag or
 variable. Numbers are ASCII digits only (``int``/``float`` also take other scripts'
 digits and underscores).
@@ -350,6 +351,33 @@ def env_settings(this_host: bool = True) -> dict:
     }
 
 
+def sampling_settings(writers: int = 1) -> dict:
+    """The sampling settings (``sampling.DumpPolicy``), validated: ``sample_rate``
+    (``KIMI_SGLANG_SAMPLE_RATE``, the share of requests dumped, 0 to 1, default 1),
+    ``budget_bytes`` (``KIMI_SGLANG_DUMP_BUDGET_GB``, GiB of files the server may write,
+    >= 0, shared equally by the ``writers`` writing ranks as the host cap is; None when
+    unset) and ``min_free_bytes`` (``KIMI_SGLANG_MIN_FREE_GB``, GiB that must stay free
+    in the dump directory's file system, >= 0; None when unset). Raises
+    ``DumpConfigError``, one sentence naming the variable."""
+    from sglang_ext.sampling import GIB
+
+    name = "KIMI_SGLANG_SAMPLE_RATE"
+    value = os.environ.get(name, "")
+    rate = 1.0
+    if value.strip():
+        rate = float(value) if _NUMBER.fullmatch(value.strip()) else math.nan
+        if not 0 <= rate <= 1:  # nan too
+            raise DumpConfigError(f"{name} must be the share of requests to dump, a number from "
+                                  f"0 to 1 (e.g. 0.05), got {value!r}")
+    budget = env_number("KIMI_SGLANG_DUMP_BUDGET_GB", None, "GiB", minimum=0)
+    floor = env_number("KIMI_SGLANG_MIN_FREE_GB", None, "GiB", minimum=0)
+    return {
+        "sample_rate": rate,
+        "budget_bytes": None if budget is None else int(budget * GIB) // max(1, writers),
+        "min_free_bytes": None if floor is None else int(floor * GIB),
+    }
+
+
 def physical_memory_bytes() -> Optional[int]:
     """This host's physical memory in bytes (``sysconf``), or None where it cannot say."""
     try:
@@ -372,6 +400,8 @@ class DumpConfig:
     come from the environment (``env_settings``). ``store``: the Mooncake Store address
     (``store.StoreConfig``) when ``--dump-hidden-states-dir`` is a ``mooncake://`` URL
     (the store sink, docs/store.md; ``directory`` then holds the URL as given), else None.
+    ``sample_rate``, ``budget_bytes`` (this writing rank's share) and ``min_free_bytes``:
+    which requests are dumped (``sampling_settings``).
     """
 
     directory: str
@@ -386,6 +416,9 @@ class DumpConfig:
     watchdog_s: float = DEFAULT_WATCHDOG_S
     file_mode: int = DEFAULT_FILE_MODE
     store: Optional["StoreConfig"] = None  # noqa: F821 - sglang_ext.store.StoreConfig
+    sample_rate: float = 1.0
+    budget_bytes: Optional[int] = None
+    min_free_bytes: Optional[int] = None
 
     @property
     def sink(self) -> str:
@@ -429,4 +462,5 @@ class DumpConfig:
             hidden_states_dtype=dtype,
             store=store,
             **env_settings(),
+            **sampling_settings(writers),
         )

@@ -17,6 +17,9 @@ Names (``kimi_sglang:`` prefix, like SGLang's ``sglang:``), label ``model_name``
 - ``kimi_sglang:dump_queue_depth`` (writes queued or running),
   ``kimi_sglang:dump_host_bytes_in_use`` (bytes of the writer's shared arena in use) (gauges, most recent
   value in multiprocess mode)
+- ``kimi_sglang:dump_requests_sampled_total`` (requests admitted for dumping),
+  ``kimi_sglang:dump_requests_skipped_total`` (label ``reason``: ``rate``, ``budget``,
+  ``disk_floor``) (counters of the scheduler process, ``sampling_counters``)
 """
 
 from __future__ import annotations
@@ -66,6 +69,32 @@ class DumpMetrics:
     def levels(self, *, queue_depth: int, host_bytes_in_use: int) -> None:
         self.queue_depth.set(queue_depth)
         self.host_bytes.set(host_bytes_in_use)
+
+
+_SAMPLING_FAMILIES: Any = None  # made once per process: each session takes its labels
+
+
+def sampling_counters(model_name: str, reasons) -> tuple:
+    """``(sampled, {reason: skipped})``: the children of
+    ``kimi_sglang:dump_requests_sampled_total`` and ``..._skipped_total`` for
+    ``model_name`` (and each of ``reasons``, made now so they read 0 before the first
+    skip), in prometheus_client's default registry. Created in the scheduler process
+    (``sampling.DumpPolicy``): in SGLang's multiprocess mode they reach ``/metrics`` as
+    the writer's do. The families are made once per process."""
+    global _SAMPLING_FAMILIES
+    from prometheus_client import Counter
+
+    if _SAMPLING_FAMILIES is None:
+        _SAMPLING_FAMILIES = (
+            Counter(PREFIX + "dump_requests_sampled", "Requests admitted for a hidden-state dump.",
+                    labelnames=["model_name"]),
+            Counter(PREFIX + "dump_requests_skipped",
+                    "Requests not dumped by the sampling settings, by reason.",
+                    labelnames=["model_name", "reason"]),
+        )
+    sampled, skipped = _SAMPLING_FAMILIES
+    name = str(model_name)
+    return sampled.labels(model_name=name), {r: skipped.labels(model_name=name, reason=r) for r in reasons}
 
 
 def model_name(server_args) -> Optional[str]:

@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from sglang_ext import __version__, compat, trace
 from sglang_ext import format as fmt
 from sglang_ext.config import DumpConfig, DumpConfigError, check_store_reachable, resolve_layer_ids
+from sglang_ext.sampling import DumpPolicy
 from sglang_ext.responses import ERROR_KEY, MANIFEST_KEY, PATH_KEY, PENDING_KEY, drop_info, set_info
 
 logger = logging.getLogger(__name__)
@@ -258,6 +259,7 @@ class DumpSession:
         self.capture_full = capture_full
         self.writer = writer
         self.dir_fd = dir_fd
+        self.policy = None  # sampling.DumpPolicy on the writing rank (None: every request)
 
     @property
     def is_writer(self) -> bool:
@@ -304,10 +306,11 @@ class DumpSession:
         is_writer = compat.attn_tp_rank(model_runner) == 0
         if is_writer:
             session._start_writer(model_runner)
+        sampling = session.policy.describe() if session.policy is not None else ""
         logger.info(
-            "hidden-state dump: layers %s of %d into %s (writer rank: %s%s)",
+            "hidden-state dump: layers %s of %d into %s (writer rank: %s%s)%s",
             list(layer_ids), num_layers, config.directory, is_writer,
-            writer_cpus_note(is_writer, config.writer_cpus),
+            writer_cpus_note(is_writer, config.writer_cpus), f"; sampling: {sampling}" if sampling else "",
         )
         return session
 
@@ -342,6 +345,8 @@ class DumpSession:
             watchdog_s=config.watchdog_s,
             store_url=config.directory if config.store is not None else None,
         )
+        self.policy = DumpPolicy(config.sample_rate, config.budget_bytes, config.min_free_bytes,
+                                 dir_fd=self.dir_fd, metrics_model_name=model_name(model_runner.server_args))
         hidden = getattr(model_runner.model_config, "hidden_size", None)
         if config.hidden_states_dtype == "fp8" and on_cuda and isinstance(hidden, int):
             from sglang_ext import quant
@@ -392,8 +397,9 @@ class DumpSession:
         is given back: its response is not out yet); the batch is never interrupted. A
         request whose ``custom_params`` holds ``{"hidden_states_dump": false}``
         (``format.DUMP_PARAM``; only JSON false) is skipped: its rows were captured with the
-        batch's, nothing is copied or written, its response carries no dump keys. Nothing
-        happens on a rank without a writer, or for a batch that is not an extend.
+        batch's, nothing is copied or written, its response carries no dump keys; so is one
+        the sampling settings skip (``sampling.DumpPolicy``, decided at its first chunk).
+        Nothing happens on a rank without a writer, or for a batch that is not an extend.
 
         An exception that escapes (one that is not an ``Exception``, e.g.
         ``KeyboardInterrupt``) first fails the batch's named requests that were not
@@ -434,8 +440,9 @@ class DumpSession:
                 continue
             state = getattr(req, REQ_ATTR, None)
             if state is None:
-                # done at once: the request asked not to be dumped (decided at its first chunk)
-                state = _ReqDump(done=_custom_param(req, fmt.DUMP_PARAM) is False)
+                # decided once, at its first chunk: done at once when it is not dumped
+                # (it asked not to be, or the sampling settings skip it)
+                state = _ReqDump(done=not self._admit(req, hidden))
                 setattr(req, REQ_ATTR, state)
                 compat.release_request_cycle(req)
             if state.done:
@@ -451,6 +458,22 @@ class DumpSession:
                 self._fail(req, state, e)
                 continue
             takes.append(take)
+
+    def _admit(self, req, hidden) -> bool:
+        """Whether to dump ``req``: its ``custom_params`` ``hidden_states_dump``, then the
+        sampling settings (``sampling.DumpPolicy``, given its file's bytes: prompt tokens
+        x the file's bytes per token, ``hidden_states`` row, fp8 scales and token id)."""
+        asked = _custom_param(req, fmt.DUMP_PARAM)
+        if self.policy is None:
+            return asked is not False
+        try:  # a request whose bytes cannot be told fails later, in _check or _open
+            dtype = self.writer.file_dtype(hidden.dtype)
+            per_token = (fmt.row_bytes(hidden.shape[1], dtype) + fmt.scale_row_bytes(len(self.layer_ids), dtype)
+                         + fmt.SAFETENSORS_DTYPES["int64"][1])
+            nbytes = len(req.origin_input_ids) * per_token
+        except Exception:  # noqa: BLE001
+            nbytes = 0
+        return self.policy.admit(req.rid, asked if isinstance(asked, bool) else None, nbytes)
 
     def _hand_over(self, hidden, takes: List[_Take]) -> List[_Take]:
         """Open the new requests in the arena (their token ids), copy the rows and queue

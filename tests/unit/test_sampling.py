@@ -1,0 +1,275 @@
+"""Capture from live traffic (issue 49): KIMI_SGLANG_SAMPLE_RATE, KIMI_SGLANG_DUMP_BUDGET_GB and
+KIMI_SGLANG_MIN_FREE_GB, driven through a real session and writer process with the stand-ins
+of tests/standins.py (as tests/unit/test_hooks.py). The references are independent of the
+code: which rids are sampled is computed here from sha256 as the contract states it, the
+bytes of the files from what the files hold, the free space from a real tmpfs mount.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_ext import format as fmt
+from sglang_ext.config import DumpConfig, DumpConfigError, sampling_settings
+
+from mooncake_fixture import master_config, needs_mooncake
+from standins import Req, finish, idle, make_runner, reference, run_extend, wait_for
+
+IDS = [2, 4]
+SETTINGS = ("KIMI_SGLANG_SAMPLE_RATE", "KIMI_SGLANG_DUMP_BUDGET_GB", "KIMI_SGLANG_MIN_FREE_GB")
+GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def sampled(rid, rate):
+    """The contract: first 8 bytes of sha256(rid, UTF-8) as a fraction of 2**64, below the rate."""
+    return int.from_bytes(hashlib.sha256(rid.encode()).digest()[:8], "big") < rate * 2 ** 64
+
+
+def dumped_rids(dump):
+    return sorted(fmt.load(str(dump / n)).metadata["rid"] for n in os.listdir(dump) if n.endswith(fmt.SUFFIX))
+
+
+def asking(req, value):
+    req.sampling_params = types.SimpleNamespace(custom_params={fmt.DUMP_PARAM: value})
+    return req
+
+
+# ---- the rate --------------------------------------------------------------------------------
+
+def test_the_rate_samples_a_fixed_share_of_rids_and_a_retry_gets_the_same_answer(dump, sessions, clean_env):
+    """Rate 0.25 over 400 rids: exactly the rids whose sha256 point is below 0.25 get a file
+    (about a quarter); the others answer with no dump keys; every rid retried (a new Req,
+    as a client's retry is) gets the same decision; explicit hidden_states_dump true and
+    false win over the rate either way."""
+    clean_env.setenv("KIMI_SGLANG_SAMPLE_RATE", "0.25")
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    rids = [f"live-{i}" for i in range(400)]
+    want = {r for r in rids if sampled(r, 0.25)}
+    assert 70 <= len(want) <= 130  # the rids are fixed: a sanity check of the reference, not luck
+    reqs = [Req(r, 2, i + 1) for i, r in enumerate(rids)]
+    run_extend(sess, [(r, 0, 2) for r in reqs], IDS)
+    for req in reqs:
+        meta = finish(req)
+        if req.rid in want:
+            assert torch.equal(fmt.load(meta["hidden_states_path"]).hidden_states, reference(req, IDS))
+        else:
+            assert meta == {}, (req.rid, meta)
+    assert dumped_rids(dump) == sorted(want)
+    # a retry of each of 40 rids, in another batch: the same answer
+    retries = [Req(r, 2, 1000 + i) for i, r in enumerate(rids[:40])]
+    run_extend(sess, [(r, 0, 2) for r in retries], IDS)
+    assert [("hidden_states_path" in finish(r)) for r in retries] == [r.rid in want for r in retries]
+    # explicit wins: true for a rid the rate drops, false for one it keeps
+    out, kept = next(r for r in rids if r not in want), next(r for r in rids if r in want)
+    forced, refused = asking(Req(out, 3, 5000), True), asking(Req(kept, 3, 5001), False)
+    run_extend(sess, [(forced, 0, 3), (refused, 0, 3)], IDS)
+    assert torch.equal(fmt.load(finish(forced)["hidden_states_path"]).hidden_states, reference(forced, IDS))
+    assert finish(refused) == {}
+    counts = sess.policy.counts
+    assert counts["sampled"] == len(want) + sum(r.rid in want for r in retries) + 1
+    assert counts["rate"] == 440 - counts["sampled"] + 1 and counts["budget"] == counts["disk_floor"] == 0
+    assert idle(sess)["failures"] == 0
+
+
+def test_rate_zero_dumps_only_requests_that_ask(dump, sessions, clean_env):
+    clean_env.setenv("KIMI_SGLANG_SAMPLE_RATE", "0")
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    plain, asked = Req("plain", 3, 1), asking(Req("asked", 3, 2), True)
+    run_extend(sess, [(plain, 0, 3), (asked, 0, 3)], IDS)
+    assert finish(plain) == {}
+    assert torch.equal(fmt.load(finish(asked)["hidden_states_path"]).hidden_states, reference(asked, IDS))
+    assert dumped_rids(dump) == ["asked"]
+
+
+# ---- the budget ------------------------------------------------------------------------------
+
+def file_payload(path):
+    """Bytes of a file's rows and token ids, from what it holds."""
+    rec = fmt.load(path)
+    return rec.hidden_states.numel() * rec.hidden_states.element_size() + rec.token_ids.numel() * 8
+
+
+def test_files_stop_at_the_budget_with_one_log_line(dump, sessions, clean_env, caplog):
+    """A budget of 1000 bytes and requests of 4 tokens (4 x (2 layers x 8 x 4 B + 8 B) = 288 B
+    a file): three fit, the fourth would pass the budget and is skipped, and so is every
+    sampled request after it, even one small enough to fit (one log line for all); a
+    request that asks is still dumped. Chunked prefill: the decision is the first chunk's."""
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", repr(1000 / GIB))
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    reqs = [Req(f"b{i}", 4, i + 1) for i in range(6)]
+    with caplog.at_level("INFO", logger="sglang_ext.sampling"):
+        run_extend(sess, [(r, 0, 4) for r in reqs[:2]] + [(reqs[2], 0, 2)], IDS)
+        run_extend(sess, [(reqs[2], 2, 4)] + [(r, 0, 4) for r in reqs[3:]], IDS)
+        small, asked = Req("small", 1, 10), asking(Req("asked", 4, 11), True)
+        run_extend(sess, [(small, 0, 1), (asked, 0, 4)], IDS)
+    metas = {r.rid: finish(r) for r in reqs + [small, asked]}
+    assert [rid for rid, m in metas.items() if m == {}] == ["b3", "b4", "b5", "small"]
+    paths = [m["hidden_states_path"] for rid, m in metas.items() if rid in ("b0", "b1", "b2")]
+    assert sum(file_payload(p) for p in paths) == 3 * 288 <= 1000
+    assert torch.equal(fmt.load(metas["asked"]["hidden_states_path"]).hidden_states, reference(asked, IDS))
+    lines = [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+    assert len(lines) == 1 and "no longer dumped" in lines[0] and "1000 bytes" in lines[0], lines
+    assert sess.policy.counts == {"sampled": 4, "rate": 0, "budget": 4, "disk_floor": 0}
+    assert idle(sess)["files_written"] == 4
+
+
+def test_the_budget_is_shared_by_the_writing_ranks(clean_env):
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", "3")
+    assert sampling_settings(writers=2)["budget_bytes"] == 3 * GIB // 2
+    assert sampling_settings() == {"sample_rate": 1.0, "budget_bytes": 3 * GIB, "min_free_bytes": None}
+
+
+# ---- the free-space floor ----------------------------------------------------------------------
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """An 8 MiB tmpfs mounted for this test (root only; skipped with the reason if refused)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_below_the_free_space_floor_requests_are_skipped_until_space_is_back(small_fs, sessions, clean_env,
+                                                                              monkeypatch, caplog):
+    """A floor of 4 MiB on an 8 MiB tmpfs: dumped while free; a 5 MiB file put there (by
+    someone else) stops dumping at the next check (at most a second later) with one
+    warning, every request meanwhile answered without dump keys; the file removed,
+    dumping resumes with one info line."""
+    clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", repr(4 / 1024))
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_SPARES", "0")  # no files allocated ahead on the tmpfs
+    sess = sessions.start(make_runner(small_fs, layers="2,4"))
+    seq = iter(range(1, 10000))
+
+    def one():
+        req = Req(f"d{next(seq)}", 4, 1)
+        run_extend(sess, [(req, 0, 4)], IDS)
+        meta = finish(req)
+        assert "hidden_states_error" not in meta, meta
+        return "hidden_states_path" in meta
+
+    with caplog.at_level("INFO", logger="sglang_ext.sampling"):
+        assert one()
+        with open(small_fs / "filler", "wb") as f:
+            f.write(b"\1" * (5 << 20))
+        assert wait_for(lambda: not one(), timeout=30)
+        assert not any(one() for _ in range(5))
+        assert sess.policy.counts["disk_floor"] >= 6
+        os.unlink(small_fs / "filler")
+        assert wait_for(one, timeout=30)
+        assert one()
+    lines = [r.getMessage() for r in caplog.records if "floor" in r.getMessage()]
+    assert len(lines) == 2 and "below the floor of 4194304" in lines[0] and "above the floor again" in lines[1], lines
+    assert idle(sess)["failures"] == 0
+
+
+@needs_mooncake
+def test_the_store_sink_samples_within_the_budget_and_has_no_floor(master, sessions, clean_env):
+    """mooncake://: the rate and the budget apply as to files (a skipped request has no
+    manifest), the floor does not (a floor no disk could meet leaves requests dumped)."""
+    clean_env.setenv("KIMI_SGLANG_SAMPLE_RATE", "0.5")
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", repr(2 * 288 / GIB))
+    clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", "1e9")
+    sess = sessions.start(make_runner(master_config(master), layers="2,4"))
+    rids = [f"s{i}" for i in range(12)]
+    want = [r for r in rids if sampled(r, 0.5)][:2]
+    assert len(want) == 2
+    reqs = [Req(r, 4, i + 1) for i, r in enumerate(rids)]
+    run_extend(sess, [(r, 0, 4) for r in reqs], IDS)
+    assert [r.rid for r in reqs if "hidden_states_manifest" in finish(r)] == want
+    assert all(finish(r) == {} for r in reqs if r.rid not in want)
+    assert idle(sess)["files_written"] == 2 and sess.policy.counts["disk_floor"] == 0
+
+
+# ---- bad values at start ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, value, words", [
+    ("KIMI_SGLANG_SAMPLE_RATE", "1.5", "a number from 0 to 1"),
+    ("KIMI_SGLANG_SAMPLE_RATE", "-0.1", "a number from 0 to 1"),
+    ("KIMI_SGLANG_SAMPLE_RATE", "nan", "a number from 0 to 1"),
+    ("KIMI_SGLANG_SAMPLE_RATE", "10%", "a number from 0 to 1"),
+    ("KIMI_SGLANG_SAMPLE_RATE", "\u0660.5", "a number from 0 to 1"),  # Arabic-Indic 0
+    ("KIMI_SGLANG_DUMP_BUDGET_GB", "-1", "must be >= 0 GiB"),
+    ("KIMI_SGLANG_DUMP_BUDGET_GB", "inf", "must be a finite number of GiB"),
+    ("KIMI_SGLANG_DUMP_BUDGET_GB", "10G", "must be a finite number of GiB"),
+    ("KIMI_SGLANG_MIN_FREE_GB", "-5", "must be >= 0 GiB"),
+    ("KIMI_SGLANG_MIN_FREE_GB", "1_0", "must be a finite number of GiB"),
+])
+def test_a_bad_value_stops_the_start_with_one_sentence_naming_it(dump, clean_env, name, value, words):
+    clean_env.setenv(name, value)
+    args = types.SimpleNamespace(dump_hidden_states_dir=str(dump), dump_hidden_states_max_host_mb=64,
+                                 dump_hidden_states_layers=None, dump_hidden_states_dtype=None)
+    with pytest.raises(DumpConfigError) as e:
+        DumpConfig.from_server_args(args)
+    msg = str(e.value)
+    assert msg.startswith(f"{name} ") and words in msg and repr(value) in msg and "\n" not in msg, msg
+
+
+# ---- Prometheus --------------------------------------------------------------------------------
+
+SCHEDULER = textwrap.dedent(r"""
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from standins import Req, finish, make_runner, run_extend
+    from sglang_ext.session import DumpSession
+    runner = make_runner(sys.argv[1], layers="2,4")
+    runner.server_args.enable_metrics = True
+    sess = DumpSession.start(runner)
+    reqs = [Req(f"p{i}", 4, i + 1) for i in range(40)]
+    run_extend(sess, [(r, 0, 4) for r in reqs], [2, 4])
+    print(sum("hidden_states_path" in finish(r) for r in reqs))
+    assert sess.close(10)
+""")
+
+COLLECT = textwrap.dedent(r"""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    registry = CollectorRegistry()  # what sglang.srt.utils.add_prometheus_middleware serves
+    multiprocess.MultiProcessCollector(registry)
+    print(generate_latest(registry).decode())
+""")
+
+
+def test_the_counters_reach_sglangs_multiprocess_registry(dump, tmp_path):
+    """A scheduler process with --enable-metrics (PROMETHEUS_MULTIPROC_DIR set, as SGLang
+    sets it) samples 40 rids at rate 0.5 within a budget of 3 files: what SGLang's
+    /metrics collector reads is kimi_sglang:dump_requests_sampled_total and
+    ..._skipped_total by reason, with the model_name label."""
+    pytest.importorskip("prometheus_client")
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom), KIMI_SGLANG_SAMPLE_RATE="0.5",
+               KIMI_SGLANG_DUMP_BUDGET_GB=repr(3 * 288 / GIB))
+    tests = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", SCHEDULER, str(dump), tests], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    assert int(out) == 3
+    text = subprocess.run([sys.executable, "-c", COLLECT], env=env, check=True, capture_output=True,
+                          text=True).stdout
+    values = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+              if ln.startswith("kimi_sglang:dump_requests")}
+    by_rate = sum(sampled(f"p{i}", 0.5) for i in range(40))
+    label = 'model_name="/models/tiny"'
+    assert values == {
+        f"kimi_sglang:dump_requests_sampled_total{{{label}}}": 3.0,
+        f'kimi_sglang:dump_requests_skipped_total{{{label},reason="rate"}}': float(40 - by_rate),
+        f'kimi_sglang:dump_requests_skipped_total{{{label},reason="budget"}}': float(by_rate - 3),
+        f'kimi_sglang:dump_requests_skipped_total{{{label},reason="disk_floor"}}': 0.0,
+    }, values
