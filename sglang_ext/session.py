@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 REQ_ATTR = "_kimi_sglang_dump"  # per-request state (_ReqDump), stored on SGLang's Req
 _SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decisions
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
-# Names SGLang's own start-up warm-up request (name_warmup), which must not leave a
-# file and an index line in a user's dump directory at every start.
-WARMUP_RID_PREFIX = "kimi-sglang-warmup-"
+# SGLang's own requests (health checks, the warm-up) are not dumped: format.names owns the
+# prefixes, shared with the stand-in server.
+HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX = fmt.HEALTH_CHECK_RID_PREFIX, fmt.WARMUP_RID_PREFIX
+is_internal = fmt.is_internal
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
 FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
@@ -121,12 +121,6 @@ def name_warmup(json_data: dict) -> dict:
     rids = [WARMUP_RID_PREFIX + uuid.uuid4().hex for _ in (prompt if batch else [None])]
     json_data["rid"] = rids if batch else rids[0]
     return json_data
-
-
-def is_internal(rid) -> bool:
-    """SGLang's own requests are not dumped: health checks (``/health_generate``) and the
-    start-up warm-up (``name_warmup``). A client rid with either prefix is not either."""
-    return isinstance(rid, str) and rid.startswith((HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX))
 
 
 def find_decoder(model) -> Tuple[Any, Any]:

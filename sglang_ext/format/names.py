@@ -21,7 +21,7 @@ from .files import file_mode, open_regular, lexists_at, _unlink_quiet
 __all__ = [
     "MAX_STEM_CHARS", "safe_stem", "is_name_for", "Reservation", "tmp_prefix", "tmp_name",
     "is_tmp_name", "open_dump_dir", "reserve", "printable_rid", "MAX_RID_CHARS",
-    "check_rid", "brief_rid",
+    "check_rid", "brief_rid", "HEALTH_CHECK_RID_PREFIX", "WARMUP_RID_PREFIX", "is_internal",
 ]
 
 
@@ -192,6 +192,18 @@ def printable_rid(rid: str) -> str:
 # Longest rid a dump takes: it is stored in the file's metadata and travels to the writer
 # process in one socket message (``wire.MAX_MESSAGE``); a longer one fails its own request.
 MAX_RID_CHARS = 8192
+
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
+# Names SGLang's own start-up warm-up request (name_warmup), which must not leave a
+# file and an index line in a user's dump directory at every start.
+WARMUP_RID_PREFIX = "kimi-sglang-warmup-"
+
+
+def is_internal(rid) -> bool:
+    """SGLang's own requests are not dumped (the server's ``session``, the stand-in): health
+    checks (``/health_generate``) and the start-up warm-up (``name_warmup``). A client rid
+    with either prefix is not either."""
+    return isinstance(rid, str) and rid.startswith((HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX))
 
 
 def check_rid(rid) -> None:

@@ -266,7 +266,7 @@ class Server:
             raise BadRequest(f"rid must be a string, not {type(rid).__name__}")
         meta: Dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 1,
                                 "finish_reason": {"type": "length", "length": 1}}
-        if params.get(fmt.DUMP_PARAM) is False:
+        if params.get(fmt.DUMP_PARAM) is False or fmt.is_internal(rid):  # as the server
             return meta
         try:
             fmt.check_rid(rid)

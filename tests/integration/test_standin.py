@@ -108,6 +108,10 @@ def test_answers_as_the_patched_server(standin, tmp_path):
     assert code == 200 and "at most 8192" in ans["meta_info"][fmt.ERROR_KEY]
     code, ans = standin.post("/generate", {"text": "hello"})
     assert code == 400 and "no tokenizer" in ans["error"]["message"]
+    # SGLang's own requests (health checks, the warm-up) leave no file, as on the real server
+    for rid in ("HEALTH_CHECK_7f3a", "kimi-sglang-warmup-0123abcd"):
+        code, ans = standin.post("/generate", {"input_ids": [5, 6], "rid": rid})
+        assert code == 200 and not set(ans["meta_info"]) & set(fmt.RESPONSE_KEYS), (rid, ans)
 
     index = fmt.read_index(str(dump))
     assert [(r["rid"], r["num_tokens"]) for r in index] == [("a/b c", 3), ("a/b c", 3), (index[2]["rid"], 2)]
