@@ -332,6 +332,8 @@ def _run(args) -> int:
     from sglang_ext import config
 
     try:
+        if not 0 <= args.port <= 65535:  # else the socket layer's OverflowError, a traceback
+            raise ValueError(f"--port must be 0 to 65535, not {args.port}")
         layer_ids = config.resolve_layer_ids(config.parse_layer_ids(args.layers), args.num_layers)
         if args.hidden_size < 1:
             raise ValueError(f"--hidden-size must be at least 1, not {args.hidden_size}")

@@ -133,6 +133,11 @@ def test_bad_start_is_one_sentence(tmp_path):
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("error: cannot listen on 127.0.0.1:"), r.stderr
     assert "Traceback" not in r.stderr
+    for port in ("99999", "-1"):  # not a port at all: the socket layer raises OverflowError
+        r = subprocess.run(run + ["--dump-dir", str(tmp_path / "d"), "--port", port],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, (port, r.stderr)
+        assert r.stderr.startswith(f"error: --port must be 0 to 65535, not {port}"), r.stderr
 
 
 @needs_mooncake
