@@ -108,14 +108,14 @@ import sys
 import tempfile
 import threading
 import time
-from typing import List
+from typing import List, Tuple
 
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
 from sglang_ext.client.files import RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
 from sglang_ext.client.images import ImageAccess
-from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
+from sglang_ext.client.manifest import MANIFEST_NAME, add_missing_lines, clean_tmp
 from sglang_ext.client.pending import PendingFiles
 from sglang_ext.client.runner import Options, Stats, run
 
@@ -321,7 +321,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         return EXIT_BAD_INPUT
     if removed:
         print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
-    _report_sweep(pending, forget_unanswered=True, when="an earlier run of this command left")
+    _report_sweep(pending, forget_unanswered=True, of="an earlier run of this command")
     fetcher = None
     if args.store is not None:
         from sglang_ext.client.fetch import MooncakeMissing, StoreFetcher, StoreUnreachable
@@ -355,25 +355,27 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         asyncio.run(_run_until_sigterm(run(args, opts, rows, total, stats, pending, progress)))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        _report_sweep(pending, forget_unanswered=False, when="stopped tries left")
+        _add_missing_lines(args.out, stats, mode)
+        _report_sweep(pending, forget_unanswered=False, of="stopped tries")
         if stats.done:
             print(f"extract: stopped at that row; the {stats.done} sample(s) extracted before it "
                   f"are kept in {args.out}: fix the row and run the same command again to resume",
                   file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
-        left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
+        _add_missing_lines(args.out, stats, mode)
+        _, notes = _sweep(pending, forget_unanswered=False, of="interrupted tries")
         how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
         # stats.taken, not stats.done: rows cancelled after their file reached OUT count
-        # (a new user's review saw 813 said, 829 in OUT, 829 resumed by the next run)
+        # (a new user's review saw 813 said, 829 in OUT, 829 resumed by the next run).
+        # One line: the sweep's sentences go into it.
         print(f"extract: {how}: {len(stats.taken)} sample(s) extracted in this run, "
-              f"{len(stats.taken) + stats.resumed} of {total} done for rank {args.rank}; run the same "
-              f"command again to resume" + (f" (it also removes the {len(left)} file(s) the "
-                                            f"server is still writing)" if left else ""),
+              f"{len(stats.taken) + stats.resumed} of {total} done for rank {args.rank}; "
+              + "".join(f"{n}; " for n in notes) + "run the same command again to resume",
               file=sys.stderr)
         return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
     elapsed = time.monotonic() - t0
-    left = _report_sweep(pending, forget_unanswered=False, when="tries given up on left")
+    left = _report_sweep(pending, forget_unanswered=False, of="tries given up on")
     if fetcher is not None and not stats.aborted:
         _, kept = asyncio.run(fetcher.sweep())
         if kept:
@@ -424,27 +426,47 @@ def write_summary(path: str, summary: dict, mode: int) -> None:
         raise
 
 
-def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> List[str]:
-    """Sweep the server files this rank's requests left (see ``sglang_ext.client.pending``); say
-    what was removed and what is still being written. Returns the latter."""
+def _add_missing_lines(out_dir: str, stats: Stats, mode: int) -> None:
+    """After a run cut short (Ctrl-C, SIGTERM, bad DATA): the manifest line of each file
+    this run put into OUT whose row was cancelled before writing it (``add_missing_lines``)."""
+    try:
+        add_missing_lines(out_dir, stats.taken, stats.sources, mode)
+    except OSError as e:  # a full disk: the next run adds them (without their source)
+        print(f"cannot append to {os.path.join(out_dir, MANIFEST_NAME)} ({e.strerror or e}); "
+              f"the next run of this command adds the missing lines", file=sys.stderr)
+
+
+def _sweep(pending: PendingFiles, forget_unanswered: bool, of: str) -> Tuple[List[str], List[str]]:
+    """Sweep the server files this rank's requests left (see ``sglang_ext.client.pending``):
+    ``(the files still being written, the sentences that say what happened)``; ``of``
+    names the tries, e.g. "interrupted tries"."""
     try:
         removed, busy = pending.sweep(forget_unanswered)
     except OSError as e:  # the journal's rewrite (a full disk): the next run reads it again
-        print(f"cannot rewrite {pending.path} ({e.strerror or e}); the next run of this command "
-              f"sweeps again", file=sys.stderr)
-        return []
+        return [], [f"cannot rewrite {pending.path} ({e.strerror or e}); the next run of this "
+                    f"command sweeps again"]
+    notes = []
     if removed:
-        print(f"removed {removed} file(s) {when} in the server's dump directory "
-              f"({', '.join(pending.dump_dirs)})", file=sys.stderr)
+        notes.append(f"removed {removed} file(s) of {of} from the server's dump directory "
+                     f"({', '.join(pending.dump_dirs)})")
     if busy:
-        print(f"{len(busy)} file(s) {when} are still being written by the server (e.g. "
-              f"{busy[0]}); the next run of this command removes them", file=sys.stderr)
+        notes.append(f"{len(busy)} file(s) of {of} are still being written by the server (e.g. "
+                     f"{busy[0]}); the next run of this command removes them")
     unplaced = pending.unplaced()
     if unplaced:
-        print(f"note: {unplaced} request(s) were sent and never answered, and this run knows no "
-              f"dump directory (no --dump-dir, no answer, none in the server's /server_info): "
-              f"files the server wrote for them stay in its --dump-hidden-states-dir; pass "
-              f"--dump-dir DIR to the same command to have them removed", file=sys.stderr)
+        notes.append(f"note: {unplaced} request(s) were sent and never answered, and this run "
+                     f"knows no dump directory (no --dump-dir, no answer, none in the server's "
+                     f"/server_info): files the server wrote for them stay in its "
+                     f"--dump-hidden-states-dir; pass --dump-dir DIR to the same command to have "
+                     f"them removed")
+    return busy, notes
+
+
+def _report_sweep(pending: PendingFiles, forget_unanswered: bool, of: str) -> List[str]:
+    """``_sweep``, its sentences printed a line each; returns the files still being written."""
+    busy, notes = _sweep(pending, forget_unanswered, of)
+    for note in notes:
+        print(note, file=sys.stderr)
     return busy
 
 

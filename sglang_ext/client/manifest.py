@@ -65,6 +65,28 @@ class Manifest:
         self.records[rec["index"]] = rec
 
 
+def add_missing_lines(out_dir: str, taken, known: Dict[int, Dict[str, Any]],
+                      mode: int = fmt.DEFAULT_FILE_MODE) -> int:
+    """Append the line of each row in ``taken`` (its ``hs_<i>`` put into OUT by this run)
+    that the manifest lacks: a row cancelled (Ctrl-C, SIGTERM) while its file was being
+    moved in, or before its line was written. Tokens and bytes come from the file as it is
+    (one that is gone or fails ``check_file`` gets no line: the next run extracts it
+    again), ``known[i]`` adds what only the run knew (``source``, a chat row's
+    ``images`` and ``request_sha256``). Returns how many lines; raises ``OSError``."""
+    manifest = Manifest(out_dir, mode)
+    n = 0
+    for index in sorted(set(taken) - set(manifest.records)):
+        path = os.path.join(out_dir, final_name(index))
+        try:
+            tokens = check_file(path, None, False)
+            size = os.stat(path).st_size
+        except (CheckError, FileNotFoundError):
+            continue
+        manifest.add({**record(index, tokens, None, size), **known.get(index, {})})
+        n += 1
+    return n
+
+
 def existing(out_dir: str, index: int, input_ids: Optional[List[int]], full: bool,
              digest: Optional[str] = None, rec: Optional[Dict[str, Any]] = None
              ) -> Tuple[Optional[int], Optional[str]]:

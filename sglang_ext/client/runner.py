@@ -79,6 +79,10 @@ class Stats:
     # rows whose file this run put into OUT (``put_in_out``), counted in the thread that
     # did it: a file put there after Ctrl-C cancelled its row's await still counts
     taken: Set[int] = field(default_factory=set)
+    # what only the run knows of a row's manifest line (source, a chat row's images and
+    # request_sha256) while its file is being taken; the line after Ctrl-C cancelled the
+    # row (manifest.add_missing_lines)
+    sources: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     aborted: Optional[str] = None
     bad_input: bool = False  # the abort is the command line's (UsageError): exit 2
 
@@ -242,6 +246,7 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
     worker in ``progress``: a try that fails on a server that died (connection reset, HTTP
     5xx from a router, timeout) is sent again, through the router to a live one."""
     last: Optional[Exception] = None
+    stats.sources[row.index] = chat_record(row, {})
     for attempt in range(opts.max_retries + 1):
         where: List[str] = []  # the try's worker, once an answer names it
         if attempt:
@@ -260,6 +265,7 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
                 return await take_from_store(opts, row, rid, answer, stats.taken), STORE
             dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
             ids = expected_ids(row, answer)  # RowError: the file stays journaled, swept at the end
+            stats.sources[row.index]["source"] = os.path.join(dump.path, name)
             try:
                 size = await asyncio.to_thread(
                     put_in_out, stats.taken, row.index, move_into_place, dump, name, opts.out_dir,
@@ -412,6 +418,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             stop(f"{row.name}: {e}")
             return
         except Exception as e:  # noqa: BLE001 - a row's error: the run goes on
+            stats.sources.pop(row.index, None)
             if not isinstance(e, RequestError):
                 e = RequestError(f"{row.name}: {type(e).__name__}: {e}")
             stats.failed += 1
@@ -429,6 +436,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 return
             if not add_line(row, rec):
                 return
+            stats.sources.pop(row.index, None)
             progress.sample(worker, rec["num_tokens"])
             consecutive = 0
             if opts.store is not None:  # in OUT and in the manifest: remove the object(s)

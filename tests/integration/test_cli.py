@@ -14,14 +14,17 @@ from the code under test.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
 import re
 import signal
 import struct
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -387,6 +390,40 @@ def test_sigterm_ends_as_ctrl_c_does(server, tmp_path):
         (r.stderr, server_files(server))
 
 
+def test_every_file_an_interrupted_run_put_in_out_has_its_manifest_line(tmp_path):
+    """Ctrl-C while samples are being copied into OUT (the stand-in's dump directory on
+    another filesystem, /dev/shm, and 24 MiB files: each copy takes a while): every
+    hs_<i> in OUT has its manifest line, with its source, when the run exits (a new user's
+    review: 2166 files, 2155 lines; the rerun added the rest with "source": null)."""
+    dump = tempfile.mkdtemp(dir="/dev/shm", prefix="kimi-sglang-test-")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    standin = subprocess.Popen([sys.executable, "-m", "sglang_ext", "standin", "--port", "0", "--dump-dir",
+                                dump, "--hidden-size", "3072"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = standin.stderr.readline()
+        url = re.search(r"at (http://\S+),", line).group(1)
+        path = write_jsonl(tmp_path / "d.jsonl", [[(i + k) % 1000 for k in range(2000)] for i in range(16)])
+        out = tmp_path / "out"
+
+        def copying() -> bool:
+            return out.is_dir() and any(n.startswith(".hs_") for n in os.listdir(out))
+
+        code, err = signal_extract(extract_args(argparse.Namespace(url=url), path, str(out), "--concurrency", 4),
+                                   copying, signal.SIGINT, timeout=120)
+        assert code == 130, err
+        files = {int(p.name[3:-len(fmt.SUFFIX)]) for p in out.glob("hs_*")}
+        manifest = out / "manifest.jsonl"
+        lines = [json.loads(x) for x in manifest.read_text().splitlines()] if manifest.exists() else []
+        assert files and sorted(r["index"] for r in lines) == sorted(files), (files, lines, err)
+        assert all(r["source"].startswith(os.path.realpath(dump) + "/") and r["num_tokens"] == 2000
+                   for r in lines), lines
+        assert f"extract: interrupted: {len(files)} sample(s) extracted in this run" in err, err
+    finally:
+        standin.kill()
+        standin.wait()
+        shutil.rmtree(dump, ignore_errors=True)
+
+
 def test_files_of_a_killed_run_are_removed_by_the_next_run(server, tmp_path):
     """A run killed while the server still writes (early answers) or before it answers
     leaves files in the dump directory; the next run removes every one of them."""
@@ -411,7 +448,8 @@ def test_files_of_a_killed_run_are_removed_by_the_next_run(server, tmp_path):
     server.write_delay_s = 0.0
     r = cli(*extract_args(server, path, out, "--concurrency", 2))
     assert r.returncode == 0, r.stderr
-    assert f"removed {len(left)} file(s) an earlier run of this command left" in r.stderr, r.stderr
+    assert f"removed {len(left)} file(s) of an earlier run of this command from the server's dump " \
+           f"directory" in r.stderr, r.stderr
     assert server_files(server) == []
     assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(6))
 
@@ -437,7 +475,10 @@ def test_files_of_requests_interrupted_before_any_answer_are_removed(server, tmp
     assert r.returncode == 0, r.stderr
     hint = "4 request(s) were sent and never answered, and this run knows no dump directory"
     assert (hint in err) == (hint in r.stderr) == (not server_info), (err, r.stderr)
-    assert ("removed 4 file(s) interrupted tries left" in err) == server_info, err
+    said = [line for line in err.splitlines() if "interrupted" in line or "removed" in line]
+    assert len(said) == 1 and said[0].startswith("extract: interrupted: 0 sample(s)"), err  # one line
+    assert ("; removed 4 file(s) of interrupted tries from the server's dump directory" in said[0]) \
+        == server_info, err
     assert server_files(server) == [], (err, r.stderr)
     assert sorted(p.name for p in out.glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(4))
 
@@ -532,7 +573,7 @@ def test_a_timed_out_try_is_reported_then_removed(server, tmp_path):
     assert os.path.exists(late)
     r = cli(*extract_args(server, path, out))
     assert r.returncode == 0, r.stderr
-    assert "removed 1 file(s) an earlier run of this command left" in r.stderr
+    assert "removed 1 file(s) of an earlier run of this command from" in r.stderr
     assert not os.path.exists(late) and server_files(server) == []
     assert summary(r.stdout)["resumed"] == 1
 
