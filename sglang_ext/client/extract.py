@@ -63,8 +63,8 @@ Guarantees:
   ``--max-consecutive-failures`` samples in a row failed all their tries, the run aborts.
   HTTP 400 (the server refused the row) is not retried. An answer no retry can change
   (no ``hidden_states_path``: the server is not dumping; a dump directory this machine
-  does not see; HTTP 404/405: not the server's base URL) aborts the run at once, the
-  reason first on stderr.
+  does not see; HTTP 404/405: not the server's base URL) aborts the run at once, one
+  ``error:`` line on stderr giving the reason.
 - Through SGLang's router (``--endpoint`` its URL; docs/fleet.md): the retries above send
   a row whose server died or timed out (connection reset, HTTP 5xx, timeout) again under a
   new rid, and the router gives it to a live server; a row is written and put in the
@@ -487,8 +487,8 @@ def add_parser(subparsers) -> None:
         epilog="Row i becomes OUT/hs_<i>.safetensors (hidden_states [T, L, H] in the server's "
                "dtype, token_ids [T] int64) plus a line of OUT/manifest.jsonl; a rerun resumes. "
                "Exit codes: 0 every row done, 1 some rows failed all their tries (rerun to "
-               "retry them), 2 bad input (nothing sent), 3 aborted (the reason first on "
-               "stderr), 130 Ctrl-C, 143 SIGTERM. More: docs/client.md.",
+               "retry them), 2 bad input (nothing sent), 3 aborted (one error: line on stderr "
+               "gives the reason), 130 Ctrl-C, 143 SIGTERM. More: docs/client.md.",
         formatter_class=_DefaultsHelp,
     )
     p.add_argument("--endpoint", required=True,
