@@ -263,8 +263,8 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         return EXIT_BAD_INPUT
     missing = [m for m in ("aiohttp", "tqdm") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"error: extract needs {' and '.join(missing)} (pip install {' '.join(missing)})",
-              file=sys.stderr)
+        print(f"error: extract needs {' and '.join(missing)}: pip install -e '.[client]' in a clone "
+              f"of kimi-sglang (else pip install {' '.join(missing)})", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.validate:
         try:

@@ -928,6 +928,22 @@ def test_ctrl_c_while_the_command_is_imported_is_one_line():
     assert r.stderr.strip().splitlines() == ["sglang-ext extract: interrupted"], r.stderr
 
 
+def test_extract_without_aiohttp_names_the_client_install(tmp_path):
+    """aiohttp missing (hidden from the import system): one sentence naming the project's
+    own install, ``pip install -e '.[client]'`` (a review: it said ``pip install aiohttp
+    tqdm``, which leaves out what the [client] extra pins)."""
+    code = ("import runpy, sys\n"
+            "sys.modules['aiohttp'] = None\n"
+            f"sys.argv = ['sglang_ext', 'extract', '--endpoint', 'http://127.0.0.1:9', '--data', "
+            f"{str(tmp_path / 'd.jsonl')!r}, '--out', {str(tmp_path / 'out')!r}]\n"
+            "runpy.run_module('sglang_ext', run_name='__main__', alter_sys=True)\n")
+    write_jsonl(tmp_path / "d.jsonl", rows(1))
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: extract needs aiohttp: pip install -e '.[client]' in a clone"), r.stderr
+
+
 def test_the_ctrl_c_line_counts_every_file_the_run_put_in_out(server, tmp_path):
     """Ctrl-C in the middle of a fast run (32 workers): the line's count is the number of
     hs_<i> in OUT, which the next run resumes (a new user's review saw "813" said, 829 files
