@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the kimi-sglang image with `docker build` (BuildKit) or podman. See docs/container.md.
+# Build the kimi-sglang image with `docker build` or podman (usage() says which builder). See docs/container.md.
 set -euo pipefail
 
 usage() {
@@ -8,10 +8,11 @@ Usage: ./build.sh [--base vX.Y.Z] [--base-image IMAGE] [--name NAME] [--push | -
                   [--wheel FILE] [--dry-run] [-- EXTRA_BUILD_ARGS...]
 
 Builds the kimi-sglang image for linux/amd64: first the sglang-ext wheel (into
-build/wheel/, on this machine), then `docker build` with BuildKit (no buildx
-plugin needed) or `podman build`. RUN steps run with `--network none`: the
-build is hermetic; the base image must be present or pullable, nothing else
-is fetched.
+build/wheel/, on this machine), then `docker build` or `podman build`: with
+BuildKit, except on a docker client 23+ without the buildx plugin, where the
+classic builder is used (said on stderr; --dry-run shows which). RUN steps
+run with `--network none`: the build is hermetic; the base image must be
+present or pullable, nothing else is fetched.
 
   --base vX.Y.Z   patch series to build (a folder patches/vX.Y.Z with a base.toml);
                   default: the newest GPU-verified series (base.toml [series] status;

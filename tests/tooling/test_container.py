@@ -392,6 +392,9 @@ def test_build_sh_base_image_name_and_wheel(fake_docker, tmp_path):
 def test_build_sh_help(tmp_path):
     r = run_build(["--help"], tmp_path)
     assert r.returncode == 0 and "Usage: ./build.sh" in r.stdout
+    # it says what --dry-run then shows (a review: the help promised BuildKit, the dry run
+    # on a 23+ client without buildx printed the classic builder)
+    assert "without the buildx plugin, where the classic builder is used" in " ".join(r.stdout.split())
 
 
 # --------------------------------------------------------------------------
