@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.checks import CheckError, NotRegularError, check_file, check_header
@@ -46,6 +46,14 @@ class DumpDir:
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         st = os.fstat(self.fd)
         self.identity = (st.st_dev, st.st_ino)
+        # name -> rid of the files found here by name for an answer naming the server's own
+        # path, not visible here (DumpDirs.take): taken only when their metadata says rid
+        self.translated: Dict[str, str] = {}
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` or its ``.lock`` (an early answer's file not written yet) is here;
+        ``name`` is looked at again after the lock, which goes once the file is in place."""
+        return any(fmt.lexists_at(self.fd, n) for n in (name, name + fmt.LOCK_SUFFIX, name))
 
     def close(self) -> None:
         os.close(self.fd)
@@ -95,10 +103,16 @@ class DumpDirs:
     filesystem shared with every server), when the name is not the server's name for
     ``rid`` (the patched server names every file so, ``format.safe_stem``: a server that
     does not is of another series or not to be trusted, and retries would only leave more
-    of its files behind), when ``--dump-dir`` was given and does not name the directory (a
-    server's directory left out), or when more than ``MAX_DUMP_DIRS`` were named. Nothing
-    is taken or deleted then. Raises ``OSError`` from ``__init__`` for a given path that
-    is not a directory."""
+    of its files behind), when ``--dump-dir`` was given, does not name the directory and
+    holds no file of that name (a server's directory left out), or when more than
+    ``MAX_DUMP_DIRS`` were named. Nothing is taken or deleted then. Raises ``OSError`` from
+    ``__init__`` for a given path that is not a directory.
+
+    A ``--dump-dir`` may show the server's directory under another path (a bind mount, a
+    network filesystem mounted elsewhere): an answer whose directory is none of the run's
+    here (absent, or another directory at that path) is looked up by its bare name in the
+    ``--dump-dir`` that holds it, and that file is taken only if its metadata names the
+    request's rid (``move_into_place``)."""
 
     def __init__(self, paths: List[str]):
         self.fixed = bool(paths)
@@ -139,19 +153,26 @@ class DumpDirs:
             st = os.stat(directory or ".")
         except OSError:
             st = None
-        if st is None or not stat.S_ISDIR(st.st_mode):
+        is_dir = st is not None and stat.S_ISDIR(st.st_mode)
+        for d in self.dirs:
+            if is_dir and (st.st_dev, st.st_ino) == d.identity:
+                return d, d.server_name_of(rid, path)
+        if self.fixed:
+            if server_name_ok(rid, name):  # the server's directory under another path here?
+                for d in self.dirs:
+                    if d.holds(name):
+                        d.translated[name] = rid
+                        return d, name
+            # a server's directory left out: every answer of it would fail alike
+            raise FatalError(f"the server wrote {path} into {directory}, which no --dump-dir "
+                             f"names ({', '.join(d.path for d in self.dirs)}), and none of them "
+                             f"holds {name}: pass each server's --dump-hidden-states-dir as this "
+                             f"machine sees it with --dump-dir (one per server behind a router)")
+        if not is_dir:
             raise FatalError(f"the server writes to {directory}, which does not exist on this "
                              f"machine: the directory sink needs a filesystem shared with every "
-                             f"server, its --dump-hidden-states-dir seen here under the same "
-                             f"path (or use the store sink, --store)")
-        for d in self.dirs:
-            if (st.st_dev, st.st_ino) == d.identity:
-                return d, d.server_name_of(rid, path)
-        if self.fixed:  # a server's directory left out: every answer of it would fail alike
-            raise FatalError(f"the server wrote {path} into {directory}, which no --dump-dir "
-                             f"names ({', '.join(d.path for d in self.dirs)}): add --dump-dir "
-                             f"{directory} (one per server behind a router), or leave --dump-dir "
-                             f"out to take each answer's directory")
+                             f"server; pass --dump-dir DIR, its --dump-hidden-states-dir as this "
+                             f"machine sees it (or use the store sink, --store)")
         if not server_name_ok(rid, name):  # before a directory is adopted for it
             raise _not_the_servers_name(rid, path)
         if len(self.dirs) >= MAX_DUMP_DIRS:
@@ -183,10 +204,11 @@ def open_regular(name: str, dir_fd: int, shown: str) -> int:
         raise NotRegularError(f"{shown} is not a regular file ({kind_of(mode)})") from None
 
 
-def check_before_taking(fd: int, input_ids: Optional[List[int]], shown: str) -> int:
+def check_before_taking(fd: int, input_ids: Optional[List[int]], shown: str,
+                        rid: Optional[str] = None) -> int:
     """``checks.check_header`` on the server's open file ``fd`` before anything is moved
-    or copied into OUT (its shapes, its tokens, its size bound); returns its size. Raises
-    ``CheckError``."""
+    or copied into OUT (its shapes, its tokens, its size bound; with ``rid``, its
+    metadata's ``rid``); returns its size. Raises ``CheckError``."""
     from safetensors import safe_open
 
     size = os.fstat(fd).st_size
@@ -195,6 +217,11 @@ def check_before_taking(fd: int, input_ids: Optional[List[int]], shown: str) -> 
             if fmt.KEY_HIDDEN_STATES not in set(f.keys()):
                 raise CheckError(f"{shown}: missing keys ['{fmt.KEY_HIDDEN_STATES}']")
             check_header(f, size, None if input_ids is None else len(input_ids), shown)
+            got = (f.metadata() or {}).get("rid")
+            if rid is not None and got != rid:
+                raise CheckError(f"{shown} is not request {fmt.brief_rid(rid)}'s (its metadata "
+                                 f"says rid {got!r}): not taken; is --dump-dir the server's "
+                                 f"--dump-hidden-states-dir?")
     except CheckError:
         raise
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
@@ -237,7 +264,8 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
     that same file), is made a regular file of this user with ``mode`` (copied when another
     name links it or another user owns it), is checked there, and only then renamed onto
     the final name: the final name never holds a partial, unchecked or linked file. On a
-    failed check the temporary file is removed and ``CheckError`` raised.
+    failed check the temporary file is removed and ``CheckError`` raised. A file found by
+    name for an answer naming another path (``DumpDir.translated``) must also name its rid.
     """
     shown = f"the server's file {os.path.join(dump.path, name)}"
     with Staged(out_dir, final_name(index)) as staged:
@@ -247,7 +275,7 @@ def move_into_place(dump: DumpDir, name: str, out_dir: str, index: int, input_id
                                   f"left where it is")
         fd = open_regular(name, dump.fd, shown)
         try:
-            checked = check_before_taking(fd, input_ids, shown)
+            checked = check_before_taking(fd, input_ids, shown, dump.translated.pop(name, None))
         finally:
             os.close(fd)
         tmp = staged.name()

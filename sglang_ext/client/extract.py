@@ -69,8 +69,8 @@ Guarantees:
   a row whose server died or timed out (connection reset, HTTP 5xx, timeout) again under a
   new rid, and the router gives it to a live server; a row is written and put in the
   manifest once whichever try succeeds. With the directory sink every server's dump
-  directory must be on a filesystem this client sees under the same path; an answer
-  naming a directory that does not exist here stops the run (exit 3).
+  directory must be on a filesystem this client sees (at another path: ``--dump-dir``,
+  ``dumpdir.DumpDirs``); an answer naming a directory found nowhere stops the run (exit 3).
 - Progress (``sglang_ext.client.progress``): rows/s, tokens/s and per worker (its dump
   directory, or ``store``) samples and failed tries; the same in the summary (``--summary``).
 - Leftovers: the server's files of requests this client never took (killed or
@@ -512,7 +512,10 @@ def add_parser(subparsers) -> None:
                         "with mode 0600 or env KIMI_SGLANG_FILE_MODE (octal, e.g. 0640), the "
                         "umask applied; results are always regular files")
     p.add_argument("--dump-dir", default=None, action="append",
-                   help="the server's --dump-hidden-states-dir as this machine sees it: extract "
+                   help="the server's --dump-hidden-states-dir as this machine sees it, at the "
+                        "server's path or another (a bind mount, a share mounted elsewhere: a "
+                        "file is then found by its name and taken only if its metadata names "
+                        "the request's rid): extract "
                         "moves and deletes only regular files directly in it that carry the "
                         "server's name for the request: an answer naming another name stops "
                         "the run (exit 3), one naming no regular file fails its try. Repeat it "

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -390,18 +391,90 @@ def test_sigterm_ends_as_ctrl_c_does(server, tmp_path):
         (r.stderr, server_files(server))
 
 
+def start_standin(dump, *args):
+    """``python -m sglang_ext standin --dump-dir DUMP ARGS`` on a free port: (process, url)."""
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", "standin", "--port", "0", "--dump-dir",
+                             str(dump), *args], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    assert line.startswith("stand-in server"), line + proc.stderr.read()
+    return proc, re.search(r"at (http://\S+),", line).group(1)
+
+
+def test_a_dump_dir_seen_under_another_path_is_taken_from(tmp_path):
+    """The server's directory is seen here only under another path: in a private mount
+    namespace (``unshare -m``, as root) it is bind-mounted at VIEW and its own path is
+    covered by an empty tmpfs (a review's repro). ``--dump-dir VIEW`` takes each answer's
+    file there by name, its metadata naming the rid; the old code stopped (exit 3) and
+    its advice, ``--dump-dir`` the server's path, then failed every row ("is missing")."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a private mount namespace needs root and unshare")
+    srv, view, out = tmp_path / "srv", tmp_path / "view", tmp_path / "out"
+    view.mkdir()
+    standin, url = start_standin(srv)
+    try:
+        data = write_jsonl(tmp_path / "d.jsonl", rows(3))
+        script = (f"mount --make-rprivate / && mount --bind {srv} {view} && mount -t tmpfs none {srv} && "
+                  f"exec {sys.executable} -m sglang_ext " + " ".join(extract_args(
+                      argparse.Namespace(url=url), data, out, "--dump-dir", view)))
+        r = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        if r.returncode != 0 and "unshare" in r.stderr and "not permitted" in r.stderr:
+            pytest.skip(f"no mount namespace here: {r.stderr.strip()}")
+        assert r.returncode == 0, r.stderr
+        from safetensors import safe_open
+
+        for i, ids in enumerate(rows(3)):
+            with safe_open(str(out / f"hs_{i}.safetensors"), "np") as f:
+                assert f.get_tensor(fmt.KEY_TOKEN_IDS).tolist() == ids and f.metadata()["rid"].startswith("extract")
+        lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+        assert sorted(r["index"] for r in lines) == [0, 1, 2]
+        assert all(r["source"].startswith(f"{view}/") for r in lines), lines
+        assert [n for n in os.listdir(srv) if n != fmt.INDEX_NAME] == [], os.listdir(srv)
+    finally:
+        standin.kill()
+        standin.wait()
+
+
+def test_a_file_found_by_name_under_another_path_must_name_the_rid(tmp_path):
+    """A file found by name in --dump-dir for an answer naming a directory not seen here
+    is taken only when its metadata names the request's rid: here the stand-in's file for
+    rid "a" under the name of rid "b" is refused and left where it is."""
+    from sglang_ext.client.checks import CheckError
+    from sglang_ext.client.dumpdir import DumpDirs, move_into_place
+
+    dump, out = tmp_path / "dump", tmp_path / "out"
+    out.mkdir()
+    standin, url = start_standin(dump)
+    try:
+        body = json.dumps({"input_ids": [1, 2, 3], "rid": "a"}).encode()
+        req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as answer:
+            path = json.loads(answer.read())["meta_info"][fmt.PATH_KEY]
+    finally:
+        standin.kill()
+        standin.wait()
+    name_b = fmt.safe_stem("b") + fmt.SUFFIX
+    os.rename(path, dump / name_b)
+    dirs = DumpDirs([str(dump)])
+    try:
+        d, name = dirs.take("b", f"/nowhere-here/{name_b}")
+        assert (d.path, name) == (str(dump), name_b)
+        with pytest.raises(CheckError, match=r"is not request 'b''s \(its metadata says rid 'a'\)"):
+            move_into_place(d, name, str(out), 0, [1, 2, 3], False)
+    finally:
+        dirs.close()
+    assert (dump / name_b).exists() and not list(out.glob("hs_*"))
+
+
 def test_every_file_an_interrupted_run_put_in_out_has_its_manifest_line(tmp_path):
     """Ctrl-C while samples are being copied into OUT (the stand-in's dump directory on
     another filesystem, /dev/shm, and 24 MiB files: each copy takes a while): every
     hs_<i> in OUT has its manifest line, with its source, when the run exits (a new user's
     review: 2166 files, 2155 lines; the rerun added the rest with "source": null)."""
     dump = tempfile.mkdtemp(dir="/dev/shm", prefix="kimi-sglang-test-")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    standin = subprocess.Popen([sys.executable, "-m", "sglang_ext", "standin", "--port", "0", "--dump-dir",
-                                dump, "--hidden-size", "3072"], env=env, stderr=subprocess.PIPE, text=True)
+    standin, url = start_standin(dump, "--hidden-size", "3072")
     try:
-        line = standin.stderr.readline()
-        url = re.search(r"at (http://\S+),", line).group(1)
         path = write_jsonl(tmp_path / "d.jsonl", [[(i + k) % 1000 for k in range(2000)] for i in range(16)])
         out = tmp_path / "out"
 
