@@ -166,10 +166,9 @@ def build_kimi_slice(path: str, num_layers: int = 4, device: str = "cuda", seed:
 
     Sizes at Kimi-K2.5's dimensions: 9.5 GB per MoE layer (8.5 GB of INT4 experts), 1.0 GB
     for the dense layer, 4.7 GB for the embeddings and lm_head."""
-    import shutil
     from safetensors.torch import save_file
 
-    from testing.tiny_models import kimi_processor_config, kimi_vision_config, kimi_vision_shapes
+    from testing.tiny_models import kimi_vision_config, kimi_vision_shapes, write_kimi_k25_config
 
     cfg = text_config(num_layers, **overrides)
     os.makedirs(path, exist_ok=True)
@@ -204,15 +203,8 @@ def build_kimi_slice(path: str, num_layers: int = 4, device: str = "cuda", seed:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     text = dict(cfg, architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", dtype="bfloat16",
                 quantization_config=KIMI_K25_QUANT)
-    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-              "dtype": "bfloat16", "text_config": text, "vision_config": vision,
-              "quantization_config": KIMI_K25_QUANT, "media_placeholder_token_id": 163605,
-              "pad_token_id": 163839, "bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-              "tie_word_embeddings": False}
-    for name, doc in (("config.json", config), ("processor_config.json", kimi_processor_config(vision))):
-        with open(os.path.join(path, name), "w") as f:
-            json.dump(doc, f, indent=2)
-    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_processor.py"), path)
+    write_kimi_k25_config(path, text, vision, media_placeholder=163605, pad_token_id=163839,
+                          quantization_config=KIMI_K25_QUANT)
     return num_layers
 
 

@@ -166,7 +166,6 @@ def build_kimi(path: str) -> int:
     even with --skip-tokenizer-init (kimi_processor.py, a stand-in of Kimi-K2.5's,
     processor_config.json: remote code, so the server needs --trust-remote-code, as
     Kimi-K2.5 does)."""
-    import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -182,16 +181,28 @@ def build_kimi(path: str) -> int:
                     for k, s in kimi_vision_shapes(vision).items()})
     os.makedirs(path, exist_ok=True)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    write_kimi_k25_config(path, text_config, vision, KIMI_MEDIA_PLACEHOLDER, pad_token_id=0)
+    return n
+
+
+def write_kimi_k25_config(path: str, text_config: dict, vision: dict, media_placeholder: int,
+                          pad_token_id: int, **extra) -> None:
+    """config.json of a ``KimiK25ForConditionalGeneration`` checkpoint (``text_config``,
+    ``vision_config``, ``media_placeholder_token_id``, ids; ``extra``: more top-level keys,
+    e.g. a ``quantization_config``), its processor_config.json and the processor stand-in
+    (kimi_processor.py) into ``path``: what SGLang reads at start-up even with
+    --skip-tokenizer-init (the tiny ``kimi`` model and testing/kimi_slice.py)."""
+    import shutil
+
     config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
               "dtype": "bfloat16", "text_config": text_config, "vision_config": vision,
-              "media_placeholder_token_id": KIMI_MEDIA_PLACEHOLDER, "pad_token_id": 0,
+              "media_placeholder_token_id": media_placeholder, "pad_token_id": pad_token_id,
               "bos_token_id": text_config["bos_token_id"], "eos_token_id": text_config["eos_token_id"],
-              "tie_word_embeddings": False}
+              "tie_word_embeddings": False, **extra}
     for name, doc in (("config.json", config), ("processor_config.json", kimi_processor_config(vision))):
         with open(os.path.join(path, name), "w") as f:
             json.dump(doc, f, indent=2)
     shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kimi_processor.py"), path)
-    return n
 
 
 # Kimi-K2.5's role and media tokens in ``kimi_vl``'s tokenizer, at the top of the 1024
