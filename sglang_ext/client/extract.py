@@ -117,6 +117,7 @@ from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, serve
 from sglang_ext.client.images import ImageAccess
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
+from sglang_ext.client.report import report_sweep, write_summary
 from sglang_ext.client.runner import Options, Stats, run
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
@@ -321,7 +322,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         return EXIT_BAD_INPUT
     if removed:
         print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
-    _report_sweep(pending, forget_unanswered=True, when="an earlier run of this command left")
+    report_sweep(pending, forget_unanswered=True, when="an earlier run of this command left")
     fetcher = None
     if args.store is not None:
         from sglang_ext.client.fetch import MooncakeMissing, StoreFetcher, StoreUnreachable
@@ -355,14 +356,14 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         asyncio.run(_run_until_sigterm(run(args, opts, rows, total, stats, pending, progress)))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        _report_sweep(pending, forget_unanswered=False, when="stopped tries left")
+        report_sweep(pending, forget_unanswered=False, when="stopped tries left")
         if stats.done:
             print(f"extract: stopped at that row; the {stats.done} sample(s) extracted before it "
                   f"are kept in {args.out}: fix the row and run the same command again to resume",
                   file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
-        left = _report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
+        left = report_sweep(pending, forget_unanswered=False, when="interrupted tries left")
         how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
         # stats.taken, not stats.done: rows cancelled after their file reached OUT count
         # (a new user's review saw 813 said, 829 in OUT, 829 resumed by the next run)
@@ -373,7 +374,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
               file=sys.stderr)
         return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
     elapsed = time.monotonic() - t0
-    left = _report_sweep(pending, forget_unanswered=False, when="tries given up on left")
+    left = report_sweep(pending, forget_unanswered=False, when="tries given up on left")
     if fetcher is not None and not stats.aborted:
         _, kept = asyncio.run(fetcher.sweep())
         if kept:
@@ -403,49 +404,6 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     if stats.aborted:
         return EXIT_BAD_INPUT if stats.bad_input else EXIT_ABORTED
     return EXIT_FAILED if stats.failed else EXIT_OK
-
-
-def write_summary(path: str, summary: dict, mode: int) -> None:
-    """Write ``summary`` as JSON to ``path`` through a temporary file renamed onto it (never
-    a partial file under the name), with ``mode``. Raises ``OSError``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".extract-summary-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), mode)
-            json.dump(summary, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _report_sweep(pending: PendingFiles, forget_unanswered: bool, when: str) -> List[str]:
-    """Sweep the server files this rank's requests left (see ``sglang_ext.client.pending``); say
-    what was removed and what is still being written. Returns the latter."""
-    try:
-        removed, busy = pending.sweep(forget_unanswered)
-    except OSError as e:  # the journal's rewrite (a full disk): the next run reads it again
-        print(f"cannot rewrite {pending.path} ({e.strerror or e}); the next run of this command "
-              f"sweeps again", file=sys.stderr)
-        return []
-    if removed:
-        print(f"removed {removed} file(s) {when} in the server's dump directory "
-              f"({', '.join(pending.dump_dirs)})", file=sys.stderr)
-    if busy:
-        print(f"{len(busy)} file(s) {when} are still being written by the server (e.g. "
-              f"{busy[0]}); the next run of this command removes them", file=sys.stderr)
-    unplaced = pending.unplaced()
-    if unplaced:
-        print(f"note: {unplaced} request(s) were sent and never answered, and this run knows no "
-              f"dump directory (no --dump-dir, no answer, none in the server's /server_info): "
-              f"files the server wrote for them stay in its --dump-hidden-states-dir; pass "
-              f"--dump-dir DIR to the same command to have them removed", file=sys.stderr)
-    return busy
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):

@@ -3,7 +3,7 @@
 ``extract``'s doc. ``run`` needs aiohttp and tqdm (``extract`` checks both first). An
 answer that names a file is taken from the dump directory (``dumpdir``); one that carries
 a store manifest is taken from the Mooncake Store (``fetch``, imported only with
-``--store``)."""
+``--store``; ``store_rows`` takes its samples)."""
 
 from __future__ import annotations
 
@@ -186,52 +186,6 @@ def chat_record(row: Row, rec: Dict[str, Any]) -> Dict[str, Any]:
     return rec
 
 
-async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer,
-                          taken: Set[int]) -> Dict[str, Any]:
-    """The store half of a try: check the answer's manifest against ``row``, journal it,
-    wait for its object (``--store-timeout``) and write it as ``OUT/hs_<i>``; returns the
-    manifest record. Raises ``FetchError`` (a ``RequestError``), ``RowError``
-    (``expected_ids``), ``CheckError`` or ``OSError``."""
-    from sglang_ext.client import fetch
-
-    store = opts.store
-    ids = expected_ids(row, answer)
-    exp = fetch.expect(answer.manifest, rid, ids, store.shape)  # rid is journaled already
-    store.answered(row.index, rid, answer.manifest)
-    await store.wait(exp, opts.store_timeout)
-    size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index, ids,
-                                   opts.validate)
-    return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle), size))
-
-
-async def resume_from_store(opts: Options, row: Row, taken: Set[int]) -> Optional[Dict[str, Any]]:
-    """A rerun's first try of an unfinished row: take the newest object an earlier run
-    was answered for, if it is still in the store (no new request); returns its record, or
-    None (nothing journaled, or gone: the row is requested again). Journaled objects that
-    cannot be taken stay journaled, removed once the row is done or at the run's end."""
-    from sglang_ext.client import fetch
-
-    store = opts.store
-    for rid, manifest in reversed(store.resumable(row.index)):
-        try:
-            if row.chat is not None and row.input_ids is None:
-                # the journaled answer's prompt token ids are not kept: a fresh request
-                # checks the object against them
-                continue
-            exp = fetch.expect(manifest, rid, row.input_ids, store.shape)
-            if await asyncio.to_thread(store.state, exp.handle) != "ready":
-                continue
-            size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index,
-                                           row.input_ids, opts.validate)
-        except (RequestError, CheckError, OSError) as e:
-            print(f"{row.name}: the sample an earlier run was answered for is not taken "
-                  f"({e}); requesting it again", file=sys.stderr)
-            continue
-        return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle),
-                                       size))
-    return None
-
-
 async def extract_one(session, opts: Options, row: Row, stats: Stats,
                       http_slots: asyncio.Semaphore, pending: PendingFiles,
                       abort: asyncio.Event, progress: Optional[Progress] = None
@@ -249,15 +203,17 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             await asyncio.sleep(backoff_delay(attempt, opts.backoff, opts.max_backoff))
         if abort.is_set():
             return None
+        if opts.store is not None:
+            from sglang_ext.client import store_rows  # imports this module: not at its top
         try:
             if attempt == 0 and opts.store is not None and opts.store.resumable(row.index):
-                rec = await resume_from_store(opts, row, stats.taken)
+                rec = await store_rows.resume_from_store(opts, row, stats.taken)
                 if rec is not None:
                     return rec, STORE
             rid, answer = await request_once(session, opts, row, attempt, http_slots, pending)
             if answer.manifest is not None:
                 where.append(STORE)
-                return await take_from_store(opts, row, rid, answer, stats.taken), STORE
+                return await store_rows.take_from_store(opts, row, rid, answer, stats.taken), STORE
             dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
             ids = expected_ids(row, answer)  # RowError: the file stays journaled, swept at the end
             try:
