@@ -87,6 +87,10 @@ Guarantees:
   is shared with the server. Such an answer without ``--store`` stops the run (exit 2), and
   an answer naming a file with ``--store`` (a server writing files) stops it (exit 3).
 
+- Generate (``--generate``, ``sglang_ext.client.generation``): the server writes each row's
+  response and the rows of prompt and response in one request (``format.output``); the file
+  is checked against the answer's ``output_ids`` before it is taken; a retry is a new sample.
+
 Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
 (read from the file's header with numpy, without torch); with ``--validate`` (needs torch)
@@ -110,6 +114,7 @@ import threading
 import time
 from typing import List
 
+from sglang_ext.client import generation
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
 from sglang_ext.client.files import RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
@@ -211,6 +216,15 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     if not (math.isfinite(args.store_timeout) and args.store_timeout > 0):
         print(f"error: --store-timeout {args.store_timeout} must be a positive number of seconds",
               file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        sampling = generation.sampling_params(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if sampling is not None and args.store is not None:
+        print("error: --generate takes files from the dump directory; with --store it is not "
+              "supported yet", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.store is not None:
         from sglang_ext.store import StoreConfig
@@ -343,11 +357,13 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         max_consecutive_failures=args.max_consecutive_failures, timeout=args.timeout,
         validate=args.validate, rid_prefix=args.rid_prefix, early_answers=not args.no_early_answers,
         dump=dump, file_mode=mode, store=fetcher, store_timeout=args.store_timeout,
+        generate=sampling, decode=generation.decoder(tokenizer) if sampling is not None else None,
     )
     held[:] = [opts]
     stats = Stats()
     total = len(range(args.rank, n_rows, args.world_size))
-    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank, ImageAccess(tuple(roots)))
+    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank, ImageAccess(tuple(roots)),
+                     generate=sampling is not None)
     t0 = time.monotonic()
     from sglang_ext.client.progress import Progress  # tqdm: checked above
 
@@ -487,6 +503,7 @@ def add_parser(subparsers) -> None:
                         "meta_info.hidden_states_manifest; needs pip install -r requirements/store.txt")
     p.add_argument("--store-timeout", type=float, default=120.0,
                    help="with --store: seconds to wait for each answer's object (or its :error)")
+    generation.add_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--summary", default=None, metavar="PATH",
                    help="also write the final summary (rows/s, tokens/s, per-worker samples and "

@@ -14,9 +14,10 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from sglang_ext import format as fmt
+from sglang_ext.client import generation
 from sglang_ext.client.checks import CheckError, check_file, sample_layout
 from sglang_ext.client.dataset import Row
 from sglang_ext.client.dumpdir import DumpDir, DumpDirs, move_into_place
@@ -62,6 +63,8 @@ class Options:
     file_mode: int = fmt.DEFAULT_FILE_MODE  # of every file created in out_dir (umask applied)
     store: Optional["StoreFetcher"] = None  # --store: the connected reader
     store_timeout: float = 120.0  # --store-timeout: seconds to wait for an answer's object
+    generate: Optional[Dict[str, Any]] = None  # --generate: the sampling_params sent (generation)
+    decode: Optional[Callable[[List[int]], str]] = None  # --generate with --tokenizer: the text
 
 
 @dataclass
@@ -117,7 +120,7 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
                                        http_slots, pending)
     else:
         answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
-                                http_slots, pending)
+                                http_slots, pending, opts.generate)
     if answer.manifest is None and opts.store is not None:
         raise FatalError(f"the server at {opts.endpoint} writes files (its answers carry "
                          f"meta_info.{fmt.PATH_KEY}, e.g. {answer.path}), not samples into a "
@@ -216,6 +219,10 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
                 return await store_rows.take_from_store(opts, row, rid, answer, stats.taken), STORE
             dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
             ids = expected_ids(row, answer)  # RowError: the file stays journaled, swept at the end
+            extra: Dict[str, Any] = {}
+            if opts.generate is not None:  # the prompt's then the generated tokens' rows
+                ids, extra = await asyncio.to_thread(generation.check_answer, dump, name, ids,
+                                                     answer.output_ids, opts.decode)
             try:
                 size = await asyncio.to_thread(
                     put_in_out, stats.taken, row.index, move_into_place, dump, name, opts.out_dir,
@@ -228,7 +235,7 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             n = len(ids) if ids is not None else await asyncio.to_thread(
                 check_file, os.path.join(opts.out_dir, final_name(row.index)), None, False)
             rec = record(row.index, n, os.path.join(dump.path, name), size)
-            return chat_record(row, rec), dump.path
+            return chat_record(row, {**rec, **extra}), dump.path
         except FatalError:
             raise
         except RowError as e:
@@ -341,10 +348,16 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             print(row.error, file=sys.stderr)        # not a consecutive failure
             tick()
             return
-        n, redo = await asyncio.to_thread(
-            existing, opts.out_dir, row.index, row.input_ids, opts.validate,
-            row.chat.digest if row.chat is not None else None,
-            manifest.records.get(row.index))
+        extra = None
+        if opts.generate is not None:
+            n, redo, extra = await asyncio.to_thread(
+                generation.existing, opts.out_dir, row.index, row.input_ids, opts.validate,
+                manifest.records.get(row.index), opts.decode)
+        else:
+            n, redo = await asyncio.to_thread(
+                existing, opts.out_dir, row.index, row.input_ids, opts.validate,
+                row.chat.digest if row.chat is not None else None,
+                manifest.records.get(row.index))
         if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
             print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
         elif n is not None:
@@ -353,7 +366,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             stats.resumed += 1
             if row.index not in manifest:
                 size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
-                if not add_line(row, record(row.index, n, None, size)):
+                if not add_line(row, {**record(row.index, n, None, size), **(extra or {})}):
                     return
             if opts.store is not None:  # taken before a kill: its objects go now
                 await opts.store.consumed(row.index)
