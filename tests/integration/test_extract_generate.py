@@ -254,3 +254,48 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
     assert served.tries == {}
     r = cli("extract", "--help")
     assert "A retried row is a new request: with --temperature > 0 a new sample" in " ".join(r.stdout.split())
+
+
+def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
+    """SpecForge records of ``--generate`` output: loss_mask 0 on the prompt, 1 on the
+    generated tokens (files of prompts alone keep all ones: test_client)."""
+    import torch
+
+    out, dst = tmp_path / "out", tmp_path / "sf"
+    r = cli(*extract_args(served.url, write_data(tmp_path / "d.jsonl", PROMPTS[:3]), out))
+    assert r.returncode == 0, r.stderr
+    r = cli("convert", out, dst, "--no-final-norm")
+    assert r.returncode == 0, r.stderr
+    for i, prompt in enumerate(PROMPTS[:3]):
+        rec = torch.load(dst / "rows_0-5000" / f"data_{i}.ckpt")
+        fed = prompt + generated_reference(prompt, 5)[:-1]
+        assert rec["input_ids"].tolist() == fed
+        assert rec["loss_mask"].tolist() == [0] * len(prompt) + [1] * 4, rec["loss_mask"]
+        hs = fmt.load(str(out / f"hs_{i}.safetensors")).hidden_states
+        assert torch.equal(rec["hidden_state"][0], hs[:, -1, :])
+        assert torch.equal(rec["aux_hidden_state"][0], hs[:, :-1, :].reshape(len(fed), -1))
+
+
+def test_speculators_reader_loads_generated_files_unchanged(served, tmp_path):
+    import torch
+
+    try:
+        from datasets import Dataset
+        from hs_connectors import FileTransfer
+        from speculators.train.data import ArrowDataset
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"speculators' reader does not import here ({type(e).__name__}: {e})")
+    out = tmp_path / "out"
+    r = cli(*extract_args(served.url, write_data(tmp_path / "d.jsonl", PROMPTS), out))
+    assert r.returncode == 0, r.stderr
+    fed = [p + generated_reference(p, 5)[:-1] for p in PROMPTS]
+    masks = [[0] * len(p) + [1] * 4 for p in PROMPTS]  # the response, from num_prompt_tokens
+    Dataset.from_dict({"input_ids": fed, "loss_mask": masks, "seq_len": [len(f) for f in fed]}
+                      ).with_format("torch").save_to_disk(str(tmp_path / "prepared"))
+    ds = ArrowDataset(max_len=64, datapath=str(tmp_path / "prepared"), transfer=FileTransfer(out),
+                      on_missing="raise")
+    for i, ids in enumerate(fed):
+        item, hs = ds[i], fmt.load(str(out / f"hs_{i}.safetensors")).hidden_states
+        assert item["input_ids"].tolist() == ids and item["loss_mask"].tolist() == masks[i]
+        assert torch.equal(item["hidden_states"], hs[:, :3, :].reshape(len(ids), -1))
+        assert torch.equal(item["verifier_last_hidden_states"], hs[:, 3, :])
