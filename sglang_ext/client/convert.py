@@ -32,7 +32,10 @@ without our metadata, e.g. vLLM's, are taken to follow the same convention).
 
 ``loss_mask``: from ``--loss-mask-from DATA`` (the JSONL / datasets directory given to
 ``extract``, row i -> hs_<i>; its ``loss_mask`` must have T entries), else all ones
-(every position trained; SpecForge itself zeroes the last one when it loads a record).
+(every position trained; SpecForge itself zeroes the last one when it loads a record),
+except in a file with output rows (``extract --generate``, ``format.output``): 0 on its
+``num_prompt_tokens`` prompt positions, 1 on the generated tokens, as SpecForge's own
+template masks mark the assistant's tokens.
 
 Images: SpecForge is text-only (its trainer embeds ``input_ids`` with the drafter's own
 embedding and has no vision tower), but a record of a prompt with images is still a valid
@@ -365,6 +368,12 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
         last = rms_norm(last, weight, eps)
     if loss_mask is None:
         mask = torch.ones(t, dtype=torch.long)
+        try:
+            rows = fmt.output_rows(ids.tolist(), rec.metadata, path)
+        except fmt.DumpFormatError as e:
+            raise ConvertError(f"{e}; run extract again with the same --out to replace it") from None
+        if rows is not None:  # the response alone is trained (module doc)
+            mask[:rows.num_prompt_tokens] = 0
     else:
         if len(loss_mask) != t:
             raise ConvertError(f"{path}: loss_mask has {len(loss_mask)} entries for {t} tokens")
@@ -535,7 +544,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-final-norm", action="store_true",
                    help="write the pre-norm last layer as hidden_state (not what stock SpecForge expects)")
     p.add_argument("--loss-mask-from", default=None,
-                   help="DATA given to extract, with loss_mask per row (default: all ones)")
+                   help="DATA given to extract, with loss_mask per row (default: all ones); "
+                        "files with output rows (extract --generate): 0 on the prompt, 1 on the "
+                        "generated tokens")
     p.add_argument("--image-token-id", type=int, action="append", default=None, metavar="ID",
                    help="token id of image placeholder positions, given loss_mask 0 (repeatable; "
                         "default: each file's metadata image_token_id); needed for prompts with "

@@ -63,10 +63,15 @@ def _input_ids(row: Dict[str, Any], where: str) -> List[int]:
 
 
 def make_row(index: int, row: Dict[str, Any], where: str, tokenizer,
-             access: ImageAccess = ImageAccess()) -> Row:
+             access: ImageAccess = ImageAccess(), generate: bool = False) -> Row:
     """The ``Row`` to send for DATA's row. Raises ``DataError``; a malformed image part, or
     one whose URL ``access`` does not forward, gives a ``Row`` with ``error`` (that row
-    alone fails)."""
+    alone fails). ``generate`` (``extract --generate``): the prompt only, ``messages``
+    without their final assistant turn and with the chat template's generation prompt;
+    a row with images fails alone."""
+    if generate and has_image_parts(row.get("messages")):
+        return Row(index, None, error=f"{where}: --generate sends token ids to /generate; rows "
+                                      f"with images are not supported with --generate", where=where)
     if has_image_parts(row.get("messages")):
         try:
             chat = chat_prompt(row["messages"], access)
@@ -74,10 +79,10 @@ def make_row(index: int, row: Dict[str, Any], where: str, tokenizer,
             return Row(index, None, error=f"{where}: {e}", where=where)
         ids = _input_ids(row, where) if row.get("input_ids") is not None else None
         return Row(index, ids, chat=chat, where=where)
-    return Row(index, _ids_from_row(row, where, tokenizer), where=where)
+    return Row(index, _ids_from_row(row, where, tokenizer, generate), where=where)
 
 
-def _ids_from_row(row: Dict[str, Any], where: str, tokenizer) -> List[int]:
+def _ids_from_row(row: Dict[str, Any], where: str, tokenizer, generate: bool = False) -> List[int]:
     if row.get("input_ids") is not None:
         ids = _input_ids(row, where)
     elif row.get("messages") is not None:
@@ -89,7 +94,12 @@ def _ids_from_row(row: Dict[str, Any], where: str, tokenizer) -> List[int]:
                             f"given (text-only chats are tokenized here; rows with images go "
                             f"through the server's chat template)")
         try:
-            text = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+            messages = row["messages"]
+            if generate:  # the prompt of the response the server writes anew
+                messages = list(messages)
+                if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+                    messages.pop()
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generate)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         except Exception as e:  # noqa: BLE001 - no chat template, messages of the wrong shape
             raise DataError(f"{where}: --tokenizer cannot turn its messages into tokens "
@@ -208,9 +218,10 @@ def load_tokenizer(path: Optional[str]):
 
 
 def rank_rows(data: str, tokenizer, world_size: int, rank: int,
-              access: ImageAccess = ImageAccess()) -> Iterator[Row]:
+              access: ImageAccess = ImageAccess(), generate: bool = False) -> Iterator[Row]:
     """The rows of DATA this rank sends (``index % world_size == rank``), as token ids;
-    image URLs forwarded under ``access``. Raises ``DataError``."""
+    image URLs forwarded under ``access``; ``generate``: prompts only (``make_row``).
+    Raises ``DataError``."""
     for index, row, where in iter_rows(data, tokenizer):
         if index % world_size == rank:
-            yield make_row(index, row, where, tokenizer, access)
+            yield make_row(index, row, where, tokenizer, access, generate)

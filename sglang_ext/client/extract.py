@@ -87,6 +87,10 @@ Guarantees:
   is shared with the server. Such an answer without ``--store`` stops the run (exit 2), and
   an answer naming a file with ``--store`` (a server writing files) stops it (exit 3).
 
+- Generate (``--generate``, ``sglang_ext.client.generation``): the server writes each row's
+  response and the rows of prompt and response in one request (``format.output``); the file
+  is checked against the answer's ``output_ids`` before it is taken; a retry is a new sample.
+
 Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
 (read from the file's header with numpy, without torch); with ``--validate`` (needs torch)
@@ -108,8 +112,9 @@ import sys
 import tempfile
 import threading
 import time
-from typing import List, Tuple
+from typing import List
 
+from sglang_ext.client import generation
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
 from sglang_ext.client.files import RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
@@ -117,6 +122,7 @@ from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, serve
 from sglang_ext.client.images import ImageAccess
 from sglang_ext.client.manifest import MANIFEST_NAME, add_missing_lines, clean_tmp
 from sglang_ext.client.pending import PendingFiles
+from sglang_ext.client.report import report_sweep, sweep, write_summary
 from sglang_ext.client.runner import Options, Stats, run
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 1, 2, 3
@@ -210,6 +216,15 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     if not (math.isfinite(args.store_timeout) and args.store_timeout > 0):
         print(f"error: --store-timeout {args.store_timeout} must be a positive number of seconds",
               file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        sampling = generation.sampling_params(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if sampling is not None and args.store is not None:
+        print("error: --generate takes files from the dump directory; with --store it is not "
+              "supported yet", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.store is not None:
         from sglang_ext.store import StoreConfig
@@ -321,7 +336,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         return EXIT_BAD_INPUT
     if removed:
         print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
-    _report_sweep(pending, forget_unanswered=True, of="an earlier run of this command")
+    report_sweep(pending, forget_unanswered=True, of="an earlier run of this command")
     fetcher = None
     if args.store is not None:
         from sglang_ext.client.fetch import MooncakeMissing, StoreFetcher, StoreUnreachable
@@ -342,11 +357,13 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         max_consecutive_failures=args.max_consecutive_failures, timeout=args.timeout,
         validate=args.validate, rid_prefix=args.rid_prefix, early_answers=not args.no_early_answers,
         dump=dump, file_mode=mode, store=fetcher, store_timeout=args.store_timeout,
+        generate=sampling, decode=generation.decoder(tokenizer) if sampling is not None else None,
     )
     held[:] = [opts]
     stats = Stats()
     total = len(range(args.rank, n_rows, args.world_size))
-    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank, ImageAccess(tuple(roots)))
+    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank, ImageAccess(tuple(roots)),
+                     generate=sampling is not None)
     t0 = time.monotonic()
     from sglang_ext.client.progress import Progress  # tqdm: checked above
 
@@ -356,7 +373,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         _add_missing_lines(args.out, stats, mode)
-        _report_sweep(pending, forget_unanswered=False, of="stopped tries")
+        report_sweep(pending, forget_unanswered=False, of="stopped tries")
         if stats.done:
             print(f"extract: stopped at that row; the {stats.done} sample(s) extracted before it "
                   f"are kept in {args.out}: fix the row and run the same command again to resume",
@@ -364,7 +381,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
         _add_missing_lines(args.out, stats, mode)
-        _, notes = _sweep(pending, forget_unanswered=False, of="interrupted tries")
+        _, notes = sweep(pending, forget_unanswered=False, of="interrupted tries")
         how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
         # stats.taken, not stats.done: rows cancelled after their file reached OUT count
         # (a new user's review saw 813 said, 829 in OUT, 829 resumed by the next run).
@@ -375,7 +392,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
               file=sys.stderr)
         return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
     elapsed = time.monotonic() - t0
-    left = _report_sweep(pending, forget_unanswered=False, of="tries given up on")
+    left = report_sweep(pending, forget_unanswered=False, of="tries given up on")
     if fetcher is not None and not stats.aborted:
         _, kept = asyncio.run(fetcher.sweep())
         if kept:
@@ -407,25 +424,6 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     return EXIT_FAILED if stats.failed else EXIT_OK
 
 
-def write_summary(path: str, summary: dict, mode: int) -> None:
-    """Write ``summary`` as JSON to ``path`` through a temporary file renamed onto it (never
-    a partial file under the name), with ``mode``. Raises ``OSError``."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".extract-summary-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), mode)
-            json.dump(summary, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _add_missing_lines(out_dir: str, stats: Stats, mode: int) -> None:
     """After a run cut short (Ctrl-C, SIGTERM, bad DATA): the manifest line of each file
     this run put into OUT whose row was cancelled before writing it (``add_missing_lines``)."""
@@ -434,40 +432,6 @@ def _add_missing_lines(out_dir: str, stats: Stats, mode: int) -> None:
     except OSError as e:  # a full disk: the next run adds them (without their source)
         print(f"cannot append to {os.path.join(out_dir, MANIFEST_NAME)} ({e.strerror or e}); "
               f"the next run of this command adds the missing lines", file=sys.stderr)
-
-
-def _sweep(pending: PendingFiles, forget_unanswered: bool, of: str) -> Tuple[List[str], List[str]]:
-    """Sweep the server files this rank's requests left (see ``sglang_ext.client.pending``):
-    ``(the files still being written, the sentences that say what happened)``; ``of``
-    names the tries, e.g. "interrupted tries"."""
-    try:
-        removed, busy = pending.sweep(forget_unanswered)
-    except OSError as e:  # the journal's rewrite (a full disk): the next run reads it again
-        return [], [f"cannot rewrite {pending.path} ({e.strerror or e}); the next run of this "
-                    f"command sweeps again"]
-    notes = []
-    if removed:
-        notes.append(f"removed {removed} file(s) of {of} from the server's dump directory "
-                     f"({', '.join(pending.dump_dirs)})")
-    if busy:
-        notes.append(f"{len(busy)} file(s) of {of} are still being written by the server (e.g. "
-                     f"{busy[0]}); the next run of this command removes them")
-    unplaced = pending.unplaced()
-    if unplaced:
-        notes.append(f"note: {unplaced} request(s) were sent and never answered, and this run "
-                     f"knows no dump directory (no --dump-dir, no answer, none in the server's "
-                     f"/server_info): files the server wrote for them stay in its "
-                     f"--dump-hidden-states-dir; pass --dump-dir DIR to the same command to have "
-                     f"them removed")
-    return busy, notes
-
-
-def _report_sweep(pending: PendingFiles, forget_unanswered: bool, of: str) -> List[str]:
-    """``_sweep``, its sentences printed a line each; returns the files still being written."""
-    busy, notes = _sweep(pending, forget_unanswered, of)
-    for note in notes:
-        print(note, file=sys.stderr)
-    return busy
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -554,6 +518,7 @@ def add_parser(subparsers) -> None:
                         "meta_info.hidden_states_manifest; needs pip install -r requirements/store.txt")
     p.add_argument("--store-timeout", type=float, default=120.0,
                    help="with --store: seconds to wait for each answer's object (or its :error)")
+    generation.add_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--summary", default=None, metavar="PATH",
                    help="also write the final summary (rows/s, tokens/s, per-worker samples and "

@@ -95,6 +95,7 @@ class Answer(NamedTuple):
     path: Optional[str]
     manifest: Optional[Dict[str, Any]]
     prompt_ids: Optional[List[int]] = None
+    output_ids: Optional[List[int]] = None  # --generate: the ids the server generated
 
 
 def endpoint_error(url: str) -> Optional[str]:
@@ -248,7 +249,8 @@ def _answer_of(keys: Dict[str, Any], text: str, where: str) -> Optional[Answer]:
 
 
 async def generate(session, endpoint: str, rid: str, input_ids: List[int], early_answers: bool,
-                   http_slots: asyncio.Semaphore, pending: PendingFiles) -> Answer:
+                   http_slots: asyncio.Semaphore, pending: PendingFiles,
+                   sampling: Optional[Dict[str, Any]] = None) -> Answer:
     """``POST <endpoint>/generate`` for one prompt; returns the answer's
     ``meta_info.hidden_states_path`` (a non-empty string, not yet trusted) or, from a
     server that puts samples into a Mooncake Store, its ``hidden_states_manifest``.
@@ -257,17 +259,29 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
     (``format.WAIT_PARAM``), before the write. ``http_slots`` bounds the requests in
     flight (``--concurrency``); ``pending`` journals ``rid`` before it is sent. Raises
     ``RequestError``: ``RowError`` on HTTP 400, ``FatalError`` on HTTP 404/405 (not the
-    server's base URL) or an answer with neither (the server is not dumping)."""
-    sampling: dict = {"max_new_tokens": 1, "temperature": 0}
+    server's base URL) or an answer with neither (the server is not dumping).
+
+    ``sampling`` (``extract --generate``): these sampling parameters and
+    ``format.OUTPUT_PARAM``, the answer's ``output_ids`` (a non-empty list of token ids,
+    else ``RequestError``) in ``Answer.output_ids``."""
+    custom: dict = {}
+    if sampling is not None:
+        custom[fmt.OUTPUT_PARAM] = True
+        sampling = dict(sampling)
+    else:
+        sampling = {"max_new_tokens": 1, "temperature": 0}
     if early_answers:
         # Answer once the file's name is reserved (format.WAIT_PARAM); the wait for the
         # write is the caller's, so this HTTP slot is free for the next prompt.
-        sampling["custom_params"] = {fmt.WAIT_PARAM: False}
+        custom[fmt.WAIT_PARAM] = False
+    if custom:
+        sampling["custom_params"] = custom
     payload: Any = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
     url = endpoint.rstrip("/") + "/generate"
     text = await _post(session, url, payload, http_slots, pending, rid)
     try:
-        meta = parse_answer(text, f"POST {url}")["meta_info"]
+        body = parse_answer(text, f"POST {url}")
+        meta = body["meta_info"]
     except (ValueError, KeyError, TypeError):
         raise RequestError(f"response without meta_info: {brief(text)}") from None
     if not isinstance(meta, dict):
@@ -277,6 +291,12 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
         raise FatalError(f"the server at {endpoint} is not dumping hidden states: its "
                          f"answer has no meta_info.hidden_states_path (start it with "
                          f"--dump-hidden-states-dir DIR); answer: {brief(text)}")
+    if custom.get(fmt.OUTPUT_PARAM):
+        output_ids = _token_ids(body.get("output_ids"))
+        if output_ids is None:
+            raise RequestError(f"the answer's output_ids is not a non-empty list of token ids: "
+                               f"{brief(text)}")
+        answer = answer._replace(output_ids=output_ids)
     return answer
 
 

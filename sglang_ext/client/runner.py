@@ -3,7 +3,7 @@
 ``extract``'s doc. ``run`` needs aiohttp and tqdm (``extract`` checks both first). An
 answer that names a file is taken from the dump directory (``dumpdir``); one that carries
 a store manifest is taken from the Mooncake Store (``fetch``, imported only with
-``--store``)."""
+``--store``; ``store_rows`` takes its samples)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from sglang_ext import format as fmt
+from sglang_ext.client import generation
 from sglang_ext.client.checks import CheckError, check_file, sample_layout
 from sglang_ext.client.dataset import Row
 from sglang_ext.client.dumpdir import DumpDir, DumpDirs, move_into_place
@@ -62,6 +63,8 @@ class Options:
     file_mode: int = fmt.DEFAULT_FILE_MODE  # of every file created in out_dir (umask applied)
     store: Optional["StoreFetcher"] = None  # --store: the connected reader
     store_timeout: float = 120.0  # --store-timeout: seconds to wait for an answer's object
+    generate: Optional[Dict[str, Any]] = None  # --generate: the sampling_params sent (generation)
+    decode: Optional[Callable[[List[int]], str]] = None  # --generate with --tokenizer: the text
 
 
 @dataclass
@@ -121,7 +124,7 @@ async def request_once(session, opts: Options, row: Row, attempt: int,
                                        http_slots, pending)
     else:
         answer = await generate(session, opts.endpoint, rid, row.input_ids, opts.early_answers,
-                                http_slots, pending)
+                                http_slots, pending, opts.generate)
     if answer.manifest is None and opts.store is not None:
         raise FatalError(f"the server at {opts.endpoint} writes files (its answers carry "
                          f"meta_info.{fmt.PATH_KEY}, e.g. {answer.path}), not samples into a "
@@ -190,52 +193,6 @@ def chat_record(row: Row, rec: Dict[str, Any]) -> Dict[str, Any]:
     return rec
 
 
-async def take_from_store(opts: Options, row: Row, rid: str, answer: Answer,
-                          taken: Set[int]) -> Dict[str, Any]:
-    """The store half of a try: check the answer's manifest against ``row``, journal it,
-    wait for its object (``--store-timeout``) and write it as ``OUT/hs_<i>``; returns the
-    manifest record. Raises ``FetchError`` (a ``RequestError``), ``RowError``
-    (``expected_ids``), ``CheckError`` or ``OSError``."""
-    from sglang_ext.client import fetch
-
-    store = opts.store
-    ids = expected_ids(row, answer)
-    exp = fetch.expect(answer.manifest, rid, ids, store.shape)  # rid is journaled already
-    store.answered(row.index, rid, answer.manifest)
-    await store.wait(exp, opts.store_timeout)
-    size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index, ids,
-                                   opts.validate)
-    return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle), size))
-
-
-async def resume_from_store(opts: Options, row: Row, taken: Set[int]) -> Optional[Dict[str, Any]]:
-    """A rerun's first try of an unfinished row: take the newest object an earlier run
-    was answered for, if it is still in the store (no new request); returns its record, or
-    None (nothing journaled, or gone: the row is requested again). Journaled objects that
-    cannot be taken stay journaled, removed once the row is done or at the run's end."""
-    from sglang_ext.client import fetch
-
-    store = opts.store
-    for rid, manifest in reversed(store.resumable(row.index)):
-        try:
-            if row.chat is not None and row.input_ids is None:
-                # the journaled answer's prompt token ids are not kept: a fresh request
-                # checks the object against them
-                continue
-            exp = fetch.expect(manifest, rid, row.input_ids, store.shape)
-            if await asyncio.to_thread(store.state, exp.handle) != "ready":
-                continue
-            size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index,
-                                           row.input_ids, opts.validate)
-        except (RequestError, CheckError, OSError) as e:
-            print(f"{row.name}: the sample an earlier run was answered for is not taken "
-                  f"({e}); requesting it again", file=sys.stderr)
-            continue
-        return chat_record(row, record(row.index, exp.layout.num_tokens, store.source(exp.handle),
-                                       size))
-    return None
-
-
 async def extract_one(session, opts: Options, row: Row, stats: Stats,
                       http_slots: asyncio.Semaphore, pending: PendingFiles,
                       abort: asyncio.Event, progress: Optional[Progress] = None
@@ -254,18 +211,24 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             await asyncio.sleep(backoff_delay(attempt, opts.backoff, opts.max_backoff))
         if abort.is_set():
             return None
+        if opts.store is not None:
+            from sglang_ext.client import store_rows  # imports this module: not at its top
         try:
             if attempt == 0 and opts.store is not None and opts.store.resumable(row.index):
-                rec = await resume_from_store(opts, row, stats.taken)
+                rec = await store_rows.resume_from_store(opts, row, stats.taken)
                 if rec is not None:
                     return rec, STORE
             rid, answer = await request_once(session, opts, row, attempt, http_slots, pending)
             if answer.manifest is not None:
                 where.append(STORE)
-                return await take_from_store(opts, row, rid, answer, stats.taken), STORE
+                return await store_rows.take_from_store(opts, row, rid, answer, stats.taken), STORE
             dump, name = await wait_for_file(opts, rid, answer.path, pending, where)
             ids = expected_ids(row, answer)  # RowError: the file stays journaled, swept at the end
             stats.sources[row.index]["source"] = os.path.join(dump.path, name)
+            extra: Dict[str, Any] = {}
+            if opts.generate is not None:  # the prompt's then the generated tokens' rows
+                ids, extra = await asyncio.to_thread(generation.check_answer, dump, name, ids,
+                                                     answer.output_ids, opts.decode)
             try:
                 size = await asyncio.to_thread(
                     put_in_out, stats.taken, row.index, move_into_place, dump, name, opts.out_dir,
@@ -278,7 +241,7 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             n = len(ids) if ids is not None else await asyncio.to_thread(
                 check_file, os.path.join(opts.out_dir, final_name(row.index)), None, False)
             rec = record(row.index, n, os.path.join(dump.path, name), size)
-            return chat_record(row, rec), dump.path
+            return chat_record(row, {**rec, **extra}), dump.path
         except FatalError:
             raise
         except RowError as e:
@@ -391,10 +354,16 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             print(row.error, file=sys.stderr)        # not a consecutive failure
             tick()
             return
-        n, redo = await asyncio.to_thread(
-            existing, opts.out_dir, row.index, row.input_ids, opts.validate,
-            row.chat.digest if row.chat is not None else None,
-            manifest.records.get(row.index))
+        extra = None
+        if opts.generate is not None:
+            n, redo, extra = await asyncio.to_thread(
+                generation.existing, opts.out_dir, row.index, row.input_ids, opts.validate,
+                manifest.records.get(row.index), opts.decode)
+        else:
+            n, redo = await asyncio.to_thread(
+                existing, opts.out_dir, row.index, row.input_ids, opts.validate,
+                row.chat.digest if row.chat is not None else None,
+                manifest.records.get(row.index))
         if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
             print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
         elif n is not None:
@@ -403,7 +372,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
             stats.resumed += 1
             if row.index not in manifest:
                 size = os.stat(os.path.join(opts.out_dir, final_name(row.index))).st_size
-                if not add_line(row, record(row.index, n, None, size)):
+                if not add_line(row, {**record(row.index, n, None, size), **(extra or {})}):
                     return
             if opts.store is not None:  # taken before a kill: its objects go now
                 await opts.store.consumed(row.index)

@@ -72,8 +72,9 @@ The package holds one module per job, data flowing down this list: ``keys`` (eve
 spelled name), ``files`` (safe opens, the file mode), ``names`` (``safe_stem``,
 ``reserve``, temporary names), ``layout`` (tensors, metadata, the byte layout), ``write``
 (the temporary file, ``publish``, ``clean_stale``), ``completion`` (the lock: ``complete``,
-``fail``, ``wait_complete``), ``reader`` (``read_header``, ``load``) and ``index``
-(``index.jsonl``). Each module's ``__all__`` is re-exported here, so ``from sglang_ext
+``fail``, ``wait_complete``), ``reader`` (``read_header``, ``load``), ``index``
+(``index.jsonl``) and ``output`` (files with the generated tokens' rows:
+``check_output_rows``). Each module's ``__all__`` is re-exported here, so ``from sglang_ext
 import format as fmt; fmt.X`` names them all; setting ``fmt.X`` (a test's monkeypatch)
 sets it in the module that owns ``X`` as well, as when ``format`` was one module.
 """
@@ -83,17 +84,18 @@ from __future__ import annotations
 import sys
 import types
 
-from . import completion, files, index, keys, layout, names, reader, write
+from . import completion, files, index, keys, layout, names, output, reader, write
 from .completion import *  # noqa: F401,F403
 from .files import *  # noqa: F401,F403
 from .index import *  # noqa: F401,F403
 from .keys import *  # noqa: F401,F403
 from .layout import *  # noqa: F401,F403
 from .names import *  # noqa: F401,F403
+from .output import *  # noqa: F401,F403
 from .reader import *  # noqa: F401,F403
 from .write import *  # noqa: F401,F403
 
-_OWNER = {name: mod for mod in (keys, files, names, layout, write, completion, reader, index)
+_OWNER = {name: mod for mod in (keys, files, names, layout, write, completion, reader, index, output)
           for name in mod.__all__}
 
 

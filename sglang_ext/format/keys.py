@@ -8,6 +8,7 @@ __all__ = [
     "MANIFEST_KEY", "RESPONSE_KEYS", "KEY_HIDDEN_STATES", "KEY_TOKEN_IDS", "KEY_SCALES",
     "FP8", "DTYPE_META_KEY", "SCALE_LAYOUT_KEY", "SCALE_LAYOUT", "SUFFIX", "LOCK_SUFFIX",
     "ERROR_SUFFIX", "TMP_PREFIX", "TMP_SUFFIX", "INDEX_NAME", "SHUTDOWN_MESSAGE",
+    "OUTPUT_PARAM", "VLLM_OUTPUT_PARAM", "NUM_PROMPT_TOKENS_KEY", "LAST_TOKEN_ID_KEY",
 ]
 
 
@@ -15,6 +16,9 @@ FORMAT_VERSION = "kimi-sglang/1"
 # Request and response keys (the only place they are spelled).
 WAIT_PARAM = "hidden_states_wait"  # request: custom_params key; false = answer early
 DUMP_PARAM = "hidden_states_dump"  # request: custom_params key; false = not dumped
+# request: custom_params key; true = the generated tokens' rows too (format.output)
+OUTPUT_PARAM = "hidden_states_output"
+VLLM_OUTPUT_PARAM = "include_output_tokens"  # the same, vLLM's kv_transfer_params spelling
 PATH_KEY = "hidden_states_path"  # response meta_info: the file (absolute path)
 ERROR_KEY = "hidden_states_error"  # response meta_info: why there is no file
 PENDING_KEY = "hidden_states_pending"  # response meta_info: true = wait on <path>.lock
@@ -29,6 +33,9 @@ FP8 = "float8_e4m3fn"
 DTYPE_META_KEY = "hidden_states_dtype"
 SCALE_LAYOUT_KEY = "scale_layout"
 SCALE_LAYOUT = "per_token_per_layer"  # one float32 scale per token and layer slot (quant)
+# Metadata of files with output rows (format.output): P, and the last sampled id (decimal).
+NUM_PROMPT_TOKENS_KEY = "num_prompt_tokens"
+LAST_TOKEN_ID_KEY = "last_token_id"
 SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 ERROR_SUFFIX = ".error"

@@ -7,9 +7,9 @@ the name (``reserve``: ``<safe_stem(rid)>[-n].safetensors``, its ``.lock`` held 
 file is in place), the layout and metadata (``file_layout``, ``build_metadata``), a
 temporary name then a rename (``tmp_name``, ``create_tmp``, ``publish``), the
 ``index.jsonl`` line, then ``complete`` (or ``fail``: ``<name>.error``). Only the values
-differ: ``hidden_states[t, j, h]`` is ``values(token_ids, layer_ids, hidden_size)``, a
-pseudo-random number from (token id, position, layer id, channel), and the metadata says
-so (``model_path`` is ``"kimi-sglang standin"``). Needs numpy alone (the ``[client]``
+differ: ``hidden_states[t, j, h]`` is ``values(token_ids, layer_ids, hidden_size)``
+(``standin_model``), a pseudo-random number from (token id, position, layer id,
+channel), and the metadata says so (``model_path`` is ``"kimi-sglang standin"``). Needs numpy alone (the ``[client]``
 install); ``mooncake://`` also needs requirements/store.txt.
 
 Endpoints:
@@ -20,9 +20,17 @@ Endpoints:
   file is complete; with ``custom_params {"hidden_states_wait": false}`` at once with
   ``hidden_states_pending: true`` (the file is complete when ``<path>.lock`` is gone);
   ``{"hidden_states_dump": false}``: no file. A failed write: ``hidden_states_error``.
+  ``{"hidden_states_output": true}``: it "generates" ``max_new_tokens`` (default 128) ids
+  (``standin_model.generated_ids``: a hash of the prompt and position, and of the rid when
+  ``temperature`` > 0, SGLang's default 1.0; stops after an id of ``stop_token_ids``),
+  answers them as ``output_ids``, and the file holds the prompt's rows then those of every
+  generated id but the last, ``num_prompt_tokens`` and ``last_token_id`` in its metadata
+  (``format.output``), the rows from the same ``values``.
 - ``POST /v1/completions`` ``{"prompt": [int, ...]}``: the OpenAI answer plus top-level
   ``kv_transfer_params {"hidden_states_path": P}`` (speculators' client); a failed dump is
-  HTTP 500. ``/v1/chat/completions`` is HTTP 400: there is no chat template.
+  HTTP 500; output rows with ``custom_params`` as above or vLLM's ``kv_transfer_params
+  {"include_output_tokens": true}`` (``max_tokens``, default 16; ``return_token_ids``
+  adds ``choices[0].token_ids``). ``/v1/chat/completions`` is HTTP 400: no chat template.
 - Store sink (``--dump-dir mooncake://HOST:PORT?...``, as the server's flag): each sample
   is put into the Mooncake Store in ``sglang_ext.store``'s packed layout, the answer (always
   at once) carries ``meta_info.hidden_states_manifest``; a failed put leaves the
@@ -45,43 +53,11 @@ import numpy as np
 
 from sglang_ext import __version__
 from sglang_ext import format as fmt
+from sglang_ext.tools.standin_model import bf16_bytes, generated_ids, values  # noqa: F401 - re-exported
 
 MODEL_PATH = "kimi-sglang standin"  # the files' model_path: these are not a model's values
 VERSION = "standin"  # the files' sglang_version and series: no SGLang ran
 DTYPE = "bfloat16"
-
-# values(): multipliers of the key (golden-ratio and xxhash32 primes) and lowbias32's.
-_K_ID, _K_POS, _K_LAYER = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
-_M1, _M2 = 0x7FEB352D, 0x846CA68B
-_U32 = 0xFFFFFFFF
-
-
-def values(token_ids, layer_ids, hidden_size: int) -> np.ndarray:
-    """The stand-in's hidden states: float32 ``[T, len(layer_ids), hidden_size]``.
-
-    Element ``[t, j, h]``: ``key = (id_t * 0x9E3779B1 + t * 0x85EBCA77 + layer_ids[j] *
-    0xC2B2AE3D + h) mod 2**32``, hashed by lowbias32 (``x ^= x >> 16; x *= 0x7feb352d;
-    x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``, mod 2**32), then ``((x >> 24) - 128)
-    / 64``: one of 256 values in [-2, 2), each exact in bf16, so the file holds them
-    unrounded. Deterministic: the same prompt gives the same rows on every run."""
-    ids = np.asarray(token_ids, dtype=np.uint64).reshape(-1, 1, 1)
-    pos = np.arange(ids.shape[0], dtype=np.uint64).reshape(-1, 1, 1)
-    lay = np.asarray(layer_ids, dtype=np.uint64).reshape(1, -1, 1)
-    ch = np.arange(hidden_size, dtype=np.uint64).reshape(1, 1, -1)
-    x = (ids * _K_ID + pos * _K_POS + lay * _K_LAYER + ch) & _U32
-    x ^= x >> 16
-    x = (x * _M1) & _U32
-    x ^= x >> 15
-    x = (x * _M2) & _U32
-    x ^= x >> 16
-    return ((x >> 24).astype(np.float32) - 128.0) / 64.0
-
-
-def bf16_bytes(x: np.ndarray) -> bytes:
-    """bf16 bytes of float32 ``x`` whose values bf16 holds exactly (``values``'): the upper
-    half of each float32."""
-    return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
-
 
 class Dump:
     """Where samples go: the directory sink (``dir_fd`` open) or the store sink
@@ -110,24 +86,25 @@ class Dump:
             self.target = target
             self.store = StoreClient(store_config).connect("the stand-in's store sink", probe_s=5.0)
 
-    def metadata(self, rid: str) -> Dict[str, str]:
+    def metadata(self, rid: str, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         return fmt.build_metadata(rid=rid, layer_ids=self.layer_ids, num_layers=self.num_layers, extra={
             "model_path": MODEL_PATH, "sglang_version": VERSION, "sglang_ext_version": __version__,
-            "series": VERSION})
+            "series": VERSION, **(extra or {})})
 
     def tensors(self, ids: List[int]) -> Dict[str, bytes]:
         return {fmt.KEY_HIDDEN_STATES: bf16_bytes(values(ids, self.layer_ids, self.hidden_size)),
                 fmt.KEY_TOKEN_IDS: np.asarray(ids, dtype="<i8").tobytes()}
 
     # -- directory sink: the writer process's steps (writer_process._begin, _finish, _index)
-    def write(self, res: fmt.Reservation, rid: str, ids: List[int]) -> None:
+    def write(self, res: fmt.Reservation, rid: str, ids: List[int],
+              extra: Optional[Dict[str, str]] = None) -> None:
         """Write ``res``'s file, index it, release the lock; on any failure ``fmt.fail``
         (``<name>.error``). Never raises."""
         tmp = fmt.tmp_name("standin", os.getpid())
         fd = None
         try:
             specs = fmt.dump_tensors(len(ids), len(self.layer_ids), self.hidden_size, DTYPE)
-            layout = fmt.file_layout(specs, self.metadata(rid))
+            layout = fmt.file_layout(specs, self.metadata(rid, extra))
             data = self.tensors(ids)
             fd = fmt.create_tmp(res.dir_fd, tmp)
             fmt.pwrite_all(fd, layout.header, 0)
@@ -184,6 +161,27 @@ def _token_ids(value: Any, key: str) -> List[int]:
         raise BadRequest(f"{key} must be one non-empty list of token ids (ints >= 0); the stand-in "
                          f"takes one prompt per request and has no tokenizer")
     return value
+
+
+def _rid(rid: Any) -> str:
+    rid = uuid.uuid4().hex if rid is None else rid
+    if not isinstance(rid, str):
+        raise BadRequest(f"rid must be a string, not {type(rid).__name__}")
+    return rid
+
+
+def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
+                stop_token_ids: Any) -> Tuple[List[int], dict]:
+    """``generated_ids`` for a request's sampling parameters (temperature > 0: sampled,
+    the rid seeds it). Raises ``BadRequest`` for values SGLang would refuse."""
+    if not (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1):
+        raise BadRequest(f"max_new_tokens must be an int >= 1 with hidden_states_output, not {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature >= 0):
+        raise BadRequest(f"temperature must be a number >= 0, not {temperature!r}")
+    stops = [] if stop_token_ids is None else stop_token_ids
+    if not (isinstance(stops, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stops)):
+        raise BadRequest("stop_token_ids must be a list of token ids")
+    return generated_ids(ids, max_new_tokens, stops, seed=rid if temperature > 0 else None)
 
 
 class Server:
@@ -244,34 +242,52 @@ class Server:
     def post(self, path: str, body: Dict[str, Any]) -> Tuple[int, Any]:
         if path == "/generate":
             ids = _token_ids(body.get("input_ids"), "input_ids")
-            params = (body.get("sampling_params") or {}).get("custom_params") or {}
-            meta = self.generate(ids, body.get("rid"), params)
-            return 200, {"text": "", "output_ids": [0], "meta_info": meta}
+            sampling = body.get("sampling_params") or {}
+            params = sampling.get("custom_params") or {}
+            rid = _rid(body.get("rid"))
+            out = None
+            if params.get(fmt.OUTPUT_PARAM) is True:
+                out = _generation(ids, rid, sampling.get("max_new_tokens", 128),
+                                  sampling.get("temperature", 1.0), sampling.get("stop_token_ids"))
+            meta = self.generate(ids, rid, params, out)
+            return 200, {"text": "", "output_ids": out[0] if out else [0], "meta_info": meta}
         if path == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
                 prompt = prompt[0]
             ids = _token_ids(prompt, "prompt")
-            meta = self.generate(ids, body.get("rid"), body.get("custom_params") or {})
-            return self.completion(ids, meta, body)
+            params = body.get("custom_params") or {}
+            rid = _rid(body.get("rid"))
+            out = None
+            if params.get(fmt.OUTPUT_PARAM) is True or (body.get("kv_transfer_params") or {}).get(
+                    fmt.VLLM_OUTPUT_PARAM) is True:
+                out = _generation(ids, rid, body.get("max_tokens", 16), body.get("temperature", 1.0),
+                                  body.get("stop_token_ids"))
+            meta = self.generate(ids, rid, params, out)
+            return self.completion(ids, meta, body, out)
         if path == "/v1/chat/completions":
             raise BadRequest("the stand-in has no chat template or tokenizer: send token ids to "
                              "/generate (extract: rows with input_ids)")
         return 404, {"detail": "Not Found"}
 
-    def generate(self, ids: List[int], rid: Any, params: Dict[str, Any]) -> Dict[str, Any]:
-        """One request's ``meta_info``: its file's path (or manifest, or error)."""
-        rid = uuid.uuid4().hex if rid is None else rid
-        if not isinstance(rid, str):
-            raise BadRequest(f"rid must be a string, not {type(rid).__name__}")
-        meta: Dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 1,
-                                "finish_reason": {"type": "length", "length": 1}}
+    def generate(self, ids: List[int], rid: str, params: Dict[str, Any],
+                 out: Optional[Tuple[List[int], dict]] = None) -> Dict[str, Any]:
+        """One request's ``meta_info``: its file's path (or manifest, or error). ``out``:
+        ``(output_ids, finish_reason)`` of a request that asked for its output rows; its
+        file then holds the prompt and every generated id but the last (``format.output``)."""
+        n_out = len(out[0]) if out else 1
+        meta: Dict[str, Any] = {"id": rid, "prompt_tokens": len(ids), "completion_tokens": n_out,
+                                "finish_reason": out[1] if out else {"type": "length", "length": 1}}
         if params.get(fmt.DUMP_PARAM) is False or fmt.is_internal(rid):  # as the server
             return meta
         try:
             fmt.check_rid(rid)
         except ValueError as e:
             return {**meta, fmt.ERROR_KEY: f"ValueError: {e}"}
+        extra = None
+        if out:
+            extra = fmt.output_metadata(len(ids), out[0][-1])
+            ids = fmt.fed_token_ids(ids, out[0])
         d = self.dump
         if d.store is not None:
             from sglang_ext.store import pack_layout, unique_handle
@@ -279,32 +295,38 @@ class Server:
             layout = pack_layout(len(ids), len(d.layer_ids), d.hidden_size, DTYPE)
             handle = unique_handle(rid)
             self.pool.submit(d.put, handle, layout, rid, ids)
-            return {**meta, fmt.MANIFEST_KEY: layout.manifest(handle, d.metadata(rid))}
+            return {**meta, fmt.MANIFEST_KEY: layout.manifest(handle, d.metadata(rid, extra))}
         try:
             res = fmt.reserve(d.dir_fd, rid)
         except OSError as e:
             return {**meta, fmt.ERROR_KEY: f"{type(e).__name__}: {e}"}
         path = os.path.join(d.target, res.name)
         if params.get(fmt.WAIT_PARAM) is False:
-            self.pool.submit(d.write, res, rid, ids)
+            self.pool.submit(d.write, res, rid, ids, extra)
             return {**meta, fmt.PATH_KEY: path, fmt.PENDING_KEY: True}
-        self.pool.submit(d.write, res, rid, ids).result()
+        self.pool.submit(d.write, res, rid, ids, extra).result()
         error = fmt.wait_complete(path)
         return {**meta, fmt.ERROR_KEY: error} if error is not None else {**meta, fmt.PATH_KEY: path}
 
     @staticmethod
-    def completion(ids: List[int], meta: Dict[str, Any], body: Dict[str, Any]) -> Tuple[int, Any]:
+    def completion(ids: List[int], meta: Dict[str, Any], body: Dict[str, Any],
+                   out: Optional[Tuple[List[int], dict]] = None) -> Tuple[int, Any]:
         """The ``/v1/completions`` answer with the dump's ``kv_transfer_params``
         (``responses.openai_completion_extras``: a failed dump is HTTP 500)."""
         if meta.get(fmt.ERROR_KEY):
             return 500, {"object": "error", "message": f"hidden-state dump failed: {meta[fmt.ERROR_KEY]}",
                          "code": 500}
-        choice: Dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        finish = "stop" if out and out[1]["type"] == "stop" else "length"
+        choice: Dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
         if body.get("return_token_ids"):
             choice["prompt_token_ids"] = ids
+            if out:
+                choice["token_ids"] = out[0]
+        n_out = meta["completion_tokens"]
         answer = {"id": f"cmpl-{meta['id']}", "object": "text_completion", "created": 0,
                   "model": MODEL_PATH, "choices": [choice],
-                  "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}}
+                  "usage": {"prompt_tokens": len(ids), "completion_tokens": n_out,
+                            "total_tokens": len(ids) + n_out}}
         if fmt.MANIFEST_KEY in meta:
             answer["kv_transfer_params"] = meta[fmt.MANIFEST_KEY]
         elif fmt.PATH_KEY in meta:

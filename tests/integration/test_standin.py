@@ -2,11 +2,14 @@
 answers, ``/v1/completions``' ``kv_transfer_params``, no dump, a refused rid, no tokenizer),
 its start-up sentences, SIGTERM, and the store sink against a real ``mooncake_master``,
 whose samples ``extract --store`` turns into the very files the directory sink writes.
-The values themselves are checked against an independent recomputation in test_tryit.py.
+The values themselves are checked against an independent recomputation in test_tryit.py,
+and here for requests that ask for their output rows (``hidden_states_output``), with the
+generated ids recomputed from ``standin_model.generated_ids``' documented hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,6 +26,7 @@ import pytest
 from mooncake_fixture import master_config, needs_mooncake
 
 from sglang_ext import format as fmt
+from test_tryit import reference  # the stand-in's documented values, in plain Python ints
 
 LAYERS = [2, 4, 5, 8]
 
@@ -119,6 +123,73 @@ def test_answers_as_the_patched_server(standin, tmp_path):
     rc, err = standin.stop()
     assert rc == 0 and "Traceback" not in err, err
     assert sorted(n for n in os.listdir(dump) if n.startswith(".") or n.endswith((".lock", ".tmp"))) == []
+
+
+def generated_reference(prompt, n, seed=None):
+    """The stand-in's documented generation: sha256(prompt as int64 LE, position as int64
+    LE[, rid]), first 4 bytes LE, mod 32000."""
+    head = b"".join(t.to_bytes(8, "little", signed=True) for t in prompt)
+    tail = seed.encode() if seed is not None else b""
+    return [int.from_bytes(hashlib.sha256(head + (len(prompt) + k).to_bytes(8, "little") + tail).digest()[:4],
+                           "little") % 32000 for k in range(n)]
+
+
+def assert_output_file(path, prompt, out):
+    """``path`` follows the output-rows contract for ``prompt`` and generated ``out``, every
+    value the documented one."""
+    record = fmt.load(path)
+    fed = prompt + out[:-1]
+    assert record.token_ids.tolist() == fed
+    assert (record.metadata["num_prompt_tokens"], record.metadata["last_token_id"]) == (str(len(prompt)), str(out[-1]))
+    hs = record.hidden_states.float()
+    assert list(hs.shape) == [len(fed), len(LAYERS), 64]
+    bad = [(t, j, h) for t in range(len(fed)) for j, layer in enumerate(LAYERS) for h in range(64)
+           if hs[t, j, h].item() != reference(fed, layer, t, h)]
+    assert not bad, f"{len(bad)} values differ from the documented ones, first at [t, slot, h] = {bad[0]}"
+
+
+def test_output_rows_follow_the_contract(standin):
+    prompt = [3, 1, 4, 1]
+    greedy = {"max_new_tokens": 6, "temperature": 0, "custom_params": {fmt.OUTPUT_PARAM: True}}
+    code, ans = standin.post("/generate", {"input_ids": prompt, "sampling_params": greedy})
+    out = generated_reference(prompt, 6)
+    assert code == 200 and ans["output_ids"] == out, (ans, out)
+    assert ans["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert ans["meta_info"]["completion_tokens"] == 6
+    assert_output_file(ans["meta_info"][fmt.PATH_KEY], prompt, out)
+
+    # sampled decoding: the rid seeds it (a retried request, a new rid, is a new sample)
+    sampled = {**greedy, "temperature": 0.7, "custom_params": {fmt.OUTPUT_PARAM: True, fmt.WAIT_PARAM: False}}
+    code, ans = standin.post("/generate", {"input_ids": prompt, "rid": "s1", "sampling_params": sampled})
+    s1 = generated_reference(prompt, 6, "s1")
+    assert ans["output_ids"] == s1 and s1 != out and s1 != generated_reference(prompt, 6, "s2")
+    assert fmt.wait_complete(ans["meta_info"][fmt.PATH_KEY], timeout=60) is None
+    assert_output_file(ans["meta_info"][fmt.PATH_KEY], prompt, s1)
+
+    # a stop token: generation ends with it, and it is the last id (never fed back)
+    code, ans = standin.post("/generate", {"input_ids": prompt, "sampling_params": {
+        **greedy, "stop_token_ids": [out[2]]}})
+    assert ans["output_ids"] == out[:3] and ans["meta_info"]["finish_reason"] == {"type": "stop", "matched": out[2]}
+    assert_output_file(ans["meta_info"][fmt.PATH_KEY], prompt, out[:3])
+
+    # one token generated: the prompt's rows alone, that token recorded
+    code, ans = standin.post("/generate", {"input_ids": prompt, "sampling_params": {**greedy, "max_new_tokens": 1}})
+    assert_output_file(ans["meta_info"][fmt.PATH_KEY], prompt, out[:1])
+
+    # vLLM's spelling on /v1/completions
+    code, ans = standin.post("/v1/completions", {"prompt": [7, 7], "max_tokens": 4, "temperature": 0,
+                                                 "return_token_ids": True,
+                                                 "kv_transfer_params": {fmt.VLLM_OUTPUT_PARAM: True}})
+    out2 = generated_reference([7, 7], 4)
+    assert code == 200 and ans["choices"][0]["token_ids"] == out2 and ans["usage"]["completion_tokens"] == 4
+    assert_output_file(ans["kv_transfer_params"][fmt.PATH_KEY], [7, 7], out2)
+
+    # not asked for: the prompt's rows only, no output metadata; a bad max_new_tokens is HTTP 400
+    code, ans = standin.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6}})
+    meta = fmt.load(ans["meta_info"][fmt.PATH_KEY]).metadata
+    assert fmt.NUM_PROMPT_TOKENS_KEY not in meta and fmt.output_rows(prompt, meta) is None
+    code, ans = standin.post("/generate", {"input_ids": prompt, "sampling_params": {**greedy, "max_new_tokens": 0}})
+    assert code == 400 and "max_new_tokens must be an int >= 1" in ans["error"]["message"]
 
 
 def test_bad_start_is_one_sentence(tmp_path):

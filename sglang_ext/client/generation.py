@@ -1,0 +1,155 @@
+"""``extract --generate``: the server writes each row's response and the rows of its tokens
+in one request (``format.output``), instead of capturing a prompt alone.
+
+Each row's prompt (its ``input_ids``, or its ``messages`` without the final assistant turn
+and with the generation prompt, ``--tokenizer``'s chat template) goes to ``POST /generate``
+with ``custom_params {"hidden_states_output": true}`` and the sampling parameters given
+here (``sampling_params``). The answer's ``output_ids`` are the generated ids; the file
+must hold the prompt then every generated id but the last (``check_answer``, before the
+file is moved into OUT: a mismatch fails that row, one sentence). The manifest line adds
+``num_prompt_tokens``, ``output_ids`` and, with ``--tokenizer``, ``text`` (``record_fields``).
+A rerun keeps an ``hs_<i>`` whose prompt is the row's (``existing``) and rebuilds a lost
+manifest line from the file itself. A retried row is a new request: with sampled decoding
+(``--temperature`` > 0) it is a new sample, other tokens than the failed try's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from sglang_ext import format as fmt
+from sglang_ext.client.checks import CheckError, check_file, check_header
+from sglang_ext.client.files import regular_or_why
+from sglang_ext.client.http import FatalError, RowError
+from sglang_ext.client.manifest import final_name
+
+HELP = ("generate each row's response with the server and capture the rows of the prompt and "
+        "of every generated token fed back (all but the last) in the same request; rows give "
+        "input_ids of the prompt, or messages (the final assistant turn dropped, --tokenizer's "
+        "chat template with the generation prompt). The manifest records output_ids (and text "
+        "with --tokenizer). A retried row is a new request: with --temperature > 0 a new sample")
+
+
+def add_arguments(p) -> None:
+    """``extract``'s ``--generate`` flags."""
+    p.add_argument("--generate", action="store_true", help=HELP)
+    p.add_argument("--max-new-tokens", type=int, default=512,
+                   help="with --generate: most tokens generated per row (SGLang's max_new_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="with --generate: sampling temperature; 0 is greedy decoding")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --generate: nucleus sampling's top_p")
+    p.add_argument("--sampling-params", default=None, metavar="JSON",
+                   help="with --generate: more of SGLang's sampling_params as a JSON object, e.g. "
+                        "'{\"stop_token_ids\": [2], \"top_k\": 20}' (the flags above win)")
+
+
+def sampling_params(args) -> Optional[Dict[str, Any]]:
+    """The ``sampling_params`` each ``--generate`` request sends (None without
+    ``--generate``). Raises ``ValueError`` (one sentence naming the flag)."""
+    if not args.generate:
+        return None
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature {args.temperature} must be a number >= 0")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
+    extra: Any = {}
+    if args.sampling_params is not None:
+        try:
+            extra = json.loads(args.sampling_params)
+        except ValueError as e:
+            raise ValueError(f"--sampling-params is not JSON ({e})") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--sampling-params must be a JSON object of SGLang's sampling_params")
+        if "custom_params" in extra:
+            raise ValueError("--sampling-params must not set custom_params (extract sets them)")
+    return {**extra, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_p": args.top_p}
+
+
+def decoder(tokenizer) -> Optional[Callable[[List[int]], str]]:
+    """The manifest's ``text`` of generated ids (special tokens skipped), None without a
+    tokenizer."""
+    if tokenizer is None:
+        return None
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def record_fields(rows: fmt.OutputRows, decode: Optional[Callable[[List[int]], str]]) -> Dict[str, Any]:
+    """What a generated row's manifest line adds: ``num_prompt_tokens``, ``output_ids``
+    (every generated id) and, with a tokenizer, ``text``."""
+    out: Dict[str, Any] = {"num_prompt_tokens": rows.num_prompt_tokens, "output_ids": rows.output_ids}
+    if decode is not None:
+        out["text"] = decode(rows.output_ids)
+    return out
+
+
+def _ids_and_metadata(path: str, shown: str) -> Tuple[List[int], Dict[str, str]]:
+    """A file's ``token_ids`` and ``__metadata__`` (its size bound checked first:
+    ``check_header``). Raises ``CheckError``."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as f:
+            check_header(f, os.stat(path).st_size, None, shown)
+            return f.get_tensor(fmt.KEY_TOKEN_IDS).tolist(), dict(f.metadata() or {})
+    except CheckError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise CheckError(f"{shown}: unreadable: {e}") from None
+
+
+def check_answer(dump, name: str, prompt: List[int], output_ids: List[int],
+                 decode: Optional[Callable[[List[int]], str]] = None) -> Tuple[List[int], Dict[str, Any]]:
+    """Check the server's file ``name`` (in ``dump``, a ``dumpdir.DumpDir``) against the
+    contract before it is taken: ``(token ids it must hold, the manifest's fields)``.
+    Raises ``FatalError`` for a file of the prompt's rows only (the server does not
+    capture generated tokens: every row would fail alike), ``RowError`` (one sentence)
+    for any other mismatch, ``CheckError`` for an unreadable file."""
+    from sglang_ext.client.dumpdir import open_regular
+
+    shown = f"the server's file {os.path.join(dump.path, name)}"
+    fd = open_regular(name, dump.fd, shown)
+    try:
+        ids, meta = _ids_and_metadata(f"/proc/self/fd/{fd}", shown)
+    finally:
+        os.close(fd)
+    if fmt.NUM_PROMPT_TOKENS_KEY not in meta and fmt.LAST_TOKEN_ID_KEY not in meta:
+        raise FatalError(f"{shown} holds the prompt's rows only (no metadata "
+                         f"{fmt.NUM_PROMPT_TOKENS_KEY}): this server does not capture generated "
+                         f"tokens ({fmt.OUTPUT_PARAM}); run without --generate")
+    try:
+        rows = fmt.check_output_rows(ids, meta, prompt, output_ids, shown)
+    except fmt.DumpFormatError as e:
+        raise RowError(f"the answer breaks the output-rows contract: {e}") from None
+    return fmt.fed_token_ids(prompt, output_ids), record_fields(rows, decode)
+
+
+def existing(out_dir: str, index: int, prompt: List[int], full: bool, rec: Optional[Dict[str, Any]],
+             decode: Optional[Callable[[List[int]], str]] = None
+             ) -> Tuple[Optional[int], Optional[str], Optional[Dict[str, Any]]]:
+    """``manifest.existing`` for ``--generate``: ``(tokens, None, manifest fields)`` for a
+    regular ``hs_<index>`` of this prompt with output rows (``check_output_rows``, then
+    ``check_file``), its generated ids taken from the file; ``(None, why, None)`` for one
+    to extract again (also when the manifest line ``rec`` names other output ids);
+    ``(None, None, None)`` for none."""
+    target = os.path.join(out_dir, final_name(index))
+    try:
+        not_regular = regular_or_why(target)
+    except FileNotFoundError:
+        return None, None, None
+    if not_regular:
+        return None, f"it is not a regular file ({not_regular})", None
+    try:
+        ids, meta = _ids_and_metadata(target, target)
+        rows = fmt.check_output_rows(ids, meta, prompt, None, target)
+        n = check_file(target, fmt.fed_token_ids(prompt, rows.output_ids), full)
+    except (CheckError, fmt.DumpFormatError) as e:
+        return None, str(e), None
+    if rec is not None and rec.get("output_ids") not in (None, rows.output_ids):
+        return None, "its manifest line names other output_ids than the file holds", None
+    return n, None, record_fields(rows, decode)

@@ -1,0 +1,301 @@
+"""``extract --generate`` end to end against the real stand-in process (``sglang-ext
+standin``), through a small HTTP proxy that misbehaves on purpose (a try answered HTTP
+502 after the stand-in wrote its file, an answer whose ``output_ids`` break the contract,
+a server that does not capture generated tokens, a slow server to kill a run mid-way).
+
+Every ``hs_<i>`` is checked against the stand-in's documented generation and values,
+recomputed here (``test_standin.generated_reference``, ``test_tryit.reference``); then
+``convert`` turns such output into SpecForge records whose loss mask is the response.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from sglang_ext import format as fmt
+from test_standin import Standin, assert_output_file, generated_reference
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15]]
+
+
+class Proxy:
+    """Forwards every request to the stand-in at ``target``; for ``/generate`` it records
+    each try's rid and answer (``tries``: row index -> [(rid, answer)]) and misbehaves:
+    ``fail_first`` rows get HTTP 502 for their first try (the stand-in has written its
+    file), ``tamper`` rows an answer whose last output id is off by one, ``strip_output``
+    drops ``hidden_states_output`` from every request (a server that does not capture
+    generated tokens), ``delay_s`` before each answer."""
+
+    def __init__(self, target: str):
+        self.target, self.tries = target, {}
+        self.fail_first, self.tamper, self.strip_output, self.delay_s = set(), set(), False, 0.0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def send(self, code, body: bytes):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self.send(*proxy.forward("GET", self.path, None))
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send(*proxy.generate(self.path, body))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def forward(self, method, path, body):
+        req = urllib.request.Request(self.target + path, None if body is None else json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"}, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def generate(self, path, body):
+        time.sleep(self.delay_s)
+        if self.strip_output:
+            body["sampling_params"]["custom_params"].pop(fmt.OUTPUT_PARAM, None)
+        code, raw = self.forward("POST", path, body)
+        row = int(body["rid"].split("-")[1])  # extract's rids: <prefix>-<row>-<try>-<random>
+        answer = json.loads(raw)
+        tries = self.tries.setdefault(row, [])
+        tries.append((body["rid"], answer))
+        if row in self.fail_first and len(tries) == 1:
+            return 502, b'{"error": "bad gateway"}'
+        if row in self.tamper:
+            answer["output_ids"][-1] += 1
+        return code, json.dumps(answer).encode()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def served(tmp_path):
+    standin = Standin(tmp_path, "--dump-dir", str(tmp_path / "dump"))
+    proxy = Proxy(standin.url)
+    yield proxy
+    proxy.close()
+    if standin.proc.poll() is None:
+        standin.proc.kill()
+        standin.proc.wait()
+
+
+def word_tokenizer(path: Path) -> None:
+    """A tokenizer of words w0..w31999 (the stand-in's generated ids) plus a chat's words,
+    whose template adds ``assistant`` as the generation prompt."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(32000)}
+    vocab.update({"[UNK]": 32000, "user": 32001, "assistant": 32002, "hi": 32003, "old": 32004, "<s>": 32005})
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>")
+    fast.chat_template = ("<s> {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}assistant {% endif %}")
+    fast.save_pretrained(str(path))
+
+
+def write_data(path: Path, prompts, chat=False) -> Path:
+    rows = [{"input_ids": p} for p in prompts]
+    if chat:  # its final assistant turn is dropped: the server writes a new one
+        rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "sglang_ext", *map(str, args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def extract_args(url, data, out, *extra):
+    return ["extract", "--endpoint", url, "--data", data, "--out", out, "--no-progress", "--backoff", "0.01",
+            "--max-backoff", "0.05", "--generate", "--max-new-tokens", 5, *extra]
+
+
+def manifest(out: Path) -> dict:
+    return {r["index"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}
+
+
+def summary(stdout: str) -> dict:
+    return json.loads(stdout.split("extract summary: ")[1])
+
+
+def test_generate_a_retry_is_a_new_sample_and_a_broken_answer_fails_its_row(served, tmp_path):
+    word_tokenizer(tmp_path / "tok")
+    data = write_data(tmp_path / "d.jsonl", PROMPTS, chat=True)
+    out, dump = tmp_path / "out", tmp_path / "dump"
+    served.fail_first, served.tamper = {1}, {2}
+    r = cli(*extract_args(served.url, data, out, "--temperature", 0.7, "--tokenizer", tmp_path / "tok"))
+    assert r.returncode == 1, r.stderr  # row 2 failed
+    broken = [line for line in r.stderr.splitlines() if line.startswith("row 2 ")]
+    assert len(broken) == 1 and "breaks the output-rows contract" in broken[0], r.stderr
+    assert f"generated token 4 is {fmt.LAST_TOKEN_ID_KEY}" in broken[0], broken
+    assert len(served.tries[2]) == 1, "a row whose answer breaks the contract was retried"
+    assert not (out / "hs_2.safetensors").exists()
+
+    lines = manifest(out)
+    prompts = PROMPTS + [[32005, 32001, 32003, 32002]]  # <s> user hi assistant
+    assert sorted(lines) == [0, 1, 3, 4, 5, 6]
+    for i in sorted(lines):
+        path = out / f"hs_{i}.safetensors"
+        rid = fmt.load(str(path)).metadata["rid"]
+        want = generated_reference(prompts[i], 5, seed=rid)  # sampled: the rid seeds it
+        assert_output_file(str(path), prompts[i], want)
+        assert lines[i]["output_ids"] == want and lines[i]["num_prompt_tokens"] == len(prompts[i])
+        assert lines[i]["num_tokens"] == len(prompts[i]) + 4
+        assert lines[i]["text"] == " ".join(f"w{t}" for t in want), lines[i]
+    # row 1: its first try was answered 502 after the stand-in generated; the retry is a new sample
+    (first_rid, first), (second_rid, _) = served.tries[1]
+    assert lines[1]["output_ids"] != first["output_ids"]
+    assert fmt.load(str(out / "hs_1.safetensors")).metadata["rid"] == second_rid
+    # nothing of the failed try, the broken answer or the early answers is left behind
+    assert sorted(os.listdir(dump)) == ["index.jsonl"], os.listdir(dump)
+
+    # a rerun resumes: only row 2 is sent again; once the server behaves, it is done
+    served.tamper = set()
+    before = {i: len(t) for i, t in served.tries.items()}
+    r = cli(*extract_args(served.url, data, out, "--temperature", 0.7, "--tokenizer", tmp_path / "tok"))
+    assert r.returncode == 0, r.stderr
+    assert {i: len(t) for i, t in served.tries.items()} == {**before, 2: 2}
+    assert summary(r.stdout)["resumed"] == 6
+    rid = fmt.load(str(out / "hs_2.safetensors")).metadata["rid"]
+    assert_output_file(str(out / "hs_2.safetensors"), PROMPTS[2], generated_reference(PROMPTS[2], 5, seed=rid))
+
+
+def test_generate_resumes_after_a_kill_and_rebuilds_lost_manifest_lines_from_the_files(served, tmp_path):
+    prompts = [[i, i + 1, i + 2][: 1 + i % 3] for i in range(24)]
+    data = write_data(tmp_path / "d.jsonl", prompts)
+    out = tmp_path / "out"
+    served.delay_s = 0.1
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", *map(str, extract_args(
+        served.url, data, out, "--concurrency", 2))], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("hs_*.safetensors"))) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait(timeout=30)
+    done_at_kill = {int(p.name[3:-12]) for p in out.glob("hs_*.safetensors")}
+    assert 5 <= len(done_at_kill) < len(prompts), done_at_kill
+    served.delay_s = 0.0
+    r = cli(*extract_args(served.url, data, out))
+    assert r.returncode == 0, r.stderr
+    assert summary(r.stdout)["resumed"] == len(done_at_kill)
+    for i in done_at_kill:  # finished before the kill: never requested again
+        assert len(served.tries[i]) == 1, (i, served.tries[i])
+    lines = manifest(out)
+    assert sorted(lines) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):  # greedy (--temperature 0): the same ids on every try
+        want = generated_reference(prompt, 5)
+        assert_output_file(str(out / f"hs_{i}.safetensors"), prompt, want)
+        assert lines[i]["output_ids"] == want and "text" not in lines[i]
+
+    # a manifest lost (as a kill between a file's rename and its line): rebuilt from the files
+    (out / "manifest.jsonl").unlink()
+    sent = sum(len(t) for t in served.tries.values())
+    r = cli(*extract_args(served.url, data, out))
+    assert r.returncode == 0 and summary(r.stdout)["resumed"] == len(prompts), r.stderr
+    assert sum(len(t) for t in served.tries.values()) == sent, "a kept file was requested again"
+    rebuilt = manifest(out)
+    assert {i: (rec["output_ids"], rec["num_prompt_tokens"]) for i, rec in rebuilt.items()} == {
+        i: (generated_reference(p, 5), len(p)) for i, p in enumerate(prompts)}
+
+
+def test_a_server_that_does_not_capture_generated_tokens_stops_the_run(served, tmp_path):
+    served.strip_output = True
+    r = cli(*extract_args(served.url, write_data(tmp_path / "d.jsonl", PROMPTS[:2]), tmp_path / "out"))
+    assert r.returncode == 3, r.stderr
+    assert "holds the prompt's rows only" in r.stderr and "run without --generate" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
+    data = write_data(tmp_path / "d.jsonl", PROMPTS[:1])
+    for extra, says in ((["--max-new-tokens", 0], "--max-new-tokens 0 must be at least 1"),
+                        (["--temperature", -1], "--temperature -1.0 must be a number >= 0"),
+                        (["--sampling-params", "[1]"], "--sampling-params must be a JSON object"),
+                        (["--store", "mooncake://127.0.0.1:1"], "with --store it is not supported")):
+        r = cli(*extract_args(served.url, data, tmp_path / "out", *extra))
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert served.tries == {}
+    r = cli("extract", "--help")
+    assert "A retried row is a new request: with --temperature > 0 a new sample" in " ".join(r.stdout.split())
+
+
+def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
+    """SpecForge records of ``--generate`` output: loss_mask 0 on the prompt, 1 on the
+    generated tokens (files of prompts alone keep all ones: test_client)."""
+    import torch
+
+    out, dst = tmp_path / "out", tmp_path / "sf"
+    r = cli(*extract_args(served.url, write_data(tmp_path / "d.jsonl", PROMPTS[:3]), out))
+    assert r.returncode == 0, r.stderr
+    r = cli("convert", out, dst, "--no-final-norm")
+    assert r.returncode == 0, r.stderr
+    for i, prompt in enumerate(PROMPTS[:3]):
+        rec = torch.load(dst / "rows_0-5000" / f"data_{i}.ckpt")
+        fed = prompt + generated_reference(prompt, 5)[:-1]
+        assert rec["input_ids"].tolist() == fed
+        assert rec["loss_mask"].tolist() == [0] * len(prompt) + [1] * 4, rec["loss_mask"]
+        hs = fmt.load(str(out / f"hs_{i}.safetensors")).hidden_states
+        assert torch.equal(rec["hidden_state"][0], hs[:, -1, :])
+        assert torch.equal(rec["aux_hidden_state"][0], hs[:, :-1, :].reshape(len(fed), -1))
+
+
+def test_speculators_reader_loads_generated_files_unchanged(served, tmp_path):
+    import torch
+
+    try:
+        from datasets import Dataset
+        from hs_connectors import FileTransfer
+        from speculators.train.data import ArrowDataset
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"speculators' reader does not import here ({type(e).__name__}: {e})")
+    out = tmp_path / "out"
+    r = cli(*extract_args(served.url, write_data(tmp_path / "d.jsonl", PROMPTS), out))
+    assert r.returncode == 0, r.stderr
+    fed = [p + generated_reference(p, 5)[:-1] for p in PROMPTS]
+    masks = [[0] * len(p) + [1] * 4 for p in PROMPTS]  # the response, from num_prompt_tokens
+    Dataset.from_dict({"input_ids": fed, "loss_mask": masks, "seq_len": [len(f) for f in fed]}
+                      ).with_format("torch").save_to_disk(str(tmp_path / "prepared"))
+    ds = ArrowDataset(max_len=64, datapath=str(tmp_path / "prepared"), transfer=FileTransfer(out),
+                      on_missing="raise")
+    for i, ids in enumerate(fed):
+        item, hs = ds[i], fmt.load(str(out / f"hs_{i}.safetensors")).hidden_states
+        assert item["input_ids"].tolist() == ids and item["loss_mask"].tolist() == masks[i]
+        assert torch.equal(item["hidden_states"], hs[:, :3, :].reshape(len(ids), -1))
+        assert torch.equal(item["verifier_last_hidden_states"], hs[:, 3, :])
