@@ -264,7 +264,9 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
     ``sampling`` (``extract --generate``): these sampling parameters and
     ``format.OUTPUT_PARAM``, the answer's ``output_ids`` (a non-empty list of token ids,
     else ``RequestError``) in ``Answer.output_ids``."""
-    custom: dict = {}
+    # Asked explicitly: a server that samples live traffic (KIMI_SGLANG_SAMPLE_RATE, a byte
+    # budget, a free-space floor) dumps every request that asks (sglang_ext.sampling).
+    custom: dict = {fmt.DUMP_PARAM: True}
     if sampling is not None:
         custom[fmt.OUTPUT_PARAM] = True
         sampling = dict(sampling)
@@ -274,8 +276,7 @@ async def generate(session, endpoint: str, rid: str, input_ids: List[int], early
         # Answer once the file's name is reserved (format.WAIT_PARAM); the wait for the
         # write is the caller's, so this HTTP slot is free for the next prompt.
         custom[fmt.WAIT_PARAM] = False
-    if custom:
-        sampling["custom_params"] = custom
+    sampling["custom_params"] = custom
     payload: Any = {"input_ids": input_ids, "sampling_params": sampling, "rid": rid}
     url = endpoint.rstrip("/") + "/generate"
     text = await _post(session, url, payload, http_slots, pending, rid)

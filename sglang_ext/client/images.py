@@ -260,7 +260,7 @@ def chat_body(prompt: ChatPrompt, rid: str, early_answers: bool) -> Dict[str, An
     }
     if prompt.continue_final:
         body["continue_final_message"] = True
-    if early_answers:
-        body["custom_params"] = {fmt.WAIT_PARAM: False}
+    # asked explicitly, as /generate's: a server that samples live traffic dumps it
+    body["custom_params"] = {fmt.DUMP_PARAM: True, **({fmt.WAIT_PARAM: False} if early_answers else {})}
     return body
 

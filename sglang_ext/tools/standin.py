@@ -189,8 +189,13 @@ class Server:
     (0: any free port; ``url`` says which). Writes run on ``writers`` threads after the
     name is reserved, as the writer process's do."""
 
-    def __init__(self, dump: Dump, host: str, port: int, writers: int = 2):
+    def __init__(self, dump: Dump, host: str, port: int, writers: int = 2, policy=None):
+        from sglang_ext.sampling import DumpPolicy
+
         self.dump = dump
+        # the server's sampling settings (KIMI_SGLANG_SAMPLE_RATE, ..._DUMP_BUDGET_GB,
+        # ..._MIN_FREE_GB), decided per request as the server does (sglang_ext.sampling)
+        self.policy = policy or DumpPolicy(dir_fd=dump.dir_fd)
         self.pool = ThreadPoolExecutor(writers, thread_name_prefix="standin-writer")
         server = self
 
@@ -280,6 +285,10 @@ class Server:
                                 "finish_reason": out[1] if out else {"type": "length", "length": 1}}
         if params.get(fmt.DUMP_PARAM) is False or fmt.is_internal(rid):  # as the server
             return meta
+        fed = len(ids) + (len(out[0]) - 1 if out else 0)
+        nbytes = fed * (fmt.row_bytes(len(self.dump.layer_ids) * self.dump.hidden_size, DTYPE) + 8)
+        if not self.policy.admit(rid, params.get(fmt.DUMP_PARAM), nbytes):  # sampled out: no dump keys
+            return meta
         try:
             fmt.check_rid(rid)
         except ValueError as e:
@@ -359,12 +368,17 @@ def _run(args) -> int:
         layer_ids = config.resolve_layer_ids(config.parse_layer_ids(args.layers), args.num_layers)
         if args.hidden_size < 1:
             raise ValueError(f"--hidden-size must be at least 1, not {args.hidden_size}")
+        sampling = config.sampling_settings()
         dump = Dump(args.dump_dir, layer_ids, args.num_layers, args.hidden_size)
     except (ValueError, OSError, RuntimeError) as e:  # DumpConfigError; the store's StoreError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from sglang_ext.sampling import DumpPolicy
+
+    policy = DumpPolicy(sampling["sample_rate"], sampling["budget_bytes"], sampling["min_free_bytes"],
+                        dir_fd=dump.dir_fd)
     try:
-        server = Server(dump, args.host, args.port)
+        server = Server(dump, args.host, args.port, policy=policy)
     except OSError as e:
         dump.close()
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e})", file=sys.stderr)

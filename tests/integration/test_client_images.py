@@ -105,7 +105,7 @@ def test_image_rows_go_through_chat_completions_and_text_rows_keep_generate(
     for body in server.chat_bodies:
         assert body["max_tokens"] == 1 and body["temperature"] == 0 and body["stream"] is False
         assert body["return_prompt_token_ids"] is True and body["rid"].startswith("extract-")
-        assert body["custom_params"] == {fmt.WAIT_PARAM: False}
+        assert body["custom_params"] == {fmt.DUMP_PARAM: True, fmt.WAIT_PARAM: False}  # asked explicitly
         for m in body["messages"]:
             for part in m["content"] if isinstance(m["content"], list) else []:
                 assert part["type"] in ("text", "image_url")

@@ -241,3 +241,25 @@ def test_store_sink_samples_become_the_directory_sinks_files(master, tmp_path):
             assert got.read_bytes() == (twin_dir / res.name).read_bytes(), f"hs_{i} differs from the file sink's"
     finally:
         twins.close()
+
+
+def test_extract_asks_a_sampling_server_for_every_row(tmp_path, monkeypatch):
+    """A server sampling live traffic (here none: ``KIMI_SGLANG_SAMPLE_RATE=0``, decided by
+    ``sglang_ext.sampling`` as on the patched server) answers a request that does not ask
+    without dump keys; ``extract`` asks for each row (``hidden_states_dump: true``), so
+    every row still gets its file (a review saw the run stop at the first row, exit 3)."""
+    monkeypatch.setenv("KIMI_SGLANG_SAMPLE_RATE", "0")
+    s = Standin(tmp_path, "--dump-dir", str(tmp_path / "dump"))
+    try:
+        status, body = s.post("/generate", {"input_ids": [5, 6, 7]})
+        assert status == 200 and fmt.PATH_KEY not in body["meta_info"], body  # sampled out
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(json.dumps({"input_ids": [3 + i, 4, 5 + i]}) + "\n" for i in range(5)))
+        out = tmp_path / "out"
+        proc = subprocess.run([sys.executable, "-m", "sglang_ext", "extract", "--endpoint", s.url,
+                               "--data", str(data), "--out", str(out)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert sorted(p.name for p in out.glob("hs_*.safetensors")) == [f"hs_{i}.safetensors" for i in range(5)]
+    finally:
+        s.stop()
