@@ -114,7 +114,7 @@ def metadata_address(url: str) -> Optional[Tuple[str, int]]:
 
 def _redact(url: str) -> str:
     """``url`` with any ``USER:SECRET@`` cut out (a sentence never quotes a secret)."""
-    return re.sub(r"(?<=://)[^/@?#]*@", "", str(url), count=1)
+    return re.sub(r"(?<=://).*@", "", str(url), count=1)  # the last @: a secret may hold / ? #
 
 
 def is_loopback(host: str) -> Optional[bool]:

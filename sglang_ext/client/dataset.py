@@ -172,8 +172,8 @@ def iter_rows(path: str, tokenizer=None) -> Iterator[Tuple[int, Dict[str, Any], 
         where = f"row {index} (line {lineno} of {name})"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, a 5000-digit int, deep nesting
+            raise DataError(f"{where}: not JSON this reader takes: {e}") from None
         if not isinstance(row, dict):
             raise DataError(f"{where}: a row must be a JSON object")
         yield index, row, where

@@ -192,7 +192,7 @@ def expect(manifest: Any, rid: str, input_ids: Optional[List[int]],
     if isinstance(layer_ids, str):
         try:
             layer_ids = json.loads(layer_ids)
-        except ValueError:
+        except (ValueError, RecursionError):
             layer_ids = None
     if layer_ids is not None and (not isinstance(layer_ids, list) or len(layer_ids) != dims[1]):
         raise FetchError(f"hidden_states_manifest: layer_ids {meta.get('layer_ids')!r} do not name "

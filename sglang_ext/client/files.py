@@ -193,7 +193,7 @@ class Journal:
         for line in lines:
             try:
                 rec = json.loads(line)
-            except ValueError:  # a torn last line of a killed run
+            except (ValueError, RecursionError):  # a torn last line of a killed run, deep nesting
                 continue
             if isinstance(rec, dict):
                 yield rec

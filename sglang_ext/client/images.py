@@ -37,6 +37,7 @@ import base64
 import binascii
 import hashlib
 import ipaddress
+import socket
 import json
 import os
 import re
@@ -82,13 +83,28 @@ class ImageAccess:
         return None
 
 
+def literal_address(host: str):
+    """``host`` as the address a resolver takes it for, or None for a name: dotted, and
+    inet_aton's other spellings (``2852039166``, ``0xa9fea9fe``, ``0251.0376.0251.0376``,
+    ``169.254.43518``, ``0``), IPv6 (an IPv4-mapped one as its IPv4 address)."""
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        try:
+            addr = ipaddress.ip_address(socket.inet_ntoa(socket.inet_aton(host)))
+        except (OSError, ValueError):
+            return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
 def host_error(url: str, host: str) -> Optional[str]:
     """Why an http(s) URL to ``host`` is not forwarded (a literal link-local or unspecified
     address: 169.254.169.254 is a cloud's metadata service, as the server sees it), or None.
     Names are left to the server's resolver."""
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
+    addr = literal_address(host)
+    if addr is None:
         return None
     if addr.is_link_local or addr.is_unspecified:
         return (f"has the URL {url[:80]!r}, whose host {host} is a link-local or unspecified "

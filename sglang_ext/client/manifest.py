@@ -49,7 +49,7 @@ class Manifest:
                 for line in f:
                     try:
                         rec = json.loads(line)
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):  # a torn or hostile line
                         continue
                     if isinstance(rec, dict) and isinstance(rec.get("index"), int):
                         self.records[rec["index"]] = rec

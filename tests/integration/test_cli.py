@@ -680,6 +680,11 @@ def test_rows_are_counted_from_0_and_name_their_line(server, tmp_path):
     (tmp_path / "e.jsonl").write_text('{"input_ids": [1]}\n\n\n{oops\n')
     r = cli(*extract_args(server, tmp_path / "e.jsonl", tmp_path / "out2"))
     assert r.returncode == 2 and "error: row 1 (line 4 of e.jsonl): not JSON" in r.stderr
+    # what json refuses beyond syntax is a sentence too, not a traceback (a review: exit 1)
+    for i, line in enumerate(["[" * 100000 + "]" * 100000, '{"input_ids": [1' + "0" * 5000 + "]}"]):
+        (tmp_path / f"x{i}.jsonl").write_text(line + "\n")
+        r = cli(*extract_args(server, tmp_path / f"x{i}.jsonl", tmp_path / f"out-x{i}"))
+        assert r.returncode == 2 and "error: row 0 (line 1 of " in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # ---- convert's refusals (all before torch is needed) -------------------------------------------

@@ -352,6 +352,13 @@ def test_convert_masks_image_positions_out_of_the_loss(server, tmp_path, capsys)
     ("http://169.254.169.254/latest/meta-data/", (), "whose host 169.254.169.254 is a link-local"),
     ("http://[fe80::1]/x.png", (), "whose host fe80::1 is a link-local"),
     ("https://0.0.0.0/x.png", (), "is a link-local or unspecified address"),
+    # other spellings the server's resolver takes for the same addresses (a review sent them)
+    ("http://2852039166/", (), "whose host 2852039166 is a link-local"),
+    ("http://0xa9fea9fe/", (), "whose host 0xa9fea9fe is a link-local"),
+    ("http://0251.0376.0251.0376/", (), "is a link-local"),
+    ("http://169.254.43518/", (), "is a link-local"),
+    ("http://[::ffff:169.254.169.254]/", (), "is a link-local"),
+    ("http://0/", (), "is a link-local or unspecified address"),
 ])
 def test_image_urls_the_server_must_not_read_are_refused(url, roots, why):
     """What extract forwards (issue 50 item 14): SGLang 0.5.23's loader reads any file://
