@@ -169,6 +169,29 @@ def _read_array(np, fd: int, path: str, key: str, entry: Any, start: int, size: 
     return code, array
 
 
+def _check_tiling(path: str, header: Dict[str, Any], data_bytes: int) -> None:
+    """The tensors' ``data_offsets`` tile the data section, as safetensors requires (its
+    loader, torch's path, refuses overlaps, gaps and bytes past the last tensor):
+    sorted, the first at 0, each where the one before ends, the last at ``data_bytes``.
+    Raises ``DumpFormatError``."""
+    spans = []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise DumpFormatError(f"{path}: {key} has no data_offsets of two ints")
+        spans.append((offsets[0], offsets[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            raise DumpFormatError(f"{path}: {key}'s data_offsets [{begin}, {stop}] "
+                                  f"{'overlap' if begin < end else 'leave a gap after'} the tensor before")
+        end = stop
+    if end != data_bytes:
+        raise DumpFormatError(f"{path}: the tensors end at {end} of a {data_bytes}-byte data section")
+
+
 def _load_numpy(path: str, dequantize: Any) -> DumpRecord:
     """``load`` where torch is not installed: numpy arrays, the same checks."""
     try:
@@ -182,6 +205,7 @@ def _load_numpy(path: str, dequantize: Any) -> DumpRecord:
         if missing:
             raise DumpFormatError(f"{path}: missing keys {sorted(missing)}")
         size = os.fstat(fd).st_size
+        _check_tiling(path, header, size - start)
         read = {key: _read_array(np, fd, path, key, header[key], start, size)
                 for key in (KEY_HIDDEN_STATES, KEY_SCALES, KEY_TOKEN_IDS) if key in header}
     finally:

@@ -386,12 +386,19 @@ def test_load_without_torch_gives_the_stored_values_exactly(dump_dir, tmp_path):
     text = json.dumps({"hidden_states": {"dtype": "BF16", "shape": [0, 2**60, 2**60], "data_offsets": [0, 0]},
                        "token_ids": {"dtype": "I64", "shape": [0], "data_offsets": [0, 0]}}).encode()
     huge.write_bytes(len(text).to_bytes(8, "little") + text)
-    r = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path), *paths, str(cut), str(huge)],
-                       capture_output=True, text=True, timeout=120)
+    overlap = d / "overlap.safetensors"  # token_ids over hidden_states' bytes (a review read garbage ids)
+    text = json.dumps({"hidden_states": {"dtype": "BF16", "shape": [2, 1, 8], "data_offsets": [0, 32]},
+                       "token_ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]},
+                       "__metadata__": {"layer_ids": "[1]"}}).encode()
+    overlap.write_bytes(len(text).to_bytes(8, "little") + text + bytes(32))
+    with pytest.raises(fmt.DumpFormatError):  # torch's path (safetensors) refuses it
+        fmt.load(str(overlap))
+    r = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TORCH, str(tmp_path), *paths, str(cut), str(huge),
+                        str(overlap)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert len(lines) == 2 and all(x.startswith("DumpFormatError: ") for x in lines), r.stdout
-    assert str(cut) in lines[0] and str(huge) in lines[1], r.stdout
+    assert len(lines) == 3 and all(x.startswith("DumpFormatError: ") for x in lines), r.stdout
+    assert str(cut) in lines[0] and str(huge) in lines[1] and "overlap" in lines[2], r.stdout
     import numpy as np
 
     for i, (hs, sc) in enumerate(((bf16, None), (fp8, scales))):
