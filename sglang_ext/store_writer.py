@@ -169,13 +169,19 @@ class Connection:
             threading.Thread(target=self._watch, name="hs-store-watch", daemon=True).start()
 
     def defer_marker(self, handle: str, message: str) -> None:
-        """Put ``<handle>:error`` once the master answers again (``unavailable``)."""
+        """Put ``<handle>:error`` once the master answers again (``unavailable``). A watch
+        thread that ended meanwhile (it found the master back and no marker: a race a
+        review replayed) is started again, so no deferred marker is left without one."""
         with self._down_lock:
             if len(self._deferred) >= MAX_DEFERRED_MARKERS:
                 old = self._deferred.popleft()
                 logger.error("hidden-state dump: the error marker of store handle %s is dropped (more than %d "
                              "waiting for the master); its reader will time out", old[0], MAX_DEFERRED_MARKERS)
             self._deferred.append((handle, message, MARKER_ROUNDS))
+            start = not self._watching and not self._stop.is_set()
+            self._watching = self._watching or start
+        if start:
+            threading.Thread(target=self._watch, name="hs-store-watch", daemon=True).start()
 
     def _watch(self) -> None:
         """Every ``RETRY_CONNECT_S``: look ``PROBE_KEY`` up (Mooncake releases the GIL and

@@ -586,3 +586,27 @@ def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(master, r
         node.kill()
         node.wait()
         master.kill()
+
+
+def test_a_marker_deferred_after_the_watch_ended_is_still_put(master, reader, monkeypatch):
+    """The breaker's race a review replayed: a writer thread finds the breaker tripped
+    (``unavailable`` returns at once), the watch thread then sees the master answer with
+    no marker waiting and ends, and only then is that thread's marker deferred: it must
+    still be put (before: it waited for the next outage's watch, its reader timed out)."""
+    import ctypes
+
+    from sglang_ext import store_writer
+
+    monkeypatch.setattr(store_writer, "RETRY_CONNECT_S", 0.2)
+    arena = ctypes.create_string_buffer(1 << 20)
+    conn = store_writer.Connection(store.StoreConfig.from_url(master_config(master, 16 * MiB)),
+                                   ctypes.addressof(arena), len(arena))
+    try:
+        conn.get()
+        conn.unavailable(store.StoreUnavailable("the master did not answer"))  # the breaker trips
+        assert wait_for(lambda: not conn._watching, 30)  # the master answers: the watch ends
+        handle = store.unique_handle("late-marker")
+        conn.defer_marker(handle, "the master did not answer")  # the late thread's marker
+        assert wait_for(lambda: exists(reader, handle + store.ERROR_SUFFIX), 30), "the marker was never put"
+    finally:
+        conn.close()
