@@ -354,7 +354,7 @@ def env_settings(this_host: bool = True) -> dict:
 def sampling_settings(writers: int = 1) -> dict:
     """The sampling settings (``sampling.DumpPolicy``), validated: ``sample_rate``
     (``KIMI_SGLANG_SAMPLE_RATE``, the share of requests dumped, 0 to 1, default 1),
-    ``budget_bytes`` (``KIMI_SGLANG_DUMP_BUDGET_GB``, GiB of files the server may write,
+    ``budget_bytes`` (``KIMI_SGLANG_DUMP_BUDGET_GB``, GiB of rows the server may write (headers not counted),
     >= 0, shared equally by the ``writers`` writing ranks as the host cap is; None when
     unset) and ``min_free_bytes`` (``KIMI_SGLANG_MIN_FREE_GB``, GiB that must stay free
     in the dump directory's file system, >= 0; None when unset). Raises

@@ -3,7 +3,7 @@ file's mapped pages.
 
 Why: the kernel serializes ``pwrite``s to one file (the inode's lock), so a 64 MiB file
 is written at one thread's memory-copy speed however many writer threads there are
-(bench/filelatency.py measured 1, 2 and 4 threads alike). Stores into a shared mapping of
+(a since-removed probe, `git show 7e2b2db:bench/filelatency.py`, measured 1, 2 and 4 threads alike). Stores into a shared mapping of
 the file take no such lock: ``Copier.copy`` cuts the range into pieces of at least
 ``MIN_PIECE`` bytes and copies them with ``ctypes.memmove``, which releases the GIL, on
 up to ``threads`` threads at once (the caller's included).

@@ -132,8 +132,10 @@ def handshake(config: StoreConfig, timeout_s: float = HANDSHAKE_S, probe_s: floa
     if words[:2] == ["handshake", "0"] and not timed_out:
         return None
     if timed_out or any("timed out" in ln for ln in errors):
+        # the set-up's RPCs give up at half the deadline (MC_RPC_TIMEOUT_MS above): say which
+        waited = timeout_s if timed_out else timeout_s / 2
         return (f"the Mooncake master at {addr} accepts connections but did not complete Mooncake's client "
-                f"set-up within {timeout_s:g} s (a hung or stopped mooncake_master, or an address naming "
+                f"set-up within {waited:g} s (a hung or stopped mooncake_master, or an address naming "
                 f"another service, e.g. the master's HTTP metrics port)")
     last = errors[-1].split("] ", 1)[-1][:200] if errors else f"exit status {proc.returncode}"
     status = words[1] if words[:1] == ["handshake"] and len(words) > 1 else "none"

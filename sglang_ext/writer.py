@@ -622,7 +622,7 @@ class DumpWriter:
 
     def reserve_handle(self, rid: str) -> str:
         """The store handle of request ``rid`` (store sink): ``store.handle_for(rid)`` +
-        ``"-"`` + 8 random hex digits (``store.unique_handle``), so no two answers share a
+        ``"-"`` + 32 random hex digits (``store.unique_handle``), so no two answers share a
         handle: not two live requests of one rid, not two scheduler processes (DP ranks)
         or servers on one master, not a rid repeated after its object exists, not rids
         that sanitize alike (``job.1``/``job_1``), and no stale ``<handle>:error``.

@@ -393,7 +393,7 @@ class Spares:
     """Temporary files made ahead, so a file's rows are copied into pages that exist.
 
     On tmpfs (``/dev/shm``) about half of a fresh file's ``pwrite`` is allocating and
-    zeroing its pages (bench/filelatency.py: 64 MiB in ~44 ms fresh, ~24 ms into
+    zeroing its pages (`git show 7e2b2db:bench/filelatency.py`: 64 MiB in ~44 ms fresh, ~24 ms into
     allocated pages, on the development box); the kernel serializes writes to one file
     (the inode's lock), so more threads on one file do not help, but the allocation can
     happen before the rows arrive. One thread of its own keeps ``target`` unnamed files

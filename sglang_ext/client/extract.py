@@ -93,7 +93,7 @@ Guarantees:
 
 Rows are counted from 0 as in ``hs_<i>``; messages name them ``row i (line L of FILE)``.
 Checks: always token ids equal the request's and ``hidden_states`` has one row per token
-(read from the file's header with numpy, without torch); with ``--validate`` (needs torch)
+(read from the file's header with numpy, without torch); with ``--validate`` (numpy alone will do)
 also the whole file is loaded through ``sglang_ext.format.load`` and must be finite.
 Exit codes: 0 all done, 1 some samples failed, 2 bad input, 3 aborted, 130 interrupted,
 143 terminated (SIGTERM).
@@ -281,13 +281,6 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         print(f"error: extract needs {' and '.join(missing)}: pip install -e '.[client]' in a clone "
               f"of kimi-sglang (else pip install {' '.join(missing)})", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.validate:
-        try:
-            import torch  # noqa: F401 - format.load, behind --validate, needs it
-        except ImportError:
-            print("error: --validate loads every file with torch, which is not installed "
-                  "here (pip install torch), or leave --validate out", file=sys.stderr)
-            return EXIT_BAD_INPUT
     try:
         tokenizer = load_tokenizer(args.tokenizer)
         n_rows = count_rows(args.data)

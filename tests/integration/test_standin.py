@@ -263,3 +263,18 @@ def test_extract_asks_a_sampling_server_for_every_row(tmp_path, monkeypatch):
         assert sorted(p.name for p in out.glob("hs_*.safetensors")) == [f"hs_{i}.safetensors" for i in range(5)]
     finally:
         s.stop()
+
+
+def test_validate_needs_no_torch(standin, tmp_path):
+    """``extract --validate`` in an interpreter where ``import torch`` fails (a client's
+    light install): every file loaded with numpy (format.load) and checked finite
+    (before: refused, 'needs torch', though format.load reads without it)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [7 + i, 8, 9]}) + "\n" for i in range(3)))
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from sglang_ext.__main__ import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "extract", "--endpoint", standin.url, "--data", str(data),
+                           "--out", str(tmp_path / "out"), "--validate"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list((tmp_path / "out").glob("hs_*.safetensors"))) == 3
