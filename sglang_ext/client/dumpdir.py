@@ -164,10 +164,11 @@ class DumpDirs:
                         d.translated[name] = rid
                         return d, name
             # a server's directory left out: every answer of it would fail alike
+            fix = (f"add --dump-dir {directory}" if is_dir else
+                   "pass each server's --dump-hidden-states-dir as this machine sees it with --dump-dir")
             raise FatalError(f"the server wrote {path} into {directory}, which no --dump-dir "
                              f"names ({', '.join(d.path for d in self.dirs)}), and none of them "
-                             f"holds {name}: pass each server's --dump-hidden-states-dir as this "
-                             f"machine sees it with --dump-dir (one per server behind a router)")
+                             f"holds {name}: {fix} (one per server behind a router)")
         if not is_dir:
             raise FatalError(f"the server writes to {directory}, which does not exist on this "
                              f"machine: the directory sink needs a filesystem shared with every "
