@@ -588,7 +588,7 @@ def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(master, r
         master.kill()
 
 
-def test_a_marker_deferred_after_the_watch_ended_is_still_put(master, reader, monkeypatch):
+def test_a_marker_deferred_after_the_watch_ended_is_still_put(tmp_path, monkeypatch):
     """The breaker's race a review replayed: a writer thread finds the breaker tripped
     (``unavailable`` returns at once), the watch thread then sees the master answer with
     no marker waiting and ends, and only then is that thread's marker deferred: it must
@@ -598,6 +598,8 @@ def test_a_marker_deferred_after_the_watch_ended_is_still_put(master, reader, mo
     from sglang_ext import store_writer
 
     monkeypatch.setattr(store_writer, "RETRY_CONNECT_S", 0.2)
+    master = Master(tmp_path)  # a master of its own (the module's was unreachable here in a full CI run)
+    reader = reader_for(master)
     arena = ctypes.create_string_buffer(1 << 20)
     conn = store_writer.Connection(store.StoreConfig.from_url(master_config(master, 16 * MiB)),
                                    ctypes.addressof(arena), len(arena))
@@ -610,3 +612,4 @@ def test_a_marker_deferred_after_the_watch_ended_is_still_put(master, reader, mo
         assert wait_for(lambda: exists(reader, handle + store.ERROR_SUFFIX), 30), "the marker was never put"
     finally:
         conn.close()
+        master.kill()
