@@ -461,10 +461,10 @@ class DumpSession:
         if self.policy is None:
             return asked is not False
         try:  # a request whose bytes cannot be told fails later, in _check or _open
-            dtype = self.writer.file_dtype(hidden.dtype)
-            per_token = (fmt.row_bytes(hidden.shape[1], dtype) + fmt.scale_row_bytes(len(self.layer_ids), dtype)
-                         + fmt.SAFETENSORS_DTYPES["int64"][1])
-            nbytes = len(req.origin_input_ids) * per_token
+            slots = len(self.layer_ids)
+            specs = fmt.dump_tensors(len(req.origin_input_ids), slots, hidden.shape[1] // slots,
+                                     self.writer.file_dtype(hidden.dtype))
+            nbytes = sum(s.nbytes for s in specs)
         except Exception:  # noqa: BLE001
             nbytes = 0
         return self.policy.admit(req.rid, asked if isinstance(asked, bool) else None, nbytes)

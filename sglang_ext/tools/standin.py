@@ -286,8 +286,8 @@ class Server:
         if params.get(fmt.DUMP_PARAM) is False or fmt.is_internal(rid):  # as the server
             return meta
         fed = len(ids) + (len(out[0]) - 1 if out else 0)
-        nbytes = fed * (fmt.row_bytes(len(self.dump.layer_ids) * self.dump.hidden_size, DTYPE) + 8)
-        if not self.policy.admit(rid, params.get(fmt.DUMP_PARAM), nbytes):  # sampled out: no dump keys
+        specs = fmt.dump_tensors(fed, len(self.dump.layer_ids), self.dump.hidden_size, DTYPE)
+        if not self.policy.admit(rid, params.get(fmt.DUMP_PARAM), sum(s.nbytes for s in specs)):  # sampled out
             return meta
         try:
             fmt.check_rid(rid)
