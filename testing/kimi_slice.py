@@ -409,6 +409,9 @@ class Reference:
         taken: List[Dict[int, torch.Tensor]] = [{} for _ in prompts]
         self.near_ties_of = [{} for _ in prompts]
         with torch.no_grad():
+            # each prompt's rope cos/sin, the same at every layer ([1, T, rope dim] each)
+            pes = [self.rotary(x[:, o:o + t], torch.arange(t, device=self.device)[None])
+                   for t, o in zip(lengths, starts)]
             for i in range(n + 1):
                 if i in layer_ids:
                     for j, pick in enumerate(picks):
@@ -416,14 +419,13 @@ class Reference:
                 if i == n:
                     break
                 layer, moe = self._layer(i)
-                for t, o in zip(lengths, starts):
+                for t, o, pe in zip(lengths, starts, pes):
                     part = x[:, o:o + t]
                     a = torch.empty_like(part)
                     for sl in self._chunks(t, self.token_chunk):
                         a[:, sl] = layer.input_layernorm(part[:, sl])
-                    pe = self.rotary(a, torch.arange(t, device=self.device)[None])
                     part += self._attention(layer, a, pe)
-                    del a, pe
+                    del a
                 ties: List[int] = []
                 for sl in self._chunks(x.shape[1], self.token_chunk):
                     h = layer.post_attention_layernorm(x[:, sl])
