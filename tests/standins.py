@@ -36,6 +36,16 @@ RIDS = [
 HIDDEN = 8
 
 
+# A scrape of prometheus_client's multiprocess directory (PROMETHEUS_MULTIPROC_DIR), as
+# SGLang's /metrics serves it: run with ``python -c`` in that environment, prints the text.
+MULTIPROC_HTTP = textwrap.dedent(r"""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    registry = CollectorRegistry()  # what sglang.srt.utils.add_prometheus_middleware serves
+    multiprocess.MultiProcessCollector(registry)
+    print(generate_latest(registry).decode())
+""")
+
+
 class Mode:
     def __init__(self, extend=True):
         self.extend = extend

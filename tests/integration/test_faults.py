@@ -26,7 +26,7 @@ from sglang_ext import format as fmt
 from sglang_ext import metrics as dump_metrics
 from sglang_ext.writer import DumpWriter
 from sglang_ext.config import DumpConfigError, check_directory, env_settings
-from standins import (RIDS, Req, finish, idle, inject_writer, make_runner, reference,
+from standins import (MULTIPROC_HTTP, RIDS, Req, finish, idle, inject_writer, make_runner, reference,
                        run_extend, wait_for)
 
 IDS = [2, 4]
@@ -870,14 +870,6 @@ MULTIPROC_SCHEDULER = textwrap.dedent(r"""
     sys.stdin.readline()  # hold on while the test reads /metrics
     assert w.close(10)
 """)
-
-MULTIPROC_HTTP = textwrap.dedent(r"""
-    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-    registry = CollectorRegistry()  # what sglang.srt.utils.add_prometheus_middleware serves
-    multiprocess.MultiProcessCollector(registry)
-    print(generate_latest(registry).decode())
-""")
-
 
 def test_metrics_from_the_writer_process_reach_sglangs_multiprocess_registry(dump, tmp_path):
     pytest.importorskip("prometheus_client")

@@ -20,7 +20,7 @@ from sglang_ext import format as fmt
 from sglang_ext.config import DumpConfig, DumpConfigError, sampling_settings
 
 from mooncake_fixture import master_config, needs_mooncake
-from standins import Req, finish, idle, make_runner, reference, run_extend, wait_for
+from standins import MULTIPROC_HTTP, Req, finish, idle, make_runner, reference, run_extend, wait_for
 
 IDS = [2, 4]
 SETTINGS = ("KIMI_SGLANG_SAMPLE_RATE", "KIMI_SGLANG_DUMP_BUDGET_GB", "KIMI_SGLANG_MIN_FREE_GB")
@@ -239,13 +239,6 @@ SCHEDULER = textwrap.dedent(r"""
     assert sess.close(10)
 """)
 
-COLLECT = textwrap.dedent(r"""
-    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-    registry = CollectorRegistry()  # what sglang.srt.utils.add_prometheus_middleware serves
-    multiprocess.MultiProcessCollector(registry)
-    print(generate_latest(registry).decode())
-""")
-
 
 def test_the_counters_reach_sglangs_multiprocess_registry(dump, tmp_path):
     """A scheduler process with --enable-metrics (PROMETHEUS_MULTIPROC_DIR set, as SGLang
@@ -261,7 +254,7 @@ def test_the_counters_reach_sglangs_multiprocess_registry(dump, tmp_path):
     out = subprocess.run([sys.executable, "-c", SCHEDULER, str(dump), tests], env=env, check=True,
                          capture_output=True, text=True).stdout
     assert int(out) == 3
-    text = subprocess.run([sys.executable, "-c", COLLECT], env=env, check=True, capture_output=True,
+    text = subprocess.run([sys.executable, "-c", MULTIPROC_HTTP], env=env, check=True, capture_output=True,
                           text=True).stdout
     values = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
               if ln.startswith("kimi_sglang:dump_requests")}
