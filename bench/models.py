@@ -101,6 +101,20 @@ def deepseek_tiny(path):
           path)
 
 
+def kimi_slice(num_layers):
+    """A build function of testing/kimi_slice.py's Kimi-K2.5 slice (real text dimensions,
+    INT4 experts in Kimi's own format) of ``num_layers`` decoder layers, drawn on the GPU."""
+    def build(path):
+        import torch
+
+        from testing.kimi_slice import build_kimi_slice
+
+        build_kimi_slice(path, num_layers, device="cuda" if torch.cuda.is_available() else "cpu")
+    return build
+
+
+KIMI_FLAGS = ("--trust-remote-code", "--context-length", "33792", "--chunked-prefill-size", str(CHUNK))
+
 MODELS = {
     # what most drafters are trained from (default layers [2, N//2, N-3, N])
     "llama-8b": Model(llama(4096, 32, 128256, 14336, 32, 8), 4096, 32, 128256, est_build_s=40),
@@ -111,6 +125,16 @@ MODELS = {
     # tokens lasting 0.1-0.6 s, where single stalls dominate, so 8x at concurrency >= 8
     "deepseek-tiny": Model(deepseek_tiny, 1024, 4, 1024, layers_flag="1,2,3,4", mla=True, cell_scale=8,
                            est_tps=150_000, est_json_tps=5_000, est_startup_s=130, est_build_s=5),
+    # Kimi-K2.5's text dimensions (hidden 7168, MLA 64 heads, 384 INT4 experts): 4 layers
+    # (1 dense + 3 MoE, ~35 GB a server: two or three servers need an H200), or 2 (1 + 1,
+    # ~16 GB: three fit an H100 at --mem-fraction-static 0.3). Every layer dumped, so the
+    # dump weighs more per forward than at 4 of Kimi's 61 layers.
+    "kimi-slice": Model(kimi_slice(4), 7168, 4, 163840, layers_flag="1,2,3,4", mla=True, server_flags=KIMI_FLAGS,
+                        prompt_lens=(2048, 8192, 32768), concurrency=(1, 8),
+                        est_tps=25_000, est_json_tps=300, est_startup_s=240, est_build_s=90),
+    "kimi-slice-2": Model(kimi_slice(2), 7168, 2, 163840, layers_flag="1,2", mla=True, server_flags=KIMI_FLAGS,
+                          prompt_lens=(2048, 8192, 32768), concurrency=(1, 8),
+                          est_tps=45_000, est_json_tps=400, est_startup_s=180, est_build_s=45),
 }
 
 

@@ -303,7 +303,18 @@ class Reference:
     per-token parts (norms, MLP, MoE); ``score_bytes``: the most bytes of one attention
     call's float32 scores (heads x query chunk x keys so far), which sizes the query
     chunk. ``near_ties`` after a call: per MoE layer, the token positions whose 8th and
-    9th routing scores (sigmoid + bias, float32) differ by less than ``tie_margin``."""
+    9th routing scores (sigmoid + bias, float32) differ by less than ``tie_margin``.
+
+    Routing replay (``routes``): with random weights a third of the tokens have a near-tie
+    among 384 experts, and a bf16 server picks the other expert where float32 picks this
+    one, which moves that row by up to several times the tolerance in every later layer.
+    Given the experts a server chose (SGLang's ``return_routed_experts``: int32 [T,
+    num_layers, k] per prompt), each MoE layer uses those experts instead of its own top-k,
+    with weights computed here as HF's ``route_tokens_to_experts`` computes them (float32
+    sigmoid scores of the chosen experts, normalized, times ``routed_scaling_factor``):
+    what stays compared is the arithmetic, not a coin toss. ``disagreements`` after a
+    call: per MoE layer, the positions where the given experts are not the set this
+    forward would have chosen."""
 
     def __init__(self, path: str, device: str = "cuda", token_chunk: int = 32768,
                  score_bytes: float = 2e9, tie_margin: float = 1e-3):
@@ -320,6 +331,7 @@ class Reference:
         self.num_layers = self.config.num_hidden_layers
         self.token_chunk, self.score_bytes, self.tie_margin = token_chunk, score_bytes, tie_margin
         self.near_ties: Dict[int, List[int]] = {}
+        self.disagreements: Dict[int, List[int]] = {}
         self.rotary = hf.DeepseekV3RotaryEmbedding(self.config).to(device)
         with torch.device("meta"):
             norm = hf.DeepseekV3RMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
@@ -383,22 +395,66 @@ class Reference:
         top = scores.topk(self.config.num_experts_per_tok + 1, dim=-1).values
         return torch.nonzero(top[:, -2] - top[:, -1] < self.tie_margin).flatten().tolist()
 
-    def __call__(self, ids: Sequence[int], layer_ids: Sequence[int], rows: Optional[Sequence[int]] = None):
-        out = self.batch([(ids, rows)], layer_ids)
-        self.near_ties = self.near_ties_of[0]
+    def _replaying(self, mlp, given, own: List[torch.Tensor]):
+        """A ``route_tokens_to_experts`` for ``mlp`` that records its own choice in ``own``
+        and, for the rows of ``given`` [T, k] not marked -1, returns those experts with
+        HF's weights for them."""
+        choose = type(mlp).route_tokens_to_experts.__get__(mlp)  # HF's own, not an earlier chunk's wrapper
+
+        def route(router_logits):
+            idx, w = choose(router_logits)
+            own.append(idx)
+            if given is None:
+                return idx, w
+            g = given.to(idx.device, torch.long)
+            use = (g[:, :1] >= 0)
+            gw = router_logits.sigmoid().gather(1, g.clamp_min(0))
+            if mlp.norm_topk_prob:
+                gw = gw / (gw.sum(dim=-1, keepdim=True) + 1e-20)
+            gw = gw * mlp.routed_scaling_factor
+            return torch.where(use, g, idx), torch.where(use, gw.to(w.dtype), w)
+
+        return route
+
+    def __call__(self, ids: Sequence[int], layer_ids: Sequence[int], rows: Optional[Sequence[int]] = None,
+                 routes=None):
+        out = self.batch([(ids, rows)], layer_ids, routes=None if routes is None else [routes])
+        self.near_ties, self.disagreements = self.near_ties_of[0], self.disagreements_of[0]
         return out[0]
 
     def batch(self, prompts: Sequence[Tuple[Sequence[int], Optional[Sequence[int]]]],
-              layer_ids: Sequence[int]) -> List[torch.Tensor]:
+              layer_ids: Sequence[int], routes=None) -> List[torch.Tensor]:
         """``[ref(ids, layer_ids, rows) for ids, rows in prompts]``, each decoder layer read
         from the checkpoint once for all of them: the prompts' residual streams stay on the
         device side by side (sum of T x H float32), attention runs per prompt, the per-token
         parts over all of them at once (each routed expert dequantized once per token
-        chunk, not once per prompt). ``near_ties_of[j]``: prompt j's ``near_ties``."""
+        chunk, not once per prompt). ``routes``: None, or per prompt None or the experts
+        a server chose ([T, num_layers, k] integers, ids 0..n_routed_experts-1; rows of
+        dense layers ignored), replayed as the class doc says. ``near_ties_of[j]`` and
+        ``disagreements_of[j]``: prompt j's ``near_ties`` and ``disagreements``.
+
+        Raises ValueError for a layer id outside 0..N or a route of the wrong shape or
+        range."""
         n = self.num_layers
         if any(k < 0 or k > n for k in layer_ids):
             raise ValueError(f"layer ids {list(layer_ids)}: the slice has {n} layers (ids 0..{n})")
         lengths = [len(ids) for ids, _ in prompts]
+        given = None
+        if routes is not None:
+            k, e = self.config.num_experts_per_tok, self.config.n_routed_experts
+            parts = []
+            for j, (r, t) in enumerate(zip(routes, lengths)):
+                if r is None:
+                    parts.append(torch.full((t, n, k), -1, dtype=torch.long))
+                    continue
+                r = torch.as_tensor(r).long()
+                if tuple(r.shape) != (t, n, k):
+                    raise ValueError(f"prompt {j}: routes of shape {tuple(r.shape)}, expected {(t, n, k)}")
+                moe_rows = r[:, self.config.first_k_dense_replace:]
+                if moe_rows.numel() and (moe_rows.min() < 0 or moe_rows.max() >= e):
+                    raise ValueError(f"prompt {j}: routed expert ids outside 0..{e - 1}")
+                parts.append(r)
+            given = torch.cat(parts).to(self.device)  # [sum T, N, k]
         starts = [sum(lengths[:j]) for j in range(len(prompts))]
         embed = self.ckpt.get(f"{PREFIX}model.embed_tokens.weight")
         every = torch.tensor([t for ids, _ in prompts for t in ids], device=self.device)
@@ -408,6 +464,7 @@ class Reference:
                  for (_, rows), t, o in zip(prompts, lengths, starts)]
         taken: List[Dict[int, torch.Tensor]] = [{} for _ in prompts]
         self.near_ties_of = [{} for _ in prompts]
+        self.disagreements_of = [{} for _ in prompts]
         with torch.no_grad():
             # each prompt's rope cos/sin, the same at every layer ([1, T, rope dim] each)
             pes = [self.rotary(x[:, o:o + t], torch.arange(t, device=self.device)[None])
@@ -427,14 +484,23 @@ class Reference:
                     part += self._attention(layer, a, pe)
                     del a
                 ties: List[int] = []
+                differ: List[int] = []
                 for sl in self._chunks(x.shape[1], self.token_chunk):
                     h = layer.post_attention_layernorm(x[:, sl])
                     if moe:
                         ties += [sl.start + p for p in self._ties(layer, h[0])]
+                        own: List[torch.Tensor] = []
+                        g = None if given is None else given[sl, i]
+                        layer.mlp.route_tokens_to_experts = self._replaying(layer.mlp, g, own)
                     x[:, sl] += layer.mlp(h)
+                    if moe and g is not None:
+                        mine, theirs = own[0].sort(dim=-1).values, g.sort(dim=-1).values
+                        off = ((mine != theirs).any(dim=-1) & (g[:, 0] >= 0)).nonzero().flatten()
+                        differ += [sl.start + p for p in off.tolist()]
                 if moe:
                     for j, (t, o) in enumerate(zip(lengths, starts)):
                         self.near_ties_of[j][i] = [p - o for p in ties if o <= p < o + t]
+                        self.disagreements_of[j][i] = [p - o for p in differ if o <= p < o + t]
                 del layer
                 if self.device != "cpu":
                     torch.cuda.empty_cache()

@@ -68,9 +68,11 @@ def dequantized_state(path) -> dict:
     return state
 
 
-def hf_forward(path, ids, layer_ids):
+def hf_forward(path, ids, layer_ids, routing=None):
     """HF's whole-model float32 forward: ``output_hidden_states[k]`` for k < N, the final
-    norm's input for N (testing/reference.py's convention)."""
+    norm's input for N (testing/reference.py's convention). ``routing(i, mlp, idx,
+    logits)``: called in MoE layer i with HF's chosen experts [T, k] and router logits;
+    returns the experts to use (or None to keep HF's), weighted as HF weighs its own."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     text = json.loads((path / "config.json").read_text())["text_config"]
@@ -79,12 +81,31 @@ def hf_forward(path, ids, layer_ids):
     model = DeepseekV3ForCausalLM(cfg).float().eval()
     missing, unexpected = model.load_state_dict(dequantized_state(path), strict=False)
     assert not unexpected and set(missing) <= {"model.rotary_emb.inv_freq"}, (missing, unexpected)
+    if routing is not None:
+        for i, layer in enumerate(model.model.layers):
+            if hasattr(layer.mlp, "route_tokens_to_experts"):
+                layer.mlp.route_tokens_to_experts = _forced(i, layer.mlp, routing)
     grabbed = {}
     model.model.norm.register_forward_pre_hook(lambda m, a: grabbed.setdefault("pre", a[0]))
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
     n = cfg.num_hidden_layers
     return torch.stack([grabbed["pre"][0] if k == n else out.hidden_states[k][0] for k in layer_ids], dim=1)
+
+
+def _forced(i, mlp, routing):
+    choose = mlp.route_tokens_to_experts
+
+    def route(logits):
+        idx, w = choose(logits)
+        forced = routing(i, mlp, idx, logits)
+        if forced is None:
+            return idx, w
+        w = logits.sigmoid().gather(1, forced)  # DeepseekV3's weights: unbiased sigmoid
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) if mlp.norm_topk_prob else w
+        return forced, w * mlp.routed_scaling_factor
+
+    return route
 
 
 def test_int4_layout_is_compressed_tensors():
@@ -141,6 +162,49 @@ def test_reference_equals_hf_whole_forward(slice_dir):
     # the sublayers add about a tenth each (the module doc's premise of the tolerances)
     growth = (want[:, 2].norm(dim=-1) / want[:, 0].norm(dim=-1)).mean().item()
     assert 1.0 < growth < 1.6, growth
+
+
+def test_reference_replays_given_routes(slice_dir):
+    """Routing replay: HF's own choices given back change nothing (and disagree nowhere);
+    a route that swaps one expert of one token in the first MoE layer gives what HF's
+    whole forward gives when forced to the same experts, and is reported as that one
+    disagreement; a route of the wrong shape or an expert id out of range is refused."""
+    ids = [int(i) for i in np.random.default_rng(1).integers(3, SMALL["vocab_size"], 29)]
+    layer_ids = [1, 2, 3]
+    k, e = SMALL["num_experts_per_tok"], SMALL["n_routed_experts"]
+    chosen = torch.full((len(ids), LAYERS, k), 7, dtype=torch.int32)  # dense layer 0: whatever
+
+    def record(i, mlp, idx, logits):
+        chosen[:, i] = idx.to(torch.int32)
+
+    want = hf_forward(slice_dir, ids, layer_ids, routing=record)
+    ref = kimi_slice.Reference(str(slice_dir), device="cpu", token_chunk=8)
+    torch.testing.assert_close(ref(ids, layer_ids, routes=chosen.numpy()), want, rtol=1e-5, atol=1e-4)
+    assert ref.disagreements == {1: [], 2: []}
+
+    pos = 11
+    swapped = chosen.clone()
+    spare = next(x for x in range(e) if x not in chosen[pos, 1].tolist())
+    swapped[pos, 1, 0] = spare
+
+    def force(i, mlp, idx, logits):
+        if i != 1:
+            return None
+        out = idx.clone()
+        out[pos, 0] = spare
+        return out
+
+    want_swapped = hf_forward(slice_dir, ids, layer_ids, routing=force)
+    got = ref(ids, layer_ids, routes=swapped)
+    torch.testing.assert_close(got, want_swapped, rtol=1e-5, atol=1e-4)
+    assert (got[pos, 1] - want[pos, 1]).norm() > 1e-3 * want[pos, 1].norm()  # the swap mattered
+    assert ref.disagreements[1] == [pos]
+    with pytest.raises(ValueError, match="shape"):
+        ref(ids, layer_ids, routes=chosen[:-1])
+    bad = chosen.clone()
+    bad[3, 2, 1] = e
+    with pytest.raises(ValueError, match="outside"):
+        ref(ids, layer_ids, routes=bad)
 
 
 SGLANG_PROBE = r"""

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 48, on the device host once the SGLang stack is staged (stage-stack.sh put p01-p17,
+# p24): start tests/gpu/prebuild_marlin.py in the background (its own session, so it
+# outlives this call; log /tmp/marlin-prebuild.log, "marlin moe prebuilt" when done), then
+# build the 4-layer slice where test_gpu_kimi_slice.py looks for it (KIMI_SLICE_DIR,
+# /tmp/kimi-slice, with its .complete marker) and, with `bench`, kimi-slice-2 for
+# `python -m bench --workdir /dev/shm/kimi-bench`.
+#   bash tests/gpu/kimi_slice_prep.sh [bench]
+#   bash tests/gpu/kimi_slice_prep.sh wait      (until the prebuild's log says done or failed)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+eval "$(bash tests/gpu/stage-stack.sh env sglang)"
+export PYTHONPATH="$PYTHONPATH:$PWD" PYTHONUNBUFFERED=1
+log=/tmp/marlin-prebuild.log
+if [ "${1:-}" = wait ]; then
+  until grep -q "prebuilt in\|Traceback" "$log" || ! pgrep -f prebuild_marlin.py >/dev/null; do sleep 5; done
+  cat "$log"; exit 0
+fi
+if [ ! -f "$log" ]; then
+  setsid nohup python3 tests/gpu/prebuild_marlin.py >"$log" 2>&1 < /dev/null &
+fi
+dir=${KIMI_SLICE_DIR:-/tmp/kimi-slice}
+layers=${KIMI_SLICE_LAYERS:-4}
+if [ "$(cat "$dir/.complete" 2>/dev/null)" != "$layers" ]; then
+  rm -rf "$dir"
+  python3 -c "import sys, time; from testing.kimi_slice import build_kimi_slice as b; t = time.time(); \
+b(sys.argv[1], int(sys.argv[2]), 'cuda'); print(f'slice of {sys.argv[2]} layers built in {time.time() - t:.0f} s')" \
+    "$dir" "$layers"
+  echo -n "$layers" > "$dir/.complete"
+fi
+if [ "${1:-}" = bench ]; then python3 -m bench.models kimi-slice-2 /dev/shm/kimi-bench/kimi-slice-2; fi
+df -h /tmp /dev/shm | tail -2
+tail -3 "$log"
