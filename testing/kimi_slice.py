@@ -498,6 +498,7 @@ class Reference:
                         off = ((mine != theirs).any(dim=-1) & (g[:, 0] >= 0)).nonzero().flatten()
                         differ += [sl.start + p for p in off.tolist()]
                 if moe:
+                    del layer.mlp.route_tokens_to_experts  # the wrapper and the layer refer to each other
                     for j, (t, o) in enumerate(zip(lengths, starts)):
                         self.near_ties_of[j][i] = [p - o for p in ties if o <= p < o + t]
                         self.disagreements_of[j][i] = [p - o for p in differ if o <= p < o + t]

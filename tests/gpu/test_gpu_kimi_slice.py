@@ -57,6 +57,7 @@ DUMP = "/dev/shm/hs-kimi-slice"
 KEEP = "/dev/shm/kimi-slice-kept"  # files kept for the reference phase, with their prompts
 LONG = (8192, 32768, 65536, 131072)
 SAMPLED = 48  # rows compared per long prompt
+GROUP_TOKENS = 65536  # prompt tokens the reference carries through the layers at once
 JSON_MAX_TOKENS = 720  # prompts the JSON comparison takes (7168 values a row, ~10 bytes each)
 BENCH_CELLS = [(2048, 1, 6), (2048, 8, 32), (8192, 1, 3), (8192, 8, 16), (32768, 1, 2), (32768, 8, 8)]
 ROUNDS = int(os.environ.get("KIMI_SLICE_ROUNDS", "2"))
@@ -421,11 +422,31 @@ def test_files_match_reference(slice_dir, record_property):
     longest = int(os.environ.get("KIMI_SLICE_REF_MAX_TOKENS", "0")) or LONG[-1]  # a partial run
     kept, prompts = zip(*[(k, p) for k, p in zip(kept, prompts) if len(p["ids"]) <= longest])
     routes = [np.load(os.path.join(KEEP, f"{k}.routes.npy")) for k in kept]
+    # groups of at most GROUP_TOKENS prompt tokens (a longer prompt alone): one group's
+    # residual streams, one prompt's attention cache and one layer's experts on the GPU
+    groups, size = [[]], 0
+    for j in sorted(range(len(kept)), key=lambda j: len(prompts[j]["ids"])):
+        n = len(prompts[j]["ids"])
+        if groups[-1] and size + n > GROUP_TOKENS:
+            groups.append([])
+            size = 0
+        groups[-1].append(j)
+        size += n
+    blocks, ties_of, differ_of, memory = {}, {}, {}, []
     t0 = time.monotonic()
-    blocks = ref.batch([(p["ids"], p["rows"]) for p in prompts], LAYER_IDS, routes=routes)
+    for group in groups:
+        torch.cuda.reset_peak_memory_stats()
+        out = ref.batch([(prompts[j]["ids"], prompts[j]["rows"]) for j in group], LAYER_IDS,
+                        routes=[routes[j] for j in group])
+        memory.append([sum(len(prompts[j]["ids"]) for j in group), round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)])
+        print(f"reference: {memory[-1][0]} tokens, peak {memory[-1][1]} GiB, {time.monotonic() - t0:.0f} s", flush=True)
+        for j, o, ties, differ in zip(group, out, ref.near_ties_of, ref.disagreements_of):
+            blocks[j], ties_of[j], differ_of[j] = o, ties, differ
     record_property("reference_s", round(time.monotonic() - t0, 1))
+    record_property("reference_groups_tokens_peak_gib", memory)
     problems, report = [], {}
-    for k, p, want, ties, differ in zip(kept, prompts, blocks, ref.near_ties_of, ref.disagreements_of):
+    for j, (k, p) in enumerate(zip(kept, prompts)):
+        want, ties, differ = blocks[j], ties_of[j], differ_of[j]
         fp8 = k.startswith("fp8")
         rec = fmt.load(os.path.join(KEEP, f"{k}.safetensors"), dequantize=fp8)
         if rec.token_ids.tolist() != p["ids"]:

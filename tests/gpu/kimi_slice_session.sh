@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 48 in one background job on a staged device host (stage-stack.sh put p01-p17,
+# p24; carry .whl/d), so that no phase depends on the next call arriving in time:
+#   bash tests/gpu/kimi_slice_session.sh start [BENCH_DEADLINE_S]   (returns at once)
+#   bash tests/gpu/kimi_slice_session.sh collect                    (copies what is done to $OUT)
+# The job: kimi_slice_prep.sh bench (the Marlin prebuild in the background, the slices);
+# the GPU module's bf16 files and the reference check (-k "kimi_slice and (bf16_files or
+# match_reference)"; the server waits on SGLang's JIT lock for the prebuild); then
+# `python -m bench` on kimi-slice-2 (nodump, dump, dump_early, dump_fp8; 2k/8k/32k x 1/8;
+# 2 rounds; --deadline-s BENCH_DEADLINE_S, default 300). Everything lands in /tmp/k48:
+# job.log, slice.json (pytest --results-json), logs/, bench/ and jit.tgz (SGLang's JIT
+# cache, for a later host: SGLANG_JIT_CACHE_DIR).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+k=/tmp/k48
+case "${1:-}" in
+  start)
+    mkdir -p $k/logs $k/bench
+    setsid nohup bash "$0" job "${2:-300}" >$k/job.log 2>&1 < /dev/null &
+    echo "started: $k/job.log" ;;
+  job)
+    t0=$(date +%s)
+    stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
+    stamp prep
+    bash tests/gpu/kimi_slice_prep.sh bench
+    stamp "module (bf16 files, reference)"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KIMI_SGLANG_SERIES=v0.5.23 OUT=$k \
+      bash tests/gpu/run_e2e.sh run -k "kimi_slice and (bf16_files or match_reference)" \
+      --results-json $k/slice.json --server-log-dir $k/logs -s
+    stamp "module rc $?"
+    tar -C ~/.cache/sglang -czf $k/jit.tgz jit && ls -la $k/jit.tgz
+    stamp bench
+    KIMI_SGLANG_SERIES=v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models kimi-slice-2 \
+      --modes nodump,dump,dump_early,dump_fp8 --prompt-lens 2048,8192,32768 --concurrency 1,8 --repeat 2 \
+      --skip-ceilings --peer-reference none --no-build --workdir /dev/shm/kimi-bench \
+      --deadline-s "${2:-300}" --case kimi-slice-2
+    stamp "bench rc $?"
+    stamp done ;;
+  collect)
+    out=${OUT:?}
+    tail -40 $k/job.log
+    cp $k/job.log "$out/" 2>/dev/null
+    [ -f $k/slice.json ] && cp $k/slice.json "$out/"
+    for f in $k/bench/*.json $k/bench/*.md; do [ -f "$f" ] && cp "$f" "$out/"; done
+    ls $k/logs $k/bench 2>/dev/null | head -30 ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
+esac
