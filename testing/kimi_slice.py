@@ -395,26 +395,32 @@ class Reference:
         top = scores.topk(self.config.num_experts_per_tok + 1, dim=-1).values
         return torch.nonzero(top[:, -2] - top[:, -1] < self.tie_margin).flatten().tolist()
 
-    def _replaying(self, mlp, given, own: List[torch.Tensor]):
-        """A ``route_tokens_to_experts`` for ``mlp`` that records its own choice in ``own``
-        and, for the rows of ``given`` [T, k] not marked -1, returns those experts with
-        HF's weights for them."""
-        choose = type(mlp).route_tokens_to_experts.__get__(mlp)  # HF's own, not an earlier chunk's wrapper
-
-        def route(router_logits):
-            idx, w = choose(router_logits)
-            own.append(idx)
-            if given is None:
-                return idx, w
+    def _moe(self, mlp, h, given):
+        """HF's ``DeepseekV3MoE`` forward over ``h`` [1, C, H], its parts called one by one
+        so the experts can be replayed: returns (output [1, C, H], HF's own experts [C, k]).
+        ``given`` [C, k] (None, or -1 rows: HF's own): the experts to use instead, weighted
+        as HF weighs its own (float32 sigmoid scores of those experts, normalized when
+        ``norm_topk_prob``, times ``routed_scaling_factor``: DeepseekV3's routing).
+        transformers 5.12 routes in ``mlp.route_tokens_to_experts(gate logits)``; 5.19's
+        router returns ``(logits, weights, experts)`` itself."""
+        flat = h.view(-1, h.shape[-1])
+        routed = mlp.gate(flat)
+        if isinstance(routed, tuple) and len(routed) == 3:
+            logits, w, idx = routed
+        else:
+            logits = routed[0] if isinstance(routed, tuple) else routed
+            idx, w = mlp.route_tokens_to_experts(logits)
+        own = idx
+        if given is not None:
             g = given.to(idx.device, torch.long)
-            use = (g[:, :1] >= 0)
-            gw = router_logits.sigmoid().gather(1, g.clamp_min(0))
-            if mlp.norm_topk_prob:
+            use = g[:, :1] >= 0
+            gw = logits.float().sigmoid().gather(1, g.clamp_min(0))
+            if self.config.norm_topk_prob:
                 gw = gw / (gw.sum(dim=-1, keepdim=True) + 1e-20)
-            gw = gw * mlp.routed_scaling_factor
-            return torch.where(use, g, idx), torch.where(use, gw.to(w.dtype), w)
-
-        return route
+            gw = gw * self.config.routed_scaling_factor
+            idx, w = torch.where(use, g, idx), torch.where(use, gw.to(w.dtype), w)
+        out = mlp.experts(flat, idx, w).view(*h.shape) + mlp.shared_experts(h)
+        return out, own
 
     def __call__(self, ids: Sequence[int], layer_ids: Sequence[int], rows: Optional[Sequence[int]] = None,
                  routes=None):
@@ -487,18 +493,19 @@ class Reference:
                 differ: List[int] = []
                 for sl in self._chunks(x.shape[1], self.token_chunk):
                     h = layer.post_attention_layernorm(x[:, sl])
-                    if moe:
-                        ties += [sl.start + p for p in self._ties(layer, h[0])]
-                        own: List[torch.Tensor] = []
-                        g = None if given is None else given[sl, i]
-                        layer.mlp.route_tokens_to_experts = self._replaying(layer.mlp, g, own)
-                    x[:, sl] += layer.mlp(h)
-                    if moe and g is not None:
-                        mine, theirs = own[0].sort(dim=-1).values, g.sort(dim=-1).values
+                    if not moe:
+                        x[:, sl] += layer.mlp(h)
+                        continue
+                    ties += [sl.start + p for p in self._ties(layer, h[0])]
+                    g = None if given is None else given[sl, i]
+                    out, own = self._moe(layer.mlp, h, g)
+                    x[:, sl] += out
+                    del out
+                    if g is not None:
+                        mine, theirs = own.sort(dim=-1).values, g.sort(dim=-1).values
                         off = ((mine != theirs).any(dim=-1) & (g[:, 0] >= 0)).nonzero().flatten()
                         differ += [sl.start + p for p in off.tolist()]
                 if moe:
-                    del layer.mlp.route_tokens_to_experts  # the wrapper and the layer refer to each other
                     for j, (t, o) in enumerate(zip(lengths, starts)):
                         self.near_ties_of[j][i] = [p - o for p in ties if o <= p < o + t]
                         self.disagreements_of[j][i] = [p - o for p in differ if o <= p < o + t]

@@ -4,7 +4,8 @@
 # outlives this call; log /tmp/marlin-prebuild.log, "marlin moe prebuilt" when done), then
 # build the 4-layer slice where test_gpu_kimi_slice.py looks for it (KIMI_SLICE_DIR,
 # /tmp/kimi-slice, with its .complete marker) and, with `bench`, kimi-slice-2 for
-# `python -m bench --workdir /dev/shm/kimi-bench`.
+# `python -m bench --workdir /tmp/kimi-bench` (on disk: three servers starting from a
+# model in /dev/shm beside the kept files ran the 128 GiB host out of memory).
 #   bash tests/gpu/kimi_slice_prep.sh [bench]
 #   bash tests/gpu/kimi_slice_prep.sh wait      (until the prebuild's log says done or failed)
 set -euo pipefail
@@ -28,6 +29,6 @@ b(sys.argv[1], int(sys.argv[2]), 'cuda'); print(f'slice of {sys.argv[2]} layers 
     "$dir" "$layers"
   echo -n "$layers" > "$dir/.complete"
 fi
-if [ "${1:-}" = bench ]; then python3 -m bench.models kimi-slice-2 /dev/shm/kimi-bench/kimi-slice-2; fi
+if [ "${1:-}" = bench ]; then python3 -m bench.models kimi-slice-2 /tmp/kimi-bench/kimi-slice-2; fi
 df -h /tmp /dev/shm | tail -2
 tail -3 "$log"

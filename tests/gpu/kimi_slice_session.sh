@@ -2,7 +2,8 @@
 # Issue 48 in one background job on a staged device host (stage-stack.sh put p01-p17,
 # p24; carry .whl/d), so that no phase depends on the next call arriving in time:
 #   bash tests/gpu/kimi_slice_session.sh start [BENCH_DEADLINE_S]   (returns at once)
-#   bash tests/gpu/kimi_slice_session.sh collect                    (copies what is done to $OUT)
+#   bash tests/gpu/kimi_slice_session.sh collect [jit]              (copies what is done to $OUT)
+#   bash tests/gpu/kimi_slice_session.sh seed      (carry .jit-cache: a JIT cache collected earlier)
 # The job: kimi_slice_prep.sh bench (the Marlin prebuild in the background, the slices);
 # the GPU module's bf16 files and the reference check (-k "kimi_slice and (bf16_files or
 # match_reference)"; the server waits on SGLang's JIT lock for the prebuild); then
@@ -30,9 +31,10 @@ case "${1:-}" in
     stamp "module rc $?"
     tar -C ~/.cache/sglang -czf $k/jit.tgz jit && ls -la $k/jit.tgz
     stamp bench
+    rm -rf /dev/shm/kimi-slice-kept /dev/shm/hs-kimi-slice  # host memory for three servers
     KIMI_SGLANG_SERIES=v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models kimi-slice-2 \
       --modes nodump,dump,dump_early,dump_fp8 --prompt-lens 2048,8192,32768 --concurrency 1,8 --repeat 2 \
-      --skip-ceilings --peer-reference none --no-build --workdir /dev/shm/kimi-bench \
+      --skip-ceilings --peer-reference none --no-build --workdir /tmp/kimi-bench \
       --deadline-s "${2:-300}" --case kimi-slice-2
     stamp "bench rc $?"
     stamp done ;;
@@ -42,6 +44,12 @@ case "${1:-}" in
     cp $k/job.log "$out/" 2>/dev/null
     [ -f $k/slice.json ] && cp $k/slice.json "$out/"
     for f in $k/bench/*.json $k/bench/*.md; do [ -f "$f" ] && cp "$f" "$out/"; done
+    # SGLang's JIT cache (the Marlin MoE modules, ~17 MB), in parts $OUT takes (16 MiB a file):
+    # keep them in .jit-cache/ (git-ignored) and carry that folder to `seed` a later host
+    if [ -f $k/jit.tgz ] && [ "${2:-}" = jit ]; then split -b 15M -d $k/jit.tgz "$out/jit.tgz.part"; fi
     ls $k/logs $k/bench 2>/dev/null | head -30 ;;
+  seed)
+    mkdir -p ~/.cache/sglang && cat .jit-cache/jit.tgz.part* | tar -C ~/.cache/sglang -xzf - \
+      && echo "seeded $(find ~/.cache/sglang/jit -name '*.so' | wc -l) JIT modules" ;;
   *) sed -n '2,12p' "$0"; exit 2 ;;
 esac

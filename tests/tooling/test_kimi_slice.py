@@ -83,8 +83,10 @@ def hf_forward(path, ids, layer_ids, routing=None):
     assert not unexpected and set(missing) <= {"model.rotary_emb.inv_freq"}, (missing, unexpected)
     if routing is not None:
         for i, layer in enumerate(model.model.layers):
-            if hasattr(layer.mlp, "route_tokens_to_experts"):
+            if hasattr(layer.mlp, "route_tokens_to_experts"):  # transformers 5.12
                 layer.mlp.route_tokens_to_experts = _forced(i, layer.mlp, routing)
+            elif hasattr(layer.mlp, "gate"):  # 5.19: the router returns (logits, weights, experts)
+                layer.mlp.gate.forward = _forced_router(i, layer.mlp, routing)
     grabbed = {}
     model.model.norm.register_forward_pre_hook(lambda m, a: grabbed.setdefault("pre", a[0]))
     with torch.no_grad():
@@ -106,6 +108,22 @@ def _forced(i, mlp, routing):
         return forced, w * mlp.routed_scaling_factor
 
     return route
+
+
+def _forced_router(i, mlp, routing):
+    route = mlp.gate.forward
+    cfg = mlp.config
+
+    def forward(hidden):
+        logits, w, idx = route(hidden)
+        forced = routing(i, mlp, idx, logits)
+        if forced is None:
+            return logits, w, idx
+        w = logits.sigmoid().gather(1, forced)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) if cfg.norm_topk_prob else w
+        return logits, w * cfg.routed_scaling_factor, forced
+
+    return forward
 
 
 def test_int4_layout_is_compressed_tensors():
