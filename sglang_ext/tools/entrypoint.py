@@ -173,6 +173,12 @@ KIMI_K25 = Profile(
         # srt/parser/reasoning_parser.py DetectorMap "kimi_k2" (<think>...</think>).
         "sglang 0.5.17 python/sglang/srt/function_call/function_call_parser.py",
         "sglang 0.5.17 python/sglang/srt/parser/reasoning_parser.py",
+        # SGLang 0.5.23 serves the INT4 experts through fused_marlin_moe, whose two GEMMs it
+        # JIT-compiles at the first start, one single-threaded nvcc each (14 min on an H100
+        # host; docs/verification.md). nvcc reads NVCC_APPEND_FLAGS itself; --split-compile=0
+        # spreads each compile over all CPUs (120 s per GEMM at 8 threads there:
+        # tests/gpu/prebuild_marlin.py).
+        "https://docs.nvidia.com/cuda/cuda-compiler-driver-nvcc/#split-compile-number-split-compile",
     ),
     opts=(
         Opt(("--model-path", "--model"), "{model}", "KIMI_SGLANG_MODEL, default /models/Kimi-K2.5"),
@@ -183,6 +189,7 @@ KIMI_K25 = Profile(
         Opt(("--host",), "0.0.0.0", "reachable from outside the container"),
         Opt(("--port",), "{port}", "KIMI_SGLANG_PORT, default 30000 (HEALTHCHECK reads it too)"),
     ),
+    env={"NVCC_APPEND_FLAGS": "--split-compile=0"},  # the first start's Marlin MoE JIT in parallel
 )
 
 # Order matters only for the order flags appear in the command.

@@ -43,6 +43,7 @@ def test_defaults_on_sm120():
         "NCCL_P2P_DISABLE": "1",
         "NCCL_CUMEM_ENABLE": "0",
         "NCCL_CUMEM_HOST_ENABLE": "0",
+        "NVCC_APPEND_FLAGS": "--split-compile=0",
     }
     assert launch.env["NCCL_P2P_DISABLE"] == "1"
     assert launch.applied == ["kimi-k25", "sm120"]
@@ -54,7 +55,7 @@ def test_sm90_gets_no_sm120_profile():
     assert launch.applied == ["kimi-k25"]
     assert "--attention-backend" not in launch.argv
     assert "--disable-custom-all-reduce" not in launch.argv
-    assert launch.profile_env == {}
+    assert launch.profile_env == {"NVCC_APPEND_FLAGS": "--split-compile=0"}  # kimi-k25's, on every GPU
     assert "NCCL_P2P_DISABLE" not in launch.env
     assert opt(launch.argv, "--tp-size") == ["8"]
 
@@ -92,7 +93,8 @@ def test_user_flag_replaces_default(user, flag, expected):
 
 
 def test_user_env_wins_over_profile_env():
-    launch = build([], env={"NCCL_P2P_DISABLE": "0", "PATH": "/usr/bin"})
+    launch = build([], env={"NCCL_P2P_DISABLE": "0", "PATH": "/usr/bin", "NVCC_APPEND_FLAGS": "-lineinfo"})
+    assert launch.env["NVCC_APPEND_FLAGS"] == "-lineinfo"
     assert launch.env["NCCL_P2P_DISABLE"] == "0"
     assert launch.profile_env["NCCL_P2P_DISABLE"] == "0"
     assert launch.env["NCCL_CUMEM_ENABLE"] == "0"
@@ -191,8 +193,9 @@ def test_print_command_cli(tmp_path):
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "# kimi-sglang: profiles applied: kimi-k25, sm120"
     words = shlex.split(lines[1])
-    assert words[:4] == ["env", "NCCL_CUMEM_ENABLE=0", "NCCL_CUMEM_HOST_ENABLE=0", "NCCL_P2P_DISABLE=1"]
-    assert words[5:7] == ["-m", "sglang.launch_server"]
+    assert words[:5] == ["env", "NCCL_CUMEM_ENABLE=0", "NCCL_CUMEM_HOST_ENABLE=0", "NCCL_P2P_DISABLE=1",
+                         "NVCC_APPEND_FLAGS=--split-compile=0"]
+    assert words[6:8] == ["-m", "sglang.launch_server"]
     assert opt(words, "--attention-backend") == ["flashinfer"]
     assert "--print-command" not in words
     assert not dump.exists()  # --print-command has no side effects
