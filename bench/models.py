@@ -1,7 +1,7 @@
 """The workloads: one ``Model`` each in ``MODELS``, its shape, its build, its servers' flags.
 
-``python -m bench.models NAME PATH`` builds model ``NAME`` into ``PATH`` (reused when a
-safetensors checkpoint is already there). The run starts it as a subprocess (``runner``),
+``python -m bench.models NAME PATH`` builds model ``NAME`` into ``PATH`` (reused when an
+earlier build finished there). The run starts it as a subprocess (``runner``),
 so that its CUDA context and memory are gone before the servers start. Adding a workload
 is one entry: a build function that fills a directory (here or in ``testing/``), the shape
 the plan sizes files with before anything is built, and what its servers and grid need.
@@ -151,21 +151,30 @@ def model_path(args, name):
     return os.path.join(args.workdir, name)
 
 
+BUILT = ".kimi-bench-built"  # written last by ``build``: the checkpoint beside it is whole
+
+
 def build(name, path):
-    """Build model ``name`` (a key of ``MODELS``) into ``path``; nothing to do when a
-    safetensors checkpoint is already there."""
-    if any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors")):
+    """Build model ``name`` (a key of ``MODELS``) into ``path``; nothing to do when an
+    earlier ``build`` finished there (its ``BUILT`` marker). A checkpoint without the marker
+    (a build cut short) is built again over it."""
+    marker = os.path.join(path, BUILT)
+    if os.path.exists(marker):
         print(f"{name}: reusing {path}")
         return
+    if any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors.index.json", "model.safetensors")):
+        print(f"{name}: {path} holds a checkpoint without {BUILT} (a build cut short?): building again")
     t0 = time.time()
     MODELS[name].build(path)
+    with open(marker, "w") as f:
+        f.write(name)
     print(f"{name}: built in {time.time() - t0:.1f} s -> {path}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.models", description="build one workload with random weights")
     ap.add_argument("name", choices=sorted(MODELS))
-    ap.add_argument("path", help="the model directory (reused when it holds a checkpoint)")
+    ap.add_argument("path", help="the model directory (reused when an earlier build finished there)")
     args = ap.parse_args(argv)
     build(args.name, args.path)
     return 0

@@ -175,9 +175,11 @@ KIMI_K25 = Profile(
         "sglang 0.5.17 python/sglang/srt/parser/reasoning_parser.py",
         # SGLang 0.5.23 serves the INT4 experts through fused_marlin_moe, whose two GEMMs it
         # JIT-compiles at the first start, one single-threaded nvcc each (14 min on an H100
-        # host; docs/verification.md). nvcc reads NVCC_APPEND_FLAGS itself; --split-compile=0
-        # spreads each compile over all CPUs (120 s per GEMM at 8 threads there:
-        # tests/gpu/prebuild_marlin.py).
+        # host; docs/verification.md). nvcc reads NVCC_APPEND_FLAGS itself; --split-compile=8
+        # spreads each compile over 8 threads (120 s per GEMM there:
+        # tests/gpu/results-2026-12-05-h100-v0.5.23-s7-kimi-slice-prebuild.log). Bounded,
+        # not 0 (= every host CPU, which nvcc counts past a container's quota), so that
+        # the compiles' memory stays bounded on a 200-CPU node.
         "https://docs.nvidia.com/cuda/cuda-compiler-driver-nvcc/#split-compile-number-split-compile",
     ),
     opts=(
@@ -189,7 +191,7 @@ KIMI_K25 = Profile(
         Opt(("--host",), "0.0.0.0", "reachable from outside the container"),
         Opt(("--port",), "{port}", "KIMI_SGLANG_PORT, default 30000 (HEALTHCHECK reads it too)"),
     ),
-    env={"NVCC_APPEND_FLAGS": "--split-compile=0"},  # the first start's Marlin MoE JIT in parallel
+    env={"NVCC_APPEND_FLAGS": "--split-compile=8"},  # the first start's Marlin MoE JIT in parallel
 )
 
 # Order matters only for the order flags appear in the command.

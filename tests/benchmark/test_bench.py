@@ -373,7 +373,7 @@ def test_a_model_is_one_registry_entry(monkeypatch, tmp_path):
     built = []
 
     def build(path):
-        os.makedirs(path)
+        os.makedirs(path, exist_ok=True)
         (Path(path) / "model.safetensors").write_bytes(b"x")
         built.append(path)
 
@@ -401,8 +401,13 @@ def test_a_model_is_one_registry_entry(monkeypatch, tmp_path):
     vllm = peer.vllm_command(_args([]), "slice", 1, [])
     assert vllm[vllm.index("--max-num-batched-tokens") + 1] == "16384"
     models.main(["slice", str(tmp_path / "ckpt")])
-    models.main(["slice", str(tmp_path / "ckpt")])  # reused: a checkpoint is there
+    models.main(["slice", str(tmp_path / "ckpt")])  # reused: the build finished there
     assert built == [str(tmp_path / "ckpt")]
+    cut = tmp_path / "cut"  # a checkpoint left by a build cut short (no marker): built again
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes(b"half")
+    models.main(["slice", str(cut)])
+    assert built[-1] == str(cut) and (cut / models.BUILT).read_text() == "slice"
 
 
 def _args(argv):

@@ -13,11 +13,13 @@ cd "$(dirname "$0")/../.."
 eval "$(bash tests/gpu/stage-stack.sh env sglang)"
 export PYTHONPATH="$PYTHONPATH:$PWD" PYTHONUNBUFFERED=1
 log=/tmp/marlin-prebuild.log
+running() { pgrep -f prebuild_marlin.py >/dev/null; }
 if [ "${1:-}" = wait ]; then
-  until grep -q "prebuilt in\|Traceback" "$log" || ! pgrep -f prebuild_marlin.py >/dev/null; do sleep 5; done
+  [ -f "$log" ] || { echo "no prebuild started (run this script without 'wait' first)" >&2; exit 1; }
+  until grep -q "prebuilt in\|Traceback" "$log" || ! running; do sleep 5; done
   cat "$log"; exit 0
 fi
-if [ ! -f "$log" ]; then
+if ! running && ! grep -q "prebuilt in" "$log" 2>/dev/null; then  # never started, or failed: (re)start
   setsid nohup python3 tests/gpu/prebuild_marlin.py >"$log" 2>&1 < /dev/null &
 fi
 dir=${KIMI_SLICE_DIR:-/tmp/kimi-slice}

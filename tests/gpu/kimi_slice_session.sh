@@ -16,14 +16,18 @@ cd "$(dirname "$0")/../.."
 k=/tmp/k48
 case "${1:-}" in
   start)
+    if [ -f $k/job.pid ] && kill -0 "$(cat $k/job.pid)" 2>/dev/null; then
+      echo "a job is running (pid $(cat $k/job.pid)): collect it, or kill it first" >&2; exit 1
+    fi
     mkdir -p $k/logs $k/bench
     setsid nohup bash "$0" job "${2:-300}" >$k/job.log 2>&1 < /dev/null &
+    echo $! > $k/job.pid
     echo "started: $k/job.log" ;;
   job)
     t0=$(date +%s)
     stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
     stamp prep
-    bash tests/gpu/kimi_slice_prep.sh bench
+    if ! bash tests/gpu/kimi_slice_prep.sh bench; then stamp "prep failed: no module, no bench"; exit 1; fi
     stamp "module (bf16 files, reference)"
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KIMI_SGLANG_SERIES=v0.5.23 OUT=$k \
       bash tests/gpu/run_e2e.sh run -k "kimi_slice and (bf16_files or match_reference)" \
@@ -31,7 +35,10 @@ case "${1:-}" in
     stamp "module rc $?"
     tar -C ~/.cache/sglang -czf $k/jit.tgz jit && ls -la $k/jit.tgz
     stamp bench
-    rm -rf /dev/shm/kimi-slice-kept /dev/shm/hs-kimi-slice  # host memory for three servers
+    # host memory for three servers: the kept files (and their routes) move to disk, where
+    # a later reference-only run finds them with KIMI_SLICE_KEPT=/tmp/kimi-slice-kept
+    rm -rf /tmp/kimi-slice-kept /dev/shm/hs-kimi-slice
+    mv /dev/shm/kimi-slice-kept /tmp/kimi-slice-kept 2>/dev/null || true
     KIMI_SGLANG_SERIES=v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models kimi-slice-2 \
       --modes nodump,dump,dump_early,dump_fp8 --prompt-lens 2048,8192,32768 --concurrency 1,8 --repeat 2 \
       --skip-ceilings --peer-reference none --no-build --workdir /tmp/kimi-bench \

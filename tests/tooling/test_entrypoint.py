@@ -43,7 +43,7 @@ def test_defaults_on_sm120():
         "NCCL_P2P_DISABLE": "1",
         "NCCL_CUMEM_ENABLE": "0",
         "NCCL_CUMEM_HOST_ENABLE": "0",
-        "NVCC_APPEND_FLAGS": "--split-compile=0",
+        "NVCC_APPEND_FLAGS": "--split-compile=8",
     }
     assert launch.env["NCCL_P2P_DISABLE"] == "1"
     assert launch.applied == ["kimi-k25", "sm120"]
@@ -55,7 +55,7 @@ def test_sm90_gets_no_sm120_profile():
     assert launch.applied == ["kimi-k25"]
     assert "--attention-backend" not in launch.argv
     assert "--disable-custom-all-reduce" not in launch.argv
-    assert launch.profile_env == {"NVCC_APPEND_FLAGS": "--split-compile=0"}  # kimi-k25's, on every GPU
+    assert launch.profile_env == {"NVCC_APPEND_FLAGS": "--split-compile=8"}  # kimi-k25's, on every GPU
     assert "NCCL_P2P_DISABLE" not in launch.env
     assert opt(launch.argv, "--tp-size") == ["8"]
 
@@ -194,7 +194,7 @@ def test_print_command_cli(tmp_path):
     assert lines[0] == "# kimi-sglang: profiles applied: kimi-k25, sm120"
     words = shlex.split(lines[1])
     assert words[:5] == ["env", "NCCL_CUMEM_ENABLE=0", "NCCL_CUMEM_HOST_ENABLE=0", "NCCL_P2P_DISABLE=1",
-                         "NVCC_APPEND_FLAGS=--split-compile=0"]
+                         "NVCC_APPEND_FLAGS=--split-compile=8"]
     assert words[6:8] == ["-m", "sglang.launch_server"]
     assert opt(words, "--attention-backend") == ["flashinfer"]
     assert "--print-command" not in words

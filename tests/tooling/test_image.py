@@ -281,7 +281,7 @@ def _print_command(image: Image, **env: str) -> tuple[str, list[str]]:
 def test_print_command_default_profile(image):
     header, argv = _print_command(image)
     assert header == "# kimi-sglang: profiles applied: kimi-k25"
-    assert argv[:2] == ["env", "NVCC_APPEND_FLAGS=--split-compile=0"]  # kimi-k25's only env
+    assert argv[:2] == ["env", "NVCC_APPEND_FLAGS=--split-compile=8"]  # kimi-k25's only env
     argv = argv[2:]
     assert argv[:3] == ["/usr/bin/python3", "-m", "sglang.launch_server"]
     pairs = dict(zip(argv[3::1], argv[4::1]))
@@ -295,7 +295,7 @@ def test_print_command_sm120_profile(image):
     assert argv[0] == "env"
     env = dict(tok.split("=", 1) for tok in argv[1:argv.index("/usr/bin/python3")])
     assert env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_P2P_DISABLE": "1",
-                   "NVCC_APPEND_FLAGS": "--split-compile=0"}
+                   "NVCC_APPEND_FLAGS": "--split-compile=8"}
     i = argv.index("--attention-backend")
     assert argv[i + 1] == "triton" and "--disable-custom-all-reduce" in argv
     assert argv[argv.index("--tp-size") + 1] == "1"  # one compute capability given: one GPU

@@ -204,6 +204,7 @@ def test_reference_replays_given_routes(slice_dir):
     swapped = chosen.clone()
     spare = next(x for x in range(e) if x not in chosen[pos, 1].tolist())
     swapped[pos, 1, 0] = spare
+    swapped[:, 2] = -1  # layer 2 routes itself in both forwards (the swap may change its choice)
 
     def force(i, mlp, idx, logits):
         if i != 1:
@@ -216,7 +217,16 @@ def test_reference_replays_given_routes(slice_dir):
     got = ref(ids, layer_ids, routes=swapped)
     torch.testing.assert_close(got, want_swapped, rtol=1e-5, atol=1e-4)
     assert (got[pos, 1] - want[pos, 1]).norm() > 1e-3 * want[pos, 1].norm()  # the swap mattered
-    assert ref.disagreements[1] == [pos]
+    assert ref.disagreements == {1: [pos], 2: []}
+
+    # several prompts at once, one without routes, token chunks cutting across prompts:
+    # the same rows and disagreements as one prompt at a time
+    other = [int(i) for i in np.random.default_rng(2).integers(3, SMALL["vocab_size"], 13)]
+    rows = [0, 5, 28]
+    both = ref.batch([(other, None), (ids, rows)], layer_ids, routes=[None, swapped.numpy()])
+    assert ref.disagreements_of == [{1: [], 2: []}, {1: [pos], 2: []}]
+    torch.testing.assert_close(both[0], ref(other, layer_ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(both[1], want_swapped[rows], rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="shape"):
         ref(ids, layer_ids, routes=chosen[:-1])
     bad = chosen.clone()
