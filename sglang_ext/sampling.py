@@ -13,8 +13,10 @@ asks; ``session.DumpSession._take``). In order:
 4. the budget (``KIMI_SGLANG_DUMP_BUDGET_GB``): a request whose bytes would take the
    bytes admitted past it is skipped, and so is every sampled request after it;
 5. the free-space floor (``KIMI_SGLANG_MIN_FREE_GB``, a directory sink only):
-   ``fstatvfs`` of the dump directory at most every ``DISK_CHECK_S``, less the bytes
-   admitted since; below the floor, skipped, until a later check finds the space back.
+   ``fstatvfs`` of the dump directory at most every ``DISK_CHECK_S``, less the bytes of
+   files admitted before it and not written yet (the writer's ``unwritten_bytes``) and
+   the bytes admitted since; below the floor, skipped, until a later check finds the
+   space back.
 
 A skipped request gets no file, no error and no dump keys in its response (as
 ``hidden_states_dump: false``). Skipping for the budget or the floor starts with one
@@ -54,23 +56,28 @@ class DumpPolicy:
     files this rank admits (None: no budget); ``min_free_bytes``: the free-space floor on
     ``dir_fd``'s file system (None, or ``dir_fd`` None for the store sink: no floor);
     ``metrics_model_name``: the ``model_name`` label of the Prometheus counters (None: no
-    counters, as without ``--enable-metrics``); ``clock``: seconds, monotonic.
+    counters, as without ``--enable-metrics``); ``clock``: seconds, monotonic;
+    ``unwritten``: bytes of admitted files not on disk yet (``DumpWriter.unwritten_bytes``;
+    None: every file counts as written once its free-space reading is taken).
     """
 
     def __init__(self, rate: float = 1.0, budget_bytes: Optional[int] = None,
                  min_free_bytes: Optional[int] = None, dir_fd: Optional[int] = None,
-                 metrics_model_name: Optional[str] = None, clock: Callable[[], float] = time.monotonic):
+                 metrics_model_name: Optional[str] = None, clock: Callable[[], float] = time.monotonic,
+                 unwritten: Optional[Callable[[], int]] = None):
         self.rate = float(rate)
         self.budget_bytes = budget_bytes
         self.min_free_bytes = min_free_bytes if dir_fd is not None else None
         self.dir_fd = dir_fd
         self.clock = clock
+        self.unwritten = unwritten
         self.admitted_bytes = 0
         self.counts = dict.fromkeys(("sampled",) + REASONS, 0)
         self._budget_spent = False
         self._below_floor = False
         self._free_at_check: Optional[int] = None  # bytes free at the last fstatvfs
         self._admitted_at_check = 0
+        self._unwritten_at_check = 0  # bytes admitted before the last fstatvfs, not on disk then
         self._checked_at = -float("inf")
         self._prometheus = None
         if metrics_model_name is not None:
@@ -121,7 +128,8 @@ class DumpPolicy:
     def _low_on_space(self) -> bool:
         """Whether the dump directory's file system is below the floor: its free space
         as of the last ``fstatvfs`` (asked again once ``DISK_CHECK_S`` have passed), less
-        the bytes admitted since (not all on disk yet). Logs the turns."""
+        what files admitted before it still had to write then (``unwritten``) and the
+        bytes admitted since (not all on disk yet). Logs the turns."""
         now = self.clock()
         if now - self._checked_at >= DISK_CHECK_S:
             self._checked_at = now
@@ -131,9 +139,11 @@ class DumpPolicy:
             except OSError:
                 self._free_at_check = None  # unknown: dumping goes on, as without a floor
             self._admitted_at_check = self.admitted_bytes
+            self._unwritten_at_check = self.unwritten() if self.unwritten is not None else 0
         if self._free_at_check is None:
             return False
-        free = self._free_at_check - (self.admitted_bytes - self._admitted_at_check)
+        free = (self._free_at_check - self._unwritten_at_check
+                - (self.admitted_bytes - self._admitted_at_check))
         below = free < self.min_free_bytes
         if below != self._below_floor:
             self._below_floor = below

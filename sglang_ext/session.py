@@ -340,7 +340,8 @@ class DumpSession:
             store_url=config.directory if config.store is not None else None,
         )
         self.policy = DumpPolicy(config.sample_rate, config.budget_bytes, config.min_free_bytes,
-                                 dir_fd=self.dir_fd, metrics_model_name=model_name(model_runner.server_args))
+                                 dir_fd=self.dir_fd, metrics_model_name=model_name(model_runner.server_args),
+                                 unwritten=self.writer.unwritten_bytes)
         hidden = getattr(model_runner.model_config, "hidden_size", None)
         if config.hidden_states_dtype == "fp8" and on_cuda and isinstance(hidden, int):
             from sglang_ext import quant

@@ -197,6 +197,7 @@ class DumpWriter:
             self.registered = self.pinned = _cuda_host_register(self._arena)
         self._pieces: Dict[int, _Piece] = {}
         self._outstanding: Dict[int, str] = {}  # key -> name: FINISH sent, not acknowledged
+        self._unwritten: Dict[int, int] = {}  # key -> file bytes: started, not written or failed
         self._out = _Outbox()
         self._next_key = 0
         self._next_piece = 0
@@ -353,6 +354,7 @@ class DumpWriter:
                     self.stats.files += 1
                     self.stats.bytes += size
             self._outstanding.clear()
+        self._unwritten.clear()  # the dead writer's requests write nothing more
         self.stats.failures += failed
         self._pieces.clear()
         for fd in self._out.fds:
@@ -500,6 +502,9 @@ class DumpWriter:
         self._pieces[piece].refs = 1
         self._out.ops.append(wire.Begin(pending.key, rid, pending.num_tokens, pending.row_width,
                                         _dtype_name(dtype), piece, off, pending.times))
+        name = _dtype_name(dtype)
+        self._unwritten[pending.key] = len(ids) * (
+            fmt.row_bytes(row_width, name) + fmt.scale_row_bytes(self.num_slots, name) + 8)
         return pending
 
     def is_current(self, pending: PendingDump) -> bool:
@@ -649,6 +654,7 @@ class DumpWriter:
             self._outstanding[pending.key] = reservation
             return
         if self._closed or not self.is_current(pending):
+            self._unwritten.pop(pending.key, None)
             fmt.fail(reservation, SHUTDOWN_MESSAGE if self._closed else DIED_MESSAGE)
             self.failed_here()
             return
@@ -663,6 +669,7 @@ class DumpWriter:
         """The request went away before its last row (aborted, retracted, dropped by
         SGLang): the writer drops its temporary file. Safe from a ``weakref.finalize``
         callback (it only queues, unless no batch is being handled)."""
+        self._unwritten.pop(pending.key, None)
         if self._closed or not self.is_current(pending):
             return
         self._out.ops.append(wire.Abandon(pending.key))
@@ -772,6 +779,8 @@ class DumpWriter:
         # The writer may hold these requests' temporary files (an earlier message opened
         # them): it drops them; a later FINISH of theirs then fails there (no rows).
         self._out.ops.extend(wire.Abandon(key) for key in dict.fromkeys(keys))
+        for key in keys:
+            self._unwritten.pop(key, None)
         logger.error("hidden-state dump: a %d-byte message to the writer process was refused (%s); "
                      "%d files failed, the writer goes on", len(msg.blob), e.strerror or e, failed)
 
@@ -842,10 +851,12 @@ class DumpWriter:
                     self._give_back(ev.piece)
                 elif kind is wire.Wrote:
                     self._outstanding.pop(ev.key, None)
+                    self._unwritten.pop(ev.key, None)
                     wrote += 1
                     nbytes += ev.nbytes
                 elif kind is wire.Failed:
                     self._outstanding.pop(ev.key, None)
+                    self._unwritten.pop(ev.key, None)
                     failed += 1
         self.stats.files += wrote
         self.stats.bytes += nbytes
@@ -860,6 +871,14 @@ class DumpWriter:
         if count > 0:
             self.stats.failures += count
             self._out.ops.append(wire.Failures(count))
+
+    def unwritten_bytes(self) -> int:
+        """Bytes of the files of requests started (``start``) and not yet acknowledged
+        written, failed or abandoned: each file's whole size (``hidden_states``, fp8 scales,
+        token ids; no header), also the part of it already on disk (the careful side), so
+        a free-space reading (``sampling.DumpPolicy``) less this is what stays once they
+        are all written."""
+        return sum(list(self._unwritten.values()))
 
     def wait_idle(self, timeout: float) -> bool:
         """Send what is queued and wait until the writer process has acknowledged every

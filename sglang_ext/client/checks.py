@@ -62,8 +62,9 @@ def check_file(path: str, input_ids: Optional[List[int]], full: bool) -> int:
     ``hidden_states`` is ``[len(input_ids), L, H]`` and the file's size within
     ``check_header``'s bound (from the header, tensor not loaded). ``input_ids`` None (a
     chat request with images whose answer gave no prompt token ids): the file's own
-    ``token_ids`` stand, ``hidden_states`` needs one row each. ``full`` (needs torch):
-    also load everything through ``format.load`` and require finite values (fp8 files:
+    ``token_ids`` stand, ``hidden_states`` needs one row each. ``full`` (numpy alone
+    will do: ``format.load`` gives numpy arrays without torch, bf16 and fp8 exact): also
+    load everything through ``format.load`` and require finite values (fp8 files:
     dequantized, so a NaN or infinite scale counts).
     Raises ``CheckError``.
     """

@@ -117,7 +117,7 @@ from typing import List
 from sglang_ext.client import generation
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
 from sglang_ext.client.dumpdir import DumpDirs
-from sglang_ext.client.files import RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
+from sglang_ext.client.files import JournalRefused, RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
 from sglang_ext.client.images import ImageAccess
 from sglang_ext.client.manifest import MANIFEST_NAME, add_missing_lines, clean_tmp
@@ -320,6 +320,9 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     except RunLockHeld as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ABORTED
+    except JournalRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except OSError as e:
         print(f"error: --out {args.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -340,6 +343,9 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
         except StoreUnreachable as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT if isinstance(e, MooncakeMissing) else EXIT_ABORTED
+        except JournalRefused as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         except OSError as e:  # the journal: not a regular file, unreadable
             print(f"error: --out {args.out}: cannot read the store journal ({e.strerror or e})",
                   file=sys.stderr)

@@ -56,7 +56,6 @@ import dataclasses
 import json
 import os
 import re
-import stat
 import time
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qsl, urlsplit
@@ -89,10 +88,6 @@ class StoreUnreachable(RuntimeError):
 
 class MooncakeMissing(StoreUnreachable):
     """The mooncake package is not importable here."""
-
-
-class JournalRefused(OSError):
-    """The ``--store`` journal is not this user's own file (one sentence)."""
 
 
 def _ours(index: Any, rid: Any) -> bool:
@@ -210,6 +205,8 @@ class StoreFetcher(Journal):
     files are written. ``connect`` before use; ``close`` at the end. The get buffers are
     ``store_client.RegisteredBuffers``: one per fetch in flight, reused."""
 
+    WHAT, NAMES = "store journal", "objects this run would remove from the store"
+
     def __init__(self, url: str, out_dir: str, rank: int, mode: int = fmt.DEFAULT_FILE_MODE):
         super().__init__(journal_path(out_dir, rank), mode)
         self.config = reader_config(url)
@@ -224,27 +221,7 @@ class StoreFetcher(Journal):
 
     # -- the journal
 
-    def _check_owner(self) -> None:
-        """``JournalRefused`` unless the journal is absent or a regular file of this user
-        that neither group nor others may write (module doc)."""
-        try:
-            info = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        why = None
-        if not stat.S_ISREG(info.st_mode):
-            why = "is not a regular file"
-        elif info.st_uid != os.geteuid():
-            why = f"belongs to another user (uid {info.st_uid})"
-        elif info.st_mode & 0o022:
-            why = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
-        if why is not None:
-            raise JournalRefused(f"the store journal {self.path} {why}: it names objects this run would "
-                                 f"remove from the store, so it is not read; remove it (or fix its owner "
-                                 f"and mode) if it is this user's")
-
     def _read(self) -> None:
-        self._check_owner()
         for rec in self._records():
             if isinstance(rec.get("done"), str):
                 for handles in self.open.values():

@@ -168,26 +168,54 @@ def append_line(path: str, line: bytes, mode: int) -> None:
         os.close(fd)  # releases the flock
 
 
+class JournalRefused(OSError):
+    """A journal is not this user's own file, or group or others may write it (one sentence)."""
+
+
 class Journal:
     """An append-only JSON-lines journal a run keeps beside its output (``path``), read
     back by the next run: ``_records`` yields its dicts (a torn last line of a killed run
-    and non-objects skipped), ``_append`` adds one line (created ``mode``, never through a
-    symlink or into a FIFO), and every ``COMPACT_EVERY`` lines ``_rewrite`` replaces it
-    atomically by ``_live_records()`` (the subclass's state as records), or deletes it
-    when there are none."""
+    and non-objects skipped), ``_append`` adds one line (created ``mode`` less group and
+    other write, never through a symlink or into a FIFO), and every ``COMPACT_EVERY`` lines
+    ``_rewrite`` replaces it atomically by ``_live_records()`` (the subclass's state as
+    records), or deletes it when there are none.
+
+    A journal names what the run will remove, so ``_records`` reads only a regular file
+    of this user that neither group nor others may write: else ``JournalRefused`` (``WHAT``
+    and ``NAMES`` word it), and ``OSError`` for a FIFO or symlink (``format.open_regular``)."""
 
     COMPACT_EVERY = 4096  # journal lines appended before it is rewritten with what is live
+    WHAT = "journal"  # the subclass's words for its file and for what its records name
+    NAMES = "what this run would remove"
 
     def __init__(self, path: str, mode: int):
         self.path = path
-        self.mode = mode  # of the journal file, before the umask
+        self.mode = mode & ~0o022  # of the journal file, before the umask: ours alone to write
         self._appended = 0
+
+    def _check_owner(self, fd: int) -> None:
+        """``JournalRefused`` unless the open journal ``fd`` is this user's and neither
+        group nor others may write it."""
+        info = os.fstat(fd)
+        why = None
+        if info.st_uid != os.geteuid():
+            why = f"belongs to another user (uid {info.st_uid})"
+        elif info.st_mode & 0o022:
+            why = f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+        if why is not None:
+            raise JournalRefused(f"the {self.WHAT} {self.path} {why}: it names {self.NAMES}, so it is "
+                                 f"not read; remove it (or fix its owner and mode) if it is this user's")
 
     def _records(self) -> Iterator[dict]:
         try:
             fd = fmt.open_regular(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return
+        try:
+            self._check_owner(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         with open(fd, encoding="utf-8") as f:
             lines = f.readlines()
         for line in lines:

@@ -26,7 +26,9 @@ record (``dump_dir()``), whose name is the server's name for that request
 (``server_name_ok``: ``<safe_stem(rid)>[-n].safetensors``, plus ``.error``), and that are
 regular files (``lstat``, never following a symlink; a FIFO or a symlink is left alone).
 The lock is tested without blocking (``O_NONBLOCK|O_NOFOLLOW``, regular files only).
-The journal is created with the mode it is given (``extract``'s file mode, umask applied).
+The journal is created with the mode it is given (``extract``'s file mode, umask applied)
+less group and other write, and read only when it is this user's file others cannot write
+(``files.Journal``: a forged journal in a shared OUT names nothing to remove).
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def _lock_held(dir_fd: int, name: str) -> Optional[bool]:
 
 class PendingFiles(Journal):
     """Journal of this rank's requests whose server file may still exist (see module doc)."""
+
+    WHAT, NAMES = "pending-files journal", "server files this run would remove"
 
     def __init__(self, out_dir: str, rank: int, mode: int = 0o600, store: bool = False):
         super().__init__(journal_path(out_dir, rank), mode)

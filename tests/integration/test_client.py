@@ -496,6 +496,55 @@ def test_validate_catches_non_finite_and_wrong_ids(server, tmp_path):
         check_file(str(p), data[1], full=True)
 
 
+_CHECK_WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None  # 'import torch' raises ImportError, as on a client's light install
+from sglang_ext.client.checks import CheckError, check_file
+for path in sys.argv[2:]:
+    try:
+        print(check_file(path, [int(i) for i in sys.argv[1].split(",")], full=True))
+    except CheckError as e:
+        print("CheckError:", e)
+"""
+
+
+def test_validate_without_torch_catches_non_finite_bf16_and_fp8(tmp_path):
+    """``--validate``'s full check where ``import torch`` fails (``pip install -e '.[client]'``):
+    format.load's numpy arrays, bf16 widened and fp8 decoded exactly, so a bf16 infinity, an
+    fp8 NaN byte (S.1111.111) and an fp8 file with a NaN scale are refused as with torch, and
+    finite bf16 and fp8 files pass. (The check took numpy arrays since 5b57209; this is its
+    first refusal without torch.)"""
+    ids = [4, 5, 6]
+    meta = fmt.build_metadata(rid="r", layer_ids=LAYERS, num_layers=NUM_LAYERS)
+    fp8_meta = {**meta, **fmt.dtype_metadata(fmt.FP8)}
+    good_bf16 = reference(ids).to(torch.bfloat16)
+    inf_bf16 = good_bf16.clone()
+    inf_bf16[1, 2, 3] = float("inf")
+    good_fp8 = reference(ids).div(64).to(torch.float8_e4m3fn)
+    nan_fp8 = good_fp8.view(torch.uint8).clone()
+    nan_fp8[2, 0, 1] = 0x7F
+    scales = torch.ones(len(ids), len(LAYERS), 1)
+    nan_scales = scales.clone()
+    nan_scales[0, 3] = float("nan")
+    files = {"good_bf16": (good_bf16, None, meta), "inf_bf16": (inf_bf16, None, meta),
+             "good_fp8": (good_fp8, scales, fp8_meta), "nan_fp8": (nan_fp8.view(torch.float8_e4m3fn), scales, fp8_meta),
+             "nan_scale": (good_fp8, nan_scales, fp8_meta)}
+    paths = []
+    for name, (hs, sc, m) in files.items():
+        tensors = {"hidden_states": hs, "token_ids": torch.tensor(ids)}
+        if sc is not None:
+            tensors["hidden_states_scales"] = sc
+        paths.append(str(tmp_path / f"{name}.safetensors"))
+        save_file(tensors, paths[-1], metadata=m)
+    r = subprocess.run([sys.executable, "-c", _CHECK_WITHOUT_TORCH, ",".join(map(str, ids)), *paths],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "3", f"CheckError: {paths[1]}: hidden_states hold non-finite values",
+        "3", f"CheckError: {paths[3]}: hidden_states hold non-finite values",
+        f"CheckError: {paths[4]}: hidden_states hold non-finite values"], r.stdout
+
+
 def test_move_across_filesystems_copies_then_unlinks(tmp_path, monkeypatch):
     """rename fails with EXDEV: the file is copied through a descriptor into a new file of
     the asked mode, then the server's file is unlinked."""

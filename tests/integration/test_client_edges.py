@@ -315,6 +315,44 @@ def test_the_journal_and_copies_across_filesystems_get_the_mode(tmp_path):
         os.umask(old)
 
 
+@pytest.mark.parametrize("forged", ["others may write it", "another user's"])
+def test_a_pending_journal_not_ours_alone_is_refused(server, tmp_path, forged):
+    """``OUT/.extract-pending-rank0.jsonl`` names server files the run removes: a journal
+    group or others may write, or another user's, is not read (one sentence, exit 2,
+    nothing sent, the file it names untouched), as the store journal is. Before: read, and
+    the file it named under a server's name for a rid in a directory it named was removed.
+    A journal made with a group-writable file mode is created without group write, so the
+    next run reads it."""
+    dump = tmp_path / "elsewhere"
+    dump.mkdir()
+    victim = dump / (fmt.safe_stem("extract-0-0-0123abcd") + fmt.SUFFIX)
+    victim.write_bytes(b"someone's file")
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = journal_path(str(out), 0)
+    with open(journal, "w") as f:
+        for rec in ({"dir": str(dump)}, {"rid": "extract-0-0-0123abcd", "path": str(victim)}):
+            f.write(json.dumps(rec) + "\n")
+    if forged == "others may write it":
+        os.chmod(journal, 0o602)
+        why = "is writable by group or others (mode 602)"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(journal, 65534, 65534)
+        why = "belongs to another user (uid 65534)"
+    r = cli(*extract_args(server, write_jsonl(tmp_path / "d.jsonl", rows(1)), out), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: the pending-files journal {journal} {why}: it names server files this run would "
+        f"remove, so it is not read; remove it (or fix its owner and mode) if it is this user's"]
+    assert victim.read_bytes() == b"someone's file" and server.requests == 0
+    os.unlink(journal)
+    PendingFiles(str(out), 0, mode=0o660).sent("r")
+    assert stat.S_IMODE(os.stat(journal).st_mode) & 0o022 == 0
+    assert PendingFiles(str(out), 0).rids == {"r": None}
+
+
 def test_help_names_the_new_guarantees():
     text = " ".join(cli("extract", "--help").stdout.split())
     for words in ("--dump-dir", "only regular files", "KIMI_SGLANG_FILE_MODE", "GET /health"):

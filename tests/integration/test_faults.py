@@ -596,6 +596,7 @@ def test_writer_killed_mid_burst_fails_its_files_and_a_new_writer_serves(dump, m
     assert assert_complete_or_error(after, finish(after), dump)
     assert wait_for(lambda: leftovers(dump) == []), leftovers(dump)
     assert [n for n in os.listdir(dump) if n.endswith(fmt.SUFFIX)] == [f"{fmt.safe_stem('after')}{fmt.SUFFIX}"]
+    assert writer.wait_idle(10) and writer.unwritten_bytes() == 0  # the floor holds nothing back
 
 
 def test_submit_after_close_fails_the_request_cleanly(dump, sessions):

@@ -151,6 +151,7 @@ def test_aborted_request_drops_its_temporary_file_and_writes_nothing(dump, sessi
     run_extend(sess, [(req, 4, 8)], [2, 4])
     assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
     assert req.customized_info is None
+    assert sess.writer.unwritten_bytes() == 0  # the free-space floor holds nothing back for it
 
 
 def test_prefix_reuse_gives_an_error_not_a_short_file(dump, sessions):
@@ -402,6 +403,7 @@ def test_a_dropped_request_holds_no_arena_memory(dump, sessions):
         gc.enable()
     gc.collect()
     assert wait_for(lambda: not [n for n in os.listdir(dump) if n.endswith(fmt.TMP_SUFFIX)])
+    assert sess.writer.unwritten_bytes() == 0
 
 
 def test_token_ids_of_every_int64_value_round_trip_and_others_fail_the_request(dump, sessions):

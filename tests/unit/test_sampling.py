@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -179,6 +180,46 @@ def test_below_the_free_space_floor_requests_are_skipped_until_space_is_back(sma
     lines = [r.getMessage() for r in caplog.records if "floor" in r.getMessage()]
     assert len(lines) == 2 and "below the floor of 4194304" in lines[0] and "above the floor again" in lines[1], lines
     assert idle(sess)["failures"] == 0
+
+
+def test_a_burst_across_a_free_space_check_stays_within_the_floor(small_fs, sessions, clean_env, monkeypatch):
+    """A floor of 4 MiB on an 8 MiB tmpfs, requests of 576 KiB files whose prompts come in
+    two chunks: a burst of 12 first chunks, then (past the next free-space check) another
+    12. The free space read at the second check does not hold the first burst's files
+    (only their first rows are written), so those still count: no request of the second
+    burst is admitted, every admitted file is written, and the admitted bytes stay within
+    the free space less the floor (plus the one request that crosses it: the floor is
+    checked before a request). Before: the second check forgot the first burst, admitted
+    8 more and the tmpfs ran out (files failed with no space)."""
+    clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", repr(4 / 1024))
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_SPARES", "0")  # no files allocated ahead on the tmpfs
+    from sglang_ext import sampling
+    from standins import HIDDEN
+
+    sess = sessions.start(make_runner(small_fs, layers="2,4"))
+    tokens = 8192
+    file_bytes = tokens * (len(IDS) * HIDDEN * 4 + 8)  # float32 rows and int64 ids: 576 KiB
+    st = os.statvfs(small_fs)
+    free = st.f_bavail * st.f_frsize
+    first = [Req(f"a{i}", tokens, i + 1) for i in range(12)]
+    run_extend(sess, [(r, 0, 1) for r in first], IDS)
+    idle(sess)  # their first rows are on the tmpfs, the rest is not
+    time.sleep(sampling.DISK_CHECK_S * 1.2)  # the next request reads the free space again
+    second = [Req(f"b{i}", tokens, 100 + i) for i in range(12)]
+    run_extend(sess, [(r, 0, 1) for r in second], IDS)
+    admitted = sess.policy.counts["sampled"]
+    run_extend(sess, [(r, 1, tokens) for r in first + second], IDS)
+    metas = {r.rid: finish(r, timeout=60) for r in first + second}
+    assert [rid for rid, m in metas.items() if "hidden_states_error" in m] == [], metas
+    written = sorted(rid for rid, m in metas.items() if "hidden_states_path" in m)
+    assert len(written) == admitted
+    assert admitted * file_bytes <= free - (4 << 20) + file_bytes, (admitted, free)
+    assert not any(rid.startswith("b") for rid in written), written
+    idle(sess)
+    assert sess.writer.unwritten_bytes() == 0  # every admitted file settled: nothing held back
+    for rid in written[:2]:
+        req = next(r for r in first if r.rid == rid)
+        assert torch.equal(fmt.load(metas[rid]["hidden_states_path"]).hidden_states, reference(req, IDS))
 
 
 @needs_mooncake
