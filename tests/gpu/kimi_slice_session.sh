@@ -35,10 +35,11 @@ case "${1:-}" in
     stamp "module rc $?"
     tar -C ~/.cache/sglang -czf $k/jit.tgz jit && ls -la $k/jit.tgz
     stamp bench
-    # host memory for three servers: the kept files (and their routes) move to disk, where
-    # a later reference-only run finds them with KIMI_SLICE_KEPT=/tmp/kimi-slice-kept
-    rm -rf /tmp/kimi-slice-kept /dev/shm/hs-kimi-slice
-    mv /dev/shm/kimi-slice-kept /tmp/kimi-slice-kept 2>/dev/null || true
+    # The kept files (~15 GB with their routes) stay in /dev/shm for a later reference-only
+    # run: the disk holds the slice (35 GB) and kimi-slice-2 (15 GB) and has ~14 GB left.
+    # Three bench servers beside 30 GB of /dev/shm were SIGKILLed at start (host memory);
+    # with kimi-slice-2 on disk it is 15 GB.
+    rm -rf /dev/shm/hs-kimi-slice
     KIMI_SGLANG_SERIES=v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models kimi-slice-2 \
       --modes nodump,dump,dump_early,dump_fp8 --prompt-lens 2048,8192,32768 --concurrency 1,8 --repeat 2 \
       --skip-ceilings --peer-reference none --no-build --workdir /tmp/kimi-bench \

@@ -58,8 +58,7 @@ CHUNK = 8192  # --chunked-prefill-size (SGLang's default on an 80 GB Hopper)
 PORT = 30041
 MODEL_DIR = os.environ.get("KIMI_SLICE_DIR", "/tmp/kimi-slice")
 DUMP = "/dev/shm/hs-kimi-slice"
-# files kept for the reference phase, with their prompts and routes (kimi_slice_session.sh
-# moves them to /tmp/kimi-slice-kept before its bench: KIMI_SLICE_KEPT names that)
+# files kept for the reference phase, with their prompts and routes (KIMI_SLICE_KEPT: elsewhere)
 KEEP = os.environ.get("KIMI_SLICE_KEPT", "/dev/shm/kimi-slice-kept")
 LONG = (8192, 32768, 65536, 131072)
 SAMPLED = 48  # rows compared per long prompt
