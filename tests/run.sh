@@ -17,6 +17,9 @@
 #    torch) run again under Python 3.10 after a full run (no pytest args). Python 3.10 is
 #    $KIMI_SGLANG_PYTHON310, else python3.10 on PATH, else pyenv's ~/.pyenv/versions/3.10.*;
 #    none found: an error under CI=true, a warning otherwise.
+# 3. The GPU stack's transformers (requirements/gpu-transformers.txt, installed --no-deps into
+#    ~/.cache/kimi-sglang/overlay-<hash>, put before the main venv's): after a full run,
+#    tests/tooling/test_kimi_slice.py again, as the device runs that reference.
 # Venvs are created by tests/venv.sh, under a lock (concurrent runs wait, never collide).
 # The project itself is put on PYTHONPATH. Downloads are cached by pip.
 set -euo pipefail
@@ -102,5 +105,21 @@ set +e
 PATH="$venv310/bin:$PATH" python -m pytest -q -m py310 -p no:cacheprovider "${files[@]}"
 rc310=$?
 set -e
+overlay_req=requirements/gpu-transformers.txt
+overlay=$cache/overlay-$(sha256sum <"$overlay_req" | cut -c1-12)
+if [ ! -f "$overlay/.complete" ]; then
+  rm -rf "$overlay.tmp"
+  "$venv/bin/python" -m pip install -q --no-deps --target "$overlay.tmp" -r "$overlay_req"
+  touch "$overlay.tmp/.complete"
+  rm -rf "$overlay" && mv "$overlay.tmp" "$overlay"
+fi
+echo "== pytest, the GPU stack's transformers ($overlay_req): tests/tooling/test_kimi_slice.py"
+set +e
+KIMI_SGLANG_EXPECT_TRANSFORMERS=$(sed -n 's/^transformers==//p' "$overlay_req") \
+  PYTHONPATH="$overlay:$PYTHONPATH" PATH="$venv/bin:$PATH" python -m pytest -q -p no:cacheprovider \
+  tests/tooling/test_kimi_slice.py
+rcgpu=$?
+set -e
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi
-exit "$rc310"
+if [ "$rc310" -ne 0 ]; then exit "$rc310"; fi
+exit "$rcgpu"

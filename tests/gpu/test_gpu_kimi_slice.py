@@ -64,6 +64,7 @@ LONG = (8192, 32768, 65536, 131072)
 SAMPLED = 48  # rows compared per long prompt
 MAX_DIFFER = 0.25  # share of a file's MoE-layer positions where SGLang's experts may differ
 GROUP_TOKENS = 65536  # prompt tokens the reference carries through the layers at once
+REF_DEVICE = "cuda"  # where the reference runs (tests/tooling/test_kimi_slice.py runs this phase on the CPU)
 JSON_MAX_TOKENS = 720  # prompts the JSON comparison takes (7168 values a row, ~10 bytes each)
 BENCH_CELLS = [(2048, 1, 6), (2048, 8, 32), (8192, 1, 3), (8192, 8, 16), (32768, 1, 2), (32768, 8, 8)]
 ROUNDS = int(os.environ.get("KIMI_SLICE_ROUNDS", "2"))
@@ -424,7 +425,8 @@ def test_files_match_reference(slice_dir, record_property):
     torch.cuda.empty_cache()
     kept = sorted(n[:-5] for n in os.listdir(KEEP) if n.endswith(".json"))
     assert kept, "no kept files: run the serving phases first"
-    ref = Reference(slice_dir, device="cuda", score_bytes=float(os.environ.get("KIMI_SLICE_SCORE_BYTES", "2e9")))
+    ref = Reference(slice_dir, device=REF_DEVICE, score_bytes=float(os.environ.get("KIMI_SLICE_SCORE_BYTES", "2e9")))
+    on_gpu = REF_DEVICE.startswith("cuda")
     prompts = [json.load(open(os.path.join(KEEP, f"{k}.json"))) for k in kept]
     longest = int(os.environ.get("KIMI_SLICE_REF_MAX_TOKENS", "0")) or LONG[-1]  # a partial run
     kept, prompts = zip(*[(k, p) for k, p in zip(kept, prompts) if len(p["ids"]) <= longest])
@@ -442,10 +444,12 @@ def test_files_match_reference(slice_dir, record_property):
     blocks, ties_of, differ_of, memory = {}, {}, {}, []
     t0 = time.monotonic()
     for group in groups:
-        torch.cuda.reset_peak_memory_stats()
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
         out = ref.batch([(prompts[j]["ids"], prompts[j]["rows"]) for j in group], LAYER_IDS,
                         routes=[routes[j] for j in group])
-        memory.append([sum(len(prompts[j]["ids"]) for j in group), round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)])
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30 if on_gpu else 0.0
+        memory.append([sum(len(prompts[j]["ids"]) for j in group), round(peak, 1)])
         print(f"reference: {memory[-1][0]} tokens, peak {memory[-1][1]} GiB, {time.monotonic() - t0:.0f} s", flush=True)
         for j, o, ties, differ in zip(group, out, ref.near_ties_of, ref.disagreements_of):
             blocks[j], ties_of[j], differ_of[j] = o, ties, differ

@@ -308,3 +308,98 @@ def test_sglang_loads_the_slice_as_kimi_int4(slice_dir):
     assert out["quant"] == "CompressedTensorsConfig" and out["scheme"] == "CompressedTensorsWNA16MoE", out
     assert out["unloaded"] and all("g_idx" in n for n in out["unloaded"]), out["unloaded"]
     assert out["same"] == [True, True]
+
+
+def _gpu_module(monkeypatch, keep, layers):
+    """tests/gpu/test_gpu_kimi_slice.py, imported from its file, with its reference phase
+    pointed at the CPU, ``keep`` and a slice of ``layers`` layers."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "test_gpu_kimi_slice.py"
+    spec = importlib.util.spec_from_file_location("gpu_kimi_slice_on_cpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, value in (("KEEP", str(keep)), ("LAYERS", layers), ("LAYER_IDS", list(range(1, layers + 1))),
+                        ("REF_DEVICE", "cpu"), ("GROUP_TOKENS", 48)):
+        monkeypatch.setattr(mod, name, value)
+    monkeypatch.setattr(mod.Serving, "stop", classmethod(lambda cls: None))  # no server here
+    return mod
+
+
+def test_gpu_modules_reference_phase_runs_on_the_cpu(slice_dir, tmp_path, monkeypatch):
+    """The GPU module's reference phase (``test_files_match_reference``: kept files, their
+    routes, grouping, the replay, the checks) run on the CPU against the small slice, so its
+    glue fails here, not in a GPU session. Files as the server writes them (the float32
+    rows, replaying HF's own experts, stored in bf16; one of sampled rows) with the routes
+    SGLang returns (int32 [T, N, k], dense layer zeros): passes. One row scaled by 1.2:
+    fails naming that file. Routes in another numbering (ids + 1): fails on the share of
+    positions whose experts differ."""
+    from safetensors.torch import save_file
+
+    from sglang_ext import format as fmt
+
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    mod = _gpu_module(monkeypatch, keep, LAYERS)
+    k, e = SMALL["num_experts_per_tok"], SMALL["n_routed_experts"]
+    rng = np.random.default_rng(5)
+    ref = kimi_slice.Reference(str(slice_dir), device="cpu")
+    prompts = {"bf16-mixed-0": (17, None), "bf16-mixed-1": (31, None), "bf16-long-50": (50, [0, 7, 48, 49])}
+    saved = {}
+    for tag, (n, rows) in prompts.items():
+        ids = [int(i) for i in rng.integers(3, SMALL["vocab_size"], n)]
+        routes = torch.zeros((n, LAYERS, k), dtype=torch.int32)
+
+        def record(i, mlp, idx, logits, routes=routes):
+            routes[:, i] = idx.to(torch.int32)
+
+        hf_forward(slice_dir, ids, [LAYERS], routing=record)
+        hidden = ref(ids, list(range(1, LAYERS + 1)), routes=routes).to(torch.bfloat16)
+        save_file({fmt.KEY_HIDDEN_STATES: hidden, fmt.KEY_TOKEN_IDS: torch.tensor(ids, dtype=torch.int64)},
+                  str(keep / f"{tag}.safetensors"),
+                  metadata=fmt.build_metadata(rid=tag, layer_ids=range(1, LAYERS + 1), num_layers=LAYERS))
+        np.save(keep / f"{tag}.routes.npy", routes.numpy())
+        (keep / f"{tag}.json").write_text(json.dumps({"ids": ids, "rows": rows}))
+        saved[tag] = (hidden, routes)
+
+    props = {}
+    mod.test_files_match_reference(str(slice_dir), lambda key, value: props.__setitem__(key, value))
+    assert set(props["errors"]) == set(prompts)
+    assert all(r["experts_differ_share"] == 0 and r["block"] < 1e-2 for r in props["errors"].values())
+    assert len(props["reference_groups_tokens_peak_gib"]) == 2  # 17 + 31 tokens, then 50 alone
+
+    hidden, routes = saved["bf16-mixed-1"]
+    bad = hidden.clone()
+    bad[9, 1] *= 1.2
+    save_file({fmt.KEY_HIDDEN_STATES: bad, fmt.KEY_TOKEN_IDS: torch.tensor(
+        json.loads((keep / "bf16-mixed-1.json").read_text())["ids"], dtype=torch.int64)},
+        str(keep / "bf16-mixed-1.safetensors"),
+        metadata=fmt.build_metadata(rid="bf16-mixed-1", layer_ids=range(1, LAYERS + 1), num_layers=LAYERS))
+    with pytest.raises(AssertionError, match="bf16-mixed-1: the row at position 9, layer id 2"):
+        mod.test_files_match_reference(str(slice_dir), lambda key, value: None)
+
+    shifted = routes.clone()
+    shifted[:, 1:] = (shifted[:, 1:] + 1) % e
+    np.save(keep / "bf16-mixed-1.routes.npy", shifted.numpy())
+    with pytest.raises(AssertionError, match="bf16-mixed-1: SGLang's experts differ from float32's at"):
+        mod.test_files_match_reference(str(slice_dir), lambda key, value: None)
+
+
+def test_the_gpu_stacks_transformers_is_the_one_tested():
+    """requirements/gpu-transformers.txt (tests/run.sh runs this file again with it) pins the
+    transformers tests/gpu/stage-stack.sh stages on the device; in that run
+    (``KIMI_SGLANG_EXPECT_TRANSFORMERS``) it is the one imported."""
+    import os
+    import re
+    from pathlib import Path
+
+    import transformers
+
+    root = Path(__file__).resolve().parents[2]
+    staged = re.findall(r"\btransformers==([0-9][^\s\\]*)", (root / "tests/gpu/stage-stack.sh").read_text())
+    pinned = re.findall(r"^transformers==(\S+)$", (root / "requirements/gpu-transformers.txt").read_text(), re.M)
+    assert staged and staged == pinned, (staged, pinned)
+    expected = os.environ.get("KIMI_SGLANG_EXPECT_TRANSFORMERS")
+    if expected:
+        assert transformers.__version__ == expected
