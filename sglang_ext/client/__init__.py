@@ -19,6 +19,8 @@ Their parts, each importing only those listed before it (no cycle):
 - ``fetch``    a Mooncake Store's samples (``--store``): wait, read, write ``hs_<i>``, remove;
                imported only with ``--store``.
 - ``runner``   the asyncio run: workers, tries, retries, abort.
+- ``convert_inputs`` what ``convert`` reads besides the files: ``--model``'s final norm,
+               ``--loss-mask-from``'s masks, the manifest's image rows.
 
 It reads the server's files through ``sglang_ext.format`` only (and the store's objects
 through ``sglang_ext.store``'s config and layout); nothing here is imported
