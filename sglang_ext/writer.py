@@ -500,11 +500,12 @@ class DumpWriter:
         if nbytes:
             self._view[off:off + nbytes] = memoryview(ids).cast("B")
         self._pieces[piece].refs = 1
-        self._out.ops.append(wire.Begin(pending.key, rid, pending.num_tokens, pending.row_width,
-                                        _dtype_name(dtype), piece, off, pending.times))
         name = _dtype_name(dtype)
-        self._unwritten[pending.key] = len(ids) * (
-            fmt.row_bytes(row_width, name) + fmt.scale_row_bytes(self.num_slots, name) + 8)
+        self._out.ops.append(wire.Begin(pending.key, rid, pending.num_tokens, pending.row_width,
+                                        name, piece, off, pending.times))
+        # the file's bytes by its own layout, as the sampling budget counts them (session._admit)
+        self._unwritten[pending.key] = sum(
+            s.nbytes for s in fmt.dump_tensors(len(ids), self.num_slots, int(row_width) // self.num_slots, name))
         return pending
 
     def is_current(self, pending: PendingDump) -> bool:
