@@ -95,33 +95,34 @@ def hf_forward(path, ids, layer_ids, routing=None):
     return torch.stack([grabbed["pre"][0] if k == n else out.hidden_states[k][0] for k in layer_ids], dim=1)
 
 
+def _forced_weights(logits, forced, cfg):
+    """DeepseekV3's weights of the experts ``forced``: unbiased sigmoid scores, normalized
+    when ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    w = logits.sigmoid().gather(1, forced)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) if cfg.norm_topk_prob else w
+    return w * cfg.routed_scaling_factor
+
+
 def _forced(i, mlp, routing):
+    """transformers 5.12: ``route_tokens_to_experts(logits) -> (experts, weights)``."""
     choose = mlp.route_tokens_to_experts
 
     def route(logits):
         idx, w = choose(logits)
         forced = routing(i, mlp, idx, logits)
-        if forced is None:
-            return idx, w
-        w = logits.sigmoid().gather(1, forced)  # DeepseekV3's weights: unbiased sigmoid
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) if mlp.norm_topk_prob else w
-        return forced, w * mlp.routed_scaling_factor
+        return (idx, w) if forced is None else (forced, _forced_weights(logits, forced, mlp.config))
 
     return route
 
 
 def _forced_router(i, mlp, routing):
+    """transformers 5.19: the router returns ``(logits, weights, experts)``."""
     route = mlp.gate.forward
-    cfg = mlp.config
 
     def forward(hidden):
         logits, w, idx = route(hidden)
         forced = routing(i, mlp, idx, logits)
-        if forced is None:
-            return logits, w, idx
-        w = logits.sigmoid().gather(1, forced)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) if cfg.norm_topk_prob else w
-        return logits, w * cfg.routed_scaling_factor, forced
+        return (logits, w, idx) if forced is None else (logits, _forced_weights(logits, forced, mlp.config), forced)
 
     return forward
 
