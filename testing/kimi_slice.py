@@ -208,6 +208,31 @@ def build_kimi_slice(path: str, num_layers: int = 4, device: str = "cuda", seed:
     return num_layers
 
 
+COMPLETE = ".complete"  # written last by ensure_built: the slice's layer count
+
+
+def ensure_built(path: str, num_layers: int = 4, device: str = "cuda", **overrides) -> bool:
+    """The slice of ``num_layers`` layers at ``path``, built once per machine: returns False
+    when ``path``'s ``COMPLETE`` marker already names ``num_layers``, else removes ``path``,
+    builds it (``build_kimi_slice``, given ``overrides``), writes the marker last and
+    returns True (the GPU module's fixture and tests/gpu/kimi_slice_prep.sh share it)."""
+    import shutil
+    import time
+
+    marker = os.path.join(path, COMPLETE)
+    if os.path.exists(marker) and open(marker).read() == str(num_layers):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.monotonic()
+    build_kimi_slice(path, num_layers=num_layers, device=device, **overrides)
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    with open(marker, "w") as f:
+        f.write(str(num_layers))
+    print(f"slice of {num_layers} layers built in {time.monotonic() - t0:.0f} s", flush=True)
+    return True
+
+
 # --------------------------------------------------------------------------- reference
 
 
@@ -516,3 +541,9 @@ class Reference:
                 if self.device != "cpu":
                     torch.cuda.empty_cache()
         return [torch.stack([t[k] for k in layer_ids], dim=1) for t in taken]  # [R, L, H] each
+
+
+if __name__ == "__main__":  # python -m testing.kimi_slice PATH LAYERS
+    import sys
+
+    ensure_built(sys.argv[1], int(sys.argv[2]))

@@ -22,15 +22,7 @@ fi
 if ! running && ! grep -q "prebuilt in" "$log" 2>/dev/null; then  # never started, or failed: (re)start
   setsid nohup python3 tests/gpu/prebuild_marlin.py >"$log" 2>&1 < /dev/null &
 fi
-dir=${KIMI_SLICE_DIR:-/tmp/kimi-slice}
-layers=${KIMI_SLICE_LAYERS:-4}
-if [ "$(cat "$dir/.complete" 2>/dev/null)" != "$layers" ]; then
-  rm -rf "$dir"
-  python3 -c "import sys, time; from testing.kimi_slice import build_kimi_slice as b; t = time.time(); \
-b(sys.argv[1], int(sys.argv[2]), 'cuda'); print(f'slice of {sys.argv[2]} layers built in {time.time() - t:.0f} s')" \
-    "$dir" "$layers"
-  echo -n "$layers" > "$dir/.complete"
-fi
+python3 -m testing.kimi_slice "${KIMI_SLICE_DIR:-/tmp/kimi-slice}" "${KIMI_SLICE_LAYERS:-4}"  # once per machine
 if [ "${1:-}" = bench ]; then python3 -m bench.models kimi-slice-2 /tmp/kimi-bench/kimi-slice-2; fi
 df -h /tmp /dev/shm | tail -2
 tail -3 "$log"

@@ -81,22 +81,13 @@ def slice_dir():
     on a GPU of less than 70 GiB: the slice's weights are 40 GB at 4 layers."""
     import torch
 
-    from testing.kimi_slice import build_kimi_slice
+    from testing.kimi_slice import ensure_built
 
     total = torch.cuda.get_device_properties(0).total_memory
     if total < 70 * 2 ** 30 * LAYERS / 4:
         pytest.skip(f"the slice needs about 70 GiB of GPU memory at {LAYERS} layers; this GPU has "
                     f"{total / 2 ** 30:.0f} GiB (KIMI_SLICE_LAYERS=2 needs about half)")
-
-    marker = os.path.join(MODEL_DIR, ".complete")
-    if not os.path.exists(marker) or open(marker).read() != str(LAYERS):
-        shutil.rmtree(MODEL_DIR, ignore_errors=True)
-        t0 = time.monotonic()
-        build_kimi_slice(MODEL_DIR, num_layers=LAYERS, device="cuda")
-        torch.cuda.empty_cache()
-        with open(marker, "w") as f:
-            f.write(str(LAYERS))
-        print(f"built the slice in {time.monotonic() - t0:.0f} s")
+    ensure_built(MODEL_DIR, LAYERS, device="cuda")
     return MODEL_DIR
 
 

@@ -404,3 +404,17 @@ def test_the_gpu_stacks_transformers_is_the_one_tested():
     expected = os.environ.get("KIMI_SGLANG_EXPECT_TRANSFORMERS")
     if expected:
         assert transformers.__version__ == expected
+
+
+def test_ensure_built_builds_once_per_layer_count(tmp_path):
+    """``ensure_built`` (the GPU module's fixture, kimi_slice_prep.sh): built and marked at
+    the first call, reused at the second, rebuilt for another layer count; a directory
+    without the marker (a build cut short) is built again."""
+    path = str(tmp_path / "s")
+    assert kimi_slice.ensure_built(path, 2, device="cpu", **SMALL)
+    assert (tmp_path / "s" / kimi_slice.COMPLETE).read_text() == "2"
+    assert not kimi_slice.ensure_built(path, 2, device="cpu", **SMALL)
+    assert kimi_slice.ensure_built(path, 3, device="cpu", **SMALL)
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["text_config"]["num_hidden_layers"] == 3
+    (tmp_path / "s" / kimi_slice.COMPLETE).unlink()
+    assert kimi_slice.ensure_built(path, 3, device="cpu", **SMALL)
