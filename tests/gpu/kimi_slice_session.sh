@@ -4,9 +4,11 @@
 #   bash tests/gpu/kimi_slice_session.sh start [BENCH_DEADLINE_S]   (returns at once)
 #   bash tests/gpu/kimi_slice_session.sh collect [jit]              (copies what is done to $OUT)
 #   bash tests/gpu/kimi_slice_session.sh seed      (carry .jit-cache: a JIT cache collected earlier)
-# The job: kimi_slice_prep.sh bench (the Marlin prebuild in the background, the slices);
-# the GPU module's bf16 files and the reference check (-k "kimi_slice and (bf16_files or
-# match_reference)"; the server waits on SGLang's JIT lock for the prebuild); then
+# The job: the fused fp8 kernel's module (-k test_gpu_quant, seconds; quant.json); kimi_slice_prep.sh
+# bench (the Marlin prebuild in the background, the slices); the GPU module's bf16 and fp8
+# files and the reference check (-k "kimi_slice and (bf16_files or fp8_files or
+# match_reference)", fp8's benchmark one cell; the server waits on SGLang's JIT lock for
+# the prebuild); then
 # `python -m bench` on kimi-slice-2 (nodump, dump, dump_early, dump_fp8; 2k/8k/32k x 1/8;
 # 2 rounds; --deadline-s BENCH_DEADLINE_S, default 300). Everything lands in /tmp/k48:
 # job.log, slice.json (pytest --results-json), logs/, bench/ and jit.tgz (SGLang's JIT
@@ -26,11 +28,16 @@ case "${1:-}" in
   job)
     t0=$(date +%s)
     stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
+    stamp "fused fp8 kernel (no server)"
+    KIMI_SGLANG_SERIES=v0.5.23 OUT=$k bash tests/gpu/run_e2e.sh run -k test_gpu_quant --results-json $k/quant.json
+    stamp "quant rc $?"
     stamp prep
     if ! bash tests/gpu/kimi_slice_prep.sh bench; then stamp "prep failed: no module, no bench"; exit 1; fi
     stamp "module (bf16 files, reference)"
+    # fp8's benchmark cells cut to one (its files are what this run is for)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True KIMI_SGLANG_SERIES=v0.5.23 OUT=$k \
-      bash tests/gpu/run_e2e.sh run -k "kimi_slice and (bf16_files or match_reference)" \
+      KIMI_SLICE_CELLS=${KIMI_SLICE_CELLS:-8192x8x16} KIMI_SLICE_ROUNDS=${KIMI_SLICE_ROUNDS:-1} \
+      bash tests/gpu/run_e2e.sh run -k "kimi_slice and (bf16_files or fp8_files or match_reference)" \
       --results-json $k/slice.json --server-log-dir $k/logs -s
     stamp "module rc $?"
     tar -C ~/.cache/sglang -czf $k/jit.tgz jit && ls -la $k/jit.tgz
@@ -50,7 +57,7 @@ case "${1:-}" in
     out=${OUT:?}
     tail -40 $k/job.log
     cp $k/job.log "$out/" 2>/dev/null
-    [ -f $k/slice.json ] && cp $k/slice.json "$out/"
+    for f in $k/slice.json $k/quant.json; do [ -f "$f" ] && cp "$f" "$out/"; done
     for f in $k/bench/*.json $k/bench/*.md; do [ -f "$f" ] && cp "$f" "$out/"; done
     # SGLang's JIT cache (the Marlin MoE modules, ~17 MB), in parts $OUT takes (16 MiB a file):
     # keep them in .jit-cache/ (git-ignored) and carry that folder to `seed` a later host
