@@ -140,7 +140,7 @@ class Serving:
     tag = None
 
     @classmethod
-    def start(cls, model, tag, log_dir, dump: bool, dtype=None, env=None, extra=()):
+    def start(cls, model, tag, log_dir, dump: bool, dtype=None, env=None, extra=(), sink=None):
         if cls.current is None and os.path.exists(STATE):
             state = json.load(open(STATE))
             srv = Adopted(state["url"], state["pgid"])
@@ -158,6 +158,8 @@ class Serving:
         cmd[cmd.index("--mem-fraction-static") + 1] = "0.85"
         if not dump:  # server_command puts the dump flags last
             cmd = cmd[:cmd.index("--dump-hidden-states-dir")]
+        elif sink:  # a mooncake:// address instead of the directory
+            cmd[cmd.index("--dump-hidden-states-dir") + 1] = sink
         if dtype:
             cmd += ["--dump-hidden-states-dtype", dtype]
         cmd += ["--context-length", str(LONG[-1] + 1024), "--enable-return-routed-experts", *extra]
@@ -208,22 +210,28 @@ def _keep(tag, meta, ids, rows=None):
     [T, LAYERS, 8], decoded from ``meta_info.routed_experts``: base64 of int32 in row
     order, SGLang's ``extract_routed_experts_from_meta_info``); the reference phase reads
     them."""
+    path = meta.get("hidden_states_path")
+    assert path, f"{tag}: no hidden_states_path: {meta.get('hidden_states_error')}"
+    os.makedirs(KEEP, exist_ok=True)
+    dest = os.path.join(KEEP, f"{tag}.safetensors")
+    shutil.move(path, dest)
+    _keep_prompt(tag, meta, ids, rows)
+    return dest
+
+
+def _keep_prompt(tag, meta, ids, rows=None):
+    """KEEP/<tag>.json (the prompt and the rows compared) and <tag>.routes.npy."""
     import base64
 
     import numpy as np
 
-    path = meta.get("hidden_states_path")
-    assert path, f"{tag}: no hidden_states_path: {meta.get('hidden_states_error')}"
     routed = np.frombuffer(base64.b64decode(meta.get("routed_experts") or ""), dtype=np.int32)
     assert routed.size == len(ids) * LAYERS * 8, (
         f"{tag}: routed_experts has {routed.size} ids, expected {len(ids)} x {LAYERS} x 8")
     os.makedirs(KEEP, exist_ok=True)
     np.save(os.path.join(KEEP, f"{tag}.routes.npy"), routed.reshape(len(ids), LAYERS, 8))
-    dest = os.path.join(KEEP, f"{tag}.safetensors")
-    shutil.move(path, dest)
     with open(os.path.join(KEEP, f"{tag}.json"), "w") as f:
         json.dump({"ids": ids, "rows": rows}, f)
-    return dest
 
 
 def _peak_rss_mb():
@@ -332,6 +340,66 @@ def test_fp8_files_and_bench(slice_dir, server_log_dir, record_property):
     _bench(srv, "early", rng, record_property, "fp8_early")
 
 
+STORE_NODE_BYTES = 8 << 30  # the store node's segment: the mixed batch and a 32k sample (1.9 GB) at once
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_store_objects(slice_dir, server_log_dir, record_property, tmp_path_factory, dtype):
+    """The store sink at Kimi's dimensions: a server dumping into a real ``mooncake_master``
+    (a store node lends the memory, the server none), the mixed batch and one 32k prompt;
+    each sample read with hs-connectors' ``get_generated(manifest)`` (speculators' reader),
+    its layout checked (``testing.store.sample_problems``) and kept as it was read, with
+    its prompt and routes, for ``test_files_match_reference`` (tags ``store-<dtype>-...``).
+    Skips where mooncake or hs-connectors is not staged (tests/gpu/stage-extras.sh m, d)."""
+    from safetensors.torch import save_file
+
+    from testing import store as st
+
+    reason = st.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    from mooncake_fixture import Master, master_config
+
+    rng = random.Random(f"kimi-slice-store-{dtype}")
+    master = Master(tmp_path_factory.mktemp("mooncake"))
+    node = reader = None
+    try:
+        node = st.StoreNode(master.address, STORE_NODE_BYTES, os.path.join(server_log_dir, "store-node-kimi.log"))
+        reader = st.reader(master.address, buffer_bytes=2 << 30)
+        srv = Serving.start(slice_dir, f"store-{dtype}", server_log_dir, dump=True, dtype=dtype,
+                            sink=master_config(master, segment=0, buffer="256MiB"))
+        record_property("startup_s", srv.startup_s)
+        lengths = [16, 257, 1024, 2047, 2048] + [rng.randrange(16, 2049) for _ in range(7)]
+        prompts = [_ids(rng, n) for n in lengths]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            metas = list(pool.map(lambda p: _generate(srv, p, routes=True), prompts))
+        prompts.append(_ids(rng, 32768))
+        metas.append(_generate(srv, prompts[-1], routes=True))
+        rows = [None] * (len(prompts) - 1) + [_sampled_rows(32768, rng)]
+        problems = []
+        for i, (ids, meta, keep_rows) in enumerate(zip(prompts, metas, rows)):
+            tag = f"store-{dtype}-{'long-32768' if keep_rows else f'mixed-{i}'}"
+            manifest = meta.get(st.MANIFEST)
+            if not manifest or meta.get("hidden_states_error"):
+                problems.append(f"{tag}: no manifest ({meta.get('hidden_states_error')!r})")
+                continue
+            sample = reader.get_generated(manifest)
+            found = st.sample_problems(sample, manifest, len(ids), dtype == "fp8", tag)
+            if found:
+                problems.extend(found)
+                continue
+            save_file({k: v.contiguous() for k, v in sample.items()}, os.path.join(KEEP, f"{tag}.safetensors"))
+            _keep_prompt(tag, meta, ids, keep_rows)
+            reader.delete(manifest["handle"])
+        record_property(f"store_{dtype}_samples", len(prompts) - len(problems))
+        assert not problems, "\n".join(problems)
+    finally:
+        Serving.stop()
+        for part in (node, master):
+            if part is not None:
+                (part.stop if hasattr(part, "stop") else part.kill)()
+
+
 def test_nodump_bench(slice_dir, server_log_dir, record_property):
     rng = random.Random("kimi-slice-nodump")
     srv = Serving.start(slice_dir, "nodump", server_log_dir, dump=False)
@@ -404,11 +472,25 @@ def _worst_rows(got, want, rows, marked, n=5):
     return out
 
 
+def _kept_record(tag, fp8):
+    """A kept file (``format.load``, fp8 dequantized) or store sample (as read, through
+    ``testing.store.sample_record``) as a ``DumpRecord``."""
+    from sglang_ext import format as fmt
+
+    path = os.path.join(KEEP, f"{tag}.safetensors")
+    if tag.startswith("store-"):
+        from safetensors.torch import load_file
+
+        from testing import store as st
+
+        return st.sample_record(load_file(path), LAYER_IDS)
+    return fmt.load(path, dequantize=fp8)
+
+
 def test_files_match_reference(slice_dir, record_property):
     import numpy as np
     import torch
 
-    from sglang_ext import format as fmt
     from testing.kimi_slice import Reference
     from testing.reference import rel_errors
 
@@ -449,8 +531,8 @@ def test_files_match_reference(slice_dir, record_property):
     problems, report = [], {}
     for j, (k, p) in enumerate(zip(kept, prompts)):
         want, ties, differ = blocks[j], ties_of[j], differ_of[j]
-        fp8 = k.startswith("fp8")
-        rec = fmt.load(os.path.join(KEEP, f"{k}.safetensors"), dequantize=fp8)
+        fp8 = "fp8" in k.split("-")[:2]  # fp8-..., store-fp8-...
+        rec = _kept_record(k, fp8)
         if rec.token_ids.tolist() != p["ids"]:
             problems.append(f"{k}: token_ids differ from the prompt")
         if list(rec.layer_ids) != LAYER_IDS:

@@ -339,6 +339,7 @@ def test_gpu_modules_reference_phase_runs_on_the_cpu(slice_dir, tmp_path, monkey
     from safetensors.torch import save_file
 
     from sglang_ext import format as fmt
+    from sglang_ext import quant
 
     keep = tmp_path / "kept"
     keep.mkdir()
@@ -346,7 +347,8 @@ def test_gpu_modules_reference_phase_runs_on_the_cpu(slice_dir, tmp_path, monkey
     k, e = SMALL["num_experts_per_tok"], SMALL["n_routed_experts"]
     rng = np.random.default_rng(5)
     ref = kimi_slice.Reference(str(slice_dir), device="cpu")
-    prompts = {"bf16-mixed-0": (17, None), "bf16-mixed-1": (31, None), "bf16-long-50": (50, [0, 7, 48, 49])}
+    prompts = {"bf16-mixed-0": (17, None), "bf16-mixed-1": (31, None), "bf16-long-50": (50, [0, 7, 48, 49]),
+               "store-fp8-mixed-2": (13, None)}
     saved = {}
     for tag, (n, rows) in prompts.items():
         ids = [int(i) for i in rng.integers(3, SMALL["vocab_size"], n)]
@@ -357,9 +359,14 @@ def test_gpu_modules_reference_phase_runs_on_the_cpu(slice_dir, tmp_path, monkey
 
         hf_forward(slice_dir, ids, [LAYERS], routing=record)
         hidden = ref(ids, list(range(1, LAYERS + 1)), routes=routes).to(torch.bfloat16)
-        save_file({fmt.KEY_HIDDEN_STATES: hidden, fmt.KEY_TOKEN_IDS: torch.tensor(ids, dtype=torch.int64)},
-                  str(keep / f"{tag}.safetensors"),
-                  metadata=fmt.build_metadata(rid=tag, layer_ids=range(1, LAYERS + 1), num_layers=LAYERS))
+        if tag.startswith("store-"):  # a store sample as get_generated returns it: fp8, scales [T, L, 1]
+            q, scales = quant.quantize_fp8(hidden.reshape(n, -1), LAYERS)
+            save_file({"hidden_states": q.view(n, LAYERS, -1), "hidden_states_scales": scales[..., None],
+                       "token_ids": torch.tensor(ids, dtype=torch.int64)}, str(keep / f"{tag}.safetensors"))
+        else:
+            save_file({fmt.KEY_HIDDEN_STATES: hidden, fmt.KEY_TOKEN_IDS: torch.tensor(ids, dtype=torch.int64)},
+                      str(keep / f"{tag}.safetensors"),
+                      metadata=fmt.build_metadata(rid=tag, layer_ids=range(1, LAYERS + 1), num_layers=LAYERS))
         np.save(keep / f"{tag}.routes.npy", routes.numpy())
         (keep / f"{tag}.json").write_text(json.dumps({"ids": ids, "rows": rows}))
         saved[tag] = (hidden, routes)
@@ -367,8 +374,10 @@ def test_gpu_modules_reference_phase_runs_on_the_cpu(slice_dir, tmp_path, monkey
     props = {}
     mod.test_files_match_reference(str(slice_dir), lambda key, value: props.__setitem__(key, value))
     assert set(props["errors"]) == set(prompts)
-    assert all(r["experts_differ_share"] == 0 and r["block"] < 1e-2 for r in props["errors"].values())
-    assert len(props["reference_groups_tokens_peak_gib"]) == 2  # 17 + 31 tokens, then 50 alone
+    assert all(r["experts_differ_share"] == 0 and r["block"] < 1e-2 for k, r in props["errors"].items()
+               if not k.startswith("store-fp8")), props["errors"]
+    assert 1e-4 < props["errors"]["store-fp8-mixed-2"]["block"] < 2 ** -4  # fp8's rounding, within its bound
+    assert len(props["reference_groups_tokens_peak_gib"]) == 3  # 13 + 17 tokens, then 31, then 50 (GROUP_TOKENS 48)
 
     hidden, routes = saved["bf16-mixed-1"]
     bad = hidden.clone()
