@@ -12,6 +12,8 @@ may run in separate calls on one warm host, in this order:
   ``BENCH_CELLS`` waiting for files and with early answers.
 - ``test_fp8_files``: the same mixed batch and the 32k prompt from an fp8 dump server, and
   its benchmark cells (early answers).
+- ``test_store_objects`` (bf16, fp8): a store-sink server (a real ``mooncake_master``); a
+  shorter mixed batch and a 32k prompt, read with hs-connectors' reader and kept.
 - ``test_nodump_bench``: the same cells against the entrypoint without the dump flags.
 - ``test_dump_equals_sglang_own_rows``: the mixed batch's short files against SGLang's own
   ``return_hidden_states`` rows (a server without the dump): the dump path alone.
