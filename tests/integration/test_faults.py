@@ -466,6 +466,30 @@ def test_burst_of_1000_requests_stays_under_the_host_cap(dump, monkeypatch, tmp_
     assert leftovers(dump) == []
 
 
+def test_a_prompt_larger_than_the_arena_streams_through_it(dump, sessions):
+    """A 40,000-token prompt in chunked-prefill chunks of 4,096 through a 1 MiB arena: its
+    rows (2.5 MiB in float32) stream through the arena chunk by chunk into one complete file
+    equal to the reference, the arena never over its size. A prompt whose token ids alone
+    (8 bytes a token) exceed the arena is refused with an error naming the setting, and
+    leaves nothing in the directory."""
+    sess = sessions.start(make_runner(dump, layers="2,4", max_mb=1))
+    big = Req("larger-than-the-arena", 40_000, 3)
+    assert 40_000 * len(IDS) * 8 * 4 > 2 * (1 << 20)  # the rows are over twice the arena
+    for start in range(0, 40_000, 4096):
+        run_extend(sess, [(big, start, min(start + 4096, 40_000))], IDS)
+    assert assert_complete_or_error(big, finish(big, timeout=60), dump)
+    snap = idle(sess)
+    assert snap["host_bytes_peak"] <= snap["arena_bytes"] == 1 << 20
+
+    ids_over = Req("token-ids-over-the-arena", (1 << 20) // 8 + 1000, 4)
+    run_extend(sess, [(ids_over, 0, 4096)], IDS)
+    meta = finish(ids_over)
+    assert "hidden_states_path" not in meta
+    assert "--dump-hidden-states-max-host-mb" in meta["hidden_states_error"], meta
+    idle(sess)
+    assert leftovers(dump) == [] and len(fmt.read_index(str(dump))) == 1
+
+
 # ---- shutdown: SIGTERM / SIGKILL with writes in flight -----------------------------------
 CHILD = textwrap.dedent(r"""
     import os, sys, torch
