@@ -30,9 +30,10 @@ import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from sglang_ext import format as fmt
+from sglang_ext.tools.standin import JsonReplyHandler
 
 HIDDEN = 64
 
@@ -52,28 +53,15 @@ def hidden_rows(ids, slots, hidden=HIDDEN):
     return b"".join(out)
 
 
-class JsonHandler(BaseHTTPRequestHandler):
-    """What both fake servers (this one and tests/fake_vllm_server.py) answer alike: HTTP/1.1
-    with TCP_NODELAY, no access log, JSON replies (``reply``), ``GET /health``."""
-
-    protocol_version = "HTTP/1.1"
+class JsonHandler(JsonReplyHandler):
+    """What both fake servers (this one and tests/fake_vllm_server.py) answer alike: the
+    stand-in's HTTP/1.1 JSON replies (``reply``), with TCP_NODELAY, ``GET /health``."""
 
     def setup(self):
         super().setup()
         # headers and body go out as two writes: without this, Nagle + delayed ACK
         # add ~40 ms to every response
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, *a):
-        pass
-
-    def reply(self, code, obj):
-        body = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self):
         self.reply(200 if self.path == "/health" else 404, {})

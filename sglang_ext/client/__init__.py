@@ -19,6 +19,8 @@ Their parts, each importing only those listed before it (no cycle):
 - ``fetch``    a Mooncake Store's samples (``--store``): wait, read, write ``hs_<i>``, remove;
                imported only with ``--store``.
 - ``runner``   the asyncio run: workers, tries, retries, abort.
+- ``extract_setup`` what ``extract`` checks and opens before its first row (flags, paths,
+               DATA, the server's health, --out, the store); ``BadInput``, ``CannotStart``.
 - ``convert_inputs`` what ``convert`` reads besides the files: ``--model``'s final norm,
                ``--loss-mask-from``'s masks, the manifest's image rows.
 

@@ -103,24 +103,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
-import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
-from typing import List
+from typing import List, Optional
 
 from sglang_ext.client import generation
-from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer, rank_rows
-from sglang_ext.client.dumpdir import DumpDirs
-from sglang_ext.client.files import JournalRefused, RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
-from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
+from sglang_ext.client.dataset import DataError, rank_rows
+from sglang_ext.client.extract_setup import BadInput, CannotStart, prepare
+from sglang_ext.client.files import RunLock
 from sglang_ext.client.images import ImageAccess
-from sglang_ext.client.manifest import MANIFEST_NAME, add_missing_lines, clean_tmp
+from sglang_ext.client.manifest import MANIFEST_NAME, add_missing_lines
 from sglang_ext.client.pending import PendingFiles
 from sglang_ext.client.report import report_sweep, sweep, write_summary
 from sglang_ext.client.runner import Options, Stats, run
@@ -167,23 +163,21 @@ async def _run_until_sigterm(coro) -> None:
 
 def main(args) -> int:
     """``sglang-ext extract``: the exit codes of the module doc."""
-    held: List[Options] = []  # whose dump directory (if any) is closed at the end
+    opened: List = []  # the dump directories, the store: closed at the end
     locks: List[RunLock] = []  # the run's hold on --out, released last
     main_thread = threading.current_thread() is threading.main_thread()  # (called as a library)
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     made_out = not os.path.lexists(args.out)  # --out is this run's to remove if left empty
     try:
-        return _main(args, held, locks)
+        return _main(args, opened, locks)
     except _Terminated:  # before or after the run's own handling: still one line, no traceback
         print("extract: terminated (SIGTERM); run the same command again to resume", file=sys.stderr)
         return EXIT_TERMINATED
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-        for opts in held:
-            opts.dump.close()
-            if opts.store is not None:
-                opts.store.close()
+        for thing in opened:
+            thing.close()
         for lock in locks:
             lock.release()
         if made_out:  # a run stopped before any file (a bad row, an abort) leaves no empty --out
@@ -193,185 +187,46 @@ def main(args) -> int:
                 pass
 
 
-def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
-    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
-        print("error: need --world-size >= 1 and 0 <= --rank < --world-size", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if args.concurrency < 1 or args.max_retries < 0 or args.max_consecutive_failures < 1:
-        print("error: --concurrency and --max-consecutive-failures must be >= 1, "
-              "--max-retries >= 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    for flag, value in (("--backoff", args.backoff), ("--max-backoff", args.max_backoff)):
-        if not (math.isfinite(value) and value >= 0):
-            print(f"error: {flag} {value} must be a number of seconds >= 0", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        print(f"error: --timeout {args.timeout} must be a positive number of seconds",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
-    bad_endpoint = endpoint_error(args.endpoint)
-    if bad_endpoint:
-        print(f"error: {bad_endpoint}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if not (math.isfinite(args.store_timeout) and args.store_timeout > 0):
-        print(f"error: --store-timeout {args.store_timeout} must be a positive number of seconds",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
+def _main(args, opened: List, locks: List[RunLock]) -> int:
+    """Set up (``extract_setup.prepare``), run the rows, report."""
     try:
-        sampling = generation.sampling_params(args)
-    except ValueError as e:
+        setup = prepare(args, opened, locks)
+    except (BadInput, CannotStart) as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if sampling is not None and args.store is not None:
-        print("error: --generate takes files from the dump directory; with --store it is not "
-              "supported yet", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if args.store is not None:
-        from sglang_ext.store import StoreConfig
-
-        try:
-            StoreConfig.from_url(args.store)
-        except ValueError as e:
-            print(f"error: --store: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    roots = []
-    for root in args.image_root or []:
-        if not os.path.isabs(root):
-            print(f"error: --image-root {root} must be an absolute path on the server's "
-                  f"filesystem", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        roots.append(os.path.normpath("/" + root.lstrip("/")))
-    if not os.path.exists(args.data):
-        print(f"error: --data {args.data} does not exist", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        mode = file_mode()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    for path in args.dump_dir or []:
-        if not os.path.isdir(path):
-            print(f"error: --dump-dir {path} is not a directory (pass the server's "
-                  f"--dump-hidden-states-dir as this machine sees it)", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    try:
-        dump = DumpDirs(args.dump_dir or [])
-    except OSError as e:
-        print(f"error: --dump-dir: cannot open {e.filename} ({e.strerror or e})", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    held.append(Options(endpoint=args.endpoint, out_dir=args.out, dump=dump))
-    if args.summary is not None and os.path.isdir(args.summary):
-        print(f"error: --summary {args.summary} is a directory: name the JSON file to write",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if args.summary is not None:
-        try:  # refused now, not after the whole dataset
-            with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(args.summary)),
-                                        prefix=".extract-summary-"):
-                pass
-        except OSError as e:
-            print(f"error: --summary {args.summary}: cannot write there ({e.strerror or e})",
-                  file=sys.stderr)
-            return EXIT_BAD_INPUT
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    missing = [m for m in ("aiohttp", "tqdm") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"error: extract needs {' and '.join(missing)}: pip install -e '.[client]' in a clone "
-              f"of kimi-sglang (else pip install {' '.join(missing)})", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        n_rows = count_rows(args.data)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if n_rows == 0:
-        print(f"error: --data {args.data} has no rows; nothing to extract", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    unreachable, note = asyncio.run(probe(args.endpoint, min(args.timeout, PROBE_TIMEOUT_S)))
-    if unreachable:
-        print(f"error: {unreachable}", file=sys.stderr)
-        return EXIT_ABORTED
-    if note:
-        print(note, file=sys.stderr)
-    if not args.dump_dir and args.store is None:  # where requests not yet answered leave files
-        server_dir, note = asyncio.run(server_dump_dir(args.endpoint,
-                                                       min(args.timeout, PROBE_TIMEOUT_S)))
-        if note:
-            print(note, file=sys.stderr)
-        if server_dir:
-            dump.adopt(server_dir)
-    try:
-        os.makedirs(args.out, mode=dir_mode(mode), exist_ok=True)
-        locks.append(RunLock(args.out, args.rank, mode).acquire())  # before touching what is there
-        removed = clean_tmp(args.out)
-        with tempfile.TemporaryFile(dir=args.out, prefix=".extract-probe-"):
-            pass  # hs_<i>, the manifest and the journal are all written here
-        manifest_kind = None
-        try:
-            manifest_kind = regular_or_why(os.path.join(args.out, MANIFEST_NAME))
-        except FileNotFoundError:
-            pass
-        pending = PendingFiles(args.out, args.rank, mode, store=args.store is not None)
-        for d in dump.dirs:
-            pending.dump_dir(d.path)
-    except RunLockHeld as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_ABORTED
-    except JournalRefused as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except OSError as e:
-        print(f"error: --out {args.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if manifest_kind:
-        print(f"error: --out {args.out}: {MANIFEST_NAME} is not a regular file ({manifest_kind}); "
-              f"remove it and run again", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if removed:
-        print(f"removed {removed} temporary file(s) of an interrupted run", file=sys.stderr)
-    report_sweep(pending, forget_unanswered=True, of="an earlier run of this command")
-    fetcher = None
-    if args.store is not None:
-        from sglang_ext.client.fetch import MooncakeMissing, StoreFetcher, StoreUnreachable
-
-        try:
-            fetcher = StoreFetcher(args.store, args.out, args.rank, mode)
-            held.append(Options(endpoint=args.endpoint, out_dir=args.out, store=fetcher.connect()))
-        except StoreUnreachable as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT if isinstance(e, MooncakeMissing) else EXIT_ABORTED
-        except JournalRefused as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        except OSError as e:  # the journal: not a regular file, unreadable
-            print(f"error: --out {args.out}: cannot read the store journal ({e.strerror or e})",
-                  file=sys.stderr)
-            return EXIT_BAD_INPUT
+        return EXIT_ABORTED if isinstance(e, CannotStart) else EXIT_BAD_INPUT
     opts = Options(
         endpoint=args.endpoint, out_dir=args.out, concurrency=args.concurrency,
         max_retries=args.max_retries, backoff=args.backoff, max_backoff=args.max_backoff,
         max_consecutive_failures=args.max_consecutive_failures, timeout=args.timeout,
         validate=args.validate, rid_prefix=args.rid_prefix, early_answers=not args.no_early_answers,
-        dump=dump, file_mode=mode, store=fetcher, store_timeout=args.store_timeout,
-        generate=sampling, decode=generation.decoder(tokenizer) if sampling is not None else None,
+        dump=setup.dump, file_mode=setup.mode, store=setup.store, store_timeout=args.store_timeout,
+        generate=setup.sampling,
+        decode=generation.decoder(setup.tokenizer) if setup.sampling is not None else None,
     )
-    held[:] = [opts]
     stats = Stats()
-    total = len(range(args.rank, n_rows, args.world_size))
-    rows = rank_rows(args.data, tokenizer, args.world_size, args.rank, ImageAccess(tuple(roots)),
-                     generate=sampling is not None)
+    total = len(range(args.rank, setup.n_rows, args.world_size))
+    rows = rank_rows(args.data, setup.tokenizer, args.world_size, args.rank, ImageAccess(tuple(setup.roots)),
+                     generate=setup.sampling is not None)
     t0 = time.monotonic()
-    from sglang_ext.client.progress import Progress  # tqdm: checked above
+    from sglang_ext.client.progress import Progress  # tqdm: checked by prepare
 
     progress = Progress(total, args.no_progress)
+    stopped = _run_rows(args, opts, rows, total, stats, setup.pending, progress)
+    if stopped is not None:
+        return stopped
+    return _report(args, opts, stats, setup.pending, progress, time.monotonic() - t0)
+
+
+def _run_rows(args, opts: Options, rows, total: int, stats: Stats, pending: PendingFiles,
+              progress) -> Optional[int]:
+    """Run the rows (``runner.run``) to the end or an abort: None. A bad DATA row, Ctrl-C or
+    SIGTERM stops it: the manifest lines and the sweep such a stop owes, one line, and the
+    exit code (2, 130, 143)."""
     try:
         asyncio.run(_run_until_sigterm(run(args, opts, rows, total, stats, pending, progress)))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        _add_missing_lines(args.out, stats, mode)
+        _add_missing_lines(args.out, stats, opts.file_mode)
         report_sweep(pending, forget_unanswered=False, of="stopped tries")
         if stats.done:
             print(f"extract: stopped at that row; the {stats.done} sample(s) extracted before it "
@@ -379,7 +234,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
                   file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:
-        _add_missing_lines(args.out, stats, mode)
+        _add_missing_lines(args.out, stats, opts.file_mode)
         _, notes = sweep(pending, forget_unanswered=False, of="interrupted tries")
         how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
         # stats.taken, not stats.done: rows cancelled after their file reached OUT count
@@ -390,10 +245,16 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
               + "".join(f"{n}; " for n in notes) + "run the same command again to resume",
               file=sys.stderr)
         return EXIT_TERMINATED if isinstance(e, _Terminated) else EXIT_INTERRUPTED
-    elapsed = time.monotonic() - t0
+    return None
+
+
+def _report(args, opts: Options, stats: Stats, pending: PendingFiles, progress, elapsed: float) -> int:
+    """After a run that was not stopped: sweep the server's files (and the store's objects)
+    of tries given up on, print the summary line (and write --summary); the exit code (0,
+    1, or 2 or 3 after an abort)."""
     left = report_sweep(pending, forget_unanswered=False, of="tries given up on")
-    if fetcher is not None and not stats.aborted:
-        _, kept = asyncio.run(fetcher.sweep())
+    if opts.store is not None and not stats.aborted:
+        _, kept = asyncio.run(opts.store.sweep())
         if kept:
             print(f"{kept} object(s) of tries given up on could not be removed from the Mooncake "
                   f"store (the master did not answer); the next run of this command removes them",
@@ -414,7 +275,7 @@ def _main(args, held: List["Options"], locks: List["RunLock"]) -> int:
     print("extract summary: " + json.dumps(summary))
     if args.summary is not None:
         try:
-            write_summary(args.summary, summary, mode)
+            write_summary(args.summary, summary, opts.file_mode)
         except OSError as e:
             print(f"error: --summary {args.summary}: cannot write it ({e.strerror or e}); the "
                   f"summary is the line above", file=sys.stderr)

@@ -184,6 +184,26 @@ def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
     return generated_ids(ids, max_new_tokens, stops, seed=rid if temperature > 0 else None)
 
 
+class JsonReplyHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 (connections kept alive), no access log, JSON replies (``reply``):
+    the stand-in's handler, and the base of the tests' fake servers and proxies."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code: int, obj: Any) -> None:
+        """Send HTTP ``code`` with ``Content-Type: application/json`` and the body: ``obj``
+        as JSON, ``bytes`` as they are (a body already encoded), None an empty body."""
+        body = b"" if obj is None else obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 class Server:
     """The stand-in: ``dump`` (``Dump``) behind a threading HTTP server on ``host:port``
     (0: any free port; ``url`` says which). Writes run on ``writers`` threads after the
@@ -199,20 +219,7 @@ class Server:
         self.pool = ThreadPoolExecutor(writers, thread_name_prefix="standin-writer")
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def reply(self, code: int, obj: Any) -> None:
-                body = b"" if obj is None else json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(JsonReplyHandler):
             def do_GET(self):
                 self.reply(*server.get(self.path))
 

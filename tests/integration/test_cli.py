@@ -247,7 +247,7 @@ def test_every_command_answers_help_and_only_its_module_is_imported():
     assert r.returncode == 0, r.stderr
     # the client's own modules and format only: no tooling, no torch, no hooks/writer (progress
     # imports tqdm only when a run starts)
-    client = ["checks", "dataset", "dumpdir", "extract", "files", "generation", "http", "images", "manifest",
+    client = ["checks", "dataset", "dumpdir", "extract", "extract_setup", "files", "generation", "http", "images", "manifest",
               "pending", "progress", "report", "runner"]
     fmt_modules = ["completion", "files", "index", "keys", "layout", "names", "output", "reader", "write"]
     assert r.stdout.split("\n")[-2] == str(["sglang_ext.__main__", "sglang_ext.client",

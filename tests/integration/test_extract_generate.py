@@ -18,12 +18,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from sglang_ext import format as fmt
+from sglang_ext.tools.standin import JsonReplyHandler
 from test_standin import Standin, assert_output_file, generated_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,25 +44,13 @@ class Proxy:
         self.fail_first, self.tamper, self.strip_output, self.delay_s = set(), set(), False, 0.0
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def send(self, code, body: bytes):
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
+        class Handler(JsonReplyHandler):  # the stand-in's answers' bytes, passed on
             def do_GET(self):
-                self.send(*proxy.forward("GET", self.path, None))
+                self.reply(*proxy.forward("GET", self.path, None))
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self.send(*proxy.generate(self.path, body))
+                self.reply(*proxy.generate(self.path, body))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
