@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import struct
 import sys
 import threading
@@ -55,13 +54,7 @@ def hidden_rows(ids, slots, hidden=HIDDEN):
 
 class JsonHandler(JsonReplyHandler):
     """What both fake servers (this one and tests/fake_vllm_server.py) answer alike: the
-    stand-in's HTTP/1.1 JSON replies (``reply``), with TCP_NODELAY, ``GET /health``."""
-
-    def setup(self):
-        super().setup()
-        # headers and body go out as two writes: without this, Nagle + delayed ACK
-        # add ~40 ms to every response
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stand-in's HTTP/1.1 JSON replies (``reply``, TCP_NODELAY), ``GET /health``."""
 
     def do_GET(self):
         self.reply(200 if self.path == "/health" else 404, {})

@@ -185,10 +185,13 @@ def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
 
 
 class JsonReplyHandler(BaseHTTPRequestHandler):
-    """HTTP/1.1 (connections kept alive), no access log, JSON replies (``reply``):
+    """HTTP/1.1 (connections kept alive), TCP_NODELAY, no access log, JSON replies (``reply``):
     the stand-in's handler, and the base of the tests' fake servers and proxies."""
 
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY (socketserver's setting): headers and body go out as two writes, and
+    # without it Nagle's algorithm and the client's delayed ACK add ~40 ms to every reply
+    disable_nagle_algorithm = True
 
     def log_message(self, *args):
         pass
