@@ -15,7 +15,8 @@ asks; ``session.DumpSession._take``). In order:
 5. the free-space floor (``KIMI_SGLANG_MIN_FREE_GB``, a directory sink only):
    ``fstatvfs`` of the dump directory at most every ``DISK_CHECK_S``, less the bytes of
    files admitted before it and not written yet (the writer's ``unwritten_bytes``) and
-   the bytes admitted since; below the floor, skipped, until a later check finds the
+   the bytes admitted since and its own; a request whose file would take it below the
+   floor is skipped, and below the floor every one is, until a later check finds the
    space back.
 
 A skipped request gets no file, no error and no dump keys in its response (as
@@ -121,15 +122,17 @@ class DumpPolicy:
                     "spent (%d admitted); sampled requests are no longer dumped",
                     self.budget_bytes, self.admitted_bytes)
             return "budget"
-        if self.min_free_bytes is not None and self._low_on_space():
+        if self.min_free_bytes is not None and self._low_on_space(nbytes):
             return "disk_floor"
         return None
 
-    def _low_on_space(self) -> bool:
-        """Whether the dump directory's file system is below the floor: its free space
-        as of the last ``fstatvfs`` (asked again once ``DISK_CHECK_S`` have passed), less
-        what files admitted before it still had to write then (``unwritten``) and the
-        bytes admitted since (not all on disk yet). Logs the turns."""
+    def _low_on_space(self, nbytes: int) -> bool:
+        """Whether a file of ``nbytes`` would take the dump directory's file system below
+        the floor: its free space as of the last ``fstatvfs`` (asked again once
+        ``DISK_CHECK_S`` have passed), less what files admitted before it still had to
+        write then (``unwritten``), the bytes admitted since (not all on disk yet) and
+        ``nbytes``. Logs the turns of the free space itself across the floor (a file too
+        large for what is left above it is skipped without a line, counted)."""
         now = self.clock()
         if now - self._checked_at >= DISK_CHECK_S:
             self._checked_at = now
@@ -155,7 +158,7 @@ class DumpPolicy:
             else:
                 logger.info("hidden-state dump: %d bytes free in the dump directory, above the "
                             "floor again; sampled requests are dumped again", free)
-        return below
+        return free - nbytes < self.min_free_bytes
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
