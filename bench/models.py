@@ -31,7 +31,8 @@ class Model:
     ``--chunked-prefill-size``, ``--trust-remote-code``...); ``prompt_lens``,
     ``concurrency``: its grid where ``--prompt-lens``/``--concurrency`` are not given;
     ``cell_scale``: its cells at concurrency >= 8 hold this many times the profile's
-    tokens; ``est_*``: assumptions for ``--dry-run``'s time estimates only."""
+    tokens; ``est_*``: assumptions for ``--dry-run``'s time estimates only;
+    ``kimi_targets``: its report checks issue 48's targets too (the Kimi-K2.5 slices)."""
 
     build: Callable[[str], object]
     hidden_size: int
@@ -47,6 +48,7 @@ class Model:
     est_json_tps: int = 700
     est_startup_s: int = 200
     est_build_s: int = 60
+    kimi_targets: bool = False  # also held to issue 48's targets (bench.targets.kimi_targets)
 
     @property
     def layer_ids(self) -> List[int]:
@@ -131,10 +133,11 @@ MODELS = {
     # dump weighs more per forward than at 4 of Kimi's 61 layers.
     "kimi-slice": Model(kimi_slice(4), 7168, 4, 163840, layers_flag="1,2,3,4", mla=True, server_flags=KIMI_FLAGS,
                         prompt_lens=(2048, 8192, 32768), concurrency=(1, 8),
-                        est_tps=25_000, est_json_tps=300, est_startup_s=240, est_build_s=90),
+                        est_tps=25_000, est_json_tps=300, est_startup_s=240, est_build_s=90, kimi_targets=True),
     "kimi-slice-2": Model(kimi_slice(2), 7168, 2, 163840, layers_flag="1,2", mla=True, server_flags=KIMI_FLAGS,
                           prompt_lens=(2048, 8192, 32768), concurrency=(1, 8),
-                          est_tps=45_000, est_json_tps=400, est_startup_s=180, est_build_s=45),
+                          est_tps=45_000, est_json_tps=400, est_startup_s=180, est_build_s=45,
+                          kimi_targets=True),
 }
 
 

@@ -26,6 +26,7 @@ class Mode:
     store: bool = False  # its samples go to Mooncake Store (bench/store.py), not files
     control: bool = False  # writes no file; its ratio to its base is reported beside the dumps'
     early: bool = False  # answered before its file (or sample) is complete; a client waits for it later
+    fp8: bool = False  # its files hold fp8 rows and scales (server D)
 
 
 MODES: Tuple[Mode, ...] = (
@@ -36,7 +37,10 @@ MODES: Tuple[Mode, ...] = (
     Mode("dump_early", "B", "(b') dump, early answers", "#55a868", "(b')/min((a), W/B)", dumps=True,
          early=True),
     # (b fp8): server D, --dump-hidden-states-dtype fp8
-    Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True),
+    Mode("dump_fp8", "D", "(b) dump, fp8", "#8172b3", "(b fp8)/min((a), W/B)", dumps=True, fp8=True),
+    # (b' fp8): server D, answered early
+    Mode("dump_fp8_early", "D", "(b' fp8) dump, fp8, early answers", "#c5b0d5", "(b' fp8)/min((a), W/B)",
+         dumps=True, early=True, fp8=True),
     # (s): the store sink (server S, mooncake://), done when the sample is visible in the store
     Mode("dump_store", "S", "(s) store sink", "#937860", "(s)/(a)", dumps=True, store=True),
     # (s'): the store sink, each client waiting for its previous sample, as a trainer would

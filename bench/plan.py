@@ -130,7 +130,7 @@ def make_plan(args):
             tps = spec.est_json_tps if c["mode"] == "json" else spec.est_tps
             c["est_s"] = round(c["prompt_tokens"] / tps + c["requests"] * 0.004 / c["concurrency"] + 0.5, 1)
             if c["mode"] in report.DUMP_MODES:
-                c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"], c["mode"] == "dump_fp8")
+                c["dump_bytes"] = c["requests"] * file_bytes(spec, c["prompt_len"], registry.BY_NAME[c["mode"]].fp8)
             clock += c["est_s"]
         cmds = {which: servers.server_cmd(args, name, which) for which in kinds}
         # build, start-up, the cells (the clock), then the stop

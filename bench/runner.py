@@ -288,7 +288,7 @@ class ModelRun:
         mode = cell["mode"]
         # the store's segment is sized for its cells (plan); files share --dump-root
         if mode in report.DUMP_MODES and not registry.BY_NAME[mode].store and cell["dump_bytes"] > 0.6 * self.shm_free:
-            per = file_bytes(self.spec, cell["prompt_len"], mode == "dump_fp8")
+            per = file_bytes(self.spec, cell["prompt_len"], registry.BY_NAME[mode].fp8)
             cell["requests"] = max(cell["concurrency"], int(0.6 * self.shm_free // per))
             cell["scaled_for_shm"] = True
         server = self.servers[servers.server_for(args, mode)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from bench.models import MODELS
 from bench.report import mib, paired_ratio
 
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
@@ -16,6 +17,9 @@ TARGET_WRITER_VS_CEILING = 0.70  # writer alone >= 0.70 W
 TARGET_WAITING_CONC1 = 0.90
 TARGET_WAITING_CONC8 = 0.97
 TARGET_EARLY = 0.98
+# issue 48 (the Kimi-K2.5 slice), on the rounds pooled per shape (kimi_targets)
+TARGET_KIMI_EARLY = 0.97  # early answers (bf16, fp8, store) >= 0.97 x (a) at concurrency >= 8
+TARGET_KIMI_FP8 = 0.97  # fp8 files >= 0.97 x bf16 in every shape
 
 
 def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
@@ -41,7 +45,10 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
                                                 "worst cell")):
             if any(c.get("mode") == mode for c in h["cells"]):
                 add(model, name, h.get(f"{mode}_vs_nodump_min_conc8"), TARGET_DUMP_VS_BOUND)
-        for name, value, threshold in latency_targets(results.get("models", {}).get(model, {}).get("cells", [])):
+        cells = results.get("models", {}).get(model, {}).get("cells", [])
+        spec = MODELS.get(model)
+        for name, value, threshold in latency_targets(cells) + (kimi_targets(cells) if spec and spec.kimi_targets
+                                                                 else []):
             add(model, name, value, threshold)
         add(model, "(b) >= 30 x (c) at 2k/conc 8", h["dump_vs_json"], TARGET_DUMP_VS_JSON)
         add(model, "writer alone >= 0.70 W (2k files)", h["writer_vs_ceiling"], TARGET_WRITER_VS_CEILING)
@@ -71,11 +78,9 @@ def latency_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float
     out = []
 
     def worst(mode, base, keep=lambda shape: True):
-        shapes = {(c["prompt_len"], c["concurrency"]) for c in cells if c.get("mode") == mode}
-        vals = [paired_ratio(cells, mode, base, k)[0] for k in shapes if keep(k)]
-        return min((v for v in vals if v is not None), default=None)
+        return _worst(cells, mode, base, keep)
 
-    ran = {c.get("mode") for c in cells if not c.get("error")}
+    ran = _ran(cells)
     if "dump" in ran:
         for name, keep, threshold in (
                 ("(b) waiting >= 0.90 x (a) at conc 1, pooled, worst shape", lambda k: k[1] == 1, TARGET_WAITING_CONC1),
@@ -90,3 +95,37 @@ def latency_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float
     return out
 
 
+
+
+def kimi_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float]]:
+    """Issue 48's targets for the Kimi-K2.5 slice, each on the worst shape of the rounds
+    pooled (``paired_ratio``), for the modes that ran: early answers, bf16 (b'), fp8
+    (b' fp8) and the store's (s'), >= ``TARGET_KIMI_EARLY`` x (a) at every prompt length
+    at concurrency >= 8; fp8 files >= ``TARGET_KIMI_FP8`` x bf16 in every shape, waiting
+    against waiting and early against early. (Its third, waiting answers >= 0.90 x (a) at
+    concurrency 1, is ``latency_targets``'.)"""
+    out = []
+    ran = _ran(cells)
+    for mode, label in (("dump_early", "(b') early"), ("dump_fp8_early", "(b' fp8) early"),
+                        ("dump_store_early", "(s') store, early")):
+        if mode in ran:
+            out.append((f"{label} >= 0.97 x (a) at conc >= 8, pooled, worst length",
+                        _worst(cells, mode, "nodump", lambda k: k[1] >= 8), TARGET_KIMI_EARLY))
+    for fp8, bf16, label in (("dump_fp8", "dump", "(b fp8) >= 0.97 x (b) bf16"),
+                             ("dump_fp8_early", "dump_early", "(b' fp8) >= 0.97 x (b') bf16")):
+        if fp8 in ran and bf16 in ran:
+            out.append((f"{label}, pooled, worst shape", _worst(cells, fp8, bf16), TARGET_KIMI_FP8))
+    return out
+
+
+def _ran(cells: List[dict]) -> set:
+    """The modes with at least one cell that did not fail."""
+    return {c.get("mode") for c in cells if not c.get("error")}
+
+
+def _worst(cells: List[dict], mode: str, base: str, keep=lambda shape: True) -> Optional[float]:
+    """The smallest ``paired_ratio`` of ``mode`` over ``base`` among ``mode``'s shapes
+    (prompt length, concurrency) that ``keep`` takes; None where none pairs."""
+    shapes = {(c["prompt_len"], c["concurrency"]) for c in cells if c.get("mode") == mode}
+    vals = [paired_ratio(cells, mode, base, k)[0] for k in shapes if keep(k)]
+    return min((v for v in vals if v is not None), default=None)

@@ -147,6 +147,30 @@ def test_pooled_ratios_pair_the_rounds_both_sides_ran():
     assert report.paired_ratio(res["models"]["m"]["cells"], "dump", "nodump", (2048, 8)) == (None, 0)
 
 
+def test_kimi_slice_runs_are_held_to_issue_48s_targets():
+    """A kimi-slice-2 run (and only a Kimi slice's) gets issue 48's rows: early answers at
+    concurrency 8, bf16 and fp8, >= 0.97 x (a) at every length (here fp8's early 2k x 8
+    drains 60 ms on 1.6 s: 0.964, fails), fp8 >= 0.97 x bf16 in every shape (512 x 8:
+    2.04 / 2.1 = 0.971, passes, where issue 39's fp8 >= bf16 fails)."""
+    cells = _issue39_cells(early_drain_s=0.04)
+    cells += [dict(c, mode="dump_fp8_early", wall_s=c["wall_s"] + (0.02 if c["prompt_len"] == 2048 else 0))
+              for c in cells if c["mode"] == "dump_early"]
+    res = sample()
+    res["models"] = {"kimi-slice-2": dict(res["models"]["m"], cells=cells), "m": dict(res["models"]["m"], cells=cells)}
+    rows = targets.targets(res, report.headline(res))
+    kimi = {t["target"]: t for t in rows if t["model"] == "kimi-slice-2"}
+    early = kimi["(b') early >= 0.97 x (a) at conc >= 8, pooled, worst length"]
+    assert early["value"] == pytest.approx(1.6 / 1.64) and early["pass"] is True
+    early8 = kimi["(b' fp8) early >= 0.97 x (a) at conc >= 8, pooled, worst length"]
+    assert early8["value"] == pytest.approx(1.6 / 1.66) and early8["pass"] is False
+    fp8 = kimi["(b fp8) >= 0.97 x (b) bf16, pooled, worst shape"]
+    assert fp8["value"] == pytest.approx(2.04 / 2.1) and fp8["pass"] is True
+    assert kimi["(b' fp8) >= 0.97 x (b') bf16, pooled, worst shape"]["value"] == pytest.approx(1.64 / 1.66)
+    assert kimi["(b fp8) >= (b) bf16, pooled, worst shape"]["pass"] is False  # issue 39's row stays
+    assert not any("0.97 x" in t["target"] and "(b) waiting" not in t["target"]
+                   for t in rows if t["model"] == "m")
+
+
 def test_latency_targets_only_for_modes_that_ran():
     res = sample()  # dump and nodump only, one round
     names = {t["target"] for t in targets.targets(res, report.headline(res))}
@@ -424,7 +448,7 @@ def test_dry_run_prints_the_plan_without_torch():
 
 
 def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
-    """Every mode has its server (A: nodump, json; B: dump, dump_early; D: dump_fp8;
+    """Every mode has its server (A: nodump, json; B: dump, dump_early; D: dump_fp8, dump_fp8_early;
     vLLM's V and W, tests/benchmark/test_bench_peer.py);
     all of our kinds carry testing/server.py's shared flags and the run's options, then
     only what makes the kind; dumping kinds get their own directory and the writer's
@@ -435,8 +459,8 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     args = _args(["--modes", ",".join(plan.MODES), "--max-host-mb", "1024",
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
-        "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "json": "A", "vllm_nodump": "V",
-        "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S",
+        "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "dump_fp8_early": "D", "json": "A",
+        "vllm_nodump": "V", "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S",
         "nodump_again": "A"}
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
