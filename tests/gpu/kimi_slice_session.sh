@@ -9,8 +9,8 @@
 # files and the reference check (-k "kimi_slice and (bf16_files or fp8_files or
 # match_reference)", fp8's benchmark one cell; the server waits on SGLang's JIT lock for
 # the prebuild); then
-# `python -m bench` on kimi-slice-2 (nodump, dump, dump_early, dump_fp8; 2k/8k/32k x 1/8;
-# 2 rounds; --deadline-s BENCH_DEADLINE_S, default 300). Everything lands in /tmp/k48:
+# `python -m bench` on kimi-slice-2 (nodump, dump, dump_early, dump_fp8, dump_fp8_early; 2k/8k/32k x 1/8;
+# 3 rounds; --deadline-s BENCH_DEADLINE_S, default 300). Everything lands in /tmp/k48:
 # job.log, slice.json (pytest --results-json), logs/, bench/ and jit.tgz (SGLang's JIT
 # cache, for a later host: SGLANG_JIT_CACHE_DIR).
 set -uo pipefail
@@ -48,7 +48,7 @@ case "${1:-}" in
     # with kimi-slice-2 on disk it is 15 GB.
     rm -rf /dev/shm/hs-kimi-slice
     KIMI_SGLANG_SERIES=v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models kimi-slice-2 \
-      --modes nodump,dump,dump_early,dump_fp8 --prompt-lens 2048,8192,32768 --concurrency 1,8 --repeat 2 \
+      --modes nodump,dump,dump_early,dump_fp8,dump_fp8_early --prompt-lens 2048,8192,32768 --concurrency 1,8 --repeat 3 \
       --skip-ceilings --peer-reference none --no-build --workdir /tmp/kimi-bench \
       --deadline-s "${2:-300}" --case kimi-slice-2
     stamp "bench rc $?"
