@@ -681,6 +681,7 @@ class DumpSession:
                 continue  # prompt rows still coming (chunked prefill)
             fed = len(req.output_ids) - 1  # generated tokens fed back, this step's included
             try:
+                self.writer.check_current(state.pending)  # its writer process died: it fails
                 if have == fed - 1 and (not extend or id(req) in decoding):
                     if hidden is None:
                         raise RuntimeError("the decode batch captured no hidden states")

@@ -206,6 +206,7 @@ class DumpWriter:
             self.registered = self.pinned = _cuda_host_register(self._arena)
         self._pieces: Dict[int, _Piece] = {}
         self._held_bytes = 0  # arena bytes of pieces held by deferred requests
+        self._dropped: List[PendingDump] = []  # deferred requests abandoned, not yet let go
         self._outstanding: Dict[int, str] = {}  # key -> name: FINISH sent, not acknowledged
         self._unwritten: Dict[int, int] = {}  # key -> file bytes: started, not written or failed
         self._out = _Outbox()
@@ -368,6 +369,7 @@ class DumpWriter:
         self.stats.failures += failed
         self._pieces.clear()
         self._held_bytes = 0
+        self._dropped.clear()
         for fd in self._out.fds:
             os.close(fd)
         self._out = _Outbox()
@@ -554,7 +556,16 @@ class DumpWriter:
 
     def held_bytes(self) -> int:
         """Arena bytes held by deferred requests' rows (``start_deferred``)."""
+        if not self._busy:
+            self.flush()  # lets go of the deferred requests abandoned since the last batch
         return self._held_bytes
+
+    def _let_go_dropped(self) -> None:
+        """Give back the held rows of the deferred requests ``abandon`` queued (it may run
+        in a ``weakref.finalize`` callback, in the middle of an arena operation: only the
+        scheduler's own calls change the arena)."""
+        while self._dropped:
+            self._release_held(self._dropped.pop(), give_back=True)
 
     def _release_held(self, pending: PendingDump, give_back: bool) -> None:
         """Forget ``pending``'s held ops: their pieces stop counting as held (and, with
@@ -782,7 +793,9 @@ class DumpWriter:
         callback (it only queues, unless no batch is being handled)."""
         self._unwritten.pop(pending.key, None)
         if pending.held is not None:  # deferred: the writer process never heard of it
-            self._release_held(pending, give_back=True)
+            self._dropped.append(pending)
+            if not self._busy:
+                self.flush()
             return
         if self._closed or not self.is_current(pending):
             return
@@ -798,6 +811,7 @@ class DumpWriter:
             return
         self._busy = True
         try:
+            self._let_go_dropped()
             self._send()
             self._read_acks()
         finally:

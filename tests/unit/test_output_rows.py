@@ -305,3 +305,25 @@ def test_the_doors_forward_and_do_nothing_without_a_session(dump, sessions):
     req.sample()
     hooks.on_outputs(decode_batch, types.SimpleNamespace(hidden_states=rows_for([(req, 3, 4)])))
     check_file(req, finish(req))
+
+
+def test_a_writer_killed_mid_generation_fails_that_request_and_the_next_one_is_whole(sess, dump):
+    import signal
+
+    cut = GenReq("cut-by-kill", 4, 1, max_new_tokens=10)
+    prefill(sess, [(cut, 0, 4)])
+    decode(sess, [cut])
+    pid = sess.writer.pid
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: (sess.writer.poll() or sess.writer.pid != pid)), "no new writer process"
+    decode(sess, [cut])
+    meta = finish(cut)
+    assert "writer process died" in meta["hidden_states_error"] and "hidden_states_path" not in meta, meta
+    after = GenReq("after", 5, 2, max_new_tokens=3)
+    prefill(sess, [(after, 0, 5)])
+    decode(sess, [after, cut])
+    decode(sess, [after])
+    check_file(after, finish(after))
+    assert sess.writer.held_bytes() == 0
+    assert wait_for(lambda: sorted(os.listdir(dump)) == sorted(
+        [os.path.basename(finish(after)["hidden_states_path"]), "index.jsonl"])), os.listdir(dump)
