@@ -4,10 +4,11 @@ generated token fed back (``format.output``), driven through the session as the 
 scheduler drives it (patch 0009): ``on_prefill_result`` before a prefill batch's finish
 checks, ``on_outputs`` after them and after each decode batch's, with a real writer process.
 
-``Sim`` plays SGLang's scheduler: a prefill appends the token sampled from the prompt's last
-row, each decode step feeds ``output_ids[-1]`` (its row is computed for position
-``P + len(output_ids) - 1``) then appends the next one, and a request ends at its
-``max_new_tokens`` or when aborted. The reference of every row is ``standins.reference`` at
+``standins.run_output_prefill`` and ``run_decode`` play SGLang's scheduler: a prefill
+appends the token sampled from the prompt's last row, each decode step feeds
+``output_ids[-1]`` (its row is computed for position ``P + len(output_ids) - 1``) then
+appends the next one, and a request (``standins.GenReq``) ends at its ``max_new_tokens`` or
+when aborted. The reference of every row is ``standins.reference`` at
 that position (independent of batching), the reference of the token ids is the prompt plus
 the generated ids but the last, which the simulation records on its own.
 """
@@ -22,77 +23,22 @@ import torch
 from sglang_ext import format as fmt
 from sglang_ext import hooks, quant, session
 from sglang_ext.writer import HOLD_SHARE
-from standins import HIDDEN, Mode, Req, finish, idle, make_runner, reference, wait_for  # noqa: F401
+from standins import (HIDDEN, GenReq, Mode, finish, idle, make_runner, output_rows_for, reference,
+                      run_decode, run_output_prefill, wait_for)
 
 IDS = [2, 4]
 
 
-class GenReq(Req):
-    """A stand-in ``Req`` that generates: ``output_ids``, ``custom_params``, a length cap."""
-
-    def __init__(self, rid, num_tokens, seed, max_new_tokens, output=True):
-        super().__init__(rid, num_tokens, seed)
-        self.output_ids = []
-        self.max_new_tokens = max_new_tokens
-        params = {fmt.OUTPUT_PARAM: True} if output else {}
-        self.sampling_params = types.SimpleNamespace(custom_params=params)
-        self.length_done = False
-
-    def finished(self):
-        return self.aborted or self.length_done
-
-    def sample(self):
-        """SGLang's append then ``update_finish_state``: the next id, then the length cap."""
-        self.output_ids.append(self.seed * 1000 + 500 + len(self.output_ids))
-        if len(self.output_ids) >= self.max_new_tokens:
-            self.length_done = True
-
-
-def rows_for(reqs_and_positions):
-    return torch.cat([reference(r, IDS, a, b).reshape(b - a, -1) for r, a, b in reqs_and_positions])
+def rows_for(spans):
+    return output_rows_for(spans, IDS)
 
 
 def prefill(sess, spans, decoding=()):
-    """One extend batch of ``(req, start, stop)`` prompt spans (``decoding``: requests
-    decoding inside it, one row each), as process_batch_result_prefill runs it."""
-    rows, lens, prefix = [], [], []
-    for req, start, stop in spans:
-        if req in decoding:
-            pos = len(req.origin_input_ids) + len(req.output_ids) - 1
-            rows.append((req, pos, pos + 1))
-            lens.append(1)
-            prefix.append(pos)
-        else:
-            rows.append((req, start, stop))
-            lens.append(stop - start)
-            prefix.append(start)
-    batch = types.SimpleNamespace(reqs=[r for r, _, _ in spans], forward_mode=Mode(True),
-                                  decoding_reqs=list(decoding), prefix_lens=prefix)
-    out = types.SimpleNamespace(hidden_states=rows_for(rows))
-    sess.on_prefill_result(batch, out, lens)
-    for req, start, stop in spans:  # the finish checks (the loop after the hook)
-        if req.finished():
-            continue
-        if req in decoding or stop == len(req.origin_input_ids):
-            req.sample()
-    sess.on_outputs(batch, out, lens)
+    run_output_prefill(sess, spans, IDS, decoding)
 
 
-def decode(sess, reqs, abort=(), device_rows=False):
-    """One decode batch: each request's row for the token it feeds; finished requests
-    (an overlap scheduler's extra tick) get no new token, as upstream skips them."""
-    batch = types.SimpleNamespace(reqs=list(reqs), forward_mode=Mode(False), decoding_reqs=None,
-                                  prefix_lens=None)
-    pos = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
-    out = types.SimpleNamespace(hidden_states=rows_for([(r, p, p + 1) for r, p in zip(reqs, pos)]))
-    for req in reqs:
-        if req.finished():
-            continue
-        req.sample()
-        if req in abort:
-            req.aborted = True  # to_finish = FINISH_ABORT: finished in this step
-    sess.on_outputs(batch, out)
-
+def decode(sess, reqs, abort=()):
+    run_decode(sess, reqs, IDS, abort)
 
 
 @pytest.fixture
