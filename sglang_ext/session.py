@@ -3,7 +3,9 @@
 ``DumpSession.start(model_runner)`` turns on aux capture of the dump layers in the target
 model and, on the attention-TP rank 0 (the one rank that writes), opens the dump
 directory and starts the writer (``writer.DumpWriter``). Its ``on_prefill_result`` takes
-each extend batch's rows, request by request, chunk by chunk, into that writer. The
+each extend batch's rows, request by request, chunk by chunk, into that writer; with patch
+0009 (``output_rows``) ``on_outputs`` takes each decode step's row of the requests that
+asked for their output rows (``format.output``) and sends each such file at its end. The
 per-request state lives on SGLang's ``Req`` (``REQ_ATTR``), so a request's chunks find it
 batch after batch. ``hooks`` holds the process's live session and forwards SGLang's calls
 to it; tests build sessions directly.
@@ -240,7 +242,8 @@ def _detach(state: _ReqDump) -> None:
 
 
 class DumpSession:
-    """One scheduler process's dump of the target model's prompt hidden states.
+    """One scheduler process's dump of the target model's prompt hidden states (and, with
+    ``output_rows``, of the generated tokens fed back, for the requests that ask).
 
     ``config``: the validated options; ``layer_ids``: the captured ids (resolved against
     ``num_layers``; id N is the last layer's output before the final norm);

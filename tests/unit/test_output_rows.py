@@ -273,3 +273,36 @@ def test_a_writer_killed_mid_generation_fails_that_request_and_the_next_one_is_w
     assert sess.writer.held_bytes() == 0
     assert wait_for(lambda: sorted(os.listdir(dump)) == sorted(
         [os.path.basename(finish(after)["hidden_states_path"]), "index.jsonl"])), os.listdir(dump)
+
+
+PROBE = r"""
+import json
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.runtime_context import publish, get_context
+from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
+from sglang_ext import compat
+args = prepare_server_args(["--model-path", "dummy"])
+args.resolve_once()
+publish(args, role="scheduler")
+before = get_server_return_hidden_states_mode().name
+ok = compat.capture_decode_rows("kimi-sglang: probe")
+print(json.dumps({"before": before, "ok": ok, "after": get_server_return_hidden_states_mode().name,
+                  "log": [source for source, _ in get_context().overrides_log()]}))
+"""
+
+
+def test_decode_graphs_are_told_to_capture_through_sglangs_own_config():
+    """With SGLang 0.5.23's real published config (a scheduler's), ``capture_decode_rows``
+    turns the server-wide mode SGLang's decode graph runners capture with
+    (``get_server_return_hidden_states_mode``, read in ``BaseRunner.__init__``) from NULL
+    to LAST, through SGLang's override (logged under our source)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"before": "NULL", "ok": True, "after": "LAST", "log": ["kimi-sglang: probe"]}, got
