@@ -79,6 +79,8 @@ def test_the_doors_sit_where_the_session_assumes(tmp_path, persistent_cache):  #
     for patch in series.patches:
         subprocess.run(["git", "apply", str(patch.path)], cwd=tmp_path, check=True)
     srt = tmp_path / "python" / "sglang" / "srt"
+    for path in series.patches[-1].touched_paths():
+        compile((tmp_path / path).read_text(), path, "exec")  # the patched files still parse
     brp = (srt / "managers" / "scheduler_components" / "batch_result_processor.py").read_text()
     decode = _body(brp, "process_batch_result_decode")
     sync, door = decode.find("result.copy_done.synchronize()"), decode.find("dump_hooks.on_outputs(")
