@@ -60,8 +60,8 @@ def rand_ids(rng, n):
 
 
 def body(ids, max_new_tokens, temperature=0.0, seed=None, stop_token_ids=None, stop=None, rid=None,
-         output=True):
-    params = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+         output=True, ignore_eos=False):
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": ignore_eos,
               "custom_params": {"hidden_states_output": True} if output else {}}
     if temperature > 0:
         params["sampling_seed"] = seed
@@ -184,13 +184,13 @@ def test_stop_token_and_stop_string_end_the_file(server, reference, tiny_model, 
     stop token (and, for llama, which has a word-level tokenizer, its text "t<id>" as a stop
     string) ends there: the file ends where the answer does."""
     prompt = rand_ids(rng, 60)
-    first = post_all(server, [body(prompt, 30)])[0]
+    first = post_all(server, [body(prompt, 30, ignore_eos=True)])[0]
     out = output_ids(first)
     assert len(out) == 30, f"the unstopped greedy run gave {len(out)} ids"
     stop_id = out[5]
-    bodies = [body(prompt, 30, stop_token_ids=[stop_id])]
+    bodies = [body(prompt, 30, stop_token_ids=[stop_id], ignore_eos=True)]
     if tiny_model.name == "llama":
-        bodies.append(body(prompt, 30, stop=[f"t{stop_id}"]))
+        bodies.append(body(prompt, 30, stop=[f"t{stop_id}"], ignore_eos=True))
     answers = post_all(server, bodies)
     for b, a in zip(bodies, answers):
         got = output_ids(a)
@@ -248,7 +248,7 @@ def test_abort_mid_generation_leaves_a_whole_file_or_none(server, reference, tin
     prompt = rand_ids(rng, 40)
     before = set(os.listdir(server.dump_dir))
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(server.post, body(prompt, 4000, rid=rid), 300)
+        fut = pool.submit(server.post, body(prompt, 4000, rid=rid, ignore_eos=True), 300)
         time.sleep(2.0)
         requests.post(f"{server.url}/abort_request", json={"rid": rid}, timeout=30)
         res = fut.result()
