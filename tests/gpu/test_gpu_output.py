@@ -182,22 +182,23 @@ def test_stop_token_and_stop_string_end_the_file(server, reference, tiny_model, 
                                                  pytestconfig):
     """A greedy run names its 6th generated id; the same prompt again with that id as a
     stop token (and, for llama, which has a word-level tokenizer, its text "t<id>" as a stop
-    string) ends there: the file ends where the answer does."""
+    string) stops early (finish_reason "stop"): the file ends where the answer does."""
     prompt = rand_ids(rng, 60)
     first = post_all(server, [body(prompt, 30, ignore_eos=True)])[0]
     out = output_ids(first)
     assert len(out) == 30, f"the unstopped greedy run gave {len(out)} ids"
     stop_id = out[5]
-    bodies = [body(prompt, 30, stop_token_ids=[stop_id], ignore_eos=True)]
+    bodies = [body(prompt, 30, stop_token_ids=[stop_id])]  # ignore_eos would disable stop ids too
     if tiny_model.name == "llama":
         bodies.append(body(prompt, 30, stop=[f"t{stop_id}"], ignore_eos=True))
     answers = post_all(server, bodies)
     for b, a in zip(bodies, answers):
         got = output_ids(a)
-        # stopped early; by the stop token itself (a stop string may match inside an
-        # earlier token's text, "t12" in "t123")
-        assert len(got) < 30 and ("stop" in b["sampling_params"] or got[-1] == stop_id), (
-            f"{len(got)} of 30 ids, the last {got[-1:]}, stop id {stop_id} (at {out.index(stop_id) + 1} unstopped)")
+        # stopped early by a match (the stop id, the model's EOS, or the stop string, which
+        # may match inside an earlier token's text: "t12" in "t123"), not by the length
+        reason = a.get("meta_info", {}).get("finish_reason") or {}
+        assert len(got) < 30 and reason.get("type") == "stop", (
+            f"{len(got)} of 30 ids, finish_reason {reason}, stop id {stop_id} (at {out.index(stop_id) + 1} unstopped)")
     check_output_answers(server, bodies, answers, reference, tiny_model, record_property,
                          "stop_token_and_string", pytestconfig)
 
