@@ -11,6 +11,9 @@ mechanism (never a version number) and uses it:
   ``resolving_view`` so earlier steps' decisions are seen.
 - **the attention-TP rank** of a model runner: ``model_runner.ps`` (0.5.17) or
   ``sglang.srt.runtime_context.get_parallel()`` (0.5.2x).
+- **the hidden-state mode decode CUDA graphs capture** (``capture_decode_rows``): 0.5.2x
+  reads it from the published config (``get_exec().features``), changed through
+  ``get_context().override``.
 - **a request's reference to itself** in its ``custom_params`` (``release_request_cycle``):
   0.5.17 puts a strong one into every dict; 0.5.22 only with a custom logit processor,
   0.5.23 a weak proxy.
@@ -91,3 +94,22 @@ def release_request_cycle(req) -> None:
     params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     if isinstance(params, dict) and params.get(_REQ_KEY) is req:
         del params[_REQ_KEY]
+
+
+def capture_decode_rows(source: str) -> bool:
+    """Raise this process's server-wide hidden-state mode to LAST where it is lower
+    (``--return-hidden-states-mode`` unset, which ``check_server_args`` requires), so
+    SGLang's decode CUDA graphs, captured after this, write each decode token's aux rows
+    (``BaseRunner.return_hidden_states_mode``) and a decode batch's LAST mode matches the
+    graph's (``DecodeCudaGraphRunner.can_run``) instead of falling back to eager. Only this
+    scheduler process's config changes: the tokenizer manager still refuses requests for
+    ``return_hidden_states``. ``source`` names the decision in SGLang's override log.
+    Returns False where SGLang has no published config (0.5.17, unit tests)."""
+    try:
+        from sglang.srt.runtime_context import get_context, get_exec
+        features = get_exec().features
+    except (ImportError, ValueError):
+        return False
+    if features.return_hidden_states_mode is None and not features.enable_return_hidden_states:
+        get_context().override(source, return_hidden_states_mode="last")
+    return True

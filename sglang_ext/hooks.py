@@ -10,6 +10,12 @@ forward_batch_info.py        ``capture_hidden_mode(batch, model_runner, mode)``
 scheduler.py                 ``is_enabled()``: keep per-request extend lengths
 batch_result_processor.py    ``on_prefill_result(batch, logits_output, lens)``
                              before the batch's outputs are streamed
+  (patch 0009)               ``on_outputs(batch, logits_output[, lens])`` after the
+                             finish checks of a prefill or decode batch, before
+                             its outputs are streamed
+scheduler.py (0009)          ``wants_host_rows(batch)`` where the result's copy to
+                             the host is queued behind its forward
+model_runner.py (0009)       ``setup_model(model_runner, output_rows=True)``
 tokenizer_manager.py         ``await finish_response(meta_info)``
 serving_completions.py       ``openai_completion_extras(response, ret)``
 serving_chat.py              ``openai_chat_extras(response, ret)``
@@ -65,18 +71,26 @@ def warmup_request(server_args, json_data: dict) -> dict:
     return _session.name_warmup(json_data)
 
 
-def setup_model(model_runner) -> None:
+def setup_model(model_runner, output_rows: bool = False) -> None:
     """Start this process's session (``DumpSession.start``): aux capture of the dump
     layers in the target model, and the writer on the attention-TP rank 0.
 
     Called from ``ModelRunner.init_attention_backends`` before CUDA-graph capture; does
     nothing for a draft model or when dumping is off. Raises ``DumpConfigError`` for layer
-    ids the model cannot give.
+    ids the model cannot give. ``output_rows`` (patch 0009 passes True): requests may ask
+    for their generated tokens' rows (``format.OUTPUT_PARAM``), so this scheduler
+    process's hidden-state mode is raised to LAST (``compat.capture_decode_rows``) and the
+    decode CUDA graphs, captured after this call, hold each decode token's aux rows
+    ``[bs, num_layers * hidden_size]``: decode batches replay them, never eager.
     """
     global _SESSION
-    started = DumpSession.start(model_runner)
+    started = DumpSession.start(model_runner, output_rows=output_rows)
     if started is not None:
         _SESSION = started
+        if output_rows:
+            from sglang_ext import compat
+
+            compat.capture_decode_rows("kimi-sglang: --dump-hidden-states-dir output rows")
 
 
 def capture_hidden_mode(batch, model_runner, mode):
@@ -95,3 +109,17 @@ def on_prefill_result(batch, logits_output, extend_input_len_per_req: Optional[L
     """
     if _SESSION is not None:
         _SESSION.on_prefill_result(batch, logits_output, extend_input_len_per_req)
+
+
+def wants_host_rows(batch) -> bool:
+    """True when SGLang must copy this decode batch's hidden states to the host right
+    behind its forward (``DumpSession.wants_host_rows``); False when dumping is off."""
+    return _SESSION is not None and _SESSION.wants_host_rows(batch)
+
+
+def on_outputs(batch, logits_output, extend_input_len_per_req: Optional[List[int]] = None) -> None:
+    """After a prefill or decode batch's finish checks, before its outputs are streamed:
+    decode rows of the requests that asked for their output rows, and the files of those
+    that ended (``DumpSession.on_outputs``)."""
+    if _SESSION is not None:
+        _SESSION.on_outputs(batch, logits_output, extend_input_len_per_req)

@@ -3,7 +3,9 @@
 ``DumpSession.start(model_runner)`` turns on aux capture of the dump layers in the target
 model and, on the attention-TP rank 0 (the one rank that writes), opens the dump
 directory and starts the writer (``writer.DumpWriter``). Its ``on_prefill_result`` takes
-each extend batch's rows, request by request, chunk by chunk, into that writer. The
+each extend batch's rows, request by request, chunk by chunk, into that writer; with patch
+0009 (``output_rows``) ``on_outputs`` takes each decode step's row of the requests that
+asked for their output rows (``format.output``) and sends each such file at its end. The
 per-request state lives on SGLang's ``Req`` (``REQ_ATTR``), so a request's chunks find it
 batch after batch. ``hooks`` holds the process's live session and forwards SGLang's calls
 to it; tests build sessions directly.
@@ -36,6 +38,10 @@ _SOURCE = "kimi-sglang: --dump-hidden-states-dir"  # names our server-args decis
 # prefixes, shared with the stand-in server.
 HEALTH_CHECK_RID_PREFIX, WARMUP_RID_PREFIX = fmt.HEALTH_CHECK_RID_PREFIX, fmt.WARMUP_RID_PREFIX
 is_internal = fmt.is_internal
+
+RETRACTED_MESSAGE = ("the request was retracted (SGLang re-prefills its prompt and generated tokens "
+                     "under KV-cache pressure), so its output rows cannot be dumped")
+OUT_OF_STEP_MESSAGE = "its decode rows came out of step with its generated tokens ({rows} rows, {fed} fed)"
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
 FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
@@ -165,6 +171,8 @@ class _ReqDump:
     pending: Any = None  # writer.PendingDump while rows arrive
     release: Any = None  # weakref.finalize abandoning the request if the Req is dropped
     done: bool = False  # file named (or error recorded): later prefills are ignored
+    output: bool = False  # asked for its output rows (format.OUTPUT_PARAM): named at its end
+    num_prompt: int = 0  # its prompt's tokens (P), for output rows
 
 
 @dataclass
@@ -234,7 +242,8 @@ def _detach(state: _ReqDump) -> None:
 
 
 class DumpSession:
-    """One scheduler process's dump of the target model's prompt hidden states.
+    """One scheduler process's dump of the target model's prompt hidden states (and, with
+    ``output_rows``, of the generated tokens fed back, for the requests that ask).
 
     ``config``: the validated options; ``layer_ids``: the captured ids (resolved against
     ``num_layers``; id N is the last layer's output before the final norm);
@@ -245,8 +254,11 @@ class DumpSession:
     """
 
     def __init__(self, config: DumpConfig, layer_ids: Sequence[int], num_layers: int, metadata: dict,
-                 capture_full: Any, writer: Any = None, dir_fd: Optional[int] = None):
+                 capture_full: Any, writer: Any = None, dir_fd: Optional[int] = None,
+                 output_rows: bool = False):
         self.config = config
+        # the patched SGLang calls on_outputs (patch 0009): requests may ask for output rows
+        self.output_rows = output_rows
         self.layer_ids = tuple(layer_ids)
         self.num_layers = num_layers
         self.metadata = metadata
@@ -261,9 +273,12 @@ class DumpSession:
 
     # ---- start and end ------------------------------------------------------------------
     @classmethod
-    def start(cls, model_runner) -> Optional["DumpSession"]:
+    def start(cls, model_runner, output_rows: bool = False) -> Optional["DumpSession"]:
         """The session of SGLang's ``model_runner``, or None when it dumps nothing
-        (dumping off, or a draft model's runner).
+        (dumping off, or a draft model's runner). ``output_rows``: the patched SGLang
+        hands decode batches to ``on_outputs`` (patch 0009), so a request may ask for the
+        rows of its generated tokens (``format.OUTPUT_PARAM``); without it that parameter
+        is ignored (a prompt-only file, as before).
 
         Turns on aux capture of the dump layers in the target model; on the attention-TP
         rank 0 opens the dump directory, removes an earlier run's leftovers (logged) and
@@ -296,7 +311,7 @@ class DumpSession:
             "sglang_ext_version": __version__,
             "series": f"v{sglang_version}",
             **image_token_metadata(model_runner.model_config),
-        })
+        }, output_rows=output_rows)
         is_writer = compat.attn_tp_rank(model_runner) == 0
         if is_writer:
             session._start_writer(model_runner)
@@ -438,6 +453,8 @@ class DumpSession:
                 # decided once, at its first chunk: done at once when it is not dumped
                 # (it asked not to be, or the sampling settings skip it)
                 state = _ReqDump(done=not self._admit(req, hidden))
+                state.output = self.output_rows and _custom_param(req, fmt.OUTPUT_PARAM) is True
+                state.num_prompt = len(req.origin_input_ids)
                 setattr(req, REQ_ATTR, state)
                 compat.release_request_cycle(req)
             if state.done:
@@ -447,8 +464,9 @@ class DumpSession:
                 continue
             try:
                 take = _Take(req, state, start, self._check(req, state, hidden, n, prefix_lens[i]))
-                if prefix_lens[i] + take.rows == len(req.origin_input_ids):
-                    take.reservation = self._name(req, state, hidden)
+                if prefix_lens[i] + take.rows == len(req.origin_input_ids) and not state.output:
+                    take.reservation = self._name(req, state, hidden.shape[1], hidden.dtype,
+                                                  len(req.origin_input_ids))
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
                 self._fail(req, state, e)
                 continue
@@ -474,9 +492,16 @@ class DumpSession:
         """Open the new requests in the arena (their token ids), copy the rows and queue
         the finished files. Returns the takes whose rows were copied."""
         opened = []
+        held = 0  # rows of output requests this batch holds
         for take in takes:
             try:
                 self._open(take.req, take.state, hidden)
+                if take.state.output:
+                    held += take.rows
+                    err = self.writer.hold_error(take.state.pending, held)
+                    if err is not None:
+                        held -= take.rows
+                        raise RuntimeError(err)
             except Exception as e:  # noqa: BLE001
                 self._fail_take(take, e)
                 continue
@@ -515,6 +540,8 @@ class DumpSession:
         take (rows past the prompt are not dumped)."""
         num_tokens = len(req.origin_input_ids)
         fmt.check_rid(req.rid)
+        if state.output and getattr(req, "output_ids", None):
+            raise RuntimeError(RETRACTED_MESSAGE)
         if hidden is None:
             raise RuntimeError("the forward captured no hidden states for this batch")
         if prefix_len == 0 and state.pending is not None and state.pending.rows:
@@ -533,30 +560,37 @@ class DumpSession:
         """Open the request in the writer at its first chunk (its token ids into the arena)."""
         if state.pending is not None:
             return
-        state.pending = self.writer.start(req.rid, dumped_token_ids(req), hidden.shape[1], hidden.dtype)
+        if state.output:  # its row count is known at its end: finish_deferred sends it then
+            state.pending = self.writer.start_deferred(req.rid, hidden.shape[1], hidden.dtype)
+        else:
+            state.pending = self.writer.start(req.rid, dumped_token_ids(req), hidden.shape[1], hidden.dtype)
         # A request dropped between chunks (aborted while waiting or retracted) never
         # reaches this hook again: drop its file when SGLang lets go of the Req.
         state.release = weakref.finalize(req, self.writer.abandon, state.pending)
         state.release.atexit = False
 
-    def _name(self, req, state: _ReqDump, hidden):
+    def _name(self, req, state: _ReqDump, width: int, dtype, num_tokens: int,
+              extra: Optional[dict] = None):
         """Reserve the finished request's file name and record its path for the response
-        (and ``hidden_states_pending`` when it asked not to wait).
+        (and ``hidden_states_pending`` when it asked not to wait). ``width``: the row's
+        elements, ``dtype``: the rows' torch dtype, ``num_tokens``: the file's rows,
+        ``extra``: metadata a file with output rows adds (``format.output_metadata``).
 
         Store sink: reserve its handle (``DumpWriter.reserve_handle``) and record its
-        transfer manifest (``store.PackedLayout.manifest``: ``hidden`` gives the row
-        width, the writer the stored dtype) as ``hidden_states_manifest``; the answer is
+        transfer manifest (``store.PackedLayout.manifest``: the writer gives the stored
+        dtype) as ``hidden_states_manifest``; the answer is
         always early, whatever the request's ``hidden_states_wait``: a reader polls the
         store for the object or its error marker (docs/store.md)."""
         if self.config.store is not None:
             from sglang_ext.store import pack_layout
 
             slots = len(self.layer_ids)
-            dtype = self.writer.file_dtype(hidden.dtype)
-            layout = pack_layout(len(req.origin_input_ids), slots, hidden.shape[1] // slots, dtype)
+            dtype = self.writer.file_dtype(dtype)
+            layout = pack_layout(num_tokens, slots, width // slots, dtype)
             handle = self.writer.reserve_handle(req.rid)
             state.done = True
-            set_info(req, MANIFEST_KEY, layout.manifest(handle, self.writer.file_metadata(req.rid, dtype)))
+            meta = {**self.writer.file_metadata(req.rid, dtype), **(extra or {})}
+            set_info(req, MANIFEST_KEY, layout.manifest(handle, meta))
             return handle
         reservation = fmt.reserve(self.dir_fd, req.rid)
         state.done = True
@@ -589,3 +623,130 @@ class DumpSession:
         if state.pending is not None:
             self.writer.abandon(state.pending)
             state.pending = None
+
+    # ---- output rows (scheduler thread; patch 0009) ----------------------------------------
+    def wants_host_rows(self, batch) -> bool:
+        """Whether SGLang should copy this decode batch's hidden states to the host right
+        behind its forward (``Scheduler._copy_result_to_cpu``'s ``return_hidden_states``):
+        under overlap scheduling the next decode graph replay rewrites them before
+        ``on_outputs`` sees this batch. True for a decode batch holding a request that asked
+        for its output rows and is not done (one whose prefill result is not processed yet
+        counts: under overlap its first decode step is launched before that)."""
+        if self.writer is None or not self.output_rows or batch.forward_mode.is_extend():
+            return False
+        for req in batch.reqs:
+            state = getattr(req, REQ_ATTR, None)
+            if state is None:
+                if _custom_param(req, fmt.OUTPUT_PARAM) is True:
+                    return True
+            elif state.output and not state.done:
+                return True
+        return False
+
+    def on_outputs(self, batch, logits_output, extend_input_len_per_req: Optional[List[int]] = None) -> None:
+        """After each request's finish check of this batch, before its outputs are streamed:
+        the decode rows of the requests that asked for their output rows, and the files of
+        those that ended.
+
+        Decode batch: ``logits_output.hidden_states`` ``[bs, num_layers * hidden_size]``
+        (SGLang's LAST capture: one row per request, ``batch.reqs`` order; on the host when
+        ``wants_host_rows`` had SGLang copy it, else on the device), row ``i`` computed from
+        the token fed at this step, the one sampled at the step before. Extend batch (the
+        prefill's door): ``extend_input_len_per_req`` locates each request's rows; a request
+        decoding in a mixed batch (``batch.decoding_reqs``) adds its one row there.
+
+        A request's row is taken when SGLang appended a token for it in this step (its
+        output ids are one ahead of its decode rows), so an overlap scheduler's extra tick
+        after a finish adds nothing. A request that finished (``req.finished()``: EOS, stop
+        string or token, ``max_new_tokens``, abort) gets its file now
+        (``DumpWriter.finish_deferred``: ``T = P + G - 1`` rows, ``token_ids`` = prompt +
+        output ids but the last, ``format.output_metadata``) and its path (or
+        ``hidden_states_error``) in ``customized_info``. Rows out of step (a retraction)
+        fail the request with a sentence. Nothing happens on a rank without a writer."""
+        if self.writer is None or not self.output_rows:
+            return
+        extend = batch.forward_mode.is_extend()
+        hidden = getattr(logits_output, "hidden_states", None) if logits_output is not None else None
+        decoding = set(map(id, batch.decoding_reqs or [])) if extend else set()
+        lens = extend_input_len_per_req or []
+        rows: List[Tuple[Any, _ReqDump, int]] = []
+        ends: List[Tuple[Any, _ReqDump]] = []
+        offset = 0
+        for i, req in enumerate(batch.reqs):
+            row = i
+            if extend:
+                row, offset = offset, offset + (lens[i] if i < len(lens) else 0)
+            state = getattr(req, REQ_ATTR, None)
+            if state is None or not state.output or state.done or state.pending is None or req.is_retracted:
+                continue
+            have = state.pending.rows - state.num_prompt  # decode rows so far
+            if have < 0:
+                continue  # prompt rows still coming (chunked prefill)
+            fed = len(req.output_ids) - 1  # generated tokens fed back, this step's included
+            try:
+                self.writer.check_current(state.pending)  # its writer process died: it fails
+                if have == fed - 1 and (not extend or id(req) in decoding):
+                    if hidden is None:
+                        raise RuntimeError("the decode batch captured no hidden states")
+                    rows.append((req, state, row))
+                elif have != fed:
+                    raise RuntimeError(OUT_OF_STEP_MESSAGE.format(rows=have, fed=fed))
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the batch
+                self._fail(req, state, e)
+                continue
+            if req.finished():
+                ends.append((req, state))
+        if rows:
+            self._copy_decode_rows(hidden, rows)
+        for req, state in ends:
+            if not state.done:
+                self._end_output(req, state)
+        if rows or ends:
+            self.writer.flush()
+
+    def _copy_decode_rows(self, hidden, rows) -> None:
+        """Copy one row each of ``hidden`` (``rows``: ``(req, state, row)``) to the arena,
+        held for their requests. A device ``hidden`` (a decode graph's output buffer, which
+        the next replay rewrites) is gathered first on the current stream, so the copy
+        reads rows that stay."""
+        import torch
+
+        kept = []
+        held = 0
+        for req, state, row in rows:
+            err = self.writer.hold_error(state.pending, held + 1)
+            if err is not None:
+                self._fail(req, state, RuntimeError(err))
+                continue
+            held += 1
+            kept.append((req, state, row))
+        if not kept:
+            return
+        if hidden.is_cuda:
+            index = torch.tensor([r for _, _, r in kept], dtype=torch.int64).to(hidden.device, non_blocking=True)
+            src, segments, ready = hidden.index_select(0, index), [(s.pending, j, 1) for j, (_, s, _) in enumerate(kept)], False
+        else:
+            src, segments, ready = hidden, [(s.pending, r, 1) for _, s, r in kept], True
+        try:
+            self.writer.copy_rows(src, segments, ready=ready)
+        except Exception as e:  # noqa: BLE001 - the batch's output requests fail, it goes on
+            for req, state, _ in kept:
+                self._fail(req, state, e)
+
+    def _end_output(self, req, state: _ReqDump) -> None:
+        """Name the ended request's file and send it (``DumpWriter.finish_deferred``)."""
+        pending = state.pending
+        take = _Take(req, state, 0, 0)
+        try:
+            out = [int(t) for t in req.output_ids]
+            if not out:
+                raise RuntimeError("the request ended without generating a token")
+            ids = list(dumped_token_ids(req)) + out[:-1]
+            extra = fmt.output_metadata(state.num_prompt, out[-1])
+            take.reservation = self._name(req, state, pending.row_width, pending.dtype, len(ids), extra)
+            self.writer.finish_deferred(pending, take.reservation, ids, extra)
+        except Exception as e:  # noqa: BLE001
+            self._fail_take(take, e)
+            return
+        state.pending = None
+        _detach(state)

@@ -84,6 +84,8 @@ class Begin(NamedTuple):
     piece: int
     token_off: int
     times: Optional[Dict[str, float]] = None
+    # metadata this file adds to the writer's (format.output_metadata: output rows)
+    extra: Optional[Dict[str, str]] = None
 
 
 class Rows(NamedTuple):
@@ -221,6 +223,8 @@ def _estimate(msg: tuple) -> int:
     n = _BASE_BYTES[cls]
     for i in _STR_FIELDS[cls]:
         n += 4 * len(msg[i])
+    if cls is Begin and msg.extra:
+        n += sum(4 * (len(k) + len(v)) + 16 for k, v in msg.extra.items())
     return n
 
 

@@ -58,6 +58,8 @@ DIED_MESSAGE = "the hidden-state writer process died before the file was written
 STUCK_MESSAGE = ("the hidden-state writer process made no progress for {seconds:g} s "
                  "(KIMI_SGLANG_WATCHDOG_S) and was replaced before the file was written")
 START_TIMEOUT_S = 60.0
+# The most of the arena the rows of deferred requests (output rows) may hold at once.
+HOLD_SHARE = 0.5
 # Restart backoff: a writer process that ends within RESTART_QUICK_S of its start died at
 # start (an import that fails, a store it cannot join); after the second such end in a row
 # the next start waits RESTART_FIRST_S, doubling up to RESTART_MAX_S, and requests that
@@ -77,7 +79,12 @@ class WriterDied(RuntimeError):
 
 @dataclass
 class PendingDump:
-    """One request on its way to the writer: ``rows`` of ``num_tokens`` sent so far."""
+    """One request on its way to the writer: ``rows`` of ``num_tokens`` sent so far.
+
+    A deferred one (``start_deferred``: a request whose row count is known only at its
+    end) keeps its ``Rows`` ops in ``held`` (their arena ranges stay in use) until
+    ``finish_deferred`` sends its ``Begin`` with the final count; ``num_tokens`` is 0
+    until then."""
 
     key: int
     rid: str
@@ -87,6 +94,7 @@ class PendingDump:
     generation: int
     rows: int = 0
     times: Optional[Dict[str, float]] = None  # stage timestamps while tracing (trace.py)
+    held: Optional[List[wire.Rows]] = None  # deferred: its Rows ops, not sent yet
 
 
 @dataclass
@@ -103,6 +111,7 @@ class _Piece:
     off: int
     nbytes: int
     refs: int = 0
+    held: int = 0  # refs of deferred requests' held Rows ops (DumpWriter.held_bytes)
 
 
 @dataclass
@@ -196,6 +205,8 @@ class DumpWriter:
             self._seq_host = self._arena[arena_mod.SEQ_OFFSET:arena_mod.SEQ_OFFSET + 8].view(torch.int64)
             self.registered = self.pinned = _cuda_host_register(self._arena)
         self._pieces: Dict[int, _Piece] = {}
+        self._held_bytes = 0  # arena bytes of pieces held by deferred requests
+        self._dropped: List[PendingDump] = []  # deferred requests abandoned, not yet let go
         self._outstanding: Dict[int, str] = {}  # key -> name: FINISH sent, not acknowledged
         self._unwritten: Dict[int, int] = {}  # key -> file bytes: started, not written or failed
         self._out = _Outbox()
@@ -357,6 +368,8 @@ class DumpWriter:
         self._unwritten.clear()  # the dead writer's requests write nothing more
         self.stats.failures += failed
         self._pieces.clear()
+        self._held_bytes = 0
+        self._dropped.clear()
         for fd in self._out.fds:
             os.close(fd)
         self._out = _Outbox()
@@ -480,12 +493,7 @@ class DumpWriter:
         ``format.DumpFormatError`` (a ``ValueError``) for a dtype safetensors cannot hold,
         ``RuntimeError`` after ``close``.
         """
-        dtype = self._file_dtype(dtype)
-        if self._closed:
-            raise RuntimeError(SHUTDOWN_MESSAGE)
-        self._revive()
-        fmt.check_rid(rid)
-        fmt.row_bytes(row_width, _dtype_name(dtype))  # a dtype no file can hold fails here
+        dtype = self._check_start(rid, row_width, dtype)
         ids = array.array("q", token_ids)
         nbytes = len(ids) * 8
         if nbytes > self.extents.capacity:
@@ -507,6 +515,110 @@ class DumpWriter:
         self._unwritten[pending.key] = sum(
             s.nbytes for s in fmt.dump_tensors(len(ids), self.num_slots, int(row_width) // self.num_slots, name))
         return pending
+
+    def _check_start(self, rid: str, row_width: int, dtype: torch.dtype) -> torch.dtype:
+        dtype = self._file_dtype(dtype)
+        if self._closed:
+            raise RuntimeError(SHUTDOWN_MESSAGE)
+        self._revive()
+        fmt.check_rid(rid)
+        fmt.row_bytes(row_width, _dtype_name(dtype))  # a dtype no file can hold fails here
+        return dtype
+
+    def start_deferred(self, rid: str, row_width: int, dtype: torch.dtype) -> PendingDump:
+        """Open a request whose row count is known only at its end (a request with output
+        rows, ``format.output``): its rows are copied to the arena as they come
+        (``copy_rows``) but their ops are held, and nothing reaches the writer process
+        until ``finish_deferred`` (or ``abandon``). While held they keep their arena
+        ranges: ``hold_error`` says when more would pass ``HOLD_SHARE`` of the arena.
+        Raises as ``start``."""
+        dtype = self._check_start(rid, row_width, dtype)
+        pending = PendingDump(key=self._next_key, rid=rid, num_tokens=0, row_width=int(row_width),
+                              dtype=dtype, generation=self.generation, held=[])
+        self._next_key += 1
+        if trace.enabled():
+            pending.times = {"t_start": trace.now()}
+        return pending
+
+    def hold_error(self, pending: PendingDump, nrows: int) -> Optional[str]:
+        """Why ``nrows`` more rows of deferred ``pending`` may not be held (one sentence),
+        or None: the rows deferred requests hold may take at most ``HOLD_SHARE`` of the
+        arena, so the rest always streams and backpressure cannot wait on rows that only
+        this scheduler can let go."""
+        dtype = _dtype_name(pending.dtype)
+        step = fmt.row_bytes(pending.row_width, dtype) + fmt.scale_row_bytes(self.num_slots, dtype)
+        limit = int(self.extents.capacity * HOLD_SHARE)
+        if self._held_bytes + nrows * step <= limit:
+            return None
+        return (f"the rows of requests with output rows, held until each ends, would take more than "
+                f"{limit} bytes, {HOLD_SHARE:.0%} of the {self.extents.capacity}-byte host arena "
+                f"(--dump-hidden-states-max-host-mb)")
+
+    def held_bytes(self) -> int:
+        """Arena bytes held by deferred requests' rows (``start_deferred``)."""
+        if not self._busy:
+            self.flush()  # lets go of the deferred requests abandoned since the last batch
+        return self._held_bytes
+
+    def _let_go_dropped(self) -> None:
+        """Give back the held rows of the deferred requests ``abandon`` queued (it may run
+        in a ``weakref.finalize`` callback, in the middle of an arena operation: only the
+        scheduler's own calls change the arena)."""
+        while self._dropped:
+            self._release_held(self._dropped.pop(), give_back=True)
+
+    def _release_held(self, pending: PendingDump, give_back: bool) -> None:
+        """Forget ``pending``'s held ops: their pieces stop counting as held (and, with
+        ``give_back``, the ops' references to them go: nothing will send them)."""
+        held, pending.held = pending.held or [], None
+        if not self.is_current(pending):
+            return  # the arena was reset when its writer process died
+        for op in held:
+            piece = self._pieces.get(op.piece)
+            if piece is None:
+                continue
+            piece.held -= 1
+            if piece.held == 0:
+                self._held_bytes -= piece.nbytes
+            if give_back:
+                self._give_back(op.piece)
+
+    def finish_deferred(self, pending: PendingDump, reservation, token_ids: Sequence[int],
+                        extra: Optional[Dict[str, str]] = None) -> None:
+        """Send a deferred request (``start_deferred``) now that it has ended: its
+        ``Begin`` with ``len(token_ids)`` tokens and ``extra`` metadata (str -> str), its
+        held rows, then ``finish(pending, reservation)``. Raises ``ValueError`` when the
+        rows copied are not one per token id (the held rows are given back; the caller
+        fails the reservation), and as ``finish`` does."""
+        if pending.held is None:
+            raise ValueError(f"rid {pending.rid!r} was not started deferred")
+        ids = array.array("q", token_ids)
+        if len(ids) != pending.rows:
+            self._release_held(pending, give_back=True)
+            raise ValueError(f"{pending.rows} rows were captured for the {len(ids)} tokens fed to the model")
+        if self._closed or not self.is_current(pending):
+            self._release_held(pending, give_back=True)
+            pending.num_tokens = len(ids)
+            self.finish(pending, reservation)  # fails it as finish does
+            return
+        nbytes = len(ids) * 8
+        off, piece = self._take(max(nbytes, 1), max(nbytes, 1))
+        if self.generation != pending.generation:
+            pending.held = None
+            raise WriterDied(DIED_MESSAGE)
+        if nbytes:
+            self._view[off:off + nbytes] = memoryview(ids).cast("B")
+        self._pieces[piece].refs = 1
+        name = _dtype_name(pending.dtype)
+        pending.num_tokens = len(ids)
+        self._out.ops.append(wire.Begin(pending.key, pending.rid, pending.num_tokens, pending.row_width,
+                                        name, piece, off, pending.times, dict(extra) if extra else None))
+        held = list(pending.held)
+        self._release_held(pending, give_back=False)
+        self._out.ops.extend(held)
+        self._unwritten[pending.key] = sum(
+            s.nbytes for s in fmt.dump_tensors(len(ids), self.num_slots, pending.row_width // self.num_slots, name))
+        self.finish(pending, reservation)
 
     def is_current(self, pending: PendingDump) -> bool:
         """False when the writer process that took this request's first rows died."""
@@ -538,7 +650,8 @@ class DumpWriter:
             if start < 0 or n < 0 or start + n > hidden.shape[0]:
                 raise ValueError(f"rid {pending.rid!r}: rows {start}..{start + n} are outside the "
                                  f"batch's {hidden.shape[0]} rows")
-            if pending.rows + n > pending.num_tokens or hidden.shape[1] != pending.row_width:
+            over = pending.held is None and pending.rows + n > pending.num_tokens
+            if over or hidden.shape[1] != pending.row_width:
                 raise ValueError(
                     f"rid {pending.rid!r}: rows {pending.rows}..{pending.rows + n} of width "
                     f"{hidden.shape[1]} do not fit {pending.num_tokens} rows of {pending.row_width}")
@@ -577,10 +690,18 @@ class DumpWriter:
                         pending, s, cnt = run[i]
                         lo, hi = max(s, pos), min(s + cnt, piece_end)
                         if lo < hi:
-                            self._out.ops.append(wire.Rows(
+                            op = wire.Rows(
                                 pending.key, pending.rows, hi - lo, piece, rows_off + (lo - pos) * row_bytes,
-                                None if scales is None else off + (lo - pos) * scale_bytes))
-                            self._pieces[piece].refs += 1
+                                None if scales is None else off + (lo - pos) * scale_bytes)
+                            got = self._pieces[piece]
+                            got.refs += 1
+                            if pending.held is None:
+                                self._out.ops.append(op)
+                            else:
+                                pending.held.append(op)
+                                got.held += 1
+                                if got.held == 1:
+                                    self._held_bytes += got.nbytes
                             pending.rows += hi - lo
                         if s + cnt > piece_end:
                             break  # continues in the next range
@@ -671,6 +792,11 @@ class DumpWriter:
         SGLang): the writer drops its temporary file. Safe from a ``weakref.finalize``
         callback (it only queues, unless no batch is being handled)."""
         self._unwritten.pop(pending.key, None)
+        if pending.held is not None:  # deferred: the writer process never heard of it
+            self._dropped.append(pending)
+            if not self._busy:
+                self.flush()
+            return
         if self._closed or not self.is_current(pending):
             return
         self._out.ops.append(wire.Abandon(pending.key))
@@ -685,6 +811,7 @@ class DumpWriter:
             return
         self._busy = True
         try:
+            self._let_go_dropped()
             self._send()
             self._read_acks()
         finally:
@@ -992,7 +1119,9 @@ def _runs(segments):
     """Split segments into runs that follow each other in the batch."""
     run: List[tuple] = []
     for seg in segments:
-        if run and run[-1][1] + run[-1][2] != seg[1]:
+        # a deferred request's rows never share an arena range with streamed rows, so a
+        # held range holds nothing the writer process could otherwise let go
+        if run and (run[-1][1] + run[-1][2] != seg[1] or (run[-1][0].held is None) != (seg[0].held is None)):
             yield run
             run = []
         if seg[2] > 0:

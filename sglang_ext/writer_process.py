@@ -156,7 +156,8 @@ class Writer(Sink):
                 if lost:
                     job.error = LOST_MESSAGE
                 elif not self.abort:
-                    self._guard(job, self._begin, job, op.key, op.row_width, op.dtype, op.token_off)
+                    self._guard(job, self._begin, job, op.key, op.row_width, op.dtype, op.token_off,
+                                op.extra)
             finally:
                 self._ack(wire.DonePiece(op.piece, op.num_tokens * 8))
         elif kind is wire.Rows:
@@ -185,7 +186,8 @@ class Writer(Sink):
             job.error = f"{type(e).__name__}: {e}"
             self._release(job)
 
-    def _begin(self, job: _Job, key: int, row_width: int, dtype: str, token_off: int) -> None:
+    def _begin(self, job: _Job, key: int, row_width: int, dtype: str, token_off: int,
+               extra: Optional[Dict[str, str]] = None) -> None:
         if not isinstance(job.rid, str):
             raise TypeError(f"rid must be str, got {type(job.rid).__name__}")
         slots = len(self.layer_ids)
@@ -193,7 +195,7 @@ class Writer(Sink):
             raise fmt.DumpFormatError(f"row width {row_width} is not {slots} layer slots")
         metadata = fmt.build_metadata(rid=job.rid, layer_ids=self.layer_ids,
                                       num_layers=self.num_layers,
-                                      extra={**self.extra, **fmt.dtype_metadata(dtype)})
+                                      extra={**self.extra, **fmt.dtype_metadata(dtype), **(extra or {})})
         specs = fmt.dump_tensors(job.num_tokens, slots, row_width // slots, dtype)
         layout = fmt.file_layout(specs, metadata)
         job.base = layout.offsets[fmt.KEY_HIDDEN_STATES]

@@ -107,6 +107,78 @@ def run_extend(session, reqs_and_spans, layer_ids, decoding=(), mode=None):
     session.on_prefill_result(*extend_args(reqs_and_spans, layer_ids, decoding, mode))
 
 
+class GenReq(Req):
+    """A stand-in ``Req`` that generates: ``output_ids``, ``custom_params``, a length cap."""
+
+    def __init__(self, rid, num_tokens, seed, max_new_tokens, output=True):
+        super().__init__(rid, num_tokens, seed)
+        self.output_ids = []
+        self.max_new_tokens = max_new_tokens
+        params = {"hidden_states_output": True} if output else {}
+        self.sampling_params = types.SimpleNamespace(custom_params=params)
+        self.length_done = False
+
+    def finished(self):
+        return self.aborted or self.length_done
+
+    def sample(self):
+        """SGLang's append then ``update_finish_state``: the next id, then the length cap."""
+        self.output_ids.append(self.seed * 1000 + 500 + len(self.output_ids))
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.length_done = True
+
+
+def output_rows_for(spans, layer_ids):
+    """``[sum(stop - start), L * HIDDEN]``: ``reference`` rows of ``(req, start, stop)`` positions."""
+    return torch.cat([reference(r, layer_ids, a, b).reshape(b - a, -1) for r, a, b in spans])
+
+
+def run_output_prefill(session, spans, layer_ids, decoding=()):
+    """One extend batch of ``(req, start, stop)`` prompt spans (``decoding``: requests
+    decoding inside it, one row each), as the patched process_batch_result_prefill runs it
+    (patch 0009): ``on_prefill_result``, the finish checks (a request whose prompt ends
+    samples its first token), then ``on_outputs``."""
+    rows, lens, prefix = [], [], []
+    for req, start, stop in spans:
+        if req in decoding:
+            pos = len(req.origin_input_ids) + len(req.output_ids) - 1
+            rows.append((req, pos, pos + 1))
+            lens.append(1)
+            prefix.append(pos)
+        else:
+            rows.append((req, start, stop))
+            lens.append(stop - start)
+            prefix.append(start)
+    batch = types.SimpleNamespace(reqs=[r for r, _, _ in spans], forward_mode=Mode(True),
+                                  decoding_reqs=list(decoding), prefix_lens=prefix)
+    out = types.SimpleNamespace(hidden_states=output_rows_for(rows, layer_ids))
+    session.on_prefill_result(batch, out, lens)
+    for req, start, stop in spans:  # the finish checks (the loop after the hook)
+        if req.finished():
+            continue
+        if req in decoding or stop == len(req.origin_input_ids):
+            req.sample()
+    session.on_outputs(batch, out, lens)
+
+
+def run_decode(session, reqs, layer_ids, abort=()):
+    """One decode batch: each request's row for the token it feeds; finished requests
+    (an overlap scheduler's extra tick) get no new token, as upstream skips them; ``abort``:
+    requests aborted in this step (SGLang's ``to_finish``: the token is appended, then the
+    request is finished)."""
+    batch = types.SimpleNamespace(reqs=list(reqs), forward_mode=Mode(False), decoding_reqs=None,
+                                  prefix_lens=None)
+    pos = [len(r.origin_input_ids) + len(r.output_ids) - 1 for r in reqs]
+    out = types.SimpleNamespace(hidden_states=output_rows_for([(r, p, p + 1) for r, p in zip(reqs, pos)], layer_ids))
+    for req in reqs:
+        if req.finished():
+            continue
+        req.sample()
+        if req in abort:
+            req.aborted = True  # to_finish = FINISH_ABORT: finished in this step
+    session.on_outputs(batch, out)
+
+
 class Decoder(torch.nn.Module):
     pass
 

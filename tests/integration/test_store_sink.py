@@ -121,6 +121,46 @@ def test_samples_equal_the_file_sinks_with_chunked_prefill(master, reader, dump,
         reader.delete(manifest["handle"])
 
 
+@pytest.mark.parametrize("dtype", [None, "fp8"])
+def test_output_rows_equal_the_file_sinks(master, reader, dump, sessions, dtype):
+    """A request with output rows (prompt in two chunks, then decode steps) into both sinks:
+    the store's sample is the file sink's byte for byte, its manifest carries the file's
+    output metadata (num_prompt_tokens, last_token_id)."""
+    from sglang_ext.session import DumpSession
+    from standins import GenReq, run_decode, run_output_prefill
+
+    got_by_sink = {}
+    for sink, runner in (("file", make_runner(dump, layers="2,4", dtype=dtype)),
+                         ("store", store_runner(master, dtype))):
+        sess = DumpSession.start(runner, output_rows=True)
+        sessions.started.append(sess)
+        req = GenReq(f"{dtype}-{sink}-out", 7, 4, max_new_tokens=5)
+        run_output_prefill(sess, [(req, 0, 4)], IDS)
+        run_output_prefill(sess, [(req, 4, 7)], IDS)
+        for _ in range(5):
+            run_decode(sess, [req], IDS)
+        got_by_sink[sink] = (req, finish(req))
+        snap = idle(sess)
+        assert snap["files_written"] == 1 and snap["failures"] == 0 and snap["host_bytes_in_use"] == 0, snap
+    req, fmeta = got_by_sink["file"]
+    sreq, smeta = got_by_sink["store"]
+    assert sreq.output_ids == req.output_ids and len(req.output_ids) == 5
+    rec = fmt.load(fmeta["hidden_states_path"], dequantize=False)
+    assert rec.hidden_states.shape[0] == 7 + 5 - 1
+    manifest = smeta[MANIFEST]
+    meta = {k: v for k, v in rec.metadata.items() if k != "rid"}
+    assert {k: manifest["metadata"].get(k) for k in meta} == meta
+    fmt.check_output_rows(rec.token_ids.tolist(), manifest["metadata"], sreq.origin_input_ids, sreq.output_ids)
+    got = read(reader, smeta)
+    assert got["token_ids"].tolist() == sreq.origin_input_ids + sreq.output_ids[:-1]
+    assert raw(got["hidden_states"]) == raw(rec.hidden_states), "bytes differ from the file sink's"
+    if dtype == "fp8":
+        assert raw(got["hidden_states_scales"]) == raw(rec.scales)
+    else:
+        assert torch.equal(got["hidden_states"], reference(sreq, IDS, 0, 11))
+    reader.delete(manifest["handle"])
+
+
 def test_many_concurrent_chunked_requests_each_read_back_whole(master, reader, sessions):
     """Twelve chunked-prefill requests of 1.1-1.7 MB, three chunks each, staggered so three
     or four are in prefill at once and later ones reuse the staging buffers of earlier
@@ -613,3 +653,4 @@ def test_a_marker_deferred_after_the_watch_ended_is_still_put(tmp_path, monkeypa
     finally:
         conn.close()
         master.kill()
+

@@ -1,0 +1,308 @@
+"""Output rows on the server side (issue 49): a request with ``custom_params
+{"hidden_states_output": true}`` gets one file of its prompt's rows and the rows of every
+generated token fed back (``format.output``), driven through the session as the patched
+scheduler drives it (patch 0009): ``on_prefill_result`` before a prefill batch's finish
+checks, ``on_outputs`` after them and after each decode batch's, with a real writer process.
+
+``standins.run_output_prefill`` and ``run_decode`` play SGLang's scheduler: a prefill
+appends the token sampled from the prompt's last row, each decode step feeds
+``output_ids[-1]`` (its row is computed for position ``P + len(output_ids) - 1``) then
+appends the next one, and a request (``standins.GenReq``) ends at its ``max_new_tokens`` or
+when aborted. The reference of every row is ``standins.reference`` at
+that position (independent of batching), the reference of the token ids is the prompt plus
+the generated ids but the last, which the simulation records on its own.
+"""
+
+import gc
+import os
+import types
+
+import pytest
+import torch
+
+from sglang_ext import format as fmt
+from sglang_ext import hooks, quant, session
+from sglang_ext.writer import HOLD_SHARE
+from standins import (HIDDEN, GenReq, Mode, finish, idle, make_runner, output_rows_for, reference,
+                      run_decode, run_output_prefill, wait_for)
+
+IDS = [2, 4]
+
+
+def rows_for(spans):
+    return output_rows_for(spans, IDS)
+
+
+def prefill(sess, spans, decoding=()):
+    run_output_prefill(sess, spans, IDS, decoding)
+
+
+def decode(sess, reqs, abort=()):
+    run_decode(sess, reqs, IDS, abort)
+
+
+@pytest.fixture
+def sess(dump, sessions):
+    s = session.DumpSession.start(make_runner(dump, layers="2,4"), output_rows=True)
+    sessions.started.append(s)
+    return s
+
+
+def check_file(req, meta, dequantize=None):
+    """The file of an output request against the references; returns its record."""
+    assert "hidden_states_error" not in meta, meta
+    p, g = len(req.origin_input_ids), len(req.output_ids)
+    rec = fmt.load(meta["hidden_states_path"], dequantize=dequantize)
+    want = reference(req, IDS, 0, p + g - 1)
+    assert rec.hidden_states.shape == want.shape, (req.rid, rec.hidden_states.shape, want.shape)
+    if dequantize is None:
+        diff = (rec.hidden_states - want).abs()
+        assert torch.equal(rec.hidden_states, want), (
+            f"{req.rid}: row {int(diff.amax((1, 2)).argmax())} differs by {diff.max()}")
+    assert rec.token_ids.tolist() == req.origin_input_ids + req.output_ids[:-1]
+    got = fmt.check_output_rows(rec.token_ids.tolist(), rec.metadata, req.origin_input_ids, req.output_ids)
+    assert got.num_prompt_tokens == p and got.output_ids == req.output_ids
+    assert rec.metadata[fmt.LAST_TOKEN_ID_KEY] == str(req.output_ids[-1])
+    assert rec.layer_ids == IDS and rec.metadata["rid"] == req.rid
+    return rec
+
+
+def test_prompt_and_every_fed_token_in_one_file_beside_a_prompt_only_request(sess, dump):
+    a = GenReq("a", 10, 1, max_new_tokens=5)  # chunked prefill, then 4 decode steps
+    b = GenReq("b", 3, 2, max_new_tokens=2)
+    plain = GenReq("plain", 4, 3, max_new_tokens=3, output=False)
+    prefill(sess, [(b, 0, 3), (a, 0, 4)])
+    assert a.customized_info is None and b.customized_info is None, "named before its end"
+    prefill(sess, [(a, 4, 10), (plain, 0, 4)])
+    assert a.customized_info is None
+    meta_plain = finish(plain)  # a request without the parameter: named at its prompt's end
+    decode(sess, [b, a, plain])  # b ends (2 tokens)
+    assert b.customized_info is not None, "b ended: its path must be set before streaming"
+    decode(sess, [b, a, plain])  # b again: an overlap scheduler's extra tick adds nothing
+    decode(sess, [a, plain])
+    decode(sess, [a])  # a ends (5 tokens)
+    decode(sess, [a])  # extra tick
+    for req in (a, b):
+        check_file(req, finish(req))
+    rec = fmt.load(meta_plain["hidden_states_path"])
+    assert fmt.output_rows(rec.token_ids.tolist(), rec.metadata) is None, "a prompt-only file"
+    assert torch.equal(rec.hidden_states, reference(plain, IDS))
+    snap = idle(sess)
+    assert snap["files_written"] == 3 and snap["failures"] == 0 and snap["host_bytes_in_use"] == 0, snap
+    assert sess.writer.held_bytes() == 0 and sess.writer.unwritten_bytes() == 0
+    assert sorted(r["rid"] for r in fmt.read_index(str(dump))) == ["a", "b", "plain"]
+
+
+def test_one_generated_token_ends_at_the_prefill_with_the_prompt_rows_only(sess):
+    req = GenReq("one", 6, 4, max_new_tokens=1)
+    prefill(sess, [(req, 0, 6)])
+    rec = check_file(req, finish(req))
+    assert rec.hidden_states.shape[0] == 6 and rec.metadata[fmt.NUM_PROMPT_TOKENS_KEY] == "6"
+
+
+def test_host_decode_rows_are_copied_in_place(sess, monkeypatch):
+    """Host rows (SGLang copied them behind the forward) go in place, ready."""
+    req = GenReq("dev", 3, 5, max_new_tokens=3)
+    prefill(sess, [(req, 0, 3)])
+    seen = []
+    real = sess.writer.copy_rows
+
+    def spy(hidden, segments, ready=False):
+        seen.append((hidden.shape[0], [(s, n) for _, s, n in segments], ready))
+        return real(hidden, segments, ready=ready)
+
+    monkeypatch.setattr(sess.writer, "copy_rows", spy)
+    decode(sess, [GenReq("other", 2, 9, 9, output=False), req])
+    assert seen == [(2, [(1, 1)], True)], seen  # host rows: the request's own row, in place
+    decode(sess, [req])
+    check_file(req, finish(req))
+
+
+def test_decoding_inside_a_mixed_batch_adds_its_row(sess):
+    a = GenReq("mixed-a", 4, 1, max_new_tokens=3)
+    b = GenReq("mixed-b", 6, 2, max_new_tokens=2)
+    prefill(sess, [(a, 0, 4)])
+    prefill(sess, [(b, 0, 6), (a, 0, 0)], decoding=(a,))  # a decodes in b's prefill batch
+    decode(sess, [a, b])
+    for req in (a, b):
+        check_file(req, finish(req))
+
+
+def test_aborted_mid_generation_gets_the_file_of_what_was_computed(sess):
+    req = GenReq("cut", 5, 6, max_new_tokens=100)
+    prefill(sess, [(req, 0, 5)])
+    decode(sess, [req])
+    decode(sess, [req], abort=(req,))
+    assert len(req.output_ids) == 3
+    check_file(req, finish(req))
+
+
+def test_a_dropped_request_leaves_no_file_and_holds_no_arena(sess, dump):
+    req = GenReq("dropped", 5, 6, max_new_tokens=100)
+    prefill(sess, [(req, 0, 5)])
+    decode(sess, [req])
+    assert sess.writer.held_bytes() > 0
+    del req
+    gc.collect()
+    assert sess.writer.held_bytes() == 0
+    snap = idle(sess)
+    assert snap["host_bytes_in_use"] == 0 and snap["files_written"] == 0, snap
+    assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
+
+
+def test_a_retracted_request_gets_an_error_and_no_file(sess, dump):
+    req = GenReq("retracted", 4, 7, max_new_tokens=10)
+    prefill(sess, [(req, 0, 4)])
+    decode(sess, [req])
+    # SGLang re-prefills the prompt and the generated tokens after a retraction
+    batch = types.SimpleNamespace(reqs=[req], forward_mode=Mode(True), decoding_reqs=[], prefix_lens=[0])
+    n = 4 + len(req.output_ids)
+    out = types.SimpleNamespace(hidden_states=rows_for([(req, 0, n)]))
+    sess.on_prefill_result(batch, out, [n])
+    meta = finish(req)
+    assert meta["hidden_states_error"].endswith(session.RETRACTED_MESSAGE), meta
+    assert "hidden_states_path" not in meta
+    decode(sess, [req])  # nothing more happens to it
+    assert idle(sess)["files_written"] == 0
+    assert sess.writer.held_bytes() == 0
+    assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
+
+
+def test_rows_past_the_host_share_fail_that_request_and_others_stream_on(dump, sessions):
+    # a 1 MiB arena: rows of 2 slots x 8 float32 = 64 bytes; HOLD_SHARE of it is 8192 rows
+    sess = session.DumpSession.start(make_runner(dump, layers="2,4", max_mb=1), output_rows=True)
+    sessions.started.append(sess)
+    limit = int((1 << 20) * HOLD_SHARE) // (2 * HIDDEN * 4)
+    big = GenReq("big", limit + 10, 1, max_new_tokens=4)
+    small = GenReq("small", 7, 2, max_new_tokens=3)
+    plain = GenReq("plain", 3 * limit, 3, max_new_tokens=2, output=False)  # streams: 1.5 arenas
+    for lo in range(0, plain_len := len(plain.origin_input_ids), 2000):
+        prefill(sess, [(plain, lo, min(lo + 2000, plain_len))])
+    prefill(sess, [(small, 0, 7)])
+    prefill(sess, [(big, 0, limit + 10)])
+    meta = finish(big)
+    assert "host arena" in meta["hidden_states_error"] and "hidden_states_path" not in meta, meta
+    decode(sess, [small, big])
+    decode(sess, [small])
+    check_file(small, finish(small))
+    assert torch.equal(fmt.load(finish(plain)["hidden_states_path"]).hidden_states, reference(plain, IDS))
+    assert idle(sess)["host_bytes_in_use"] == 0
+
+
+def test_fp8_output_rows_round_trip_and_read_by_speculators_reader(dump, sessions, tmp_path):
+    from hs_connectors.transfer import FP8Transfer
+
+    sess = session.DumpSession.start(make_runner(dump, layers="2,4", dtype="fp8"), output_rows=True)
+    sessions.started.append(sess)
+    req = GenReq("fp8", 6, 3, max_new_tokens=4)
+    prefill(sess, [(req, 0, 3)])
+    prefill(sess, [(req, 3, 6)])
+    for _ in range(3):
+        decode(sess, [req])
+    meta = finish(req)
+    rec = check_file(req, meta, dequantize=False)
+    want = reference(req, IDS, 0, 6 + 4 - 1)
+    q, sc = quant.quantize_fp8(want.reshape(want.shape[0], -1), 2)
+    assert torch.equal(rec.hidden_states.view(torch.uint8), q.view(want.shape).view(torch.uint8))
+    assert rec.metadata["hidden_states_dtype"] == fmt.FP8
+    hs = tmp_path / "speculators-hs"
+    hs.mkdir()
+    os.link(meta["hidden_states_path"], hs / "hs_0.safetensors")
+    got = FP8Transfer(hs, dequantize_dtype=torch.float32).get_cached(0)
+    assert torch.equal(got["hidden_states"], fmt.load(meta["hidden_states_path"], dequantize=torch.float32).hidden_states)
+    assert got["token_ids"].tolist() == req.origin_input_ids + req.output_ids[:-1]
+
+
+def test_without_patch_0009_the_parameter_is_ignored(dump, sessions):
+    """Series 7 (setup_model without output_rows): a prompt-only file, as before."""
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    req = GenReq("s7", 5, 1, max_new_tokens=3)
+    prefill(sess, [(req, 0, 5)])
+    rec = fmt.load(finish(req)["hidden_states_path"])
+    assert fmt.output_rows(rec.token_ids.tolist(), rec.metadata) is None
+    assert torch.equal(rec.hidden_states, reference(req, IDS))
+    assert not sess.wants_host_rows(types.SimpleNamespace(reqs=[req], forward_mode=Mode(False)))
+
+
+def test_host_rows_are_asked_for_decode_batches_with_an_output_request(sess):
+    out, plain = GenReq("o", 3, 1, 3), GenReq("p", 3, 2, 3, output=False)
+    dec = lambda *reqs: types.SimpleNamespace(reqs=list(reqs), forward_mode=Mode(False))  # noqa: E731
+    # before its prefill result is processed (overlap): its parameter decides
+    assert sess.wants_host_rows(dec(plain, out)) and not sess.wants_host_rows(dec(plain))
+    assert not sess.wants_host_rows(types.SimpleNamespace(reqs=[out], forward_mode=Mode(True)))
+    prefill(sess, [(out, 0, 3), (plain, 0, 3)])
+    assert sess.wants_host_rows(dec(plain, out))
+    decode(sess, [out, plain])
+    decode(sess, [out, plain])
+    assert out.finished() and not sess.wants_host_rows(dec(plain, out)), "done: no copy"
+    check_file(out, finish(out))
+
+
+def test_the_doors_forward_and_do_nothing_without_a_session(dump, sessions):
+    batch = types.SimpleNamespace(reqs=[], forward_mode=Mode(False))
+    assert hooks.wants_host_rows(batch) is False
+    hooks.on_outputs(batch, None)
+    hooks.setup_model(make_runner(dump, layers="2,4"), output_rows=True)
+    assert hooks.session().output_rows
+    req = GenReq("door", 3, 1, max_new_tokens=2)
+    prefill(hooks.session(), [(req, 0, 3)])
+    assert hooks.wants_host_rows(types.SimpleNamespace(reqs=[req], forward_mode=Mode(False)))
+    decode_batch = types.SimpleNamespace(reqs=[req], forward_mode=Mode(False), decoding_reqs=None)
+    req.sample()
+    hooks.on_outputs(decode_batch, types.SimpleNamespace(hidden_states=rows_for([(req, 3, 4)])))
+    check_file(req, finish(req))
+
+
+def test_a_writer_killed_mid_generation_fails_that_request_and_the_next_one_is_whole(sess, dump):
+    import signal
+
+    cut = GenReq("cut-by-kill", 4, 1, max_new_tokens=10)
+    prefill(sess, [(cut, 0, 4)])
+    decode(sess, [cut])
+    pid = sess.writer.pid
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: (sess.writer.poll() or sess.writer.pid != pid)), "no new writer process"
+    decode(sess, [cut])
+    meta = finish(cut)
+    assert "writer process died" in meta["hidden_states_error"] and "hidden_states_path" not in meta, meta
+    after = GenReq("after", 5, 2, max_new_tokens=3)
+    prefill(sess, [(after, 0, 5)])
+    decode(sess, [after, cut])
+    decode(sess, [after])
+    check_file(after, finish(after))
+    assert sess.writer.held_bytes() == 0
+    assert wait_for(lambda: sorted(os.listdir(dump)) == sorted(
+        [os.path.basename(finish(after)["hidden_states_path"]), "index.jsonl"])), os.listdir(dump)
+
+
+PROBE = r"""
+import json
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.runtime_context import publish, get_context
+from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
+from sglang_ext import compat
+args = prepare_server_args(["--model-path", "dummy"])
+args.resolve_once()
+publish(args, role="scheduler")
+before = get_server_return_hidden_states_mode().name
+ok = compat.capture_decode_rows("kimi-sglang: probe")
+print(json.dumps({"before": before, "ok": ok, "after": get_server_return_hidden_states_mode().name,
+                  "log": [source for source, _ in get_context().overrides_log()]}))
+"""
+
+
+def test_decode_graphs_are_told_to_capture_through_sglangs_own_config():
+    """With SGLang 0.5.23's real published config (a scheduler's), ``capture_decode_rows``
+    turns the server-wide mode SGLang's decode graph runners capture with
+    (``get_server_return_hidden_states_mode``, read in ``BaseRunner.__init__``) from NULL
+    to LAST, through SGLang's override (logged under our source)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"before": "NULL", "ok": True, "after": "LAST", "log": ["kimi-sglang: probe"]}, got
