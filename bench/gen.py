@@ -106,12 +106,14 @@ def check_file(kind, path, prompt, output_ids):
                          f"{len(output_ids)} generated ids sent to capture")
 
 
-def run_cell(server, capture, cell, vocab, rng, mode, gen_tokens, timeout=600):
+def run_cell(server, capture, cell, vocab, rng, mode, gen_tokens, timeout=600, trace_path=None):
     """One generate cell (``cell``: prompt_len, concurrency, requests) of ``mode`` against
     ``server`` (``capture``: gen_two_pass's capturing server, else None); its results entry
-    (the module's docstring)."""
+    (the module's docstring), with the files' ``stages`` (``report.stage_stats``) of the
+    ``KIMI_SGLANG_TRACE`` lines appended to ``trace_path`` meanwhile."""
     kind = modes.BY_NAME[mode].gen
     prompts = loadgen.make_prompts(rng, cell["requests"], cell["prompt_len"], vocab)  # not timed
+    offset = loadgen.trace_size(trace_path)
     port, capture_port = server.port, capture.port if capture is not None else None
 
     def one(ids):
@@ -146,6 +148,9 @@ def run_cell(server, capture, cell, vocab, rng, mode, gen_tokens, timeout=600):
         except (ValueError, OSError, KeyError) as e:  # DumpFormatError is a ValueError
             errors.append(f"file check: {e}")
         out.update(files=len(paths), file_bytes=sum(os.stat(r["path"]).st_size for _, r in paths))
+    if trace_path and paths:
+        time.sleep(0.3)  # the writer's trace line follows its lock release
+        out["stages"] = report.stage_stats(loadgen.read_trace(trace_path, offset), wall)
     if errors:
         out["error"] = f"{len(errors)} problem(s) in {len(results)} requests: {errors[0][:300]}"
     return out

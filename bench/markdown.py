@@ -270,7 +270,8 @@ def _stages(results: dict) -> List[str]:
     """"Where the time goes": per dump cell, the stage trace's p50 / p99."""
     rows = []
     cells_of = [(model, c) for model, m in results.get("models", {}).items() for c in m.get("cells", [])
-                if c.get("mode") in DUMP_MODES and c.get("mode") not in STORE_MODES and c.get("stages")]
+                if (c.get("mode") in DUMP_MODES and c.get("mode") not in STORE_MODES or is_gen(c.get("mode")))
+                and c.get("stages")]
     parts = any("hook_take" in c["stages"] for _, c in cells_of)  # traces since the hook's parts
     for model, c in cells_of:
         st = c["stages"]

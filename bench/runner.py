@@ -287,7 +287,8 @@ class ModelRun:
             if registry.is_gen(mode):
                 kinds = servers.servers_of(self.args, mode)
                 return gen.run_cell(server, self.servers[kinds[1]] if len(kinds) > 1 else None, cell,
-                                    self.spec.vocab, self.rng, mode, cell["gen_tokens"])
+                                    self.spec.vocab, self.rng, mode, cell["gen_tokens"],
+                                    trace_path=self.trace_path if any(map(servers.dumps, kinds)) else None)
             traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
             return loadgen.run_cell(server, cell, self.spec.vocab, self.rng, mode,
                                     trace_path=self.trace_path if traced else None,

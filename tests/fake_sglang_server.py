@@ -12,7 +12,9 @@ the bench's orchestration (``python -m bench``) on a CPU: the same flags, /healt
   ``custom_params {"hidden_states_wait": false}`` is answered at once with
   ``hidden_states_pending: true``; the file follows 50 ms later, then the lock goes, as
   sglang_ext.format's protocol says. A request with ``custom_params {"hidden_states_dump":
-  false}`` is not dumped. (``sglang-ext standin`` is the documented one for trying ``extract``.)
+  false}`` is not dumped. With ``KIMI_SGLANG_TRACE`` set, each file's ``file`` event
+  (sglang_ext/trace.py) is recorded as the writer records it. (``sglang-ext standin`` is the
+  documented one for trying ``extract``.)
 - ``--enable-return-hidden-states`` and ``return_hidden_states: true``: answers
   ``meta_info.hidden_states`` as a ``[T, 8]`` nested list.
 - ``sampling_params.max_new_tokens`` G (default 1): ``output_ids`` of G ids (``generated``:
@@ -37,6 +39,7 @@ import uuid
 from http.server import ThreadingHTTPServer
 
 from sglang_ext import format as fmt
+from sglang_ext import trace
 from sglang_ext.tools.standin import JsonReplyHandler
 
 HIDDEN = 64
@@ -87,14 +90,21 @@ def main():
     dir_fd = fmt.open_dump_dir(dump_dir) if args.dump_hidden_states_dir else None
 
     def dump(ids, rid, early=False, extra=None):
+        t_submit = trace.now()
         res = fmt.reserve(dir_fd, rid)
         path = os.path.join(dump_dir, res.name)
 
         def finish():
+            t_picked = trace.now()
             tmp = fmt.tmp_name("fake", 0)
             write(ids, os.path.join(dump_dir, tmp), extra)
+            t_copied = trace.now()
             fmt.publish(dir_fd, tmp, res.name)
+            t_written = trace.now()
             fmt.complete(res)
+            if trace.enabled():  # the writer's file event (sglang_ext/trace.py), its stages
+                trace.record("file", name=res.name, rows=len(ids), t_submit=t_submit, t_picked=t_picked,
+                             t_copied=t_copied, t_written=t_written, t_released=trace.now())
 
         if early:
             def later():

@@ -239,6 +239,8 @@ def test_rehearsal_of_the_generate_modes(tmp_path):
         if c["mode"] != "gen_nodump":
             assert c["files"] == c["rows_checked"] == 4, c
     one = next(c for c in m["cells"] if c["mode"] == "gen_output")
+    # where one pass's time goes: the writer's stages of its 4 files (the fake's trace events)
+    assert one["stages"]["files"] == 4 and one["stages"]["write"]["p50"] >= 0, one["stages"]
     # 4 files of (16 + 8 - 1) rows x 4 layers x 64 bf16 + 8-byte ids, plus headers
     assert 4 * 23 * (4 * 64 * 2 + 8) < one["file_bytes"] < 4 * (23 * (4 * 64 * 2 + 8) + 1024)
     two = next(c for c in m["cells"] if c["mode"] == "gen_two_pass")
@@ -251,4 +253,43 @@ def test_rehearsal_of_the_generate_modes(tmp_path):
     assert rows[OUT]["value"] is not None and rows[TWO]["value"] is not None
     md = (out / res_path.name.replace(".json", ".md")).read_text()
     assert "| prompt | conc | (g out)/(g) output tok/s |" in md and "generate:" in proc.stdout
+    assert "| deepseek-tiny (gen_output) | 16 | 4 |" in md  # "Where the time goes"
     assert list(shm.iterdir()) == []
+
+
+def test_one_pass_cell_against_the_stand_in(tmp_path):
+    """bench/gen.py's one-pass client against ``sglang-ext standin`` (the documented
+    stand-in: with hidden_states_output it generates ``max_new_tokens`` ids and writes the
+    output-row file through sglang_ext.format; without, it answers one id, so the other
+    modes are the rehearsal's): every file holds P + G - 1 rows and checks against its
+    answer's output_ids."""
+    import random
+    import re
+    import subprocess
+    import sys
+    import types
+
+    pytest.importorskip("requests")
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_ext", "standin", "--port", "0", "--dump-dir",
+                             str(tmp_path / "dump"), "--num-layers", "4", "--hidden-size", "16"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("stand-in server"):
+            line = proc.stderr.readline()
+            assert line, "the stand-in did not start"
+        server = types.SimpleNamespace(port=int(re.search(r":(\d+),", line).group(1)))
+        cell = gen.run_cell(server, None, {"prompt_len": 12, "concurrency": 3, "requests": 6}, 1000,
+                            random.Random(0), "gen_output", gen_tokens=5)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cell.get("error") is None, cell["error"]
+    assert (cell["output_tokens"], cell["files"], cell["rows_checked"]) == (30, 6, 6)
+    # 6 files of 12 + 5 - 1 = 16 rows x 3 layer slots (the default ids of 4 layers: 1, 2, 4)
+    # x 16 channels bf16
+    from bench import loadgen
+
+    files = sorted((tmp_path / "dump").glob("*.safetensors"))
+    assert [loadgen.safetensors_header(str(f))[0]["hidden_states"]["shape"] for f in files] == [[16, 3, 16]] * 6
+    assert cell["file_bytes"] == sum(f.stat().st_size for f in files)
