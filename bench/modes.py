@@ -50,8 +50,9 @@ MODES: Tuple[Mode, ...] = (
     # (s'): the store sink, each client waiting for its previous sample, as a trainer would
     Mode("dump_store_early", "S", "(s') store sink, early answers", "#da8bc3", "(s')/(a)", dumps=True,
          store=True, early=True),
-    # (a'): server A again, last of the prefill modes in its round (first with --counterbalance's odd rounds): the
-    # ratio (a')/(a) is what no change at all measures in that round, the run's noise floor
+    # (a'): server A again, last of the prefill modes in its round (first with --counterbalance's
+    # odd rounds): the ratio (a')/(a) is what no change at all measures in that round, the run's
+    # noise floor
     Mode("nodump_again", "A", "(a') no dump, again", "#9ecae1", control=True),
     # issue 49, decode (bench/gen.py): (g) generate, no dump; (g out) the same with its output
     # rows in one pass; (g 2p) the field's two passes: generate on A, then capture prompt +

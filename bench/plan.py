@@ -217,7 +217,7 @@ def print_plan(plan):
     if plan.get("gen_tokens"):
         print(f"generate cells: {plan['gen_tokens']} tokens per request (ignore_eos, greedy), decode in "
               f"CUDA graphs on every server; ~{PROFILES[plan['profile']]['gen_cell_tokens']} generated "
-              f"tokens per cell")
+              f"tokens per cell unless --gen-requests")
     for ph in plan["phases"]:
         print(f"\n[ceilings] ~{ph['est_s']} s: pinned D2H 1 GiB; /dev/shm safetensors writes and "
               f"the writer alone, {plan['ceiling_mib']} MiB per size, sizes "
