@@ -1,7 +1,8 @@
 """The hidden-state dump benchmark (bench/README.md): ``python -m bench [flags]`` from the
 repository root. One module per job, in a run's order: ``models`` (workloads), ``modes``
 (every mode), ``plan`` (cells, estimates, ``--dry-run``), ``servers`` (the kinds of server),
-``store`` (the store modes' Mooncake Store), ``loadgen`` (a cell's client), ``ceilings``
+``store`` (the store modes' Mooncake Store), ``loadgen`` (a cell's client; ``gen``, a
+generate cell's), ``ceilings``
 (what the host can move), ``peer`` and ``peerfiles`` (vLLM beside us), ``runner`` (one
 model's run), ``cli`` (the whole run, the results file), ``report``, ``targets``,
 ``markdown`` and ``plot`` (what the results say). Nothing imports torch at module level:

@@ -95,6 +95,11 @@ def build_parser():
     ap.add_argument("--concurrency", type=_ints, help="client threads of the grid (default: each model's)")
     ap.add_argument("--cell-tokens", type=int, default=0,
                     help="prompt tokens per cell (0: the profile's, times the model's cell_scale at concurrency >= 8)")
+    ap.add_argument("--gen-tokens", type=int, default=512,
+                    help="tokens each request of the generate modes (gen_*) generates (ignore_eos, greedy)")
+    ap.add_argument("--gen-requests", type=int, default=0,
+                    help="requests per generate cell, at least one per client (0: the profile's ~2k (quick) or "
+                         "~8k (full) generated tokens, at least one per client per round)")
     ap.add_argument("--skip-ceilings", action="store_true", help="no host ceilings, no writer-alone run")
     ap.add_argument("--deadline-s", type=float, default=0, help="skip what would end later (0: the profile's)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.3)
@@ -129,6 +134,8 @@ def check_args(ap, args):
             ap.error(f"unknown mode {mode!r} (known: {', '.join(planning.MODES)})")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.gen_tokens < 1 or args.gen_requests < 0:
+        ap.error("--gen-tokens must be >= 1 and --gen-requests >= 0")
     problem = servers.ports_problem(args, modes) or servers.memory_problem(args, modes)
     if problem:
         ap.error(problem)
@@ -150,7 +157,8 @@ def new_results(args, plan, gpu, date):
            "writer_cpus": os.environ.get("KIMI_SGLANG_WRITER_CPUS", "").strip() or None}
         | ({"vllm_gpu_memory_utilization": peer.gpu_memory_utilization(args),
             "peer_reference": args.peer_reference}
-           if any(peer.is_peer(m) for m in plan["modes"]) else {}),
+           if any(peer.is_peer(m) for m in plan["modes"]) else {})
+        | ({"gen_tokens": plan["gen_tokens"]} if "gen_tokens" in plan else {}),
         "ceilings": {}, "models": {}, "phases": {}, "skipped": [],
     }
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import List
 
-from bench.modes import MODES, names
-from bench.report import DUMP_MODES, HOOK_STAGES, STORE_MODES, headline, mib, num
+from bench.modes import MODES, is_gen, names
+from bench.report import DUMP_MODES, HOOK_STAGES, STORE_MODES, gen_ratios, headline, mib, num
 from bench.targets import targets
 
 
@@ -67,15 +67,20 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
     """One model's cells, its ratios, file check, host memory."""
     by_cell = {(c.get("mode", "dump"), c["prompt_len"], c["concurrency"], c.get("rep")): c for c in h.get("cells", [])}
     drained = any("drain_s" in c for c in m.get("cells", []))  # runs since the drain was measured
-    lines = ["", f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})", "",
+    title = ["", f"## {model} (hidden {m.get('hidden_size', '?')}, layers {m.get('layer_ids', '?')})"]
+    prefill = [c for c in m.get("cells", []) if not is_gen(c.get("mode"))]
+    generate = [c for c in m.get("cells", []) if is_gen(c.get("mode"))]
+    if generate and not prefill:  # a run of generate modes alone
+        return title + _gen(generate, h) + _model_tail(m)
+    lines = title + ["",
              "The last two columns divide the row's tokens/s (a dump's (b)) by (a) of its round and by min((a), W/B)."
              + (" drain: the cell's wall time after its last answer (early answers: the last files' (or samples')"
                 " write)." if drained else ""), "",
              "| prompt | conc | mode | reqs | prefill tok/s | p50 s | p99 s | " + ("drain ms | " if drained else "")
              + "GB/s written | JSON MB/resp | row/(a) | row/bound |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if drained else "")]
-    for c in sorted(m.get("cells", []), key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
-                                                       ORDER.get(c["mode"], len(ORDER)))):
+    for c in sorted(prefill, key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
+                                            ORDER.get(c["mode"], len(ORDER)))):
         head = f"| {c['prompt_len']} | {c['concurrency']} | {c['mode']}" + (f" #{c['rep']}" if "rep" in c else "")
         if c.get("error"):
             lines.append(f"{head} | ERROR: {c['error'][:80]} |||||||||" + ("|" if drained else ""))
@@ -102,6 +107,42 @@ def _model(model: str, m: dict, h: dict) -> List[str]:
               for mode in STORE_MODES if h.get(f"{mode}_vs_nodump_min") is not None]
     lines += [f"- dump_vs_json (2k, conc 8): {num(h.get('dump_vs_json'), '{:.1f}')}x",
               f"- writer_vs_ceiling (2k files): {num(h.get('writer_vs_ceiling'), '{:.2f}')}"]
+    return lines + (_gen(generate, h) if generate else []) + _model_tail(m)
+
+
+def _gen(cells: List[dict], h: dict) -> List[str]:
+    """A model's generate cells (bench/gen.py) and issue 49's ratios, pooled per shape."""
+    lines = ["", "Generate cells: each request generates the cell's tokens (ignore_eos, greedy; decode in CUDA "
+             "graphs); (g) no dump, (g out) its output rows in the same request, (g 2p) generate on A then "
+             "capture prompt + generated ids on B. Output tok/s: generated tokens over the cell's wall; "
+             "s/sample: the wall over its requests; the files checked hold P + G - 1 rows (one pass), "
+             "P + G (two).", "",
+             "| prompt | conc | mode | reqs | gen tokens | output tok/s | s/sample | p50 s | p99 s | "
+             "2p: generate / capture p50 s | files checked |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for c in sorted(cells, key=lambda c: (c["prompt_len"], c["concurrency"], c.get("rep") or 0,
+                                          ORDER.get(c["mode"], len(ORDER)))):
+        head = f"| {c['prompt_len']} | {c['concurrency']} | {c['mode']}" + (f" #{c['rep']}" if "rep" in c else "")
+        if c.get("error"):
+            lines.append(f"{head} | ERROR: {c['error'][:120]} |||||||")
+            continue
+        steps = (f"{_r3(c.get('generate_p50_s'))} / {_r3(c.get('capture_p50_s'))}"
+                 if "capture_p50_s" in c else "")
+        lines.append(f"{head} | {c['requests']} | {c.get('gen_tokens', '-')} | {num(c.get('output_tps'))} | "
+                     f"{_r3(c['wall_s'] / c['requests'] if c.get('wall_s') else None)} | {_r3(c.get('p50_s'))} | "
+                     f"{_r3(c.get('p99_s'))} | {steps} | {c.get('rows_checked', '-')} |")
+    rows = h.get("gen") or gen_ratios(cells)
+    lines += ["", "| prompt | conc | (g out)/(g) output tok/s | rounds | (g 2p)/(g out) wall per sample | rounds |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {x['prompt_len']} | {x['concurrency']} | {_r3(x['output_vs_nodump'])} | "
+              f"{x['rounds_output_vs_nodump']} | {_r3(x['two_pass_vs_one_pass'])} | "
+              f"{x['rounds_two_pass_vs_one_pass']} |" for x in rows]
+    return lines + [""]
+
+
+def _model_tail(m: dict) -> List[str]:
+    """A model's file check, error, KV pool and host memory lines."""
+    lines = []
     if fc := m.get("file_check"):
         lines.append(f"- dump files: hidden_states {fc.get('hidden_states')}, layer_ids {fc.get('layer_ids')}")
     if m.get("error"):
@@ -229,7 +270,8 @@ def _stages(results: dict) -> List[str]:
     """"Where the time goes": per dump cell, the stage trace's p50 / p99."""
     rows = []
     cells_of = [(model, c) for model, m in results.get("models", {}).items() for c in m.get("cells", [])
-                if c.get("mode") in DUMP_MODES and c.get("mode") not in STORE_MODES and c.get("stages")]
+                if (c.get("mode") in DUMP_MODES and c.get("mode") not in STORE_MODES or is_gen(c.get("mode")))
+                and c.get("stages")]
     parts = any("hook_take" in c["stages"] for _, c in cells_of)  # traces since the hook's parts
     for model, c in cells_of:
         st = c["stages"]
@@ -284,6 +326,11 @@ def summary_table(results: dict) -> str:
             if h.get(f"{mode}_vs_nodump_min") is not None:
                 out.append(f"{'':14} {mode}/nodump min {_r3(h[f'{mode}_vs_nodump_min'])}, at conc >= 8 "
                            f"{_r3(h.get(f'{mode}_vs_nodump_min_conc8'))}")
+        if h.get("gen"):
+            worst = {k: min((x[k] for x in h["gen"] if x[k] is not None), default=None)
+                     for k in ("output_vs_nodump", "two_pass_vs_one_pass")}
+            out.append(f"{'':14} generate: (g out)/(g) output tok/s min {_r3(worst['output_vs_nodump'])}, "
+                       f"(g 2p)/(g out) wall per sample min {_r3(worst['two_pass_vs_one_pass'])}")
         if h.get("peer"):
             out.append(f"{'':14} vLLM: dump/nodump min {_r3(h.get('vllm_dump_vs_nodump_min'))}, "
                        f"its dump over ours min {_r3(h.get('vllm_dump_vs_ours_dump_min'))}")

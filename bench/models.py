@@ -48,6 +48,7 @@ class Model:
     est_json_tps: int = 700
     est_startup_s: int = 200
     est_build_s: int = 60
+    est_decode_step_s: float = 0.01  # one decode step of a batch, for generate cells
     kimi_targets: bool = False  # also held to issue 48's targets (bench.targets.kimi_targets)
 
     @property

@@ -27,6 +27,10 @@ class Mode:
     control: bool = False  # writes no file; its ratio to its base is reported beside the dumps'
     early: bool = False  # answered before its file (or sample) is complete; a client waits for it later
     fp8: bool = False  # its files hold fp8 rows and scales (server D)
+    # a generate cell (bench/gen.py: --gen-tokens per request, output tokens/s): "plain" (no
+    # dump), "output" (one pass, the file holds the generated tokens' rows), "two_pass"
+    gen: str = ""
+    capture: str = ""  # two_pass: the server that captures prompt + generated ids after ``server`` generated
 
 
 MODES: Tuple[Mode, ...] = (
@@ -46,9 +50,16 @@ MODES: Tuple[Mode, ...] = (
     # (s'): the store sink, each client waiting for its previous sample, as a trainer would
     Mode("dump_store_early", "S", "(s') store sink, early answers", "#da8bc3", "(s')/(a)", dumps=True,
          store=True, early=True),
-    # (a'): server A again, last in its round (first with --counterbalance's odd rounds): the
-    # ratio (a')/(a) is what no change at all measures in that round, the run's noise floor
+    # (a'): server A again, last of the prefill modes in its round (first with --counterbalance's
+    # odd rounds): the ratio (a')/(a) is what no change at all measures in that round, the run's
+    # noise floor
     Mode("nodump_again", "A", "(a') no dump, again", "#9ecae1", control=True),
+    # issue 49, decode (bench/gen.py): (g) generate, no dump; (g out) the same with its output
+    # rows in one pass; (g 2p) the field's two passes: generate on A, then capture prompt +
+    # generated ids on B
+    Mode("gen_nodump", "A", gen="plain"),
+    Mode("gen_output", "B", gen="output"),
+    Mode("gen_two_pass", "A", gen="two_pass", capture="B"),
     # (c): upstream's JSON return_hidden_states
     Mode("json", "A", "(c) JSON", "#c44e52", grid=False),
     Mode("vllm_nodump", "V", "vLLM (a) no dump", "#4c72b0", peer=True),
@@ -59,6 +70,14 @@ MODES: Tuple[Mode, ...] = (
 BY_NAME: Dict[str, Mode] = {m.name: m for m in MODES}
 
 
-def names(**flags: bool) -> Tuple[str, ...]:
+def names(**flags) -> Tuple[str, ...]:
     """The names of the modes whose fields equal ``flags`` (e.g. ``dumps=True``), in order."""
     return tuple(m.name for m in MODES if all(getattr(m, k) == v for k, v in flags.items()))
+
+
+def is_gen(mode: str) -> bool:
+    """Whether ``mode`` is a generate cell (``Mode.gen``: decode, measured in output tokens/s)."""
+    return bool(mode in BY_NAME and BY_NAME[mode].gen)
+
+
+GEN_MODES = tuple(m.name for m in MODES if m.gen)

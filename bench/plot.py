@@ -37,12 +37,15 @@ def plot(results: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     head = results.get("headline") or report.headline(results)
-    models = [m for m, v in results.get("models", {}).items() if v.get("cells")]
+    # prefill cells only: generate cells (output tokens/s) are the Markdown's
+    models = [m for m, v in results.get("models", {}).items()
+              if any(not modes.is_gen(c.get("mode")) for c in v.get("cells", []))]
     if not models:
-        raise ValueError("no model with measured cells in these results")
+        raise ValueError("no model with measured cells in these results (the plot draws prefill cells; "
+                         "generate cells are in the Markdown)")
     fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
     for j, model in enumerate(models):
-        cells = [c for c in results["models"][model]["cells"] if not c.get("error")]
+        cells = [c for c in results["models"][model]["cells"] if not c.get("error") and not modes.is_gen(c["mode"])]
         keys = sorted({(c["prompt_len"], c["concurrency"]) for c in cells})
         x = {k: i for i, k in enumerate(keys)}
         ax = axes[0][j]

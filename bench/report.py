@@ -11,7 +11,9 @@ A results file (what ``cli`` writes): ``{"date", "gpu", "profile", "versions", "
 {"hidden_size", "layer_ids", "cells": [{"mode", "prompt_len", "concurrency", "rep",
 "requests", "prompt_tokens", "wall_s", "prefill_tps", "p50_s", "p99_s", "file_bytes",
 "write_gbps", "response_bytes", "drain_s", "stages", ...}], "host_memory", "peer_unsupported",
-"peer_files"}}, "headline", "targets", "phases", "skipped"}``."""
+"peer_files"}}, "headline", "targets", "phases", "skipped"}``. Generate cells (bench/gen.py)
+carry ``output_tokens``, ``output_tps`` (generated tokens per second) and ``samples_per_s``
+instead of ``prefill_tps``."""
 
 from __future__ import annotations
 
@@ -183,8 +185,9 @@ def shape_tps(cells: List[dict], mode: str) -> Dict[Tuple[int, int], float]:
     return {k: t / w for k, (t, w) in sums.items() if w}
 
 
-def _good(cells: List[dict], mode: str, shape: Optional[Tuple[int, int]] = None) -> List[dict]:
-    return [c for c in cells if c.get("mode") == mode and c.get("prefill_tps") and not c.get("error")
+def _good(cells: List[dict], mode: str, shape: Optional[Tuple[int, int]] = None,
+          rate: str = "prefill_tps") -> List[dict]:
+    return [c for c in cells if c.get("mode") == mode and c.get(rate) and not c.get("error")
             and (shape is None or (c["prompt_len"], c["concurrency"]) == shape)]
 
 
@@ -193,14 +196,17 @@ def _wall(c: dict) -> float:
 
 
 def paired_ratio(cells: List[dict], mode: str, base: str, shape: Tuple[int, int],
-                 to_last_answer: bool = False) -> Tuple[Optional[float], int]:
+                 to_last_answer: bool = False, tokens: str = "prompt_tokens",
+                 rate: str = "prefill_tps") -> Tuple[Optional[float], int]:
     """``(ratio, rounds)``: ``mode``'s tokens/s at ``shape`` over ``base``'s, each pooled
     (tokens over wall seconds) over the rounds (``rep``) both have an error-free cell in, so
     a round the deadline cut from one side drops from the other too; ``(None, 0)`` when
     they share none. ``to_last_answer``: seconds up to each cell's last answer (its wall
-    less its ``drain_s``), None unless every cell pooled has one."""
-    mine = {c.get("rep"): c for c in _good(cells, mode, shape)}
-    theirs = {c.get("rep"): c for c in _good(cells, base, shape)}
+    less its ``drain_s``), None unless every cell pooled has one. ``tokens``, ``rate``: the
+    cells' keys counted and rated (generate cells: ``output_tokens`` and ``output_tps``, or
+    ``requests`` and ``samples_per_s``: ``gen_ratios``)."""
+    mine = {c.get("rep"): c for c in _good(cells, mode, shape, rate)}
+    theirs = {c.get("rep"): c for c in _good(cells, base, shape, rate)}
     reps = [r for r in mine if r in theirs]
     if not reps:
         return None, 0
@@ -210,8 +216,28 @@ def paired_ratio(cells: List[dict], mode: str, base: str, shape: Tuple[int, int]
         if to_last_answer and any("drain_s" not in c for c in chosen):
             return None, len(reps)
         seconds = sum(_wall(c) - (c["drain_s"] if to_last_answer else 0.0) for c in chosen)
-        pooled.append(sum(c["prompt_tokens"] for c in chosen) / seconds if seconds > 0 else None)
+        pooled.append(sum(c[tokens] for c in chosen) / seconds if seconds > 0 else None)
     return ratio(pooled[0], pooled[1]), len(reps)
+
+
+# issue 49's ratios of generate cells (bench/gen.py), each ``paired_ratio``'s keywords:
+# (g out)/(g), output tokens/s with and without the output rows; two passes' wall per sample
+# over one pass's, i.e. one pass's samples/s over two passes'
+GEN_RATIOS = (("output_vs_nodump", "gen_output", "gen_nodump", {"tokens": "output_tokens", "rate": "output_tps"}),
+              ("two_pass_vs_one_pass", "gen_output", "gen_two_pass", {"tokens": "requests", "rate": "samples_per_s"}))
+
+
+def gen_ratios(cells: List[dict]) -> List[dict]:
+    """Per shape with a generate cell: ``{"prompt_len", "concurrency", <GEN_RATIOS name>:
+    value or None, "rounds_<name>"}``, each pooled over the rounds both modes ran."""
+    out = []
+    shapes = sorted({(c["prompt_len"], c["concurrency"]) for c in cells if c.get("mode") in modes.GEN_MODES})
+    for shape in shapes:
+        row: Dict[str, Any] = {"prompt_len": shape[0], "concurrency": shape[1]}
+        for name, mode, base, keys in GEN_RATIOS:
+            row[name], row[f"rounds_{name}"] = paired_ratio(cells, mode, base, shape, **keys)
+        out.append(row)
+    return out
 
 
 def pooled_ratios(cells: List[dict]) -> List[dict]:
@@ -250,7 +276,8 @@ def headline(results: dict) -> Dict[str, dict]:
     ``min((a), W/B)`` (the store's has no W: (a) alone); ``<mode>_vs_nodump_min`` and
     ``_geomean`` of every dump mode (the store's also ``_min_conc8``); the pooled rounds;
     the noise floor (a')/(a); fp8's bytes per token over bf16's; ``dump_vs_json`` at 2k x 8;
-    ``writer_vs_ceiling`` (per prompt length, and at 2k); with vLLM, ``peer_rows``."""
+    ``writer_vs_ceiling`` (per prompt length, and at 2k); with vLLM, ``peer_rows``; with
+    generate cells, ``gen`` (``gen_ratios``)."""
     ceil = results.get("ceilings", {})
     d2h, shm = ceil.get("d2h_pinned_gbps"), ceil.get("shm_write_gbps", {})
     out = {}
@@ -296,6 +323,8 @@ def headline(results: dict) -> Dict[str, dict]:
             plen: ratio(wr.get("gbps"), ceiling_w(d2h, nearest(shm, wr["file_bytes"])))
             for plen, wr in ceil.get("writer_alone", {}).get(model, {}).items()}
         h["writer_vs_ceiling"] = h["writer_vs_ceiling_by_len"].get(str(JSON_PROMPT_LEN))
+        if gen := gen_ratios(cells):
+            h["gen"] = gen
         if rows := peer_rows(cells):
             vs = [x["dump_vllm_vs_ours"] for x in rows if x["dump_vllm_vs_ours"] is not None]
             h.update(peer=rows, vllm_dump_vs_ours_dump_min=min(vs, default=None),

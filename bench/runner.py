@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import time
 
-from bench import child_env, loadgen, module_argv, peer, peerfiles, report, servers
+from bench import child_env, gen, loadgen, module_argv, peer, peerfiles, report, servers
 from bench import modes as registry
 from bench.store import BenchStore
 from bench import plan as planning
@@ -50,6 +50,11 @@ def copy_log(src, dst, head=400, tail=4000):
 
 def cell_line(label, r):
     """The line printed after a cell."""
+    if "output_tps" in r:  # a generate cell (bench/gen.py)
+        return (f"  {label}: {r['output_tps']:.0f} output tok/s, {r.get('samples_per_s', float('nan')):.2f} "
+                f"samples/s, p50 {r.get('p50_s', float('nan')):.3f} s" + (
+                    f" (generate {r['generate_p50_s']:.3f} s + capture {r['capture_p50_s']:.3f} s)"
+                    if "capture_p50_s" in r else "") + (f"  ERROR {r['error']}" if r.get("error") else ""))
     extra = (f" {r['write_gbps']:.2f} GB/s written" if r.get("write_gbps") else "") + (
         f", {r['bytes_per_token']:.0f} B/token" if r.get("bytes_per_token") else "") + (
         f" {r['response_bytes'] / r['requests'] / 1e6:.0f} MB/resp" if r.get("response_bytes") else "")
@@ -85,10 +90,10 @@ class ModelRun:
         self.results["phases"][f"{self.name}/{key}"] = round(time.monotonic() - t0, 1)
 
     def clear(self, mode):
-        """Empty ``mode``'s server's dump directory after its cell."""
-        which = servers.server_for(self.args, mode)
-        if servers.dumps(which):
-            loadgen.clear_dump_dir(self.dirs[which])
+        """Empty the dump directories of ``mode``'s servers after its cell."""
+        for which in servers.servers_of(self.args, mode):
+            if servers.dumps(which):
+                loadgen.clear_dump_dir(self.dirs[which])
 
     def run(self):
         args, name = self.args, self.name
@@ -130,6 +135,7 @@ class ModelRun:
                 loadgen.warm_up(s, self.spec.vocab, self.rng, self.mp["prompt_lens"],
                                 json_too="--enable-return-hidden-states" in s.command, concs=self.mp["concurrency"],
                                 mode=mode, store=self.store if servers.stores(w) else None)
+            self.warm_up_gen()
             for d in self.dirs.values():
                 loadgen.clear_dump_dir(d)
             self.phase("warmup_s", t0)
@@ -263,10 +269,26 @@ class ModelRun:
                 sampler.__exit__(None, None, None)
             self.samplers = {}
 
+    def warm_up_gen(self):
+        """Each generate mode of the plan, a short burst at each of its concurrencies
+        (``gen.warm_up``), at its shortest prompt length."""
+        for mode in registry.GEN_MODES:
+            cells = [c for c in self.mp["cells"] if c["mode"] == mode]
+            if cells:
+                kinds = servers.servers_of(self.args, mode)
+                gen.warm_up(self.servers[kinds[0]], self.servers[kinds[1]] if len(kinds) > 1 else None, mode,
+                            self.spec.vocab, self.rng, min(c["prompt_len"] for c in cells),
+                            [c["concurrency"] for c in cells])
+
     def measure(self, cell, server):
         """The cell's measured run: its results entry (``error`` when it failed)."""
         mode = cell["mode"]
         try:
+            if registry.is_gen(mode):
+                kinds = servers.servers_of(self.args, mode)
+                return gen.run_cell(server, self.servers[kinds[1]] if len(kinds) > 1 else None, cell,
+                                    self.spec.vocab, self.rng, mode, cell["gen_tokens"],
+                                    trace_path=self.trace_path if any(map(servers.dumps, kinds)) else None)
             traced = mode in report.DUMP_MODES and not peer.is_peer(mode)  # the trace is our writer's
             return loadgen.run_cell(server, cell, self.spec.vocab, self.rng, mode,
                                     trace_path=self.trace_path if traced else None,

@@ -1,7 +1,8 @@
 """The servers of one model's run: which kind serves which mode, their command lines,
 dump directories and environment, their start and stop (testing/server.py's launcher, the
 GPU suite's). Every kind is one entry of ``KINDS``: ours share testing/server.py's
-``base_command``, no radix cache, no CUDA graphs (``max_new_tokens=1`` runs no decode) and
+``base_command``, no radix cache, no CUDA graphs (``max_new_tokens=1`` runs no decode; with
+a generate mode in ``--modes`` decode runs in SGLang's CUDA graphs, as served) and
 the model's ``server_flags``, and differ only in their last flags: A plain (plus
 ``--enable-return-hidden-states`` when ``json`` runs), B the dump flags, D B's plus fp8, S
 the store's ``mooncake://`` address instead of a directory. V and W are vLLM's (``peer``).
@@ -27,7 +28,9 @@ def sglang_command(args, name, which, extra):
     cmd = launcher.base_command(args.server_module, model_path(args, name), port_of(args, which),
                                 args.mem_fraction_static, python=sys.executable)
     cmd += ["--skip-tokenizer-init", "--disable-radix-cache", *launcher.cuda_graph_max_bs_flags(32),
-            "--log-level", "info", "--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"]
+            "--log-level", "info", "--disable-prefill-cuda-graph"]
+    if not any(modes.is_gen(m) for m in args.modes.split(",")):  # generate cells decode in CUDA graphs
+        cmd.append("--disable-decode-cuda-graph")
     return cmd + list(MODELS[name].server_flags) + extra
 
 
@@ -85,6 +88,12 @@ def server_for(args, mode):
     return MODE_SERVER.get(mode, "A")
 
 
+def servers_of(args, mode):
+    """Every kind ``mode``'s cells ask: its server, then gen_two_pass's capturing one."""
+    capture = modes.BY_NAME[mode].capture if mode in modes.BY_NAME else ""
+    return (server_for(args, mode),) + ((capture,) if capture else ())
+
+
 def port_of(args, which):
     return args.ports[KINDS[which].port_index]
 
@@ -94,11 +103,11 @@ def ports_problem(args, modes):
     words = ["first", "second", "third", "fourth", "fifth", "sixth"]
     counts = ["one", "two", "three", "four", "five", "six"]
     for mode in modes:
-        which = server_for(args, mode)
-        i = KINDS[which].port_index
-        if i >= len(args.ports):
-            return (f"mode {mode} runs on a {words[i]} server ({which}): --ports needs "
-                    f"{counts[i]} ports")
+        for which in servers_of(args, mode):
+            i = KINDS[which].port_index
+            if i >= len(args.ports):
+                return (f"mode {mode} runs on a {words[i]} server ({which}): --ports needs "
+                        f"{counts[i]} ports")
     return None
 
 
@@ -160,7 +169,7 @@ MAX_MEMORY_SHARE = 0.9
 def memory_problem(args, modes):
     """Why the servers of ``modes`` would not fit on one GPU together (an error message),
     or None; checked when vLLM's servers are among them."""
-    kinds = sorted({server_for(args, m) for m in modes})
+    kinds = sorted({w for m in modes for w in servers_of(args, m)})
     if not any(api_of(w) == "vllm" for w in kinds):
         return None
     share = {w: peer.gpu_memory_utilization(args) if api_of(w) == "vllm" else args.mem_fraction_static

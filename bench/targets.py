@@ -1,14 +1,14 @@
 """The targets a run is held to, pass or fail (``targets``), from ``report``'s headline
 and the pooled rounds: the dump against (a) and the host's bound, the JSON path, the
-writer alone, host memory, the store sink, and the file's own latency (issue 39:
-``latency_targets``)."""
+writer alone, host memory, the store sink, the file's own latency (issue 39:
+``latency_targets``) and generating with the output rows in one pass (issue 49: ``gen_targets``)."""
 
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
 from bench.models import MODELS
-from bench.report import mib, paired_ratio
+from bench.report import GEN_RATIOS, mib, paired_ratio
 
 TARGET_DUMP_VS_BOUND = 0.95  # (b) >= 0.95 x min((a), W/B) tokens/s, every cell
 TARGET_DUMP_VS_JSON = 30.0  # (b) >= 30 x (c) at 2k prompts, concurrency 8
@@ -20,6 +20,10 @@ TARGET_EARLY = 0.98
 # issue 48 (the Kimi-K2.5 slice), on the rounds pooled per shape (kimi_targets)
 TARGET_KIMI_EARLY = 0.97  # early answers (bf16, fp8, store) >= 0.97 x (a) at concurrency >= 8
 TARGET_KIMI_FP8 = 0.97  # fp8 files >= 0.97 x bf16 in every shape
+# issue 49 (generate and capture in one pass), on the rounds pooled per shape (gen_targets)
+TARGET_GEN_OUTPUT = 0.95  # (g out) >= 0.95 x (g) output tokens/s at concurrency 1, 8, 32
+GEN_TARGET_CONCURRENCY = (1, 8, 32)
+TARGET_ONE_PASS = 1.2  # two passes' wall per sample >= 1.2 x one pass's
 
 
 def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
@@ -47,8 +51,8 @@ def targets(results: dict, head: Dict[str, dict]) -> List[dict]:
                 add(model, name, h.get(f"{mode}_vs_nodump_min_conc8"), TARGET_DUMP_VS_BOUND)
         cells = results.get("models", {}).get(model, {}).get("cells", [])
         spec = MODELS.get(model)
-        for name, value, threshold in latency_targets(cells) + (kimi_targets(cells) if spec and spec.kimi_targets
-                                                                 else []):
+        for name, value, threshold in latency_targets(cells) + gen_targets(cells) + (
+                kimi_targets(cells) if spec and spec.kimi_targets else []):
             add(model, name, value, threshold)
         add(model, "(b) >= 30 x (c) at 2k/conc 8", h["dump_vs_json"], TARGET_DUMP_VS_JSON)
         add(model, "writer alone >= 0.70 W (2k files)", h["writer_vs_ceiling"], TARGET_WRITER_VS_CEILING)
@@ -118,14 +122,36 @@ def kimi_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float]]:
     return out
 
 
+def gen_targets(cells: List[dict]) -> List[Tuple[str, Optional[float], float]]:
+    """Issue 49's targets, for the generate modes that ran, each on the worst shape of the
+    rounds pooled (``report.GEN_RATIOS``): output capture (g out) >= ``TARGET_GEN_OUTPUT``
+    x no dump (g) in output tokens/s at concurrency ``GEN_TARGET_CONCURRENCY``; two passes
+    (generate, then capture prompt + generated ids) >= ``TARGET_ONE_PASS`` x one pass's
+    wall per sample."""
+    out = []
+    ran = _ran(cells)
+    for name, mode, base, keys in GEN_RATIOS:
+        if mode not in ran or base not in ran:
+            continue
+        if name == "output_vs_nodump":
+            out.append(("(g out) output capture >= 0.95 x (g) no dump, output tok/s at conc 1, 8, 32, pooled, "
+                        "worst shape", _worst(cells, mode, base, lambda k: k[1] in GEN_TARGET_CONCURRENCY, **keys),
+                        TARGET_GEN_OUTPUT))
+        else:
+            out.append(("(g 2p) two passes' wall per sample >= 1.2 x (g out) one pass's, pooled, worst shape",
+                        _worst(cells, mode, base, **keys), TARGET_ONE_PASS))
+    return out
+
+
 def _ran(cells: List[dict]) -> set:
     """The modes with at least one cell that did not fail."""
     return {c.get("mode") for c in cells if not c.get("error")}
 
 
-def _worst(cells: List[dict], mode: str, base: str, keep=lambda shape: True) -> Optional[float]:
-    """The smallest ``paired_ratio`` of ``mode`` over ``base`` among ``mode``'s shapes
-    (prompt length, concurrency) that ``keep`` takes; None where none pairs."""
+def _worst(cells: List[dict], mode: str, base: str, keep=lambda shape: True, **keys) -> Optional[float]:
+    """The smallest ``paired_ratio`` of ``mode`` over ``base`` (``keys``: its ``tokens`` and
+    ``rate``) among ``mode``'s shapes (prompt length, concurrency) that ``keep`` takes; None
+    where none pairs."""
     shapes = {(c["prompt_len"], c["concurrency"]) for c in cells if c.get("mode") == mode}
-    vals = [paired_ratio(cells, mode, base, k)[0] for k in shapes if keep(k)]
+    vals = [paired_ratio(cells, mode, base, k, **keys)[0] for k in shapes if keep(k)]
     return min((v for v in vals if v is not None), default=None)

@@ -12,9 +12,16 @@ the bench's orchestration (``python -m bench``) on a CPU: the same flags, /healt
   ``custom_params {"hidden_states_wait": false}`` is answered at once with
   ``hidden_states_pending: true``; the file follows 50 ms later, then the lock goes, as
   sglang_ext.format's protocol says. A request with ``custom_params {"hidden_states_dump":
-  false}`` is not dumped. (``sglang-ext standin`` is the documented one for trying ``extract``.)
+  false}`` is not dumped. With ``KIMI_SGLANG_TRACE`` set, each file's ``file`` event
+  (sglang_ext/trace.py) is recorded as the writer records it. (``sglang-ext standin`` is the
+  documented one for trying ``extract``.)
 - ``--enable-return-hidden-states`` and ``return_hidden_states: true``: answers
   ``meta_info.hidden_states`` as a ``[T, 8]`` nested list.
+- ``sampling_params.max_new_tokens`` G (default 1): ``output_ids`` of G ids (``generated``:
+  from the prompt's sum, no model), 1 ms of "decode" per token; with ``custom_params
+  {"hidden_states_output": true}`` the file holds the prompt's rows then every generated id's
+  but the last, ``num_prompt_tokens`` and ``last_token_id`` in its metadata
+  (``sglang_ext.format.output``), for the bench's generate modes (bench/gen.py).
 
 It checks nothing about models; it is not SGLang.
 """
@@ -32,6 +39,7 @@ import uuid
 from http.server import ThreadingHTTPServer
 
 from sglang_ext import format as fmt
+from sglang_ext import trace
 from sglang_ext.tools.standin import JsonReplyHandler
 
 HIDDEN = 64
@@ -50,6 +58,11 @@ def hidden_rows(ids, slots, hidden=HIDDEN):
                 rows[key] = struct.pack("<H", bits) * hidden
             out.append(rows[key])
     return b"".join(out)
+
+
+def generated(ids, n):
+    """The ``n`` ids the fake "generates" after prompt ``ids`` (no model: a function of them)."""
+    return [(sum(ids) + 7 * k) % 997 + 3 for k in range(n)]
 
 
 class JsonHandler(JsonReplyHandler):
@@ -76,15 +89,22 @@ def main():
     dump_dir = os.path.abspath(args.dump_hidden_states_dir or ".")
     dir_fd = fmt.open_dump_dir(dump_dir) if args.dump_hidden_states_dir else None
 
-    def dump(ids, rid, early=False):
+    def dump(ids, rid, early=False, extra=None):
+        t_submit = trace.now()
         res = fmt.reserve(dir_fd, rid)
         path = os.path.join(dump_dir, res.name)
 
         def finish():
+            t_picked = trace.now()
             tmp = fmt.tmp_name("fake", 0)
-            write(ids, os.path.join(dump_dir, tmp))
+            write(ids, os.path.join(dump_dir, tmp), extra)
+            t_copied = trace.now()
             fmt.publish(dir_fd, tmp, res.name)
+            t_written = trace.now()
             fmt.complete(res)
+            if trace.enabled():  # the writer's file event (sglang_ext/trace.py), its stages
+                trace.record("file", name=res.name, rows=len(ids), t_submit=t_submit, t_picked=t_picked,
+                             t_copied=t_copied, t_written=t_written, t_released=trace.now())
 
         if early:
             def later():
@@ -96,14 +116,14 @@ def main():
         finish()
         return path
 
-    def write(ids, path):
+    def write(ids, path, extra=None):
         with lock:
             state["n"] += 1
         t = len(ids)
         fp8 = args.dump_hidden_states_dtype == "fp8"  # sglang_ext.format's fp8 layout
         hs = t * len(layers) * HIDDEN * (1 if fp8 else 2)
         sc = 4 * t * len(layers) if fp8 else 0
-        head = {"__metadata__": {"layer_ids": json.dumps(layers)},
+        head = {"__metadata__": {"layer_ids": json.dumps(layers), **(extra or {})},
                 "hidden_states": {"dtype": "F8_E4M3" if fp8 else "BF16",
                                   "shape": [t, len(layers), HIDDEN], "data_offsets": [0, hs]}}
         if fp8:
@@ -129,18 +149,25 @@ def main():
             self._generate(req, req["input_ids"])
 
         def _generate(self, req, ids):
-            meta = {"prompt_tokens": len(ids), "completion_tokens": 1}
+            sampling = req.get("sampling_params") or {}
+            out = generated(ids, sampling.get("max_new_tokens", 1))
+            if len(out) > 1:
+                time.sleep(0.001 * len(out))
+            meta = {"prompt_tokens": len(ids), "completion_tokens": len(out)}
             if req.get("return_hidden_states"):
                 if not args.enable_return_hidden_states:
                     return self.reply(400, {"error": "return_hidden_states is off"})
                 meta["hidden_states"] = [[[0.125] * 8 for _ in ids]]
-            params = (req.get("sampling_params") or {}).get("custom_params") or {}
+            params = sampling.get("custom_params") or {}
             if args.dump_hidden_states_dir and params.get("hidden_states_dump") is not False:
                 early = params.get("hidden_states_wait") is False
-                meta["hidden_states_path"] = dump(ids, req.get("rid") or uuid.uuid4().hex, early)
+                rows, extra = ids, None
+                if params.get(fmt.OUTPUT_PARAM) is True:
+                    rows, extra = fmt.fed_token_ids(ids, out), fmt.output_metadata(len(ids), out[-1])
+                meta["hidden_states_path"] = dump(rows, req.get("rid") or uuid.uuid4().hex, early, extra)
                 if early:
                     meta["hidden_states_pending"] = True
-            self.reply(200, {"output_ids": [1], "meta_info": meta})
+            self.reply(200, {"output_ids": out, "meta_info": meta})
 
     print("Memory pool end. avail mem=1.00 GB", flush=True)
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

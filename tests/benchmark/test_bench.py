@@ -456,12 +456,13 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
     from bench import servers
     from testing import server as launcher
 
-    args = _args(["--modes", ",".join(plan.MODES), "--max-host-mb", "1024",
+    prefill = [m for m in plan.MODES if not m.startswith("gen_")]  # generate modes: tests/benchmark/test_bench_gen.py
+    args = _args(["--modes", ",".join(prefill), "--max-host-mb", "1024",
                   "--dump-root", "/r", "--workdir", "/w", "--ports", "1,2,3"])
     assert {m: servers.server_for(args, m) for m in plan.MODES} == {
         "nodump": "A", "dump": "B", "dump_early": "B", "dump_fp8": "D", "dump_fp8_early": "D", "json": "A",
         "vllm_nodump": "V", "vllm_dump": "W", "dump_store": "S", "dump_store_early": "S",
-        "nodump_again": "A"}
+        "nodump_again": "A", "gen_nodump": "A", "gen_output": "B", "gen_two_pass": "A"}
     cmds = {w: servers.server_cmd(args, "deepseek-tiny", w) for w in "ABD"}
     assert servers.launcher is launcher  # the GPU suite's module, not a copy
     shared = launcher.base_command("sglang.launch_server", "/w/deepseek-tiny", 1, 0.3, python=sys.executable)
@@ -481,7 +482,7 @@ def test_server_kinds_serve_their_modes_and_differ_only_in_their_last_flags():
               "1,2,3,4", "--dump-hidden-states-max-host-mb", "1024", "--dump-hidden-states-dtype", "fp8"],
     }
     # S (the store modes, tests/benchmark/test_bench_store.py): B's tail with the store's address
-    store_args = _args(["--modes", ",".join(plan.MODES), "--max-host-mb", "1024", "--mooncake-port", "7",
+    store_args = _args(["--modes", ",".join(prefill), "--max-host-mb", "1024", "--mooncake-port", "7",
                         "--ports", "1,2,3,4,5,6"])
     s = servers.server_cmd(store_args, "deepseek-tiny", "S")
     assert s[len(shared) + len(common):] == [
