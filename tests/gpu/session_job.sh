@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Issue 48 in one background job on a staged device host (stage-stack.sh put p01-p17,
-# p24; carry .whl/d), so that no phase depends on the next call arriving in time:
-#   bash tests/gpu/kimi_slice_session.sh start [BENCH_DEADLINE_S]   (returns at once)
-#   bash tests/gpu/kimi_slice_session.sh collect [jit]              (copies what is done to $OUT)
-#   bash tests/gpu/kimi_slice_session.sh seed      (carry .jit-cache: a JIT cache collected earlier)
-# The job: the fused fp8 kernel's module (-k test_gpu_quant, seconds; quant.json); kimi_slice_prep.sh
-# bench (the Marlin prebuild in the background, the slices); the GPU module's bf16 and fp8
-# files and the reference check (-k "kimi_slice and (bf16_files or fp8_files or
-# match_reference)", fp8's benchmark one cell; the server waits on SGLang's JIT lock for
-# the prebuild); then
-# `python -m bench` on kimi-slice-2 (nodump, dump, dump_early, dump_fp8, dump_fp8_early; 2k/8k/32k x 1/8;
-# 3 rounds; --deadline-s BENCH_DEADLINE_S, default 300). Everything lands in /tmp/k48:
-# job.log, slice.json (pytest --results-json), logs/, bench/ and jit.tgz (SGLang's JIT
-# cache, for a later host: SGLANG_JIT_CACHE_DIR).
+# A GPU session's work as one background job on a staged device host (stage-stack.sh put
+# p01-p17, p24; carry .whl/d), so that no phase depends on the next call arriving in time:
+#   bash tests/gpu/session_job.sh start kimi|output [BENCH_DEADLINE_S]  (returns at once)
+#   bash tests/gpu/session_job.sh collect [jit]     (copies what is done to $OUT)
+#   bash tests/gpu/session_job.sh seed              (carry .jit-cache: a JIT cache collected earlier)
+# kimi (issue 48): the fused fp8 kernel's module (-k test_gpu_quant, seconds; quant.json);
+# kimi_slice_prep.sh bench (the Marlin prebuild in the background, the slices); the GPU
+# module's bf16 and fp8 files and the reference check (-k "kimi_slice and (bf16_files or
+# fp8_files or match_reference)", fp8's benchmark one cell; the server waits on SGLang's
+# JIT lock for the prebuild); then `python -m bench` on kimi-slice-2 (nodump, dump,
+# dump_early, dump_fp8, dump_fp8_early; 2k/8k/32k x 1/8; 3 rounds). Series v0.5.23.
+# output (issue 49, the candidate series patches/candidates/v0.5.23): the output-rows module
+# (test_gpu_output.py, llama and deepseek; output.json), then `python -m bench` on llama-8b
+# (gen_nodump, gen_output, gen_two_pass; 512 and 2k prompts, 512 generated tokens).
+# The candidate series is series 7 + 0009: on a host where series 7 is applied, `output`
+# first reverts it. BENCH_DEADLINE_S (default 300) cuts the bench's cells past it.
+# Everything lands in /tmp/k48: job.log, *.json (pytest --results-json), logs/, bench/
+# and jit.tgz (SGLang's JIT cache, for a later host: SGLANG_JIT_CACHE_DIR).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 k=/tmp/k48
@@ -22,10 +26,11 @@ case "${1:-}" in
       echo "a job is running (pid $(cat $k/job.pid)): collect it, or kill it first" >&2; exit 1
     fi
     mkdir -p $k/logs $k/bench
-    setsid nohup bash "$0" job "${2:-300}" >$k/job.log 2>&1 < /dev/null &
+    case "${2:-}" in kimi|output) ;; *) echo "start kimi|output [BENCH_DEADLINE_S]" >&2; exit 2 ;; esac
+    setsid nohup bash "$0" "job-$2" "${3:-300}" >$k/job.log 2>&1 < /dev/null &
     echo $! > $k/job.pid
     echo "started: $k/job.log" ;;
-  job)
+  job-kimi)
     t0=$(date +%s)
     stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
     stamp "fused fp8 kernel (no server)"
@@ -53,11 +58,27 @@ case "${1:-}" in
       --deadline-s "${2:-300}" --case kimi-slice-2
     stamp "bench rc $?"
     stamp done ;;
+  job-output)
+    t0=$(date +%s)
+    stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
+    eval "$(bash tests/gpu/stage-stack.sh env sglang)"
+    export PYTHONPATH="$PYTHONPATH:$PWD"
+    python3 -m sglang_ext patches revert --series patches/v0.5.23 --site-packages 2>/dev/null \
+      && stamp "series 7 reverted"
+    stamp "output-rows module (candidate series)"
+    KIMI_SGLANG_SERIES=candidates/v0.5.23 OUT=$k bash tests/gpu/run_e2e.sh run -k test_gpu_output \
+      --models llama,deepseek --results-json $k/output.json --server-log-dir $k/logs
+    stamp "module rc $?"
+    KIMI_SGLANG_SERIES=candidates/v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models llama-8b \
+      --modes gen_nodump,gen_output,gen_two_pass --prompt-lens 512,2048 --gen-tokens 512 --repeat 2 \
+      --counterbalance --skip-ceilings --peer-reference none --deadline-s "${2:-300}" --case gen-llama-8b
+    stamp "bench rc $?"
+    stamp done ;;
   collect)
     out=${OUT:?}
     tail -40 $k/job.log
     cp $k/job.log "$out/" 2>/dev/null
-    for f in $k/slice.json $k/quant.json; do [ -f "$f" ] && cp "$f" "$out/"; done
+    for f in $k/slice.json $k/quant.json $k/output.json; do [ -f "$f" ] && cp "$f" "$out/"; done
     for f in $k/bench/*.json $k/bench/*.md; do [ -f "$f" ] && cp "$f" "$out/"; done
     # SGLang's JIT cache (the Marlin MoE modules, ~17 MB), in parts $OUT takes (16 MiB a file):
     # keep them in .jit-cache/ (git-ignored) and carry that folder to `seed` a later host
