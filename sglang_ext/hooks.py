@@ -17,6 +17,8 @@ scheduler.py (0009)          ``wants_host_rows(batch)`` where the result's copy 
                              the host is queued behind its forward
 model_runner.py (0009)       ``setup_model(model_runner, output_rows=True)``
 tokenizer_manager.py         ``await finish_response(meta_info)``
+  (patch 0010)               ``abort_response(server_args, obj, meta_info)`` in
+                             the abort echo of a request ended while waiting
 serving_completions.py       ``openai_completion_extras(response, ret)``
 serving_chat.py              ``openai_chat_extras(response, ret)``
 http_server.py               ``json_data = warmup_request(server_args, json_data)``
@@ -40,6 +42,7 @@ from typing import List, Optional
 
 from sglang_ext import session as _session
 from sglang_ext.responses import (  # noqa: F401 - re-exported: the patches call them here
+    abort_response,
     finish_response,
     openai_chat_extras,
     openai_completion_extras,

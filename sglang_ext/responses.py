@@ -82,6 +82,55 @@ async def finish_response(meta_info: dict) -> None:
         meta_info[ERROR_KEY] = error
 
 
+ABORTED_MESSAGE = ("the request was aborted while it waited (never scheduled, or retracted under "
+                   "KV-cache pressure and not scheduled again), so its output rows were not dumped")
+
+
+def _custom_params(obj) -> dict:
+    """``custom_params`` of a ``GenerateReqInput``'s ``sampling_params`` (a dict), else {}."""
+    sampling = getattr(obj, "sampling_params", None)
+    params = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    return params if isinstance(params, dict) else {}
+
+
+def abort_response(server_args, obj, meta_info: dict) -> None:
+    """The response of a request the scheduler ended outside its output stream (SGLang's
+    abort echo, ``TokenizerManager._handle_abort_req``: aborted while it waited, whether
+    never scheduled or retracted under KV-cache pressure and not scheduled again, or
+    refused by a full queue). Such a request never reaches ``DumpSession.on_outputs``, and
+    the echo carries no ``customized_info``, so without this a request that asked for its
+    output rows would end with neither a file nor an error: it gets
+    ``hidden_states_error`` = ``ABORTED_MESSAGE`` in ``meta_info`` (modified in place).
+
+    ``obj``: its ``GenerateReqInput`` (``sampling_params`` a dict). Nothing happens when
+    dumping is off (``server_args.dump_hidden_states_dir`` unset), for SGLang's own
+    requests (``format.is_internal``), for a request without ``custom_params``
+    ``hidden_states_output: true``, or one that the server would not dump anyway
+    (``hidden_states_dump: false``, or outside ``KIMI_SGLANG_SAMPLE_RATE``: the rate is a
+    function of the rid, ``sampling.sample_point``). A prompt-only request is left as it
+    was (an abort before its prompt ran has no rows to name)."""
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return
+    rid = meta_info.get("id", getattr(obj, "rid", None))
+    params = _custom_params(obj)
+    if params.get(fmt.OUTPUT_PARAM) is not True or not isinstance(rid, str) or fmt.is_internal(rid):
+        return
+    asked = params.get(fmt.DUMP_PARAM)
+    if asked is False:
+        return
+    if asked is not True:
+        from sglang_ext.config import sampling_settings
+        from sglang_ext.sampling import sample_point
+
+        try:
+            rate = sampling_settings()["sample_rate"]
+        except ValueError:  # checked at start-up; a later change of the variable is not ours
+            rate = 1.0
+        if rate < 1 and sample_point(rid) >= rate:
+            return
+    meta_info[ERROR_KEY] = ABORTED_MESSAGE
+
+
 # ---- OpenAI-compatible /v1/completions and /v1/chat/completions (main process) ---------------------------------
 class HiddenStatesDumpError(RuntimeError):
     """The dump of a request failed; SGLang's OpenAI layer answers HTTP 500 (retryable)."""
