@@ -21,6 +21,9 @@ tokenizer_manager.py         ``await finish_response(meta_info)``
                              the abort echo of a request ended while waiting
 serving_completions.py       ``openai_completion_extras(response, ret)``
 serving_chat.py              ``openai_chat_extras(response, ret)``
+  (patch 0011; protocol.py   ``sampling_params = openai_sampling_params(server_args,
+  declares kv_transfer_      request, sampling_params)`` where each converts an
+  params on both requests)   OpenAI request for the tokenizer manager
 http_server.py               ``json_data = warmup_request(server_args, json_data)``
                              right before the server's warm-up POST
 ===========================  ====================================================
@@ -46,6 +49,7 @@ from sglang_ext.responses import (  # noqa: F401 - re-exported: the patches call
     finish_response,
     openai_chat_extras,
     openai_completion_extras,
+    openai_sampling_params,
 )
 from sglang_ext.session import DumpSession, check_server_args  # noqa: F401 - re-exported
 

@@ -132,6 +132,31 @@ def abort_response(server_args, obj, meta_info: dict) -> None:
 
 
 # ---- OpenAI-compatible /v1/completions and /v1/chat/completions (main process) ---------------------------------
+def openai_sampling_params(server_args, request, sampling_params: dict) -> dict:
+    """The sampling parameters of an OpenAI ``/v1/completions`` or ``/v1/chat/completions``
+    request, as SGLang converts it for the tokenizer manager, with vLLM's spelling of
+    "dump the output rows too" taken as ours: ``kv_transfer_params``
+    ``{"include_output_tokens": true}`` (vLLM's hidden-states connector;
+    ``format.VLLM_OUTPUT_PARAM``) sets ``custom_params`` ``{"hidden_states_output": true}``
+    (``format.OUTPUT_PARAM``), whatever ``custom_params`` said of it, as the stand-in
+    server does (``tools.standin``). Only JSON true turns it on; any other value, and every
+    other key of ``kv_transfer_params``, is ignored.
+
+    ``request``: SGLang's pydantic request (``kv_transfer_params``: a dict or None, the
+    field patch 0011 declares); ``sampling_params``: the dict SGLang built (not modified:
+    a new dict is returned when something changes, with a new ``custom_params``). Returned
+    unchanged when dumping is off (``server_args.dump_hidden_states_dir`` unset)."""
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return sampling_params
+    kv = getattr(request, "kv_transfer_params", None)
+    if not isinstance(kv, dict) or kv.get(fmt.VLLM_OUTPUT_PARAM) is not True:
+        return sampling_params
+    custom = sampling_params.get("custom_params")
+    custom = dict(custom) if isinstance(custom, dict) else {}
+    custom[fmt.OUTPUT_PARAM] = True
+    return {**sampling_params, "custom_params": custom}
+
+
 class HiddenStatesDumpError(RuntimeError):
     """The dump of a request failed; SGLang's OpenAI layer answers HTTP 500 (retryable)."""
 

@@ -1,10 +1,10 @@
-"""The candidate series ``patches/candidates/v0.5.23`` (series 7 + 0009-0010, output rows).
+"""The candidate series ``patches/candidates/v0.5.23`` (series 7 + 0009-0011, output rows).
 
 - It applies cleanly (no offsets) to the wheel its base.toml pins, as every ``patches/v*``
   series must (tests/tooling/test_nightly.py).
 - Its 0001-0008 are series 7's byte for byte but the ``[PATCH N/M]`` counter (and the
   subject's folding, which the counter's width moves), so a GPU run on it tests series 7
-  plus 0009-0010 and nothing else.
+  plus 0009-0011 and nothing else.
 - Nothing picks it by default: it is outside ``patches/v*``, and the newest gpu-verified
   series (build.sh, tests/run.sh, the GPU scripts' default) is still ``v0.5.23``.
 - On the wheel's sources with the series applied by plain ``git apply``: the doors sit
@@ -13,7 +13,8 @@
   queues it behind the forward; setup_model told that the doors exist).
 - On the wheel unpacked with the series applied (conftest's ``patched_site``), SGLang's own
   code around the main-process doors, run in a probe: the abort echo of a request ended
-  while waiting (0010, ``TokenizerManager._handle_abort_req``).
+  while waiting (0010, ``TokenizerManager._handle_abort_req``) and the conversion of
+  OpenAI requests (0011, ``_convert_to_internal_request`` of completions and chat).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ ADDED = {
               "python/sglang/srt/managers/scheduler_components/batch_result_processor.py",
               "python/sglang/srt/model_executor/model_runner.py"],
     "0010-": ["python/sglang/srt/managers/tokenizer_manager.py"],
+    "0011-": ["python/sglang/srt/entrypoints/openai/protocol.py",
+              "python/sglang/srt/entrypoints/openai/serving_chat.py",
+              "python/sglang/srt/entrypoints/openai/serving_completions.py"],
 }
 
 
@@ -121,16 +125,19 @@ def test_the_doors_sit_where_the_session_assumes(tmp_path, persistent_cache):  #
     assert runner.count("dump_hooks.setup_model(self, output_rows=True)") == 1
 
 
-# ---- the main-process doors, run in SGLang's own code (0010) -----------------------------
+# ---- the main-process doors, run in SGLang's own code (0010, 0011) -----------------------------
 # One probe on the patched wheel. SGLang's server dependency uvloop (not in the CPU venv)
 # only gives the tokenizer manager its event-loop policy at import: asyncio's stands in.
 # What the probe makes up is what the code under test reads of its server, never its
-# result: a server-args namespace for the door, the tokenizer manager's fields that
-# _handle_abort_req reads.
+# result: a server-args namespace for the doors, the tokenizer manager's fields that
+# _handle_abort_req reads, the chat template's step (a prompt of token ids).
 PROBE = r"""
 import asyncio, json, sys, types
 _uv = types.ModuleType("uvloop"); _uv.EventLoopPolicy = asyncio.DefaultEventLoopPolicy
 sys.modules.setdefault("uvloop", _uv)
+from sglang.srt.entrypoints.openai import protocol
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.managers import tokenizer_manager as tm
 from sglang.srt.managers.io_struct import AbortReq, GenerateReqInput
 from sglang.srt.runtime_context import publish
@@ -159,10 +166,32 @@ def abort(rid, custom, on):
     return {"finish": out["meta_info"]["finish_reason"]["type"],
             "keys": {k: v for k, v in out["meta_info"].items() if k.startswith("hidden_states")}}
 
+def completion(body, on):
+    srv = object.__new__(OpenAIServingCompletion)
+    srv.tokenizer_manager = types.SimpleNamespace(server_args=args(on))
+    srv.template_manager = types.SimpleNamespace(completion_template_name=None)
+    srv.allowed_custom_labels = None
+    adapted, _ = srv._convert_to_internal_request(protocol.CompletionRequest(**body))
+    return adapted.sampling_params.get("custom_params")
+
+def chat(body, on):
+    srv = object.__new__(OpenAIServingChat)
+    srv.tokenizer_manager = types.SimpleNamespace(server_args=args(on), model_config=types.SimpleNamespace(
+        is_multimodal=False, hf_config=types.SimpleNamespace(architectures=["LlamaForCausalLM"])))
+    srv.template_manager = types.SimpleNamespace(reasoning_config=None)
+    srv.reasoning_parser, srv.is_gpt_oss, srv.allowed_custom_labels = None, False, None
+    srv.default_sampling_params, srv.chat_encoding_spec = {}, None
+    srv._prompt_text_round_trip_is_lossy = srv._tokenizer_auto_adds_specials = False
+    srv._process_messages = lambda request, is_multimodal: protocol.MessageProcessingResult(
+        prompt="", prompt_ids=[1, 2, 3], image_data=None, audio_data=None, video_data=None,
+        modalities=[], stop=[])
+    adapted, _ = srv._convert_to_internal_request(protocol.ChatCompletionRequest(**body))
+    return adapted.sampling_params.get("custom_params")
+
 out = {}
 for name, (kind, *a) in json.loads(sys.argv[1]).items():
     try:
-        out[name] = {"ok": {"abort": abort}[kind](*a)}
+        out[name] = {"ok": {"abort": abort, "completion": completion, "chat": chat}[kind](*a)}
     except Exception:
         import traceback
         out[name] = {"error": traceback.format_exc()[-2000:]}
@@ -183,7 +212,8 @@ def _rid(sampled: bool) -> str:
 
 
 IN, OUT = _rid(True), _rid(False)
-OUTPUT = {"hidden_states_output": True}
+OUTPUT, VLLM = {"hidden_states_output": True}, {"kv_transfer_params": {"include_output_tokens": True}}
+MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
 CASES = {
     "abort output": ["abort", IN, OUTPUT, True],
     "abort output, dumping off": ["abort", IN, OUTPUT, False],
@@ -191,6 +221,16 @@ CASES = {
     "abort output, dump false": ["abort", IN, {**OUTPUT, "hidden_states_dump": False}, True],
     "abort output, rate leaves it out": ["abort", OUT, OUTPUT, True],
     "abort output, rate left out but asked": ["abort", OUT, {**OUTPUT, "hidden_states_dump": True}, True],
+    "completion vllm": ["completion", {"prompt": [1, 2, 3], **VLLM}, True],
+    "completion vllm + custom": ["completion", {"prompt": [1, 2, 3], "custom_params": {
+        "hidden_states_wait": False, "hidden_states_output": False}, **VLLM}, True],
+    "completion vllm not true": ["completion", {"prompt": [1, 2, 3], "kv_transfer_params": {
+        "include_output_tokens": "yes"}}, True],
+    "completion vllm, dumping off": ["completion", {"prompt": [1, 2, 3], **VLLM}, False],
+    "completion ours": ["completion", {"prompt": [1, 2, 3], "custom_params": OUTPUT}, True],
+    "chat vllm": ["chat", {**MESSAGES, **VLLM}, True],
+    "chat vllm + custom": ["chat", {**MESSAGES, "custom_params": {"hidden_states_wait": False}, **VLLM}, True],
+    "chat without": ["chat", MESSAGES, True],
 }
 
 
@@ -224,3 +264,18 @@ def test_an_output_request_aborted_while_waiting_says_why_it_has_no_file(doors):
                  "abort output, rate leaves it out"):
         assert doors[name] == {"finish": "abort", "keys": {}}, name
 
+
+@pytest.mark.network
+def test_vllms_include_output_tokens_asks_for_output_rows_on_both_openai_routes(doors):
+    """0011: kv_transfer_params {"include_output_tokens": true} reaches SGLang's sampling
+    parameters as custom_params hidden_states_output (pydantic dropped the undeclared
+    field before); other custom_params are kept, only JSON true counts, and nothing changes
+    with dumping off."""
+    assert doors["completion vllm"] == {"hidden_states_output": True}
+    assert doors["completion vllm + custom"] == {"hidden_states_wait": False, "hidden_states_output": True}
+    assert doors["completion vllm not true"] is None
+    assert doors["completion vllm, dumping off"] is None
+    assert doors["completion ours"] == {"hidden_states_output": True}
+    assert doors["chat vllm"] == {"hidden_states_output": True}
+    assert doors["chat vllm + custom"] == {"hidden_states_wait": False, "hidden_states_output": True}
+    assert doors["chat without"] is None
