@@ -23,13 +23,22 @@ MANIFEST_KEY = fmt.MANIFEST_KEY
 def set_info(req, key: str, value) -> None:
     """Record a per-request value where SGLang carries it to ``meta_info``.
 
-    Upstream ships ``req.customized_info[key]`` (a list aligned with output tokens) to
-    the tokenizer manager, which puts it into ``meta_info[key]``;
-    ``finish_response`` turns the list back into the single value.
+    Upstream ships ``req.customized_info[key]``, a list aligned with the output tokens, to
+    the tokenizer manager in each output, sliced to the tokens that output carries
+    (``values[send_token_offset:len(output_ids_through_stop)]``,
+    ``output_streamer._GenerationStreamAccumulator.accept``); the tokenizer manager adds
+    the slices up into ``meta_info[key]`` and ``finish_response`` turns the list back into
+    the single value. A request is sent before it ends when it streams, and every
+    ``SGLANG_FORCE_STREAM_INTERVAL`` (50) tokens when it does not, so the value fills every
+    position not sent yet (``req.send_token_offset`` on): ``[None] * sent + [value] *
+    max(1, len(output_ids) - sent)``. The next output carries it, whether it is recorded
+    before the step's token is appended (the prefill hook) or after (``on_outputs``).
     """
     if req.customized_info is None:
         req.customized_info = {}
-    req.customized_info[key] = [value]
+    sent = int(getattr(req, "send_token_offset", 0) or 0)
+    unsent = max(1, len(getattr(req, "output_ids", None) or ()) - sent)
+    req.customized_info[key] = [None] * sent + [value] * unsent
 
 
 def drop_info(req, *keys: str) -> None:
