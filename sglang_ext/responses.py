@@ -234,6 +234,33 @@ def openai_chat_extras(response, ret):
     return _with_dump_extras(response, ret)
 
 
+def openai_stream_extras(chunk, metas: Dict[int, dict]):
+    """The dump's chunk of a streaming ``/v1/completions`` or ``/v1/chat/completions``
+    response (patch 0012), sent after every choice's last chunk and before the usage one:
+    ``chunk`` (SGLang's stream response model with ``choices=[]``, a response-level chunk
+    as its ``sglext`` one) plus top-level ``kv_transfer_params``, as the non-streaming
+    response has it (``openai_completion_extras``): the first choice's
+    ``hidden_states_path`` (or the store sink's manifest), all of them in
+    ``hidden_states_paths`` / ``hidden_states_manifests`` when there are several. A failed
+    dump cannot be an HTTP 500 once the stream has begun: ``kv_transfer_params`` then says
+    ``hidden_states_error`` (the first failed choice's; ``hidden_states_errors``, one per
+    choice, None where none failed, when there are several).
+
+    ``metas``: choice index -> the ``meta_info`` of its last output (``finish_response``
+    has made the dump keys plain values). Returns None when no choice has a dump key
+    (dumping off, skipped requests), so nothing is sent."""
+    last = [metas[i] or {} for i in sorted(metas)]
+    if not any(m.get(k) for m in last for k in (PATH_KEY, ERROR_KEY, MANIFEST_KEY)):
+        return None
+    errors = [m.get(ERROR_KEY) for m in last]
+    if any(errors):
+        params: Dict[str, Any] = {ERROR_KEY: next(e for e in errors if e)}
+        if len(errors) > 1:
+            params[ERROR_KEY + "s"] = errors
+        return _extended(chunk, params)
+    return _with_dump_extras(chunk, [{"meta_info": m} for m in last])
+
+
 def _with_dump_extras(response, ret):
     """``response`` with the dump's ``kv_transfer_params`` (see ``openai_completion_extras``)."""
     items = ret if isinstance(ret, list) else [ret]
@@ -253,6 +280,12 @@ def _with_dump_extras(response, ret):
             params[PATH_KEY + "s"] = paths
     else:
         return response
+    return _extended(response, params)
+
+
+def _extended(response, params: dict):
+    """``response`` (a pydantic model) as its subclass with ``kv_transfer_params`` =
+    ``params``; returned unchanged when it is not one (an error response SGLang built)."""
     cls = type(response)
     if not hasattr(cls, "model_fields"):  # an error response SGLang built instead
         return response

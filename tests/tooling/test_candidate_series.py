@@ -1,10 +1,10 @@
-"""The candidate series ``patches/candidates/v0.5.23`` (series 7 + 0009-0011, output rows).
+"""The candidate series ``patches/candidates/v0.5.23`` (series 7 + 0009-0012, output rows).
 
 - It applies cleanly (no offsets) to the wheel its base.toml pins, as every ``patches/v*``
   series must (tests/tooling/test_nightly.py).
 - Its 0001-0008 are series 7's byte for byte but the ``[PATCH N/M]`` counter (and the
   subject's folding, which the counter's width moves), so a GPU run on it tests series 7
-  plus 0009-0011 and nothing else.
+  plus 0009-0012 and nothing else.
 - Nothing picks it by default: it is outside ``patches/v*``, and the newest gpu-verified
   series (build.sh, tests/run.sh, the GPU scripts' default) is still ``v0.5.23``.
 - On the wheel's sources with the series applied by plain ``git apply``: the doors sit
@@ -13,8 +13,9 @@
   queues it behind the forward; setup_model told that the doors exist).
 - On the wheel unpacked with the series applied (conftest's ``patched_site``), SGLang's own
   code around the main-process doors, run in a probe: the abort echo of a request ended
-  while waiting (0010, ``TokenizerManager._handle_abort_req``) and the conversion of
-  OpenAI requests (0011, ``_convert_to_internal_request`` of completions and chat).
+  while waiting (0010, ``TokenizerManager._handle_abort_req``), the conversion of OpenAI
+  requests (0011, ``_convert_to_internal_request`` of completions and chat) and their
+  streaming responses (0012, ``_generate_completion_stream``, ``_generate_chat_stream``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ ADDED = {
     "0010-": ["python/sglang/srt/managers/tokenizer_manager.py"],
     "0011-": ["python/sglang/srt/entrypoints/openai/protocol.py",
               "python/sglang/srt/entrypoints/openai/serving_chat.py",
+              "python/sglang/srt/entrypoints/openai/serving_completions.py"],
+    "0012-": ["python/sglang/srt/entrypoints/openai/serving_chat.py",
               "python/sglang/srt/entrypoints/openai/serving_completions.py"],
 }
 
@@ -125,12 +128,13 @@ def test_the_doors_sit_where_the_session_assumes(tmp_path, persistent_cache):  #
     assert runner.count("dump_hooks.setup_model(self, output_rows=True)") == 1
 
 
-# ---- the main-process doors, run in SGLang's own code (0010, 0011) -----------------------------
+# ---- the main-process doors, run in SGLang's own code (0010-0012) -----------------------------
 # One probe on the patched wheel. SGLang's server dependency uvloop (not in the CPU venv)
 # only gives the tokenizer manager its event-loop policy at import: asyncio's stands in.
 # What the probe makes up is what the code under test reads of its server, never its
 # result: a server-args namespace for the doors, the tokenizer manager's fields that
-# _handle_abort_req reads, the chat template's step (a prompt of token ids).
+# _handle_abort_req reads, the chat template's step (a prompt of token ids), the outputs of
+# the tokenizer manager a stream is made of.
 PROBE = r"""
 import asyncio, json, sys, types
 _uv = types.ModuleType("uvloop"); _uv.EventLoopPolicy = asyncio.DefaultEventLoopPolicy
@@ -188,10 +192,49 @@ def chat(body, on):
     adapted, _ = srv._convert_to_internal_request(protocol.ChatCompletionRequest(**body))
     return adapted.sampling_params.get("custom_params")
 
+def outputs(choices):
+    # what the tokenizer manager yields for a streaming request: per choice, an output per
+    # token, the last one finished with its meta_info as finish_response left it
+    async def generate_request(adapted, raw):
+        for index, last in enumerate(choices):
+            for t in range(3):
+                meta = {"id": "cmpl-1", "prompt_tokens": 3, "completion_tokens": t + 1,
+                        "finish_reason": {"type": "length", "length": 3} if t == 2 else None}
+                yield {"index": index, "text": "ab"[t % 2], "output_ids": [7],
+                       "meta_info": {**meta, **(last if t == 2 else {})}}
+    return generate_request
+
+def sse(stream):
+    async def run():
+        return [x async for x in stream]
+    chunks = asyncio.run(run())
+    assert chunks[-1] == "data: [DONE]\n\n", chunks[-1]
+    return [json.loads(c[len("data: "):]) for c in chunks[:-1]]
+
+def completion_stream(choices, body):
+    srv = object.__new__(OpenAIServingCompletion)
+    srv.tokenizer_manager = types.SimpleNamespace(generate_request=outputs(choices))
+    request = protocol.CompletionRequest(prompt=[1, 2, 3], stream=True, n=len(choices), **body)
+    return sse(srv._generate_completion_stream(GenerateReqInput(input_ids=[1, 2, 3]), request, None))
+
+def chat_stream(choices, body):
+    model_config = types.SimpleNamespace(get_default_sampling_params=dict, is_multimodal=False, hf_config=
+                                         types.SimpleNamespace(model_type="llama", architectures=["LlamaForCausalLM"]))
+    mgr = types.SimpleNamespace(generate_request=outputs(choices), config_value=lambda name: None, server_args=None,
+                                model_config=model_config, tokenizer=None)
+    templates = types.SimpleNamespace(chat_template_name=None, completion_template_name=None, reasoning_config=None,
+                                      jinja_template_content_format=None, python_chat_template=None)
+    srv = OpenAIServingChat(mgr, templates)
+    request = protocol.ChatCompletionRequest(stream=True, n=len(choices), **MESSAGES, **body)
+    return sse(srv._generate_chat_stream(GenerateReqInput(input_ids=[1, 2, 3]), request, None))
+
+MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
+KINDS = {"abort": abort, "completion": completion, "chat": chat, "completion_stream": completion_stream,
+         "chat_stream": chat_stream}
 out = {}
 for name, (kind, *a) in json.loads(sys.argv[1]).items():
     try:
-        out[name] = {"ok": {"abort": abort, "completion": completion, "chat": chat}[kind](*a)}
+        out[name] = {"ok": KINDS[kind](*a)}
     except Exception:
         import traceback
         out[name] = {"error": traceback.format_exc()[-2000:]}
@@ -213,7 +256,7 @@ def _rid(sampled: bool) -> str:
 
 IN, OUT = _rid(True), _rid(False)
 OUTPUT, VLLM = {"hidden_states_output": True}, {"kv_transfer_params": {"include_output_tokens": True}}
-MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {"messages": [{"role": "user", "content": "hi"}]}  # (the probe has its own)
 CASES = {
     "abort output": ["abort", IN, OUTPUT, True],
     "abort output, dumping off": ["abort", IN, OUTPUT, False],
@@ -232,6 +275,16 @@ CASES = {
     "chat vllm + custom": ["chat", {**MESSAGES, "custom_params": {"hidden_states_wait": False}, **VLLM}, True],
     "chat without": ["chat", MESSAGES, True],
 }
+PATHS = [{"hidden_states_path": "/dump/a.safetensors"}, {"hidden_states_path": "/dump/b.safetensors"}]
+FAILED = {"hidden_states_error": "OSError: [Errno 28] No space left on device"}
+USAGE = {"stream_options": {"include_usage": True}}
+for route in ("completion", "chat"):
+    CASES.update({
+        f"{route} stream": [f"{route}_stream", PATHS[:1], {}],
+        f"{route} stream n=2 + usage": [f"{route}_stream", PATHS, USAGE],
+        f"{route} stream failed": [f"{route}_stream", [FAILED], {}],
+        f"{route} stream not dumped": [f"{route}_stream", [{}], USAGE],
+    })
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +332,25 @@ def test_vllms_include_output_tokens_asks_for_output_rows_on_both_openai_routes(
     assert doors["chat vllm"] == {"hidden_states_output": True}
     assert doors["chat vllm + custom"] == {"hidden_states_wait": False, "hidden_states_output": True}
     assert doors["chat without"] is None
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("route", ["completion", "chat"])
+def test_streaming_responses_name_the_file_or_the_error_in_their_last_chunk(doors, route):
+    """0012: SGLang's own stream generators, fed the tokenizer manager's outputs (the last
+    of each choice holding its path or error): after every choice's last chunk and before
+    the usage chunk comes one response-level chunk (``choices: []``) whose
+    ``kv_transfer_params`` names the file (each choice's when n > 1), or the error; none
+    for a request that was not dumped. Before, no chunk carried any of it."""
+    def dump_chunks(chunks):
+        return [i for i, c in enumerate(chunks) if "kv_transfer_params" in c]
+
+    one = doors[f"{route} stream"]
+    assert dump_chunks(one) == [len(one) - 1] and one[-1]["choices"] == []
+    assert one[-1]["kv_transfer_params"] == PATHS[0]
+    assert one[-2]["choices"][0]["finish_reason"] == "length"
+    two = doors[f"{route} stream n=2 + usage"]
+    assert dump_chunks(two) == [len(two) - 2] and two[-1]["usage"] is not None, "before the usage chunk"
+    assert two[-2]["kv_transfer_params"] == {**PATHS[0], "hidden_states_paths": [p["hidden_states_path"] for p in PATHS]}
+    assert doors[f"{route} stream failed"][-1]["kv_transfer_params"] == FAILED
+    assert dump_chunks(doors[f"{route} stream not dumped"]) == []
