@@ -63,7 +63,8 @@ OUTPUT = ["test_greedy_8_concurrent", "test_sampled_4", "test_stop_token_and_sto
           "test_max_new_tokens_1_is_the_prompt_file_with_its_one_token",
           "test_without_the_parameter_in_the_same_batches_prompt_only",
           "test_abort_mid_generation_leaves_a_whole_file_or_none"]
-KIMI_SLICE = ["test_bf16_files", "test_bf16_bench", "test_fp8_files_and_bench", "test_nodump_bench",
+KIMI_SLICE = ["test_bf16_files", "test_bf16_bench", "test_fp8_files_and_bench",
+              "test_store_objects[bf16]", "test_store_objects[fp8]", "test_nodump_bench",
               "test_dump_equals_sglang_own_rows", "test_files_match_reference"]
 
 
