@@ -24,8 +24,8 @@ serving_chat.py              ``openai_chat_extras(response, ret)``
   (patch 0011; protocol.py   ``sampling_params = openai_sampling_params(server_args,
   declares kv_transfer_      request, sampling_params)`` where each converts an
   params on both requests)   OpenAI request for the tokenizer manager
-  (patch 0012)               ``openai_stream_extras(chunk, metas)``: the streaming
-                             response's dump chunk, before its usage chunk
+  (patch 0012)               ``openai_stream_extras(chunk_cls, metas, **fields)``:
+                             the stream's dump chunk, before its usage chunk
 http_server.py               ``json_data = warmup_request(server_args, json_data)``
                              right before the server's warm-up POST
 ===========================  ====================================================

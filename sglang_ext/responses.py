@@ -234,11 +234,12 @@ def openai_chat_extras(response, ret):
     return _with_dump_extras(response, ret)
 
 
-def openai_stream_extras(chunk, metas: Dict[int, dict]):
+def openai_stream_extras(chunk_cls, metas: Dict[int, dict], **fields):
     """The dump's chunk of a streaming ``/v1/completions`` or ``/v1/chat/completions``
     response (patch 0012), sent after every choice's last chunk and before the usage one:
-    ``chunk`` (SGLang's stream response model with ``choices=[]``, a response-level chunk
-    as its ``sglext`` one) plus top-level ``kv_transfer_params``, as the non-streaming
+    a response-level chunk (``chunk_cls``, SGLang's stream response model, with
+    ``choices=[]`` and ``fields``: ``created``, ``model``; ``id`` the first choice's, as
+    its ``sglext`` chunk) plus top-level ``kv_transfer_params``, as the non-streaming
     response has it (``openai_completion_extras``): the first choice's
     ``hidden_states_path`` (or the store sink's manifest), all of them in
     ``hidden_states_paths`` / ``hidden_states_manifests`` when there are several. A failed
@@ -248,10 +249,11 @@ def openai_stream_extras(chunk, metas: Dict[int, dict]):
 
     ``metas``: choice index -> the ``meta_info`` of its last output (``finish_response``
     has made the dump keys plain values). Returns None when no choice has a dump key
-    (dumping off, skipped requests), so nothing is sent."""
+    (dumping off, skipped requests, no output at all), so nothing is sent."""
     last = [metas[i] or {} for i in sorted(metas)]
     if not any(m.get(k) for m in last for k in (PATH_KEY, ERROR_KEY, MANIFEST_KEY)):
         return None
+    chunk = chunk_cls(id=last[0].get("id"), choices=[], **fields)
     errors = [m.get(ERROR_KEY) for m in last]
     if any(errors):
         params: Dict[str, Any] = {ERROR_KEY: next(e for e in errors if e)}

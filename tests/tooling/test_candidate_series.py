@@ -346,7 +346,7 @@ def test_streaming_responses_name_the_file_or_the_error_in_their_last_chunk(door
         return [i for i, c in enumerate(chunks) if "kv_transfer_params" in c]
 
     one = doors[f"{route} stream"]
-    assert dump_chunks(one) == [len(one) - 1] and one[-1]["choices"] == []
+    assert dump_chunks(one) == [len(one) - 1] and one[-1]["choices"] == [] and one[-1]["id"] == "cmpl-1"
     assert one[-1]["kv_transfer_params"] == PATHS[0]
     assert one[-2]["choices"][0]["finish_reason"] == "length"
     two = doors[f"{route} stream n=2 + usage"]
