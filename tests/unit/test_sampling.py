@@ -161,6 +161,30 @@ def test_output_requests_count_their_longest_file_until_they_end_then_what_they_
     assert sess.policy.counts == {"sampled": 2, "rate": 0, "budget": 2, "disk_floor": 0}
 
 
+def test_an_output_request_sglang_lets_go_of_gives_its_bound_back(dump, clean_env, sessions):
+    """An output request retracted (or aborted while waiting) and then dropped by SGLang
+    never ends in a batch: when its Req is collected (weakref finalizer) it gives its
+    bound back, so the budget it held is free for the next one."""
+    import gc
+
+    from standins import GenReq, run_decode, run_output_prefill
+
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", repr(1000 / GIB))
+    sess = sessions.start(make_runner(dump, layers="2,4"), output_rows=True)
+    gone = GenReq("gone", 4, 1, max_new_tokens=10)  # (4 + 9) x 72 = 936 bytes at most
+    run_output_prefill(sess, [(gone, 0, 4)], IDS)
+    run_decode(sess, [gone], IDS)
+    assert sess.policy.admitted_bytes == 936
+    del gone
+    gc.collect()
+    after = GenReq("after", 4, 2, max_new_tokens=10)
+    run_output_prefill(sess, [(after, 0, 4)], IDS)  # fits only if "gone" gave its 936 back
+    while not after.finished():
+        run_decode(sess, [after], IDS)
+    assert "hidden_states_path" in finish(after) and sess.policy.counts["budget"] == 0
+    assert sess.writer.held_bytes() == 0
+
+
 def test_the_budget_is_shared_by_the_writing_ranks(clean_env):
     clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", "3")
     assert sampling_settings(writers=2)["budget_bytes"] == 3 * GIB // 2
