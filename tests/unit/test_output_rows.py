@@ -15,6 +15,7 @@ the generated ids but the last, which the simulation records on its own.
 
 import asyncio
 import gc
+import logging
 import os
 import types
 
@@ -320,8 +321,15 @@ def _sglang_outputs():
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    # a scheduler's config, active only while SGLang's code runs (this process's is kept)
-    context = create_context(prepare_server_args(["--model-path", "dummy"]), role="scheduler")
+    # a scheduler's config, active only while SGLang's code runs (this process's is kept;
+    # so is the root logger, whose level SGLang's argument parsing sets)
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        context = create_context(prepare_server_args(["--model-path", "dummy"]), role="scheduler")
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
 
     def one_step(req) -> dict:
         acc = _GenerationStreamAccumulator(
