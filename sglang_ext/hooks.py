@@ -36,8 +36,9 @@ carries). This module holds the process's live session, made by ``setup_model``,
 forwards to it. Every function returns at once when dumping is off. SGLang (and torch) is
 imported lazily so the patched files can import this module without cycles.
 
-Process model: the tokenizer manager (main process) calls ``check_server_args`` and
-``finish_response``; each scheduler process (one per TP rank) calls the rest. Only the
+Process model: the main process (tokenizer manager, HTTP server, OpenAI layer) calls
+``check_server_args``, ``warmup_request``, ``finish_response``, ``abort_response`` and the
+``openai_*`` functions; each scheduler process (one per TP rank) calls the rest. Only the
 attention-TP rank 0 of the target model writes; other ranks keep their rows on the GPU.
 """
 
