@@ -17,8 +17,15 @@ scheduler.py (0009)          ``wants_host_rows(batch)`` where the result's copy 
                              the host is queued behind its forward
 model_runner.py (0009)       ``setup_model(model_runner, output_rows=True)``
 tokenizer_manager.py         ``await finish_response(meta_info)``
+  (patch 0010)               ``abort_response(server_args, obj, meta_info)`` in
+                             the abort echo of a request ended while waiting
 serving_completions.py       ``openai_completion_extras(response, ret)``
 serving_chat.py              ``openai_chat_extras(response, ret)``
+  (patch 0011; protocol.py   ``sampling_params = openai_sampling_params(server_args,
+  declares kv_transfer_      request, sampling_params)`` where each converts an
+  params on both requests)   OpenAI request for the tokenizer manager
+  (patch 0012)               ``openai_stream_extras(chunk_cls, metas, **fields)``:
+                             the stream's dump chunk, before its usage chunk
 http_server.py               ``json_data = warmup_request(server_args, json_data)``
                              right before the server's warm-up POST
 ===========================  ====================================================
@@ -29,8 +36,9 @@ carries). This module holds the process's live session, made by ``setup_model``,
 forwards to it. Every function returns at once when dumping is off. SGLang (and torch) is
 imported lazily so the patched files can import this module without cycles.
 
-Process model: the tokenizer manager (main process) calls ``check_server_args`` and
-``finish_response``; each scheduler process (one per TP rank) calls the rest. Only the
+Process model: the main process (tokenizer manager, HTTP server, OpenAI layer) calls
+``check_server_args``, ``warmup_request``, ``finish_response``, ``abort_response`` and the
+``openai_*`` functions; each scheduler process (one per TP rank) calls the rest. Only the
 attention-TP rank 0 of the target model writes; other ranks keep their rows on the GPU.
 """
 
@@ -40,9 +48,12 @@ from typing import List, Optional
 
 from sglang_ext import session as _session
 from sglang_ext.responses import (  # noqa: F401 - re-exported: the patches call them here
+    abort_response,
     finish_response,
     openai_chat_extras,
     openai_completion_extras,
+    openai_sampling_params,
+    openai_stream_extras,
 )
 from sglang_ext.session import DumpSession, check_server_args  # noqa: F401 - re-exported
 

@@ -23,13 +23,22 @@ MANIFEST_KEY = fmt.MANIFEST_KEY
 def set_info(req, key: str, value) -> None:
     """Record a per-request value where SGLang carries it to ``meta_info``.
 
-    Upstream ships ``req.customized_info[key]`` (a list aligned with output tokens) to
-    the tokenizer manager, which puts it into ``meta_info[key]``;
-    ``finish_response`` turns the list back into the single value.
+    Upstream ships ``req.customized_info[key]``, a list aligned with the output tokens, to
+    the tokenizer manager in each output, sliced to the tokens that output carries
+    (``values[send_token_offset:len(output_ids_through_stop)]``,
+    ``output_streamer._GenerationStreamAccumulator.accept``); the tokenizer manager adds
+    the slices up into ``meta_info[key]`` and ``finish_response`` turns the list back into
+    the single value. A request is sent before it ends when it streams, and every
+    ``SGLANG_FORCE_STREAM_INTERVAL`` (50) tokens when it does not, so the value fills every
+    position not sent yet (``req.send_token_offset`` on): ``[None] * sent + [value] *
+    max(1, len(output_ids) - sent)``. The next output carries it, whether it is recorded
+    before the step's token is appended (the prefill hook) or after (``on_outputs``).
     """
     if req.customized_info is None:
         req.customized_info = {}
-    req.customized_info[key] = [value]
+    sent = int(getattr(req, "send_token_offset", 0) or 0)
+    unsent = max(1, len(getattr(req, "output_ids", None) or ()) - sent)
+    req.customized_info[key] = [None] * sent + [value] * unsent
 
 
 def drop_info(req, *keys: str) -> None:
@@ -82,7 +91,81 @@ async def finish_response(meta_info: dict) -> None:
         meta_info[ERROR_KEY] = error
 
 
+ABORTED_MESSAGE = ("the request was aborted while it waited (never scheduled, or retracted under "
+                   "KV-cache pressure and not scheduled again), so its output rows were not dumped")
+
+
+def _custom_params(obj) -> dict:
+    """``custom_params`` of a ``GenerateReqInput``'s ``sampling_params`` (a dict), else {}."""
+    sampling = getattr(obj, "sampling_params", None)
+    params = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    return params if isinstance(params, dict) else {}
+
+
+def abort_response(server_args, obj, meta_info: dict) -> None:
+    """The response of a request the scheduler ended outside its output stream (SGLang's
+    abort echo, ``TokenizerManager._handle_abort_req``: aborted while it waited, whether
+    never scheduled or retracted under KV-cache pressure and not scheduled again, or
+    refused by a full queue). Such a request never reaches ``DumpSession.on_outputs``, and
+    the echo carries no ``customized_info``, so without this a request that asked for its
+    output rows would end with neither a file nor an error: it gets
+    ``hidden_states_error`` = ``ABORTED_MESSAGE`` in ``meta_info`` (modified in place).
+
+    ``obj``: its ``GenerateReqInput`` (``sampling_params`` a dict). Nothing happens when
+    dumping is off (``server_args.dump_hidden_states_dir`` unset), for SGLang's own
+    requests (``format.is_internal``), for a request without ``custom_params``
+    ``hidden_states_output: true``, or one that the server would not dump anyway
+    (``hidden_states_dump: false``, or outside ``KIMI_SGLANG_SAMPLE_RATE``: the rate is a
+    function of the rid, ``sampling.sample_point``). A prompt-only request is left as it
+    was (an abort before its prompt ran has no rows to name)."""
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return
+    rid = meta_info.get("id", getattr(obj, "rid", None))
+    params = _custom_params(obj)
+    if params.get(fmt.OUTPUT_PARAM) is not True or not isinstance(rid, str) or fmt.is_internal(rid):
+        return
+    asked = params.get(fmt.DUMP_PARAM)
+    if asked is False:
+        return
+    if asked is not True:
+        from sglang_ext.config import sampling_settings
+        from sglang_ext.sampling import sample_point
+
+        try:
+            rate = sampling_settings()["sample_rate"]
+        except ValueError:  # checked at start-up; a later change of the variable is not ours
+            rate = 1.0
+        if rate < 1 and sample_point(rid) >= rate:
+            return
+    meta_info[ERROR_KEY] = ABORTED_MESSAGE
+
+
 # ---- OpenAI-compatible /v1/completions and /v1/chat/completions (main process) ---------------------------------
+def openai_sampling_params(server_args, request, sampling_params: dict) -> dict:
+    """The sampling parameters of an OpenAI ``/v1/completions`` or ``/v1/chat/completions``
+    request, as SGLang converts it for the tokenizer manager, with vLLM's spelling of
+    "dump the output rows too" taken as ours: ``kv_transfer_params``
+    ``{"include_output_tokens": true}`` (vLLM's hidden-states connector;
+    ``format.VLLM_OUTPUT_PARAM``) sets ``custom_params`` ``{"hidden_states_output": true}``
+    (``format.OUTPUT_PARAM``), whatever ``custom_params`` said of it, as the stand-in
+    server does (``tools.standin``). Only JSON true turns it on; any other value, and every
+    other key of ``kv_transfer_params``, is ignored.
+
+    ``request``: SGLang's pydantic request (``kv_transfer_params``: a dict or None, the
+    field patch 0011 declares); ``sampling_params``: the dict SGLang built (not modified:
+    a new dict is returned when something changes, with a new ``custom_params``). Returned
+    unchanged when dumping is off (``server_args.dump_hidden_states_dir`` unset)."""
+    if getattr(server_args, "dump_hidden_states_dir", None) is None:
+        return sampling_params
+    kv = getattr(request, "kv_transfer_params", None)
+    if not isinstance(kv, dict) or kv.get(fmt.VLLM_OUTPUT_PARAM) is not True:
+        return sampling_params
+    custom = sampling_params.get("custom_params")
+    custom = dict(custom) if isinstance(custom, dict) else {}
+    custom[fmt.OUTPUT_PARAM] = True
+    return {**sampling_params, "custom_params": custom}
+
+
 class HiddenStatesDumpError(RuntimeError):
     """The dump of a request failed; SGLang's OpenAI layer answers HTTP 500 (retryable)."""
 
@@ -151,6 +234,35 @@ def openai_chat_extras(response, ret):
     return _with_dump_extras(response, ret)
 
 
+def openai_stream_extras(chunk_cls, metas: Dict[int, dict], **fields):
+    """The dump's chunk of a streaming ``/v1/completions`` or ``/v1/chat/completions``
+    response (patch 0012), sent after every choice's last chunk and before the usage one:
+    a response-level chunk (``chunk_cls``, SGLang's stream response model, with
+    ``choices=[]`` and ``fields``: ``created``, ``model``; ``id`` the first choice's, as
+    its ``sglext`` chunk) plus top-level ``kv_transfer_params``, as the non-streaming
+    response has it (``openai_completion_extras``): the first choice's
+    ``hidden_states_path`` (or the store sink's manifest), all of them in
+    ``hidden_states_paths`` / ``hidden_states_manifests`` when there are several. A failed
+    dump cannot be an HTTP 500 once the stream has begun: ``kv_transfer_params`` then says
+    ``hidden_states_error`` (the first failed choice's; ``hidden_states_errors``, one per
+    choice, None where none failed, when there are several).
+
+    ``metas``: choice index -> the ``meta_info`` of its last output (``finish_response``
+    has made the dump keys plain values). Returns None when no choice has a dump key
+    (dumping off, skipped requests, no output at all), so nothing is sent."""
+    last = [metas[i] or {} for i in sorted(metas)]
+    if not any(m.get(k) for m in last for k in (PATH_KEY, ERROR_KEY, MANIFEST_KEY)):
+        return None
+    chunk = chunk_cls(id=last[0].get("id"), choices=[], **fields)
+    errors = [m.get(ERROR_KEY) for m in last]
+    if any(errors):
+        params: Dict[str, Any] = {ERROR_KEY: next(e for e in errors if e)}
+        if len(errors) > 1:
+            params[ERROR_KEY + "s"] = errors
+        return _extended(chunk, params)
+    return _with_dump_extras(chunk, [{"meta_info": m} for m in last])
+
+
 def _with_dump_extras(response, ret):
     """``response`` with the dump's ``kv_transfer_params`` (see ``openai_completion_extras``)."""
     items = ret if isinstance(ret, list) else [ret]
@@ -170,6 +282,12 @@ def _with_dump_extras(response, ret):
             params[PATH_KEY + "s"] = paths
     else:
         return response
+    return _extended(response, params)
+
+
+def _extended(response, params: dict):
+    """``response`` (a pydantic model) as its subclass with ``kv_transfer_params`` =
+    ``params``; returned unchanged when it is not one (an error response SGLang built)."""
     cls = type(response)
     if not hasattr(cls, "model_fields"):  # an error response SGLang built instead
         return response

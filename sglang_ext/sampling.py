@@ -19,6 +19,12 @@ asks; ``session.DumpSession._take``). In order:
    floor is skipped, and below the floor every one is, until a later check finds the
    space back.
 
+A request that asked for its output rows (``format.OUTPUT_PARAM``) is decided at its
+first chunk too, when its length is not known: it counts the file of ``P +
+max_new_tokens - 1`` rows, the most it can write (``provisional``), until it ends and
+``settle`` puts in the bytes of the file it wrote (none when it failed or was let go of).
+Until then the free-space floor counts that bound as bytes still to be written.
+
 A skipped request gets no file, no error and no dump keys in its response (as
 ``hidden_states_dump: false``). Skipping for the budget or the floor starts with one
 warning line and the floor's ends with one info line. Counters: ``counts`` (``sampled``
@@ -29,6 +35,7 @@ and one per ``REASONS``), on ``/metrics`` too with ``--enable-metrics``
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
@@ -73,6 +80,8 @@ class DumpPolicy:
         self.clock = clock
         self.unwritten = unwritten
         self.admitted_bytes = 0
+        self.provisional_bytes = 0  # upper bounds of admitted output files not settled yet
+        self._settled = collections.deque()  # (bound, bytes) from settle, applied by the next admit
         self.counts = dict.fromkeys(("sampled",) + REASONS, 0)
         self._budget_spent = False
         self._below_floor = False
@@ -95,10 +104,13 @@ class DumpPolicy:
             parts.append(f"free-space floor {self.min_free_bytes / GIB:g} GiB")
         return ", ".join(parts)
 
-    def admit(self, rid, asked: Optional[bool], nbytes: int) -> bool:
+    def admit(self, rid, asked: Optional[bool], nbytes: int, provisional: bool = False) -> bool:
         """Whether to dump request ``rid`` of ``nbytes`` bytes of file; ``asked``: its
         ``custom_params`` ``hidden_states_dump`` (True, False, or None when absent or
-        not a JSON bool). Counts the decision; never raises for a file-system error."""
+        not a JSON bool). ``provisional``: ``nbytes`` is an upper bound (a request with
+        output rows) that its end will ``settle``. Counts the decision; never raises for a
+        file-system error."""
+        self._apply_settled()
         if asked is False:
             return False
         if asked is not True:
@@ -107,8 +119,23 @@ class DumpPolicy:
                 self._count(reason)
                 return False
         self.admitted_bytes += nbytes
+        if provisional:
+            self.provisional_bytes += nbytes
         self._count("sampled")
         return True
+
+    def settle(self, bound: int, nbytes: int) -> None:
+        """A request admitted with ``provisional`` bytes ``bound`` ended with a file of
+        ``nbytes`` bytes handed to the writer (0: no file, it failed or was let go of): the
+        budget counts ``nbytes`` instead of ``bound`` from now on. Only queues (safe from a
+        ``weakref.finalize`` callback); the next ``admit`` applies it."""
+        self._settled.append((int(bound), int(nbytes)))
+
+    def _apply_settled(self) -> None:
+        while self._settled:
+            bound, nbytes = self._settled.popleft()
+            self.provisional_bytes -= bound
+            self.admitted_bytes += nbytes - bound
 
     def _skip_reason(self, rid, nbytes: int) -> Optional[str]:
         if self.rate < 1 and sample_point(rid) >= self.rate:
@@ -130,8 +157,9 @@ class DumpPolicy:
         """Whether a file of ``nbytes`` would take the dump directory's file system below
         the floor: its free space as of the last ``fstatvfs`` (asked again once
         ``DISK_CHECK_S`` have passed), less what files admitted before it still had to
-        write then (``unwritten``), the bytes admitted since (not all on disk yet) and
-        ``nbytes``. Logs the turns of the free space itself across the floor (a file too
+        write then (``unwritten``, and the bounds of output files not handed to the writer
+        yet: ``provisional_bytes``), the bytes admitted since (not all on disk yet; a
+        settled bound gives back what it did not use) and ``nbytes``. Logs the turns of the free space itself across the floor (a file too
         large for what is left above it is skipped without a line, counted)."""
         now = self.clock()
         if now - self._checked_at >= DISK_CHECK_S:
@@ -142,7 +170,8 @@ class DumpPolicy:
             except OSError:
                 self._free_at_check = None  # unknown: dumping goes on, as without a floor
             self._admitted_at_check = self.admitted_bytes
-            self._unwritten_at_check = self.unwritten() if self.unwritten is not None else 0
+            self._unwritten_at_check = self.provisional_bytes + (
+                self.unwritten() if self.unwritten is not None else 0)
         if self._free_at_check is None:
             return False
         free = (self._free_at_check - self._unwritten_at_check

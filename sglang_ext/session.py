@@ -173,6 +173,7 @@ class _ReqDump:
     done: bool = False  # file named (or error recorded): later prefills are ignored
     output: bool = False  # asked for its output rows (format.OUTPUT_PARAM): named at its end
     num_prompt: int = 0  # its prompt's tokens (P), for output rows
+    bound: int = 0  # file bytes the sampling policy holds for it until its end (output rows)
 
 
 @dataclass
@@ -452,15 +453,16 @@ class DumpSession:
             if state is None:
                 # decided once, at its first chunk: done at once when it is not dumped
                 # (it asked not to be, or the sampling settings skip it)
-                state = _ReqDump(done=not self._admit(req, hidden))
-                state.output = self.output_rows and _custom_param(req, fmt.OUTPUT_PARAM) is True
-                state.num_prompt = len(req.origin_input_ids)
+                state = _ReqDump(output=self.output_rows and _custom_param(req, fmt.OUTPUT_PARAM) is True,
+                                 num_prompt=len(req.origin_input_ids))
+                state.done = not self._admit(req, state, hidden)
                 setattr(req, REQ_ATTR, state)
                 compat.release_request_cycle(req)
             if state.done:
                 continue
             if req.finished():  # aborted while its prefill was in flight
                 self._drop(state)
+                self._settle(state, 0)
                 continue
             try:
                 take = _Take(req, state, start, self._check(req, state, hidden, n, prefix_lens[i]))
@@ -472,21 +474,50 @@ class DumpSession:
                 continue
             takes.append(take)
 
-    def _admit(self, req, hidden) -> bool:
+    def _admit(self, req, state: _ReqDump, hidden) -> bool:
         """Whether to dump ``req``: its ``custom_params`` ``hidden_states_dump``, then the
-        sampling settings (``sampling.DumpPolicy``, given its file's bytes: prompt tokens
-        x the file's bytes per token, ``hidden_states`` row, fp8 scales and token id)."""
+        sampling settings (``sampling.DumpPolicy``, given its file's bytes: its tokens x the
+        file's bytes per token, ``hidden_states`` row, fp8 scales and token id). The tokens
+        are the prompt's, or for a request with output rows the most its file can hold,
+        ``P + max_new_tokens - 1`` (SGLang's ``sampling_params.max_new_tokens``; the prompt's
+        alone when that is not an int), held as ``state.bound`` until ``_settle``."""
         asked = _custom_param(req, fmt.DUMP_PARAM)
         if self.policy is None:
             return asked is not False
-        try:  # a request whose bytes cannot be told fails later, in _check or _open
+        tokens = len(req.origin_input_ids)
+        limit = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+        if state.output and isinstance(limit, int) and limit > 1:
+            tokens += limit - 1
+        nbytes = self._file_bytes(tokens, hidden.shape[1], hidden.dtype)
+        admitted = self.policy.admit(req.rid, asked if isinstance(asked, bool) else None, nbytes,
+                                     provisional=state.output)
+        if admitted and state.output:
+            state.bound = nbytes
+        return admitted
+
+    def _file_bytes(self, tokens: int, width: int, dtype) -> int:
+        """Bytes of a file of ``tokens`` rows of ``width`` elements (``fmt.dump_tensors``);
+        0 when they cannot be told (such a request fails later, in ``_check`` or ``_open``)."""
+        try:
             slots = len(self.layer_ids)
-            specs = fmt.dump_tensors(len(req.origin_input_ids), slots, hidden.shape[1] // slots,
-                                     self.writer.file_dtype(hidden.dtype))
-            nbytes = sum(s.nbytes for s in specs)
+            return sum(s.nbytes for s in fmt.dump_tensors(tokens, slots, width // slots,
+                                                          self.writer.file_dtype(dtype)))
         except Exception:  # noqa: BLE001
-            nbytes = 0
-        return self.policy.admit(req.rid, asked if isinstance(asked, bool) else None, nbytes)
+            return 0
+
+    def _settle(self, state: _ReqDump, nbytes: int) -> None:
+        """Tell the sampling policy what an output request's file came to (0: none);
+        safe from a ``weakref.finalize`` callback (``DumpPolicy.settle`` only queues)."""
+        if state.bound and self.policy is not None:
+            self.policy.settle(state.bound, nbytes)
+        state.bound = 0
+
+    def _let_go(self, state: _ReqDump) -> None:
+        """SGLang let go of a request before its end (``weakref.finalize``): its file is
+        dropped (``DumpWriter.abandon`` only queues) and its bound given back."""
+        if state.pending is not None:
+            self.writer.abandon(state.pending)
+        self._settle(state, 0)
 
     def _hand_over(self, hidden, takes: List[_Take]) -> List[_Take]:
         """Open the new requests in the arena (their token ids), copy the rows and queue
@@ -566,7 +597,7 @@ class DumpSession:
             state.pending = self.writer.start(req.rid, dumped_token_ids(req), hidden.shape[1], hidden.dtype)
         # A request dropped between chunks (aborted while waiting or retracted) never
         # reaches this hook again: drop its file when SGLang lets go of the Req.
-        state.release = weakref.finalize(req, self.writer.abandon, state.pending)
+        state.release = weakref.finalize(req, self._let_go, state)
         state.release.atexit = False
 
     def _name(self, req, state: _ReqDump, width: int, dtype, num_tokens: int,
@@ -604,6 +635,7 @@ class DumpSession:
         if self.writer is not None:
             self.writer.failed_here()
         self._drop(state)
+        self._settle(state, 0)
         state.done = True
         set_info(req, ERROR_KEY, f"{type(e).__name__}: {e}")
 
@@ -750,3 +782,4 @@ class DumpSession:
             return
         state.pending = None
         _detach(state)
+        self._settle(state, self._file_bytes(len(ids), pending.row_width, pending.dtype))

@@ -197,11 +197,12 @@ class Sessions:
     def __init__(self):
         self.started = []
 
-    def start(self, model_runner):
-        """``DumpSession.start(model_runner)``: what ``hooks.setup_model`` would make."""
+    def start(self, model_runner, output_rows: bool = False):
+        """``DumpSession.start(model_runner, output_rows)``: what ``hooks.setup_model``
+        would make (``output_rows``: as patch 0009 calls it)."""
         from sglang_ext.session import DumpSession
 
-        session = DumpSession.start(model_runner)
+        session = DumpSession.start(model_runner, output_rows=output_rows)
         if session is not None:
             self.started.append(session)
         return session

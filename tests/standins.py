@@ -110,21 +110,23 @@ def run_extend(session, reqs_and_spans, layer_ids, decoding=(), mode=None):
 class GenReq(Req):
     """A stand-in ``Req`` that generates: ``output_ids``, ``custom_params``, a length cap."""
 
-    def __init__(self, rid, num_tokens, seed, max_new_tokens, output=True):
+    def __init__(self, rid, num_tokens, seed, max_new_tokens, output=True, stops_after=None):
         super().__init__(rid, num_tokens, seed)
         self.output_ids = []
         self.max_new_tokens = max_new_tokens
+        self.stops_after = stops_after  # tokens after which it stops early (a stop token)
         params = {"hidden_states_output": True} if output else {}
-        self.sampling_params = types.SimpleNamespace(custom_params=params)
+        self.sampling_params = types.SimpleNamespace(custom_params=params, max_new_tokens=max_new_tokens)
         self.length_done = False
 
     def finished(self):
         return self.aborted or self.length_done
 
     def sample(self):
-        """SGLang's append then ``update_finish_state``: the next id, then the length cap."""
+        """SGLang's append then ``update_finish_state``: the next id, then the length cap
+        (or the early stop)."""
         self.output_ids.append(self.seed * 1000 + 500 + len(self.output_ids))
-        if len(self.output_ids) >= self.max_new_tokens:
+        if len(self.output_ids) >= min(self.max_new_tokens, self.stops_after or self.max_new_tokens):
             self.length_done = True
 
 

@@ -2,7 +2,7 @@
 and the rows of every generated token fed back, against HF's float32 forward over the same
 ids (llama, deepseek; TP=1; decode CUDA graphs on unless ``--no-cuda-graph``).
 
-Needs the candidate series ``patches/candidates/v0.5.23`` (series 7 + 0009): on the H200
+Needs the candidate series ``patches/candidates/v0.5.23`` (series 7 + 0009-0012): on the H200
 host ``KIMI_SGLANG_SERIES=candidates/v0.5.23 bash tests/gpu/run_e2e.sh ... -k output``.
 Without patch 0009 in the installed SGLang every test here is skipped with that sentence.
 
@@ -235,6 +235,65 @@ def test_without_the_parameter_in_the_same_batches_prompt_only(server, reference
         server.answered.add(os.path.basename(path))
     problems.extend(worst.problems(TOL_BLOCK, TOL_TOKEN))
     problems.check(f"{tiny_model.name} prompt-only beside output rows")
+
+
+def _sse(res):
+    """The JSON data chunks of a streamed answer, [DONE] left out."""
+    import json
+
+    out = []
+    for line in res.iter_lines(decode_unicode=True):
+        if line and line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: "):]))
+    return out
+
+
+def test_the_last_output_names_the_file_however_it_was_sent(server, reference, tiny_model, rng,
+                                                            record_property, pytestconfig):
+    """SGLang sends a request's outputs before it ends (every token when it streams, every
+    SGLANG_FORCE_STREAM_INTERVAL = 50 tokens when it does not), each with its slice of the
+    per-token ``customized_info``: the path, recorded at the end, must reach the last one
+    (sglang_ext.responses.set_info). /generate not streamed with 120 tokens, /generate with
+    ``stream: true`` (the last chunk's ``meta_info``), and the OpenAI routes with vLLM's
+    ``kv_transfer_params {"include_output_tokens": true}`` (patch 0011), streamed (the
+    chunk before [DONE] names the file, patch 0012) and not (the response's
+    ``kv_transfer_params``)."""
+    from sglang_ext import format as fmt
+
+    long_ = body(rand_ids(rng, 30), 120, ignore_eos=True)
+    streamed = {**body(rand_ids(rng, 50), 70, ignore_eos=True), "stream": True}
+    answers = post_all(server, [long_])
+    res = requests.post(f"{server.url}/generate", json=streamed, stream=True, timeout=300)
+    res.raise_for_status()
+    chunks = _sse(res)
+    last = chunks[-1]
+    record_property("generate_stream_chunks", len(chunks))
+    check_output_answers(server, [long_, streamed], answers + [last], reference, tiny_model,
+                         record_property, "last_output", pytestconfig)
+    problems, worst = Problems(), Worst()
+    for stream in (False, True):
+        prompt = rand_ids(rng, 40)
+        req = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": stream,
+               "kv_transfer_params": {"include_output_tokens": True}}
+        res = requests.post(f"{server.url}/v1/completions", json=req, stream=stream, timeout=300)
+        res.raise_for_status()
+        params = (_sse(res)[-1] if stream else res.json()).get("kv_transfer_params") or {}
+        where = f"/v1/completions stream={stream}"
+        path = params.get("hidden_states_path")
+        if not path or not os.path.exists(path):
+            problems.add(f"{where}: kv_transfer_params {params!r} names no file")
+            continue
+        rec = fmt.load(path, dequantize=True)
+        ids = rec.token_ids.tolist()
+        got = fmt.output_rows(ids, rec.metadata, path)
+        if got is None or ids[:len(prompt)] != prompt or len(got.output_ids) != 60:
+            problems.add(f"{where}: {path} is not the request's file of 60 generated tokens")
+            continue
+        problems.extend(compare_file(rec, ids, tiny_model.layer_ids, tiny_model.hidden_size,
+                                     reference(ids, tiny_model.layer_ids), where, worst))
+        server.answered.add(os.path.basename(path))
+    problems.extend(worst.problems(TOL_BLOCK, TOL_TOKEN))
+    problems.check(f"{tiny_model.name} OpenAI routes with include_output_tokens")
 
 
 def test_abort_mid_generation_leaves_a_whole_file_or_none(server, reference, tiny_model, rng,

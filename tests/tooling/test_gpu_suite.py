@@ -58,12 +58,14 @@ QUANT = ["test_kernel_is_ready_on_this_gpu",
          "test_probe_rows_equal_the_torch_form", "test_warm_up_takes_the_served_shape",
          "test_the_writer_path_takes_the_kernel"]
 # test_gpu_kimi_slice.py: Kimi-K2.5's real dimensions, its own slice model (issue 48)
-# test_gpu_output.py: output rows (issue 49; needs patch 0009: patches/candidates/v0.5.23)
+# test_gpu_output.py: output rows (issue 49; needs patches 0009-0012: patches/candidates/v0.5.23)
 OUTPUT = ["test_greedy_8_concurrent", "test_sampled_4", "test_stop_token_and_stop_string_end_the_file",
           "test_max_new_tokens_1_is_the_prompt_file_with_its_one_token",
           "test_without_the_parameter_in_the_same_batches_prompt_only",
+          "test_the_last_output_names_the_file_however_it_was_sent",
           "test_abort_mid_generation_leaves_a_whole_file_or_none"]
-KIMI_SLICE = ["test_bf16_files", "test_bf16_bench", "test_fp8_files_and_bench", "test_nodump_bench",
+KIMI_SLICE = ["test_bf16_files", "test_bf16_bench", "test_fp8_files_and_bench",
+              "test_store_objects[bf16]", "test_store_objects[fp8]", "test_nodump_bench",
               "test_dump_equals_sglang_own_rows", "test_files_match_reference"]
 
 

@@ -13,7 +13,9 @@ that position (independent of batching), the reference of the token ids is the p
 the generated ids but the last, which the simulation records on its own.
 """
 
+import asyncio
 import gc
+import logging
 import os
 import types
 
@@ -306,3 +308,85 @@ def test_decode_graphs_are_told_to_capture_through_sglangs_own_config():
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"before": "NULL", "ok": True, "after": "LAST", "log": ["kimi-sglang: probe"]}, got
+
+
+def _sglang_outputs():
+    """SGLang 0.5.23's own scheduler-side output step (``output_streamer.
+    _GenerationStreamAccumulator.accept``: which steps send an output and the slice of each
+    ``customized_info`` list it carries), with a force-stream interval of 4 tokens for a
+    request that does not stream (SGLang's default is 50)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler_components.output_streamer import _GenerationStreamAccumulator
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    # a scheduler's config, active only while SGLang's code runs (this process's is kept;
+    # so is the root logger, whose level SGLang's argument parsing sets)
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        context = create_context(prepare_server_args(["--model-path", "dummy"]), role="scheduler")
+    finally:
+        root.setLevel(level)
+        root.handlers[:] = handlers
+
+    def one_step(req) -> dict:
+        acc = _GenerationStreamAccumulator(
+            return_logprob=False, return_hidden_states=False, return_routed_experts=False,
+            return_indexer_topk=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+            disaggregation_mode=DisaggregationMode.NULL, default_stream_interval=1,
+            default_force_stream_interval=4, get_cached_tokens_details=lambda r: None,
+            is_request_level_customized_info_key=lambda key: False, current_weight_version=None)
+        with use_context(context):
+            acc.accept(req=req)
+        return {key: values[0] for key, values in acc.customized_info.items()} if acc.rids else None
+
+    return one_step
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["not streamed", "streamed"])
+def test_the_path_reaches_the_last_output_however_often_sglang_sends_one(sess, stream):
+    """SGLang's real ``Req`` and output step: a request that generates 10 tokens is sent
+    to the tokenizer manager before it ends (every token when it streams, every 4th when it
+    does not), each output carrying its slice of ``customized_info``; the tokenizer
+    manager adds the slices up (``_accumulate_request_meta_info``: ``meta_info[key]`` is
+    everything received so far). The path, recorded at the end, must be in the last
+    output. Before, it was recorded as ``[path]`` at position 0, which those outputs had
+    already passed: the last one carried ``[]``, the response no path and no error."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    one_step = _sglang_outputs()
+    params = SamplingParams(max_new_tokens=10, custom_params={fmt.OUTPUT_PARAM: True})
+    req = Req("streamed" if stream else "sent", "", array("q", range(3000, 3006)), params, stream=stream)
+    req.seed = 3  # standins.reference's rows
+    received = {}  # the tokenizer manager's customized_info_accumulated
+
+    def step(batch, out, lens=None):
+        req.output_ids.append(3500 + len(req.output_ids))  # sampled from this step's row
+        if len(req.output_ids) == 10:
+            req.finished_reason = FINISH_LENGTH(length=10)
+        sess.on_outputs(batch, out, lens)
+        sent = one_step(req)
+        for key, values in (sent or {}).items():
+            received.setdefault(key, []).extend(values)
+        return sent
+
+    prefill = types.SimpleNamespace(reqs=[req], forward_mode=Mode(True), decoding_reqs=[], prefix_lens=[0])
+    rows = types.SimpleNamespace(hidden_states=rows_for([(req, 0, 6)]))
+    sess.on_prefill_result(prefill, rows, [6])
+    outputs = [step(prefill, rows, [6])]
+    for pos in range(6, 15):
+        batch = types.SimpleNamespace(reqs=[req], forward_mode=Mode(False), decoding_reqs=None, prefix_lens=None)
+        outputs.append(step(batch, types.SimpleNamespace(hidden_states=rows_for([(req, pos, pos + 1)]))))
+    assert req.finished() and outputs[-1] is not None
+    assert sum(o is not None for o in outputs) == (10 if stream else 3)  # sent before the end too
+    meta = {key: list(values) for key, values in received.items()}  # the last output's meta_info
+    asyncio.run(hooks.finish_response(meta))
+    assert "hidden_states_error" not in meta and "hidden_states_path" in meta, (outputs[-1], meta)
+    rec = fmt.load(meta["hidden_states_path"])
+    assert rec.token_ids.tolist() == list(range(3000, 3006)) + list(range(3500, 3509))
+    assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 15))

@@ -128,6 +128,63 @@ def test_files_stop_at_the_budget_with_one_log_line(dump, sessions, clean_env, c
     assert idle(sess)["files_written"] == 4
 
 
+def test_output_requests_count_their_longest_file_until_they_end_then_what_they_wrote(dump, clean_env,
+                                                                                     sessions):
+    """Requests with output rows (patch 0009), prompts of 4 tokens, max_new_tokens 6, a
+    budget of 1000 bytes (72 bytes a row: 2 layers x 8 x 4 B and the 8-byte token id).
+    Each is admitted on the longest file it can write, 4 + 6 - 1 = 9 rows (648 B), and
+    settles at its end to what it wrote: "a" stops after 1 token (a 4-row file, 288 B),
+    so "b" fits (288 + 648 <= 1000) and writes 9 rows; "c" would not fit next to them
+    and is skipped. Before, only the prompt counted (288 B each): "c" was admitted too and
+    the files took 1584 bytes, past the budget."""
+    from standins import GenReq, run_decode, run_output_prefill
+
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", repr(1000 / GIB))
+    sess = sessions.start(make_runner(dump, layers="2,4"), output_rows=True)
+    a = GenReq("a", 4, 1, max_new_tokens=6, stops_after=1)
+    run_output_prefill(sess, [(a, 0, 4)], IDS)  # "a" ends with its first token
+    b, c = GenReq("b", 4, 2, max_new_tokens=6), GenReq("c", 4, 3, max_new_tokens=6)
+    run_output_prefill(sess, [(b, 0, 4)], IDS)
+    assert sess.policy.admitted_bytes == 288 + 648  # a settled, b's bound
+    run_output_prefill(sess, [(c, 0, 4)], IDS)
+    while not (b.finished() and c.finished()):
+        run_decode(sess, [r for r in (b, c) if not r.finished()], IDS)
+    metas = {r.rid: finish(r) for r in (a, b, c)}
+    assert metas["c"] == {}, metas["c"]
+    paths = [metas[rid]["hidden_states_path"] for rid in ("a", "b")]
+    assert [file_payload(p) for p in paths] == [288, 648]
+    for req, path in zip((a, b), paths):
+        n = len(req.origin_input_ids) + len(req.output_ids) - 1
+        assert torch.equal(fmt.load(path).hidden_states, reference(req, IDS, 0, n))
+    run_output_prefill(sess, [(GenReq("probe", 1, 9, 1, output=False), 0, 1)], IDS)  # applies the settlements
+    assert sess.policy.admitted_bytes == 288 + 648 + 0 and sess.policy.provisional_bytes == 0
+    assert sess.policy.counts == {"sampled": 2, "rate": 0, "budget": 2, "disk_floor": 0}
+
+
+def test_an_output_request_sglang_lets_go_of_gives_its_bound_back(dump, clean_env, sessions):
+    """An output request retracted (or aborted while waiting) and then dropped by SGLang
+    never ends in a batch: when its Req is collected (weakref finalizer) it gives its
+    bound back, so the budget it held is free for the next one."""
+    import gc
+
+    from standins import GenReq, run_decode, run_output_prefill
+
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", repr(1000 / GIB))
+    sess = sessions.start(make_runner(dump, layers="2,4"), output_rows=True)
+    gone = GenReq("gone", 4, 1, max_new_tokens=10)  # (4 + 9) x 72 = 936 bytes at most
+    run_output_prefill(sess, [(gone, 0, 4)], IDS)
+    run_decode(sess, [gone], IDS)
+    assert sess.policy.admitted_bytes == 936
+    del gone
+    gc.collect()
+    after = GenReq("after", 4, 2, max_new_tokens=10)
+    run_output_prefill(sess, [(after, 0, 4)], IDS)  # fits only if "gone" gave its 936 back
+    while not after.finished():
+        run_decode(sess, [after], IDS)
+    assert "hidden_states_path" in finish(after) and sess.policy.counts["budget"] == 0
+    assert sess.writer.held_bytes() == 0
+
+
 def test_the_budget_is_shared_by_the_writing_ranks(clean_env):
     clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", "3")
     assert sampling_settings(writers=2)["budget_bytes"] == 3 * GIB // 2
@@ -221,6 +278,43 @@ def test_a_burst_across_a_free_space_check_stays_within_the_floor(small_fs, sess
     for rid in written[:2]:
         req = next(r for r in first if r.rid == rid)
         assert torch.equal(fmt.load(metas[rid]["hidden_states_path"]).hidden_states, reference(req, IDS))
+
+
+def test_output_requests_in_flight_count_against_the_floor_across_a_check(small_fs, sessions, clean_env,
+                                                                          monkeypatch):
+    """A floor of 4 MiB on an 8 MiB tmpfs and requests with output rows whose longest file
+    (prompt 4 + max_new_tokens - 1 rows) is about 2/5 of the room above the floor: two are
+    admitted, the third is skipped; past the next free-space check (their rows still held
+    in the host arena, nothing of them on disk) a fourth is skipped too. Both stop after
+    3 tokens (6-row files): once they settled, a fifth is admitted. Before, only the
+    prompt's rows counted: all were admitted."""
+    from sglang_ext import sampling
+    from standins import GenReq, run_decode, run_output_prefill
+
+    clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", repr(4 / 1024))
+    monkeypatch.setenv("KIMI_SGLANG_WRITER_SPARES", "0")  # no files allocated ahead on the tmpfs
+    sess = sessions.start(make_runner(small_fs, layers="2,4"), output_rows=True)
+    st = os.statvfs(small_fs)
+    room = st.f_bavail * st.f_frsize - (4 << 20)
+    max_new = int(room / 2.5) // 72 - 3  # 72 bytes a row: (4 + max_new - 1) x 72 ~ room / 2.5
+    reqs = [GenReq(f"o{i}", 4, i + 1, max_new_tokens=max_new, stops_after=3) for i in range(5)]
+    run_output_prefill(sess, [(r, 0, 4) for r in reqs[:3]], IDS)
+    assert sess.policy.counts["sampled"] == 2 and sess.policy.counts["disk_floor"] == 1
+    time.sleep(sampling.DISK_CHECK_S * 1.2)  # the next request reads the free space again
+    run_output_prefill(sess, [(reqs[3], 0, 4)], IDS)
+    assert sess.policy.counts["sampled"] == 2 and sess.policy.counts["disk_floor"] == 2
+    while not all(r.finished() for r in reqs[:4]):
+        run_decode(sess, [r for r in reqs[:4] if not r.finished()], IDS)
+    metas = {r.rid: finish(r) for r in reqs[:4]}
+    assert [rid for rid, m in metas.items() if "hidden_states_path" in m] == ["o0", "o1"], metas
+    assert metas["o2"] == {} and metas["o3"] == {}
+    run_output_prefill(sess, [(reqs[4], 0, 4)], IDS)
+    while not reqs[4].finished():
+        run_decode(sess, [reqs[4]], IDS)
+    assert "hidden_states_path" in finish(reqs[4]) and sess.policy.counts["sampled"] == 3
+    for req in (reqs[0], reqs[4]):
+        rec = fmt.load(finish(req)["hidden_states_path"])
+        assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 6))
 
 
 @needs_mooncake
