@@ -237,9 +237,21 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
     for extra, says in ((["--max-new-tokens", 0], "--max-new-tokens 0 must be at least 1"),
                         (["--temperature", -1], "--temperature -1.0 must be a number >= 0"),
                         (["--sampling-params", "[1]"], "--sampling-params must be a JSON object"),
-                        (["--store", "mooncake://127.0.0.1:1"], "with --store it is not supported")):
+                        (["--store", "mooncake://127.0.0.1:1"], "with --store it is not supported"),
+                        # a key a flag sets was dropped for the flag's default (512 tokens, not 3)
+                        (["--sampling-params", '{"max_new_tokens": 3}'],
+                         "--sampling-params must not set max_new_tokens: pass --max-new-tokens"),
+                        (["--sampling-params", '{"n": 2}'], "extract takes one sample per row")):
         r = cli(*extract_args(served.url, data, tmp_path / "out", *extra))
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # a generation flag without --generate was ignored: the prompt alone was captured (and a
+    # --generate run's samples in that --out replaced by prompts)
+    plain = [a for a in extract_args(served.url, data, tmp_path / "out") if a not in ("--generate",)]
+    for extra in ([], ["--temperature", 0.7], ["--sampling-params", "{}"]):
+        r = cli(*plain, *extra)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "only apply with --generate, which was not given" in r.stderr, r.stderr
+        assert r.stderr.startswith("error: --max-new-tokens"), r.stderr
     assert served.tries == {}
     r = cli("extract", "--help")
     assert "A retried row is a new request: with --temperature > 0 a new sample" in " ".join(r.stdout.split())
