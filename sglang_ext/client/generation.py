@@ -177,3 +177,32 @@ def existing(out_dir: str, index: int, prompt: List[int], full: bool, rec: Optio
     if rec is not None and rec.get("output_ids") not in (None, rows.output_ids):
         return None, "its manifest line names other output_ids than the file holds", None
     return n, None, record_fields(rows, decode)
+
+
+def other_mode(out_dir: str, index: int, prompt: Optional[List[int]], generate: bool) -> Optional[str]:
+    """Why a rerun must not replace ``OUT/hs_<index>``, which ``existing`` (or
+    ``manifest.existing``) refused: it is a sample of this row made in the other mode, the
+    prompt's and generated tokens' rows (``format.output``) in a run without ``--generate``,
+    or the prompt's rows alone in a ``--generate`` run. Such work is kept: the run stops
+    (``runner``) instead of extracting the row again. None otherwise (no such file, an
+    unreadable one, another prompt's, or ``prompt`` None: a row with images)."""
+    target = os.path.join(out_dir, final_name(index))
+    if prompt is None:
+        return None
+    try:
+        if regular_or_why(target):
+            return None
+        ids, meta = _ids_and_metadata(target, target)
+    except (OSError, CheckError):
+        return None
+    if generate and fmt.NUM_PROMPT_TOKENS_KEY not in meta and ids == prompt:
+        return (f"{target} holds this row's prompt rows alone, from a run without --generate: "
+                f"not replaced; run without --generate to resume that dataset, or extract into "
+                f"another --out")
+    if not generate and fmt.NUM_PROMPT_TOKENS_KEY in meta and ids[:len(prompt)] == prompt \
+            and meta[fmt.NUM_PROMPT_TOKENS_KEY] == str(len(prompt)):
+        return (f"{target} holds this row's prompt and generated rows, from a --generate run: "
+                f"not replaced; add --generate (and its flags) to resume that dataset, or extract "
+                f"into another --out")
+    return None
+

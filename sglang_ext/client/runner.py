@@ -365,6 +365,11 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 row.chat.digest if row.chat is not None else None,
                 manifest.records.get(row.index))
         if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
+            kept = await asyncio.to_thread(generation.other_mode, opts.out_dir, row.index,
+                                           row.input_ids, opts.generate is not None)
+            if kept:  # the other mode's sample of this row: work a rerun must not throw away
+                stop(f"{row.name}: {kept}")
+                return
             print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
         elif n is not None:
             if not await same_layout(row, taken=False):
