@@ -91,12 +91,21 @@ class Stats:
 
 
 OUT_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space (or quota) left where OUT is
+NOT_ALLOWED = (errno.EACCES, errno.EPERM)  # this user may not take the server's files (or write OUT)
 
 
 def out_full(e: OSError, out_dir: str) -> str:
     """The sentence that stops a run whose OUT is full (``e``: ENOSPC or EDQUOT)."""
     return (f"{e.filename or out_dir}: {e.strerror}: no sample can be written; free space "
             f"there (or fix the directory) and run the same command again to resume")
+
+
+def not_allowed(e: OSError) -> str:
+    """The sentence that stops a run refused a server's file, its dump directory or OUT
+    (``e``: EACCES or EPERM): every next try would be refused alike."""
+    return (f"{e}: extract must read the server's files, move them out of its dump directory "
+            f"and write --out, so every try would fail alike; run it as the user the server "
+            f"runs as (a container's server runs as root)")
 
 
 def put_in_out(taken: Set[int], index: int, fn, *args):
@@ -249,6 +258,8 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
         except (RequestError, CheckError, OSError) as e:
             if isinstance(e, OSError) and e.errno in OUT_FULL:  # every next try would fail alike
                 raise FatalError(out_full(e, opts.out_dir)) from None
+            if isinstance(e, OSError) and e.errno in NOT_ALLOWED:  # so would these
+                raise FatalError(not_allowed(e)) from None
             last = e
             if progress is not None:
                 progress.failed_try(where[-1] if where else None)
