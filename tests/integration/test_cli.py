@@ -820,6 +820,26 @@ def test_data_that_is_not_utf8_names_the_byte(server, tmp_path):
     assert server.requests == 0
 
 
+def test_data_with_a_byte_order_mark_is_read(server, tmp_path):
+    """A JSONL file saved with a UTF-8 byte order mark (and CRLF line ends), as Windows
+    tools write it: before, row 0 was refused ("Unexpected UTF-8 BOM"), exit 2."""
+    path = tmp_path / "bom.jsonl"
+    data = rows(2)
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps({"input_ids": ids}).encode() + b"\r\n"
+                                                  for ids in data))
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    for i, ids in enumerate(data):
+        assert fmt.load(str(tmp_path / "out" / f"hs_{i}.safetensors")).token_ids.tolist() == ids
+    # a mark anywhere else is no row's: still refused, naming the row
+    path.write_bytes(json.dumps({"input_ids": [1]}).encode() + b"\n\xef\xbb\xbf{}\n")
+    r = cli(*extract_args(server, path, tmp_path / "out2"))
+    assert r.returncode == 2 and r.stderr.startswith("error: row 1 (line 2 of bom.jsonl)"), r.stderr
+    path.write_bytes(b"\xef\xbb\xbf{\"input_ids\": [1], \"note\": \"caf\xe9\"}\n")  # offsets count the mark
+    r = cli(*extract_args(server, path, tmp_path / "out3"))
+    assert r.stderr.strip() == f"error: --data {path} is not UTF-8 text: byte 34 (line 1) is 0xe9", r.stderr
+
+
 def test_empty_data_is_refused_saying_no_rows(server, tmp_path):
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
         path = tmp_path / name
