@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from sglang_ext import format as fmt
 from sglang_ext.client import generation
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer
 from sglang_ext.client.dumpdir import DumpDirs
@@ -62,6 +63,7 @@ def prepare(args, opened: List[Any], locks: List[RunLock]) -> Setup:
     sampling, roots = _check_flags(args)
     mode, dump = _open_paths(args, opened)
     tokenizer, n_rows = _check_data(args)
+    _check_rid_prefix(args, n_rows)
     setup = Setup(sampling, roots, mode, dump, tokenizer, n_rows)
     _reach_server(args, dump)
     setup.pending = _open_out(args, setup, locks)
@@ -154,6 +156,18 @@ def _check_data(args) -> Tuple[Any, int]:
     if n_rows == 0:
         raise BadInput(f"--data {args.data} has no rows; nothing to extract")
     return tokenizer, n_rows
+
+
+def _check_rid_prefix(args, n_rows: int) -> None:
+    """The longest rid the run sends, ``<--rid-prefix>-<row>-<try>-<8 hex digits>``
+    (``runner.request_once``), within the server's bound (``format.MAX_RID_CHARS``): a
+    longer one is refused by the server for every row alike."""
+    longest = len(f"{args.rid_prefix}-{n_rows - 1}-{args.max_retries}-") + 8
+    if longest > fmt.MAX_RID_CHARS:
+        room = fmt.MAX_RID_CHARS - (longest - len(args.rid_prefix))
+        raise BadInput(f"--rid-prefix is {len(args.rid_prefix)} characters long; this run's rids would "
+                       f"have up to {longest}, the server refuses those over {fmt.MAX_RID_CHARS}: "
+                       f"use at most {room}")
 
 
 def _reach_server(args, dump: DumpDirs) -> None:
