@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import math
 import os
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -24,7 +25,15 @@ from sglang_ext import format as fmt
 from sglang_ext.client import generation
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer
 from sglang_ext.client.dumpdir import DumpDirs
-from sglang_ext.client.files import JournalRefused, RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
+from sglang_ext.client.files import (
+    JournalRefused,
+    RunLock,
+    RunLockHeld,
+    dir_mode,
+    file_mode,
+    kind_of,
+    regular_or_why,
+)
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
@@ -114,6 +123,11 @@ def _open_paths(args, opened: List[Any]) -> Tuple[int, DumpDirs]:
     writable, --out a directory if anything: ``(file mode, dump directories)``."""
     if not os.path.exists(args.data):
         raise BadInput(f"--data {args.data} does not exist")
+    kind = os.stat(args.data).st_mode
+    if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):  # a pipe (<(...), /dev/stdin), a FIFO, a device
+        raise BadInput(f"--data {args.data} is not a file ({kind_of(kind)}): extract reads DATA once to "
+                       f"count its rows and again to send them, and a rerun reads it to resume; "
+                       f"save it to a file first")
     try:
         mode = file_mode()
     except ValueError as e:

@@ -840,6 +840,18 @@ def test_data_with_a_byte_order_mark_is_read(server, tmp_path):
     assert r.stderr.strip() == f"error: --data {path} is not UTF-8 text: byte 34 (line 1) is 0xe9", r.stderr
 
 
+def test_data_from_a_pipe_is_refused_before_any_row(server, tmp_path):
+    """``--data /dev/stdin`` (or ``<(...)``): DATA is read once to count its rows and again
+    to send them, so the second read of a pipe found nothing: before, exit 0 with every row
+    counted and none extracted (no file, no error). Now one sentence, exit 2."""
+    text = "".join(json.dumps({"input_ids": ids}) + "\n" for ids in rows(2))
+    r = cli(*extract_args(server, "/dev/stdin", tmp_path / "out"), input=text)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: --data /dev/stdin is not a file (a FIFO): extract reads DATA once"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "save it to a file first" in r.stderr, r.stderr
+    assert server.requests == 0 and not (tmp_path / "out").exists()
+
+
 def test_empty_data_is_refused_saying_no_rows(server, tmp_path):
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
         path = tmp_path / name
