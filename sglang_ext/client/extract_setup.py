@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import math
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -143,7 +145,12 @@ def _open_paths(args, opened: List[Any]) -> Tuple[int, DumpDirs]:
     opened.append(dump)
     if args.summary is not None and os.path.isdir(args.summary):
         raise BadInput(f"--summary {args.summary} is a directory: name the JSON file to write")
-    if args.summary is not None:
+    clash = _summary_clash(args.summary, args.out) if args.summary is not None else None
+    if clash:
+        raise BadInput(f"--summary {args.summary} {clash}: the summary would replace it; name another file")
+    in_out = args.summary is not None and os.path.realpath(os.path.dirname(os.path.abspath(args.summary))) \
+        == os.path.realpath(args.out)  # --out is made and checked later (_open_out)
+    if args.summary is not None and not in_out:
         try:  # refused now, not after the whole dataset
             with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(args.summary)),
                                         prefix=".extract-summary-"):
@@ -153,6 +160,33 @@ def _open_paths(args, opened: List[Any]) -> Tuple[int, DumpDirs]:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise BadInput(f"--out {args.out} exists and is not a directory")
     return mode, dump
+
+
+SUMMARY_MAX_BYTES = 1 << 20  # a summary is a few KiB (at most 100 failed rows and files left named)
+_OUT_NAMES = re.compile(r"hs_\d+\.safetensors|\.hs_.*|\.extract-.*|" + re.escape(MANIFEST_NAME))
+
+
+def _summary_clash(summary: str, out: str) -> Optional[str]:
+    """Why ``--summary`` must not be written at ``summary`` (None: it may): a file there
+    that is not an earlier summary (DATA, a sample, a manifest: the summary's rename would
+    replace it), or a name extract writes in ``out`` (a sample, the manifest, a journal)."""
+    if os.path.realpath(os.path.dirname(os.path.abspath(summary))) == os.path.realpath(out) \
+            and _OUT_NAMES.fullmatch(os.path.basename(summary)):
+        return "is a name extract writes in --out"
+    try:
+        kind = regular_or_why(summary, follow_symlinks=True)
+    except FileNotFoundError:
+        return None
+    if kind:
+        return f"is not a regular file ({kind})"
+    try:
+        with open(summary, "rb") as f:
+            earlier = json.loads(f.read(SUMMARY_MAX_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        earlier = None
+    if not (isinstance(earlier, dict) and "rows_for_rank" in earlier and "out" in earlier):
+        return "exists and is not an extract summary"
+    return None
 
 
 def _check_data(args) -> Tuple[Any, int]:
