@@ -440,13 +440,19 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         workers = [asyncio.create_task(worker(session)) for _ in range(n_workers)]
         try:
+            fed = 0
             for row in rows:
                 if abort.is_set():
                     break
                 await queue.put(row)
+                fed += 1
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
+            if fed < total and not abort.is_set():  # DATA cut short since its rows were counted
+                stop(f"--data {args.data} ended after {fed} of this rank's {total} rows counted at "
+                     f"the start: it changed during the run (rewritten, truncated?); the rows "
+                     f"sent are kept: run the same command again on the whole DATA to resume")
         except BaseException:  # Ctrl-C (cancelled) or bad DATA: stop the workers now
             for w in workers:
                 w.cancel()

@@ -852,6 +852,38 @@ def test_data_from_a_pipe_is_refused_before_any_row(server, tmp_path):
     assert server.requests == 0 and not (tmp_path / "out").exists()
 
 
+def test_data_cut_short_during_the_run_stops_it_instead_of_saying_done(server, tmp_path):
+    """DATA rewritten (truncated) while extract runs: its rows were counted at the start,
+    then read as they are sent. Before, the run ended with exit 0 ("every row done") though
+    half its rows were never read; now the rows read are extracted and the run stops
+    (exit 3) saying so; with the whole DATA back, the same command finishes the rest."""
+    data = [[(i + k) % 50 for k in range(3000)] for i in range(20)]  # ~12 KB lines: past read-ahead
+    path = Path(write_jsonl(tmp_path / "d.jsonl", data))
+    whole = path.read_bytes()
+    first_ten = b"".join(whole.splitlines(keepends=True)[:10])
+    answer = server.generate
+
+    def truncate_at_the_first_request(body):
+        if server.requests == 0:
+            path.write_bytes(first_ten)  # truncate, then write: as `> d.jsonl` would
+        return answer(body)
+
+    server.generate = truncate_at_the_first_request
+    r = cli(*extract_args(server, path, tmp_path / "out", "--concurrency", 1))
+    assert r.returncode == 3, (r.stdout[-500:], r.stderr[-500:])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --data {path} ended after 10 of this rank's 20 rows counted at the start: it "
+                      f"changed during the run (rewritten, truncated?); the rows sent are kept: run the same "
+                      f"command again on the whole DATA to resume"], r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(10))
+    server.generate = answer
+    path.write_bytes(whole)
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 0 and summary(r.stdout)["resumed"] == 10, r.stderr
+    for i in range(20):
+        assert fmt.load(str(tmp_path / "out" / f"hs_{i}.safetensors")).token_ids.tolist() == data[i], i
+
+
 def test_empty_data_is_refused_saying_no_rows(server, tmp_path):
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
         path = tmp_path / name
