@@ -205,4 +205,3 @@ def other_mode(out_dir: str, index: int, prompt: Optional[List[int]], generate: 
                 f"not replaced; add --generate (and its flags) to resume that dataset, or extract "
                 f"into another --out")
     return None
-
