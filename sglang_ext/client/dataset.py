@@ -135,16 +135,19 @@ def load_dataset_dir(path: str):
 
 
 def _jsonl_lines(path: str) -> Iterator[Tuple[int, str]]:
-    """``(line number from 1, text)`` of a UTF-8 file. Raises ``DataError`` naming the file,
-    line and byte offset (from the file's start) of the first byte that is not UTF-8."""
+    """``(line number from 1, text)`` of a UTF-8 file, a byte order mark at its start left
+    out (Windows tools and Excel's "CSV UTF-8" write one; RFC 8259 lets a reader ignore it).
+    Raises ``DataError`` naming the file, line and byte offset (from the file's start) of
+    the first byte that is not UTF-8."""
     offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            skip = 3 if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") else 0
             try:
-                text = raw.decode("utf-8")
+                text = raw[skip:].decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"--data {path} is not UTF-8 text: byte {offset + e.start} "
-                                f"(line {lineno}) is 0x{raw[e.start]:02x}") from None
+                raise DataError(f"--data {path} is not UTF-8 text: byte {offset + skip + e.start} "
+                                f"(line {lineno}) is 0x{raw[skip + e.start]:02x}") from None
             offset += len(raw)
             yield lineno, text
 

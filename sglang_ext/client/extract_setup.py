@@ -13,17 +13,29 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import math
 import os
+import re
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from sglang_ext import format as fmt
 from sglang_ext.client import generation
 from sglang_ext.client.dataset import DataError, count_rows, load_tokenizer
 from sglang_ext.client.dumpdir import DumpDirs
-from sglang_ext.client.files import JournalRefused, RunLock, RunLockHeld, dir_mode, file_mode, regular_or_why
+from sglang_ext.client.files import (
+    JournalRefused,
+    RunLock,
+    RunLockHeld,
+    dir_mode,
+    file_mode,
+    kind_of,
+    regular_or_why,
+)
 from sglang_ext.client.http import PROBE_TIMEOUT_S, endpoint_error, probe, server_dump_dir
 from sglang_ext.client.manifest import MANIFEST_NAME, clean_tmp
 from sglang_ext.client.pending import PendingFiles
@@ -62,6 +74,7 @@ def prepare(args, opened: List[Any], locks: List[RunLock]) -> Setup:
     sampling, roots = _check_flags(args)
     mode, dump = _open_paths(args, opened)
     tokenizer, n_rows = _check_data(args)
+    _check_rid_prefix(args, n_rows)
     setup = Setup(sampling, roots, mode, dump, tokenizer, n_rows)
     _reach_server(args, dump)
     setup.pending = _open_out(args, setup, locks)
@@ -112,6 +125,11 @@ def _open_paths(args, opened: List[Any]) -> Tuple[int, DumpDirs]:
     writable, --out a directory if anything: ``(file mode, dump directories)``."""
     if not os.path.exists(args.data):
         raise BadInput(f"--data {args.data} does not exist")
+    kind = os.stat(args.data).st_mode
+    if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):  # a pipe (<(...), /dev/stdin), a FIFO, a device
+        raise BadInput(f"--data {args.data} is not a file ({kind_of(kind)}): extract reads DATA once to "
+                       f"count its rows and again to send them, and a rerun reads it to resume; "
+                       f"save it to a file first")
     try:
         mode = file_mode()
     except ValueError as e:
@@ -127,7 +145,12 @@ def _open_paths(args, opened: List[Any]) -> Tuple[int, DumpDirs]:
     opened.append(dump)
     if args.summary is not None and os.path.isdir(args.summary):
         raise BadInput(f"--summary {args.summary} is a directory: name the JSON file to write")
-    if args.summary is not None:
+    clash = _summary_clash(args.summary, args.out) if args.summary is not None else None
+    if clash:
+        raise BadInput(f"--summary {args.summary} {clash}: the summary would replace it; name another file")
+    in_out = args.summary is not None and os.path.realpath(os.path.dirname(os.path.abspath(args.summary))) \
+        == os.path.realpath(args.out)  # --out is made and checked later (_open_out)
+    if args.summary is not None and not in_out:
         try:  # refused now, not after the whole dataset
             with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(args.summary)),
                                         prefix=".extract-summary-"):
@@ -137,6 +160,33 @@ def _open_paths(args, opened: List[Any]) -> Tuple[int, DumpDirs]:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise BadInput(f"--out {args.out} exists and is not a directory")
     return mode, dump
+
+
+SUMMARY_MAX_BYTES = 1 << 20  # a summary is a few KiB (at most 100 failed rows and files left named)
+_OUT_NAMES = re.compile(r"hs_\d+\.safetensors|\.hs_.*|\.extract-.*|" + re.escape(MANIFEST_NAME))
+
+
+def _summary_clash(summary: str, out: str) -> Optional[str]:
+    """Why ``--summary`` must not be written at ``summary`` (None: it may): a file there
+    that is not an earlier summary (DATA, a sample, a manifest: the summary's rename would
+    replace it), or a name extract writes in ``out`` (a sample, the manifest, a journal)."""
+    if os.path.realpath(os.path.dirname(os.path.abspath(summary))) == os.path.realpath(out) \
+            and _OUT_NAMES.fullmatch(os.path.basename(summary)):
+        return "is a name extract writes in --out"
+    try:
+        kind = regular_or_why(summary, follow_symlinks=True)
+    except FileNotFoundError:
+        return None
+    if kind:
+        return f"is not a regular file ({kind})"
+    try:
+        with open(summary, "rb") as f:
+            earlier = json.loads(f.read(SUMMARY_MAX_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        earlier = None
+    if not (isinstance(earlier, dict) and "rows_for_rank" in earlier and "out" in earlier):
+        return "exists and is not an extract summary"
+    return None
 
 
 def _check_data(args) -> Tuple[Any, int]:
@@ -154,6 +204,18 @@ def _check_data(args) -> Tuple[Any, int]:
     if n_rows == 0:
         raise BadInput(f"--data {args.data} has no rows; nothing to extract")
     return tokenizer, n_rows
+
+
+def _check_rid_prefix(args, n_rows: int) -> None:
+    """The longest rid the run sends, ``<--rid-prefix>-<row>-<try>-<8 hex digits>``
+    (``runner.request_once``), within the server's bound (``format.MAX_RID_CHARS``): a
+    longer one is refused by the server for every row alike."""
+    longest = len(f"{args.rid_prefix}-{n_rows - 1}-{args.max_retries}-") + 8
+    if longest > fmt.MAX_RID_CHARS:
+        room = fmt.MAX_RID_CHARS - (longest - len(args.rid_prefix))
+        raise BadInput(f"--rid-prefix is {len(args.rid_prefix)} characters long; this run's rids would "
+                       f"have up to {longest}, the server refuses those over {fmt.MAX_RID_CHARS}: "
+                       f"use at most {room}")
 
 
 def _reach_server(args, dump: DumpDirs) -> None:

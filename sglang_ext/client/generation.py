@@ -34,29 +34,48 @@ HELP = ("generate each row's response with the server and capture the rows of th
 
 
 def add_arguments(p) -> None:
-    """``extract``'s ``--generate`` flags."""
+    """``extract``'s ``--generate`` flags (their defaults in ``DEFAULTS``: None here, so a
+    flag given without ``--generate`` is told apart and refused)."""
     p.add_argument("--generate", action="store_true", help=HELP)
-    p.add_argument("--max-new-tokens", type=int, default=512,
-                   help="with --generate: most tokens generated per row (SGLang's max_new_tokens)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="with --generate: sampling temperature; 0 is greedy decoding")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --generate: nucleus sampling's top_p")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="with --generate: most tokens generated per row (SGLang's max_new_tokens; "
+                        "default: 512)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="with --generate: sampling temperature; 0 is greedy decoding (default: 0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="with --generate: nucleus sampling's top_p (default: 1)")
     p.add_argument("--sampling-params", default=None, metavar="JSON",
                    help="with --generate: more of SGLang's sampling_params as a JSON object, e.g. "
-                        "'{\"stop_token_ids\": [2], \"top_k\": 20}' (the flags above win)")
+                        "'{\"stop_token_ids\": [2], \"top_k\": 20}' (not those the flags above "
+                        "set, nor n)")
+
+
+# sampling_params key -> (flag, default)
+DEFAULTS = {"max_new_tokens": ("--max-new-tokens", 512), "temperature": ("--temperature", 0.0),
+            "top_p": ("--top-p", 1.0)}
 
 
 def sampling_params(args) -> Optional[Dict[str, Any]]:
     """The ``sampling_params`` each ``--generate`` request sends (None without
-    ``--generate``). Raises ``ValueError`` (one sentence naming the flag)."""
+    ``--generate``). Raises ``ValueError`` (one sentence naming the flag), also for a
+    generation flag without ``--generate`` (it would be ignored) and for ``--sampling-params``
+    keys a flag sets or ``n`` (one sample per row)."""
+    given = [flag for key, (flag, _) in DEFAULTS.items() if getattr(args, key) is not None]
+    if args.sampling_params is not None:
+        given.append("--sampling-params")
     if not args.generate:
+        if given:
+            raise ValueError(f"{' and '.join(given)} only apply with --generate, which was not given "
+                             f"(without it each row's prompt alone is captured)")
         return None
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ValueError(f"--temperature {args.temperature} must be a number >= 0")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
+    chosen = {key: default if getattr(args, key) is None else getattr(args, key)
+              for key, (_, default) in DEFAULTS.items()}
+    if chosen["max_new_tokens"] < 1:
+        raise ValueError(f"--max-new-tokens {chosen['max_new_tokens']} must be at least 1")
+    if not (math.isfinite(chosen["temperature"]) and chosen["temperature"] >= 0):
+        raise ValueError(f"--temperature {chosen['temperature']} must be a number >= 0")
+    if not (math.isfinite(chosen["top_p"]) and 0 < chosen["top_p"] <= 1):
+        raise ValueError(f"--top-p {chosen['top_p']} must be in (0, 1]")
     extra: Any = {}
     if args.sampling_params is not None:
         try:
@@ -67,8 +86,13 @@ def sampling_params(args) -> Optional[Dict[str, Any]]:
             raise ValueError("--sampling-params must be a JSON object of SGLang's sampling_params")
         if "custom_params" in extra:
             raise ValueError("--sampling-params must not set custom_params (extract sets them)")
-    return {**extra, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "top_p": args.top_p}
+        for key, (flag, _) in DEFAULTS.items():
+            if key in extra:
+                raise ValueError(f"--sampling-params must not set {key}: pass {flag}")
+        if extra.get("n", 1) != 1:
+            raise ValueError(f"--sampling-params n {extra['n']!r}: extract takes one sample per "
+                             f"row (n 1); repeat rows in DATA for more")
+    return {**extra, **chosen}
 
 
 def decoder(tokenizer) -> Optional[Callable[[List[int]], str]]:
@@ -153,3 +177,31 @@ def existing(out_dir: str, index: int, prompt: List[int], full: bool, rec: Optio
     if rec is not None and rec.get("output_ids") not in (None, rows.output_ids):
         return None, "its manifest line names other output_ids than the file holds", None
     return n, None, record_fields(rows, decode)
+
+
+def other_mode(out_dir: str, index: int, prompt: Optional[List[int]], generate: bool) -> Optional[str]:
+    """Why a rerun must not replace ``OUT/hs_<index>``, which ``existing`` (or
+    ``manifest.existing``) refused: it is a sample of this row made in the other mode, the
+    prompt's and generated tokens' rows (``format.output``) in a run without ``--generate``,
+    or the prompt's rows alone in a ``--generate`` run. Such work is kept: the run stops
+    (``runner``) instead of extracting the row again. None otherwise (no such file, an
+    unreadable one, another prompt's, or ``prompt`` None: a row with images)."""
+    target = os.path.join(out_dir, final_name(index))
+    if prompt is None:
+        return None
+    try:
+        if regular_or_why(target):
+            return None
+        ids, meta = _ids_and_metadata(target, target)
+    except (OSError, CheckError):
+        return None
+    if generate and fmt.NUM_PROMPT_TOKENS_KEY not in meta and ids == prompt:
+        return (f"{target} holds this row's prompt rows alone, from a run without --generate: "
+                f"not replaced; run without --generate to resume that dataset, or extract into "
+                f"another --out")
+    if not generate and fmt.NUM_PROMPT_TOKENS_KEY in meta and ids[:len(prompt)] == prompt \
+            and meta[fmt.NUM_PROMPT_TOKENS_KEY] == str(len(prompt)):
+        return (f"{target} holds this row's prompt and generated rows, from a --generate run: "
+                f"not replaced; add --generate (and its flags) to resume that dataset, or extract "
+                f"into another --out")
+    return None

@@ -37,8 +37,9 @@ def sweep(pending: PendingFiles, forget_unanswered: bool, of: str) -> Tuple[List
     names the tries, e.g. "interrupted tries"."""
     try:
         removed, busy = pending.sweep(forget_unanswered)
-    except OSError as e:  # the journal's rewrite (a full disk): the next run reads it again
-        return [], [f"cannot rewrite {pending.path} ({e.strerror or e}); the next run of this "
+    except OSError as e:  # a server's file refused, the journal's rewrite (a full disk): the
+        # next run reads the journal again
+        return [], [f"cannot finish the sweep of the server's files ({e}); the next run of this "
                     f"command sweeps again"]
     notes = []
     if removed:

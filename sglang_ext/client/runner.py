@@ -91,12 +91,21 @@ class Stats:
 
 
 OUT_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space (or quota) left where OUT is
+NOT_ALLOWED = (errno.EACCES, errno.EPERM)  # this user may not take the server's files (or write OUT)
 
 
 def out_full(e: OSError, out_dir: str) -> str:
     """The sentence that stops a run whose OUT is full (``e``: ENOSPC or EDQUOT)."""
     return (f"{e.filename or out_dir}: {e.strerror}: no sample can be written; free space "
             f"there (or fix the directory) and run the same command again to resume")
+
+
+def not_allowed(e: OSError) -> str:
+    """The sentence that stops a run refused a server's file, its dump directory or OUT
+    (``e``: EACCES or EPERM): every next try would be refused alike."""
+    return (f"{e}: extract must read the server's files, move them out of its dump directory "
+            f"and write --out, so every try would fail alike; run it as the user the server "
+            f"runs as (a container's server runs as root)")
 
 
 def put_in_out(taken: Set[int], index: int, fn, *args):
@@ -249,6 +258,8 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
         except (RequestError, CheckError, OSError) as e:
             if isinstance(e, OSError) and e.errno in OUT_FULL:  # every next try would fail alike
                 raise FatalError(out_full(e, opts.out_dir)) from None
+            if isinstance(e, OSError) and e.errno in NOT_ALLOWED:  # so would these
+                raise FatalError(not_allowed(e)) from None
             last = e
             if progress is not None:
                 progress.failed_try(where[-1] if where else None)
@@ -365,6 +376,11 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 row.chat.digest if row.chat is not None else None,
                 manifest.records.get(row.index))
         if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
+            kept = await asyncio.to_thread(generation.other_mode, opts.out_dir, row.index,
+                                           row.input_ids, opts.generate is not None)
+            if kept:  # the other mode's sample of this row: work a rerun must not throw away
+                stop(f"{row.name}: {kept}")
+                return
             print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)
         elif n is not None:
             if not await same_layout(row, taken=False):
@@ -424,13 +440,19 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         workers = [asyncio.create_task(worker(session)) for _ in range(n_workers)]
         try:
+            fed = 0
             for row in rows:
                 if abort.is_set():
                     break
                 await queue.put(row)
+                fed += 1
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
+            if fed < total and not abort.is_set():  # DATA cut short since its rows were counted
+                stop(f"--data {args.data} ended after {fed} of this rank's {total} rows counted at "
+                     f"the start: it changed during the run (rewritten, truncated?); the rows "
+                     f"sent are kept: run the same command again on the whole DATA to resume")
         except BaseException:  # Ctrl-C (cancelled) or bad DATA: stop the workers now
             for w in workers:
                 w.cancel()

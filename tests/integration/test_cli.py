@@ -820,6 +820,70 @@ def test_data_that_is_not_utf8_names_the_byte(server, tmp_path):
     assert server.requests == 0
 
 
+def test_data_with_a_byte_order_mark_is_read(server, tmp_path):
+    """A JSONL file saved with a UTF-8 byte order mark (and CRLF line ends), as Windows
+    tools write it: before, row 0 was refused ("Unexpected UTF-8 BOM"), exit 2."""
+    path = tmp_path / "bom.jsonl"
+    data = rows(2)
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(json.dumps({"input_ids": ids}).encode() + b"\r\n"
+                                                  for ids in data))
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    for i, ids in enumerate(data):
+        assert fmt.load(str(tmp_path / "out" / f"hs_{i}.safetensors")).token_ids.tolist() == ids
+    # a mark anywhere else is no row's: still refused, naming the row
+    path.write_bytes(json.dumps({"input_ids": [1]}).encode() + b"\n\xef\xbb\xbf{}\n")
+    r = cli(*extract_args(server, path, tmp_path / "out2"))
+    assert r.returncode == 2 and r.stderr.startswith("error: row 1 (line 2 of bom.jsonl)"), r.stderr
+    path.write_bytes(b"\xef\xbb\xbf{\"input_ids\": [1], \"note\": \"caf\xe9\"}\n")  # offsets count the mark
+    r = cli(*extract_args(server, path, tmp_path / "out3"))
+    assert r.stderr.strip() == f"error: --data {path} is not UTF-8 text: byte 34 (line 1) is 0xe9", r.stderr
+
+
+def test_data_from_a_pipe_is_refused_before_any_row(server, tmp_path):
+    """``--data /dev/stdin`` (or ``<(...)``): DATA is read once to count its rows and again
+    to send them, so the second read of a pipe found nothing: before, exit 0 with every row
+    counted and none extracted (no file, no error). Now one sentence, exit 2."""
+    text = "".join(json.dumps({"input_ids": ids}) + "\n" for ids in rows(2))
+    r = cli(*extract_args(server, "/dev/stdin", tmp_path / "out"), input=text)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.startswith("error: --data /dev/stdin is not a file (a FIFO): extract reads DATA once"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "save it to a file first" in r.stderr, r.stderr
+    assert server.requests == 0 and not (tmp_path / "out").exists()
+
+
+def test_data_cut_short_during_the_run_stops_it_instead_of_saying_done(server, tmp_path):
+    """DATA rewritten (truncated) while extract runs: its rows were counted at the start,
+    then read as they are sent. Before, the run ended with exit 0 ("every row done") though
+    half its rows were never read; now the rows read are extracted and the run stops
+    (exit 3) saying so; with the whole DATA back, the same command finishes the rest."""
+    data = [[(i + k) % 50 for k in range(3000)] for i in range(20)]  # ~12 KB lines: past read-ahead
+    path = Path(write_jsonl(tmp_path / "d.jsonl", data))
+    whole = path.read_bytes()
+    first_ten = b"".join(whole.splitlines(keepends=True)[:10])
+    answer = server.generate
+
+    def truncate_at_the_first_request(body):
+        if server.requests == 0:
+            path.write_bytes(first_ten)  # truncate, then write: as `> d.jsonl` would
+        return answer(body)
+
+    server.generate = truncate_at_the_first_request
+    r = cli(*extract_args(server, path, tmp_path / "out", "--concurrency", 1))
+    assert r.returncode == 3, (r.stdout[-500:], r.stderr[-500:])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --data {path} ended after 10 of this rank's 20 rows counted at the start: it "
+                      f"changed during the run (rewritten, truncated?); the rows sent are kept: run the same "
+                      f"command again on the whole DATA to resume"], r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(10))
+    server.generate = answer
+    path.write_bytes(whole)
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 0 and summary(r.stdout)["resumed"] == 10, r.stderr
+    for i in range(20):
+        assert fmt.load(str(tmp_path / "out" / f"hs_{i}.safetensors")).token_ids.tolist() == data[i], i
+
+
 def test_empty_data_is_refused_saying_no_rows(server, tmp_path):
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
         path = tmp_path / name

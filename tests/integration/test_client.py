@@ -155,6 +155,11 @@ class FakeServer:
         self.chat_meta = True  # ... and choices[0].meta_info when asked (return_meta_info)
         self.image_meta = True  # files of chat requests name image_token_id in their metadata
         self.lock = threading.Lock()
+        # requests being answered and early writes not done: close() waits for them, so none
+        # writes through dir_fd after it is closed (its number reused by the next test's
+        # server: a timed-out request's late file once landed in another test's directory)
+        self.busy = 0
+        self.idle = threading.Condition(self.lock)
         server = self
 
         class Handler(JsonHandler):  # the fake servers' JSON replies (fake_sglang_server)
@@ -168,6 +173,13 @@ class FakeServer:
                     self.reply(404, {"error": "not found"})
 
             def do_POST(self):
+                server.enter()
+                try:
+                    self.post()
+                finally:
+                    server.leave()
+
+            def post(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/generate":
                     server.generate_calls += 1
@@ -187,9 +199,20 @@ class FakeServer:
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 
+    def enter(self):
+        with self.idle:
+            self.busy += 1
+
+    def leave(self):
+        with self.idle:
+            self.busy -= 1
+            self.idle.notify_all()
+
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+        with self.idle:
+            assert self.idle.wait_for(lambda: self.busy == 0, timeout=120), "a request never finished"
         os.close(self.dir_fd)
 
     def dump(self, ids, rid, early=False, extra=None):
@@ -221,12 +244,16 @@ class FakeServer:
                 self.asked_early += 1
                 self.pending += 1
                 self.max_pending = max(self.max_pending, self.pending)
+            self.enter()
 
             def later():
-                time.sleep(self.early_write_s)
-                with self.lock:
-                    self.pending -= 1
-                write()
+                try:
+                    time.sleep(self.early_write_s)
+                    with self.lock:
+                        self.pending -= 1
+                    write()
+                finally:
+                    self.leave()
 
             threading.Thread(target=later, daemon=True).start()
             return info | {fmt.PENDING_KEY: True}

@@ -15,15 +15,17 @@ import errno
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from test_cli import Server, cli, extract_args, reference_bf16, rows, write_file, write_jsonl
+from test_cli import REPO, Server, cli, extract_args, reference_bf16, rows, write_file, write_jsonl
 
 from sglang_ext import format as fmt
 from sglang_ext.client.pending import PendingFiles, journal_path
@@ -559,6 +561,34 @@ def test_timeout_covers_a_server_info_that_trickles(server, tmp_path):
     _no_traceback(r)
     assert r.returncode == 0, r.stderr
     result_is_regular_and_right(tmp_path / "out", 0, data[0])
+
+
+# ---- a server of another user: its files cannot be taken -----------------------------------
+@pytest.mark.parametrize("dir_mode", [0o700, 0o755], ids=["unreadable", "read-only"])
+def test_a_dump_dir_this_user_may_not_change_stops_the_run_at_the_first_try(server, tmp_path, dir_mode):
+    """The server runs as another user (uid 12345 owns its dump directory; a container's
+    root for a user on the host): extract, here root without the capabilities that
+    override file permissions, may not open or change that directory. Before, every row
+    was tried 6 times and failed (exit 1, after minutes with the default backoff); now the
+    first refused try stops the run in one sentence, and the server's files stay."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root (chown to another user) and util-linux's setpriv")
+    os.chown(server.dump_dir, 12345, 12345)
+    os.chmod(server.dump_dir, dir_mode)
+    data = write_jsonl(tmp_path / "d.jsonl", rows(2))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", sys.executable,
+                        "-m", "sglang_ext", *extract_args(server, data, tmp_path / "out")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Permission denied" in errors[0], r.stderr
+    assert "run it as the user the server runs as" in errors[0], r.stderr
+    assert "retrying" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not list((tmp_path / "out").glob("hs_*")), "a sample was taken"
+    assert 1 <= server.requests <= 2, server.requests  # no row sent twice
+    left = [n for n in os.listdir(server.dump_dir) if n.endswith(fmt.SUFFIX)]
+    assert len(left) == server.requests, f"a server file was removed or lost: {left}"
 
 
 # ---- issue 50 item 3: OUT fills up ------------------------------------------------------------

@@ -237,12 +237,62 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
     for extra, says in ((["--max-new-tokens", 0], "--max-new-tokens 0 must be at least 1"),
                         (["--temperature", -1], "--temperature -1.0 must be a number >= 0"),
                         (["--sampling-params", "[1]"], "--sampling-params must be a JSON object"),
-                        (["--store", "mooncake://127.0.0.1:1"], "with --store it is not supported")):
+                        (["--store", "mooncake://127.0.0.1:1"], "with --store it is not supported"),
+                        # a key a flag sets was dropped for the flag's default (512 tokens, not 3)
+                        (["--sampling-params", '{"max_new_tokens": 3}'],
+                         "--sampling-params must not set max_new_tokens: pass --max-new-tokens"),
+                        (["--sampling-params", '{"n": 2}'], "extract takes one sample per row")):
         r = cli(*extract_args(served.url, data, tmp_path / "out", *extra))
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # a generation flag without --generate was ignored: the prompt alone was captured (and a
+    # --generate run's samples in that --out replaced by prompts)
+    plain = [a for a in extract_args(served.url, data, tmp_path / "out") if a not in ("--generate",)]
+    for extra in ([], ["--temperature", 0.7], ["--sampling-params", "{}"]):
+        r = cli(*plain, *extra)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "only apply with --generate, which was not given" in r.stderr, r.stderr
+        assert r.stderr.startswith("error: --max-new-tokens"), r.stderr
     assert served.tries == {}
     r = cli("extract", "--help")
     assert "A retried row is a new request: with --temperature > 0 a new sample" in " ".join(r.stdout.split())
+
+
+def test_a_rerun_in_the_other_mode_keeps_the_samples_and_stops(served, tmp_path):
+    """--generate samples in OUT and a rerun without --generate (or prompt samples and a
+    rerun with it): before, each hs_<i> failed the other mode's check and was extracted
+    again, the generated samples (GPU time, sampled: not reproducible) replaced by prompts."""
+    data = write_data(tmp_path / "d.jsonl", PROMPTS[:3])
+    gen_out, prompt_out = tmp_path / "gen", tmp_path / "prompt"
+    assert cli(*extract_args(served.url, data, gen_out, "--temperature", 0.7)).returncode == 0
+    def plain(out):  # the same command without --generate (and --max-new-tokens 5)
+        return [a for a in extract_args(served.url, data, out) if a != "--generate"][:-2]
+
+    assert cli(*plain(prompt_out)).returncode == 0
+    kept = {p: p.read_bytes() for out in (gen_out, prompt_out) for p in out.glob("hs_*.safetensors")}
+    assert len(kept) == 6
+    sent = sum(len(t) for t in served.tries.values())
+
+    for out, args, says in (
+            (gen_out, plain(gen_out),
+             "holds this row's prompt and generated rows, from a --generate run: not replaced; "
+             "add --generate"),
+            (prompt_out, extract_args(served.url, data, prompt_out),
+             "holds this row's prompt rows alone, from a run without --generate: not replaced")):
+        r = cli(*args)
+        assert r.returncode == 3, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and says in errors[0] and "re-extracting" not in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert sum(len(t) for t in served.tries.values()) == sent, "a row was sent again"
+    assert {p: p.read_bytes() for p in kept} == kept, "a sample of the other mode was replaced"
+    for i, prompt in enumerate(PROMPTS[:3]):  # still the first runs' samples
+        rid = fmt.load(str(gen_out / f"hs_{i}.safetensors")).metadata["rid"]
+        assert_output_file(str(gen_out / f"hs_{i}.safetensors"), prompt,
+                           generated_reference(prompt, 5, seed=rid))
+        assert fmt.load(str(prompt_out / f"hs_{i}.safetensors")).token_ids.tolist() == prompt
+    # the same command again resumes
+    r = cli(*extract_args(served.url, data, gen_out, "--temperature", 0.7))
+    assert r.returncode == 0 and summary(r.stdout)["resumed"] == 3, r.stderr
 
 
 def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):

@@ -45,6 +45,36 @@ def test_a_summary_path_that_cannot_be_written_is_refused_before_any_request(tmp
     assert "--summary" in err
 
 
+def test_a_summary_path_naming_data_or_a_file_extract_writes_is_refused(tmp_path, capsys):
+    """``--summary`` is written last, renamed over whatever has its name: before, a summary
+    named as DATA replaced the dataset, one named as OUT's manifest or an ``hs_<i>``
+    replaced it with JSON (a final name holding no sample). Now exit 2 before any request,
+    the file unchanged; a summary file of its own, in OUT too, is written and rewritten."""
+    server = FakeServer(tmp_path / "dump")
+    data = write_jsonl(tmp_path / "d.jsonl", rows(3))
+    out = tmp_path / "out"
+    args = ("--endpoint", server.url, "--data", data, "--out", out)
+    try:
+        assert _extract(*args, "--summary", out / "summary.json") == 0
+        assert _extract(*args, "--summary", out / "summary.json") == 0  # its own earlier summary
+        assert json.loads((out / "summary.json").read_text())["resumed"] == 3
+        capsys.readouterr()
+        sent = sum(server.counts.values())
+        for target, says in ((data, "exists and is not an extract summary"),
+                             (out / MANIFEST_NAME, "is a name extract writes in --out"),
+                             (out / "hs_1.safetensors", "is a name extract writes in --out"),
+                             (out / "hs_7.safetensors", "is a name extract writes in --out")):
+            before = {p: p.read_bytes() for p in [tmp_path / "d.jsonl", *out.iterdir()]}
+            rc = _extract(*args, "--summary", target)
+            err = capsys.readouterr().err
+            assert rc == EXIT_BAD_INPUT, f"--summary {target}: exit {rc}; {err[-500:]}"
+            assert err == f"error: --summary {target} {says}: the summary would replace it; name another file\n"
+            assert {p: p.read_bytes() for p in [tmp_path / "d.jsonl", *out.iterdir()]} == before, target
+        assert sum(server.counts.values()) == sent, "a row was sent"
+    finally:
+        server.close()
+
+
 def test_an_answer_in_a_visible_directory_missing_from_dump_dir_stops_the_run(tmp_path, capsys):
     """A router's worker writes to a directory this machine sees but ``--dump-dir`` does not
     name (one server's directory forgotten): the run stops (exit 3) with one sentence

@@ -278,3 +278,31 @@ def test_validate_needs_no_torch(standin, tmp_path):
                            "--out", str(tmp_path / "out"), "--validate"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(list((tmp_path / "out").glob("hs_*.safetensors"))) == 3
+
+
+def test_a_rid_prefix_every_rid_of_which_the_server_refuses_is_refused_before_any_row(standin, tmp_path):
+    """The stand-in, as the patched server, refuses a rid over 8192 characters; extract's
+    rids are ``<--rid-prefix>-<row>-<try>-<8 hex>``. Before, a prefix too long for them sent
+    every row 6 times, each refused alike, and exit 1; now exit 2 at once. The longest
+    prefix allowed works (its longest rid, last row's last try, is the server's bound)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [7, 8, i]}) + "\n" for i in range(11)))
+    room = 8192 - len("-10-5-") - 8  # rows 0..10, tries 0..5 (--max-retries 5)
+
+    def extract(prefix, out, *extra):
+        return subprocess.run([sys.executable, "-m", "sglang_ext", "extract", "--endpoint", standin.url, "--data",
+                               str(data), "--out", str(tmp_path / out), "--no-progress", "--backoff", "0.01",
+                               "--rid-prefix", prefix, *extra], capture_output=True, text=True, timeout=300)
+
+    for rid in ("x" * 8192, "x" * 8193):  # the server's bound, independent of extract
+        status, body = standin.post("/generate", {"input_ids": [7], "rid": rid})
+        assert ("hidden_states_error" in body["meta_info"]) == (len(rid) > 8192), body
+    proc = extract("x" * (room + 1), "refused")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == (f"error: --rid-prefix is {room + 1} characters long; this run's rids would have up "
+                           f"to 8193, the server refuses those over 8192: use at most {room}\n")
+    assert not (tmp_path / "refused").exists()
+    proc = extract("x" * room, "kept")  # its last row's last try would send an 8192-character rid
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for i in range(11):
+        assert fmt.load(str(tmp_path / "kept" / f"hs_{i}.safetensors")).token_ids.tolist() == [7, 8, i]
