@@ -184,6 +184,28 @@ def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
     return generated_ids(ids, max_new_tokens, stops, seed=rid if temperature > 0 else None)
 
 
+MAX_BODY_BYTES = 256 << 20  # the largest request body the stand-in reads (413 above it)
+
+
+def _body_refusal(headers) -> Optional[Tuple[int, str]]:
+    """(HTTP code, sentence) for a request body the stand-in will not read, else None: a
+    chunked one (411: it reads ``Content-Length`` bytes only, and would see an empty body),
+    a ``Content-Length`` that is not a non-negative integer (400) or above
+    ``MAX_BODY_BYTES`` (413, instead of allocating it)."""
+    if "chunked" in (headers.get("Transfer-Encoding") or "").lower():
+        return 411, "send the request body with a Content-Length (the stand-in does not read chunked bodies)"
+    length = headers.get("Content-Length") or "0"
+    if not (length.isascii() and length.isdigit()):
+        return 400, f"Content-Length {length[:40]!r} is not a non-negative integer"
+    if int(length) > MAX_BODY_BYTES:
+        return 413, f"a request body of {int(length)} bytes is over the stand-in's {MAX_BODY_BYTES} bytes"
+    return None
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # listen backlog: socketserver's 5 reset connections at --concurrency 5000
+
+
 class JsonReplyHandler(BaseHTTPRequestHandler):
     """HTTP/1.1 (connections kept alive), TCP_NODELAY, no access log, JSON replies (``reply``):
     the stand-in's handler, and the base of the tests' fake servers and proxies."""
@@ -227,6 +249,12 @@ class Server:
                 self.reply(*server.get(self.path))
 
             def do_POST(self):
+                refused = _body_refusal(self.headers)
+                if refused is not None:  # its body is left unread: the connection closes
+                    self.close_connection = True
+                    code, message = refused
+                    self.reply(code, {"error": {"message": message}, "object": "error", "code": code})
+                    return
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                     if not isinstance(body, dict):
@@ -238,7 +266,7 @@ class Server:
                     self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}"}, "object": "error",
                                      "code": 500})
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd = _HTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
 

@@ -306,3 +306,33 @@ def test_a_rid_prefix_every_rid_of_which_the_server_refuses_is_refused_before_an
     assert proc.returncode == 0, proc.stderr[-2000:]
     for i in range(11):
         assert fmt.load(str(tmp_path / "kept" / f"hs_{i}.safetensors")).token_ids.tolist() == [7, 8, i]
+
+
+def _raw(url: str, request: bytes) -> tuple:
+    """Send ``request`` as it is; returns (status, JSON body) of the answer."""
+    host, port = url.rsplit("//", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_request_bodies_it_cannot_read_are_refused_in_a_sentence(standin):
+    """A chunked body (no Content-Length) is 411, not a misleading 'input_ids must be'
+    400 from an empty body; a Content-Length of 99999999999 is 413, not a 500 MemoryError;
+    a Content-Length that is no number is 400; the server answers normally afterwards."""
+    chunked = (b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"Content-Type: application/json\r\nConnection: close\r\n\r\n"
+               b"14\r\n{\"input_ids\": [1, 2]}\r\n0\r\n\r\n")
+    code, body = _raw(standin.url, chunked)
+    assert code == 411 and "Content-Length" in body["error"]["message"], body
+    huge = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n{}"
+    code, body = _raw(standin.url, huge)
+    assert code == 413 and "99999999999 bytes" in body["error"]["message"], body
+    code, body = _raw(standin.url, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+    assert code == 400 and "'-5'" in body["error"]["message"], body
+    code, meta = standin.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
+    assert code == 200 and meta["meta_info"]["hidden_states_path"], meta
