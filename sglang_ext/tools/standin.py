@@ -70,6 +70,7 @@ class Dump:
         self.layer_ids, self.num_layers, self.hidden_size = layer_ids, num_layers, hidden_size
         self.dir_fd: Optional[int] = None
         self.store = None
+        self.closing = False  # set at shutdown: failed puts get no marker (put)
         store_config = config.store_target(target)
         if store_config is None:
             if not os.path.lexists(target):
@@ -135,10 +136,13 @@ class Dump:
     # -- store sink: the store writer's put (store_writer._finish, _fail)
     def put(self, handle: str, layout, rid: str, ids: List[int]) -> None:
         """Put the packed sample under ``handle``; on failure the ``<handle>:error``
-        marker. Never raises."""
+        marker (not while shutting down: ``closing``, so a dead master is waited for once
+        per put, not twice). Never raises."""
         try:
             self.store.put_packed(handle, layout, {k: [v] for k, v in self.tensors(ids).items()})
         except Exception as e:  # noqa: BLE001
+            if self.closing:
+                return
             try:
                 self.store.put_error(handle, f"{type(e).__name__}: {e}")
             except Exception:  # noqa: BLE001 - the reader times out on the handle instead
@@ -242,6 +246,7 @@ class Server:
         # ..._MIN_FREE_GB), decided per request as the server does (sglang_ext.sampling)
         self.policy = policy or DumpPolicy(dir_fd=dump.dir_fd)
         self.pool = ThreadPoolExecutor(writers, thread_name_prefix="standin-writer")
+        self.queued: List[Any] = []  # the store sink's puts not done yet (dropped at shutdown if not started)
         server = self
 
         class Handler(JsonReplyHandler):
@@ -341,7 +346,8 @@ class Server:
 
             layout = pack_layout(len(ids), len(d.layer_ids), d.hidden_size, DTYPE)
             handle = unique_handle(rid)
-            self.pool.submit(d.put, handle, layout, rid, ids)
+            self.queued = [f for f in self.queued if not f.done()]
+            self.queued.append(self.pool.submit(d.put, handle, layout, rid, ids))
             return {**meta, fmt.MANIFEST_KEY: layout.manifest(handle, d.metadata(rid, extra))}
         try:
             res = fmt.reserve(d.dir_fd, rid)
@@ -393,7 +399,16 @@ class Server:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.httpd.server_close()
-            self.pool.shutdown(wait=True)
+            self.dump.closing = True
+            # Store sink: puts not started are dropped (each may wait Mooncake's RPC timeout
+            # on a master that died, so a queue of them took minutes); their answers are
+            # out, their readers time out. Files are fast and never dropped: a reserved
+            # name left unsettled would hold its reader's lock.
+            self.pool.shutdown(wait=True, cancel_futures=self.dump.store is not None)
+            dropped = sum(f.cancelled() for f in self.queued)
+            if dropped:
+                print(f"stand-in: {dropped} store puts not started at shutdown were dropped; "
+                      f"their readers time out", file=sys.stderr, flush=True)
             self.dump.close()
 
 

@@ -336,3 +336,42 @@ def test_request_bodies_it_cannot_read_are_refused_in_a_sentence(standin):
     assert code == 400 and "'-5'" in body["error"]["message"], body
     code, meta = standin.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}})
     assert code == 200 and meta["meta_info"]["hidden_states_path"], meta
+
+
+@needs_mooncake
+def test_sigterm_ends_the_store_sink_whose_master_died(tmp_path):
+    """The store sink's master SIGKILLed under it, 12 requests answered (their puts queued
+    behind the stand-in's two writers, each failing only at Mooncake's RPC timeout): SIGTERM
+    ends the stand-in within its drain time, the puts not started dropped with one sentence
+    (before, it waited for every queued put, minutes, and looked hung)."""
+    import time
+
+    from mooncake_fixture import Master
+
+    (tmp_path / "mooncake").mkdir()
+    own = Master(tmp_path / "mooncake")
+    server = Standin(tmp_path, "--dump-dir", master_config(own))
+    try:
+        code, answer = server.post("/generate", {"input_ids": [5, 6, 7]})
+        assert code == 200 and answer["meta_info"]["hidden_states_manifest"], answer
+        own.kill()
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(12) as pool:  # 12 puts queued behind the stand-in's 2 writers
+            answers = list(pool.map(lambda i: server.post("/generate", {"input_ids": [8, 9, i]}), range(12)))
+        assert all(code in (200, 500) for code, _ in answers), answers
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = server.proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the stand-in did not end within 40 s of SIGTERM with its master dead")
+        err = server.proc.stderr.read()
+        assert "Traceback" not in err, err[-3000:]
+        assert re.search(r"stand-in: \d+ store puts not started at shutdown were dropped", err), err[-3000:]
+        print(f"ended in {time.monotonic() - t0:.1f} s, rc {rc}: {err[-500:]}")
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        own.kill()
