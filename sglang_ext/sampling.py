@@ -11,7 +11,8 @@ asks; ``session.DumpSession._take``). In order:
 3. the rate (``KIMI_SGLANG_SAMPLE_RATE``): dumped when ``sample_point(rid) < rate``, a
    pure function of the rid, so a retried rid gets the same answer on any server;
 4. the budget (``KIMI_SGLANG_DUMP_BUDGET_GB``): a request whose bytes would take the
-   bytes admitted past it is skipped, and so is every sampled request after it;
+   bytes admitted past it is skipped, and so is every sampled request after it (once
+   the bytes that stay do: not while output requests' unsettled bounds make the difference);
 5. the free-space floor (``KIMI_SGLANG_MIN_FREE_GB``, a directory sink only):
    ``fstatvfs`` of the dump directory at most every ``DISK_CHECK_S``, less the bytes of
    files admitted before it and not written yet (the writer's ``unwritten_bytes``) and
@@ -142,7 +143,10 @@ class DumpPolicy:
             return "rate"
         if self.budget_bytes is not None and (
                 self._budget_spent or self.admitted_bytes + nbytes > self.budget_bytes):
-            if not self._budget_spent:
+            # The budget is spent for good only by bytes that stay: an overflow that output
+            # requests' bounds not settled yet cause skips this request alone.
+            if not self._budget_spent and (
+                    self.admitted_bytes - self.provisional_bytes + nbytes > self.budget_bytes):
                 self._budget_spent = True
                 logger.warning(
                     "hidden-state dump: byte budget of %d bytes (KIMI_SGLANG_DUMP_BUDGET_GB) "

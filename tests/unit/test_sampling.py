@@ -19,6 +19,7 @@ import torch
 
 from sglang_ext import format as fmt
 from sglang_ext.config import DumpConfig, DumpConfigError, sampling_settings
+from sglang_ext.sampling import DumpPolicy
 
 from mooncake_fixture import master_config, needs_mooncake
 from standins import MULTIPROC_HTTP, Req, finish, idle, make_runner, reference, run_extend, wait_for
@@ -402,3 +403,18 @@ def test_the_counters_reach_sglangs_multiprocess_registry(dump, tmp_path):
         f'kimi_sglang:dump_requests_skipped_total{{{label},reason="budget"}}': float(by_rate - 3),
         f'kimi_sglang:dump_requests_skipped_total{{{label},reason="disk_floor"}}': 0.0,
     }, values
+
+
+def test_unsettled_output_bounds_skip_a_request_without_spending_the_budget():
+    """A budget of 1000 bytes: an output request admitted on its bound of 800 makes a
+    300-byte request not fit, which is skipped alone; once the output request settles to
+    the 100 bytes it wrote, the next 300-byte request fits (before, the budget was marked
+    spent for good at the first skip, with its warning)."""
+    policy = DumpPolicy(budget_bytes=1000)
+    assert policy.admit("out", None, 800, provisional=True)
+    assert not policy.admit("p1", None, 300)
+    policy.settle(800, 100)
+    assert policy.admit("p2", None, 300) and policy.admitted_bytes == 400
+    assert not policy.admit("p3", None, 700)  # 400 that stay + 700: spent for good
+    assert not policy.admit("p4", None, 10)
+    assert policy.counts == {"sampled": 2, "rate": 0, "budget": 3, "disk_floor": 0}
