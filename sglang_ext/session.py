@@ -738,9 +738,9 @@ class DumpSession:
 
     def _copy_decode_rows(self, hidden, rows) -> None:
         """Copy one row each of ``hidden`` (``rows``: ``(req, state, row)``) to the arena,
-        held for their requests. A device ``hidden`` (a decode graph's output buffer, which
-        the next replay rewrites) is gathered first on the current stream, so the copy
-        reads rows that stay."""
+        held for their requests. The rows are gathered first (a device ``hidden``, a decode
+        graph's output buffer that the next replay rewrites, on the current stream), so the
+        copy reads rows that stay and fp8 quantizes only theirs."""
         import torch
 
         kept = []
@@ -754,11 +754,14 @@ class DumpSession:
             kept.append((req, state, row))
         if not kept:
             return
+        # Only the kept rows go on: the whole batch would be quantized under fp8 (on the
+        # scheduler's CPU for host rows) for a few requests' rows.
+        index = torch.tensor([r for _, _, r in kept], dtype=torch.int64)
         if hidden.is_cuda:
-            index = torch.tensor([r for _, _, r in kept], dtype=torch.int64).to(hidden.device, non_blocking=True)
-            src, segments, ready = hidden.index_select(0, index), [(s.pending, j, 1) for j, (_, s, _) in enumerate(kept)], False
-        else:
-            src, segments, ready = hidden, [(s.pending, r, 1) for _, s, r in kept], True
+            index = index.to(hidden.device, non_blocking=True)
+        src = hidden.index_select(0, index)
+        segments = [(s.pending, j, 1) for j, (_, s, _) in enumerate(kept)]
+        ready = not hidden.is_cuda  # a device gather is on the current stream: the copy waits for it
         try:
             self.writer.copy_rows(src, segments, ready=ready)
         except Exception as e:  # noqa: BLE001 - the batch's output requests fail, it goes on

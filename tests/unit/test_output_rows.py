@@ -102,8 +102,10 @@ def test_one_generated_token_ends_at_the_prefill_with_the_prompt_rows_only(sess)
     assert rec.hidden_states.shape[0] == 6 and rec.metadata[fmt.NUM_PROMPT_TOKENS_KEY] == "6"
 
 
-def test_host_decode_rows_are_copied_in_place(sess, monkeypatch):
-    """Host rows (SGLang copied them behind the forward) go in place, ready."""
+def test_host_decode_rows_of_the_asking_requests_alone_go_on(sess, monkeypatch):
+    """Host rows (SGLang copied them behind the forward): only the rows of the requests
+    that asked are handed to the writer, ready (before, the whole batch, which fp8
+    quantized on the scheduler's CPU every step for a few requests' rows)."""
     req = GenReq("dev", 3, 5, max_new_tokens=3)
     prefill(sess, [(req, 0, 3)])
     seen = []
@@ -115,7 +117,7 @@ def test_host_decode_rows_are_copied_in_place(sess, monkeypatch):
 
     monkeypatch.setattr(sess.writer, "copy_rows", spy)
     decode(sess, [GenReq("other", 2, 9, 9, output=False), req])
-    assert seen == [(2, [(1, 1)], True)], seen  # host rows: the request's own row, in place
+    assert seen == [(1, [(0, 1)], True)], seen  # host rows: the request's own row alone
     decode(sess, [req])
     check_file(req, finish(req))
 
