@@ -74,6 +74,22 @@ def attn_tp_rank(model_runner) -> int:
 _REQ_KEY = "__req__"
 
 
+def is_aborting(req) -> bool:
+    """Whether SGLang has already decided to abort ``req`` (``req.to_finish`` a
+    ``FINISH_ABORT``) though it has not finished yet. Such a request still runs a forward:
+    an invalid one (``Req.set_finish_with_abort``: a bad session id, an image that did not
+    load, a grammar that failed, a prompt over the context length...) with its prompt
+    replaced by the one token 0 "to skip the long prefill" (schedule_batch.py, 0.5.23), an
+    aborted one (``/abort_request``, a KV-cache shortage) with its own. Its answer is the
+    abort's error; a file would hold rows of a prompt nobody sent."""
+    to_finish = getattr(req, "to_finish", None)
+    if to_finish is None:
+        return False
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(to_finish, FINISH_ABORT)
+
+
 def release_request_cycle(req) -> None:
     """Drop ``custom_params["__req__"]`` from SGLang's ``req`` where it is a strong
     reference that nothing will read.

@@ -460,7 +460,7 @@ class DumpSession:
                 compat.release_request_cycle(req)
             if state.done:
                 continue
-            if req.finished():  # aborted while its prefill was in flight
+            if req.finished() or compat.is_aborting(req):  # aborted (before or while its prefill ran)
                 self._drop(state)
                 self._settle(state, 0)
                 continue

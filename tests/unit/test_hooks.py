@@ -154,6 +154,27 @@ def test_aborted_request_drops_its_temporary_file_and_writes_nothing(dump, sessi
     assert sess.writer.unwritten_bytes() == 0  # the free-space floor holds nothing back for it
 
 
+def test_a_request_sglang_aborts_before_its_forward_gets_no_file(dump, sessions):
+    """SGLang's set_finish_with_abort (an invalid request: a bad session id, an image that
+    did not load, a prompt over the context length...) replaces the prompt by the one
+    token 0 and still runs it; the answer is the abort's error. Before, that forward left a
+    file of token 0's rows, with its path in the answer and the index (a sample nobody
+    sent); now nothing is written. So for a request aborted between two chunks."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    invalid = Req("invalid", 1, 1)
+    invalid.origin_input_ids = [0]
+    invalid.to_finish = FINISH_ABORT("Invalid request: session id 7 does not exist")
+    chunked = Req("aborted-between-chunks", 8, 2)
+    run_extend(sess, [(invalid, 0, 1), (chunked, 0, 4)], [2, 4])
+    chunked.to_finish = FINISH_ABORT()
+    run_extend(sess, [(chunked, 4, 8)], [2, 4])
+    assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)  # the first chunk's temporary goes
+    assert invalid.customized_info is None and chunked.customized_info is None
+    assert sess.writer.unwritten_bytes() == 0
+
+
 def test_prefix_reuse_gives_an_error_not_a_short_file(dump, sessions):
     sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("cached", 8, 1)
