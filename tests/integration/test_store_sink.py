@@ -600,13 +600,17 @@ def test_start_up_quotes_a_mooncake_that_cannot_load(master, tmp_path):
         "or reinstall mooncake (pip install -r requirements/store.txt)"), r.stdout + r.stderr
 
 
-def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(master, reader, sessions, tmp_path):
+def test_samples_outlive_the_server_when_a_store_node_lends_the_memory(sessions, tmp_path):
     """The deployment docs/store.md recommends: a store node mounts the memory, the server
     lends none (``global_segment_size=0``). Its samples are put into the node's segment and
-    stay readable, whole, after the server's writer has exited."""
+    stay readable, whole, after the server's writer has exited. A master and reader of its
+    own: with the module's, a full CI run once failed the read (TRANSFER_FAIL, the node's
+    session closed), and it took the module's master down at its end."""
     import subprocess
     import sys
 
+    master = Master(tmp_path)
+    reader = reader_for(master)
     node = subprocess.Popen([sys.executable, "-c", STORE_NODE, master.address, str(32 * MiB)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
