@@ -494,27 +494,40 @@ class DumpWriter:
         ``RuntimeError`` after ``close``.
         """
         dtype = self._check_start(rid, row_width, dtype)
-        ids = array.array("q", token_ids)
-        nbytes = len(ids) * 8
-        if nbytes > self.extents.capacity:
-            raise ValueError(f"the token ids of {len(ids)} tokens ({nbytes} bytes) exceed the "
-                             f"{self.extents.capacity}-byte arena (--dump-hidden-states-max-host-mb)")
+        ids = self._fitting(array.array("q", token_ids))
         pending = PendingDump(key=self._next_key, rid=rid, num_tokens=len(ids), row_width=int(row_width),
                               dtype=dtype, generation=self.generation)
         self._next_key += 1
         if trace.enabled():
             pending.times = {"t_start": trace.now()}
+        self._begin(pending, ids)
+        return pending
+
+    def _fitting(self, ids: array.array) -> array.array:
+        """``ids`` (int64 token ids), or ``ValueError`` when they alone exceed the arena."""
+        nbytes = len(ids) * 8
+        if nbytes > self.extents.capacity:
+            raise ValueError(f"the token ids of {len(ids)} tokens ({nbytes} bytes) exceed the "
+                             f"{self.extents.capacity}-byte arena (--dump-hidden-states-max-host-mb)")
+        return ids
+
+    def _begin(self, pending: PendingDump, ids: array.array, extra: Optional[Dict[str, str]] = None) -> None:
+        """Put the file's token ids ``ids`` into the arena and queue ``pending``'s ``Begin``
+        (``pending.num_tokens`` of them, ``extra`` metadata); its file's bytes count as
+        unwritten from now on. ``WriterDied`` when its writer process died meanwhile."""
+        nbytes = len(ids) * 8
         off, piece = self._take(max(nbytes, 1), max(nbytes, 1))
+        if self.generation != pending.generation:
+            raise WriterDied(DIED_MESSAGE)
         if nbytes:
             self._view[off:off + nbytes] = memoryview(ids).cast("B")
         self._pieces[piece].refs = 1
-        name = _dtype_name(dtype)
-        self._out.ops.append(wire.Begin(pending.key, rid, pending.num_tokens, pending.row_width,
-                                        name, piece, off, pending.times))
+        name = _dtype_name(pending.dtype)
+        self._out.ops.append(wire.Begin(pending.key, pending.rid, pending.num_tokens, pending.row_width,
+                                        name, piece, off, pending.times, dict(extra) if extra else None))
         # the file's bytes by its own layout, as the sampling budget counts them (session._admit)
         self._unwritten[pending.key] = sum(
-            s.nbytes for s in fmt.dump_tensors(len(ids), self.num_slots, int(row_width) // self.num_slots, name))
-        return pending
+            s.nbytes for s in fmt.dump_tensors(len(ids), self.num_slots, pending.row_width // self.num_slots, name))
 
     def _check_start(self, rid: str, row_width: int, dtype: torch.dtype) -> torch.dtype:
         dtype = self._file_dtype(dtype)
@@ -588,8 +601,8 @@ class DumpWriter:
         """Send a deferred request (``start_deferred``) now that it has ended: its
         ``Begin`` with ``len(token_ids)`` tokens and ``extra`` metadata (str -> str), its
         held rows, then ``finish(pending, reservation)``. Raises ``ValueError`` when the
-        rows copied are not one per token id (the held rows are given back; the caller
-        fails the reservation), and as ``finish`` does."""
+        rows copied are not one per token id or the token ids alone exceed the arena (the
+        held rows are given back; the caller fails the reservation), and as ``finish`` does."""
         if pending.held is None:
             raise ValueError(f"rid {pending.rid!r} was not started deferred")
         ids = array.array("q", token_ids)
@@ -601,23 +614,15 @@ class DumpWriter:
             pending.num_tokens = len(ids)
             self.finish(pending, reservation)  # fails it as finish does
             return
-        nbytes = len(ids) * 8
-        off, piece = self._take(max(nbytes, 1), max(nbytes, 1))
-        if self.generation != pending.generation:
-            pending.held = None
-            raise WriterDied(DIED_MESSAGE)
-        if nbytes:
-            self._view[off:off + nbytes] = memoryview(ids).cast("B")
-        self._pieces[piece].refs = 1
-        name = _dtype_name(pending.dtype)
         pending.num_tokens = len(ids)
-        self._out.ops.append(wire.Begin(pending.key, pending.rid, pending.num_tokens, pending.row_width,
-                                        name, piece, off, pending.times, dict(extra) if extra else None))
+        try:
+            self._begin(pending, self._fitting(ids), extra)
+        except (ValueError, WriterDied):
+            self._release_held(pending, give_back=True)  # (the arena is reset when the writer died)
+            raise
         held = list(pending.held)
         self._release_held(pending, give_back=False)
         self._out.ops.extend(held)
-        self._unwritten[pending.key] = sum(
-            s.nbytes for s in fmt.dump_tensors(len(ids), self.num_slots, pending.row_width // self.num_slots, name))
         self.finish(pending, reservation)
 
     def is_current(self, pending: PendingDump) -> bool:
