@@ -33,7 +33,7 @@ import pytest
 
 from sglang_ext.tools.patchtool.series import GPU_VERIFIED, known_series, load_series, newest_series
 
-from test_nightly import CACHE, cli_json, get_wheel, persistent_cache  # noqa: F401 - a fixture
+from test_nightly import assert_applies_cleanly, get_wheel, persistent_cache  # noqa: F401 - a fixture
 
 REPO = Path(__file__).resolve().parents[2]
 CANDIDATE = REPO / "patches" / "candidates" / "v0.5.23"
@@ -79,12 +79,7 @@ def test_it_is_series_7_plus_its_own_patches_and_never_the_default(monkeypatch):
 
 @pytest.mark.network
 def test_it_applies_cleanly_to_its_pinned_base(capsys, persistent_cache):  # noqa: F811
-    series = load_series(CANDIDATE)
-    info = get_wheel(series.base.version, series.base)
-    assert info.pinned, "the wheel used must match base.toml's sha256"
-    rc, report = cli_json(capsys, "check", "--series", CANDIDATE, "--against", series.base.version)
-    assert rc == 0 and report["state"] == "clean", report
-    assert [p["status"] for p in report["patches"]] == ["clean"] * len(series.patches)
+    assert_applies_cleanly(capsys, CANDIDATE)
 
 
 def _body(text: str, name: str) -> str:

@@ -121,6 +121,11 @@ def test_base_toml_is_complete(series_dir):
 @pytest.mark.network
 @pytest.mark.parametrize("series_dir", SERIES_DIRS, ids=lambda p: p.name)
 def test_series_applies_cleanly_to_its_pinned_base(capsys, persistent_cache, series_dir):
+    assert_applies_cleanly(capsys, series_dir)
+
+
+def assert_applies_cleanly(capsys, series_dir) -> None:
+    """``patches check --against`` the series' pinned wheel (sha256 checked): every patch clean."""
     series = load_series(series_dir)
     info = get_wheel(series.base.version, series.base)
     assert info.pinned, "the wheel used must match base.toml's sha256"
