@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import struct
 import time
 
 from bench import loadgen, modes, report
@@ -75,17 +74,13 @@ def one_sample(kind, port, capture_port, ids, gen_tokens, timeout=600):
 
 
 def read_rows(path):
-    """``(rows, token_ids, metadata)`` of a dump file, read without torch: ``rows`` is
-    ``hidden_states``' first dimension, ``token_ids`` its int64 ids."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        spec = header["token_ids"]
-        begin, end = spec["data_offsets"]
-        f.seek(8 + n + begin)
-        raw = f.read(end - begin)
-    return header["hidden_states"]["shape"][0], list(struct.unpack(f"<{len(raw) // 8}q", raw)), \
-        header.get("__metadata__", {})
+    """``(rows, token_ids, metadata)`` of a dump file (``format.load``, its contract checked;
+    numpy without torch): ``rows`` is ``hidden_states``' first dimension, ``token_ids`` its
+    ids as ints."""
+    from sglang_ext import format as fmt
+
+    rec = fmt.load(path)
+    return rec.hidden_states.shape[0], [int(t) for t in rec.token_ids.tolist()], rec.metadata
 
 
 def check_file(kind, path, prompt, output_ids):
