@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A GPU session's work as one background job on a staged device host (stage-stack.sh put
 # p01-p17, p24; carry .whl/d), so that no phase depends on the next call arriving in time:
-#   bash tests/gpu/session_job.sh start kimi|output [BENCH_DEADLINE_S]  (returns at once)
+#   bash tests/gpu/session_job.sh start kimi|output|both [BENCH_DEADLINE_S [OUTPUT_DEADLINE_S]]
+#       (returns at once; both: kimi, then output, in one job)
 #   bash tests/gpu/session_job.sh collect [jit]     (copies what is done to $OUT)
 #   bash tests/gpu/session_job.sh seed              (carry .jit-cache: a JIT cache collected earlier)
 # kimi (issue 48): the fused fp8 kernel's module (-k test_gpu_quant, seconds; quant.json);
@@ -26,8 +27,8 @@ case "${1:-}" in
       echo "a job is running (pid $(cat $k/job.pid)): collect it, or kill it first" >&2; exit 1
     fi
     mkdir -p $k/logs $k/bench
-    case "${2:-}" in kimi|output) ;; *) echo "start kimi|output [BENCH_DEADLINE_S]" >&2; exit 2 ;; esac
-    setsid nohup bash "$0" "job-$2" "${3:-300}" >$k/job.log 2>&1 < /dev/null &
+    case "${2:-}" in kimi|output|both) ;; *) echo "start kimi|output|both [BENCH_DEADLINE_S [OUTPUT_DEADLINE_S]]" >&2; exit 2 ;; esac
+    setsid nohup bash "$0" "job-$2" "${3:-300}" "${4:-${3:-300}}" >$k/job.log 2>&1 < /dev/null &
     echo $! > $k/job.pid
     echo "started: $k/job.log" ;;
   job-kimi)
@@ -58,6 +59,11 @@ case "${1:-}" in
       --deadline-s "${2:-300}" --case kimi-slice-2
     stamp "bench rc $?"
     stamp done ;;
+  job-both)
+    bash "$0" job-kimi "${2:-300}"
+    # the disk (64 GB) holds the slices (50 GB) or the output bench's 8B model (16 GB)
+    rm -rf /tmp/kimi-slice /tmp/kimi-bench/kimi-slice-2 /dev/shm/hs-*; df -h /tmp | tail -1
+    bash "$0" job-output "${3:-300}" ;;
   job-output)
     t0=$(date +%s)
     stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
