@@ -184,8 +184,11 @@ def _way_back(args: argparse.Namespace, series: Series, tree: Tree) -> list[str]
 
 
 def _run_verb(args: argparse.Namespace, verb) -> int:
+    # --series is read before the target is looked for: a wrong series path is named as
+    # such (exit 2), also where SGLang is not installed.
+    given = load_series(resolve_series_dir(args.series)) if args.series else None
     tree = _target(args)
-    series, picked = _pick_series(args, tree)
+    series, picked = (given, None) if given else _pick_series(args, tree)
     report = verb(series, tree)
     if picked:
         report.notes.insert(0, picked)

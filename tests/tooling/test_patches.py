@@ -20,7 +20,7 @@ import pytest
 
 from sglang_ext.__main__ import main
 
-from conftest import SERIES_DIR, assert_rows_ready_at_hook, assert_warmup_named_before_post, fetch_wheel_or_skip
+from conftest import REPO, SERIES_DIR, assert_rows_ready_at_hook, assert_warmup_named_before_post, fetch_wheel_or_skip
 
 SCHED = "python/sglang/srt/managers/scheduler.py"
 
@@ -298,6 +298,44 @@ def test_check_without_anything_uses_the_installed_sglang(capsys):
     assert report["target"].endswith("(site-packages, -p2)")
     picked = f"series v{installed} picked: it is made for sglang {installed}"
     assert report["notes"][0].startswith(picked)
+
+
+def run_without_sglang(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in a Python that cannot see any site-packages (python -S): no sglang, whatever
+    this test process has installed; the project comes from PYTHONPATH."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(cwd)}
+    return subprocess.run([sys.executable, "-S", "-m", "sglang_ext", "patches", *map(str, args)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("verb", ["apply", "revert", "check"])
+def test_a_wrong_series_is_named_before_the_missing_sglang(tmp_path, verb):
+    """A wrong --series is the user's first mistake: it is the one sentence (exit 2), also
+    where SGLang is not installed (before, each said 'sglang is not installed')."""
+    no_series = tmp_path / "not-a-series"
+    no_series.mkdir()
+    missing_diff = tmp_path / "missing-diff"
+    missing_diff.mkdir()
+    (missing_diff / "series").write_text("0001-gone.diff\n")
+    bad_toml = tmp_path / "bad-toml"
+    bad_toml.mkdir()
+    (bad_toml / "series").write_text("")
+    (bad_toml / "base.toml").write_text("[base]\nimage = 'x'\n")
+    cases = {
+        "patches/nope": "error: series folder 'patches/nope' not found",
+        "nope": "error: series 'nope' not found under ",
+        str(no_series): f"error: {no_series} is not a patch series folder: it has no `series` file",
+        str(missing_diff): f"error: {missing_diff}/series lists 0001-gone.diff, which does not exist",
+        str(bad_toml): f"error: {bad_toml}/base.toml: [base] version missing",
+    }
+    for spec, sentence in cases.items():
+        r = run_without_sglang(tmp_path, verb, "--series", spec)
+        assert r.returncode == 2 and r.stderr.startswith(sentence), (spec, r.returncode, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and "not installed" not in r.stderr, (spec, r.stderr)
+    # The same Python with the real series: it is SGLang that is missing (the env lacks it).
+    r = run_without_sglang(tmp_path, verb, "--series", SERIES_DIR)
+    assert r.returncode == 2 and r.stderr == ("error: sglang is not installed in this Python "
+                                              "(find_spec('sglang') is None)\n"), r.stderr
 
 
 def test_partial_tree_offers_revert_and_revert_restores_the_release(capsys, pristine, tmp_path):

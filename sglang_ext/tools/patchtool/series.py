@@ -269,7 +269,8 @@ def _version_key(name: str) -> tuple:
 
 def resolve_series_dir(spec: str | None) -> Path:
     """Turn ``--series``/``--base`` into a folder: a path, or ``vX.Y.Z``/``X.Y.Z`` under
-    ``patches/``; None means the newest ``patches/v*``. Raises SeriesError if not found."""
+    ``patches/``; None means the newest ``patches/v*``. Raises SeriesError if not found, or
+    when the folder has no ``series`` file."""
     root = default_patches_root()
     if spec is None:
         dirs = sorted((d for d in root.glob("v*") if (d / "series").is_file()),
@@ -279,6 +280,8 @@ def resolve_series_dir(spec: str | None) -> Path:
         return dirs[-1]
     p = Path(spec)
     if p.is_dir():
+        if not (p / "series").is_file():
+            raise SeriesError(f"{spec} is not a patch series folder: it has no `series` file")
         return p
     if "/" in spec:  # a path that is not there
         raise SeriesError(f"series folder {spec!r} not found")
