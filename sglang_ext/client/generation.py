@@ -7,9 +7,10 @@ with ``custom_params {"hidden_states_output": true}`` and the sampling parameter
 here (``sampling_params``). The answer's ``output_ids`` are the generated ids; the file
 must hold the prompt then every generated id but the last (``check_answer``, before the
 file is moved into OUT: a mismatch fails that row, one sentence). The manifest line adds
-``num_prompt_tokens``, ``output_ids`` and, with ``--tokenizer``, ``text`` (``record_fields``).
-A rerun keeps an ``hs_<i>`` whose prompt is the row's (``existing``) and rebuilds a lost
-manifest line from the file itself. A retried row is a new request: with sampled decoding
+``num_prompt_tokens``, ``output_ids``, ``sampling_params`` (those sent) and, with
+``--tokenizer``, ``text`` (``record_fields``). A rerun keeps an ``hs_<i>`` whose prompt is the
+row's (``existing``) and rebuilds a lost manifest line from the file itself; one whose line
+records other ``sampling_params`` stops the run (``other_mode``). A retried row is a new request: with sampled decoding
 (``--temperature`` > 0) it is a new sample, other tokens than the failed try's.
 """
 
@@ -29,8 +30,8 @@ from sglang_ext.client.manifest import final_name
 HELP = ("generate each row's response with the server and capture the rows of the prompt and "
         "of every generated token fed back (all but the last) in the same request; rows give "
         "input_ids of the prompt, or messages (the final assistant turn dropped, --tokenizer's "
-        "chat template with the generation prompt). The manifest records output_ids (and text "
-        "with --tokenizer). A retried row is a new request: with --temperature > 0 a new sample")
+        "chat template with the generation prompt). The manifest records output_ids and the "
+        "sampling_params sent (and text with --tokenizer): a rerun with others stops. A retried row is a new request: with --temperature > 0 a new sample")
 
 
 def add_arguments(p) -> None:
@@ -49,6 +50,9 @@ def add_arguments(p) -> None:
                         "'{\"stop_token_ids\": [2], \"top_k\": 20}' (not those the flags above "
                         "set, nor n)")
 
+
+# the manifest line's record of the sampling_params a generated row was made with
+SAMPLING_KEY = "sampling_params"
 
 # sampling_params key -> (flag, default)
 DEFAULTS = {"max_new_tokens": ("--max-new-tokens", 512), "temperature": ("--temperature", 0.0),
@@ -103,10 +107,14 @@ def decoder(tokenizer) -> Optional[Callable[[List[int]], str]]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def record_fields(rows: fmt.OutputRows, decode: Optional[Callable[[List[int]], str]]) -> Dict[str, Any]:
+def record_fields(rows: fmt.OutputRows, decode: Optional[Callable[[List[int]], str]],
+                  sent: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """What a generated row's manifest line adds: ``num_prompt_tokens``, ``output_ids``
-    (every generated id) and, with a tokenizer, ``text``."""
+    (every generated id), ``sampling_params`` (``sent``: those of the request that made it;
+    left out when unknown, a line rebuilt from a file) and, with a tokenizer, ``text``."""
     out: Dict[str, Any] = {"num_prompt_tokens": rows.num_prompt_tokens, "output_ids": rows.output_ids}
+    if sent is not None:
+        out[SAMPLING_KEY] = sent
     if decode is not None:
         out["text"] = decode(rows.output_ids)
     return out
@@ -128,9 +136,11 @@ def _ids_and_metadata(path: str, shown: str) -> Tuple[List[int], Dict[str, str]]
 
 
 def check_answer(dump, name: str, prompt: List[int], output_ids: List[int],
-                 decode: Optional[Callable[[List[int]], str]] = None) -> Tuple[List[int], Dict[str, Any]]:
+                 decode: Optional[Callable[[List[int]], str]] = None,
+                 sent: Optional[Dict[str, Any]] = None) -> Tuple[List[int], Dict[str, Any]]:
     """Check the server's file ``name`` (in ``dump``, a ``dumpdir.DumpDir``) against the
-    contract before it is taken: ``(token ids it must hold, the manifest's fields)``.
+    contract before it is taken: ``(token ids it must hold, the manifest's fields)``
+    (``sent``: the request's sampling_params, recorded there).
     Raises ``FatalError`` for a file of the prompt's rows only (the server does not
     capture generated tokens: every row would fail alike), ``RowError`` (one sentence)
     for any other mismatch, ``CheckError`` for an unreadable file."""
@@ -150,16 +160,18 @@ def check_answer(dump, name: str, prompt: List[int], output_ids: List[int],
         rows = fmt.check_output_rows(ids, meta, prompt, output_ids, shown)
     except fmt.DumpFormatError as e:
         raise RowError(f"the answer breaks the output-rows contract: {e}") from None
-    return fmt.fed_token_ids(prompt, output_ids), record_fields(rows, decode)
+    return fmt.fed_token_ids(prompt, output_ids), record_fields(rows, decode, sent)
 
 
 def existing(out_dir: str, index: int, prompt: List[int], full: bool, rec: Optional[Dict[str, Any]],
-             decode: Optional[Callable[[List[int]], str]] = None
+             decode: Optional[Callable[[List[int]], str]] = None,
+             sent: Optional[Dict[str, Any]] = None
              ) -> Tuple[Optional[int], Optional[str], Optional[Dict[str, Any]]]:
     """``manifest.existing`` for ``--generate``: ``(tokens, None, manifest fields)`` for a
     regular ``hs_<index>`` of this prompt with output rows (``check_output_rows``, then
     ``check_file``), its generated ids taken from the file; ``(None, why, None)`` for one
-    to extract again (also when the manifest line ``rec`` names other output ids);
+    not to keep as it is (also when the manifest line ``rec`` names other output ids, or
+    other sampling_params than ``sent``, this run's: ``other_mode`` then stops the run);
     ``(None, None, None)`` for none."""
     target = os.path.join(out_dir, final_name(index))
     try:
@@ -176,17 +188,44 @@ def existing(out_dir: str, index: int, prompt: List[int], full: bool, rec: Optio
         return None, str(e), None
     if rec is not None and rec.get("output_ids") not in (None, rows.output_ids):
         return None, "its manifest line names other output_ids than the file holds", None
+    if _other_setting(rec, sent):
+        return None, f"its manifest line records other {SAMPLING_KEY}", None
     return n, None, record_fields(rows, decode)
 
 
-def other_mode(out_dir: str, index: int, prompt: Optional[List[int]], generate: bool) -> Optional[str]:
+def _shown(key: str, params: Dict[str, Any]) -> str:
+    """``key`` of ``params`` as the command line gives it: ``--temperature 0.7``,
+    ``--sampling-params top_k 20`` (``unset`` when absent)."""
+    flag = DEFAULTS[key][0] if key in DEFAULTS else f"--sampling-params {key}"
+    return f"{flag} {json.dumps(params[key]) if key in params else 'unset'}"
+
+
+def _other_setting(rec: Optional[Dict[str, Any]], sent: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The first sampling setting in which the manifest line ``rec`` and ``sent`` (this
+    ``--generate`` run's sampling_params) differ, as ``'--temperature 0.7 (this run:
+    --temperature 0.0)'``; None when they agree, or ``rec`` records none: a line of a run
+    made before the record was added (older manifests), or rebuilt from a file."""
+    made = rec.get(SAMPLING_KEY) if rec is not None else None
+    if sent is None or not isinstance(made, dict):
+        return None
+    for key in sorted(set(made) | set(sent)):
+        if key not in made or key not in sent or made[key] != sent[key]:
+            return f"{_shown(key, made)} (this run: {_shown(key, sent)})"
+    return None
+
+
+def other_mode(out_dir: str, index: int, prompt: Optional[List[int]],
+               sent: Optional[Dict[str, Any]], rec: Optional[Dict[str, Any]] = None) -> Optional[str]:
     """Why a rerun must not replace ``OUT/hs_<index>``, which ``existing`` (or
     ``manifest.existing``) refused: it is a sample of this row made in the other mode, the
-    prompt's and generated tokens' rows (``format.output``) in a run without ``--generate``,
-    or the prompt's rows alone in a ``--generate`` run. Such work is kept: the run stops
-    (``runner``) instead of extracting the row again. None otherwise (no such file, an
-    unreadable one, another prompt's, or ``prompt`` None: a row with images)."""
+    prompt's and generated tokens' rows (``format.output``) in a run without ``--generate``
+    (``sent`` None), or the prompt's rows alone in a ``--generate`` run; or its manifest
+    line ``rec`` records other sampling_params than ``sent``, this ``--generate`` run's.
+    Such work is kept: the run stops (``runner``) instead of extracting the row again. None
+    otherwise (no such file, an unreadable one, another prompt's, or ``prompt`` None: a
+    row with images)."""
     target = os.path.join(out_dir, final_name(index))
+    generate = sent is not None
     if prompt is None:
         return None
     try:
@@ -195,12 +234,17 @@ def other_mode(out_dir: str, index: int, prompt: Optional[List[int]], generate: 
         ids, meta = _ids_and_metadata(target, target)
     except (OSError, CheckError):
         return None
+    made = fmt.NUM_PROMPT_TOKENS_KEY in meta and ids[:len(prompt)] == prompt \
+        and meta[fmt.NUM_PROMPT_TOKENS_KEY] == str(len(prompt))  # this row's, generated
+    differs = _other_setting(rec, sent) if made else None
+    if differs:
+        return (f"{target} was generated with {differs}: not replaced; run with the settings "
+                f"it was made with to resume that dataset, or extract into another --out")
     if generate and fmt.NUM_PROMPT_TOKENS_KEY not in meta and ids == prompt:
         return (f"{target} holds this row's prompt rows alone, from a run without --generate: "
                 f"not replaced; run without --generate to resume that dataset, or extract into "
                 f"another --out")
-    if not generate and fmt.NUM_PROMPT_TOKENS_KEY in meta and ids[:len(prompt)] == prompt \
-            and meta[fmt.NUM_PROMPT_TOKENS_KEY] == str(len(prompt)):
+    if not generate and made:
         return (f"{target} holds this row's prompt and generated rows, from a --generate run: "
                 f"not replaced; add --generate (and its flags) to resume that dataset, or extract "
                 f"into another --out")

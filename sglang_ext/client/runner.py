@@ -213,6 +213,8 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
     5xx from a router, timeout) is sent again, through the router to a live one."""
     last: Optional[Exception] = None
     stats.sources[row.index] = chat_record(row, {})
+    if opts.generate is not None:  # the line after Ctrl-C records the settings too
+        stats.sources[row.index][generation.SAMPLING_KEY] = opts.generate
     for attempt in range(opts.max_retries + 1):
         where: List[str] = []  # the try's worker, once an answer names it
         if attempt:
@@ -237,7 +239,7 @@ async def extract_one(session, opts: Options, row: Row, stats: Stats,
             extra: Dict[str, Any] = {}
             if opts.generate is not None:  # the prompt's then the generated tokens' rows
                 ids, extra = await asyncio.to_thread(generation.check_answer, dump, name, ids,
-                                                     answer.output_ids, opts.decode)
+                                                     answer.output_ids, opts.decode, opts.generate)
             try:
                 size = await asyncio.to_thread(
                     put_in_out, stats.taken, row.index, move_into_place, dump, name, opts.out_dir,
@@ -369,7 +371,7 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
         if opts.generate is not None:
             n, redo, extra = await asyncio.to_thread(
                 generation.existing, opts.out_dir, row.index, row.input_ids, opts.validate,
-                manifest.records.get(row.index), opts.decode)
+                manifest.records.get(row.index), opts.decode, opts.generate)
         else:
             n, redo = await asyncio.to_thread(
                 existing, opts.out_dir, row.index, row.input_ids, opts.validate,
@@ -377,8 +379,9 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
                 manifest.records.get(row.index))
         if redo:  # a file that fails the check, a FIFO, a symlink: replaced atomically
             kept = await asyncio.to_thread(generation.other_mode, opts.out_dir, row.index,
-                                           row.input_ids, opts.generate is not None)
-            if kept:  # the other mode's sample of this row: work a rerun must not throw away
+                                           row.input_ids, opts.generate,
+                                           manifest.records.get(row.index))
+            if kept:  # the other mode's (or settings') sample of this row: work a rerun must not throw away
                 stop(f"{row.name}: {kept}")
                 return
             print(f"re-extracting {final_name(row.index)}: {redo}", file=sys.stderr)

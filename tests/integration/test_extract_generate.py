@@ -33,14 +33,15 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15]]
 
 class Proxy:
     """Forwards every request to the stand-in at ``target``; for ``/generate`` it records
-    each try's rid and answer (``tries``: row index -> [(rid, answer)]) and misbehaves:
+    each try's rid and answer (``tries``: row index -> [(rid, answer)]) and sampling_params
+    as sent (``params``: row index -> [sampling_params]) and misbehaves:
     ``fail_first`` rows get HTTP 502 for their first try (the stand-in has written its
     file), ``tamper`` rows an answer whose last output id is off by one, ``strip_output``
     drops ``hidden_states_output`` from every request (a server that does not capture
     generated tokens), ``delay_s`` before each answer."""
 
     def __init__(self, target: str):
-        self.target, self.tries = target, {}
+        self.target, self.tries, self.params = target, {}, {}
         self.fail_first, self.tamper, self.strip_output, self.delay_s = set(), set(), False, 0.0
         proxy = self
 
@@ -68,6 +69,7 @@ class Proxy:
 
     def generate(self, path, body):
         time.sleep(self.delay_s)
+        self.params.setdefault(int(body["rid"].split("-")[1]), []).append(json.loads(json.dumps(body["sampling_params"])))
         if self.strip_output:
             body["sampling_params"]["custom_params"].pop(fmt.OUTPUT_PARAM, None)
         code, raw = self.forward("POST", path, body)
@@ -293,6 +295,51 @@ def test_a_rerun_in_the_other_mode_keeps_the_samples_and_stops(served, tmp_path)
     # the same command again resumes
     r = cli(*extract_args(served.url, data, gen_out, "--temperature", 0.7))
     assert r.returncode == 0 and summary(r.stdout)["resumed"] == 3, r.stderr
+
+
+def test_a_rerun_with_other_sampling_settings_keeps_the_samples_and_stops(served, tmp_path):
+    """Each generated row's manifest line records the sampling_params its request sent; a
+    rerun with other ones stops at the first kept row, naming the setting (before, it
+    resumed: one dataset of samples from two sampling settings). A line without the record
+    (an older manifest) is accepted."""
+    data = write_data(tmp_path / "d.jsonl", PROMPTS[:3])
+    out = tmp_path / "out"
+    made = ["--temperature", 0.7, "--sampling-params", '{"top_k": 20}']
+    assert cli(*extract_args(served.url, data, out, *made)).returncode == 0
+    for i, rec in manifest(out).items():
+        (params,) = served.params[i]
+        assert params.pop("custom_params")[fmt.OUTPUT_PARAM] is True
+        assert rec["sampling_params"] == params == {"max_new_tokens": 5, "temperature": 0.7,
+                                                    "top_p": 1.0, "top_k": 20}, (rec, params)
+    kept = {p: p.read_bytes() for p in out.glob("hs_*.safetensors")}
+    for other, says in (
+            (["--temperature", 0.5, "--sampling-params", '{"top_k": 20}'],
+             "was generated with --temperature 0.7 (this run: --temperature 0.5): not replaced; "
+             "run with the settings it was made with to resume that dataset, or extract into "
+             "another --out"),
+            ([*made, "--max-new-tokens", 6],
+             "was generated with --max-new-tokens 5 (this run: --max-new-tokens 6)"),
+            (["--temperature", 0.7, "--sampling-params", '{"top_k": 40}'],
+             "was generated with --sampling-params top_k 20 (this run: --sampling-params top_k 40)"),
+            (["--temperature", 0.7],
+             "was generated with --sampling-params top_k 20 (this run: --sampling-params top_k unset)")):
+        r = cli(*extract_args(served.url, data, out, *other))
+        assert r.returncode == 3, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and says in errors[0], r.stderr
+        assert "re-extracting" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sum(len(t) for t in served.tries.values()) == 3, "a row was sent again"
+    assert {p: p.read_bytes() for p in kept} == kept, "a sample of other settings was replaced"
+    # the same settings resume
+    r = cli(*extract_args(served.url, data, out, *made))
+    assert r.returncode == 0 and summary(r.stdout)["resumed"] == 3, r.stderr
+    # a manifest of a run before the record (no sampling_params): accepted as it is
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    old = [{k: v for k, v in json.loads(line).items() if k != "sampling_params"} for line in lines]
+    (out / "manifest.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in old))
+    r = cli(*extract_args(served.url, data, out, "--temperature", 0.5))
+    assert r.returncode == 0 and summary(r.stdout)["resumed"] == 3, r.stderr
+    assert sum(len(t) for t in served.tries.values()) == 3
 
 
 def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
