@@ -85,7 +85,8 @@ Guarantees:
   Store (``--store-timeout``), checked, written as ``hs_<i>`` in the file sink's format and
   removed from the store once in the manifest (``sglang_ext.client.fetch``): no filesystem
   is shared with the server. Such an answer without ``--store`` stops the run (exit 2), and
-  an answer naming a file with ``--store`` (a server writing files) stops it (exit 3).
+  an answer naming a file with ``--store`` (a server writing files) stops it (exit 3), as
+  does a master that stops answering mid-run and refuses connections (``fetch``).
 
 - Generate (``--generate``, ``sglang_ext.client.generation``): the server writes each row's
   response and the rows of prompt and response in one request (``format.output``); the file

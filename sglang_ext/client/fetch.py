@@ -65,7 +65,7 @@ from sglang_ext import store as st
 from sglang_ext import store_client
 from sglang_ext.client.checks import MAX_ROW_VALUES, check_file
 from sglang_ext.client.files import Journal, Staged
-from sglang_ext.client.http import RequestError
+from sglang_ext.client.http import FatalError, RequestError
 from sglang_ext.client.manifest import final_name
 
 DEFAULT_WAIT_S = 120.0  # hs-connectors' get_generated timeout
@@ -301,8 +301,19 @@ class StoreFetcher(Journal):
             client.close()
 
     def _exists(self, key: str) -> bool:
+        """Whether ``key`` is in the store. ``FatalError`` when the master does not answer
+        and its port refuses connections (``store_client.master_unreachable``: it died
+        after the run connected; every next try would fail alike, its samples are gone
+        with it); ``FetchError`` for any other failed look-up (a slow master: retried)."""
         try:
             return self.client.exists(key)
+        except st.StoreUnavailable as e:
+            why = store_client.master_unreachable(self.config, PROBE_TIMEOUT_S)
+            if why is not None:
+                raise FatalError(f"{why}: no sample can be taken from the store, so every next "
+                                 f"try would fail alike; start mooncake_master there again and "
+                                 f"run the same command again to resume") from None
+            raise FetchError(str(e)) from None
         except st.StoreError as e:
             raise FetchError(str(e)) from None
 
@@ -316,7 +327,8 @@ class StoreFetcher(Journal):
         return f"the server failed the sample ({key}): {msg}"
 
     def state(self, handle: str) -> Optional[str]:
-        """``"error"``, ``"ready"`` or None (not there), the error marker first."""
+        """``"error"``, ``"ready"`` or None (not there), the error marker first;
+        ``_exists``' errors."""
         if self._exists(handle + st.ERROR_SUFFIX):
             return "error"
         return "ready" if self._exists(handle) else None

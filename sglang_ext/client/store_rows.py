@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Set
 
 from sglang_ext.client.checks import CheckError
 from sglang_ext.client.dataset import Row
-from sglang_ext.client.http import Answer, RequestError
+from sglang_ext.client.http import Answer, FatalError, RequestError
 from sglang_ext.client.manifest import record
 from sglang_ext.client.runner import Options, chat_record, expected_ids, put_in_out
 
@@ -53,6 +53,8 @@ async def resume_from_store(opts: Options, row: Row, taken: Set[int]) -> Optiona
                 continue
             size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index,
                                            row.input_ids, opts.validate)
+        except FatalError:  # the master is gone (StoreFetcher.state): the run stops
+            raise
         except (RequestError, CheckError, OSError) as e:
             print(f"{row.name}: the sample an earlier run was answered for is not taken "
                   f"({e}); requesting it again", file=sys.stderr)

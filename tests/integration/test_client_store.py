@@ -86,7 +86,8 @@ class StoreServer:
     ``error_first``: first token ids whose first ``error_tries`` tries get ``<handle>:error``;
     ``never_for``: first token ids whose object is never put; ``hold``: an Event puts
     wait for; ``wrong_ids_for``: objects holding other token ids; ``manifest_meta``: extra
-    keys for the manifest's metadata."""
+    keys for the manifest's metadata; ``before_answer``: called (no arguments) before each
+    answer."""
 
     def __init__(self, sink: StoreClient, dtype: str = "bfloat16"):
         self.sink = sink
@@ -99,6 +100,7 @@ class StoreServer:
         self.hold = None
         self.manifest_meta = {}
         self.delay = 0.0
+        self.before_answer = None
         self.tensors = {}  # rid -> (hidden_states, scales, token_ids) put for it
         self.handles = []  # every handle answered
         self.counts = {}
@@ -150,6 +152,8 @@ class StoreServer:
             else:
                 self.sink.put_packed(handle, layout, data)
 
+        if self.before_answer is not None:
+            self.before_answer()
         if self.early_s is None and self.hold is None:
             put()
         else:
@@ -552,6 +556,38 @@ def test_mooncake_missing_a_shared_library_is_one_sentence_quoting_it(tmp_path):
 def _cmd(server, data, out, master):
     return [sys.executable, "-m", "sglang_ext", "extract", "--endpoint", server.url, "--data", data,
             "--out", str(out), "--concurrency", "4", "--no-progress", "--store", trainer_url(master)]
+
+
+@needs_mooncake
+def test_a_master_that_dies_mid_run_stops_the_run_at_the_first_try(tmp_path):
+    """The master dies after extract connected (the server answered, its put never came):
+    the client's look-up of the sample finds no master, which no retry can change, so the
+    run stops at that try, one sentence naming the master (exit 3). Before, each row was
+    requested again (a new prefill per try) until --max-consecutive-failures."""
+    from mooncake_fixture import Master
+
+    master = Master(tmp_path)
+    s = StoreServer(sink=None)
+    try:
+        data = rows(3)
+        s.never_for = {ids[0] for ids in data}  # the put is the dead master's: never there
+        s.before_answer = master.kill  # dies once the first request is in
+        r = subprocess.run([*_cmd(s, write_jsonl(tmp_path / "d.jsonl", data), tmp_path / "out", master),
+                            "--concurrency", "1", "--no-early-answers", "--max-retries", "2",
+                            "--max-consecutive-failures", "2"],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert r.returncode == EXIT_ABORTED, r.stderr
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: row 0 (line 1 of d.jsonl): cannot reach the Mooncake master at {master.address} ("), r.stderr
+        assert errors[0].endswith("so every next try would fail alike; start mooncake_master there again "
+                                  "and run the same command again to resume"), r.stderr
+        assert "retrying" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert sum(s.counts.values()) == 1, s.counts  # one request: no try sent again
+        assert hs_indices(tmp_path / "out") == set()
+    finally:
+        s.close()
+        master.kill()
 
 
 @needs_mooncake
