@@ -2,7 +2,7 @@
 # A GPU session's work as one background job on a staged device host (stage-stack.sh put
 # p01-p17, p24; carry .whl/d), so that no phase depends on the next call arriving in time:
 #   bash tests/gpu/session_job.sh start kimi|output|both [BENCH_DEADLINE_S [OUTPUT_DEADLINE_S]]
-#       (returns at once; both: kimi, then output, in one job)
+#       (returns at once; both: the output module, the kimi job, then the output bench)
 #   bash tests/gpu/session_job.sh collect [jit]     (copies what is done to $OUT)
 #   bash tests/gpu/session_job.sh seed              (carry .jit-cache: a JIT cache collected earlier)
 # kimi (issue 48): the fused fp8 kernel's module (-k test_gpu_quant, seconds; quant.json);
@@ -60,25 +60,36 @@ case "${1:-}" in
     stamp "bench rc $?"
     stamp done ;;
   job-both)
+    # the output module first (minutes), then the kimi job, then the output bench: each
+    # phase's results are whole when the session's device time ends mid-way
+    bash "$0" job-output module
+    (eval "$(bash tests/gpu/stage-stack.sh env sglang)"; export PYTHONPATH="$PYTHONPATH:$PWD"
+     python3 -m sglang_ext patches revert --series patches/candidates/v0.5.23 --site-packages) \
+      && echo "== candidate series reverted"
     bash "$0" job-kimi "${2:-300}"
     # the disk (64 GB) holds the slices (50 GB) or the output bench's 8B model (16 GB)
     rm -rf /tmp/kimi-slice /tmp/kimi-bench/kimi-slice-2 /dev/shm/hs-*; df -h /tmp | tail -1
-    bash "$0" job-output "${3:-300}" ;;
-  job-output)
+    bash "$0" job-output bench "${3:-300}" ;;
+  job-output)  # [module|bench|all [BENCH_DEADLINE_S]]
     t0=$(date +%s)
     stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
+    what=${2:-all}; case $what in module|bench|all) shift ;; *) what=all ;; esac
     eval "$(bash tests/gpu/stage-stack.sh env sglang)"
     export PYTHONPATH="$PYTHONPATH:$PWD"
     python3 -m sglang_ext patches revert --series patches/v0.5.23 --site-packages 2>/dev/null \
       && stamp "series 7 reverted"
-    stamp "output-rows module (candidate series)"
-    KIMI_SGLANG_SERIES=candidates/v0.5.23 OUT=$k bash tests/gpu/run_e2e.sh run -k test_gpu_output \
-      --models llama,deepseek --results-json $k/output.json --server-log-dir $k/logs
-    stamp "module rc $?"
-    KIMI_SGLANG_SERIES=candidates/v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models llama-8b \
-      --modes gen_nodump,gen_output,gen_two_pass --prompt-lens 512,2048 --gen-tokens 512 --repeat 2 \
-      --counterbalance --skip-ceilings --peer-reference none --deadline-s "${2:-300}" --case gen-llama-8b
-    stamp "bench rc $?"
+    if [ "$what" != bench ]; then
+      stamp "output-rows module (candidate series)"
+      KIMI_SGLANG_SERIES=candidates/v0.5.23 OUT=$k bash tests/gpu/run_e2e.sh run -k test_gpu_output \
+        --models llama,deepseek --results-json $k/output.json --server-log-dir $k/logs
+      stamp "module rc $?"
+    fi
+    if [ "$what" != module ]; then
+      KIMI_SGLANG_SERIES=candidates/v0.5.23 OUT=$k/bench bash bench/run_bench.sh run --quick --models llama-8b \
+        --modes gen_nodump,gen_output,gen_two_pass --prompt-lens 512,2048 --gen-tokens 512 --repeat 2 \
+        --counterbalance --skip-ceilings --peer-reference none --deadline-s "${2:-300}" --case gen-llama-8b
+      stamp "bench rc $?"
+    fi
     stamp done ;;
   collect)
     out=${OUT:?}
