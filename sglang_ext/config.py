@@ -401,7 +401,9 @@ class DumpConfig:
     (``store.StoreConfig``) when ``--dump-hidden-states-dir`` is a ``mooncake://`` URL
     (the store sink, docs/store.md; ``directory`` then holds the URL as given), else None.
     ``sample_rate``, ``budget_bytes`` (this writing rank's share) and ``min_free_bytes``:
-    which requests are dumped (``sampling_settings``).
+    which requests are dumped (``sampling_settings``). ``incremental_stream``: SGLang's
+    ``--incremental-streaming-output`` (a streamed request's keys are then held from its
+    first output, ``responses.hold_info``).
     """
 
     directory: str
@@ -419,6 +421,7 @@ class DumpConfig:
     sample_rate: float = 1.0
     budget_bytes: Optional[int] = None
     min_free_bytes: Optional[int] = None
+    incremental_stream: bool = False
 
     @property
     def sink(self) -> str:
@@ -461,6 +464,7 @@ class DumpConfig:
             max_host_bytes=max_mb * (1 << 20) // writers,
             hidden_states_dtype=dtype,
             store=store,
+            incremental_stream=bool(getattr(server_args, "incremental_streaming_output", False)),
             **env_settings(),
             **sampling_settings(writers),
         )

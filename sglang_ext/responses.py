@@ -1,6 +1,7 @@
 """What a dumped request's response carries, in SGLang's main process.
 
-The scheduler records a request's path (or error) with ``set_info``; SGLang carries it to
+The scheduler records a request's path (or error) with ``set_info`` (``hold_info`` first
+for a request streamed with ``--incremental-streaming-output``); SGLang carries it to
 the tokenizer manager in ``meta_info``, where ``finish_response`` waits for the file and
 turns the entry into a plain value; ``openai_completion_extras`` then shapes a
 ``/v1/completions`` response as vLLM's hidden-states connector does, and
@@ -20,6 +21,53 @@ PATH_KEY, ERROR_KEY, PENDING_KEY = fmt.PATH_KEY, fmt.ERROR_KEY, fmt.PENDING_KEY
 MANIFEST_KEY = fmt.MANIFEST_KEY
 
 
+class TokenFill:
+    """A ``customized_info`` entry that stays aligned with the output tokens however far
+    SGLang slices it: None at output positions before ``start``, ``value`` from ``start``
+    on (all None while ``value`` is None: a key held, not set yet).
+
+    For a request streamed with ``--incremental-streaming-output``: the tokenizer manager
+    cuts each output's ``meta_info[key]`` to that output's tokens
+    (``_slice_streaming_output_meta_info``: the list received so far, from
+    ``ReqState.last_output_offset``), so a plain ``[value]`` recorded once is in the first
+    output only, and a key first sent late is cut away whole (nothing was received for the
+    outputs before it). Holding the key from the first output and answering every slice
+    ``[a:b]`` with one entry per position keeps the list as long as the output ids, so
+    the last output carries the value. A slice with no position (``b <= a``: an output
+    without new tokens, a stop string trimmed them) gets the entry at ``a``: one more
+    entry only shifts what later outputs carry by one, the value still comes last."""
+
+    __slots__ = ("start", "value")
+
+    def __init__(self, start: int = 0, value=None):
+        self.start, self.value = start, value
+
+    def _at(self, position: int):
+        return None if position < self.start else self.value
+
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return self._at(index)
+        if not isinstance(index, slice) or index.step not in (None, 1) or index.stop is None:
+            raise TypeError(f"TokenFill takes an index or a slice [a:b], not {index!r}")
+        a = index.start or 0
+        return [self._at(p) for p in range(a, max(index.stop, a + 1))]
+
+    def __repr__(self) -> str:
+        return f"TokenFill({self.start}, {self.value!r})"
+
+
+def hold_info(req, keys) -> None:
+    """Make ``req`` carry each of ``keys`` (None until ``set_info`` records it) from its
+    next output on, aligned with its tokens (``TokenFill``): for a request streamed with
+    ``--incremental-streaming-output``, held before its first output (the prefill hook).
+    A key already recorded is left as it is."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    for key in keys:
+        req.customized_info.setdefault(key, TokenFill())
+
+
 def set_info(req, key: str, value) -> None:
     """Record a per-request value where SGLang carries it to ``meta_info``.
 
@@ -33,18 +81,29 @@ def set_info(req, key: str, value) -> None:
     position not sent yet (``req.send_token_offset`` on): ``[None] * sent + [value] *
     max(1, len(output_ids) - sent)``. The next output carries it, whether it is recorded
     before the step's token is appended (the prefill hook) or after (``on_outputs``).
+    A key ``hold_info`` held (incremental streaming) becomes ``TokenFill(sent, value)``:
+    every later output carries it too, as the tokenizer manager then keeps only each
+    output's own slice.
     """
     if req.customized_info is None:
         req.customized_info = {}
     sent = int(getattr(req, "send_token_offset", 0) or 0)
+    if isinstance(req.customized_info.get(key), TokenFill):
+        req.customized_info[key] = TokenFill(sent, value)
+        return
     unsent = max(1, len(getattr(req, "output_ids", None) or ()) - sent)
     req.customized_info[key] = [None] * sent + [value] * unsent
 
 
 def drop_info(req, *keys: str) -> None:
-    """Remove ``keys`` that ``set_info`` recorded on ``req`` (absent ones are ignored)."""
+    """Remove ``keys`` that ``set_info`` recorded on ``req`` (absent ones are ignored); a
+    held key (``hold_info``) stays held, None from now on."""
+    info = req.customized_info or {}
     for key in keys:
-        (req.customized_info or {}).pop(key, None)
+        if isinstance(info.get(key), TokenFill):
+            info[key] = TokenFill()
+        else:
+            info.pop(key, None)
 
 
 def _first(value):

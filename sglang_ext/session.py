@@ -28,7 +28,7 @@ from sglang_ext import __version__, compat, trace
 from sglang_ext import format as fmt
 from sglang_ext.config import DumpConfig, DumpConfigError, check_store_reachable, resolve_layer_ids
 from sglang_ext.sampling import DumpPolicy
-from sglang_ext.responses import ERROR_KEY, MANIFEST_KEY, PATH_KEY, PENDING_KEY, drop_info, set_info
+from sglang_ext.responses import ERROR_KEY, MANIFEST_KEY, PATH_KEY, PENDING_KEY, drop_info, hold_info, set_info
 
 logger = logging.getLogger(__name__)
 
@@ -440,7 +440,9 @@ class DumpSession:
     def _take(self, batch, hidden, lens: List[int], takes: List[_Take]) -> None:
         """Check each request's rows of the batch and reserve the names of those it
         finishes; appends their ``_Take`` to ``takes``. A request that fails here gets
-        its error and is left out."""
+        its error and is left out. A dumped request that streams under
+        ``--incremental-streaming-output`` has its response keys held at its first chunk
+        (``responses.hold_info``), before its first output."""
         decoding = set(map(id, batch.decoding_reqs or []))
         prefix_lens = batch.prefix_lens or [0] * len(batch.reqs)
         offset = 0
@@ -457,6 +459,8 @@ class DumpSession:
                                  num_prompt=len(req.origin_input_ids))
                 state.done = not self._admit(req, state, hidden)
                 setattr(req, REQ_ATTR, state)
+                if not state.done and self.config.incremental_stream and getattr(req, "stream", False):
+                    hold_info(req, self._response_keys(req))
                 compat.release_request_cycle(req)
             if state.done:
                 continue
@@ -473,6 +477,14 @@ class DumpSession:
                 self._fail(req, state, e)
                 continue
             takes.append(take)
+
+    def _response_keys(self, req) -> Tuple[str, ...]:
+        """The ``meta_info`` keys ``req``'s answer may get: its manifest (store sink) or its
+        path (and ``hidden_states_pending`` when it asked not to wait), or its error."""
+        if self.config.store is not None:
+            return (MANIFEST_KEY, ERROR_KEY)
+        pending = (PENDING_KEY,) if _custom_param(req, fmt.WAIT_PARAM) is False else ()
+        return (PATH_KEY, *pending, ERROR_KEY)
 
     def _admit(self, req, state: _ReqDump, hidden) -> bool:
         """Whether to dump ``req``: its ``custom_params`` ``hidden_states_dump``, then the

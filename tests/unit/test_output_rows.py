@@ -316,7 +316,8 @@ def _sglang_outputs():
     """SGLang 0.5.23's own scheduler-side output step (``output_streamer.
     _GenerationStreamAccumulator.accept``: which steps send an output and the slice of each
     ``customized_info`` list it carries), with a force-stream interval of 4 tokens for a
-    request that does not stream (SGLang's default is 50)."""
+    request that does not stream (SGLang's default is 50). Returns ``one_step(req)``:
+    ``(customized_info, output_ids)`` of the output sent for ``req``, or None."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.scheduler_components.output_streamer import _GenerationStreamAccumulator
     from sglang.srt.runtime_context import create_context, use_context
@@ -333,7 +334,7 @@ def _sglang_outputs():
         root.setLevel(level)
         root.handlers[:] = handlers
 
-    def one_step(req) -> dict:
+    def one_step(req):
         acc = _GenerationStreamAccumulator(
             return_logprob=False, return_hidden_states=False, return_routed_experts=False,
             return_indexer_topk=False, spec_algorithm=SpeculativeAlgorithm.NONE,
@@ -342,30 +343,91 @@ def _sglang_outputs():
             is_request_level_customized_info_key=lambda key: False, current_weight_version=None)
         with use_context(context):
             acc.accept(req=req)
-        return {key: values[0] for key, values in acc.customized_info.items()} if acc.rids else None
+        if not acc.rids:
+            return None
+        return {key: values[0] for key, values in acc.customized_info.items()}, list(acc.output_ids[0])
 
     return one_step
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["not streamed", "streamed"])
-def test_the_path_reaches_the_last_output_however_often_sglang_sends_one(sess, stream):
+def _tokenizer_manager(monkeypatch, incremental: bool):
+    """SGLang 0.5.23's tokenizer-manager side of one request's outputs, in
+    ``_handle_batch_output``'s order with its own functions: each output's
+    ``customized_info`` slices are added up (``_accumulate_request_meta_info``:
+    ``meta_info[key]`` is everything received so far); with
+    ``--incremental-streaming-output`` a streamed request's ``meta_info[key]`` is then cut
+    to this output's tokens (``_slice_streaming_output_meta_info`` from
+    ``ReqState.last_output_offset``). Returns ``receive(customized_info, output_ids)``
+    -> the output dict, and ``coalesce(outputs)``: ``_wait_one_response`` draining
+    several queued incremental outputs at once (``_coalesce_streaming_chunks``). SGLang's
+    server dependency uvloop (not in the CPU venv) only gives the tokenizer manager its
+    event-loop policy at import: asyncio's stands in (as in tests/tooling/test_candidate_series)."""
+    import sys
+
+    uvloop = types.ModuleType("uvloop")
+    uvloop.EventLoopPolicy = asyncio.DefaultEventLoopPolicy
+    if "uvloop" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "uvloop", uvloop)
+    from sglang.srt.managers.tokenizer_manager import (ReqState, TokenizerManager,
+                                                       _slice_streaming_output_meta_info)
+
+    state = ReqState(out_list=[], finished=False, event=None, obj=None, time_stats=None)
+    received_ids = []
+
+    def receive(info, output_ids):
+        meta = {}
+        for key, values in (info or {}).items():
+            TokenizerManager._accumulate_request_meta_info(meta, state, key, values)
+        offset = state.last_output_offset
+        received_ids.extend(output_ids)
+        if incremental:
+            _slice_streaming_output_meta_info(meta, offset, state.customized_info_accumulated.keys())
+            state.last_output_offset = len(received_ids)
+        else:  # _wait_one_response: a cumulative stream re-reports every key received
+            for key, values in state.customized_info_accumulated.items():
+                meta.setdefault(key, list(values))
+        return {"output_ids": list(output_ids), "meta_info": meta}
+
+    def coalesce(outputs):
+        return TokenizerManager._coalesce_streaming_chunks(
+            None, outputs, "rid", state.customized_info_accumulated.keys())
+
+    return receive, coalesce
+
+
+SENT = {"not streamed": (False, False), "streamed": (True, False), "streamed incrementally": (True, True),
+        "not streamed, incremental server": (False, True)}  # (req.stream, --incremental-streaming-output)
+
+
+@pytest.mark.parametrize("output", [True, False], ids=["output rows", "prompt rows"])
+@pytest.mark.parametrize("mode", list(SENT))
+def test_the_path_reaches_the_last_output_however_often_sglang_sends_one(dump, sessions, monkeypatch, mode,
+                                                                         output):
     """SGLang's real ``Req`` and output step: a request that generates 10 tokens is sent
     to the tokenizer manager before it ends (every token when it streams, every 4th when it
     does not), each output carrying its slice of ``customized_info``; the tokenizer
-    manager adds the slices up (``_accumulate_request_meta_info``: ``meta_info[key]`` is
-    everything received so far). The path, recorded at the end, must be in the last
+    manager adds the slices up, and with ``--incremental-streaming-output`` cuts each
+    streamed output's lists to that output's tokens. The path, recorded at the end (output
+    rows, patch 0009) or at the prompt's end (prompt rows, patch 0004), must be in the last
     output. Before, it was recorded as ``[path]`` at position 0, which those outputs had
-    already passed: the last one carried ``[]``, the response no path and no error."""
+    already passed: the last one carried ``[]``, the response no path and no error; with
+    incremental streaming that was still so for both kinds of request."""
     from array import array
 
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    stream, incremental = SENT[mode]
+    runner = make_runner(dump, layers="2,4")
+    runner.server_args.incremental_streaming_output = incremental
+    sess = session.DumpSession.start(runner, output_rows=True)
+    sessions.started.append(sess)
     one_step = _sglang_outputs()
-    params = SamplingParams(max_new_tokens=10, custom_params={fmt.OUTPUT_PARAM: True})
-    req = Req("streamed" if stream else "sent", "", array("q", range(3000, 3006)), params, stream=stream)
+    receive, coalesce = _tokenizer_manager(monkeypatch, incremental and stream)
+    params = SamplingParams(max_new_tokens=10, custom_params={fmt.OUTPUT_PARAM: True} if output else None)
+    req = Req(mode.replace(" ", "-"), "", array("q", range(3000, 3006)), params, stream=stream)
     req.seed = 3  # standins.reference's rows
-    received = {}  # the tokenizer manager's customized_info_accumulated
+    outputs = []  # what the tokenizer manager queues for the request
 
     def step(batch, out, lens=None):
         req.output_ids.append(3500 + len(req.output_ids))  # sampled from this step's row
@@ -373,22 +435,31 @@ def test_the_path_reaches_the_last_output_however_often_sglang_sends_one(sess, s
             req.finished_reason = FINISH_LENGTH(length=10)
         sess.on_outputs(batch, out, lens)
         sent = one_step(req)
-        for key, values in (sent or {}).items():
-            received.setdefault(key, []).extend(values)
-        return sent
+        if sent is not None:
+            outputs.append(receive(*sent))
 
     prefill = types.SimpleNamespace(reqs=[req], forward_mode=Mode(True), decoding_reqs=[], prefix_lens=[0])
     rows = types.SimpleNamespace(hidden_states=rows_for([(req, 0, 6)]))
     sess.on_prefill_result(prefill, rows, [6])
-    outputs = [step(prefill, rows, [6])]
+    step(prefill, rows, [6])
     for pos in range(6, 15):
         batch = types.SimpleNamespace(reqs=[req], forward_mode=Mode(False), decoding_reqs=None, prefix_lens=None)
-        outputs.append(step(batch, types.SimpleNamespace(hidden_states=rows_for([(req, pos, pos + 1)]))))
-    assert req.finished() and outputs[-1] is not None
-    assert sum(o is not None for o in outputs) == (10 if stream else 3)  # sent before the end too
-    meta = {key: list(values) for key, values in received.items()}  # the last output's meta_info
-    asyncio.run(hooks.finish_response(meta))
-    assert "hidden_states_error" not in meta and "hidden_states_path" in meta, (outputs[-1], meta)
-    rec = fmt.load(meta["hidden_states_path"])
-    assert rec.token_ids.tolist() == list(range(3000, 3006)) + list(range(3500, 3509))
-    assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 15))
+        step(batch, types.SimpleNamespace(hidden_states=rows_for([(req, pos, pos + 1)])))
+    assert req.finished()
+    assert len(outputs) == (10 if stream else 3)  # sent before the end too
+    if incremental and stream:  # per-token lists, as SGLang's own incremental keys (logprobs)
+        assert outputs[-1]["output_ids"] == [3509]
+        cut = {(len(o["output_ids"]), key, len(v)) for o in outputs for key, v in o["meta_info"].items()}
+        assert {(n, k) for n, k, _ in cut} == {(1, k) for k in ("hidden_states_path", "hidden_states_error")}
+        assert cut == {(n, k, n) for n, k, _ in cut}, cut
+    last = [outputs[-1]["meta_info"]]
+    if incremental and stream:  # the last three outputs queued, drained at once
+        last.append(coalesce(outputs[-3:])["meta_info"])
+    for meta in last:
+        meta = dict(meta)
+        asyncio.run(hooks.finish_response(meta))
+        assert "hidden_states_error" not in meta and "hidden_states_path" in meta, (outputs[-1], meta)
+        rec = fmt.load(meta["hidden_states_path"])
+        prompt = list(range(3000, 3006))
+        assert rec.token_ids.tolist() == (prompt + list(range(3500, 3509)) if output else prompt)
+        assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 15 if output else 6))
