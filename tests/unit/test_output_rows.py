@@ -463,3 +463,40 @@ def test_the_path_reaches_the_last_output_however_often_sglang_sends_one(dump, s
         prompt = list(range(3000, 3006))
         assert rec.token_ids.tolist() == (prompt + list(range(3500, 3509)) if output else prompt)
         assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 15 if output else 6))
+
+
+def test_an_incremental_last_output_without_new_tokens_still_names_the_file(dump, sessions, monkeypatch):
+    """With ``--incremental-streaming-output``, the last output of a streamed request can
+    carry no new token (its stop position, ``finished_len``, is where the previous output
+    ended: SGLang's slice ``[send_token_offset:len(output_ids_through_stop)]`` is empty);
+    the tokenizer manager then cuts every list to nothing. The held path answers an empty
+    slice with its entry at that position, so the last output still names the file, which
+    holds the prompt's rows."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    runner = make_runner(dump, layers="2,4")
+    runner.server_args.incremental_streaming_output = True
+    sess = session.DumpSession.start(runner)
+    sessions.started.append(sess)
+    one_step = _sglang_outputs()
+    receive, _ = _tokenizer_manager(monkeypatch, True)
+    req = Req("trimmed", "", array("q", range(3000, 3006)), SamplingParams(max_new_tokens=10), stream=True)
+    req.seed = 3
+    prefill = types.SimpleNamespace(reqs=[req], forward_mode=Mode(True), decoding_reqs=[], prefix_lens=[0])
+    sess.on_prefill_result(prefill, types.SimpleNamespace(hidden_states=rows_for([(req, 0, 6)])), [6])
+    outputs = []
+    for t in range(4):
+        req.output_ids.append(3500 + t)
+        if t == 3:  # the step's token is past the stop position: nothing new to send
+            req.finished_reason, req.finished_len = FINISH_MATCHED_TOKEN(matched=3502), 3
+        outputs.append(receive(*one_step(req)))
+    assert [o["output_ids"] for o in outputs] == [[3500], [3501], [3502], []]
+    meta = dict(outputs[-1]["meta_info"])
+    asyncio.run(hooks.finish_response(meta))
+    assert "hidden_states_error" not in meta and "hidden_states_path" in meta, outputs[-1]
+    rec = fmt.load(meta["hidden_states_path"])
+    assert rec.token_ids.tolist() == list(range(3000, 3006))
+    assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 6))
