@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU session's work as one background job on a staged device host (stage-stack.sh put
 # p01-p17, p24; carry .whl/d), so that no phase depends on the next call arriving in time:
-#   bash tests/gpu/session_job.sh start kimi|output|both [BENCH_DEADLINE_S [OUTPUT_DEADLINE_S]]
-#       (returns at once; both: the output module, the kimi job, then the output bench)
+#   bash tests/gpu/session_job.sh start kimi|output|both|quick [BENCH_DEADLINE_S [OUTPUT_DEADLINE_S]]
+#       (returns at once; both: the output module, the kimi job, then the output bench;
+#       quick: the fused fp8 kernel's module, then the output module)
 #   bash tests/gpu/session_job.sh collect [jit]     (copies what is done to $OUT)
 #   bash tests/gpu/session_job.sh seed              (carry .jit-cache: a JIT cache collected earlier)
 # kimi (issue 48): the fused fp8 kernel's module (-k test_gpu_quant, seconds; quant.json);
@@ -27,7 +28,7 @@ case "${1:-}" in
       echo "a job is running (pid $(cat $k/job.pid)): collect it, or kill it first" >&2; exit 1
     fi
     mkdir -p $k/logs $k/bench
-    case "${2:-}" in kimi|output|both) ;; *) echo "start kimi|output|both [BENCH_DEADLINE_S [OUTPUT_DEADLINE_S]]" >&2; exit 2 ;; esac
+    case "${2:-}" in kimi|output|both|quick) ;; *) echo "start kimi|output|both|quick [BENCH_DEADLINE_S [OUTPUT_DEADLINE_S]]" >&2; exit 2 ;; esac
     setsid nohup bash "$0" "job-$2" "${3:-300}" "${4:-${3:-300}}" >$k/job.log 2>&1 < /dev/null &
     echo $! > $k/job.pid
     echo "started: $k/job.log" ;;
@@ -59,6 +60,10 @@ case "${1:-}" in
       --deadline-s "${2:-300}" --case kimi-slice-2
     stamp "bench rc $?"
     stamp done ;;
+  job-quick)  # for a session with little device time left: the fused fp8 kernel, the output module
+    KIMI_SGLANG_SERIES=v0.5.23 OUT=$k bash tests/gpu/run_e2e.sh run -k test_gpu_quant --results-json $k/quant.json
+    echo "== quant rc $?"
+    bash "$0" job-output module ;;
   job-both)
     # the output module first (minutes), then the kimi job, then the output bench: each
     # phase's results are whole when the session's device time ends mid-way
