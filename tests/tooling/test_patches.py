@@ -302,8 +302,10 @@ def test_check_without_anything_uses_the_installed_sglang(capsys):
 
 def run_without_sglang(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """The CLI in a Python that cannot see any site-packages (python -S): no sglang, whatever
-    this test process has installed; the project comes from PYTHONPATH."""
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(cwd)}
+    this test process has installed; the project comes from PYTHONPATH; a series name
+    (``vX.Y.Z``) is looked for in ``cwd``/patches."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(cwd),
+           "KIMI_SGLANG_PATCHES": str(cwd / "patches")}
     return subprocess.run([sys.executable, "-S", "-m", "sglang_ext", "patches", *map(str, args)],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
@@ -321,8 +323,12 @@ def test_a_wrong_series_is_named_before_the_missing_sglang(tmp_path, verb):
     bad_toml.mkdir()
     (bad_toml / "series").write_text("")
     (bad_toml / "base.toml").write_text("[base]\nimage = 'x'\n")
+    patches = tmp_path / "patches"  # KIMI_SGLANG_PATCHES: where a vX.Y.Z name is looked for
+    (patches / "v9.9.9").mkdir(parents=True)
     cases = {
         "patches/nope": "error: series folder 'patches/nope' not found",
+        "v9.9.9": f"error: {patches}/v9.9.9 is not a patch series folder: it has no `series` file",
+        "9.9.9": f"error: {patches}/v9.9.9 is not a patch series folder: it has no `series` file",
         "nope": "error: series 'nope' not found under ",
         str(no_series): f"error: {no_series} is not a patch series folder: it has no `series` file",
         str(missing_diff): f"error: {missing_diff}/series lists 0001-gone.diff, which does not exist",

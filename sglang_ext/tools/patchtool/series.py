@@ -279,15 +279,14 @@ def resolve_series_dir(spec: str | None) -> Path:
             raise SeriesError(f"no series folder under {root}")
         return dirs[-1]
     p = Path(spec)
+    if not p.is_dir() and "/" in spec:  # a path that is not there
+        raise SeriesError(f"series folder {spec!r} not found")
+    if not p.is_dir():  # a name under patches/
+        p = root / (spec if spec.startswith("v") else f"v{spec}")
     if p.is_dir():
         if not (p / "series").is_file():
-            raise SeriesError(f"{spec} is not a patch series folder: it has no `series` file")
+            raise SeriesError(f"{p} is not a patch series folder: it has no `series` file")
         return p
-    if "/" in spec:  # a path that is not there
-        raise SeriesError(f"series folder {spec!r} not found")
-    name = spec if spec.startswith("v") else f"v{spec}"
-    if (root / name).is_dir():
-        return root / name
     known = ", ".join(sorted(d.name for d in root.glob("v*") if (d / "series").is_file()))
     raise SeriesError(f"series {spec!r} not found under {root} (known: {known})")
 
