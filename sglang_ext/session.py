@@ -236,6 +236,12 @@ def _custom_param(req, key: str):
     return params.get(key) if isinstance(params, dict) else None
 
 
+def _answers_early(req) -> bool:
+    """Whether ``req`` asked not to wait for its file (``hidden_states_wait`` false): its
+    answer then says ``hidden_states_pending`` beside the path."""
+    return _custom_param(req, fmt.WAIT_PARAM) is False
+
+
 def _detach(state: _ReqDump) -> None:
     if state.release is not None:
         state.release.detach()
@@ -483,7 +489,7 @@ class DumpSession:
         path (and ``hidden_states_pending`` when it asked not to wait), or its error."""
         if self.config.store is not None:
             return (MANIFEST_KEY, ERROR_KEY)
-        pending = (PENDING_KEY,) if _custom_param(req, fmt.WAIT_PARAM) is False else ()
+        pending = (PENDING_KEY,) if _answers_early(req) else ()
         return (PATH_KEY, *pending, ERROR_KEY)
 
     def _admit(self, req, state: _ReqDump, hidden) -> bool:
@@ -638,7 +644,7 @@ class DumpSession:
         reservation = fmt.reserve(self.dir_fd, req.rid)
         state.done = True
         set_info(req, PATH_KEY, os.path.join(self.config.directory, reservation.name))
-        if _custom_param(req, fmt.WAIT_PARAM) is False:
+        if _answers_early(req):
             set_info(req, PENDING_KEY, True)
         return reservation
 
