@@ -36,8 +36,7 @@ case "${1:-}" in
     t0=$(date +%s)
     stamp() { echo "== $(( $(date +%s) - t0 )) s: $*"; }
     stamp "fused fp8 kernel (no server)"
-    KIMI_SGLANG_SERIES=v0.5.23 OUT=$k bash tests/gpu/run_e2e.sh run -k test_gpu_quant --results-json $k/quant.json
-    stamp "quant rc $?"
+    bash "$0" job-quant
     stamp prep
     if ! bash tests/gpu/kimi_slice_prep.sh bench; then stamp "prep failed: no module, no bench"; exit 1; fi
     stamp "module (bf16 files, reference)"
@@ -60,9 +59,11 @@ case "${1:-}" in
       --deadline-s "${2:-300}" --case kimi-slice-2
     stamp "bench rc $?"
     stamp done ;;
-  job-quick)  # for a session with little device time left: the fused fp8 kernel, the output module
+  job-quant)  # the fused fp8 kernel's module: no server, seconds
     KIMI_SGLANG_SERIES=v0.5.23 OUT=$k bash tests/gpu/run_e2e.sh run -k test_gpu_quant --results-json $k/quant.json
-    echo "== quant rc $?"
+    echo "== quant rc $?" ;;
+  job-quick)  # for a session with little device time left: the fused fp8 kernel, the output module
+    bash "$0" job-quant
     bash "$0" job-output module ;;
   job-both)
     # the output module first (minutes), then the kimi job, then the output bench: each
