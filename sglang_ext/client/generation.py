@@ -10,8 +10,9 @@ file is moved into OUT: a mismatch fails that row, one sentence). The manifest l
 ``num_prompt_tokens``, ``output_ids``, ``sampling_params`` (those sent) and, with
 ``--tokenizer``, ``text`` (``record_fields``). A rerun keeps an ``hs_<i>`` whose prompt is the
 row's (``existing``) and rebuilds a lost manifest line from the file itself; one whose line
-records other ``sampling_params`` stops the run (``other_mode``). A retried row is a new request: with sampled decoding
-(``--temperature`` > 0) it is a new sample, other tokens than the failed try's.
+records other ``sampling_params`` stops the run (``other_mode``). A retried row is a new
+request: with sampled decoding (``--temperature`` > 0) it is a new sample, other tokens
+than the failed try's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ HELP = ("generate each row's response with the server and capture the rows of th
         "of every generated token fed back (all but the last) in the same request; rows give "
         "input_ids of the prompt, or messages (the final assistant turn dropped, --tokenizer's "
         "chat template with the generation prompt). The manifest records output_ids and the "
-        "sampling_params sent (and text with --tokenizer): a rerun with others stops. A retried row is a new request: with --temperature > 0 a new sample")
+        "sampling_params sent (and text with --tokenizer): a rerun with others stops. A "
+        "retried row is a new request: with --temperature > 0 a new sample")
 
 
 def add_arguments(p) -> None:
