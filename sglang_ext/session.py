@@ -56,7 +56,8 @@ def check_server_args(server_args) -> None:
     dump path does not support (``--enable-return-hidden-states`` /
     ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
     disaggregation, attention context parallelism (``--attn-cp-size > 1``), embedding
-    models). Data parallelism, with or without DP attention, is accepted: every DP rank's
+    models, SGLang's Rust server (``SGLANG_RUST_SERVER``: ``compat.rust_server_on``)).
+    Data parallelism, with or without DP attention, is accepted: every DP rank's
     attention-TP rank 0 writes the requests it served into the same directory (names are
     reserved through the file system, ``format.reserve``), each within its share of the
     host cap (``DumpConfig``); with DP attention the files equal a TP=1 server's (GPU
@@ -91,6 +92,9 @@ def check_server_args(server_args) -> None:
         # writers; not supported until verified
         "--attn-cp-size > 1": int(getattr(view, "attn_cp_size", 1) or 1) > 1,
         "--is-embedding": bool(getattr(view, "is_embedding", False)),
+        # its Rust HTTP server answers requests without customized_info or finish_response:
+        # no path, no error, no wait for the file
+        "SGLANG_RUST_SERVER": compat.rust_server_on(),
     }
     bad = [name for name, on in refused.items() if on]
     if bad:

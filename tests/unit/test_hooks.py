@@ -359,6 +359,25 @@ def test_data_parallel_is_accepted_and_splits_the_host_cap(tmp_path):
         hooks.check_server_args(args)
 
 
+@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("0", False)])
+def test_sglangs_rust_server_is_refused(tmp_path, monkeypatch, value, refused):
+    """SGLANG_RUST_SERVER (SGLang 0.5.23's embedded Rust HTTP server and detokenizer)
+    replaces the tokenizer manager: its output frames carry no customized_info and
+    finish_response never runs, so a dumped request would be answered with neither its
+    path nor an error, before its file is written. Refused at start-up in one sentence,
+    by SGLang's own reading of the variable (environ.envs); "0" is accepted."""
+    monkeypatch.setenv("SGLANG_RUST_SERVER", value)
+    args = types.SimpleNamespace(
+        dump_hidden_states_dir=str(tmp_path), dump_hidden_states_layers=None,
+        dump_hidden_states_max_host_mb=64, enable_return_hidden_states=False,
+        return_hidden_states_mode=None, disable_radix_cache=True, disable_prefill_cuda_graph=True)
+    if not refused:
+        hooks.check_server_args(args)
+        return
+    with pytest.raises(DumpConfigError, match="cannot be combined with SGLANG_RUST_SERVER"):
+        hooks.check_server_args(args)
+
+
 def test_finish_response_drops_keys_padded_for_other_requests():
     """SGLang's output streamer pads a customized_info key that only some requests of an
     output batch carry with [None] for the others (scheduler_components/output_streamer.py):
