@@ -795,9 +795,13 @@ class DumpSession:
         pending = state.pending
         take = _Take(req, state, 0, 0)
         try:
-            out = [int(t) for t in req.output_ids]
+            # the ids its answer names (SGLang's output_ids_through_stop): a request with
+            # max_new_tokens 0 appends the step's token (a dummy 0 in a prefill-only batch)
+            # and ends with finished_len 0, so it names none
+            out = [int(t) for t in getattr(req, "output_ids_through_stop", req.output_ids)]
             if not out:
-                raise RuntimeError("the request ended without generating a token")
+                raise RuntimeError("the request ended without generating a token (as with max_new_tokens 0): "
+                                   "a file with output rows needs one")
             ids = list(dumped_token_ids(req)) + out[:-1]
             extra = fmt.output_metadata(state.num_prompt, out[-1])
             take.reservation = self._name(req, state, pending.row_width, pending.dtype, len(ids), extra)

@@ -500,3 +500,36 @@ def test_an_incremental_last_output_without_new_tokens_still_names_the_file(dump
     rec = fmt.load(meta["hidden_states_path"])
     assert rec.token_ids.tolist() == list(range(3000, 3006))
     assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 6))
+
+
+def test_an_output_request_that_generates_nothing_gets_an_error_not_a_file(dump, sessions):
+    """``max_new_tokens`` 0 (a prefill-only request; also the prompt-caching copy SGLang
+    sends first for n > 1, with the request's custom_params): SGLang's real ``Req`` still
+    appends the step's token (a dummy 0 when the whole batch is prefill-only,
+    ``tp_worker``) and finishes with ``finished_len`` 0, so the answer's output ids
+    (``output_ids_through_stop``) are empty. The request gets ``hidden_states_error`` and
+    no file, as the stand-in refuses it; before, a file named the dummy token as the one
+    generated token, which the answer never showed (``format.check_output_rows`` refuses
+    it: 'the answer names no generated token')."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sess = session.DumpSession.start(make_runner(dump, layers="2,4"), output_rows=True)
+    sessions.started.append(sess)
+    params = SamplingParams(max_new_tokens=0, custom_params={fmt.OUTPUT_PARAM: True})
+    params.normalize(None)  # as the tokenizer manager does (no stop strings)
+    req = Req("prefill-only", "", array("q", range(3000, 3006)), params)
+    req.seed = 3
+    batch = types.SimpleNamespace(reqs=[req], forward_mode=Mode(True), decoding_reqs=[], prefix_lens=[0])
+    rows = types.SimpleNamespace(hidden_states=rows_for([(req, 0, 6)]))
+    sess.on_prefill_result(batch, rows, [6])
+    req.output_ids.append(0)  # process_batch_result_prefill: the (dummy) next token, then the finish check
+    req.update_finish_state()
+    assert req.finished() and list(req.output_ids_through_stop) == []
+    sess.on_outputs(batch, rows, [6])
+    meta = finish(req)
+    assert "hidden_states_path" not in meta and "without generating a token" in meta["hidden_states_error"], meta
+    assert idle(sess)["files_written"] == 0 and sess.writer.held_bytes() == 0
+    assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
