@@ -533,3 +533,40 @@ def test_an_output_request_that_generates_nothing_gets_an_error_not_a_file(dump,
     assert "hidden_states_path" not in meta and "without generating a token" in meta["hidden_states_error"], meta
     assert idle(sess)["files_written"] == 0 and sess.writer.held_bytes() == 0
     assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
+
+
+def test_token_ids_that_cannot_fit_beside_held_rows_fail_that_request_instead_of_waiting_forever(dump, sessions):
+    """A 1 MiB arena; an output request holds its 7000 prompt rows (448000 bytes, under
+    ``HOLD_SHARE``) until it ends. A prompt of 80000 tokens (640000 bytes of token ids, less
+    than the arena, so ``_fitting`` lets them through) cannot get a range beside them, and
+    only this scheduler can let the held rows go: the request fails with a sentence, and
+    the scheduler goes on. Before, it waited in the arena for good (backpressure on rows
+    nothing would give back). Once the output request has ended, the same prompt is dumped."""
+    import threading
+
+    from standins import Req, run_extend
+
+    sess = session.DumpSession.start(make_runner(dump, layers="2,4", max_mb=1), output_rows=True)
+    sessions.started.append(sess)
+    held = GenReq("held", 7000, 1, max_new_tokens=2)
+    for lo in range(0, 7000, 1000):
+        prefill(sess, [(held, lo, lo + 1000)])
+    assert sess.writer.held_bytes() == 7000 * 64
+    big = Req("big", 80000, 2)
+    done = threading.Event()
+
+    def first_chunk():
+        run_extend(sess, [(big, 0, 1000)], IDS)
+        done.set()
+
+    threading.Thread(target=first_chunk, daemon=True).start()
+    assert done.wait(60), "the scheduler waits in the arena for rows only it can let go"
+    meta = finish(big)
+    assert "hidden_states_path" not in meta and "output rows" in meta["hidden_states_error"], meta
+    decode(sess, [held])
+    check_file(held, finish(held))
+    assert sess.writer.held_bytes() == 0
+    again = Req("again", 80000, 3)
+    for lo in range(0, 80000, 8000):
+        run_extend(sess, [(again, lo, lo + 8000)], IDS)
+    assert torch.equal(fmt.load(finish(again)["hidden_states_path"]).hidden_states, reference(again, IDS))
