@@ -42,6 +42,8 @@ is_internal = fmt.is_internal
 RETRACTED_MESSAGE = ("the request was retracted (SGLang re-prefills its prompt and generated tokens "
                      "under KV-cache pressure), so its output rows cannot be dumped")
 OUT_OF_STEP_MESSAGE = "its decode rows came out of step with its generated tokens ({rows} rows, {fed} fed)"
+INPUT_EMBEDS_MESSAGE = ("the request sent input_embeds, not token ids: SGLang runs it with made-up ids "
+                        "(1 at every position), which its file would record as its token_ids")
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
 FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
@@ -415,7 +417,8 @@ class DumpSession:
         in the request's file; a request whose last prompt row is in this batch gets its
         name reserved and its path recorded for the response, and its file queued. A
         request that fails gets ``hidden_states_error`` instead of a path (a reserved name
-        is given back: its response is not out yet); the batch is never interrupted. A
+        is given back: its response is not out yet), as does one of ``input_embeds`` (no
+        token ids to record: ``INPUT_EMBEDS_MESSAGE``); the batch is never interrupted. A
         request whose ``custom_params`` holds ``{"hidden_states_dump": false}``
         (``format.DUMP_PARAM``; only JSON false) is skipped: its rows were captured with the
         batch's, nothing is copied or written, its response carries no dump keys; so is one
@@ -593,6 +596,8 @@ class DumpSession:
         take (rows past the prompt are not dumped)."""
         num_tokens = len(req.origin_input_ids)
         fmt.check_rid(req.rid)
+        if getattr(req, "input_embeds", None) is not None:  # scheduler.py: input_ids = [1] * len
+            raise RuntimeError(INPUT_EMBEDS_MESSAGE)
         if state.output and getattr(req, "output_ids", None):
             raise RuntimeError(RETRACTED_MESSAGE)
         if hidden is None:
