@@ -9,6 +9,7 @@ mechanism (never a version number) and uses it:
   seals the record while resolving and takes decisions through
   ``arg_groups.overrides.declare_resolution``; values are read through
   ``resolving_view`` so earlier steps' decisions are seen.
+- **SGLang's embedded Rust server** (``rust_server_on``): 0.5.23's ``SGLANG_RUST_SERVER``.
 - **the attention-TP rank** of a model runner: ``model_runner.ps`` (0.5.17) or
   ``sglang.srt.runtime_context.get_parallel()`` (0.5.2x).
 - **the hidden-state mode decode CUDA graphs capture** (``capture_decode_rows``): 0.5.2x
@@ -56,6 +57,19 @@ def adjust_server_args(server_args, source: str, **fields: Any) -> None:
             setattr(server_args, name, value)
         return
     declare(server_args, source, **fields)
+
+
+def rust_server_on() -> bool:
+    """Whether SGLang serves through its embedded Rust server (``SGLANG_RUST_SERVER``,
+    0.5.23, read by SGLang's own ``environ.envs``): it replaces the tokenizer manager and
+    the OpenAI layer, and its output frames (``rust_server/server.py`` ``push_generation``)
+    carry no ``customized_info``. False where SGLang has no such variable (0.5.17)."""
+    try:
+        from sglang.srt.environ import envs
+    except ImportError:
+        return False
+    field = getattr(envs, "SGLANG_RUST_SERVER", None)
+    return bool(field.get()) if field is not None else False
 
 
 def attn_tp_rank(model_runner) -> int:

@@ -12,7 +12,8 @@ asks; ``session.DumpSession._take``). In order:
    pure function of the rid, so a retried rid gets the same answer on any server;
 4. the budget (``KIMI_SGLANG_DUMP_BUDGET_GB``): a request whose bytes would take the
    bytes admitted past it is skipped, and so is every sampled request after it (once
-   the bytes that stay do: not while output requests' unsettled bounds make the difference);
+   the bytes that stay do: not while output requests' unsettled bounds, its own included,
+   make the difference);
 5. the free-space floor (``KIMI_SGLANG_MIN_FREE_GB``, a directory sink only):
    ``fstatvfs`` of the dump directory at most every ``DISK_CHECK_S``, less the bytes of
    files admitted before it and not written yet (the writer's ``unwritten_bytes``) and
@@ -115,7 +116,7 @@ class DumpPolicy:
         if asked is False:
             return False
         if asked is not True:
-            reason = self._skip_reason(rid, nbytes)
+            reason = self._skip_reason(rid, nbytes, provisional)
             if reason is not None:
                 self._count(reason)
                 return False
@@ -138,15 +139,17 @@ class DumpPolicy:
             self.provisional_bytes -= bound
             self.admitted_bytes += nbytes - bound
 
-    def _skip_reason(self, rid, nbytes: int) -> Optional[str]:
+    def _skip_reason(self, rid, nbytes: int, provisional: bool = False) -> Optional[str]:
         if self.rate < 1 and sample_point(rid) >= self.rate:
             return "rate"
         if self.budget_bytes is not None and (
                 self._budget_spent or self.admitted_bytes + nbytes > self.budget_bytes):
             # The budget is spent for good only by bytes that stay: an overflow that output
-            # requests' bounds not settled yet cause skips this request alone.
+            # requests' bounds not settled yet cause (this request's own bound included)
+            # skips this request alone.
+            staying = 0 if provisional else nbytes
             if not self._budget_spent and (
-                    self.admitted_bytes - self.provisional_bytes + nbytes > self.budget_bytes):
+                    self.admitted_bytes - self.provisional_bytes + staying > self.budget_bytes):
                 self._budget_spent = True
                 logger.warning(
                     "hidden-state dump: byte budget of %d bytes (KIMI_SGLANG_DUMP_BUDGET_GB) "

@@ -42,6 +42,8 @@ is_internal = fmt.is_internal
 RETRACTED_MESSAGE = ("the request was retracted (SGLang re-prefills its prompt and generated tokens "
                      "under KV-cache pressure), so its output rows cannot be dumped")
 OUT_OF_STEP_MESSAGE = "its decode rows came out of step with its generated tokens ({rows} rows, {fed} fed)"
+INPUT_EMBEDS_MESSAGE = ("the request sent input_embeds, not token ids: SGLang runs it with made-up ids "
+                        "(1 at every position), which its file would record as its token_ids")
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
 FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
@@ -56,7 +58,8 @@ def check_server_args(server_args) -> None:
     dump path does not support (``--enable-return-hidden-states`` /
     ``--return-hidden-states-mode``, speculative decoding, pipeline parallelism, PD
     disaggregation, attention context parallelism (``--attn-cp-size > 1``), embedding
-    models). Data parallelism, with or without DP attention, is accepted: every DP rank's
+    models, SGLang's Rust server (``SGLANG_RUST_SERVER``: ``compat.rust_server_on``)).
+    Data parallelism, with or without DP attention, is accepted: every DP rank's
     attention-TP rank 0 writes the requests it served into the same directory (names are
     reserved through the file system, ``format.reserve``), each within its share of the
     host cap (``DumpConfig``); with DP attention the files equal a TP=1 server's (GPU
@@ -91,6 +94,9 @@ def check_server_args(server_args) -> None:
         # writers; not supported until verified
         "--attn-cp-size > 1": int(getattr(view, "attn_cp_size", 1) or 1) > 1,
         "--is-embedding": bool(getattr(view, "is_embedding", False)),
+        # its Rust HTTP server answers requests without customized_info or finish_response:
+        # no path, no error, no wait for the file
+        "SGLANG_RUST_SERVER": compat.rust_server_on(),
     }
     bad = [name for name, on in refused.items() if on]
     if bad:
@@ -411,7 +417,8 @@ class DumpSession:
         in the request's file; a request whose last prompt row is in this batch gets its
         name reserved and its path recorded for the response, and its file queued. A
         request that fails gets ``hidden_states_error`` instead of a path (a reserved name
-        is given back: its response is not out yet); the batch is never interrupted. A
+        is given back: its response is not out yet), as does one of ``input_embeds`` (no
+        token ids to record: ``INPUT_EMBEDS_MESSAGE``); the batch is never interrupted. A
         request whose ``custom_params`` holds ``{"hidden_states_dump": false}``
         (``format.DUMP_PARAM``; only JSON false) is skipped: its rows were captured with the
         batch's, nothing is copied or written, its response carries no dump keys; so is one
@@ -589,6 +596,8 @@ class DumpSession:
         take (rows past the prompt are not dumped)."""
         num_tokens = len(req.origin_input_ids)
         fmt.check_rid(req.rid)
+        if getattr(req, "input_embeds", None) is not None:  # scheduler.py: input_ids = [1] * len
+            raise RuntimeError(INPUT_EMBEDS_MESSAGE)
         if state.output and getattr(req, "output_ids", None):
             raise RuntimeError(RETRACTED_MESSAGE)
         if hidden is None:
@@ -791,9 +800,13 @@ class DumpSession:
         pending = state.pending
         take = _Take(req, state, 0, 0)
         try:
-            out = [int(t) for t in req.output_ids]
+            # the ids its answer names (SGLang's output_ids_through_stop): a request with
+            # max_new_tokens 0 appends the step's token (a dummy 0 in a prefill-only batch)
+            # and ends with finished_len 0, so it names none
+            out = [int(t) for t in getattr(req, "output_ids_through_stop", req.output_ids)]
             if not out:
-                raise RuntimeError("the request ended without generating a token")
+                raise RuntimeError("the request ended without generating a token (as with max_new_tokens 0): "
+                                   "a file with output rows needs one")
             ids = list(dumped_token_ids(req)) + out[:-1]
             extra = fmt.output_metadata(state.num_prompt, out[-1])
             take.reservation = self._name(req, state, pending.row_width, pending.dtype, len(ids), extra)

@@ -825,7 +825,9 @@ class DumpWriter:
     # ---- arena ---------------------------------------------------------------------------
     def _take(self, want: int, minimum: int) -> Tuple[int, int]:
         """An arena range of ``want`` bytes, or at least ``minimum`` when fragmented; waits
-        for the writer to give ranges back while none is free (backpressure)."""
+        for the writer to give ranges back while none is free (backpressure). Raises
+        ``ValueError`` when none can come: every range in use is held by deferred requests
+        (``start_deferred``), which only this scheduler lets go, at their ends."""
         got = self.extents.alloc(want, minimum)
         if got is None:
             self.stats.waits += 1
@@ -836,6 +838,14 @@ class DumpWriter:
                 if self.generation != gen:
                     raise WriterDied(DIED_MESSAGE)
                 got = self.extents.alloc(want, minimum)
+                if got is None and self.extents.in_use <= self._held_bytes:
+                    self._let_go_dropped()  # abandoned since the last batch: theirs come back
+                    got = self.extents.alloc(want, minimum)
+                    if got is None and self.extents.in_use <= self._held_bytes:
+                        raise ValueError(
+                            f"{minimum} bytes of the {self.extents.capacity}-byte host arena do not fit "
+                            f"beside the {self._held_bytes} bytes the rows of requests with output rows "
+                            f"hold until each ends (--dump-hidden-states-max-host-mb)")
         piece = self._next_piece
         self._next_piece += 1
         self._pieces[piece] = _Piece(*got)

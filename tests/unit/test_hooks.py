@@ -175,6 +175,32 @@ def test_a_request_sglang_aborts_before_its_forward_gets_no_file(dump, sessions)
     assert sess.writer.unwritten_bytes() == 0
 
 
+def test_a_request_of_input_embeds_gets_an_error_not_a_file_of_made_up_ids(dump, sessions):
+    """A /generate request with input_embeds (SGLang takes them with the radix cache off,
+    which dumping turns off) reaches the scheduler with made-up ids, ``[1] *
+    len(input_embeds)`` (scheduler.py ``handle_generate_request``), on SGLang's real Req:
+    a file would pair its rows with token id 1 at every position. It gets
+    hidden_states_error (a sentence) and no file; a request beside it is dumped. Before,
+    the file recorded the made-up ids."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req as SGLangReq
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    embeds = SGLangReq("embeds", "", array("q", [1]) * 5, SamplingParams(max_new_tokens=1),
+                       input_embeds=[[0.5] * 16 for _ in range(5)])
+    embeds.seed = 1
+    plain = Req("plain", 3, 2)
+    run_extend(sess, [(embeds, 0, 5), (plain, 0, 3)], [2, 4])
+    meta = finish(embeds)
+    assert "hidden_states_path" not in meta and "input_embeds" in meta["hidden_states_error"], meta
+    rec = fmt.load(finish(plain)["hidden_states_path"])
+    assert torch.equal(rec.hidden_states, reference(plain, [2, 4]))
+    assert wait_for(lambda: sorted(os.listdir(dump)) == sorted(
+        [os.path.basename(finish(plain)["hidden_states_path"]), "index.jsonl"])), os.listdir(dump)
+
+
 def test_prefix_reuse_gives_an_error_not_a_short_file(dump, sessions):
     sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("cached", 8, 1)
@@ -356,6 +382,25 @@ def test_data_parallel_is_accepted_and_splits_the_host_cap(tmp_path):
         hooks.check_server_args(args)
     args.dump_hidden_states_max_host_mb, args.attn_cp_size = 64, 2  # CP ranks: many writers per request
     with pytest.raises(DumpConfigError, match="--attn-cp-size > 1"):
+        hooks.check_server_args(args)
+
+
+@pytest.mark.parametrize("value, refused", [("1", True), ("true", True), ("0", False)])
+def test_sglangs_rust_server_is_refused(tmp_path, monkeypatch, value, refused):
+    """SGLANG_RUST_SERVER (SGLang 0.5.23's embedded Rust HTTP server and detokenizer)
+    replaces the tokenizer manager: its output frames carry no customized_info and
+    finish_response never runs, so a dumped request would be answered with neither its
+    path nor an error, before its file is written. Refused at start-up in one sentence,
+    by SGLang's own reading of the variable (environ.envs); "0" is accepted."""
+    monkeypatch.setenv("SGLANG_RUST_SERVER", value)
+    args = types.SimpleNamespace(
+        dump_hidden_states_dir=str(tmp_path), dump_hidden_states_layers=None,
+        dump_hidden_states_max_host_mb=64, enable_return_hidden_states=False,
+        return_hidden_states_mode=None, disable_radix_cache=True, disable_prefill_cuda_graph=True)
+    if not refused:
+        hooks.check_server_args(args)
+        return
+    with pytest.raises(DumpConfigError, match="cannot be combined with SGLANG_RUST_SERVER"):
         hooks.check_server_args(args)
 
 

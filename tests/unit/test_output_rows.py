@@ -317,7 +317,9 @@ def _sglang_outputs():
     _GenerationStreamAccumulator.accept``: which steps send an output and the slice of each
     ``customized_info`` list it carries), with a force-stream interval of 4 tokens for a
     request that does not stream (SGLang's default is 50). Returns ``one_step(req)``:
-    ``(customized_info, output_ids)`` of the output sent for ``req``, or None."""
+    ``(customized_info, output_ids)`` of the output sent for ``req``, or None;
+    ``one_step(*reqs, by_rid=True)``, one output batch of several (a key some carry is
+    padded for the others): rid -> that pair, for those sent."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.scheduler_components.output_streamer import _GenerationStreamAccumulator
     from sglang.srt.runtime_context import create_context, use_context
@@ -334,7 +336,7 @@ def _sglang_outputs():
         root.setLevel(level)
         root.handlers[:] = handlers
 
-    def one_step(req):
+    def one_step(*reqs, by_rid=False):
         acc = _GenerationStreamAccumulator(
             return_logprob=False, return_hidden_states=False, return_routed_experts=False,
             return_indexer_topk=False, spec_algorithm=SpeculativeAlgorithm.NONE,
@@ -342,10 +344,11 @@ def _sglang_outputs():
             default_force_stream_interval=4, get_cached_tokens_details=lambda r: None,
             is_request_level_customized_info_key=lambda key: False, current_weight_version=None)
         with use_context(context):
-            acc.accept(req=req)
-        if not acc.rids:
-            return None
-        return {key: values[0] for key, values in acc.customized_info.items()}, list(acc.output_ids[0])
+            for req in reqs:
+                acc.accept(req=req)
+        sent = {rid: ({key: values[j] for key, values in acc.customized_info.items()}, list(acc.output_ids[j]))
+                for j, rid in enumerate(acc.rids)}
+        return sent if by_rid else sent.get(reqs[0].rid)
 
     return one_step
 
@@ -500,3 +503,134 @@ def test_an_incremental_last_output_without_new_tokens_still_names_the_file(dump
     rec = fmt.load(meta["hidden_states_path"])
     assert rec.token_ids.tolist() == list(range(3000, 3006))
     assert torch.equal(rec.hidden_states, reference(req, IDS, 0, 6))
+
+
+def test_an_output_request_that_generates_nothing_gets_an_error_not_a_file(dump, sessions):
+    """``max_new_tokens`` 0 (a prefill-only request; also the prompt-caching copy SGLang
+    sends first for n > 1, with the request's custom_params): SGLang's real ``Req`` still
+    appends the step's token (a dummy 0 when the whole batch is prefill-only,
+    ``tp_worker``) and finishes with ``finished_len`` 0, so the answer's output ids
+    (``output_ids_through_stop``) are empty. The request gets ``hidden_states_error`` and
+    no file, as the stand-in refuses it; before, a file named the dummy token as the one
+    generated token, which the answer never showed (``format.check_output_rows`` refuses
+    it: 'the answer names no generated token')."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sess = session.DumpSession.start(make_runner(dump, layers="2,4"), output_rows=True)
+    sessions.started.append(sess)
+    params = SamplingParams(max_new_tokens=0, custom_params={fmt.OUTPUT_PARAM: True})
+    params.normalize(None)  # as the tokenizer manager does (no stop strings)
+    req = Req("prefill-only", "", array("q", range(3000, 3006)), params)
+    req.seed = 3
+    batch = types.SimpleNamespace(reqs=[req], forward_mode=Mode(True), decoding_reqs=[], prefix_lens=[0])
+    rows = types.SimpleNamespace(hidden_states=rows_for([(req, 0, 6)]))
+    sess.on_prefill_result(batch, rows, [6])
+    req.output_ids.append(0)  # process_batch_result_prefill: the (dummy) next token, then the finish check
+    req.update_finish_state()
+    assert req.finished() and list(req.output_ids_through_stop) == []
+    sess.on_outputs(batch, rows, [6])
+    meta = finish(req)
+    assert "hidden_states_path" not in meta and "without generating a token" in meta["hidden_states_error"], meta
+    assert idle(sess)["files_written"] == 0 and sess.writer.held_bytes() == 0
+    assert wait_for(lambda: os.listdir(dump) == []), os.listdir(dump)
+
+
+def test_token_ids_that_cannot_fit_beside_held_rows_fail_that_request_instead_of_waiting_forever(dump, sessions):
+    """A 1 MiB arena; an output request holds its 7000 prompt rows (448000 bytes, under
+    ``HOLD_SHARE``) until it ends. A prompt of 80000 tokens (640000 bytes of token ids, less
+    than the arena, so ``_fitting`` lets them through) cannot get a range beside them, and
+    only this scheduler can let the held rows go: the request fails with a sentence, and
+    the scheduler goes on. Before, it waited in the arena for good (backpressure on rows
+    nothing would give back). Once the output request has ended, the same prompt is dumped."""
+    import threading
+
+    from standins import Req, run_extend
+
+    sess = session.DumpSession.start(make_runner(dump, layers="2,4", max_mb=1), output_rows=True)
+    sessions.started.append(sess)
+    held = GenReq("held", 7000, 1, max_new_tokens=2)
+    for lo in range(0, 7000, 1000):
+        prefill(sess, [(held, lo, lo + 1000)])
+    assert sess.writer.held_bytes() == 7000 * 64
+    big = Req("big", 80000, 2)
+    done = threading.Event()
+
+    def first_chunk():
+        run_extend(sess, [(big, 0, 1000)], IDS)
+        done.set()
+
+    threading.Thread(target=first_chunk, daemon=True).start()
+    assert done.wait(60), "the scheduler waits in the arena for rows only it can let go"
+    meta = finish(big)
+    assert "hidden_states_path" not in meta and "output rows" in meta["hidden_states_error"], meta
+    decode(sess, [held])
+    check_file(held, finish(held))
+    assert sess.writer.held_bytes() == 0
+    again = Req("again", 80000, 3)
+    for lo in range(0, 80000, 8000):
+        run_extend(sess, [(again, lo, lo + 8000)], IDS)
+    assert torch.equal(fmt.load(finish(again)["hidden_states_path"]).hidden_states, reference(again, IDS))
+
+
+def test_one_output_batch_of_streamed_and_plain_requests_names_each_ones_file(dump, sessions, monkeypatch):
+    """One batch, as SGLang's output step sends it (one accumulator: a key one request
+    carries is padded with None for the others), with ``--incremental-streaming-output``:
+    streamed and plain requests, prompt rows and output rows, some asking not to wait
+    (``hidden_states_pending``, which the others are padded with), one not dumped, each
+    ending at its own step. Each one's last output names its own file, and pending only
+    where it asked; the not-dumped one gets no dump key. (On the code before a28871f the
+    streamed ones had neither path nor error.)"""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    runner = make_runner(dump, layers="2,4")
+    runner.server_args.incremental_streaming_output = True
+    sess = session.DumpSession.start(runner, output_rows=True)
+    sessions.started.append(sess)
+    one_step = _sglang_outputs()
+    out, early = {fmt.OUTPUT_PARAM: True}, {fmt.WAIT_PARAM: False}
+    asks = {"stream-prompt": (True, None, 5), "plain-output": (False, out, 7),
+            "stream-output-early": (True, {**out, **early}, 6), "stream-not-dumped": (True, {fmt.DUMP_PARAM: False}, 4),
+            "stream-prompt-early": (True, early, 8), "plain-prompt": (False, None, 3)}
+    reqs = []
+    for seed, (rid, (stream, params, n)) in enumerate(asks.items(), 1):
+        sampling = SamplingParams(max_new_tokens=n, custom_params=params)
+        sampling.normalize(None)
+        reqs.append(Req(rid, "", array("q", range(seed * 1000, seed * 1000 + 6)), sampling, stream=stream))
+        reqs[-1].seed = seed
+    receive = {r.rid: _tokenizer_manager(monkeypatch, r.stream)[0] for r in reqs}
+    last = {}
+
+    def step(live, batch, rows, lens=None):
+        for r in live:  # process_batch_result_*: the token, then the finish check
+            r.output_ids.append(r.seed * 1000 + 500 + len(r.output_ids))
+            r.update_finish_state()
+        sess.on_outputs(batch, rows, lens)
+        for rid, sent in one_step(*live, by_rid=True).items():
+            last[rid] = receive[rid](*sent)["meta_info"]
+
+    batch = types.SimpleNamespace(reqs=reqs, forward_mode=Mode(True), decoding_reqs=[], prefix_lens=[0] * 6)
+    rows = types.SimpleNamespace(hidden_states=rows_for([(r, 0, 6) for r in reqs]))
+    sess.on_prefill_result(batch, rows, [6] * 6)
+    step(reqs, batch, rows, [6] * 6)
+    while live := [r for r in reqs if not r.finished()]:
+        pos = [6 + len(r.output_ids) - 1 for r in live]
+        batch = types.SimpleNamespace(reqs=live, forward_mode=Mode(False), decoding_reqs=None, prefix_lens=None)
+        step(live, batch, types.SimpleNamespace(hidden_states=rows_for([(r, p, p + 1) for r, p in zip(live, pos)])))
+    for req in reqs:
+        meta = dict(last[req.rid])
+        asyncio.run(hooks.finish_response(meta))
+        if req.rid == "stream-not-dumped":
+            assert not [k for k in meta if k.startswith("hidden_states")], meta
+            continue
+        assert meta.get("hidden_states_pending") is (True if "early" in req.rid else None), (req.rid, meta)
+        assert fmt.wait_complete(meta["hidden_states_path"], timeout=10) is None, (req.rid, meta)
+        rec = fmt.load(meta["hidden_states_path"])
+        assert rec.metadata["rid"] == req.rid
+        n = 6 + len(req.output_ids) - 1 if "output" in req.rid else 6
+        assert torch.equal(rec.hidden_states, reference(req, IDS, 0, n)), req.rid

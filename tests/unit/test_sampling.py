@@ -418,3 +418,29 @@ def test_unsettled_output_bounds_skip_a_request_without_spending_the_budget():
     assert not policy.admit("p3", None, 700)  # 400 that stay + 700: spent for good
     assert not policy.admit("p4", None, 10)
     assert policy.counts == {"sampled": 2, "rate": 0, "budget": 3, "disk_floor": 0}
+
+
+def test_an_output_request_whose_own_bound_passes_the_budget_is_skipped_alone(dump, clean_env, sessions,
+                                                                               caplog):
+    """A budget of 1000 bytes, nothing dumped yet: an output request of a 4-token prompt
+    with max_new_tokens 100 may write (4 + 99) x 72 = 7416 bytes, so it is skipped; its
+    bound is an upper bound, not bytes that stay, so the budget is not spent: a 4-token
+    prompt-only request after it (288 B) is dumped, and no 'spent' line is logged. Before,
+    the skip marked the budget spent for good with 0 bytes admitted, and every sampled
+    request after it was skipped."""
+    from standins import GenReq, run_output_prefill
+
+    clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", repr(1000 / GIB))
+    sess = sessions.start(make_runner(dump, layers="2,4"), output_rows=True)
+    long = GenReq("long", 4, 1, max_new_tokens=100)
+    plain = GenReq("plain", 4, 2, max_new_tokens=3, output=False)
+    with caplog.at_level("INFO", logger="sglang_ext.sampling"):
+        run_output_prefill(sess, [(long, 0, 4)], IDS)
+        run_output_prefill(sess, [(plain, 0, 4)], IDS)
+    assert finish(long) == {}
+    meta = finish(plain)
+    assert "hidden_states_path" in meta, meta
+    assert torch.equal(fmt.load(meta["hidden_states_path"]).hidden_states, reference(plain, IDS))
+    assert file_payload(meta["hidden_states_path"]) == 288
+    assert [r.getMessage() for r in caplog.records if "budget" in r.getMessage()] == []
+    assert sess.policy.counts == {"sampled": 1, "rate": 0, "budget": 1, "disk_floor": 0}
