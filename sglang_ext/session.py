@@ -44,6 +44,8 @@ RETRACTED_MESSAGE = ("the request was retracted (SGLang re-prefills its prompt a
 OUT_OF_STEP_MESSAGE = "its decode rows came out of step with its generated tokens ({rows} rows, {fed} fed)"
 INPUT_EMBEDS_MESSAGE = ("the request sent input_embeds, not token ids: SGLang runs it with made-up ids "
                         "(1 at every position), which its file would record as its token_ids")
+BEAM_MESSAGE = ("the request is a beam search (beam_width > 1): SGLang replaces its sampling_params, "
+                "custom_params with them, so what it asked of the dump cannot be read; send it without beam_width")
 
 # Decoder-model classes whose patched forward can capture id N (patch 0002).
 FINAL_NORM_CAPTURE_MODELS = ("LlamaModel", "DeepseekV2Model")
@@ -418,7 +420,8 @@ class DumpSession:
         name reserved and its path recorded for the response, and its file queued. A
         request that fails gets ``hidden_states_error`` instead of a path (a reserved name
         is given back: its response is not out yet), as does one of ``input_embeds`` (no
-        token ids to record: ``INPUT_EMBEDS_MESSAGE``); the batch is never interrupted. A
+        token ids to record: ``INPUT_EMBEDS_MESSAGE``) or a beam search (its custom_params
+        are gone: ``BEAM_MESSAGE``); the batch is never interrupted. A
         request whose ``custom_params`` holds ``{"hidden_states_dump": false}``
         (``format.DUMP_PARAM``; only JSON false) is skipped: its rows were captured with the
         batch's, nothing is copied or written, its response carries no dump keys; so is one
@@ -598,6 +601,8 @@ class DumpSession:
         fmt.check_rid(req.rid)
         if getattr(req, "input_embeds", None) is not None:  # scheduler.py: input_ids = [1] * len
             raise RuntimeError(INPUT_EMBEDS_MESSAGE)
+        if getattr(req, "beam_group", None) is not None:  # beam_search/coordinator.py validate_and_init
+            raise RuntimeError(BEAM_MESSAGE)
         if state.output and getattr(req, "output_ids", None):
             raise RuntimeError(RETRACTED_MESSAGE)
         if hidden is None:

@@ -201,6 +201,36 @@ def test_a_request_of_input_embeds_gets_an_error_not_a_file_of_made_up_ids(dump,
         [os.path.basename(finish(plain)["hidden_states_path"]), "index.jsonl"])), os.listdir(dump)
 
 
+def test_a_beam_search_request_gets_an_error_not_a_file_it_may_not_have_asked_for(dump, sessions):
+    """A beam search request (``beam_width`` > 1): SGLang's ``BeamCoordinator.validate_and_init``
+    replaces its sampling_params by ``neutral_member_sampling_params``' (beam_search/fork.py),
+    which carry no custom_params, so its ``hidden_states_dump`` false (or ``hidden_states_output``)
+    cannot be read. It gets hidden_states_error (a sentence naming beam search) and no file; a
+    request beside it is dumped. Before, its prompt was dumped whatever it asked."""
+    from array import array
+
+    from sglang.srt.beam_search.beam_group import BeamGroup
+    from sglang.srt.beam_search.fork import neutral_member_sampling_params
+    from sglang.srt.managers.schedule_batch import Req as SGLangReq
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sess = sessions.start(make_runner(dump, layers="2,4"))
+    user = SamplingParams(max_new_tokens=4, beam_width=2, custom_params={fmt.DUMP_PARAM: False})
+    beam = SGLangReq("beam", "", array("q", range(5, 10)), user)
+    beam.seed = 1
+    beam.sampling_params = neutral_member_sampling_params(user)  # as validate_and_init does
+    beam.beam_group = BeamGroup(beam_width=2, max_new_tokens=4)
+    beam.beam_group.leader = beam
+    plain = Req("plain", 3, 2)
+    run_extend(sess, [(beam, 0, 5), (plain, 0, 3)], [2, 4])
+    meta = finish(beam)
+    assert "hidden_states_path" not in meta and "beam" in meta["hidden_states_error"], meta
+    rec = fmt.load(finish(plain)["hidden_states_path"])
+    assert torch.equal(rec.hidden_states, reference(plain, [2, 4]))
+    assert wait_for(lambda: sorted(os.listdir(dump)) == sorted(
+        [os.path.basename(finish(plain)["hidden_states_path"]), "index.jsonl"])), os.listdir(dump)
+
+
 def test_prefix_reuse_gives_an_error_not_a_short_file(dump, sessions):
     sess = sessions.start(make_runner(dump, layers="2,4"))
     req = Req("cached", 8, 1)
