@@ -16,8 +16,7 @@ Endpoints:
 - ``GET /health`` (200), ``GET /server_info`` (``dump_hidden_states_dir`` absolute, the
   layers, ``model_path``), ``GET /v1/models``.
 - ``POST /generate`` ``{"input_ids": [int, ...], "rid"?, "sampling_params"?}``: one prompt
-  (no tokenizer: ``text`` is refused, HTTP 400; a context length of ``CONTEXT_LEN``
-  tokens, prompt plus generated ids, checked as SGLang does). ``meta_info.hidden_states_path`` once the
+  (no tokenizer: ``text`` is refused, HTTP 400). ``meta_info.hidden_states_path`` once the
   file is complete; with ``custom_params {"hidden_states_wait": false}`` at once with
   ``hidden_states_pending: true`` (the file is complete when ``<path>.lock`` is gone);
   ``{"hidden_states_dump": false}``: no file. A failed write: ``hidden_states_error``.
@@ -160,17 +159,11 @@ class BadRequest(ValueError):
     """HTTP 400 with this sentence."""
 
 
-CONTEXT_LEN = 262144  # the pretend model's context length (Kimi-K2.5's), as SGLang checks it
-
-
 def _token_ids(value: Any, key: str) -> List[int]:
     if not (isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63 for t in value)):
         raise BadRequest(f"{key} must be one non-empty list of token ids (ints >= 0); the stand-in "
                          f"takes one prompt per request and has no tokenizer")
-    if len(value) >= CONTEXT_LEN:  # SGLang's sentence (tokenizer_manager _validate_one_request)
-        raise BadRequest(f"The input ({len(value)} tokens) is longer than the model's context length "
-                         f"({CONTEXT_LEN} tokens).")
     return value
 
 
@@ -184,16 +177,9 @@ def _rid(rid: Any) -> str:
 def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
                 stop_token_ids: Any) -> Tuple[List[int], dict]:
     """``generated_ids`` for a request's sampling parameters (temperature > 0: sampled,
-    the rid seeds it). Raises ``BadRequest`` for values SGLang would refuse (also a prompt
-    plus ``max_new_tokens`` over ``CONTEXT_LEN``)."""
+    the rid seeds it). Raises ``BadRequest`` for values SGLang would refuse."""
     if not (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1):
         raise BadRequest(f"max_new_tokens must be an int >= 1 with hidden_states_output, not {max_new_tokens!r}")
-    if len(ids) + max_new_tokens > CONTEXT_LEN:  # SGLang's sentence, as above
-        raise BadRequest(
-            f"Requested token count exceeds the model's maximum context length of {CONTEXT_LEN} tokens. "
-            f"You requested a total of {len(ids) + max_new_tokens} tokens: {len(ids)} tokens from the "
-            f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number "
-            f"of tokens in the input messages or the completion to fit within the limit.")
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature >= 0):
         raise BadRequest(f"temperature must be a number >= 0, not {temperature!r}")
     stops = [] if stop_token_ids is None else stop_token_ids
