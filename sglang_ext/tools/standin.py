@@ -31,6 +31,8 @@ Endpoints:
   HTTP 500; output rows with ``custom_params`` as above or vLLM's ``kv_transfer_params
   {"include_output_tokens": true}`` (``max_tokens``, default 16; ``return_token_ids``
   adds ``choices[0].token_ids``). ``/v1/chat/completions`` is HTTP 400: no chat template.
+- Both refuse, HTTP 400 in SGLang's words, a prompt of ``--context-length`` tokens or more
+  or one whose ``max_new_tokens`` (``max_tokens``) would run past it, as the server does.
 - Store sink (``--dump-dir mooncake://HOST:PORT?...``, as the server's flag): each sample
   is put into the Mooncake Store in ``sglang_ext.store``'s packed layout, the answer (always
   at once) carries ``meta_info.hidden_states_manifest``; a failed put leaves the
@@ -174,6 +176,22 @@ def _rid(rid: Any) -> str:
     return rid
 
 
+def _check_length(ids: List[int], max_new_tokens: Any, context_len: int) -> None:
+    """``BadRequest`` in SGLang's words (``TokenizerManager._validate_one_request``) for a
+    prompt of ``context_len`` tokens or more, or an int ``max_new_tokens`` that with the
+    prompt exceeds ``context_len``: a real server answers HTTP 400, never generating."""
+    if len(ids) >= context_len:
+        raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                         f"({context_len} tokens).")
+    if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) \
+            and max_new_tokens + len(ids) > context_len:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of "
+                         f"{context_len} tokens. You requested a total of {max_new_tokens + len(ids)} "
+                         f"tokens: {len(ids)} tokens from the input messages and {max_new_tokens} "
+                         f"tokens for the completion. Please reduce the number of tokens in the "
+                         f"input messages or the completion to fit within the limit.")
+
+
 def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
                 stop_token_ids: Any) -> Tuple[List[int], dict]:
     """``generated_ids`` for a request's sampling parameters (temperature > 0: sampled,
@@ -188,6 +206,7 @@ def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
     return generated_ids(ids, max_new_tokens, stops, seed=rid if temperature > 0 else None)
 
 
+CONTEXT_LEN = 32768  # the pretend model's context length (--context-length), in tokens
 MAX_BODY_BYTES = 256 << 20  # the largest request body the stand-in reads (413 above it)
 
 
@@ -238,10 +257,12 @@ class Server:
     (0: any free port; ``url`` says which). Writes run on ``writers`` threads after the
     name is reserved, as the writer process's do."""
 
-    def __init__(self, dump: Dump, host: str, port: int, writers: int = 2, policy=None):
+    def __init__(self, dump: Dump, host: str, port: int, writers: int = 2, policy=None,
+                 context_len: int = CONTEXT_LEN):
         from sglang_ext.sampling import DumpPolicy
 
         self.dump = dump
+        self.context_len = context_len  # prompt + max_new_tokens above it: HTTP 400 (_check_length)
         # the server's sampling settings (KIMI_SGLANG_SAMPLE_RATE, ..._DUMP_BUDGET_GB,
         # ..._MIN_FREE_GB), decided per request as the server does (sglang_ext.sampling)
         self.policy = policy or DumpPolicy(dir_fd=dump.dir_fd)
@@ -291,6 +312,7 @@ class Server:
         if path == "/generate":
             ids = _token_ids(body.get("input_ids"), "input_ids")
             sampling = body.get("sampling_params") or {}
+            _check_length(ids, sampling.get("max_new_tokens"), self.context_len)
             params = sampling.get("custom_params") or {}
             rid = _rid(body.get("rid"))
             out = None
@@ -304,6 +326,7 @@ class Server:
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
                 prompt = prompt[0]
             ids = _token_ids(prompt, "prompt")
+            _check_length(ids, body.get("max_tokens"), self.context_len)
             params = body.get("custom_params") or {}
             rid = _rid(body.get("rid"))
             out = None
@@ -421,6 +444,8 @@ def _run(args) -> int:
         layer_ids = config.resolve_layer_ids(config.parse_layer_ids(args.layers), args.num_layers)
         if args.hidden_size < 1:
             raise ValueError(f"--hidden-size must be at least 1, not {args.hidden_size}")
+        if args.context_length < 2:
+            raise ValueError(f"--context-length must be at least 2, not {args.context_length}")
         sampling = config.sampling_settings()
         dump = Dump(args.dump_dir, layer_ids, args.num_layers, args.hidden_size)
     except (ValueError, OSError, RuntimeError) as e:  # DumpConfigError; the store's StoreError
@@ -431,7 +456,7 @@ def _run(args) -> int:
     policy = DumpPolicy(sampling["sample_rate"], sampling["budget_bytes"], sampling["min_free_bytes"],
                         dir_fd=dump.dir_fd)
     try:
-        server = Server(dump, args.host, args.port, policy=policy)
+        server = Server(dump, args.host, args.port, policy=policy, context_len=args.context_length)
     except OSError as e:
         dump.close()
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e})", file=sys.stderr)
@@ -457,4 +482,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", "--dump-hidden-states-layers", dest="layers",
                    help="layer ids, e.g. 2,4,5,8 (default: [2, N//2, N-3, N], as the server)")
     p.add_argument("--hidden-size", type=int, default=64, help="channels per layer (default 64)")
+    p.add_argument("--context-length", type=int, default=CONTEXT_LEN,
+                   help=f"the pretend model's context length in tokens (default {CONTEXT_LEN}): a prompt "
+                        f"that long, or a prompt plus max_new_tokens (max_tokens) over it, is HTTP 400 "
+                        f"in SGLang's words, as the server refuses it")
     p.set_defaults(func=_run)
