@@ -342,6 +342,37 @@ def test_a_rerun_with_other_sampling_settings_keeps_the_samples_and_stops(served
     assert sum(len(t) for t in served.tries.values()) == 3
 
 
+def test_a_rank_with_other_settings_than_the_other_ranks_in_its_out_stops(served, tmp_path):
+    """Ranks of one dataset share one --out; a rank run without --generate, or with other
+    sampling settings, than another rank's samples there stops before any row (exit 3, one
+    sentence naming that sample and the setting). Before, each rank saw only its own rows:
+    the second rank wrote its samples beside the first's, one dataset of two settings."""
+    data = write_data(tmp_path / "d.jsonl", PROMPTS[:4])
+    out = tmp_path / "out"
+    ranks = ["--world-size", 2, "--rank"]
+    assert cli(*extract_args(served.url, data, out, *ranks, 0)).returncode == 0
+    sent = sum(len(t) for t in served.tries.values())
+    plain = [a for a in extract_args(served.url, data, out, *ranks, 1) if a != "--generate"]
+    plain = plain[:plain.index("--max-new-tokens")] + plain[plain.index("--max-new-tokens") + 2:]
+    for args, says in (
+            (plain, "holds its prompt and generated rows, from a --generate run"),
+            ([*extract_args(served.url, data, out, *ranks, 1), "--max-new-tokens", 6],
+             "was generated with --max-new-tokens 5 (this run: --max-new-tokens 6)")):
+        r = cli(*args)
+        assert r.returncode == 3, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0] == (
+            f"error: {out / 'hs_0.safetensors'} (row 0, another rank's per the manifest) {says}: this "
+            f"run would add samples of other settings to that dataset; run every rank with the settings "
+            f"it was made with, or extract into another --out"), r.stderr
+    assert sum(len(t) for t in served.tries.values()) == sent, "a row was sent"
+    assert sorted(p.name for p in out.glob("hs_*")) == ["hs_0.safetensors", "hs_2.safetensors"]
+    r = cli(*extract_args(served.url, data, out, *ranks, 1))  # the same settings: the dataset grows
+    assert r.returncode == 0 and summary(r.stdout)["extracted"] == 2, r.stderr
+    assert {i: rec["sampling_params"]["max_new_tokens"] for i, rec in manifest(out).items()} == {
+        0: 5, 1: 5, 2: 5, 3: 5}
+
+
 def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
     """SpecForge records of ``--generate`` output: loss_mask 0 on the prompt, 1 on the
     generated tokens (files of prompts alone keep all ones: test_client)."""
