@@ -375,7 +375,8 @@ def test_a_rank_with_other_settings_than_the_other_ranks_in_its_out_stops(served
 
 def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
     """SpecForge records of ``--generate`` output: loss_mask 0 on the prompt, 1 on the
-    generated tokens (files of prompts alone keep all ones: test_client)."""
+    generated tokens, as convert's summary line says (files of prompts alone keep all ones:
+    test_client)."""
     import torch
 
     out, dst = tmp_path / "out", tmp_path / "sf"
@@ -383,6 +384,9 @@ def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
     assert r.returncode == 0, r.stderr
     r = cli("convert", out, dst, "--no-final-norm")
     assert r.returncode == 0, r.stderr
+    # the summary says so (it said "all ones")
+    assert json.loads(r.stdout)["loss_mask"] == ("0 on the prompt, 1 on the response in the 3 generated "
+                                                 "file(s); all ones in the others"), r.stdout
     for i, prompt in enumerate(PROMPTS[:3]):
         rec = torch.load(dst / "rows_0-5000" / f"data_{i}.ckpt")
         fed = prompt + generated_reference(prompt, 5)[:-1]
