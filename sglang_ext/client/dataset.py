@@ -209,7 +209,7 @@ def load_tokenizer(path: Optional[str]):
         from transformers import AutoTokenizer
     except ImportError:
         raise DataError(f"--tokenizer {path} needs transformers, which is not installed here "
-                        f"(pip install transformers)") from None
+                        f"(pip install transformers jinja2: chat templates need jinja2)") from None
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, ... here
