@@ -259,7 +259,7 @@ def default_patches_root() -> Path:
     env = os.environ.get("KIMI_SGLANG_PATCHES")
     if env:
         return Path(env)
-    here = Path(__file__).resolve().parents[2] / "patches"
+    here = Path(__file__).resolve().parents[3] / "patches"  # <checkout>/sglang_ext/tools/patchtool/
     return here if here.is_dir() else Path.cwd() / "patches"
 
 
