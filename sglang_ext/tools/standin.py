@@ -15,8 +15,9 @@ install); ``mooncake://`` also needs requirements/store.txt.
 Endpoints:
 - ``GET /health`` (200), ``GET /server_info`` (``dump_hidden_states_dir`` absolute, the
   layers, ``model_path``), ``GET /v1/models``.
-- ``POST /generate`` ``{"input_ids": [int, ...], "rid"?, "sampling_params"?}``: one prompt
-  (no tokenizer: ``text`` is refused, HTTP 400). ``meta_info.hidden_states_path`` once the
+- ``POST /generate`` ``{"input_ids": [int, ...], "rid"?, "sampling_params"?, "stream"?}``: one
+  prompt (no tokenizer: ``text`` is refused, HTTP 400); ``stream`` true: the answer as one
+  ``data:`` chunk then ``data: [DONE]`` (an error: an error chunk), as SGLang streams. ``meta_info.hidden_states_path`` once the
   file is complete; with ``custom_params {"hidden_states_wait": false}`` at once with
   ``hidden_states_pending: true`` (the file is complete when ``<path>.lock`` is gone);
   ``{"hidden_states_dump": false}``: no file. A failed write: ``hidden_states_error``.
@@ -30,7 +31,8 @@ Endpoints:
   ``kv_transfer_params {"hidden_states_path": P}`` (speculators' client); a failed dump is
   HTTP 500; output rows with ``custom_params`` as above or vLLM's ``kv_transfer_params
   {"include_output_tokens": true}`` (``max_tokens``, default 16; ``return_token_ids``
-  adds ``choices[0].token_ids``). ``/v1/chat/completions`` is HTTP 400: no chat template.
+  adds ``choices[0].token_ids``); ``stream`` true is HTTP 400. ``/v1/chat/completions`` is
+  HTTP 400: no chat template.
 - Both refuse, HTTP 400 in SGLang's words, a prompt of ``--context-length`` tokens or more
   or one whose ``max_new_tokens`` (``max_tokens``) would run past it, as the server does.
 - Store sink (``--dump-dir mooncake://HOST:PORT?...``, as the server's flag): each sample
@@ -241,12 +243,12 @@ class JsonReplyHandler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def reply(self, code: int, obj: Any) -> None:
-        """Send HTTP ``code`` with ``Content-Type: application/json`` and the body: ``obj``
+    def reply(self, code: int, obj: Any, content_type: str = "application/json") -> None:
+        """Send HTTP ``code`` with ``Content-Type: content_type`` and the body: ``obj``
         as JSON, ``bytes`` as they are (a body already encoded), None an empty body."""
         body = b"" if obj is None else obj if isinstance(obj, bytes) else json.dumps(obj).encode()
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -274,6 +276,13 @@ class Server:
             def do_GET(self):
                 self.reply(*server.get(self.path))
 
+            def stream(self, chunks: List[Any]) -> None:
+                """A streamed ``/generate`` answer as SGLang sends it (``text/event-stream``):
+                ``data: <json>`` per chunk, then ``data: [DONE]``; the stand-in has the
+                whole answer at once, so it is one chunk, whose meta_info names the file."""
+                self.reply(200, b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+                           + b"data: [DONE]\n\n", content_type="text/event-stream")
+
             def do_POST(self):
                 refused = _body_refusal(self.headers)
                 if refused is not None:  # its body is left unread: the connection closes
@@ -281,13 +290,23 @@ class Server:
                     code, message = refused
                     self.reply(code, {"error": {"message": message}, "object": "error", "code": code})
                     return
+                streamed = False
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                     if not isinstance(body, dict):
                         raise BadRequest("the request body must be a JSON object")
-                    self.reply(*server.post(self.path, body))
+                    streamed = self.path == "/generate" and body.get("stream") is True
+                    code, answer = server.post(self.path, body)
+                    if streamed and code == 200:
+                        self.stream([answer])
+                    else:
+                        self.reply(code, answer)
                 except (BadRequest, ValueError) as e:
-                    self.reply(400, {"error": {"message": str(e)}, "object": "error", "code": 400})
+                    if streamed:  # SGLang's stream_results: an error chunk, HTTP 200
+                        self.stream([{"error": {"message": str(e), "type": "invalid_request_error",
+                                                "code": 400, "retryable": False}}])
+                    else:
+                        self.reply(400, {"error": {"message": str(e)}, "object": "error", "code": 400})
                 except Exception as e:  # noqa: BLE001 - e.g. custom_params not an object: a sentence
                     self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}"}, "object": "error",
                                      "code": 500})
@@ -325,6 +344,9 @@ class Server:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
                 prompt = prompt[0]
+            if body.get("stream") is True:
+                raise BadRequest("the stand-in does not stream /v1/completions: send stream false, "
+                                 "or POST /generate with stream true")
             ids = _token_ids(prompt, "prompt")
             _check_length(ids, body.get("max_tokens"), self.context_len)
             params = body.get("custom_params") or {}

@@ -407,3 +407,32 @@ def test_a_request_past_the_context_length_is_refused_as_sglang_refuses_it(tmp_p
     r = subprocess.run([sys.executable, "-m", "sglang_ext", "standin", "--dump-dir", str(tmp_path / "d"),
                         "--context-length", "1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr == "error: --context-length must be at least 2, not 1\n", r.stderr
+
+
+def test_a_streamed_generate_is_answered_as_sglang_streams_it(standin, tmp_path):
+    """``stream: true`` on /generate: SGLang's server-sent events (``data: <answer>``, then
+    ``data: [DONE]``), the last chunk's meta_info naming the file; a refused request is an
+    error chunk (HTTP 200, SGLang's stream_results). Before, the stand-in ignored ``stream``
+    and answered one JSON object. /v1/completions does not stream here: HTTP 400."""
+    def raw_post(path, body):
+        req = urllib.request.Request(standin.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers["Content-Type"], r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers["Content-Type"], e.read().decode()
+
+    code, kind, text = raw_post("/generate", {"input_ids": [1, 2, 3], "stream": True,
+                                              "sampling_params": {"max_new_tokens": 1}})
+    assert code == 200 and kind == "text/event-stream", (code, kind, text)
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1]), text
+    last = json.loads(events[-3][len("data: "):])
+    assert fmt.load(last["meta_info"][fmt.PATH_KEY]).token_ids.tolist() == [1, 2, 3]
+    code, kind, text = raw_post("/generate", {"input_ids": [], "stream": True})
+    assert code == 200 and text.endswith("\n\ndata: [DONE]\n\n"), text
+    error = json.loads(text.split("\n\n")[0][len("data: "):])["error"]
+    assert error["code"] == 400 and error["message"].startswith("input_ids must be one non-empty list"), error
+    code, kind, text = raw_post("/v1/completions", {"prompt": [1, 2], "stream": True})
+    assert code == 400 and "does not stream /v1/completions" in text, text
