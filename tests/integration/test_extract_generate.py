@@ -259,6 +259,22 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
     assert "A retried row is a new request: with --temperature > 0 a new sample" in " ".join(r.stdout.split())
 
 
+def test_a_chat_of_one_assistant_turn_leaves_no_prompt_to_generate_from(served, tmp_path):
+    """--generate drops a row's final assistant turn; a row that is only that turn has no
+    prompt left: one sentence saying so (exit 2, nothing sent). Before, transformers' words
+    for an empty chat ('list index out of range' here; 'Cannot apply chat template to an
+    empty conversation' in 5.x) about messages the row did have."""
+    word_tokenizer(tmp_path / "tok")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "assistant", "content": "old"}]}) + "\n")
+    r = cli(*extract_args(served.url, data, tmp_path / "out", "--tokenizer", tmp_path / "tok"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: row 0 (line 1 of d.jsonl): its messages are one assistant turn, which --generate drops "
+        "(the server writes the response anew): no prompt is left"), r.stderr
+    assert served.tries == {}
+
+
 def test_a_rerun_in_the_other_mode_keeps_the_samples_and_stops(served, tmp_path):
     """--generate samples in OUT and a rerun without --generate (or prompt samples and a
     rerun with it): before, each hs_<i> failed the other mode's check and was extracted
