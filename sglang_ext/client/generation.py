@@ -61,6 +61,13 @@ DEFAULTS = {"max_new_tokens": ("--max-new-tokens", 512), "temperature": ("--temp
             "top_p": ("--top-p", 1.0)}
 
 
+def _not_json(name: str) -> None:
+    """``json.loads``' hook for ``NaN``, ``Infinity`` and ``-Infinity``, which Python reads
+    but JSON has not: refused (they would be sent, and recorded in the manifest, as
+    non-JSON, and NaN never equals itself: the same command's rerun would stop)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def sampling_params(args) -> Optional[Dict[str, Any]]:
     """The ``sampling_params`` each ``--generate`` request sends (None without
     ``--generate``). Raises ``ValueError`` (one sentence naming the flag), also for a
@@ -85,7 +92,7 @@ def sampling_params(args) -> Optional[Dict[str, Any]]:
     extra: Any = {}
     if args.sampling_params is not None:
         try:
-            extra = json.loads(args.sampling_params)
+            extra = json.loads(args.sampling_params, parse_constant=_not_json)
         except ValueError as e:
             raise ValueError(f"--sampling-params is not JSON ({e})") from None
         if not isinstance(extra, dict):

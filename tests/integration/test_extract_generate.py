@@ -243,7 +243,13 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
                         # a key a flag sets was dropped for the flag's default (512 tokens, not 3)
                         (["--sampling-params", '{"max_new_tokens": 3}'],
                          "--sampling-params must not set max_new_tokens: pass --max-new-tokens"),
-                        (["--sampling-params", '{"n": 2}'], "extract takes one sample per row")):
+                        (["--sampling-params", '{"n": 2}'], "extract takes one sample per row"),
+                        # Python's json reads NaN: it was sent and recorded as non-JSON, and the
+                        # same command's rerun stopped (NaN != NaN: 'other sampling settings')
+                        (["--sampling-params", '{"frequency_penalty": NaN}'],
+                         "--sampling-params is not JSON (NaN is not a JSON number)"),
+                        (["--sampling-params", '{"top_k": -Infinity}'],
+                         "--sampling-params is not JSON (-Infinity is not a JSON number)")):
         r = cli(*extract_args(served.url, data, tmp_path / "out", *extra))
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     # a generation flag without --generate was ignored: the prompt alone was captured (and a
