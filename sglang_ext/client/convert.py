@@ -71,7 +71,7 @@ import json
 import os
 import re
 import sys
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 from sglang_ext import format as fmt
 from sglang_ext.client.convert_inputs import (
@@ -116,8 +116,9 @@ def rms_norm(x, weight, eps: float):
 
 def to_specforge_record(path: str, norm, loss_mask: Optional[list],
                         image_ids: Optional[Sequence[int]] = None,
-                        images: int = 0) -> Dict[str, object]:
-    """One SpecForge record of ``path`` (module doc). ``image_ids``: ``--image-token-id``
+                        images: int = 0) -> Tuple[Dict[str, object], bool]:
+    """One SpecForge record of ``path`` (module doc), and whether its default loss mask
+    is a generated file's (0 on the prompt). ``image_ids``: ``--image-token-id``
     (else the file's metadata ``image_token_id``); ``images``: the image parts the
     manifest gives the row (0: none known). Raises ``ConvertError``."""
     import torch
@@ -150,6 +151,7 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
         if weight.shape[0] != last.shape[-1]:
             raise ConvertError(f"{path}: norm weight has {weight.shape[0]} entries, hidden size {last.shape[-1]}")
         last = rms_norm(last, weight, eps)
+    generated = False
     if loss_mask is None:
         mask = torch.ones(t, dtype=torch.long)
         try:
@@ -158,6 +160,7 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
             raise ConvertError(f"{e}; run extract again with the same --out to replace it") from None
         if rows is not None:  # the response alone is trained (module doc)
             mask[:rows.num_prompt_tokens] = 0
+            generated = True
     else:
         if len(loss_mask) != t:
             raise ConvertError(f"{path}: loss_mask has {len(loss_mask)} entries for {t} tokens")
@@ -181,7 +184,7 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
         "loss_mask": mask,
         "hidden_state": last.contiguous().unsqueeze(0).clone(),
         "aux_hidden_state": hs[:, :-1, :].reshape(t, -1).contiguous().unsqueeze(0).clone(),
-    }
+    }, generated
 
 
 def save_atomic(obj, path: str, mode: int) -> None:
@@ -261,17 +264,19 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        written = skipped = image_records = 0
+        written = skipped = image_records = generated = 0
         for index in indices:
             dst = specforge_path(args.dst, index)
             if os.path.exists(dst):
                 skipped += 1
                 continue
             mask = masks[index] if masks is not None else None
-            record = to_specforge_record(os.path.join(args.src, f"hs_{index}.safetensors"), norm, mask,
-                                         args.image_token_id, with_images.get(index, 0))
+            record, response_only = to_specforge_record(
+                os.path.join(args.src, f"hs_{index}.safetensors"), norm, mask, args.image_token_id,
+                with_images.get(index, 0))
             save_atomic(record, dst, mode)
             written += 1
+            generated += response_only
             if with_images.get(index):
                 image_records += 1
     except (ConvertError, fmt.DumpFormatError, OSError) as e:
@@ -284,7 +289,9 @@ def main(args) -> int:
               f"rewritten with this run's options (--loss-mask-from, --model); to redo them, "
               f"delete {args.dst} (or those data_<i>.ckpt files) and run again", file=sys.stderr)
     print(json.dumps({"written": written, "skipped_existing": skipped, "dst": os.path.abspath(args.dst),
-                      "loss_mask": "from " + args.loss_mask_from if args.loss_mask_from else "all ones",
+                      "loss_mask": "from " + args.loss_mask_from if args.loss_mask_from else
+                      f"0 on the prompt, 1 on the response in the {generated} generated file(s); all ones "
+                      f"in the others" if generated else "all ones",
                       "final_norm": "applied" if norm is not None else "not applied",
                       "with_images": image_records}))
     return 0

@@ -93,12 +93,15 @@ def _ids_from_row(row: Dict[str, Any], where: str, tokenizer, generate: bool = F
             raise DataError(f"{where} has messages without image parts but no --tokenizer was "
                             f"given (text-only chats are tokenized here; rows with images go "
                             f"through the server's chat template)")
+        messages = row["messages"]
+        if generate:  # the prompt of the response the server writes anew
+            messages = list(messages)
+            if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+                messages.pop()
+                if not messages:
+                    raise DataError(f"{where}: its messages are one assistant turn, which --generate "
+                                    f"drops (the server writes the response anew): no prompt is left")
         try:
-            messages = row["messages"]
-            if generate:  # the prompt of the response the server writes anew
-                messages = list(messages)
-                if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-                    messages.pop()
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generate)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         except Exception as e:  # noqa: BLE001 - no chat template, messages of the wrong shape
@@ -209,7 +212,7 @@ def load_tokenizer(path: Optional[str]):
         from transformers import AutoTokenizer
     except ImportError:
         raise DataError(f"--tokenizer {path} needs transformers, which is not installed here "
-                        f"(pip install transformers)") from None
+                        f"(pip install transformers jinja2: chat templates need jinja2)") from None
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, ... here

@@ -215,6 +215,9 @@ class StoreFetcher(Journal):
         self.client: Optional[store_client.StoreClient] = None
         self.buffers: Optional[store_client.RegisteredBuffers] = None
         self.shape: Optional[Tuple[int, int, str]] = None  # the run's (L, H, dtype)
+        # why the master is gone, once a look-up found its port refusing connections
+        # (_exists): the run stops, and every later look-up or removal fails at once
+        self.gone: Optional[str] = None
         # index -> {handle: (rid, manifest)} of journaled objects not yet removed
         self.open: Dict[int, Dict[str, Tuple[str, Any]]] = {}
         self._read()
@@ -304,18 +307,30 @@ class StoreFetcher(Journal):
         """Whether ``key`` is in the store. ``FatalError`` when the master does not answer
         and its port refuses connections (``store_client.master_unreachable``: it died
         after the run connected; every next try would fail alike, its samples are gone
-        with it); ``FetchError`` for any other failed look-up (a slow master: retried)."""
+        with it; from then on at once, without asking: ``gone``, so the run's other tries
+        stop in a moment instead of each waiting out Mooncake's RPC timeout, 44 s for 64
+        workers); ``FetchError`` for any other failed look-up (a slow master: retried)."""
+        if self.gone is not None:
+            raise FatalError(self.gone)
         try:
             return self.client.exists(key)
         except st.StoreUnavailable as e:
-            why = store_client.master_unreachable(self.config, PROBE_TIMEOUT_S)
-            if why is not None:
-                raise FatalError(f"{why}: no sample can be taken from the store, so every next "
-                                 f"try would fail alike; start mooncake_master there again and "
-                                 f"run the same command again to resume") from None
+            self._stop_if_gone()
             raise FetchError(str(e)) from None
         except st.StoreError as e:
             raise FetchError(str(e)) from None
+
+    def _stop_if_gone(self) -> None:
+        """After a failed store call: ``FatalError`` (and ``gone`` set) when the master's
+        port refuses connections; else nothing (the caller's error stands)."""
+        if self.gone is None:
+            why = store_client.master_unreachable(self.config, PROBE_TIMEOUT_S)
+            if why is None:
+                return
+            self.gone = (f"{why}: no sample can be taken from the store, so every next try "
+                         f"would fail alike; start mooncake_master there again and run the "
+                         f"same command again to resume")
+        raise FatalError(self.gone) from None
 
     def _error_of(self, handle: str) -> str:
         """The message in ``<handle>:error`` (the server's words)."""
@@ -357,12 +372,13 @@ class StoreFetcher(Journal):
     def take(self, exp: Expected, index: int, input_ids: Optional[List[int]], full: bool) -> int:
         """Read ``exp``'s object and write it as ``OUT/hs_<index>.safetensors`` (module
         doc, step 3); returns the file's size. ``input_ids`` None: the object's own token
-        ids stand (``expect``). ``FetchError`` when the object is gone, has
-        another size or other token ids; ``CheckError`` when the written file fails
+        ids stand (``expect``). ``FatalError`` when the master is gone (``_stop_if_gone``),
+        ``FetchError`` when the object is, has another size or other token ids; ``CheckError`` when the written file fails
         ``check_file``; ``OSError`` on I/O. The final name never holds a partial file."""
         layout = exp.layout
         size = self.client.size(exp.handle)
         if size < 0:
+            self._stop_if_gone()  # a dead master answers sizes with -900 as well
             raise FetchError(f"the sample {exp.handle!r} vanished from the store before it was read "
                              f"(status {size}: evicted, or taken by another reader)")
         if size != layout.total_bytes:
@@ -375,6 +391,8 @@ class StoreFetcher(Journal):
         try:
             got = self.client.get_into(exp.handle, buf.addr, size)
             if got != size:
+                if got < 0:
+                    self._stop_if_gone()
                 raise FetchError(f"reading {exp.handle!r} from the store gave {got} of {size} bytes")
             view = buf.view[:size]
             ids = layout.tensor(fmt.KEY_TOKEN_IDS)
@@ -408,7 +426,11 @@ class StoreFetcher(Journal):
 
     async def remove(self, handle: str) -> bool:
         """Remove ``handle`` and ``<handle>:error`` and journal it done; False (and the
-        handle stays journaled for the next sweep) when the master does not answer."""
+        handle stays journaled for the next sweep) when the master does not answer, or is
+        ``gone`` (not asked)."""
+        if self.gone is not None:
+            return False
+
         def remove():
             try:
                 if handle.startswith(_SENT_PREFIX):  # no answer came: any suffix the server chose

@@ -61,6 +61,13 @@ DEFAULTS = {"max_new_tokens": ("--max-new-tokens", 512), "temperature": ("--temp
             "top_p": ("--top-p", 1.0)}
 
 
+def _not_json(name: str) -> None:
+    """``json.loads``' hook for ``NaN``, ``Infinity`` and ``-Infinity``, which Python reads
+    but JSON has not: refused (they would be sent, and recorded in the manifest, as
+    non-JSON, and NaN never equals itself: the same command's rerun would stop)."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def sampling_params(args) -> Optional[Dict[str, Any]]:
     """The ``sampling_params`` each ``--generate`` request sends (None without
     ``--generate``). Raises ``ValueError`` (one sentence naming the flag), also for a
@@ -85,7 +92,7 @@ def sampling_params(args) -> Optional[Dict[str, Any]]:
     extra: Any = {}
     if args.sampling_params is not None:
         try:
-            extra = json.loads(args.sampling_params)
+            extra = json.loads(args.sampling_params, parse_constant=_not_json)
         except ValueError as e:
             raise ValueError(f"--sampling-params is not JSON ({e})") from None
         if not isinstance(extra, dict):
@@ -251,3 +258,36 @@ def other_mode(out_dir: str, index: int, prompt: Optional[List[int]],
                 f"not replaced; add --generate (and its flags) to resume that dataset, or extract "
                 f"into another --out")
     return None
+
+
+def other_ranks_setting(out_dir: str, records: Dict[int, Dict[str, Any]], sent: Optional[Dict[str, Any]],
+                        mine: Callable[[int], bool]) -> Optional[str]:
+    """Why a run must not add to OUT, whose manifest ``records`` (index -> line) hold a row
+    it does not take (``mine(index)`` False: another rank's, or of another --world-size)
+    made in the other mode or, per its ``sampling_params``, with other settings than
+    ``sent`` (this run's; None without ``--generate``), while that ``hs_<index>`` is still
+    there: the ranks of one dataset would write two settings into one OUT, which
+    ``other_mode`` sees only for a run's own rows. None otherwise. A line is of a generated
+    row when it has ``num_prompt_tokens`` (``record_fields``); one without ``sampling_params``
+    (older manifests, rebuilt from a file) agrees with any settings, as ``other_mode``'s."""
+    for index in sorted(records):
+        rec = records[index]
+        if mine(index):
+            continue
+        made = fmt.NUM_PROMPT_TOKENS_KEY in rec
+        if made and sent is not None:
+            differs = _other_setting(rec, sent)
+            what = f"was generated with {differs}" if differs else None
+        elif made:
+            what = "holds its prompt and generated rows, from a --generate run"
+        elif sent is not None:
+            what = "holds its prompt rows alone, from a run without --generate"
+        else:
+            what = None
+        target = os.path.join(out_dir, final_name(index))
+        if what is not None and os.path.isfile(target):
+            return (f"{target} (row {index}, another rank's per the manifest) {what}: this run "
+                    f"would add samples of other settings to that dataset; run every rank with the "
+                    f"settings it was made with, or extract into another --out")
+    return None
+

@@ -440,6 +440,10 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     n_workers = 2 * opts.concurrency if opts.early_answers else opts.concurrency
     http_slots = asyncio.Semaphore(opts.concurrency)
     connector = aiohttp.TCPConnector(limit=n_workers)
+    clash = generation.other_ranks_setting(opts.out_dir, manifest.records, opts.generate,
+                                           lambda i: i % args.world_size == args.rank)
+    if clash is not None:  # before any row: nothing is sent
+        stop(clash)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         workers = [asyncio.create_task(worker(session)) for _ in range(n_workers)]
         try:

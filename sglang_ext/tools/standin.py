@@ -15,8 +15,9 @@ install); ``mooncake://`` also needs requirements/store.txt.
 Endpoints:
 - ``GET /health`` (200), ``GET /server_info`` (``dump_hidden_states_dir`` absolute, the
   layers, ``model_path``), ``GET /v1/models``.
-- ``POST /generate`` ``{"input_ids": [int, ...], "rid"?, "sampling_params"?}``: one prompt
-  (no tokenizer: ``text`` is refused, HTTP 400). ``meta_info.hidden_states_path`` once the
+- ``POST /generate`` ``{"input_ids": [int, ...], "rid"?, "sampling_params"?, "stream"?}``: one
+  prompt (no tokenizer: ``text`` is refused, HTTP 400); ``stream`` true: the answer as one
+  ``data:`` chunk then ``data: [DONE]`` (an error: an error chunk), as SGLang streams. ``meta_info.hidden_states_path`` once the
   file is complete; with ``custom_params {"hidden_states_wait": false}`` at once with
   ``hidden_states_pending: true`` (the file is complete when ``<path>.lock`` is gone);
   ``{"hidden_states_dump": false}``: no file. A failed write: ``hidden_states_error``.
@@ -30,7 +31,10 @@ Endpoints:
   ``kv_transfer_params {"hidden_states_path": P}`` (speculators' client); a failed dump is
   HTTP 500; output rows with ``custom_params`` as above or vLLM's ``kv_transfer_params
   {"include_output_tokens": true}`` (``max_tokens``, default 16; ``return_token_ids``
-  adds ``choices[0].token_ids``). ``/v1/chat/completions`` is HTTP 400: no chat template.
+  adds ``choices[0].token_ids``); ``stream`` true is HTTP 400. ``/v1/chat/completions`` is
+  HTTP 400: no chat template.
+- Both refuse, HTTP 400 in SGLang's words, a prompt of ``--context-length`` tokens or more
+  or one whose ``max_new_tokens`` (``max_tokens``) would run past it, as the server does.
 - Store sink (``--dump-dir mooncake://HOST:PORT?...``, as the server's flag): each sample
   is put into the Mooncake Store in ``sglang_ext.store``'s packed layout, the answer (always
   at once) carries ``meta_info.hidden_states_manifest``; a failed put leaves the
@@ -174,6 +178,22 @@ def _rid(rid: Any) -> str:
     return rid
 
 
+def _check_length(ids: List[int], max_new_tokens: Any, context_len: int) -> None:
+    """``BadRequest`` in SGLang's words (``TokenizerManager._validate_one_request``) for a
+    prompt of ``context_len`` tokens or more, or an int ``max_new_tokens`` that with the
+    prompt exceeds ``context_len``: a real server answers HTTP 400, never generating."""
+    if len(ids) >= context_len:
+        raise BadRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                         f"({context_len} tokens).")
+    if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) \
+            and max_new_tokens + len(ids) > context_len:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of "
+                         f"{context_len} tokens. You requested a total of {max_new_tokens + len(ids)} "
+                         f"tokens: {len(ids)} tokens from the input messages and {max_new_tokens} "
+                         f"tokens for the completion. Please reduce the number of tokens in the "
+                         f"input messages or the completion to fit within the limit.")
+
+
 def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
                 stop_token_ids: Any) -> Tuple[List[int], dict]:
     """``generated_ids`` for a request's sampling parameters (temperature > 0: sampled,
@@ -188,6 +208,7 @@ def _generation(ids: List[int], rid: str, max_new_tokens: Any, temperature: Any,
     return generated_ids(ids, max_new_tokens, stops, seed=rid if temperature > 0 else None)
 
 
+CONTEXT_LEN = 32768  # the pretend model's context length (--context-length), in tokens
 MAX_BODY_BYTES = 256 << 20  # the largest request body the stand-in reads (413 above it)
 
 
@@ -222,12 +243,12 @@ class JsonReplyHandler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def reply(self, code: int, obj: Any) -> None:
-        """Send HTTP ``code`` with ``Content-Type: application/json`` and the body: ``obj``
+    def reply(self, code: int, obj: Any, content_type: str = "application/json") -> None:
+        """Send HTTP ``code`` with ``Content-Type: content_type`` and the body: ``obj``
         as JSON, ``bytes`` as they are (a body already encoded), None an empty body."""
         body = b"" if obj is None else obj if isinstance(obj, bytes) else json.dumps(obj).encode()
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -238,10 +259,12 @@ class Server:
     (0: any free port; ``url`` says which). Writes run on ``writers`` threads after the
     name is reserved, as the writer process's do."""
 
-    def __init__(self, dump: Dump, host: str, port: int, writers: int = 2, policy=None):
+    def __init__(self, dump: Dump, host: str, port: int, writers: int = 2, policy=None,
+                 context_len: int = CONTEXT_LEN):
         from sglang_ext.sampling import DumpPolicy
 
         self.dump = dump
+        self.context_len = context_len  # prompt + max_new_tokens above it: HTTP 400 (_check_length)
         # the server's sampling settings (KIMI_SGLANG_SAMPLE_RATE, ..._DUMP_BUDGET_GB,
         # ..._MIN_FREE_GB), decided per request as the server does (sglang_ext.sampling)
         self.policy = policy or DumpPolicy(dir_fd=dump.dir_fd)
@@ -253,6 +276,13 @@ class Server:
             def do_GET(self):
                 self.reply(*server.get(self.path))
 
+            def stream(self, chunks: List[Any]) -> None:
+                """A streamed ``/generate`` answer as SGLang sends it (``text/event-stream``):
+                ``data: <json>`` per chunk, then ``data: [DONE]``; the stand-in has the
+                whole answer at once, so it is one chunk, whose meta_info names the file."""
+                self.reply(200, b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+                           + b"data: [DONE]\n\n", content_type="text/event-stream")
+
             def do_POST(self):
                 refused = _body_refusal(self.headers)
                 if refused is not None:  # its body is left unread: the connection closes
@@ -260,13 +290,23 @@ class Server:
                     code, message = refused
                     self.reply(code, {"error": {"message": message}, "object": "error", "code": code})
                     return
+                streamed = False
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                     if not isinstance(body, dict):
                         raise BadRequest("the request body must be a JSON object")
-                    self.reply(*server.post(self.path, body))
+                    streamed = self.path == "/generate" and body.get("stream") is True
+                    code, answer = server.post(self.path, body)
+                    if streamed and code == 200:
+                        self.stream([answer])
+                    else:
+                        self.reply(code, answer)
                 except (BadRequest, ValueError) as e:
-                    self.reply(400, {"error": {"message": str(e)}, "object": "error", "code": 400})
+                    if streamed:  # SGLang's stream_results: an error chunk, HTTP 200
+                        self.stream([{"error": {"message": str(e), "type": "invalid_request_error",
+                                                "code": 400, "retryable": False}}])
+                    else:
+                        self.reply(400, {"error": {"message": str(e)}, "object": "error", "code": 400})
                 except Exception as e:  # noqa: BLE001 - e.g. custom_params not an object: a sentence
                     self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}"}, "object": "error",
                                      "code": 500})
@@ -291,6 +331,7 @@ class Server:
         if path == "/generate":
             ids = _token_ids(body.get("input_ids"), "input_ids")
             sampling = body.get("sampling_params") or {}
+            _check_length(ids, sampling.get("max_new_tokens"), self.context_len)
             params = sampling.get("custom_params") or {}
             rid = _rid(body.get("rid"))
             out = None
@@ -303,7 +344,11 @@ class Server:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
                 prompt = prompt[0]
+            if body.get("stream") is True:
+                raise BadRequest("the stand-in does not stream /v1/completions: send stream false, "
+                                 "or POST /generate with stream true")
             ids = _token_ids(prompt, "prompt")
+            _check_length(ids, body.get("max_tokens"), self.context_len)
             params = body.get("custom_params") or {}
             rid = _rid(body.get("rid"))
             out = None
@@ -421,6 +466,8 @@ def _run(args) -> int:
         layer_ids = config.resolve_layer_ids(config.parse_layer_ids(args.layers), args.num_layers)
         if args.hidden_size < 1:
             raise ValueError(f"--hidden-size must be at least 1, not {args.hidden_size}")
+        if args.context_length < 2:
+            raise ValueError(f"--context-length must be at least 2, not {args.context_length}")
         sampling = config.sampling_settings()
         dump = Dump(args.dump_dir, layer_ids, args.num_layers, args.hidden_size)
     except (ValueError, OSError, RuntimeError) as e:  # DumpConfigError; the store's StoreError
@@ -431,7 +478,7 @@ def _run(args) -> int:
     policy = DumpPolicy(sampling["sample_rate"], sampling["budget_bytes"], sampling["min_free_bytes"],
                         dir_fd=dump.dir_fd)
     try:
-        server = Server(dump, args.host, args.port, policy=policy)
+        server = Server(dump, args.host, args.port, policy=policy, context_len=args.context_length)
     except OSError as e:
         dump.close()
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e})", file=sys.stderr)
@@ -457,4 +504,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", "--dump-hidden-states-layers", dest="layers",
                    help="layer ids, e.g. 2,4,5,8 (default: [2, N//2, N-3, N], as the server)")
     p.add_argument("--hidden-size", type=int, default=64, help="channels per layer (default 64)")
+    p.add_argument("--context-length", type=int, default=CONTEXT_LEN,
+                   help=f"the pretend model's context length in tokens (default {CONTEXT_LEN}): a prompt "
+                        f"that long, or a prompt plus max_new_tokens (max_tokens) over it, is HTTP 400 "
+                        f"in SGLang's words, as the server refuses it")
     p.set_defaults(func=_run)

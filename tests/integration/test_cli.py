@@ -920,7 +920,8 @@ def test_tokenizer_without_transformers_is_one_sentence(server, tmp_path):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"error: --tokenizer {tmp_path} needs transformers, which is not "
-                                f"installed here (pip install transformers)")
+                                f"installed here (pip install transformers jinja2: chat templates "
+                                f"need jinja2)")
 
 
 def test_an_html_error_page_is_quoted_short_on_one_line(tmp_path):

@@ -591,6 +591,45 @@ def test_a_master_that_dies_mid_run_stops_the_run_at_the_first_try(tmp_path):
 
 
 @needs_mooncake
+def test_once_the_master_is_found_gone_no_other_try_asks_it_again(tmp_path):
+    """The first look-up that finds the master dead (its port refusing connections) stops
+    the run; the run's other tries, already waiting on their objects, then stop at once
+    instead of each asking the dead master and waiting out Mooncake's RPC timeout: an
+    extract run at --concurrency 32 printed its error line and exited 44 s later. Removals
+    are not asked either: the objects stay journaled for the next run. The fetcher's real
+    Mooncake client is wrapped only to count the calls that reach it."""
+    import asyncio
+
+    from mooncake_fixture import Master
+
+    master = Master(tmp_path)
+    fetcher = fetch.StoreFetcher(trainer_url(master), str(tmp_path), 0).connect()
+    real, calls = fetcher.client, []
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    try:
+        assert fetcher.state("extract-0-0-aaaaaaaa-" + "0" * 32) is None  # the master answers
+        master.kill()
+        with pytest.raises(fetch.FatalError) as first:
+            fetcher.state("extract-0-0-aaaaaaaa-" + "0" * 32)
+        assert str(first.value).startswith(f"cannot reach the Mooncake master at {master.address} (")
+        fetcher.client = Counting()
+        with pytest.raises(fetch.FatalError) as again:
+            fetcher.state("extract-1-0-bbbbbbbb-" + "1" * 32)
+        assert str(again.value) == str(first.value)
+        assert asyncio.run(fetcher.remove("extract-1-0-bbbbbbbb-" + "1" * 32)) is False
+        assert calls == [], calls  # neither went to the dead master
+    finally:
+        fetcher.client = real
+        fetcher.close()
+        master.kill()
+
+
+@needs_mooncake
 def test_a_good_run_prints_no_mooncake_set_up_noise(master, server, tmp_path):
     """Mooncake logs ``E... Local segment descriptor not found`` at every client's set-up
     (its transfer engine looks up the client's own segment before registering it); a good

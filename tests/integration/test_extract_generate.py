@@ -243,7 +243,13 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
                         # a key a flag sets was dropped for the flag's default (512 tokens, not 3)
                         (["--sampling-params", '{"max_new_tokens": 3}'],
                          "--sampling-params must not set max_new_tokens: pass --max-new-tokens"),
-                        (["--sampling-params", '{"n": 2}'], "extract takes one sample per row")):
+                        (["--sampling-params", '{"n": 2}'], "extract takes one sample per row"),
+                        # Python's json reads NaN: it was sent and recorded as non-JSON, and the
+                        # same command's rerun stopped (NaN != NaN: 'other sampling settings')
+                        (["--sampling-params", '{"frequency_penalty": NaN}'],
+                         "--sampling-params is not JSON (NaN is not a JSON number)"),
+                        (["--sampling-params", '{"top_k": -Infinity}'],
+                         "--sampling-params is not JSON (-Infinity is not a JSON number)")):
         r = cli(*extract_args(served.url, data, tmp_path / "out", *extra))
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     # a generation flag without --generate was ignored: the prompt alone was captured (and a
@@ -257,6 +263,22 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
     assert served.tries == {}
     r = cli("extract", "--help")
     assert "A retried row is a new request: with --temperature > 0 a new sample" in " ".join(r.stdout.split())
+
+
+def test_a_chat_of_one_assistant_turn_leaves_no_prompt_to_generate_from(served, tmp_path):
+    """--generate drops a row's final assistant turn; a row that is only that turn has no
+    prompt left: one sentence saying so (exit 2, nothing sent). Before, transformers' words
+    for an empty chat ('list index out of range' here; 'Cannot apply chat template to an
+    empty conversation' in 5.x) about messages the row did have."""
+    word_tokenizer(tmp_path / "tok")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "assistant", "content": "old"}]}) + "\n")
+    r = cli(*extract_args(served.url, data, tmp_path / "out", "--tokenizer", tmp_path / "tok"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: row 0 (line 1 of d.jsonl): its messages are one assistant turn, which --generate drops "
+        "(the server writes the response anew): no prompt is left"), r.stderr
+    assert served.tries == {}
 
 
 def test_a_rerun_in_the_other_mode_keeps_the_samples_and_stops(served, tmp_path):
@@ -342,9 +364,41 @@ def test_a_rerun_with_other_sampling_settings_keeps_the_samples_and_stops(served
     assert sum(len(t) for t in served.tries.values()) == 3
 
 
+def test_a_rank_with_other_settings_than_the_other_ranks_in_its_out_stops(served, tmp_path):
+    """Ranks of one dataset share one --out; a rank run without --generate, or with other
+    sampling settings, than another rank's samples there stops before any row (exit 3, one
+    sentence naming that sample and the setting). Before, each rank saw only its own rows:
+    the second rank wrote its samples beside the first's, one dataset of two settings."""
+    data = write_data(tmp_path / "d.jsonl", PROMPTS[:4])
+    out = tmp_path / "out"
+    ranks = ["--world-size", 2, "--rank"]
+    assert cli(*extract_args(served.url, data, out, *ranks, 0)).returncode == 0
+    sent = sum(len(t) for t in served.tries.values())
+    plain = [a for a in extract_args(served.url, data, out, *ranks, 1) if a != "--generate"]
+    plain = plain[:plain.index("--max-new-tokens")] + plain[plain.index("--max-new-tokens") + 2:]
+    for args, says in (
+            (plain, "holds its prompt and generated rows, from a --generate run"),
+            ([*extract_args(served.url, data, out, *ranks, 1), "--max-new-tokens", 6],
+             "was generated with --max-new-tokens 5 (this run: --max-new-tokens 6)")):
+        r = cli(*args)
+        assert r.returncode == 3, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0] == (
+            f"error: {out / 'hs_0.safetensors'} (row 0, another rank's per the manifest) {says}: this "
+            f"run would add samples of other settings to that dataset; run every rank with the settings "
+            f"it was made with, or extract into another --out"), r.stderr
+    assert sum(len(t) for t in served.tries.values()) == sent, "a row was sent"
+    assert sorted(p.name for p in out.glob("hs_*")) == ["hs_0.safetensors", "hs_2.safetensors"]
+    r = cli(*extract_args(served.url, data, out, *ranks, 1))  # the same settings: the dataset grows
+    assert r.returncode == 0 and summary(r.stdout)["extracted"] == 2, r.stderr
+    assert {i: rec["sampling_params"]["max_new_tokens"] for i, rec in manifest(out).items()} == {
+        0: 5, 1: 5, 2: 5, 3: 5}
+
+
 def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
     """SpecForge records of ``--generate`` output: loss_mask 0 on the prompt, 1 on the
-    generated tokens (files of prompts alone keep all ones: test_client)."""
+    generated tokens, as convert's summary line says (files of prompts alone keep all ones:
+    test_client)."""
     import torch
 
     out, dst = tmp_path / "out", tmp_path / "sf"
@@ -352,6 +406,9 @@ def test_convert_masks_the_prompt_of_generated_files(served, tmp_path):
     assert r.returncode == 0, r.stderr
     r = cli("convert", out, dst, "--no-final-norm")
     assert r.returncode == 0, r.stderr
+    # the summary says so (it said "all ones")
+    assert json.loads(r.stdout)["loss_mask"] == ("0 on the prompt, 1 on the response in the 3 generated "
+                                                 "file(s); all ones in the others"), r.stdout
     for i, prompt in enumerate(PROMPTS[:3]):
         rec = torch.load(dst / "rows_0-5000" / f"data_{i}.ckpt")
         fed = prompt + generated_reference(prompt, 5)[:-1]

@@ -375,3 +375,64 @@ def test_sigterm_ends_the_store_sink_whose_master_died(tmp_path):
             server.proc.kill()
             server.proc.wait()
         own.kill()
+
+
+def test_a_request_past_the_context_length_is_refused_as_sglang_refuses_it(tmp_path):
+    """SGLang's tokenizer manager answers HTTP 400 for a prompt of context-length tokens or
+    more, and for one whose max_new_tokens would run past it (``_validate_one_request``'s
+    sentences). The stand-in had no context length: ``extract --generate --max-new-tokens
+    100000000`` made it generate until its memory ran out (14 GB, then MemoryError), and a
+    killed client left it doing so."""
+    s = Standin(tmp_path, "--dump-dir", str(tmp_path / "dump"), "--context-length", "16")
+    try:
+        prompt = [3, 1, 4, 1]
+        code, ans = s.post("/generate", {"input_ids": list(range(16))})
+        assert code == 400 and ans["error"]["message"] == (
+            "The input (16 tokens) is longer than the model's context length (16 tokens)."), ans
+        out = {"custom_params": {fmt.OUTPUT_PARAM: True}, "temperature": 0}
+        code, ans = s.post("/generate", {"input_ids": prompt, "sampling_params": {**out, "max_new_tokens": 13}})
+        assert code == 400 and ans["error"]["message"].startswith(
+            "Requested token count exceeds the model's maximum context length of 16 tokens. You "
+            "requested a total of 17 tokens: 4 tokens from the input messages and 13 tokens for the "
+            "completion."), ans
+        code, ans = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 13})
+        assert code == 400 and "a total of 17 tokens" in ans["error"]["message"], ans
+        assert os.listdir(tmp_path / "dump") == []  # refused before anything was written
+        code, ans = s.post("/generate", {"input_ids": prompt, "sampling_params": {**out, "max_new_tokens": 12}})
+        assert code == 200 and ans["output_ids"] == generated_reference(prompt, 12), ans
+        assert_output_file(ans["meta_info"][fmt.PATH_KEY], prompt, ans["output_ids"])
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err
+    r = subprocess.run([sys.executable, "-m", "sglang_ext", "standin", "--dump-dir", str(tmp_path / "d"),
+                        "--context-length", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr == "error: --context-length must be at least 2, not 1\n", r.stderr
+
+
+def test_a_streamed_generate_is_answered_as_sglang_streams_it(standin, tmp_path):
+    """``stream: true`` on /generate: SGLang's server-sent events (``data: <answer>``, then
+    ``data: [DONE]``), the last chunk's meta_info naming the file; a refused request is an
+    error chunk (HTTP 200, SGLang's stream_results). Before, the stand-in ignored ``stream``
+    and answered one JSON object. /v1/completions does not stream here: HTTP 400."""
+    def raw_post(path, body):
+        req = urllib.request.Request(standin.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers["Content-Type"], r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers["Content-Type"], e.read().decode()
+
+    code, kind, text = raw_post("/generate", {"input_ids": [1, 2, 3], "stream": True,
+                                              "sampling_params": {"max_new_tokens": 1}})
+    assert code == 200 and kind == "text/event-stream", (code, kind, text)
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1]), text
+    last = json.loads(events[-3][len("data: "):])
+    assert fmt.load(last["meta_info"][fmt.PATH_KEY]).token_ids.tolist() == [1, 2, 3]
+    code, kind, text = raw_post("/generate", {"input_ids": [], "stream": True})
+    assert code == 200 and text.endswith("\n\ndata: [DONE]\n\n"), text
+    error = json.loads(text.split("\n\n")[0][len("data: "):])["error"]
+    assert error["code"] == 400 and error["message"].startswith("input_ids must be one non-empty list"), error
+    code, kind, text = raw_post("/v1/completions", {"prompt": [1, 2], "stream": True})
+    assert code == 400 and "does not stream /v1/completions" in text, text

@@ -323,6 +323,13 @@ def test_a_wrong_series_is_named_before_the_missing_sglang(tmp_path, verb):
     bad_toml.mkdir()
     (bad_toml / "series").write_text("")
     (bad_toml / "base.toml").write_text("[base]\nimage = 'x'\n")
+    binary_series = tmp_path / "binary-series"  # not UTF-8: before, the decoder's words alone
+    binary_series.mkdir()
+    (binary_series / "series").write_bytes(b"0001-a.diff\n\xff\n")
+    binary_diff = tmp_path / "binary-diff"
+    binary_diff.mkdir()
+    (binary_diff / "series").write_text("0001-a.diff\n")
+    (binary_diff / "0001-a.diff").write_bytes(b"\x00\xff\xfe")
     patches = tmp_path / "patches"  # KIMI_SGLANG_PATCHES: where a vX.Y.Z name is looked for
     (patches / "v9.9.9").mkdir(parents=True)
     cases = {
@@ -333,6 +340,8 @@ def test_a_wrong_series_is_named_before_the_missing_sglang(tmp_path, verb):
         str(no_series): f"error: {no_series} is not a patch series folder: it has no `series` file",
         str(missing_diff): f"error: {missing_diff}/series lists 0001-gone.diff, which does not exist",
         str(bad_toml): f"error: {bad_toml}/base.toml: [base] version missing",
+        str(binary_series): f"error: cannot read {binary_series}/series: 'utf-8' codec can't decode byte 0xff",
+        str(binary_diff): f"error: cannot read patch {binary_diff}/0001-a.diff: 'utf-8' codec can't decode",
     }
     for spec, sentence in cases.items():
         r = run_without_sglang(tmp_path, verb, "--series", spec)

@@ -109,3 +109,15 @@ def test_list_without_any_series_is_an_error_not_silence(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert err.startswith("error: no patch series under ") and "KIMI_SGLANG_PATCHES" in err
     assert "Traceback" not in err
+
+
+def test_list_from_outside_the_checkout_finds_its_series(tmp_path, monkeypatch, capsys):
+    """An editable install run from another directory finds the checkout's patches/ next to
+    the package (``default_patches_root``). Before, it looked one level too low (inside
+    ``sglang_ext/``), so only ``./patches`` was found: 'no patch series under
+    <cwd>/patches', exit 2."""
+    monkeypatch.delenv("KIMI_SGLANG_PATCHES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["patches", "list", "--names"]) == 0, capsys.readouterr().err
+    want = {d.name for d in (REPO / "patches").glob("v*") if (d / "series").is_file()}
+    assert set(capsys.readouterr().out.split()) == want and "v0.5.23" in want

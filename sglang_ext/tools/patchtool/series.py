@@ -140,7 +140,7 @@ def parse_patch(path: Path) -> Patch:
     """
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:  # not UTF-8: a binary file, not a diff
         raise SeriesError(f"cannot read patch {path}: {exc}") from exc
     files: list[FileDiff] = []
     old: str | None = None
@@ -234,7 +234,7 @@ def read_series_names(directory: Path) -> list[str]:
     path = directory / "series"
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise SeriesError(f"cannot read {path}: {exc}") from exc
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
@@ -259,7 +259,7 @@ def default_patches_root() -> Path:
     env = os.environ.get("KIMI_SGLANG_PATCHES")
     if env:
         return Path(env)
-    here = Path(__file__).resolve().parents[2] / "patches"
+    here = Path(__file__).resolve().parents[3] / "patches"  # <checkout>/sglang_ext/tools/patchtool/
     return here if here.is_dir() else Path.cwd() / "patches"
 
 
