@@ -229,10 +229,10 @@ def other_mode(out_dir: str, index: int, prompt: Optional[List[int]],
     ``manifest.existing``) refused: it is a sample of this row made in the other mode, the
     prompt's and generated tokens' rows (``format.output``) in a run without ``--generate``
     (``sent`` None), or the prompt's rows alone in a ``--generate`` run; or its manifest
-    line ``rec`` records other sampling_params than ``sent``, this ``--generate`` run's.
-    Such work is kept: the run stops (``runner``) instead of extracting the row again. None
-    otherwise (no such file, an unreadable one, another prompt's, or ``prompt`` None: a
-    row with images)."""
+    line ``rec`` records other sampling_params than ``sent``, this ``--generate`` run's; or
+    it was made for this row (its rid's row index, ``_rid_row``) from another prompt than
+    ``prompt`` (a rerun on other DATA), in either mode; another row's file is replaced. Such work is kept: the run stops (``runner``) instead of extracting the row again.
+    None otherwise (no such file, an unreadable one, or ``prompt`` None: a row with images)."""
     target = os.path.join(out_dir, final_name(index))
     generate = sent is not None
     if prompt is None:
@@ -245,6 +245,14 @@ def other_mode(out_dir: str, index: int, prompt: Optional[List[int]],
         return None
     made = fmt.NUM_PROMPT_TOKENS_KEY in meta and ids[:len(prompt)] == prompt \
         and meta[fmt.NUM_PROMPT_TOKENS_KEY] == str(len(prompt))  # this row's, generated
+    count = meta.get(fmt.NUM_PROMPT_TOKENS_KEY)
+    if count is not None and not (count.isascii() and count.isdigit()):
+        return None  # not a file of ours: replaced
+    theirs = ids if count is None else ids[:int(count)]
+    if theirs != prompt and _rid_row(meta.get("rid")) == index:
+        return (f"{target} holds the rows of another prompt ({len(theirs)} tokens; this row's has "
+                f"{len(prompt)}), from a run on other DATA: not replaced; extract into another --out, "
+                f"or delete that file to extract this row again")
     differs = _other_setting(rec, sent) if made else None
     if differs:
         return (f"{target} was generated with {differs}: not replaced; run with the settings "
@@ -257,6 +265,15 @@ def other_mode(out_dir: str, index: int, prompt: Optional[List[int]],
         return (f"{target} holds this row's prompt and generated rows, from a --generate run: "
                 f"not replaced; add --generate (and its flags) to resume that dataset, or extract "
                 f"into another --out")
+    return None
+
+
+def _rid_row(rid: Optional[str]) -> Optional[int]:
+    """The row index in one of extract's rids, ``<prefix>-<row>-<try>-<8 hex>`` (``runner``),
+    else None."""
+    parts = rid.rsplit("-", 3) if isinstance(rid, str) else []
+    if len(parts) == 4 and parts[1].isascii() and parts[1].isdigit():
+        return int(parts[1])
     return None
 
 

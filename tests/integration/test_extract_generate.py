@@ -364,6 +364,40 @@ def test_a_rerun_with_other_sampling_settings_keeps_the_samples_and_stops(served
     assert sum(len(t) for t in served.tries.values()) == 3
 
 
+def test_a_rerun_on_other_data_keeps_the_samples_and_stops(served, tmp_path):
+    """Another DATA into an existing --out (prompts of other token ids at the same rows), with
+    and without --generate: the run stops at the first such row (exit 3, one sentence naming
+    the file, both prompts' lengths and the way out), nothing sent, every sample kept; once
+    that file is deleted the row is extracted again. Before, each hs_<i> failed the check
+    for its row and was extracted again: the earlier dataset replaced with exit 0."""
+    old = write_data(tmp_path / "old.jsonl", PROMPTS[:3])
+    new = write_data(tmp_path / "new.jsonl", PROMPTS[3:6])
+    gen_out, prompt_out = tmp_path / "gen", tmp_path / "prompt"
+
+    def plain(data, out):  # without --generate (and --max-new-tokens 5)
+        return [a for a in extract_args(served.url, data, out) if a != "--generate"][:-2]
+
+    assert cli(*extract_args(served.url, old, gen_out)).returncode == 0
+    assert cli(*plain(old, prompt_out)).returncode == 0
+    kept = {p: p.read_bytes() for out in (gen_out, prompt_out) for p in out.glob("hs_*.safetensors")}
+    assert len(kept) == 6
+    sent = sum(len(t) for t in served.tries.values())
+    for out, args in ((gen_out, extract_args(served.url, new, gen_out)), (prompt_out, plain(new, prompt_out))):
+        r = cli(*args)
+        assert r.returncode == 3, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "holds the rows of another prompt" in errors[0] \
+            and "re-extracting" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sum(len(t) for t in served.tries.values()) == sent, "a row was sent"
+    assert {p: p.read_bytes() for p in kept} == kept, "a sample of the earlier DATA was replaced"
+    for p in prompt_out.glob("hs_*.safetensors"):
+        p.unlink()
+    r = cli(*plain(new, prompt_out))  # deleted: extracted from the new DATA
+    assert r.returncode == 0 and summary(r.stdout)["extracted"] == 3, r.stderr
+    for i, prompt in enumerate(PROMPTS[3:6]):
+        assert fmt.load(str(prompt_out / f"hs_{i}.safetensors")).token_ids.tolist() == prompt
+
+
 def test_a_rank_with_other_settings_than_the_other_ranks_in_its_out_stops(served, tmp_path):
     """Ranks of one dataset share one --out; a rank run without --generate, or with other
     sampling settings, than another rank's samples there stops before any row (exit 3, one
