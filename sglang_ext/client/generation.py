@@ -105,6 +105,10 @@ def sampling_params(args) -> Optional[Dict[str, Any]]:
         if extra.get("n", 1) != 1:
             raise ValueError(f"--sampling-params n {extra['n']!r}: extract takes one sample per "
                              f"row (n 1); repeat rows in DATA for more")
+        if extra.get("beam_width") not in (None, 0, 1):  # SGLang: beam_width > 1 is beam search
+            raise ValueError(f"--sampling-params beam_width {extra['beam_width']!r}: beam search is not "
+                             f"dumped (SGLang replaces a beam request's sampling_params, custom_params "
+                             f"with them); leave beam_width out")
     return {**extra, **chosen}
 
 

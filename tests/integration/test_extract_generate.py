@@ -244,6 +244,9 @@ def test_generate_flags_are_checked_before_anything_is_sent(served, tmp_path):
                         (["--sampling-params", '{"max_new_tokens": 3}'],
                          "--sampling-params must not set max_new_tokens: pass --max-new-tokens"),
                         (["--sampling-params", '{"n": 2}'], "extract takes one sample per row"),
+                        # SGLang's beam search drops the request's custom_params: the server
+                        # answers each row with hidden_states_error (session.BEAM_MESSAGE)
+                        (["--sampling-params", '{"beam_width": 4}'], "beam search is not dumped"),
                         # Python's json reads NaN: it was sent and recorded as non-JSON, and the
                         # same command's rerun stopped (NaN != NaN: 'other sampling settings')
                         (["--sampling-params", '{"frequency_penalty": NaN}'],
