@@ -330,6 +330,9 @@ def test_a_wrong_series_is_named_before_the_missing_sglang(tmp_path, verb):
     binary_diff.mkdir()
     (binary_diff / "series").write_text("0001-a.diff\n")
     (binary_diff / "0001-a.diff").write_bytes(b"\x00\xff\xfe")
+    empty = tmp_path / "empty"  # before: check said APPLIES CLEANLY, apply 'applied 0 patches', exit 0
+    empty.mkdir()
+    (empty / "series").write_text("# nothing yet\n\n")
     patches = tmp_path / "patches"  # KIMI_SGLANG_PATCHES: where a vX.Y.Z name is looked for
     (patches / "v9.9.9").mkdir(parents=True)
     cases = {
@@ -342,6 +345,7 @@ def test_a_wrong_series_is_named_before_the_missing_sglang(tmp_path, verb):
         str(bad_toml): f"error: {bad_toml}/base.toml: [base] version missing",
         str(binary_series): f"error: cannot read {binary_series}/series: 'utf-8' codec can't decode byte 0xff",
         str(binary_diff): f"error: cannot read patch {binary_diff}/0001-a.diff: 'utf-8' codec can't decode",
+        str(empty): f"error: {empty}/series lists no patch",
     }
     for spec, sentence in cases.items():
         r = run_without_sglang(tmp_path, verb, "--series", spec)

@@ -240,7 +240,8 @@ def read_series_names(directory: Path) -> list[str]:
 
 
 def load_series(directory: Path | str) -> Series:
-    """Load a series folder. Raises SeriesError if ``series`` names a missing file."""
+    """Load a series folder. Raises SeriesError if ``series`` names a missing file, or
+    none (a series of no patch would check as applying cleanly and apply as nothing)."""
     directory = Path(directory)
     patches = []
     for name in read_series_names(directory):
@@ -250,6 +251,8 @@ def load_series(directory: Path | str) -> Series:
         patches.append(parse_patch(p))
     base_toml = directory / "base.toml"
     base = load_base(base_toml) if base_toml.is_file() else None
+    if not patches:
+        raise SeriesError(f"{directory}/series lists no patch")
     return Series(directory, tuple(patches), base)
 
 
