@@ -447,15 +447,22 @@ async def run(args, opts: Options, rows: Iterator[Row], total: int, stats: Stats
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         workers = [asyncio.create_task(worker(session)) for _ in range(n_workers)]
         try:
-            fed = 0
+            fed, grown = 0, False
             for row in rows:
                 if abort.is_set():
+                    break
+                if fed == total:  # DATA appended to since its rows were counted: not read
+                    grown = True
                     break
                 await queue.put(row)
                 fed += 1
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
+            if grown and not abort.is_set():
+                stop(f"--data {args.data} has more than the {total} rows of this rank counted at the "
+                     f"start: it grew during the run; those {total} were sent: run the same command "
+                     f"again to extract the rows added")
             if fed < total and not abort.is_set():  # DATA cut short since its rows were counted
                 stop(f"--data {args.data} ended after {fed} of this rank's {total} rows counted at "
                      f"the start: it changed during the run (rewritten, truncated?); the rows "

@@ -884,6 +884,38 @@ def test_data_cut_short_during_the_run_stops_it_instead_of_saying_done(server, t
         assert fmt.load(str(tmp_path / "out" / f"hs_{i}.safetensors")).token_ids.tolist() == data[i], i
 
 
+def test_data_grown_during_the_run_stops_after_the_rows_counted(server, tmp_path):
+    """DATA appended to while extract runs: the rows counted at the start are extracted, the
+    ones added are not read, and the run stops (exit 3) saying so; the same command again
+    extracts them. Before, every row was sent and the summary said rows_for_rank 10,
+    extracted 20."""
+    data = [[(i + k) % 50 for k in range(3000)] for i in range(20)]
+    path = Path(write_jsonl(tmp_path / "d.jsonl", data[:10]))
+    rest = b"".join(Path(write_jsonl(tmp_path / "rest.jsonl", data[10:])).read_bytes().splitlines(keepends=True))
+    answer = server.generate
+
+    def append_at_the_first_request(body):
+        if server.requests == 0:
+            with open(path, "ab") as f:
+                f.write(rest)
+        return answer(body)
+
+    server.generate = append_at_the_first_request
+    r = cli(*extract_args(server, path, tmp_path / "out", "--concurrency", 1))
+    assert r.returncode == 3, (r.stdout[-500:], r.stderr[-500:])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --data {path} has more than the 10 rows of this rank counted at the start: "
+                      f"it grew during the run; those 10 were sent: run the same command again to extract "
+                      f"the rows added"], r.stderr
+    assert summary(r.stdout)["extracted"] == 10, r.stdout
+    assert sorted(p.name for p in (tmp_path / "out").glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(10))
+    server.generate = answer
+    r = cli(*extract_args(server, path, tmp_path / "out"))
+    assert r.returncode == 0 and summary(r.stdout)["resumed"] == 10, r.stderr
+    for i in range(20):
+        assert fmt.load(str(tmp_path / "out" / f"hs_{i}.safetensors")).token_ids.tolist() == data[i], i
+
+
 def test_empty_data_is_refused_saying_no_rows(server, tmp_path):
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
         path = tmp_path / name
