@@ -137,11 +137,17 @@ def load_dataset_dir(path: str):
         raise DataError(f"--data {path}: datasets cannot load it: {type(e).__name__}: {e}") from None
 
 
+# The magic numbers of compressed files DATA may be given as (RFC 1952, RFC 8878, the xz
+# and bzip2 formats), looked for only in a first line that is not UTF-8.
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"),
+               (b"BZh", "bzip2"))
+
+
 def _jsonl_lines(path: str) -> Iterator[Tuple[int, str]]:
     """``(line number from 1, text)`` of a UTF-8 file, a byte order mark at its start left
     out (Windows tools and Excel's "CSV UTF-8" write one; RFC 8259 lets a reader ignore it).
     Raises ``DataError`` naming the file, line and byte offset (from the file's start) of
-    the first byte that is not UTF-8."""
+    the first byte that is not UTF-8, or a compressed file (``_COMPRESSED``) as such."""
     offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -149,6 +155,10 @@ def _jsonl_lines(path: str) -> Iterator[Tuple[int, str]]:
             try:
                 text = raw[skip:].decode("utf-8")
             except UnicodeDecodeError as e:
+                kind = next((k for magic, k in _COMPRESSED if raw.startswith(magic)), None) if lineno == 1 else None
+                if kind is not None:
+                    raise DataError(f"--data {path} is {kind}-compressed, not JSONL text: decompress it "
+                                    f"first") from None
                 raise DataError(f"--data {path} is not UTF-8 text: byte {offset + skip + e.start} "
                                 f"(line {lineno}) is 0x{raw[skip + e.start]:02x}") from None
             offset += len(raw)

@@ -840,6 +840,25 @@ def test_data_with_a_byte_order_mark_is_read(server, tmp_path):
     assert r.stderr.strip() == f"error: --data {path} is not UTF-8 text: byte 34 (line 1) is 0xe9", r.stderr
 
 
+def test_compressed_data_is_named_as_compressed(server, tmp_path):
+    """A gzip, zstd, xz or bzip2 DATA (datasets ship as .jsonl.gz) is refused in one
+    sentence saying so; before, 'is not UTF-8 text: byte 1 (line 1) is 0x8b'."""
+    import bz2
+    import gzip
+    import lzma
+
+    text = b"".join(json.dumps({"input_ids": ids}).encode() + b"\n" for ids in rows(2))
+    for name, blob, kind in (("d.jsonl.gz", gzip.compress(text), "gzip"), ("d.jsonl.xz", lzma.compress(text), "xz"),
+                             ("d.jsonl.bz2", bz2.compress(text), "bzip2"),
+                             ("d.jsonl.zst", b"\x28\xb5\x2f\xfd" + bytes(range(128, 160)), "zstd")):
+        path = tmp_path / name
+        path.write_bytes(blob)
+        r = cli(*extract_args(server, path, tmp_path / "out"))
+        assert r.returncode == 2 and r.stderr.strip() == (
+            f"error: --data {path} is {kind}-compressed, not JSONL text: decompress it first"), r.stderr
+    assert server.requests == 0
+
+
 def test_data_from_a_pipe_is_refused_before_any_row(server, tmp_path):
     """``--data /dev/stdin`` (or ``<(...)``): DATA is read once to count its rows and again
     to send them, so the second read of a pipe found nothing: before, exit 0 with every row
