@@ -43,6 +43,9 @@ MIN_WATCHDOG_S = 1.0
 # The most any seconds setting takes: one day. Longer is a typo (milliseconds for seconds),
 # and past threading.TIMEOUT_MAX (~292 years) Python's waits raise OverflowError at shutdown.
 MAX_SECONDS = 86400.0
+# The most any GiB setting takes: 2**63 bytes (8 EiB), the largest file offset (off_t); past
+# it GiB * 2**30 is no byte count a file system has (and past ~1.7e299 not even a finite float).
+MAX_GIB = float(1 << 33)
 DEFAULT_FILE_MODE = 0o600  # dump files: the server's user only (KIMI_SGLANG_FILE_MODE)
 # A number as a person types it: ASCII digits, an optional sign, fraction and exponent.
 # float() alone also takes other scripts' digits ('\u0663' is 3.0) and underscores ('1_0').
@@ -269,8 +272,13 @@ def env_number(name: str, default: float, unit: str = "seconds", minimum: Option
     if above is not None and number <= above:
         raise DumpConfigError(f"{name} must be > {above:g} {unit}, got {value!r}")
     if maximum is not None and number > maximum:
-        raise DumpConfigError(f"{name} must be at most {maximum:g} {unit}, got {value!r}")
+        raise DumpConfigError(f"{name} must be at most {_plain(maximum)} {unit}, got {value!r}")
     return number
+
+
+def _plain(number: float) -> str:
+    """``number`` as a person writes it: ``8589934592``, not ``8.58993e+09``."""
+    return str(int(number)) if number == int(number) else f"{number:g}"
 
 
 def env_file_mode() -> int:
@@ -355,9 +363,9 @@ def sampling_settings(writers: int = 1) -> dict:
     """The sampling settings (``sampling.DumpPolicy``), validated: ``sample_rate``
     (``KIMI_SGLANG_SAMPLE_RATE``, the share of requests dumped, 0 to 1, default 1),
     ``budget_bytes`` (``KIMI_SGLANG_DUMP_BUDGET_GB``, GiB of rows the server may write (headers not counted),
-    >= 0, shared equally by the ``writers`` writing ranks as the host cap is; None when
+    0 to ``MAX_GIB``, shared equally by the ``writers`` writing ranks as the host cap is; None when
     unset) and ``min_free_bytes`` (``KIMI_SGLANG_MIN_FREE_GB``, GiB that must stay free
-    in the dump directory's file system, >= 0; None when unset). Raises
+    in the dump directory's file system, 0 to ``MAX_GIB``; None when unset). Raises
     ``DumpConfigError``, one sentence naming the variable."""
     from sglang_ext.sampling import GIB
 
@@ -369,8 +377,8 @@ def sampling_settings(writers: int = 1) -> dict:
         if not 0 <= rate <= 1:  # nan too
             raise DumpConfigError(f"{name} must be the share of requests to dump, a number from "
                                   f"0 to 1 (e.g. 0.05), got {value!r}")
-    budget = env_number("KIMI_SGLANG_DUMP_BUDGET_GB", None, "GiB", minimum=0)
-    floor = env_number("KIMI_SGLANG_MIN_FREE_GB", None, "GiB", minimum=0)
+    budget = env_number("KIMI_SGLANG_DUMP_BUDGET_GB", None, "GiB", minimum=0, maximum=MAX_GIB)
+    floor = env_number("KIMI_SGLANG_MIN_FREE_GB", None, "GiB", minimum=0, maximum=MAX_GIB)
     return {
         "sample_rate": rate,
         "budget_bytes": None if budget is None else int(budget * GIB) // max(1, writers),

@@ -349,6 +349,10 @@ def test_the_store_sink_samples_within_the_budget_and_has_no_floor(master, sessi
     ("KIMI_SGLANG_DUMP_BUDGET_GB", "10G", "must be a finite number of GiB"),
     ("KIMI_SGLANG_MIN_FREE_GB", "-5", "must be >= 0 GiB"),
     ("KIMI_SGLANG_MIN_FREE_GB", "1_0", "must be a finite number of GiB"),
+    # past 2**63 bytes (8 EiB, the largest file offset): GiB * 2**30 overflowed float to inf
+    # and int(inf) raised OverflowError, a traceback at start-up
+    ("KIMI_SGLANG_DUMP_BUDGET_GB", "1e300", "must be at most 8589934592 GiB"),
+    ("KIMI_SGLANG_MIN_FREE_GB", "1e300", "must be at most 8589934592 GiB"),
 ])
 def test_a_bad_value_stops_the_start_with_one_sentence_naming_it(dump, clean_env, name, value, words):
     clean_env.setenv(name, value)
