@@ -386,6 +386,23 @@ def sampling_settings(writers: int = 1) -> dict:
     }
 
 
+def check_floor(directory: str, min_free_bytes: int) -> None:
+    """Refuse a free-space floor (``KIMI_SGLANG_MIN_FREE_GB``, ``min_free_bytes``) at or
+    above the size of ``directory``'s file system (``statvfs``: ``f_blocks * f_frsize``):
+    no file could ever be dumped there. Raises ``DumpConfigError``, one sentence naming the
+    variable; nothing where the size cannot be read."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    size = st.f_blocks * st.f_frsize
+    if size and min_free_bytes >= size:
+        raise DumpConfigError(
+            f"KIMI_SGLANG_MIN_FREE_GB {os.environ.get('KIMI_SGLANG_MIN_FREE_GB', '')!r} is not below "
+            f"the size of the dump directory's file system ({size} bytes), so no request would "
+            f"ever be dumped; give a floor below it (GiB)")
+
+
 def physical_memory_bytes() -> Optional[int]:
     """This host's physical memory in bytes (``sysconf``), or None where it cannot say."""
     try:
@@ -442,7 +459,8 @@ class DumpConfig:
         """Build from SGLang's ``ServerArgs`` and the environment (``env_settings``);
         raises ``DumpConfigError`` (also when the cap leaves a writer rank less than 1 MiB,
         or is more than this host's physical memory: the arenas are allocated and pinned
-        at start-up, and a cap past the memory would fail there as a bare ENOMEM)."""
+        at start-up, and a cap past the memory would fail there as a bare ENOMEM; and for a
+        free-space floor the dump directory's file system cannot meet, ``check_floor``)."""
         store = store_target(server_args.dump_hidden_states_dir)
         directory = (str(server_args.dump_hidden_states_dir) if store is not None
                      else check_directory(server_args.dump_hidden_states_dir))
@@ -461,6 +479,9 @@ class DumpConfig:
                 f"at start-up, so give at most that (default {DEFAULT_MAX_HOST_MB})"
             )
         writers = writer_ranks(server_args)
+        sampling = sampling_settings(writers)
+        if store is None and sampling["min_free_bytes"] is not None:
+            check_floor(directory, sampling["min_free_bytes"])
         if max_mb < writers:
             raise DumpConfigError(
                 f"--dump-hidden-states-max-host-mb: {max_mb} MiB shared by {writers} writer "
@@ -474,5 +495,5 @@ class DumpConfig:
             store=store,
             incremental_stream=bool(getattr(server_args, "incremental_streaming_output", False)),
             **env_settings(),
-            **sampling_settings(writers),
+            **sampling,
         )

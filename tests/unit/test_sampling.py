@@ -364,6 +364,27 @@ def test_a_bad_value_stops_the_start_with_one_sentence_naming_it(dump, clean_env
     assert msg.startswith(f"{name} ") and words in msg and repr(value) in msg and "\n" not in msg, msg
 
 
+def test_a_floor_no_dump_directory_could_meet_stops_the_start(dump, clean_env):
+    """A floor at or above the size of the dump directory's file system (a typo, MiB for
+    GiB, or a tmpfs smaller than thought) would skip every sampled request for good: one
+    sentence at start-up naming the variable and the size, where it started and dumped
+    nothing (the store sink has no floor: test_the_store_sink_samples_within_...)."""
+    st = os.statvfs(dump)
+    size = st.f_blocks * st.f_frsize
+    args = types.SimpleNamespace(dump_hidden_states_dir=str(dump), dump_hidden_states_max_host_mb=64,
+                                 dump_hidden_states_layers=None, dump_hidden_states_dtype=None)
+    for value in (repr(size / GIB), "1e9"):
+        clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", value)
+        with pytest.raises(DumpConfigError) as e:
+            DumpConfig.from_server_args(args)
+        msg = str(e.value)
+        assert msg.startswith(f"KIMI_SGLANG_MIN_FREE_GB {value!r} is not below the size of the dump "
+                              f"directory's file system ({size} bytes)"), msg
+        assert "\n" not in msg
+    clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", repr((size - 4096) / GIB))
+    assert DumpConfig.from_server_args(args).min_free_bytes == size - 4096
+
+
 # ---- Prometheus --------------------------------------------------------------------------------
 
 SCHEDULER = textwrap.dedent(r"""
