@@ -430,3 +430,27 @@ def test_a_store_address_is_no_directory_and_a_bad_one_is_one_sentence(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("kimi-sglang: --dump-hidden-states-dir: unknown mooncake setting 'colour'")
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("pad", [" {}", "{} ", "{}\n", "\t{}"], ids=["lead", "trail", "newline", "tab"])
+@pytest.mark.parametrize("target", ["dir", "store"])
+def test_a_whitespace_padded_dump_dir_is_refused_and_nothing_made(tmp_path, monkeypatch, capsys, pad, target):
+    """' /data/hs' (a quoting slip in a compose file or a shell variable) named a relative
+    directory ' ' under the working directory: the entrypoint made ./ /data/hs and the
+    server dumped into the container's own file system; ' mooncake://...' too. Now one
+    sentence, exit status 2, nothing made; the server's own check says the same."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    value = pad.format(str(tmp_path / "hs") if target == "dir" else "mooncake://127.0.0.1:50051")
+    assert ep.prepare_dump_dir(value) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} begins or ends with whitespace, "
+                   f"which names another directory than meant; remove it\n")
+    assert list(work.iterdir()) == [] and not (tmp_path / "hs").exists()
+    from sglang_ext.config import DumpConfigError, check_directory
+
+    (tmp_path / "hs").mkdir(mode=0o700)
+    with pytest.raises(DumpConfigError) as e:
+        check_directory(value)
+    assert f"kimi-sglang: {e.value}\n" == err
