@@ -5,7 +5,8 @@ Builds ``python -m sglang.launch_server <args>`` plus its environment from
 user's own arguments, then ``exec``s it. The user always wins:
 
 * a flag the user gives (under any of its spellings, e.g. ``--tp``,
-  ``--tp-size``, ``--tensor-parallel-size``) replaces the profile's default;
+  ``--tp-size``, ``--tensor-parallel-size``), on the command line or in the
+  ``--config FILE`` it gives, replaces the profile's default;
 * an env var already set in the environment (``docker run -e``) is never
   overwritten by a profile;
 * ``--no-profile NAME`` (repeatable, or ``KIMI_SGLANG_NO_PROFILE=a,b``) turns a
@@ -319,6 +320,28 @@ def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
     return value
 
 
+def config_file_flags(args: Sequence[str]) -> dict[str, object]:
+    """The flags set in the user's ``--config FILE`` (SGLang's YAML of server flags,
+    ``server_args_config_parser.ConfigArgumentMerger``), as ``{"--flag-name": value}``;
+    ``{}`` without one. SGLang places the file's flags before the command line's, so a
+    profile default on the command line would replace the file's setting: each key counts
+    as a flag the user gave. As SGLang, only ``--config PATH`` (two words) is a config
+    file; an unreadable or malformed one gives ``{}`` and is left to SGLang to refuse."""
+    args = list(args)
+    if "--config" not in args or args.index("--config") + 1 >= len(args):
+        return {}
+    try:
+        import yaml  # SGLang's own dependency, as its config reader
+
+        with open(args[args.index("--config") + 1], encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - SGLang reads the file again and says what is wrong
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {"--" + str(k).replace("_", "-"): v for k, v in data.items()}
+
+
 def split_own_options(argv: Sequence[str]) -> tuple[list[str], set[str], set[str], bool]:
     """Take the entrypoint's own options out of argv."""
     rest: list[str] = []
@@ -371,7 +394,8 @@ def build_launch(
                          f"`kimi-sglang --help` lists them")
 
     ctx = make_context(environ, compute_caps, runner)
-    user_flags = {n for n in map(_flag_name, user_args) if n}
+    from_file = config_file_flags(user_args)
+    user_flags = {n for n in map(_flag_name, user_args) if n} | set(from_file)
 
     defaults: list[str] = []
     profile_env: dict[str, str] = {}
@@ -397,6 +421,7 @@ def build_launch(
     if ctx.is_sm120:
         for flag in ATTENTION_FLAGS:
             val = _option_value(user_args, (flag,))
+            val = str(from_file.get(flag)) if val is None and flag in from_file else val
             if val in SM120_BAD_ATTENTION:
                 warnings.append(
                     f"kimi-sglang: WARNING: {flag} {val} on SM120 GPUs: {SM120_BAD_ATTENTION[val]}. "
@@ -408,6 +433,9 @@ def build_launch(
             "set KIMI_SGLANG_COMPUTE_CAP to force one); the sm120 profile is off and --tp-size is left to SGLang."
         )
 
+    dump_dir = _option_value(user_args, ("--dump-hidden-states-dir",))
+    if dump_dir is None and from_file.get("--dump-hidden-states-dir") is not None:
+        dump_dir = str(from_file["--dump-hidden-states-dir"])
     env = dict(environ)
     env.update(profile_env)
     argv_out = [python or sys.executable or "python3", "-m", LAUNCH_MODULE, *defaults, *user_args]
@@ -418,7 +446,7 @@ def build_launch(
         applied=applied,
         warnings=warnings,
         print_command=print_command,
-        dump_dir=_option_value(user_args, ("--dump-hidden-states-dir",)),
+        dump_dir=dump_dir,
     )
 
 
@@ -458,7 +486,7 @@ def help_text(profiles: Sequence[Profile] = PROFILES) -> str:
         "       kimi-sglang COMMAND [ARGS ...]   (an executable, e.g. python or bash, runs as given)",
         "",
         "Starts `python -m sglang.launch_server` with the defaults of the profiles that apply",
-        "(below) and your flags; a flag you give replaces a profile's default.",
+        "(below) and your flags; a flag you give (in a --config file too) replaces a profile's default.",
         "",
         "kimi-sglang options (not passed to SGLang):",
         row("--print-command", "print the final command and environment, start nothing"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -454,3 +455,38 @@ def test_a_whitespace_padded_dump_dir_is_refused_and_nothing_made(tmp_path, monk
     with pytest.raises(DumpConfigError) as e:
         check_directory(value)
     assert f"kimi-sglang: {e.value}\n" == err
+
+
+SGLANG_PARSE = r"""
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+argv = ConfigArgumentMerger(parser).merge_config_with_args(sys.argv[1:])  # as prepare_server_args
+ns = parser.parse_known_args(argv)[0]
+print(json.dumps({k: getattr(ns, k) for k in ("model_path", "tp_size", "port", "trust_remote_code", "host")}))
+"""
+
+
+def test_settings_in_the_users_config_file_win_over_the_profiles_defaults(tmp_path):
+    """`--config server.yaml` (SGLang's YAML of server flags): SGLang puts the file's flags
+    before the command line's, so the command line wins; the profiles' defaults are on the
+    command line, so they replaced the user's own model, TP size, port and
+    trust-remote-code: false. A key of the file (any spelling) is a flag the user gave.
+    Checked with SGLang's own merger and parser on the command built."""
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("model: /models/other\ntensor-parallel-size: 4\nport: 8000\ntrust_remote_code: false\n")
+    launch = build(["--config", str(cfg)], caps=SM90x8)
+    r = subprocess.run([sys.executable, "-c", SGLANG_PARSE, *launch.argv[3:]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"model_path": "/models/other", "tp_size": 4, "port": 8000, "trust_remote_code": False,
+                   "host": "0.0.0.0"}, (launch.argv, got)
+    # the command line still wins over the file, and the file's dump directory is made
+    launch = build(["--port", "9000", "--config", str(cfg)], caps=SM90x8)
+    assert opt(launch.argv, "--port") == ["9000"] and "--tp-size" not in launch.argv
+    cfg.write_text(f"dump-hidden-states-dir: {tmp_path / 'hs'}\n")
+    assert build(["--config", str(cfg)]).dump_dir == str(tmp_path / "hs")
+    assert build(["--config", str(cfg), "--dump-hidden-states-dir", "/x"]).dump_dir == "/x"
