@@ -532,7 +532,12 @@ def prepare_dump_dir(path: str) -> int:
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
-        why = "it is a file" if isinstance(exc, FileExistsError) else (exc.strerror or str(exc))
+        if os.path.islink(path) and not os.path.exists(path):  # made neither: an NFS mount not there yet
+            why = f"it is a symbolic link to {os.readlink(path)}, which does not exist: mount or make that first"
+        elif isinstance(exc, FileExistsError):
+            why = "it is a file"
+        else:
+            why = exc.strerror or str(exc)
         print(f"kimi-sglang: --dump-hidden-states-dir {path}: cannot make the "
               f"directory ({why})", file=sys.stderr)
         return 2

@@ -490,3 +490,18 @@ def test_settings_in_the_users_config_file_win_over_the_profiles_defaults(tmp_pa
     cfg.write_text(f"dump-hidden-states-dir: {tmp_path / 'hs'}\n")
     assert build(["--config", str(cfg)]).dump_dir == str(tmp_path / "hs")
     assert build(["--config", str(cfg), "--dump-hidden-states-dir", "/x"]).dump_dir == "/x"
+
+
+def test_a_dangling_symlink_dump_dir_is_named_as_one_and_its_target_not_made(tmp_path, capsys, monkeypatch):
+    """A dump directory that is a symbolic link to where nothing is (an NFS mount not
+    mounted yet): the sentence said 'it is a file'. It names the link and its target now,
+    and makes neither (making the target would put the dumps on the local disk)."""
+    monkeypatch.setenv("KIMI_SGLANG_COMPUTE_CAP", "9.0")
+    target = tmp_path / "mnt" / "nfs" / "hs"
+    link = tmp_path / "hs"
+    link.symlink_to(target)
+    assert ep.main(["--dump-hidden-states-dir", str(link)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir {link}: cannot make the directory (it is a "
+                   f"symbolic link to {target}, which does not exist: mount or make that first)\n")
+    assert not (tmp_path / "mnt").exists() and link.is_symlink()
