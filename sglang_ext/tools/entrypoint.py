@@ -307,15 +307,22 @@ def _flag_name(token: str) -> str | None:
     return None
 
 
+def _looks_like_option(token: str) -> bool:
+    """Whether argparse takes ``token`` for an option, not a value: it starts with ``-``
+    and is neither ``-`` alone nor a negative number (``argparse._parse_optional``)."""
+    return len(token) > 1 and token.startswith("-") and not re.fullmatch(r"-[0-9]+|-[0-9]*\.[0-9]+", token)
+
+
 def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
-    """Last value the user gave for a flag (``--f v`` or ``--f=v``)."""
+    """Last value the user gave for a flag (``--f v`` or ``--f=v``); as argparse, a next
+    word that looks like an option (``--f --port``) is no value."""
     value = None
     for i, tok in enumerate(args):
         name = _flag_name(tok)
         if name in names:
             if "=" in tok:
                 value = tok.split("=", 1)[1]
-            elif i + 1 < len(args):
+            elif i + 1 < len(args) and not _looks_like_option(args[i + 1]):
                 value = args[i + 1]
     return value
 

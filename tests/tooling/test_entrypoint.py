@@ -174,6 +174,17 @@ def test_dump_dir_is_found():
     assert build([]).dump_dir is None
 
 
+def test_a_dump_dir_flag_without_its_value_makes_no_directory_named_after_the_next_flag():
+    """`--dump-hidden-states-dir --port 8000` (the value forgotten): argparse takes no
+    value that starts with '-' and refuses the line, but the entrypoint took '--port' as
+    the directory and made ./--port before SGLang said so. Given twice, the last wins
+    (as in argparse), in either spelling."""
+    assert build(["--dump-hidden-states-dir", "--port", "8000"]).dump_dir is None
+    assert build(["--dump-hidden-states-dir", "-v"]).dump_dir is None
+    assert build(["--dump-hidden-states-dir=/a", "--dump-hidden-states-dir", "/b"]).dump_dir == "/b"
+    assert build(["--dump-hidden-states-dir", "/a", "--dump-hidden-states-dir=/b"]).dump_dir == "/b"
+
+
 def run_cli(args, env_extra, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KIMI_SGLANG_", "NCCL_"))}
     env.update(env_extra)
