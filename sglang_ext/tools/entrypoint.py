@@ -434,6 +434,14 @@ def build_launch(
                     f"kimi-sglang: WARNING: {flag} {val} on SM120 GPUs: {SM120_BAD_ATTENTION[val]}. "
                     "Passing it through as asked."
                 )
+    port = _option_value(user_args, ("--port",))
+    port = str(from_file["--port"]) if port is None and from_file.get("--port") is not None else port
+    if port is not None and (str(int(port)) if _UINT.fullmatch(port) else port) != ctx.port:
+        warnings.append(
+            f"kimi-sglang: WARNING: --port {port} is not KIMI_SGLANG_PORT ({ctx.port}), the port the "
+            f"image's HEALTHCHECK probes, so the container will be reported unhealthy; give "
+            f"-e KIMI_SGLANG_PORT={port} instead of --port"
+        )
     if not ctx.compute_caps:
         warnings.append(
             "kimi-sglang: note: no GPU compute capability found (nvidia-smi missing or failed; "

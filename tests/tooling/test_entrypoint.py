@@ -516,3 +516,17 @@ def test_a_dangling_symlink_dump_dir_is_named_as_one_and_its_target_not_made(tmp
     assert err == (f"kimi-sglang: --dump-hidden-states-dir {link}: cannot make the directory (it is a "
                    f"symbolic link to {target}, which does not exist: mount or make that first)\n")
     assert not (tmp_path / "mnt").exists() and link.is_symlink()
+
+
+def test_a_port_flag_the_healthcheck_does_not_probe_is_warned_of():
+    """The image's HEALTHCHECK probes $KIMI_SGLANG_PORT; `--port 8000` alone left it
+    probing 30000, so the container turned unhealthy after its start period with no word
+    why. One warning line now names both ports and the fix; none when they agree."""
+    want = ("kimi-sglang: WARNING: --port 8000 is not KIMI_SGLANG_PORT (30000), the port the image's "
+            "HEALTHCHECK probes, so the container will be reported unhealthy; give -e KIMI_SGLANG_PORT=8000 "
+            "instead of --port")
+    assert build(["--port", "8000"]).warnings == [want]
+    assert build(["--port=8000"]).warnings == [want]
+    assert build(["--port", "30000"]).warnings == []
+    assert build(["--port", "8000"], env={"KIMI_SGLANG_PORT": "8000"}).warnings == []
+    assert build([]).warnings == []
