@@ -255,7 +255,8 @@ def make_context(environ: Mapping[str, str], compute_caps: Sequence[str] | None 
     """The facts the profiles decide on: compute capabilities, GPU count, model, port.
 
     ``KIMI_SGLANG_GPU_COUNT`` (1 to ``MAX_GPUS``) replaces the detected count,
-    ``KIMI_SGLANG_PORT`` (1 to 65535; passed on as a plain decimal) the default port.
+    ``KIMI_SGLANG_PORT`` (1 to 65535; passed on as a plain decimal) the default port,
+    ``KIMI_SGLANG_MODEL`` (blank: the default; no whitespace around it) the model path.
     Both take ASCII digits only: ``str.isdigit`` and ``int`` also take other scripts'
     digits, which would reach SGLang as given or raise. Raises ``SystemExit`` with one
     sentence naming the variable."""
@@ -273,10 +274,14 @@ def make_context(environ: Mapping[str, str], compute_caps: Sequence[str] | None 
             raise SystemExit(f"kimi-sglang: KIMI_SGLANG_PORT must be a TCP port number from 1 to "
                              f"65535, got {port!r}")
         port = str(int(port))
+    model = environ.get("KIMI_SGLANG_MODEL") or ""
+    if model.strip() and model != model.strip():
+        raise SystemExit(f"kimi-sglang: KIMI_SGLANG_MODEL must be a model path or name without whitespace "
+                         f"around it, got {model!r}")
     return Context(
         compute_caps=caps,
         gpu_count=count,
-        model=environ.get("KIMI_SGLANG_MODEL") or DEFAULT_MODEL,
+        model=model.strip() or DEFAULT_MODEL,
         port=port or DEFAULT_PORT,
     )
 

@@ -530,3 +530,16 @@ def test_a_port_flag_the_healthcheck_does_not_probe_is_warned_of():
     assert build(["--port", "30000"]).warnings == []
     assert build(["--port", "8000"], env={"KIMI_SGLANG_PORT": "8000"}).warnings == []
     assert build([]).warnings == []
+
+
+def test_a_blank_or_padded_model_path_is_refused_or_defaulted():
+    """KIMI_SGLANG_MODEL as the port and GPU count: blank is unset (the default), where
+    '  ' went to SGLang as the model path; padded (' /models/x', a quoting slip) is one
+    sentence, where it went on as a path no one has. Spaces inside a path stay."""
+    assert ep.make_context({"KIMI_SGLANG_MODEL": "   "}, ()).model == ep.DEFAULT_MODEL
+    assert ep.make_context({"KIMI_SGLANG_MODEL": "/models/My Model"}, ()).model == "/models/My Model"
+    for bad in (" /models/x", "/models/x\n"):
+        with pytest.raises(SystemExit) as e:
+            ep.make_context({"KIMI_SGLANG_MODEL": bad}, ())
+        assert str(e.value.code) == (f"kimi-sglang: KIMI_SGLANG_MODEL must be a model path or name without "
+                                     f"whitespace around it, got {bad!r}")
