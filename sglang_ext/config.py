@@ -391,6 +391,7 @@ def sampling_settings(writers: int = 1) -> dict:
         if not 0 <= rate <= 1:  # nan too
             raise DumpConfigError(f"{name} must be the share of requests to dump, a number from "
                                   f"0 to 1 (e.g. 0.05), got {value!r}")
+        rate += 0.0  # -0.0 is 0.0 (the start line said 'rate -0')
     budget = env_number("KIMI_SGLANG_DUMP_BUDGET_GB", None, "GiB", minimum=0, maximum=MAX_GIB)
     floor = env_number("KIMI_SGLANG_MIN_FREE_GB", None, "GiB", minimum=0, maximum=MAX_GIB)
     return {

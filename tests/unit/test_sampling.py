@@ -186,6 +186,16 @@ def test_an_output_request_sglang_lets_go_of_gives_its_bound_back(dump, clean_en
     assert sess.writer.held_bytes() == 0
 
 
+@pytest.mark.parametrize("value, rate, words", [("-0", 0.0, "rate 0"), ("-0.0e5", 0.0, "rate 0"),
+                                                 ("1e-9", 1e-9, "rate 1e-09"), (" 0.25 ", 0.25, "rate 0.25")])
+def test_the_rate_as_the_start_line_says_it(clean_env, value, rate, words):
+    """'-0' is a rate of 0 (nothing sampled), which the start line said as 'rate -0'."""
+    clean_env.setenv("KIMI_SGLANG_SAMPLE_RATE", value)
+    got = sampling_settings()["sample_rate"]
+    assert got == rate and str(got) == str(rate)
+    assert DumpPolicy(rate=got).describe() == words
+
+
 def test_the_budget_is_shared_by_the_writing_ranks(clean_env):
     clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", "3")
     assert sampling_settings(writers=2)["budget_bytes"] == 3 * GIB // 2
