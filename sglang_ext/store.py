@@ -200,6 +200,9 @@ class StoreConfig:
             raise ValueError(f"{_redact(url)!r} is not a mooncake://HOST:PORT address") from None
         if parts.scheme != SCHEME or not parts.hostname or port is None or parts.path not in ("", "/"):
             raise ValueError(f"{_redact(url)!r} is not a mooncake://HOST:PORT address (the master's)")
+        if parts.fragment or str(url).endswith("#"):
+            raise ValueError(f"{_redact(url)!r} has a '#' part, which is no setting: give every setting as "
+                             f"?key=value&key=value")
         if parts.username is not None or parts.password is not None:
             raise ValueError(f"{_redact(url)!r} carries credentials (USER:SECRET@), which Mooncake's master "
                              f"neither takes nor checks: remove them (docs/store.md says who can read the store)")

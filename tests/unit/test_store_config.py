@@ -86,6 +86,15 @@ def test_a_master_host_with_whitespace_is_refused_in_one_sentence():
                             "request with it")
 
 
+def test_a_fragment_is_refused_not_dropped():
+    """'mooncake://h:50051?protocol=rdma#device=mlx5_0': urlsplit puts '#...' aside, and
+    the setting after it was dropped without a word."""
+    with pytest.raises(ValueError) as e:
+        store.StoreConfig.from_url("mooncake://10.0.0.1:50051?protocol=rdma#device=mlx5_0")
+    assert str(e.value) == ("'mooncake://10.0.0.1:50051?protocol=rdma#device=mlx5_0' has a '#' part, which "
+                            "is no setting: give every setting as ?key=value&key=value")
+
+
 def test_credentials_in_the_url_are_refused_and_never_quoted():
     with pytest.raises(ValueError) as e:
         store.StoreConfig.from_url("mooncake://alice:s3cret@10.0.0.1:50051?protocol=tcp")
