@@ -136,15 +136,20 @@ def resolve_layer_ids(ids: Optional[Sequence[int]], num_layers: int) -> Tuple[in
     return tuple(sorted(ids))
 
 
-def check_padding(value: Optional[str]) -> None:
+def check_as_typed(value: Optional[str]) -> None:
     """Refuse a ``--dump-hidden-states-dir`` that begins or ends with whitespace (a quoting
     slip: ``" /data/hs"`` is the relative directory ``" "/data/hs`` under the working
     directory, ``"/data/hs "`` another directory than ``/data/hs``, ``" mooncake://..."``
-    a directory too). Raises ``DumpConfigError``, one sentence naming the flag."""
+    a directory too) or starts with ``~`` (``~/hs`` where no shell expanded it: a compose
+    file's command, a Kubernetes args list, a ``--config`` file; ``./~/hs`` under the
+    working directory). Raises ``DumpConfigError``, one sentence naming the flag."""
     text = str(value or "")
     if text != text.strip():
         raise DumpConfigError(f"--dump-hidden-states-dir: {text!r} begins or ends with whitespace, "
                               f"which names another directory than meant; remove it")
+    if text.startswith("~"):
+        raise DumpConfigError(f"--dump-hidden-states-dir: {text!r} starts with '~', which only a shell "
+                              f"expands (none did): give the full path")
 
 
 def store_target(value: Optional[str]):
@@ -152,9 +157,9 @@ def store_target(value: Optional[str]):
     Store address (``mooncake://HOST:PORT?key=value&...``, docs/store.md), or ``None``
     for a directory. Raises ``DumpConfigError``, one sentence naming the flag, for a
     ``mooncake://`` value that is not a valid address or names an unknown setting, and
-    for any value padded with whitespace (``check_padding``)."""
+    for a value padded with whitespace or starting with ``~`` (``check_as_typed``)."""
     text = str(value or "")
-    check_padding(text)
+    check_as_typed(text)
     if not text.lower().startswith("mooncake:"):
         return None
     from sglang_ext import store
@@ -196,8 +201,9 @@ def check_directory(path: Optional[str]) -> str:
     """Validate ``--dump-hidden-states-dir``; returns its real path (symlinks resolved).
 
     Raises ``DumpConfigError``, one sentence naming the flag and the path, if it is
-    missing, padded with whitespace (``check_padding``), not a directory, not owned by this server's user (``os.geteuid()``; a
-    directory of another user is refused even for root), writable by group or others
+    missing, padded with whitespace or starting with ``~`` (``check_as_typed``), not a
+    directory, not owned by this server's user (``os.geteuid()``; a directory of another
+    user is refused even for root), writable by group or others
     without the sticky bit, or not writable (tested by creating and removing a file,
     which also catches read-only mounts). The ownership and mode rules are OpenSSH's
     ``StrictModes`` for its own files: whoever may rename or replace files in the
@@ -210,7 +216,7 @@ def check_directory(path: Optional[str]) -> str:
     """
     if not path:
         raise DumpConfigError("--dump-hidden-states-dir: empty path")
-    check_padding(path)
+    check_as_typed(path)
     if not os.path.exists(path):
         raise DumpConfigError(
             f"--dump-hidden-states-dir: {path!r} does not exist; create it first "

@@ -543,3 +543,22 @@ def test_a_blank_or_padded_model_path_is_refused_or_defaulted():
             ep.make_context({"KIMI_SGLANG_MODEL": bad}, ())
         assert str(e.value.code) == (f"kimi-sglang: KIMI_SGLANG_MODEL must be a model path or name without "
                                      f"whitespace around it, got {bad!r}")
+
+
+@pytest.mark.parametrize("value", ["~/hs", "~", "~root/hs"])
+def test_an_unexpanded_home_in_the_dump_dir_is_refused_and_nothing_made(tmp_path, monkeypatch, capsys, value):
+    """'~/hs' where no shell expands it (a compose file's command, a Kubernetes args list,
+    a --config file): the entrypoint made ./~/hs under the working directory, the
+    container's own file system. One sentence, exit status 2, nothing made; the server's
+    own check says the same."""
+    monkeypatch.chdir(tmp_path)
+    assert ep.prepare_dump_dir(value) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} starts with '~', which only a shell "
+                   f"expands (none did): give the full path\n")
+    assert list(tmp_path.iterdir()) == []
+    from sglang_ext.config import DumpConfigError, check_directory
+
+    with pytest.raises(DumpConfigError) as e:
+        check_directory(value)
+    assert f"kimi-sglang: {e.value}\n" == err
