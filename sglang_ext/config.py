@@ -157,9 +157,15 @@ def store_target(value: Optional[str]):
     Store address (``mooncake://HOST:PORT?key=value&...``, docs/store.md), or ``None``
     for a directory. Raises ``DumpConfigError``, one sentence naming the flag, for a
     ``mooncake://`` value that is not a valid address or names an unknown setting, and
-    for a value padded with whitespace or starting with ``~`` (``check_as_typed``)."""
+    for a value padded with whitespace or starting with ``~`` (``check_as_typed``), and for
+    a URL of another scheme (``file://``, a ``moonckae://`` typo: made as a directory
+    ``./file:/...`` under the working directory, they took the dumps there)."""
     text = str(value or "")
     check_as_typed(text)
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text, flags=re.ASCII)
+    if scheme and scheme.group(1).lower() != "mooncake":
+        raise DumpConfigError(f"--dump-hidden-states-dir: {text!r} is a {scheme.group(1)}:// URL, which "
+                              f"names neither a directory nor a store (mooncake://HOST:PORT)")
     if not text.lower().startswith("mooncake:"):
         return None
     from sglang_ext import store

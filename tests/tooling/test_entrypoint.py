@@ -562,3 +562,24 @@ def test_an_unexpanded_home_in_the_dump_dir_is_refused_and_nothing_made(tmp_path
     with pytest.raises(DumpConfigError) as e:
         check_directory(value)
     assert f"kimi-sglang: {e.value}\n" == err
+
+
+@pytest.mark.parametrize("value", ["moonckae://127.0.0.1:50051", "file:///data/hs", "s3://bucket/hs",
+                                   "redis://10.0.0.1:6379"])
+def test_a_url_of_another_scheme_is_no_directory(tmp_path, monkeypatch, capsys, value):
+    """Only mooncake:// selects a sink other than a directory; 'moonckae://h:1' (a typo) or
+    'file:///data/hs' made ./moonckae:/h:1 or ./file:/data/hs under the working directory
+    and the server dumped there. One sentence, exit status 2, nothing made; the server's
+    own check says the same."""
+    monkeypatch.chdir(tmp_path)
+    assert ep.prepare_dump_dir(value) == 2
+    err = capsys.readouterr().err
+    scheme = value.split(":", 1)[0]
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} is a {scheme}:// URL, which names "
+                   f"neither a directory nor a store (mooncake://HOST:PORT)\n")
+    assert list(tmp_path.iterdir()) == []
+    from sglang_ext.config import DumpConfigError, store_target
+
+    with pytest.raises(DumpConfigError) as e:
+        store_target(value)
+    assert f"kimi-sglang: {e.value}\n" == err
