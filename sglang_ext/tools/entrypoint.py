@@ -391,6 +391,10 @@ def build_launch(
 ) -> Launch:
     environ = dict(os.environ if environ is None else environ)
     user_args, no_profile, no_default, print_command = split_own_options(argv)
+    # SGLang reads a config file only for the two words `--config FILE`; its parser takes
+    # `--config=FILE` too and drops the file without a word
+    user_args = [w for a in user_args
+                 for w in (["--config", a.split("=", 1)[1]] if a.startswith("--config=") else [a])]
     no_profile |= {p.strip() for p in environ.get("KIMI_SGLANG_NO_PROFILE", "").split(",") if p.strip()}
     known = {p.name for p in profiles}
     unknown = no_profile - known

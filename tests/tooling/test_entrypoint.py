@@ -583,3 +583,19 @@ def test_a_url_of_another_scheme_is_no_directory(tmp_path, monkeypatch, capsys, 
     with pytest.raises(DumpConfigError) as e:
         store_target(value)
     assert f"kimi-sglang: {e.value}\n" == err
+
+
+def test_a_config_file_given_as_one_word_is_read(tmp_path):
+    """`--config=FILE`: SGLang merges a config file only for the two words `--config FILE`
+    (prepare_server_args: '"--config" in argv'); its parser then took `--config=FILE` and
+    dropped the file without a word (port 30000 where the file said 8000). The entrypoint
+    passes it on as two words, so the file is read, and its flags win over the profiles'."""
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("port: 8000\nmodel-path: /models/other\n")
+    launch = build([f"--config={cfg}"], caps=SM90x8, env={"KIMI_SGLANG_PORT": "8000"})
+    assert opt(launch.argv, "--config") == [str(cfg)] and "--model-path" not in launch.argv
+    r = subprocess.run([sys.executable, "-c", SGLANG_PARSE, *launch.argv[3:]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (got["port"], got["model_path"]) == (8000, "/models/other"), (launch.argv, got)
