@@ -43,6 +43,9 @@ MIN_WATCHDOG_S = 1.0
 # The most any seconds setting takes: one day. Longer is a typo (milliseconds for seconds),
 # and past threading.TIMEOUT_MAX (~292 years) Python's waits raise OverflowError at shutdown.
 MAX_SECONDS = 86400.0
+# The most any GiB setting takes: 2**63 bytes (8 EiB), the largest file offset (off_t); past
+# it GiB * 2**30 is no byte count a file system has (and past ~1.7e299 not even a finite float).
+MAX_GIB = float(1 << 33)
 DEFAULT_FILE_MODE = 0o600  # dump files: the server's user only (KIMI_SGLANG_FILE_MODE)
 # A number as a person types it: ASCII digits, an optional sign, fraction and exponent.
 # float() alone also takes other scripts' digits ('\u0663' is 3.0) and underscores ('1_0').
@@ -133,12 +136,36 @@ def resolve_layer_ids(ids: Optional[Sequence[int]], num_layers: int) -> Tuple[in
     return tuple(sorted(ids))
 
 
+def check_as_typed(value: Optional[str]) -> None:
+    """Refuse a ``--dump-hidden-states-dir`` that begins or ends with whitespace (a quoting
+    slip: ``" /data/hs"`` is the relative directory ``" "/data/hs`` under the working
+    directory, ``"/data/hs "`` another directory than ``/data/hs``, ``" mooncake://..."``
+    a directory too) or starts with ``~`` (``~/hs`` where no shell expanded it: a compose
+    file's command, a Kubernetes args list, a ``--config`` file; ``./~/hs`` under the
+    working directory). Raises ``DumpConfigError``, one sentence naming the flag."""
+    text = str(value or "")
+    if text != text.strip():
+        raise DumpConfigError(f"--dump-hidden-states-dir: {text!r} begins or ends with whitespace, "
+                              f"which names another directory than meant; remove it")
+    if text.startswith("~"):
+        raise DumpConfigError(f"--dump-hidden-states-dir: {text!r} starts with '~', which only a shell "
+                              f"expands (none did): give the full path")
+
+
 def store_target(value: Optional[str]):
     """The ``store.StoreConfig`` of a ``--dump-hidden-states-dir`` that is a Mooncake
     Store address (``mooncake://HOST:PORT?key=value&...``, docs/store.md), or ``None``
     for a directory. Raises ``DumpConfigError``, one sentence naming the flag, for a
-    ``mooncake://`` value that is not a valid address or names an unknown setting."""
+    ``mooncake://`` value that is not a valid address or names an unknown setting, and
+    for a value padded with whitespace or starting with ``~`` (``check_as_typed``), and for
+    a URL of another scheme (``file://``, a ``moonckae://`` typo: made as a directory
+    ``./file:/...`` under the working directory, they took the dumps there)."""
     text = str(value or "")
+    check_as_typed(text)
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text, flags=re.ASCII)
+    if scheme and scheme.group(1).lower() != "mooncake":
+        raise DumpConfigError(f"--dump-hidden-states-dir: {text!r} is a {scheme.group(1)}:// URL, which "
+                              f"names neither a directory nor a store (mooncake://HOST:PORT)")
     if not text.lower().startswith("mooncake:"):
         return None
     from sglang_ext import store
@@ -180,8 +207,9 @@ def check_directory(path: Optional[str]) -> str:
     """Validate ``--dump-hidden-states-dir``; returns its real path (symlinks resolved).
 
     Raises ``DumpConfigError``, one sentence naming the flag and the path, if it is
-    missing, not a directory, not owned by this server's user (``os.geteuid()``; a
-    directory of another user is refused even for root), writable by group or others
+    missing, padded with whitespace or starting with ``~`` (``check_as_typed``), not a
+    directory, not owned by this server's user (``os.geteuid()``; a directory of another
+    user is refused even for root), writable by group or others
     without the sticky bit, or not writable (tested by creating and removing a file,
     which also catches read-only mounts). The ownership and mode rules are OpenSSH's
     ``StrictModes`` for its own files: whoever may rename or replace files in the
@@ -194,6 +222,7 @@ def check_directory(path: Optional[str]) -> str:
     """
     if not path:
         raise DumpConfigError("--dump-hidden-states-dir: empty path")
+    check_as_typed(path)
     if not os.path.exists(path):
         raise DumpConfigError(
             f"--dump-hidden-states-dir: {path!r} does not exist; create it first "
@@ -269,8 +298,13 @@ def env_number(name: str, default: float, unit: str = "seconds", minimum: Option
     if above is not None and number <= above:
         raise DumpConfigError(f"{name} must be > {above:g} {unit}, got {value!r}")
     if maximum is not None and number > maximum:
-        raise DumpConfigError(f"{name} must be at most {maximum:g} {unit}, got {value!r}")
+        raise DumpConfigError(f"{name} must be at most {_plain(maximum)} {unit}, got {value!r}")
     return number
+
+
+def _plain(number: float) -> str:
+    """``number`` as a person writes it: ``8589934592``, not ``8.58993e+09``."""
+    return str(int(number)) if number == int(number) else f"{number:g}"
 
 
 def env_file_mode() -> int:
@@ -355,9 +389,9 @@ def sampling_settings(writers: int = 1) -> dict:
     """The sampling settings (``sampling.DumpPolicy``), validated: ``sample_rate``
     (``KIMI_SGLANG_SAMPLE_RATE``, the share of requests dumped, 0 to 1, default 1),
     ``budget_bytes`` (``KIMI_SGLANG_DUMP_BUDGET_GB``, GiB of rows the server may write (headers not counted),
-    >= 0, shared equally by the ``writers`` writing ranks as the host cap is; None when
+    0 to ``MAX_GIB``, shared equally by the ``writers`` writing ranks as the host cap is; None when
     unset) and ``min_free_bytes`` (``KIMI_SGLANG_MIN_FREE_GB``, GiB that must stay free
-    in the dump directory's file system, >= 0; None when unset). Raises
+    in the dump directory's file system, 0 to ``MAX_GIB``; None when unset). Raises
     ``DumpConfigError``, one sentence naming the variable."""
     from sglang_ext.sampling import GIB
 
@@ -369,13 +403,31 @@ def sampling_settings(writers: int = 1) -> dict:
         if not 0 <= rate <= 1:  # nan too
             raise DumpConfigError(f"{name} must be the share of requests to dump, a number from "
                                   f"0 to 1 (e.g. 0.05), got {value!r}")
-    budget = env_number("KIMI_SGLANG_DUMP_BUDGET_GB", None, "GiB", minimum=0)
-    floor = env_number("KIMI_SGLANG_MIN_FREE_GB", None, "GiB", minimum=0)
+        rate += 0.0  # -0.0 is 0.0 (the start line said 'rate -0')
+    budget = env_number("KIMI_SGLANG_DUMP_BUDGET_GB", None, "GiB", minimum=0, maximum=MAX_GIB)
+    floor = env_number("KIMI_SGLANG_MIN_FREE_GB", None, "GiB", minimum=0, maximum=MAX_GIB)
     return {
         "sample_rate": rate,
         "budget_bytes": None if budget is None else int(budget * GIB) // max(1, writers),
         "min_free_bytes": None if floor is None else int(floor * GIB),
     }
+
+
+def check_floor(directory: str, min_free_bytes: int) -> None:
+    """Refuse a free-space floor (``KIMI_SGLANG_MIN_FREE_GB``, ``min_free_bytes``) at or
+    above the size of ``directory``'s file system (``statvfs``: ``f_blocks * f_frsize``):
+    no file could ever be dumped there. Raises ``DumpConfigError``, one sentence naming the
+    variable; nothing where the size cannot be read."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    size = st.f_blocks * st.f_frsize
+    if size and min_free_bytes >= size:
+        raise DumpConfigError(
+            f"KIMI_SGLANG_MIN_FREE_GB {os.environ.get('KIMI_SGLANG_MIN_FREE_GB', '')!r} is not below "
+            f"the size of the dump directory's file system ({size} bytes), so no request would "
+            f"ever be dumped; give a floor below it (GiB)")
 
 
 def physical_memory_bytes() -> Optional[int]:
@@ -434,7 +486,8 @@ class DumpConfig:
         """Build from SGLang's ``ServerArgs`` and the environment (``env_settings``);
         raises ``DumpConfigError`` (also when the cap leaves a writer rank less than 1 MiB,
         or is more than this host's physical memory: the arenas are allocated and pinned
-        at start-up, and a cap past the memory would fail there as a bare ENOMEM)."""
+        at start-up, and a cap past the memory would fail there as a bare ENOMEM; and for a
+        free-space floor the dump directory's file system cannot meet, ``check_floor``)."""
         store = store_target(server_args.dump_hidden_states_dir)
         directory = (str(server_args.dump_hidden_states_dir) if store is not None
                      else check_directory(server_args.dump_hidden_states_dir))
@@ -453,6 +506,9 @@ class DumpConfig:
                 f"at start-up, so give at most that (default {DEFAULT_MAX_HOST_MB})"
             )
         writers = writer_ranks(server_args)
+        sampling = sampling_settings(writers)
+        if store is None and sampling["min_free_bytes"] is not None:
+            check_floor(directory, sampling["min_free_bytes"])
         if max_mb < writers:
             raise DumpConfigError(
                 f"--dump-hidden-states-max-host-mb: {max_mb} MiB shared by {writers} writer "
@@ -466,5 +522,5 @@ class DumpConfig:
             store=store,
             incremental_stream=bool(getattr(server_args, "incremental_streaming_output", False)),
             **env_settings(),
-            **sampling_settings(writers),
+            **sampling,
         )

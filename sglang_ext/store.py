@@ -73,13 +73,14 @@ class StoreUnavailable(StoreError):
 
 # ---------------------------------------------------------------- configuration
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_SIZE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE)
+_CONTROL = re.compile(r"[\s\x00-\x1f\x7f]")  # whitespace (any script's) or a control character
+# ASCII digits only: re's \d and int() also take other scripts' ('\uff14' is 4)
+_SIZE = re.compile(r"([0-9]+)[ \t]*(|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|tib)", re.IGNORECASE | re.ASCII)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_size(key: str, text: str) -> int:
-    """Bytes from ``"4294967296"``, ``"4GiB"``, ``"512m"`` (binary units); ``ValueError``
+    """Bytes from ``"4294967296"``, ``"4GiB"``, ``"512m"`` (ASCII digits, binary units); ``ValueError``
     with one sentence otherwise."""
     m = _SIZE.fullmatch(str(text).strip())
     if not m:
@@ -172,8 +173,9 @@ class StoreConfig:
                 raise ValueError(f"mooncake setting {key} must be a byte count >= 0, not {getattr(self, key)!r}")
         for key in ("device_name", "local_hostname", "metadata_server", "master_server_address"):
             if _CONTROL.search(getattr(self, key)):
-                raise ValueError(f"mooncake setting {key} {getattr(self, key)!r} holds a control character "
-                                 f"(a NUL, a newline...): Mooncake would fail every request with it")
+                raise ValueError(f"mooncake setting {key} {getattr(self, key)!r} holds whitespace or a control "
+                                 f"character (a space, a NUL, a newline...): Mooncake would fail every request "
+                                 f"with it")
         if self.metadata_server != "P2PHANDSHAKE" and metadata_address(self.metadata_server) is None:
             raise ValueError(f"mooncake setting metadata_server {self.metadata_server!r} is neither P2PHANDSHAKE "
                              f"nor a URL with a host and port (http://HOST:PORT/metadata, etcd://HOST:PORT, "
@@ -198,6 +200,9 @@ class StoreConfig:
             raise ValueError(f"{_redact(url)!r} is not a mooncake://HOST:PORT address") from None
         if parts.scheme != SCHEME or not parts.hostname or port is None or parts.path not in ("", "/"):
             raise ValueError(f"{_redact(url)!r} is not a mooncake://HOST:PORT address (the master's)")
+        if parts.fragment or str(url).endswith("#"):
+            raise ValueError(f"{_redact(url)!r} has a '#' part, which is no setting: give every setting as "
+                             f"?key=value&key=value")
         if parts.username is not None or parts.password is not None:
             raise ValueError(f"{_redact(url)!r} carries credentials (USER:SECRET@), which Mooncake's master "
                              f"neither takes nor checks: remove them (docs/store.md says who can read the store)")

@@ -5,7 +5,8 @@ Builds ``python -m sglang.launch_server <args>`` plus its environment from
 user's own arguments, then ``exec``s it. The user always wins:
 
 * a flag the user gives (under any of its spellings, e.g. ``--tp``,
-  ``--tp-size``, ``--tensor-parallel-size``) replaces the profile's default;
+  ``--tp-size``, ``--tensor-parallel-size``), on the command line or in the
+  ``--config FILE`` it gives, replaces the profile's default;
 * an env var already set in the environment (``docker run -e``) is never
   overwritten by a profile;
 * ``--no-profile NAME`` (repeatable, or ``KIMI_SGLANG_NO_PROFILE=a,b``) turns a
@@ -254,7 +255,8 @@ def make_context(environ: Mapping[str, str], compute_caps: Sequence[str] | None 
     """The facts the profiles decide on: compute capabilities, GPU count, model, port.
 
     ``KIMI_SGLANG_GPU_COUNT`` (1 to ``MAX_GPUS``) replaces the detected count,
-    ``KIMI_SGLANG_PORT`` (1 to 65535; passed on as a plain decimal) the default port.
+    ``KIMI_SGLANG_PORT`` (1 to 65535; passed on as a plain decimal) the default port,
+    ``KIMI_SGLANG_MODEL`` (blank: the default; no whitespace around it) the model path.
     Both take ASCII digits only: ``str.isdigit`` and ``int`` also take other scripts'
     digits, which would reach SGLang as given or raise. Raises ``SystemExit`` with one
     sentence naming the variable."""
@@ -272,10 +274,14 @@ def make_context(environ: Mapping[str, str], compute_caps: Sequence[str] | None 
             raise SystemExit(f"kimi-sglang: KIMI_SGLANG_PORT must be a TCP port number from 1 to "
                              f"65535, got {port!r}")
         port = str(int(port))
+    model = environ.get("KIMI_SGLANG_MODEL") or ""
+    if model.strip() and model != model.strip():
+        raise SystemExit(f"kimi-sglang: KIMI_SGLANG_MODEL must be a model path or name without whitespace "
+                         f"around it, got {model!r}")
     return Context(
         compute_caps=caps,
         gpu_count=count,
-        model=environ.get("KIMI_SGLANG_MODEL") or DEFAULT_MODEL,
+        model=model.strip() or DEFAULT_MODEL,
         port=port or DEFAULT_PORT,
     )
 
@@ -306,17 +312,46 @@ def _flag_name(token: str) -> str | None:
     return None
 
 
+def _looks_like_option(token: str) -> bool:
+    """Whether argparse takes ``token`` for an option, not a value: it starts with ``-``
+    and is neither ``-`` alone nor a negative number (``argparse._parse_optional``)."""
+    return len(token) > 1 and token.startswith("-") and not re.fullmatch(r"-[0-9]+|-[0-9]*\.[0-9]+", token)
+
+
 def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
-    """Last value the user gave for a flag (``--f v`` or ``--f=v``)."""
+    """Last value the user gave for a flag (``--f v`` or ``--f=v``); as argparse, a next
+    word that looks like an option (``--f --port``) is no value."""
     value = None
     for i, tok in enumerate(args):
         name = _flag_name(tok)
         if name in names:
             if "=" in tok:
                 value = tok.split("=", 1)[1]
-            elif i + 1 < len(args):
+            elif i + 1 < len(args) and not _looks_like_option(args[i + 1]):
                 value = args[i + 1]
     return value
+
+
+def config_file_flags(args: Sequence[str]) -> dict[str, object]:
+    """The flags set in the user's ``--config FILE`` (SGLang's YAML of server flags,
+    ``server_args_config_parser.ConfigArgumentMerger``), as ``{"--flag-name": value}``;
+    ``{}`` without one. SGLang places the file's flags before the command line's, so a
+    profile default on the command line would replace the file's setting: each key counts
+    as a flag the user gave. As SGLang, only ``--config PATH`` (two words) is a config
+    file; an unreadable or malformed one gives ``{}`` and is left to SGLang to refuse."""
+    args = list(args)
+    if "--config" not in args or args.index("--config") + 1 >= len(args):
+        return {}
+    try:
+        import yaml  # SGLang's own dependency, as its config reader
+
+        with open(args[args.index("--config") + 1], encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - SGLang reads the file again and says what is wrong
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {"--" + str(k).replace("_", "-"): v for k, v in data.items()}
 
 
 def split_own_options(argv: Sequence[str]) -> tuple[list[str], set[str], set[str], bool]:
@@ -356,6 +391,10 @@ def build_launch(
 ) -> Launch:
     environ = dict(os.environ if environ is None else environ)
     user_args, no_profile, no_default, print_command = split_own_options(argv)
+    # SGLang reads a config file only for the two words `--config FILE`; its parser takes
+    # `--config=FILE` too and drops the file without a word
+    user_args = [w for a in user_args
+                 for w in (["--config", a.split("=", 1)[1]] if a.startswith("--config=") else [a])]
     no_profile |= {p.strip() for p in environ.get("KIMI_SGLANG_NO_PROFILE", "").split(",") if p.strip()}
     known = {p.name for p in profiles}
     unknown = no_profile - known
@@ -371,7 +410,8 @@ def build_launch(
                          f"`kimi-sglang --help` lists them")
 
     ctx = make_context(environ, compute_caps, runner)
-    user_flags = {n for n in map(_flag_name, user_args) if n}
+    from_file = config_file_flags(user_args)
+    user_flags = {n for n in map(_flag_name, user_args) if n} | set(from_file)
 
     defaults: list[str] = []
     profile_env: dict[str, str] = {}
@@ -397,17 +437,29 @@ def build_launch(
     if ctx.is_sm120:
         for flag in ATTENTION_FLAGS:
             val = _option_value(user_args, (flag,))
+            val = str(from_file.get(flag)) if val is None and flag in from_file else val
             if val in SM120_BAD_ATTENTION:
                 warnings.append(
                     f"kimi-sglang: WARNING: {flag} {val} on SM120 GPUs: {SM120_BAD_ATTENTION[val]}. "
                     "Passing it through as asked."
                 )
+    port = _option_value(user_args, ("--port",))
+    port = str(from_file["--port"]) if port is None and from_file.get("--port") is not None else port
+    if port is not None and (str(int(port)) if _UINT.fullmatch(port) else port) != ctx.port:
+        warnings.append(
+            f"kimi-sglang: WARNING: --port {port} is not KIMI_SGLANG_PORT ({ctx.port}), the port the "
+            f"image's HEALTHCHECK probes, so the container will be reported unhealthy; give "
+            f"-e KIMI_SGLANG_PORT={port} instead of --port"
+        )
     if not ctx.compute_caps:
         warnings.append(
             "kimi-sglang: note: no GPU compute capability found (nvidia-smi missing or failed; "
             "set KIMI_SGLANG_COMPUTE_CAP to force one); the sm120 profile is off and --tp-size is left to SGLang."
         )
 
+    dump_dir = _option_value(user_args, ("--dump-hidden-states-dir",))
+    if dump_dir is None and from_file.get("--dump-hidden-states-dir") is not None:
+        dump_dir = str(from_file["--dump-hidden-states-dir"])
     env = dict(environ)
     env.update(profile_env)
     argv_out = [python or sys.executable or "python3", "-m", LAUNCH_MODULE, *defaults, *user_args]
@@ -418,7 +470,7 @@ def build_launch(
         applied=applied,
         warnings=warnings,
         print_command=print_command,
-        dump_dir=_option_value(user_args, ("--dump-hidden-states-dir",)),
+        dump_dir=dump_dir,
     )
 
 
@@ -458,7 +510,7 @@ def help_text(profiles: Sequence[Profile] = PROFILES) -> str:
         "       kimi-sglang COMMAND [ARGS ...]   (an executable, e.g. python or bash, runs as given)",
         "",
         "Starts `python -m sglang.launch_server` with the defaults of the profiles that apply",
-        "(below) and your flags; a flag you give replaces a profile's default.",
+        "(below) and your flags; a flag you give (in a --config file too) replaces a profile's default.",
         "",
         "kimi-sglang options (not passed to SGLang):",
         row("--print-command", "print the final command and environment, start nothing"),
@@ -504,7 +556,12 @@ def prepare_dump_dir(path: str) -> int:
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
-        why = "it is a file" if isinstance(exc, FileExistsError) else (exc.strerror or str(exc))
+        if os.path.islink(path) and not os.path.exists(path):  # made neither: an NFS mount not there yet
+            why = f"it is a symbolic link to {os.readlink(path)}, which does not exist: mount or make that first"
+        elif isinstance(exc, FileExistsError):
+            why = "it is a file"
+        else:
+            why = exc.strerror or str(exc)
         print(f"kimi-sglang: --dump-hidden-states-dir {path}: cannot make the "
               f"directory ({why})", file=sys.stderr)
         return 2

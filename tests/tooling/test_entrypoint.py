@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -171,6 +172,17 @@ def test_dump_dir_is_found():
     assert build(["--dump-hidden-states-dir", "/dev/shm/hs"]).dump_dir == "/dev/shm/hs"
     assert build(["--dump-hidden-states-dir=/x"]).dump_dir == "/x"
     assert build([]).dump_dir is None
+
+
+def test_a_dump_dir_flag_without_its_value_makes_no_directory_named_after_the_next_flag():
+    """`--dump-hidden-states-dir --port 8000` (the value forgotten): argparse takes no
+    value that starts with '-' and refuses the line, but the entrypoint took '--port' as
+    the directory and made ./--port before SGLang said so. Given twice, the last wins
+    (as in argparse), in either spelling."""
+    assert build(["--dump-hidden-states-dir", "--port", "8000"]).dump_dir is None
+    assert build(["--dump-hidden-states-dir", "-v"]).dump_dir is None
+    assert build(["--dump-hidden-states-dir=/a", "--dump-hidden-states-dir", "/b"]).dump_dir == "/b"
+    assert build(["--dump-hidden-states-dir", "/a", "--dump-hidden-states-dir=/b"]).dump_dir == "/b"
 
 
 def run_cli(args, env_extra, tmp_path):
@@ -430,3 +442,160 @@ def test_a_store_address_is_no_directory_and_a_bad_one_is_one_sentence(tmp_path,
     err = capsys.readouterr().err
     assert err.startswith("kimi-sglang: --dump-hidden-states-dir: unknown mooncake setting 'colour'")
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("pad", [" {}", "{} ", "{}\n", "\t{}"], ids=["lead", "trail", "newline", "tab"])
+@pytest.mark.parametrize("target", ["dir", "store"])
+def test_a_whitespace_padded_dump_dir_is_refused_and_nothing_made(tmp_path, monkeypatch, capsys, pad, target):
+    """' /data/hs' (a quoting slip in a compose file or a shell variable) named a relative
+    directory ' ' under the working directory: the entrypoint made ./ /data/hs and the
+    server dumped into the container's own file system; ' mooncake://...' too. Now one
+    sentence, exit status 2, nothing made; the server's own check says the same."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    value = pad.format(str(tmp_path / "hs") if target == "dir" else "mooncake://127.0.0.1:50051")
+    assert ep.prepare_dump_dir(value) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} begins or ends with whitespace, "
+                   f"which names another directory than meant; remove it\n")
+    assert list(work.iterdir()) == [] and not (tmp_path / "hs").exists()
+    from sglang_ext.config import DumpConfigError, check_directory
+
+    (tmp_path / "hs").mkdir(mode=0o700)
+    with pytest.raises(DumpConfigError) as e:
+        check_directory(value)
+    assert f"kimi-sglang: {e.value}\n" == err
+
+
+SGLANG_PARSE = r"""
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+argv = ConfigArgumentMerger(parser).merge_config_with_args(sys.argv[1:])  # as prepare_server_args
+ns = parser.parse_known_args(argv)[0]
+print(json.dumps({k: getattr(ns, k) for k in ("model_path", "tp_size", "port", "trust_remote_code", "host")}))
+"""
+
+
+def test_settings_in_the_users_config_file_win_over_the_profiles_defaults(tmp_path):
+    """`--config server.yaml` (SGLang's YAML of server flags): SGLang puts the file's flags
+    before the command line's, so the command line wins; the profiles' defaults are on the
+    command line, so they replaced the user's own model, TP size, port and
+    trust-remote-code: false. A key of the file (any spelling) is a flag the user gave.
+    Checked with SGLang's own merger and parser on the command built."""
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("model: /models/other\ntensor-parallel-size: 4\nport: 8000\ntrust_remote_code: false\n")
+    launch = build(["--config", str(cfg)], caps=SM90x8)
+    r = subprocess.run([sys.executable, "-c", SGLANG_PARSE, *launch.argv[3:]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"model_path": "/models/other", "tp_size": 4, "port": 8000, "trust_remote_code": False,
+                   "host": "0.0.0.0"}, (launch.argv, got)
+    # the command line still wins over the file, and the file's dump directory is made
+    launch = build(["--port", "9000", "--config", str(cfg)], caps=SM90x8)
+    assert opt(launch.argv, "--port") == ["9000"] and "--tp-size" not in launch.argv
+    cfg.write_text(f"dump-hidden-states-dir: {tmp_path / 'hs'}\n")
+    assert build(["--config", str(cfg)]).dump_dir == str(tmp_path / "hs")
+    assert build(["--config", str(cfg), "--dump-hidden-states-dir", "/x"]).dump_dir == "/x"
+
+
+def test_a_dangling_symlink_dump_dir_is_named_as_one_and_its_target_not_made(tmp_path, capsys, monkeypatch):
+    """A dump directory that is a symbolic link to where nothing is (an NFS mount not
+    mounted yet): the sentence said 'it is a file'. It names the link and its target now,
+    and makes neither (making the target would put the dumps on the local disk)."""
+    monkeypatch.setenv("KIMI_SGLANG_COMPUTE_CAP", "9.0")
+    target = tmp_path / "mnt" / "nfs" / "hs"
+    link = tmp_path / "hs"
+    link.symlink_to(target)
+    assert ep.main(["--dump-hidden-states-dir", str(link)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir {link}: cannot make the directory (it is a "
+                   f"symbolic link to {target}, which does not exist: mount or make that first)\n")
+    assert not (tmp_path / "mnt").exists() and link.is_symlink()
+
+
+def test_a_port_flag_the_healthcheck_does_not_probe_is_warned_of():
+    """The image's HEALTHCHECK probes $KIMI_SGLANG_PORT; `--port 8000` alone left it
+    probing 30000, so the container turned unhealthy after its start period with no word
+    why. One warning line now names both ports and the fix; none when they agree."""
+    want = ("kimi-sglang: WARNING: --port 8000 is not KIMI_SGLANG_PORT (30000), the port the image's "
+            "HEALTHCHECK probes, so the container will be reported unhealthy; give -e KIMI_SGLANG_PORT=8000 "
+            "instead of --port")
+    assert build(["--port", "8000"]).warnings == [want]
+    assert build(["--port=8000"]).warnings == [want]
+    assert build(["--port", "30000"]).warnings == []
+    assert build(["--port", "8000"], env={"KIMI_SGLANG_PORT": "8000"}).warnings == []
+    assert build([]).warnings == []
+
+
+def test_a_blank_or_padded_model_path_is_refused_or_defaulted():
+    """KIMI_SGLANG_MODEL as the port and GPU count: blank is unset (the default), where
+    '  ' went to SGLang as the model path; padded (' /models/x', a quoting slip) is one
+    sentence, where it went on as a path no one has. Spaces inside a path stay."""
+    assert ep.make_context({"KIMI_SGLANG_MODEL": "   "}, ()).model == ep.DEFAULT_MODEL
+    assert ep.make_context({"KIMI_SGLANG_MODEL": "/models/My Model"}, ()).model == "/models/My Model"
+    for bad in (" /models/x", "/models/x\n"):
+        with pytest.raises(SystemExit) as e:
+            ep.make_context({"KIMI_SGLANG_MODEL": bad}, ())
+        assert str(e.value.code) == (f"kimi-sglang: KIMI_SGLANG_MODEL must be a model path or name without "
+                                     f"whitespace around it, got {bad!r}")
+
+
+@pytest.mark.parametrize("value", ["~/hs", "~", "~root/hs"])
+def test_an_unexpanded_home_in_the_dump_dir_is_refused_and_nothing_made(tmp_path, monkeypatch, capsys, value):
+    """'~/hs' where no shell expands it (a compose file's command, a Kubernetes args list,
+    a --config file): the entrypoint made ./~/hs under the working directory, the
+    container's own file system. One sentence, exit status 2, nothing made; the server's
+    own check says the same."""
+    monkeypatch.chdir(tmp_path)
+    assert ep.prepare_dump_dir(value) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} starts with '~', which only a shell "
+                   f"expands (none did): give the full path\n")
+    assert list(tmp_path.iterdir()) == []
+    from sglang_ext.config import DumpConfigError, check_directory
+
+    with pytest.raises(DumpConfigError) as e:
+        check_directory(value)
+    assert f"kimi-sglang: {e.value}\n" == err
+
+
+@pytest.mark.parametrize("value", ["moonckae://127.0.0.1:50051", "file:///data/hs", "s3://bucket/hs",
+                                   "redis://10.0.0.1:6379"])
+def test_a_url_of_another_scheme_is_no_directory(tmp_path, monkeypatch, capsys, value):
+    """Only mooncake:// selects a sink other than a directory; 'moonckae://h:1' (a typo) or
+    'file:///data/hs' made ./moonckae:/h:1 or ./file:/data/hs under the working directory
+    and the server dumped there. One sentence, exit status 2, nothing made; the server's
+    own check says the same."""
+    monkeypatch.chdir(tmp_path)
+    assert ep.prepare_dump_dir(value) == 2
+    err = capsys.readouterr().err
+    scheme = value.split(":", 1)[0]
+    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} is a {scheme}:// URL, which names "
+                   f"neither a directory nor a store (mooncake://HOST:PORT)\n")
+    assert list(tmp_path.iterdir()) == []
+    from sglang_ext.config import DumpConfigError, store_target
+
+    with pytest.raises(DumpConfigError) as e:
+        store_target(value)
+    assert f"kimi-sglang: {e.value}\n" == err
+
+
+def test_a_config_file_given_as_one_word_is_read(tmp_path):
+    """`--config=FILE`: SGLang merges a config file only for the two words `--config FILE`
+    (prepare_server_args: '"--config" in argv'); its parser then took `--config=FILE` and
+    dropped the file without a word (port 30000 where the file said 8000). The entrypoint
+    passes it on as two words, so the file is read, and its flags win over the profiles'."""
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("port: 8000\nmodel-path: /models/other\n")
+    launch = build([f"--config={cfg}"], caps=SM90x8, env={"KIMI_SGLANG_PORT": "8000"})
+    assert opt(launch.argv, "--config") == [str(cfg)] and "--model-path" not in launch.argv
+    r = subprocess.run([sys.executable, "-c", SGLANG_PARSE, *launch.argv[3:]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (got["port"], got["model_path"]) == (8000, "/models/other"), (launch.argv, got)

@@ -186,6 +186,16 @@ def test_an_output_request_sglang_lets_go_of_gives_its_bound_back(dump, clean_en
     assert sess.writer.held_bytes() == 0
 
 
+@pytest.mark.parametrize("value, rate, words", [("-0", 0.0, "rate 0"), ("-0.0e5", 0.0, "rate 0"),
+                                                 ("1e-9", 1e-9, "rate 1e-09"), (" 0.25 ", 0.25, "rate 0.25")])
+def test_the_rate_as_the_start_line_says_it(clean_env, value, rate, words):
+    """'-0' is a rate of 0 (nothing sampled), which the start line said as 'rate -0'."""
+    clean_env.setenv("KIMI_SGLANG_SAMPLE_RATE", value)
+    got = sampling_settings()["sample_rate"]
+    assert got == rate and str(got) == str(rate)
+    assert DumpPolicy(rate=got).describe() == words
+
+
 def test_the_budget_is_shared_by_the_writing_ranks(clean_env):
     clean_env.setenv("KIMI_SGLANG_DUMP_BUDGET_GB", "3")
     assert sampling_settings(writers=2)["budget_bytes"] == 3 * GIB // 2
@@ -349,6 +359,10 @@ def test_the_store_sink_samples_within_the_budget_and_has_no_floor(master, sessi
     ("KIMI_SGLANG_DUMP_BUDGET_GB", "10G", "must be a finite number of GiB"),
     ("KIMI_SGLANG_MIN_FREE_GB", "-5", "must be >= 0 GiB"),
     ("KIMI_SGLANG_MIN_FREE_GB", "1_0", "must be a finite number of GiB"),
+    # past 2**63 bytes (8 EiB, the largest file offset): GiB * 2**30 overflowed float to inf
+    # and int(inf) raised OverflowError, a traceback at start-up
+    ("KIMI_SGLANG_DUMP_BUDGET_GB", "1e300", "must be at most 8589934592 GiB"),
+    ("KIMI_SGLANG_MIN_FREE_GB", "1e300", "must be at most 8589934592 GiB"),
 ])
 def test_a_bad_value_stops_the_start_with_one_sentence_naming_it(dump, clean_env, name, value, words):
     clean_env.setenv(name, value)
@@ -358,6 +372,27 @@ def test_a_bad_value_stops_the_start_with_one_sentence_naming_it(dump, clean_env
         DumpConfig.from_server_args(args)
     msg = str(e.value)
     assert msg.startswith(f"{name} ") and words in msg and repr(value) in msg and "\n" not in msg, msg
+
+
+def test_a_floor_no_dump_directory_could_meet_stops_the_start(dump, clean_env):
+    """A floor at or above the size of the dump directory's file system (a typo, MiB for
+    GiB, or a tmpfs smaller than thought) would skip every sampled request for good: one
+    sentence at start-up naming the variable and the size, where it started and dumped
+    nothing (the store sink has no floor: test_the_store_sink_samples_within_...)."""
+    st = os.statvfs(dump)
+    size = st.f_blocks * st.f_frsize
+    args = types.SimpleNamespace(dump_hidden_states_dir=str(dump), dump_hidden_states_max_host_mb=64,
+                                 dump_hidden_states_layers=None, dump_hidden_states_dtype=None)
+    for value in (repr(size / GIB), "1e9"):
+        clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", value)
+        with pytest.raises(DumpConfigError) as e:
+            DumpConfig.from_server_args(args)
+        msg = str(e.value)
+        assert msg.startswith(f"KIMI_SGLANG_MIN_FREE_GB {value!r} is not below the size of the dump "
+                              f"directory's file system ({size} bytes)"), msg
+        assert "\n" not in msg
+    clean_env.setenv("KIMI_SGLANG_MIN_FREE_GB", repr((size - 4096) / GIB))
+    assert DumpConfig.from_server_args(args).min_free_bytes == size - 4096
 
 
 # ---- Prometheus --------------------------------------------------------------------------------
