@@ -133,6 +133,11 @@ def is_loopback(host: str) -> Optional[bool]:
     return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
 
 
+# The least ``local_buffer_size``: puts of bytes (error markers, up to ERROR_MAX_CHARS
+# characters) and gets of bytes go through it (the handshake's reader lends 1 MiB too).
+MIN_LOCAL_BUFFER = 1 << 20
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Connection settings, with hs-connectors' ``MooncakeStoreConfig`` keys.
@@ -171,6 +176,10 @@ class StoreConfig:
         for key in ("global_segment_size", "local_buffer_size"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise ValueError(f"mooncake setting {key} must be a byte count >= 0, not {getattr(self, key)!r}")
+        if self.local_buffer_size < MIN_LOCAL_BUFFER:
+            raise ValueError(f"mooncake setting local_buffer_size {self.local_buffer_size} is below 1 MiB "
+                             f"({MIN_LOCAL_BUFFER} bytes): every put of bytes (the sink's error markers) and "
+                             f"get of bytes goes through it")
         for key in ("device_name", "local_hostname", "metadata_server", "master_server_address"):
             if _CONTROL.search(getattr(self, key)):
                 raise ValueError(f"mooncake setting {key} {getattr(self, key)!r} holds whitespace or a control "

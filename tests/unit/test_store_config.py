@@ -69,6 +69,9 @@ def test_the_writer_warns_once_at_start(caplog):
     ("device=%20mlx5_0", "mooncake setting device_name ' mlx5_0' holds whitespace or a control character"),
     ("local_hostname=10.0.0.7%20", "mooncake setting local_hostname '10.0.0.7 ' holds whitespace"),
     ("local_hostname=%20", "mooncake setting local_hostname ' ' holds whitespace"),
+    # every put of bytes (the sink's error markers) fails with -600 through a buffer of 0
+    ("local_buffer_size=0", "mooncake setting local_buffer_size 0 is below 1 MiB (1048576 bytes)"),
+    ("local_buffer_size=4KiB", "mooncake setting local_buffer_size 4096 is below 1 MiB"),
 ])
 def test_url_settings_mooncake_would_fail_on_are_refused_in_one_sentence(query, words):
     with pytest.raises(ValueError) as e:
