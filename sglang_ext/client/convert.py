@@ -55,8 +55,8 @@ run says so on stderr: they keep the loss masks and norm they were written with 
 DST to redo them).
 
 Exit status: 0 every record written or already there, 1 a file could not be converted,
-2 bad input (SRC without hs_<i> files, DST not a directory, a model folder without
-config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
+2 bad input (SRC without hs_<i> files, DST not a directory, or SRC or inside it, a model
+folder without config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
 ``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
 rows whose ``input_ids`` differ from the file's ``token_ids``, a prompt with images and no
 image token id, torch not installed), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
@@ -218,6 +218,12 @@ def main(args) -> int:
     if not indices:
         print(f"error: SRC {args.src} holds no hs_<i>.safetensors files (extract --out "
               f"writes them); nothing to convert", file=sys.stderr)
+        return 2
+    real_src = os.path.realpath(args.src)
+    if os.path.commonpath([real_src, os.path.realpath(args.dst)]) == real_src:
+        print(f"error: DST {args.dst} is extract's --out SRC {args.src} or a folder inside it: "
+              f"its records would mix with the hs_<i> files; pass a DST outside SRC",
+              file=sys.stderr)
         return 2
     if os.path.exists(args.dst) and not os.path.isdir(args.dst):
         print(f"error: DST {args.dst} exists and is not a directory", file=sys.stderr)

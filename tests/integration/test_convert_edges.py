@@ -1,0 +1,83 @@
+"""``convert --to specforge`` tried as a user would break it: DST inside SRC, a DST holding
+another dataset's records, one SRC of files of two dumps, hostile metadata. Files are
+written here with safetensors (values from token id, position, slot and channel, never
+from the code under test); records are read back with ``torch.load``, as SpecForge's
+``OfflineEagle3Dataset`` reads them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import save_file  # noqa: E402
+
+from sglang_ext import format as fmt  # noqa: E402
+from sglang_ext.__main__ import main  # noqa: E402
+
+NUM_LAYERS = 5
+
+
+def reference(ids, slots=3, hidden=8):
+    """[T, slots, hidden] bf16: id + t/4 + slot*2 + channel/8 (exact in bf16 for small ids)."""
+    t = torch.arange(len(ids), dtype=torch.float32)[:, None, None]
+    s = torch.arange(slots, dtype=torch.float32)[None, :, None]
+    h = torch.arange(hidden, dtype=torch.float32)[None, None, :]
+    base = torch.tensor(ids, dtype=torch.float32)[:, None, None]
+    return (base + t / 4 + s * 2 + h / 8).to(torch.bfloat16)
+
+
+def dump(path, ids, layer_ids=(2, 4, 5), hidden=8, dtype=torch.bfloat16, **meta):
+    metadata = {**fmt.build_metadata(rid="r", layer_ids=list(layer_ids), num_layers=NUM_LAYERS),
+                **meta}
+    save_file({"hidden_states": reference(ids, len(layer_ids), hidden).to(dtype),
+               "token_ids": torch.tensor(ids, dtype=torch.int64)}, str(path), metadata=metadata)
+
+
+def convert(src, dst, *extra):
+    return main(["convert", "--to", "specforge", str(src), str(dst), "--no-final-norm",
+                 *map(str, extra)])
+
+
+def record(dst, i):
+    return torch.load(os.path.join(dst, "rows_0-5000", f"data_{i}.ckpt"), weights_only=True)
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err, "no error printed"
+    assert "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+@pytest.fixture
+def src(tmp_path):
+    src = tmp_path / "hs"
+    src.mkdir()
+    for i in range(3):
+        dump(src / f"hs_{i}.safetensors", [10 + i, 20, 30])
+    return src
+
+
+# ---- DST that is SRC or inside it ---------------------------------------------------------------
+@pytest.mark.parametrize("where", ["same", "inside", "inside_via_symlink"])
+def test_a_dst_that_is_src_or_inside_it_is_refused_and_nothing_written(src, tmp_path, capsys, where):
+    before = sorted(os.listdir(src))
+    if where == "same":
+        dst = src
+    elif where == "inside":
+        dst = src / "specforge"
+    else:
+        os.symlink(src, tmp_path / "link")
+        dst = tmp_path / "link" / "sf"
+    assert convert(src, dst) == 2
+    assert error_line(capsys) == (
+        f"error: DST {dst} is extract's --out SRC {src} or a folder inside it: its records "
+        f"would mix with the hs_<i> files; pass a DST outside SRC")
+    assert sorted(os.listdir(src)) == before
+
+
+def test_a_dst_beside_src_with_a_shared_prefix_is_taken(src, tmp_path):
+    assert convert(src, str(src) + "-specforge") == 0  # hs-specforge is not inside hs
+    assert record(str(src) + "-specforge", 2)["input_ids"].tolist() == [12, 20, 30]
