@@ -52,14 +52,15 @@ position at least (else exit 1: the id is wrong).
 Layout: ``DST/rows_<g>-<g+5000>/data_<i>.ckpt`` as SpecForge writes it. Each record is
 written to a temporary name and renamed; existing records are skipped (resume) and the
 run says so on stderr: they keep the loss masks and norm they were written with (delete
-DST to redo them).
+DST to redo them). A record there whose ``input_ids`` are not its file's token ids
+(another dataset's), or that ``torch.load`` cannot read, is refused (exit 2).
 
 Exit status: 0 every record written or already there, 1 a file could not be converted,
 2 bad input (SRC without hs_<i> files, DST not a directory, or SRC or inside it, a model
 folder without config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
 ``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
 rows whose ``input_ids`` differ from the file's ``token_ids``, a prompt with images and no
-image token id, torch not installed), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
+image token id, torch not installed, a DST record of another dataset), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
 safetensors file, or an ``hs_<i>.safetensors`` that is not a regular file: a FIFO there
 is never opened, so it cannot hang the run).
 """
@@ -187,6 +188,36 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
     }, generated
 
 
+def check_kept_records(src: str, dst: str, indices: Sequence[int],
+                       headers: Dict[int, Tuple[list, dict]]) -> None:
+    """Raise ``ConvertError`` unless every record already at ``DST`` for ``indices`` (kept
+    on resume) is one ``torch.load`` reads whose ``input_ids`` equal its ``hs_<i>`` file's
+    token ids (``headers``: ``read_file_headers``; a file left out there is named when
+    converted, its record kept as it is). Records are loaded with ``mmap``: their hidden
+    states are not read."""
+    import torch
+
+    for index in indices:
+        path = specforge_path(dst, index)
+        if not os.path.exists(path) or index not in headers:
+            continue
+        what = regular_or_why(path, follow_symlinks=True)
+        try:
+            if what:
+                raise ValueError(f"not a regular file: {what}")
+            ids = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["input_ids"]
+            same = ids.tolist() == headers[index][0]
+        except Exception as e:  # noqa: BLE001 - pickle, zip and key errors all say the same
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConvertError(f"DST {dst} already holds {path}, which is not a record "
+                               f"torch.load reads ({detail}): pass another DST, or delete that "
+                               f"record to convert it again") from None
+        if not same:
+            raise ConvertError(f"DST {dst} already holds {path}, whose input_ids are not "
+                               f"hs_{index}.safetensors' token_ids (another dataset's record): "
+                               f"pass another DST, or delete that record to convert it again")
+
+
 def save_atomic(obj, path: str, mode: int) -> None:
     """``torch.save(obj)`` to ``path`` through a temporary name (``files.Staged``): ``path``
     only ever holds a complete record. Made with ``mode`` before the umask (``main``: the
@@ -259,6 +290,14 @@ def main(args) -> int:
         return 2
     try:
         norm = load_final_norm(args.model, args.norm_key) if args.model else None
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kept = [i for i in indices if os.path.exists(specforge_path(args.dst, i))]
+    try:
+        check_kept_records(args.src, args.dst, kept,
+                           {i: headers[i] for i in kept if i in headers} if args.model or
+                           args.loss_mask_from else read_file_headers(args.src, kept))
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

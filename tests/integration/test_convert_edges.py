@@ -6,6 +6,7 @@ from the code under test); records are read back with ``torch.load``, as SpecFor
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -81,3 +82,47 @@ def test_a_dst_that_is_src_or_inside_it_is_refused_and_nothing_written(src, tmp_
 def test_a_dst_beside_src_with_a_shared_prefix_is_taken(src, tmp_path):
     assert convert(src, str(src) + "-specforge") == 0  # hs-specforge is not inside hs
     assert record(str(src) + "-specforge", 2)["input_ids"].tolist() == [12, 20, 30]
+
+
+# ---- a DST holding other records ----------------------------------------------------------------
+def test_a_dst_holding_another_prompts_record_is_refused_before_writing(src, tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    dump(other / "hs_1.safetensors", [7, 8, 9, 6])
+    dst = tmp_path / "sf"
+    assert convert(other, dst) == 0
+    kept = (dst / "rows_0-5000" / "data_1.ckpt").read_bytes()
+    capsys.readouterr()
+    assert convert(src, dst) == 2
+    assert error_line(capsys) == (
+        f"error: DST {dst} already holds {dst / 'rows_0-5000' / 'data_1.ckpt'}, whose input_ids "
+        f"are not hs_1.safetensors' token_ids (another dataset's record): pass another DST, or "
+        f"delete that record to convert it again")
+    assert sorted(os.listdir(dst / "rows_0-5000")) == ["data_1.ckpt"]  # nothing written
+    assert (dst / "rows_0-5000" / "data_1.ckpt").read_bytes() == kept
+
+
+def test_a_dst_holding_this_srcs_records_resumes(src, tmp_path, capsys):
+    dst = tmp_path / "sf"
+    assert convert(src, dst) == 0
+    os.unlink(dst / "rows_0-5000" / "data_0.ckpt")
+    capsys.readouterr()
+    assert convert(src, dst) == 0
+    assert json.loads(capsys.readouterr().out)["skipped_existing"] == 2
+    assert record(dst, 0)["input_ids"].tolist() == [10, 20, 30]
+
+
+@pytest.mark.parametrize("planted", ["bytes", "fifo"])
+def test_a_dst_record_that_is_not_readable_is_named(src, tmp_path, capsys, planted):
+    dst = tmp_path / "sf"
+    (dst / "rows_0-5000").mkdir(parents=True)
+    if planted == "fifo":  # never opened: the run cannot hang on it
+        os.mkfifo(dst / "rows_0-5000" / "data_2.ckpt")
+    else:
+        (dst / "rows_0-5000" / "data_2.ckpt").write_bytes(b"not a torch.save file")
+    assert convert(src, dst) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"error: DST {dst} already holds {dst / 'rows_0-5000' / 'data_2.ckpt'}, "
+                           f"which is not a record torch.load reads ("), line
+    assert line.endswith("): pass another DST, or delete that record to convert it again"), line
+    assert sorted(os.listdir(dst / "rows_0-5000")) == ["data_2.ckpt"]
