@@ -60,7 +60,8 @@ Exit status: 0 every record written or already there, 1 a file could not be conv
 folder without config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
 ``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
 rows whose ``input_ids`` differ from the file's ``token_ids``, a prompt with images and no
-image token id, torch not installed, a DST record of another dataset), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
+image token id, torch not installed, a DST record of another dataset, SRC files of two
+dumps: other layer ids, hidden size or dtype), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
 safetensors file, or an ``hs_<i>.safetensors`` that is not a regular file: a FIFO there
 is never opened, so it cannot hang the run).
 """
@@ -80,6 +81,7 @@ from sglang_ext.client.convert_inputs import (
     ConvertError,
     check_image_ids,
     check_num_layers,
+    check_one_dump,
     image_rows,
     image_token_ids,
     load_final_norm,
@@ -274,6 +276,7 @@ def main(args) -> int:
     with_images = image_rows(args.src)
     try:
         check_image_ids(args.src, with_images, args.image_token_id)
+        check_one_dump(args.src, indices)
         headers = (read_file_headers(args.src, indices)
                    if args.model or args.loss_mask_from else {})
         if args.model:

@@ -1,6 +1,8 @@
 """What ``sglang-ext convert`` reads besides the hs_<i> files, each checked before a record
 is written (``client.convert``'s module doc says what it does with them):
 
+- the hs_<i> files themselves: one dump's, one layer set, hidden size and record dtype
+  (``check_one_dump``);
 - ``--model DIR``: the final RMSNorm's weight and eps (``load_final_norm``) and the layer
   count every file's metadata must agree with (``check_num_layers``);
 - ``--loss-mask-from DATA``: one ``loss_mask`` per row, its ``input_ids`` compared with the
@@ -114,6 +116,42 @@ def read_file_headers(src: str, indices: Sequence[int]) -> Dict[int, Tuple[list,
         except Exception:  # noqa: BLE001 - a truncated or foreign file: reported when converted
             continue
     return out
+
+
+_RECORD_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "bfloat16",  # fp8: dequantized to bf16
+                  "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def check_one_dump(src: str, indices: Sequence[int]) -> None:
+    """Raise ``ConvertError`` when ``SRC``'s files are not of one dump: a file whose layer
+    ids (metadata ``layer_ids``, else its slot count), hidden size or record dtype (fp8:
+    bfloat16) differ from the first file's. Only headers are read; a file that cannot be
+    read is left out (the conversion names it)."""
+    from safetensors import safe_open
+
+    first: Optional[Tuple[int, list, int, str]] = None
+    for index in indices:
+        path = os.path.join(src, f"hs_{index}.safetensors")
+        try:
+            if regular_or_why(path, follow_symlinks=True):
+                continue
+            with safe_open(path, framework="numpy") as f:
+                hs = f.get_slice(fmt.KEY_HIDDEN_STATES)
+                shape, dtype = hs.get_shape(), hs.get_dtype()
+                meta = f.metadata() or {}
+            layers = json.loads(meta["layer_ids"]) if "layer_ids" in meta else f"{shape[1]} slots"
+            got = (index, layers, int(shape[2]), _RECORD_DTYPES.get(dtype, dtype.lower()))
+        except Exception:  # noqa: BLE001 - a truncated or foreign file: reported when converted
+            continue
+        if first is None:
+            first = got
+            continue
+        for k, what in ((1, "layer ids"), (2, "hidden size"), (3, "dtype")):
+            if got[k] != first[k]:
+                raise ConvertError(
+                    f"hs_{index}.safetensors has {what} {str(got[k])[:80]}, "
+                    f"hs_{first[0]}.safetensors {str(first[k])[:80]}: SRC holds files of two dumps, whose records one drafter "
+                    f"cannot train on together; convert each dump's files into its own DST")
 
 
 def check_num_layers(model_dir: str, headers: Dict[int, Tuple[list, dict]]) -> None:

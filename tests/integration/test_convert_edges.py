@@ -126,3 +126,35 @@ def test_a_dst_record_that_is_not_readable_is_named(src, tmp_path, capsys, plant
                            f"which is not a record torch.load reads ("), line
     assert line.endswith("): pass another DST, or delete that record to convert it again"), line
     assert sorted(os.listdir(dst / "rows_0-5000")) == ["data_2.ckpt"]
+
+
+# ---- files of two dumps in one SRC --------------------------------------------------------------
+@pytest.mark.parametrize("odd", ["layer_ids", "hidden", "dtype"])
+def test_files_of_two_dumps_in_one_src_are_refused_before_writing(src, tmp_path, capsys, odd):
+    kw = {"layer_ids": dict(layer_ids=(1, 3, 5)), "hidden": dict(hidden=16),
+          "dtype": dict(dtype=torch.float16)}[odd]
+    dump(src / "hs_2.safetensors", [12, 20, 30], **kw)
+    dst = tmp_path / "sf"
+    assert convert(src, dst) == 2
+    want = {"layer_ids": "layer ids [1, 3, 5], hs_0.safetensors [2, 4, 5]",
+            "hidden": "hidden size 16, hs_0.safetensors 8",
+            "dtype": "dtype float16, hs_0.safetensors bfloat16"}[odd]
+    assert error_line(capsys) == (
+        f"error: hs_2.safetensors has {want}: SRC holds files of two dumps, whose records one "
+        f"drafter cannot train on together; convert each dump's files into its own DST")
+    assert not dst.exists()
+
+
+def test_fp8_and_bf16_files_of_one_layer_set_convert_together(src, tmp_path):
+    from sglang_ext import quant
+
+    ids = [12, 20, 30]
+    ref = reference(ids).float()
+    q, scales = quant.quantize_fp8(ref.reshape(len(ids), -1), 3)
+    meta = {**fmt.build_metadata(rid="r", layer_ids=[2, 4, 5], num_layers=NUM_LAYERS),
+            **fmt.dtype_metadata(fmt.FP8)}
+    save_file({"hidden_states": q.reshape(ref.shape), "hidden_states_scales": scales[..., None],
+               "token_ids": torch.tensor(ids)}, str(src / "hs_2.safetensors"), metadata=meta)
+    assert convert(src, tmp_path / "sf") == 0  # both give bf16 records
+    assert record(tmp_path / "sf", 2)["hidden_state"].dtype == torch.bfloat16
+    assert record(tmp_path / "sf", 0)["hidden_state"].dtype == torch.bfloat16
