@@ -142,10 +142,16 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
     if hs.shape[1] < 2:
         raise ConvertError(f"{path}: {hs.shape[1]} layer slot(s); need aux layers plus the last")
     if "layer_ids" in rec.metadata and "num_layers" in rec.metadata:
-        if rec.layer_ids[-1] != int(rec.metadata["num_layers"]):
+        try:
+            num_layers = int(rec.metadata["num_layers"])
+        except ValueError:
+            raise ConvertError(f"{path}: metadata num_layers {rec.metadata['num_layers'][:80]!r} "
+                               f"is not a layer count; run extract again with the same --out to "
+                               f"replace it") from None
+        if rec.layer_ids[-1] != num_layers:
             raise ConvertError(
                 f"{path}: last slot is layer id {rec.layer_ids[-1]}, not the last layer "
-                f"({rec.metadata['num_layers']}); dump with id N in --dump-hidden-states-layers"
+                f"({num_layers}); dump with id N in --dump-hidden-states-layers"
             )
     t = ids.shape[0]
     last = hs[:, -1, :]

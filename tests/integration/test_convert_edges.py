@@ -158,3 +158,14 @@ def test_fp8_and_bf16_files_of_one_layer_set_convert_together(src, tmp_path):
     assert convert(src, tmp_path / "sf") == 0  # both give bf16 records
     assert record(tmp_path / "sf", 2)["hidden_state"].dtype == torch.bfloat16
     assert record(tmp_path / "sf", 0)["hidden_state"].dtype == torch.bfloat16
+
+
+# ---- hostile metadata ---------------------------------------------------------------------------
+def test_a_num_layers_that_is_not_a_number_is_one_sentence(tmp_path, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", [1, 2, 3], num_layers="five")
+    assert convert(src, tmp_path / "sf") == 1
+    assert error_line(capsys) == (
+        f"error: {src / 'hs_0.safetensors'}: metadata num_layers 'five' is not a layer count; "
+        f"run extract again with the same --out to replace it")
