@@ -110,8 +110,10 @@ def _check_layer_ids(path: str, meta: Dict[str, str], num_slots: int) -> None:
             or layer_ids != sorted(set(layer_ids))
             or len(layer_ids) != num_slots
         ):
+            value = meta["layer_ids"]  # a hostile file's may be megabytes: 80 characters told
+            shown = repr(value[:80]) + (f" ({len(value)} characters)" if len(value) > 80 else "")
             raise DumpFormatError(
-                f"{path}: metadata layer_ids {meta['layer_ids']!r} is not a sorted list of "
+                f"{path}: metadata layer_ids {shown} is not a sorted list of "
                 f"{num_slots} distinct layer ids (one per slot)"
             )
 

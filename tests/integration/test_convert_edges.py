@@ -169,3 +169,17 @@ def test_a_num_layers_that_is_not_a_number_is_one_sentence(tmp_path, capsys):
     assert error_line(capsys) == (
         f"error: {src / 'hs_0.safetensors'}: metadata num_layers 'five' is not a layer count; "
         f"run extract again with the same --out to replace it")
+
+
+def test_a_megabyte_of_layer_ids_is_not_echoed_whole(tmp_path, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    meta = fmt.build_metadata(rid="r", layer_ids=[2, 4, 5], num_layers=NUM_LAYERS)
+    meta["layer_ids"] = "[" + "7, " * 400_000 + "7]"  # 1.2 MB
+    save_file({"hidden_states": reference([1, 2, 3]), "token_ids": torch.tensor([1, 2, 3])},
+              str(src / "hs_0.safetensors"), metadata=meta)
+    assert convert(src, tmp_path / "sf") == 1
+    line = error_line(capsys)
+    assert len(line) < 600, len(line)
+    assert f"{src / 'hs_0.safetensors'}: metadata layer_ids '[7, 7, 7, " in line
+    assert "is not a sorted list of 3 distinct layer ids" in line
