@@ -106,7 +106,7 @@ def _check_layer_ids(path: str, meta: Dict[str, str], num_slots: int) -> None:
             layer_ids = None
         if (
             not isinstance(layer_ids, list)
-            or not all(isinstance(k, int) for k in layer_ids)
+            or not all(isinstance(k, int) and not isinstance(k, bool) for k in layer_ids)
             or layer_ids != sorted(set(layer_ids))
             or len(layer_ids) != num_slots
         ):

@@ -183,3 +183,17 @@ def test_a_megabyte_of_layer_ids_is_not_echoed_whole(tmp_path, capsys):
     assert len(line) < 600, len(line)
     assert f"{src / 'hs_0.safetensors'}: metadata layer_ids '[7, 7, 7, " in line
     assert "is not a sorted list of 3 distinct layer ids" in line
+
+
+def test_layer_ids_of_json_booleans_are_refused(tmp_path, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    meta = fmt.build_metadata(rid="r", layer_ids=[2, 4, 5], num_layers=NUM_LAYERS)
+    meta["layer_ids"] = "[false, true, 5]"  # Python's bools are ints: sorted, distinct, 3
+    save_file({"hidden_states": reference([1, 2, 3]), "token_ids": torch.tensor([1, 2, 3])},
+              str(src / "hs_0.safetensors"), metadata=meta)
+    assert convert(src, tmp_path / "sf") == 1
+    assert error_line(capsys) == (
+        f"error: {src / 'hs_0.safetensors'}: metadata layer_ids '[false, true, 5]' is not a sorted "
+        f"list of 3 distinct layer ids (one per slot); run extract again with the same --out to "
+        f"replace it")
