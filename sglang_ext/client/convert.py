@@ -228,17 +228,28 @@ def check_kept_records(src: str, dst: str, indices: Sequence[int],
 
 def save_atomic(obj, path: str, mode: int) -> None:
     """``torch.save(obj)`` to ``path`` through a temporary name (``files.Staged``): ``path``
-    only ever holds a complete record. Made with ``mode`` before the umask (``main``: the
+    only ever holds a complete record; ``ConvertError`` (one sentence naming ``path``) when
+    it cannot be written (a full disk), the temporary name removed. Made with ``mode`` before the umask (``main``: the
     ``KIMI_SGLANG_FILE_MODE`` of extract's files, 0600: hidden states stay the user's)."""
     import torch
 
     directory, name = os.path.split(path)
-    os.makedirs(directory, mode=dir_mode(mode), exist_ok=True)
-    with Staged(directory, name, unique=False) as staged:
-        tmp, fd = staged.create(mode)
-        with open(fd, "wb") as f:
-            torch.save(obj, f)
-        staged.publish(tmp)
+    try:
+        os.makedirs(directory, mode=dir_mode(mode), exist_ok=True)
+        with Staged(directory, name, unique=False) as staged:
+            tmp, fd = staged.create(mode)
+            with open(fd, "wb") as f:
+                torch.save(obj, f)
+            staged.publish(tmp)
+    except (OSError, RuntimeError) as e:
+        # torch.save's zip writer turns a full disk (ENOSPC) into its own RuntimeError
+        # ("unexpected pos ..."): the OSError that caused it is its context.
+        cause = e if isinstance(e, OSError) else e.__context__
+        why = (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(e)
+        raise ConvertError(f"DST {os.path.dirname(directory)}: cannot write {path} "
+                           f"({why.strip().splitlines()[0] if why.strip() else type(e).__name__}); "
+                           f"free space there, or pass another DST, and run again: the records "
+                           f"written are kept") from None
 
 
 def main(args) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -197,3 +198,36 @@ def test_layer_ids_of_json_booleans_are_refused(tmp_path, capsys):
         f"error: {src / 'hs_0.safetensors'}: metadata layer_ids '[false, true, 5]' is not a sorted "
         f"list of 3 distinct layer ids (one per slot); run extract again with the same --out to "
         f"replace it")
+
+
+# ---- a DST that fills up ------------------------------------------------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 64 KiB tmpfs (``mount -t tmpfs``, as root) at tmp_path/fs, unmounted after."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"mount -t tmpfs failed: {r.stderr}"
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_dst_is_one_sentence_naming_the_record_and_leaves_no_partial_file(
+        tmp_path, small_fs, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", [1, 2, 3])  # a small record: fits
+    dump(src / "hs_1.safetensors", list(range(1, 1501)))  # 1500 x 3 x 8 bf16: 70 KiB
+    dst = small_fs / "sf"
+    assert convert(src, dst) == 1
+    record_path = dst / "rows_0-5000" / "data_1.ckpt"
+    assert error_line(capsys) == (
+        f"error: DST {dst}: cannot write {record_path} (No space left on device); free space "
+        f"there, or pass another DST, and run again: the records written are kept")
+    assert sorted(os.listdir(dst / "rows_0-5000")) == ["data_0.ckpt"]  # no temporary name left
+    assert record(dst, 0)["input_ids"].tolist() == [1, 2, 3]
