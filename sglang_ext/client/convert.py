@@ -91,7 +91,7 @@ from sglang_ext.client.convert_inputs import (
 from sglang_ext.client.files import Staged, dir_mode, file_mode, regular_or_why
 
 GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
-_SRC = re.compile(r"hs_(\d+)\.safetensors")
+_SRC = re.compile(r"hs_(0|[1-9][0-9]*)\.safetensors")  # extract's names alone: not hs_01, no non-ASCII digit
 
 
 def require_regular(path: str) -> None:

@@ -231,3 +231,15 @@ def test_a_full_dst_is_one_sentence_naming_the_record_and_leaves_no_partial_file
         f"there, or pass another DST, and run again: the records written are kept")
     assert sorted(os.listdir(dst / "rows_0-5000")) == ["data_0.ckpt"]  # no temporary name left
     assert record(dst, 0)["input_ids"].tolist() == [1, 2, 3]
+
+
+# ---- names extract never writes -----------------------------------------------------------------
+def test_names_extract_never_writes_are_not_taken_for_hs_files(src, tmp_path, capsys):
+    """hs_01 (a leading zero) and hs_٣ (an Arabic-Indic digit, which Python's \\d and int()
+    take) are not row files: before, each was read as hs_1 / hs_3, a file named wrongly or
+    missing ("[Errno 2] No such file or directory", exit 1)."""
+    os.rename(src / "hs_1.safetensors", src / "hs_01.safetensors")
+    os.rename(src / "hs_2.safetensors", src / "hs_\u0663.safetensors")
+    assert convert(src, tmp_path / "sf") == 0
+    assert sorted(os.listdir(tmp_path / "sf" / "rows_0-5000")) == ["data_0.ckpt"]
+    assert record(tmp_path / "sf", 0)["input_ids"].tolist() == [10, 20, 30]
