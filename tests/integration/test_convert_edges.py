@@ -243,3 +243,15 @@ def test_names_extract_never_writes_are_not_taken_for_hs_files(src, tmp_path, ca
     assert convert(src, tmp_path / "sf") == 0
     assert sorted(os.listdir(tmp_path / "sf" / "rows_0-5000")) == ["data_0.ckpt"]
     assert record(tmp_path / "sf", 0)["input_ids"].tolist() == [10, 20, 30]
+
+
+def test_a_megabyte_num_prompt_tokens_is_not_echoed_whole(tmp_path, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", [1, 2, 3], num_prompt_tokens="1" * 1_000_000, last_token_id="7")
+    assert convert(src, tmp_path / "sf") == 1
+    line = error_line(capsys)
+    assert len(line) < 600, len(line)
+    assert line.startswith(f"error: {src / 'hs_0.safetensors'}: metadata num_prompt_tokens "
+                           f"'1111111111"), line
+    assert "(1000000 characters) is not a non-negative decimal integer" in line, line
