@@ -61,7 +61,7 @@ folder without config.json or whose ``num_hidden_layers`` differs from the files
 ``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
 rows whose ``input_ids`` differ from the file's ``token_ids``, a prompt with images and no
 image token id, torch not installed, a DST record of another dataset, SRC files of two
-dumps: other layer ids, hidden size or dtype), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
+dumps: other layer ids, hidden size or dtype, ``--loss-mask-from`` with generated files), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
 safetensors file, or an ``hs_<i>.safetensors`` that is not a regular file: a FIFO there
 is never opened, so it cannot hang the run).
 """
@@ -298,6 +298,13 @@ def main(args) -> int:
                    if args.model or args.loss_mask_from else {})
         if args.model:
             check_num_layers(args.model, headers)
+        generated = next((i for i, (_, meta) in sorted(headers.items())
+                          if fmt.NUM_PROMPT_TOKENS_KEY in meta), None) if args.loss_mask_from else None
+        if generated is not None:  # DATA's mask covers the prompt alone (format.output)
+            raise ConvertError(f"--loss-mask-from {args.loss_mask_from}: hs_{generated}.safetensors "
+                               f"holds generated tokens (extract --generate): its loss mask is the "
+                               f"file's own (0 on the prompt, 1 on the response); run convert "
+                               f"without --loss-mask-from")
         masks = (load_loss_masks(args.loss_mask_from, indices,
                                  {i: ids for i, (ids, _) in headers.items()})
                  if args.loss_mask_from else None)

@@ -255,3 +255,21 @@ def test_a_megabyte_num_prompt_tokens_is_not_echoed_whole(tmp_path, capsys):
     assert line.startswith(f"error: {src / 'hs_0.safetensors'}: metadata num_prompt_tokens "
                            f"'1111111111"), line
     assert "(1000000 characters) is not a non-negative decimal integer" in line, line
+
+
+# ---- --loss-mask-from with files of extract --generate ------------------------------------------
+def test_loss_masks_of_data_for_generated_files_are_refused_saying_why(tmp_path, capsys):
+    """A file with output rows holds the prompt (3 tokens) then the response's fed ids (2):
+    DATA's loss_mask covers the prompt alone. Before, the refusal said the mask 'belongs to
+    another prompt', which it does not."""
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", [1, 2, 3, 40, 41], num_prompt_tokens="3", last_token_id="42")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}) + "\n")
+    assert convert(src, tmp_path / "sf", "--loss-mask-from", data) == 2
+    assert error_line(capsys) == (
+        f"error: --loss-mask-from {data}: hs_0.safetensors holds generated tokens (extract "
+        f"--generate): its loss mask is the file's own (0 on the prompt, 1 on the response); "
+        f"run convert without --loss-mask-from")
+    assert not (tmp_path / "sf").exists()
