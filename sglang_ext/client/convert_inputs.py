@@ -244,7 +244,7 @@ def image_token_ids(meta: Dict[str, str]) -> Optional[frozenset]:
         if not isinstance(got, list) or not got or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in got):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         raise ConvertError(f"metadata image_token_id {value[:80]!r} is not a token id or a "
                            f"list of them; pass --image-token-id") from None
     return frozenset(got)
@@ -263,7 +263,7 @@ def image_rows(src: str) -> Dict[int, int]:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):  # a line nested past Python's limit too
                     continue
                 if isinstance(rec, dict) and isinstance(rec.get("index"), int):
                     n = rec.get("images")

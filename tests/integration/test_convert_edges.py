@@ -273,3 +273,21 @@ def test_loss_masks_of_data_for_generated_files_are_refused_saying_why(tmp_path,
         f"--generate): its loss mask is the file's own (0 on the prompt, 1 on the response); "
         f"run convert without --loss-mask-from")
     assert not (tmp_path / "sf").exists()
+
+
+# ---- deeply nested JSON where convert reads JSON ------------------------------------------------
+def test_a_deeply_nested_image_token_id_is_one_sentence(tmp_path, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", [1, 2, 3], image_token_id="[" * 100_000 + "]" * 100_000)
+    assert convert(src, tmp_path / "sf") == 1
+    assert error_line(capsys) == (
+        f"error: {src / 'hs_0.safetensors'}: metadata image_token_id {'[' * 80!r} is not a "
+        f"token id or a list of them; pass --image-token-id")
+
+
+def test_a_deeply_nested_manifest_line_is_skipped_as_other_lines_that_are_not_json(src, tmp_path):
+    (src / "manifest.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n"
+                                        + json.dumps({"index": 0, "images": 0}) + "\n")
+    assert convert(src, tmp_path / "sf") == 0
+    assert record(tmp_path / "sf", 0)["input_ids"].tolist() == [10, 20, 30]
