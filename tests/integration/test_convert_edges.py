@@ -291,3 +291,22 @@ def test_a_deeply_nested_manifest_line_is_skipped_as_other_lines_that_are_not_js
                                         + json.dumps({"index": 0, "images": 0}) + "\n")
     assert convert(src, tmp_path / "sf") == 0
     assert record(tmp_path / "sf", 0)["input_ids"].tolist() == [10, 20, 30]
+
+
+# ---- empty tensors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(0, 3, 8), (3, 3, 0)])
+def test_a_file_without_tokens_or_channels_is_one_sentence(tmp_path, capsys, shape):
+    """Before: 0 tokens was a RuntimeError traceback (reshape of 0 elements), hidden size 0
+    a record of [1, 3, 0] written with exit 0."""
+    src = tmp_path / "hs"
+    src.mkdir()
+    save_file({"hidden_states": torch.zeros(shape, dtype=torch.bfloat16),
+               "token_ids": torch.arange(1, shape[0] + 1, dtype=torch.int64)},
+              str(src / "hs_0.safetensors"),
+              metadata=fmt.build_metadata(rid="r", layer_ids=[2, 4, 5], num_layers=NUM_LAYERS))
+    assert convert(src, tmp_path / "sf") == 1
+    assert error_line(capsys) == (
+        f"error: {src / 'hs_0.safetensors'}: hidden_states {list(shape)} holds no "
+        f"{'token' if shape[0] == 0 else 'channel'}, not a sample; run extract again with the "
+        f"same --out to replace it")
+    assert not (tmp_path / "sf").exists()
