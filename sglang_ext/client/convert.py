@@ -139,6 +139,10 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
         raise ConvertError(f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}; run extract "
                            f"again with the same --out to replace it") from None
     hs, ids = rec.hidden_states, rec.token_ids
+    if hs.dtype not in (torch.bfloat16, torch.float16, torch.float32):  # fp8: bf16 by now
+        raise ConvertError(f"{path}: hidden_states of {hs.dtype}, not a dtype the server writes "
+                           f"(bfloat16, float16, float32, or float8_e4m3fn with its scales); run "
+                           f"extract again with the same --out to replace it")
     if hs.shape[0] == 0 or hs.shape[2] == 0:  # extract never writes one: a prompt has a token
         raise ConvertError(f"{path}: hidden_states {list(hs.shape)} holds no "
                            f"{'token' if hs.shape[0] == 0 else 'channel'}, not a sample; run "

@@ -310,3 +310,20 @@ def test_a_file_without_tokens_or_channels_is_one_sentence(tmp_path, capsys, sha
         f"{'token' if shape[0] == 0 else 'channel'}, not a sample; run extract again with the "
         f"same --out to replace it")
     assert not (tmp_path / "sf").exists()
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool", "float8_e5m2"])
+def test_hidden_states_of_a_dtype_the_server_never_writes_are_refused(tmp_path, capsys, dtype):
+    """Before: int32, bool and (scale-less) float8_e5m2 rows were saved as records of that
+    dtype, exit 0."""
+    src = tmp_path / "hs"
+    src.mkdir()
+    save_file({"hidden_states": torch.ones(3, 3, 8).to(getattr(torch, dtype)),
+               "token_ids": torch.tensor([1, 2, 3])}, str(src / "hs_0.safetensors"),
+              metadata=fmt.build_metadata(rid="r", layer_ids=[2, 4, 5], num_layers=NUM_LAYERS))
+    assert convert(src, tmp_path / "sf") == 1
+    assert error_line(capsys) == (
+        f"error: {src / 'hs_0.safetensors'}: hidden_states of torch.{dtype}, not a dtype the "
+        f"server writes (bfloat16, float16, float32, or float8_e4m3fn with its scales); run "
+        f"extract again with the same --out to replace it")
+    assert not (tmp_path / "sf").exists()
