@@ -147,6 +147,10 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
         raise ConvertError(f"{path}: hidden_states {list(hs.shape)} holds no "
                            f"{'token' if hs.shape[0] == 0 else 'channel'}, not a sample; run "
                            f"extract again with the same --out to replace it")
+    if bool((ids < 0).any()):  # extract sends none; SpecForge's embedding cannot look one up
+        k = int((ids < 0).nonzero()[0, 0])
+        raise ConvertError(f"{path}: token id {int(ids[k])} at position {k} is negative, not a "
+                           f"token id; run extract again with the same --out to replace it")
     if hs.shape[1] < 2:
         raise ConvertError(f"{path}: {hs.shape[1]} layer slot(s); need aux layers plus the last")
     if "layer_ids" in rec.metadata and "num_layers" in rec.metadata:

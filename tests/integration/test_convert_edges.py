@@ -327,3 +327,15 @@ def test_hidden_states_of_a_dtype_the_server_never_writes_are_refused(tmp_path, 
         f"server writes (bfloat16, float16, float32, or float8_e4m3fn with its scales); run "
         f"extract again with the same --out to replace it")
     assert not (tmp_path / "sf").exists()
+
+
+def test_negative_token_ids_are_refused(tmp_path, capsys):
+    """Before: a record with input_ids [1, -5, 3] was written (exit 0); SpecForge's
+    embedding lookup fails on it at training time."""
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", [1, -5, 3])
+    assert convert(src, tmp_path / "sf") == 1
+    assert error_line(capsys) == (
+        f"error: {src / 'hs_0.safetensors'}: token id -5 at position 1 is negative, not a token "
+        f"id; run extract again with the same --out to replace it")
