@@ -66,26 +66,47 @@ def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object"
         eps = (config.get("text_config") or {}).get("rms_norm_eps")
     if eps is None:
         raise ConvertError(f"{model_dir}/config.json has no rms_norm_eps")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise ConvertError(f"{model_dir}/config.json's rms_norm_eps {str(eps)[:80]!r} is not a "
+                           f"number")
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (OSError, ValueError, RecursionError, TypeError, KeyError):
+            raise ConvertError(f"--model {model_dir}: model.safetensors.index.json is not JSON "
+                               f"with a weight_map (tensor name -> file)") from None
     else:
         single = os.path.join(model_dir, "model.safetensors")
         if not os.path.exists(single):
             raise ConvertError(f"{model_dir}: no model.safetensors(.index.json)")
-        with safe_open(single, framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+        try:
+            with safe_open(single, framework="pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - SafetensorError and the OS's words alike
+            raise ConvertError(f"--model {model_dir}: cannot read model.safetensors "
+                               f"({_first_line(e)})") from None
     candidates = [key] if key else [k for k in NORM_KEYS if k in weight_map]
     if not candidates or candidates[0] not in weight_map:
         raise ConvertError(
             f"{model_dir}: final norm weight not found (tried {list(NORM_KEYS) if not key else key}); "
             f"pass --norm-key"
         )
-    name = candidates[0]
-    with safe_open(os.path.join(model_dir, weight_map[name]), framework="pt") as f:
-        weight = f.get_tensor(name).float()
+    name, file = candidates[0], str(weight_map[candidates[0]])
+    try:
+        with safe_open(os.path.join(model_dir, file), framework="pt") as f:
+            weight = f.get_tensor(name).float()
+    except Exception as e:  # noqa: BLE001 - a missing shard, a truncated file
+        raise ConvertError(f"--model {model_dir}: cannot read {name} from {file} "
+                           f"({_first_line(e)})") from None
     return weight, float(eps)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def model_num_layers(model_dir: str) -> Optional[int]:

@@ -339,3 +339,42 @@ def test_negative_token_ids_are_refused(tmp_path, capsys):
     assert error_line(capsys) == (
         f"error: {src / 'hs_0.safetensors'}: token id -5 at position 1 is negative, not a token "
         f"id; run extract again with the same --out to replace it")
+
+
+# ---- --model folders that are not checkpoints ---------------------------------------------------
+@pytest.mark.parametrize("index, why", [
+    ("not json", "model.safetensors.index.json is not JSON with a weight_map"),
+    ('{"x": 1}', "model.safetensors.index.json is not JSON with a weight_map"),
+    ('{"weight_map": {"model.norm.weight": "gone.safetensors"}}',
+     "cannot read model.norm.weight from gone.safetensors"),
+    (None, "cannot read model.safetensors (Error while deserializing header"),
+])
+def test_a_model_folder_whose_weights_cannot_be_read_is_one_sentence(src, tmp_path, capsys,
+                                                                     index, why):
+    """Before: JSONDecodeError, KeyError, FileNotFoundError or SafetensorError tracebacks."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": NUM_LAYERS,
+                                                   "rms_norm_eps": 1e-5}))
+    if index is None:  # a header that lists the norm, over bytes that are not there
+        header = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": [8],
+                                                   "data_offsets": [0, 32]}}).encode()
+        (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    else:
+        (model / "model.safetensors.index.json").write_text(index)
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--model",
+                 str(model)]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"error: --model {model}: {why}"), line
+    assert not (tmp_path / "sf").exists()
+
+
+def test_an_rms_norm_eps_that_is_not_a_number_is_one_sentence(src, tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": NUM_LAYERS,
+                                                   "rms_norm_eps": "tiny"}))
+    save_file({"model.norm.weight": torch.ones(8)}, str(model / "model.safetensors"))
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--model",
+                 str(model)]) == 2
+    assert error_line(capsys) == f"error: {model}/config.json's rms_norm_eps 'tiny' is not a number"
