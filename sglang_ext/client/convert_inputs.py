@@ -48,8 +48,11 @@ def model_config(model_dir: str) -> dict:
                            f"Face checkpoint folder (config.json + *.safetensors)")
     try:
         with open(config_path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        return config
+    except (OSError, ValueError, RecursionError) as e:
         raise ConvertError(f"{config_path} is not readable JSON: {e}") from None
 
 

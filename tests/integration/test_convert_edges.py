@@ -378,3 +378,14 @@ def test_an_rms_norm_eps_that_is_not_a_number_is_one_sentence(src, tmp_path, cap
     assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--model",
                  str(model)]) == 2
     assert error_line(capsys) == f"error: {model}/config.json's rms_norm_eps 'tiny' is not a number"
+
+
+def test_a_config_json_that_is_not_an_object_is_one_sentence(src, tmp_path, capsys):
+    """Before: AttributeError ('list' object has no attribute 'get'), a traceback."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("[1, 2]")
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--model",
+                 str(model)]) == 2
+    assert error_line(capsys) == (f"error: {model / 'config.json'} is not readable JSON: not a "
+                                  f"JSON object")
