@@ -105,6 +105,9 @@ def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object"
     except Exception as e:  # noqa: BLE001 - a missing shard, a truncated file
         raise ConvertError(f"--model {model_dir}: cannot read {name} from {file} "
                            f"({_first_line(e)})") from None
+    if weight.dim() != 1:
+        raise ConvertError(f"--model {model_dir}: {name} has shape {list(weight.shape)}, not "
+                           f"[hidden_size]; pass --norm-key naming the final norm")
     return weight, float(eps)
 
 

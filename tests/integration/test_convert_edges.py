@@ -389,3 +389,17 @@ def test_a_config_json_that_is_not_an_object_is_one_sentence(src, tmp_path, caps
                  str(model)]) == 2
     assert error_line(capsys) == (f"error: {model / 'config.json'} is not readable JSON: not a "
                                   f"JSON object")
+
+
+def test_a_norm_weight_that_is_not_one_dimensional_is_one_sentence(src, tmp_path, capsys):
+    """A [H, 1] weight passed the length check; before, broadcasting it against [T, H] was a
+    RuntimeError traceback (or, with T == H, a [H, H] hidden_state written)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": NUM_LAYERS,
+                                                   "rms_norm_eps": 1e-5}))
+    save_file({"model.norm.weight": torch.ones(8, 1)}, str(model / "model.safetensors"))
+    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--model",
+                 str(model)]) == 2
+    assert error_line(capsys) == (f"error: --model {model}: model.norm.weight has shape [8, 1], "
+                                  f"not [hidden_size]; pass --norm-key naming the final norm")
