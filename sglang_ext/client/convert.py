@@ -294,8 +294,8 @@ def main(args) -> int:
         print(f"error: --loss-mask-from {args.loss_mask_from} does not exist (pass the DATA "
               f"given to extract)", file=sys.stderr)
         return 2
-    if any(t < 0 for t in args.image_token_id or []):
-        print("error: --image-token-id must be a non-negative token id", file=sys.stderr)
+    if any(not 0 <= t < 2 ** 63 for t in args.image_token_id or []):  # input_ids are int64
+        print("error: --image-token-id must be a non-negative token id (int64)", file=sys.stderr)
         return 2
     try:
         mode = file_mode()

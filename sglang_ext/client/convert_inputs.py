@@ -269,7 +269,7 @@ def image_token_ids(meta: Dict[str, str]) -> Optional[frozenset]:
         got = json.loads(value)
         got = [got] if isinstance(got, int) else got
         if not isinstance(got, list) or not got or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in got):
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63 for t in got):
             raise ValueError
     except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         raise ConvertError(f"metadata image_token_id {value[:80]!r} is not a token id or a "

@@ -403,3 +403,22 @@ def test_a_norm_weight_that_is_not_one_dimensional_is_one_sentence(src, tmp_path
                  str(model)]) == 2
     assert error_line(capsys) == (f"error: --model {model}: model.norm.weight has shape [8, 1], "
                                   f"not [hidden_size]; pass --norm-key naming the final norm")
+
+
+# ---- image token ids past int64 -----------------------------------------------------------------
+def test_an_image_token_id_flag_past_int64_is_one_sentence(src, tmp_path, capsys):
+    """Before: 'ValueError: Overflow when unpacking long long', a traceback."""
+    assert convert(src, tmp_path / "sf", "--image-token-id", 2 ** 70) == 2
+    assert error_line(capsys) == ("error: --image-token-id must be a non-negative token id "
+                                  "(int64)")
+    assert not (tmp_path / "sf").exists()
+
+
+def test_a_metadata_image_token_id_past_int64_is_one_sentence(tmp_path, capsys):
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", [1, 2, 3], image_token_id=str(2 ** 70))
+    assert convert(src, tmp_path / "sf") == 1
+    assert error_line(capsys) == (
+        f"error: {src / 'hs_0.safetensors'}: metadata image_token_id '{2 ** 70}' is not a token "
+        f"id or a list of them; pass --image-token-id")
