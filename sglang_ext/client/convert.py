@@ -68,6 +68,7 @@ is never opened, so it cannot hang the run).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -258,10 +259,12 @@ def save_atomic(obj, path: str, mode: int) -> None:
         # ("unexpected pos ..."): the OSError that caused it is its context.
         cause = e if isinstance(e, OSError) else e.__context__
         why = (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(e)
+        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
         raise ConvertError(f"DST {os.path.dirname(directory)}: cannot write {path} "
                            f"({why.strip().splitlines()[0] if why.strip() else type(e).__name__}); "
-                           f"free space there, or pass another DST, and run again: the records "
-                           f"written are kept") from None
+                           + ("free space there, or pass another DST," if full else
+                              "pass another DST, or fix this one,")
+                           + " and run again: the records written are kept") from None
 
 
 def main(args) -> int:

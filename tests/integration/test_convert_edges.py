@@ -422,3 +422,14 @@ def test_a_metadata_image_token_id_past_int64_is_one_sentence(tmp_path, capsys):
     assert error_line(capsys) == (
         f"error: {src / 'hs_0.safetensors'}: metadata image_token_id '{2 ** 70}' is not a token "
         f"id or a list of them; pass --image-token-id")
+
+
+def test_a_rows_folder_that_is_a_file_is_one_sentence_without_a_disk_space_hint(src, tmp_path,
+                                                                                capsys):
+    dst = tmp_path / "sf"
+    dst.mkdir()
+    (dst / "rows_0-5000").write_text("a file where the group folder goes")
+    assert convert(src, dst) == 1
+    assert error_line(capsys) == (
+        f"error: DST {dst}: cannot write {dst / 'rows_0-5000' / 'data_0.ckpt'} (File exists); "
+        f"pass another DST, or fix this one, and run again: the records written are kept")
