@@ -214,8 +214,8 @@ def check_kept_records(src: str, dst: str, indices: Sequence[int],
     """Raise ``ConvertError`` unless every record already at ``DST`` for ``indices`` (kept
     on resume) is one ``torch.load`` reads whose ``input_ids`` equal its ``hs_<i>`` file's
     token ids (``headers``: ``read_file_headers``; a file left out there is named when
-    converted, its record kept as it is). Records are loaded with ``mmap``: their hidden
-    states are not read."""
+    converted, its record kept as it is). Records are loaded with ``mmap`` (their hidden
+    states not read), torch's legacy non-zip ones whole."""
     import torch
 
     for index in indices:
@@ -226,7 +226,11 @@ def check_kept_records(src: str, dst: str, indices: Sequence[int],
         try:
             if what:
                 raise ValueError(f"not a regular file: {what}")
-            ids = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["input_ids"]
+            try:
+                rec = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError:  # torch's legacy (non-zip) format cannot be mmapped: read whole
+                rec = torch.load(path, map_location="cpu", weights_only=True)
+            ids = rec["input_ids"]
             same = ids.tolist() == headers[index][0]
         except Exception as e:  # noqa: BLE001 - pickle, zip and key errors all say the same
             detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

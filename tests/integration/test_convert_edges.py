@@ -433,3 +433,14 @@ def test_a_rows_folder_that_is_a_file_is_one_sentence_without_a_disk_space_hint(
     assert error_line(capsys) == (
         f"error: DST {dst}: cannot write {dst / 'rows_0-5000' / 'data_0.ckpt'} (File exists); "
         f"pass another DST, or fix this one, and run again: the records written are kept")
+
+
+def test_a_kept_record_in_torchs_legacy_format_is_read_too(src, tmp_path, capsys):
+    """torch.save(..., _use_new_zipfile_serialization=False) records cannot be mmapped; one of
+    the same prompt is still kept (read whole), not refused as unreadable."""
+    dst = tmp_path / "sf"
+    (dst / "rows_0-5000").mkdir(parents=True)
+    torch.save({"input_ids": torch.tensor([10, 20, 30])}, dst / "rows_0-5000" / "data_0.ckpt",
+               _use_new_zipfile_serialization=False)
+    assert convert(src, dst) == 0
+    assert json.loads(capsys.readouterr().out)["skipped_existing"] == 1
