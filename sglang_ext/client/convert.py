@@ -246,14 +246,17 @@ def check_kept_records(src: str, dst: str, indices: Sequence[int],
 def save_atomic(obj, path: str, mode: int) -> None:
     """``torch.save(obj)`` to ``path`` through a temporary name (``files.Staged``): ``path``
     only ever holds a complete record; ``ConvertError`` (one sentence naming ``path``) when
-    it cannot be written (a full disk), the temporary name removed. Made with ``mode`` before the umask (``main``: the
-    ``KIMI_SGLANG_FILE_MODE`` of extract's files, 0600: hidden states stay the user's)."""
+    it cannot be written (a full disk), the temporary name removed. Temporary names are
+    this run's own (``.data_<i>.ckpt.tmp.<8 hex>``): another convert into DST keeps its
+    own, and a killed run's stays, hidden, never matching SpecForge's ``*.ckpt``. Made
+    with ``mode`` before the umask (``main``: the ``KIMI_SGLANG_FILE_MODE`` of extract's
+    files, 0600: hidden states stay the user's)."""
     import torch
 
     directory, name = os.path.split(path)
     try:
         os.makedirs(directory, mode=dir_mode(mode), exist_ok=True)
-        with Staged(directory, name, unique=False) as staged:
+        with Staged(directory, name) as staged:
             tmp, fd = staged.create(mode)
             with open(fd, "wb") as f:
                 torch.save(obj, f)

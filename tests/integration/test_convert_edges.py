@@ -444,3 +444,20 @@ def test_a_kept_record_in_torchs_legacy_format_is_read_too(src, tmp_path, capsys
                _use_new_zipfile_serialization=False)
     assert convert(src, dst) == 0
     assert json.loads(capsys.readouterr().out)["skipped_existing"] == 1
+
+
+# ---- two converts into one DST ------------------------------------------------------------------
+def test_another_runs_temporary_record_is_left_alone(src, tmp_path):
+    """Another convert into the same DST, writing data_0's record, holds the temporary name
+    .data_0.ckpt.tmp with a partial record. Before, this run unlinked that name and made its
+    own file there, so the other run's rename published this run's file, partial if it was
+    still being written, under data_0.ckpt. Each run now has temporary names of its own."""
+    dst = tmp_path / "sf"
+    (dst / "rows_0-5000").mkdir(parents=True)
+    theirs = dst / "rows_0-5000" / ".data_0.ckpt.tmp"
+    theirs.write_bytes(b"PK\x03\x04 half a record")
+    assert convert(src, dst) == 0
+    assert theirs.read_bytes() == b"PK\x03\x04 half a record"
+    assert record(dst, 0)["input_ids"].tolist() == [10, 20, 30]
+    left = sorted(n for n in os.listdir(dst / "rows_0-5000") if n.startswith("."))
+    assert left == [".data_0.ckpt.tmp"], left  # none of this run's temporary names stays
