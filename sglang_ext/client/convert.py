@@ -204,8 +204,12 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
     return {
         "input_ids": ids.to(torch.long).clone(),
         "loss_mask": mask,
-        "hidden_state": last.contiguous().unsqueeze(0).clone(),
-        "aux_hidden_state": hs[:, :-1, :].reshape(t, -1).contiguous().unsqueeze(0).clone(),
+        # One copy each, of exactly its bytes (torch.save writes a view's whole storage):
+        # clone() of a slice with gaps is contiguous; a dense one (T = 1) is copied too.
+        "hidden_state": (last if norm is not None  # rms_norm's result is a new tensor
+                         else last.clone(memory_format=torch.contiguous_format)).unsqueeze(0),
+        "aux_hidden_state": hs[:, :-1, :].clone(memory_format=torch.contiguous_format)
+                                         .reshape(t, -1).unsqueeze(0),
     }, generated
 
 

@@ -461,3 +461,34 @@ def test_another_runs_temporary_record_is_left_alone(src, tmp_path):
     assert record(dst, 0)["input_ids"].tolist() == [10, 20, 30]
     left = sorted(n for n in os.listdir(dst / "rows_0-5000") if n.startswith("."))
     assert left == [".data_0.ckpt.tmp"], left  # none of this run's temporary names stays
+
+
+# ---- what torch.save writes -----------------------------------------------------------------------
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("ids", [[7], [1, 2, 3, 4, 5]])
+def test_each_record_tensor_owns_exactly_its_bytes(tmp_path, ids, with_norm):
+    """torch.save writes a view's whole storage: a record tensor sharing the file's
+    [T, L, H] storage would carry every slot again. Each must own exactly numel * itemsize
+    bytes (T = 1 makes the aux slice contiguous, a view without a copy)."""
+    src = tmp_path / "hs"
+    src.mkdir()
+    dump(src / "hs_0.safetensors", ids)
+    ref = reference(ids)
+    if with_norm:  # weight 1, eps 0: x / rms(x), in float32 (HF's RMSNorm), then bf16
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"num_hidden_layers": NUM_LAYERS,
+                                                       "rms_norm_eps": 0.0}))
+        save_file({"model.norm.weight": torch.ones(8)}, str(model / "model.safetensors"))
+        assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "sf"), "--model",
+                     str(model)]) == 0
+        last = ref[:, 2].float()
+        want = (last / last.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
+    else:
+        assert convert(src, tmp_path / "sf") == 0
+        want = ref[:, 2]
+    rec = record(tmp_path / "sf", 0)
+    assert torch.equal(rec["aux_hidden_state"][0], ref[:, :2].reshape(len(ids), -1))
+    assert torch.allclose(rec["hidden_state"][0].float(), want.float(), rtol=2 ** -7, atol=0)
+    for key, tensor in rec.items():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), key
