@@ -52,20 +52,23 @@ position at least (else exit 1: the id is wrong).
 Layout: ``DST/rows_<g>-<g+5000>/data_<i>.ckpt`` as SpecForge writes it. Each record is
 written to a temporary name and renamed; existing records are skipped (resume) and the
 run says so on stderr: they keep the loss masks and norm they were written with (delete
-DST to redo them).
+DST to redo them). A record there whose ``input_ids`` are not its file's token ids
+(another dataset's), or that ``torch.load`` cannot read, is refused (exit 2).
 
 Exit status: 0 every record written or already there, 1 a file could not be converted,
-2 bad input (SRC without hs_<i> files, DST not a directory, a model folder without
-config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
+2 bad input (SRC without hs_<i> files, DST not a directory, or SRC or inside it, a model
+folder without config.json or whose ``num_hidden_layers`` differs from the files' ``num_layers``, a
 ``--loss-mask-from`` that does not exist, loss masks missing for some rows or given for
 rows whose ``input_ids`` differ from the file's ``token_ids``, a prompt with images and no
-image token id, torch not installed), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
+image token id, torch not installed, a DST record of another dataset, SRC files of two
+dumps: other layer ids, hidden size or dtype, ``--loss-mask-from`` with generated files), each with one sentence on stderr. Exit 1 names the file (e.g. one that is not a readable
 safetensors file, or an ``hs_<i>.safetensors`` that is not a regular file: a FIFO there
 is never opened, so it cannot hang the run).
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import os
@@ -79,6 +82,7 @@ from sglang_ext.client.convert_inputs import (
     ConvertError,
     check_image_ids,
     check_num_layers,
+    check_one_dump,
     image_rows,
     image_token_ids,
     load_final_norm,
@@ -88,7 +92,7 @@ from sglang_ext.client.convert_inputs import (
 from sglang_ext.client.files import Staged, dir_mode, file_mode, regular_or_why
 
 GROUP_SIZE = 5000  # prepare_hidden_states.py: rows_{start}-{start + 5000}
-_SRC = re.compile(r"hs_(\d+)\.safetensors")
+_SRC = re.compile(r"hs_(0|[1-9][0-9]*)\.safetensors")  # extract's names alone: not hs_01, no non-ASCII digit
 
 
 def require_regular(path: str) -> None:
@@ -136,13 +140,31 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
         raise ConvertError(f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}; run extract "
                            f"again with the same --out to replace it") from None
     hs, ids = rec.hidden_states, rec.token_ids
+    if hs.dtype not in (torch.bfloat16, torch.float16, torch.float32):  # fp8: bf16 by now
+        raise ConvertError(f"{path}: hidden_states of {hs.dtype}, not a dtype the server writes "
+                           f"(bfloat16, float16, float32, or float8_e4m3fn with its scales); run "
+                           f"extract again with the same --out to replace it")
+    if hs.shape[0] == 0 or hs.shape[2] == 0:  # extract never writes one: a prompt has a token
+        raise ConvertError(f"{path}: hidden_states {list(hs.shape)} holds no "
+                           f"{'token' if hs.shape[0] == 0 else 'channel'}, not a sample; run "
+                           f"extract again with the same --out to replace it")
+    if bool((ids < 0).any()):  # extract sends none; SpecForge's embedding cannot look one up
+        k = int((ids < 0).nonzero()[0, 0])
+        raise ConvertError(f"{path}: token id {int(ids[k])} at position {k} is negative, not a "
+                           f"token id; run extract again with the same --out to replace it")
     if hs.shape[1] < 2:
         raise ConvertError(f"{path}: {hs.shape[1]} layer slot(s); need aux layers plus the last")
     if "layer_ids" in rec.metadata and "num_layers" in rec.metadata:
-        if rec.layer_ids[-1] != int(rec.metadata["num_layers"]):
+        try:
+            num_layers = int(rec.metadata["num_layers"])
+        except ValueError:
+            raise ConvertError(f"{path}: metadata num_layers {rec.metadata['num_layers'][:80]!r} "
+                               f"is not a layer count; run extract again with the same --out to "
+                               f"replace it") from None
+        if rec.layer_ids[-1] != num_layers:
             raise ConvertError(
                 f"{path}: last slot is layer id {rec.layer_ids[-1]}, not the last layer "
-                f"({rec.metadata['num_layers']}); dump with id N in --dump-hidden-states-layers"
+                f"({num_layers}); dump with id N in --dump-hidden-states-layers"
             )
     t = ids.shape[0]
     last = hs[:, -1, :]
@@ -182,24 +204,78 @@ def to_specforge_record(path: str, norm, loss_mask: Optional[list],
     return {
         "input_ids": ids.to(torch.long).clone(),
         "loss_mask": mask,
-        "hidden_state": last.contiguous().unsqueeze(0).clone(),
-        "aux_hidden_state": hs[:, :-1, :].reshape(t, -1).contiguous().unsqueeze(0).clone(),
+        # One copy each, of exactly its bytes (torch.save writes a view's whole storage):
+        # clone() of a slice with gaps is contiguous; a dense one (T = 1) is copied too.
+        "hidden_state": (last if norm is not None  # rms_norm's result is a new tensor
+                         else last.clone(memory_format=torch.contiguous_format)).unsqueeze(0),
+        "aux_hidden_state": hs[:, :-1, :].clone(memory_format=torch.contiguous_format)
+                                         .reshape(t, -1).unsqueeze(0),
     }, generated
+
+
+def check_kept_records(src: str, dst: str, indices: Sequence[int],
+                       headers: Dict[int, Tuple[list, dict]]) -> None:
+    """Raise ``ConvertError`` unless every record already at ``DST`` for ``indices`` (kept
+    on resume) is one ``torch.load`` reads whose ``input_ids`` equal its ``hs_<i>`` file's
+    token ids (``headers``: ``read_file_headers``; a file left out there is named when
+    converted, its record kept as it is). Records are loaded with ``mmap`` (their hidden
+    states not read), torch's legacy non-zip ones whole."""
+    import torch
+
+    for index in indices:
+        path = specforge_path(dst, index)
+        if not os.path.exists(path) or index not in headers:
+            continue
+        what = regular_or_why(path, follow_symlinks=True)
+        try:
+            if what:
+                raise ValueError(f"not a regular file: {what}")
+            try:
+                rec = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError:  # torch's legacy (non-zip) format cannot be mmapped: read whole
+                rec = torch.load(path, map_location="cpu", weights_only=True)
+            ids = rec["input_ids"]
+            same = ids.tolist() == headers[index][0]
+        except Exception as e:  # noqa: BLE001 - pickle, zip and key errors all say the same
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConvertError(f"DST {dst} already holds {path}, which is not a record "
+                               f"torch.load reads ({detail}): pass another DST, or delete that "
+                               f"record to convert it again") from None
+        if not same:
+            raise ConvertError(f"DST {dst} already holds {path}, whose input_ids are not "
+                               f"hs_{index}.safetensors' token_ids (another dataset's record): "
+                               f"pass another DST, or delete that record to convert it again")
 
 
 def save_atomic(obj, path: str, mode: int) -> None:
     """``torch.save(obj)`` to ``path`` through a temporary name (``files.Staged``): ``path``
-    only ever holds a complete record. Made with ``mode`` before the umask (``main``: the
-    ``KIMI_SGLANG_FILE_MODE`` of extract's files, 0600: hidden states stay the user's)."""
+    only ever holds a complete record; ``ConvertError`` (one sentence naming ``path``) when
+    it cannot be written (a full disk), the temporary name removed. Temporary names are
+    this run's own (``.data_<i>.ckpt.tmp.<8 hex>``): another convert into DST keeps its
+    own, and a killed run's stays, hidden, never matching SpecForge's ``*.ckpt``. Made
+    with ``mode`` before the umask (``main``: the ``KIMI_SGLANG_FILE_MODE`` of extract's
+    files, 0600: hidden states stay the user's)."""
     import torch
 
     directory, name = os.path.split(path)
-    os.makedirs(directory, mode=dir_mode(mode), exist_ok=True)
-    with Staged(directory, name, unique=False) as staged:
-        tmp, fd = staged.create(mode)
-        with open(fd, "wb") as f:
-            torch.save(obj, f)
-        staged.publish(tmp)
+    try:
+        os.makedirs(directory, mode=dir_mode(mode), exist_ok=True)
+        with Staged(directory, name) as staged:
+            tmp, fd = staged.create(mode)
+            with open(fd, "wb") as f:
+                torch.save(obj, f)
+            staged.publish(tmp)
+    except (OSError, RuntimeError) as e:
+        # torch.save's zip writer turns a full disk (ENOSPC) into its own RuntimeError
+        # ("unexpected pos ..."): the OSError that caused it is its context.
+        cause = e if isinstance(e, OSError) else e.__context__
+        why = (cause.strerror or str(cause)) if isinstance(cause, OSError) else str(e)
+        full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise ConvertError(f"DST {os.path.dirname(directory)}: cannot write {path} "
+                           f"({why.strip().splitlines()[0] if why.strip() else type(e).__name__}); "
+                           + ("free space there, or pass another DST," if full else
+                              "pass another DST, or fix this one,")
+                           + " and run again: the records written are kept") from None
 
 
 def main(args) -> int:
@@ -219,6 +295,12 @@ def main(args) -> int:
         print(f"error: SRC {args.src} holds no hs_<i>.safetensors files (extract --out "
               f"writes them); nothing to convert", file=sys.stderr)
         return 2
+    real_src = os.path.realpath(args.src)
+    if os.path.commonpath([real_src, os.path.realpath(args.dst)]) == real_src:
+        print(f"error: DST {args.dst} is extract's --out SRC {args.src} or a folder inside it: "
+              f"its records would mix with the hs_<i> files; pass a DST outside SRC",
+              file=sys.stderr)
+        return 2
     if os.path.exists(args.dst) and not os.path.isdir(args.dst):
         print(f"error: DST {args.dst} exists and is not a directory", file=sys.stderr)
         return 2
@@ -226,8 +308,8 @@ def main(args) -> int:
         print(f"error: --loss-mask-from {args.loss_mask_from} does not exist (pass the DATA "
               f"given to extract)", file=sys.stderr)
         return 2
-    if any(t < 0 for t in args.image_token_id or []):
-        print("error: --image-token-id must be a non-negative token id", file=sys.stderr)
+    if any(not 0 <= t < 2 ** 63 for t in args.image_token_id or []):  # input_ids are int64
+        print("error: --image-token-id must be a non-negative token id (int64)", file=sys.stderr)
         return 2
     try:
         mode = file_mode()
@@ -237,10 +319,18 @@ def main(args) -> int:
     with_images = image_rows(args.src)
     try:
         check_image_ids(args.src, with_images, args.image_token_id)
+        check_one_dump(args.src, indices)
         headers = (read_file_headers(args.src, indices)
                    if args.model or args.loss_mask_from else {})
         if args.model:
             check_num_layers(args.model, headers)
+        generated = next((i for i, (_, meta) in sorted(headers.items())
+                          if fmt.NUM_PROMPT_TOKENS_KEY in meta), None) if args.loss_mask_from else None
+        if generated is not None:  # DATA's mask covers the prompt alone (format.output)
+            raise ConvertError(f"--loss-mask-from {args.loss_mask_from}: hs_{generated}.safetensors "
+                               f"holds generated tokens (extract --generate): its loss mask is the "
+                               f"file's own (0 on the prompt, 1 on the response); run convert "
+                               f"without --loss-mask-from")
         masks = (load_loss_masks(args.loss_mask_from, indices,
                                  {i: ids for i, (ids, _) in headers.items()})
                  if args.loss_mask_from else None)
@@ -253,6 +343,14 @@ def main(args) -> int:
         return 2
     try:
         norm = load_final_norm(args.model, args.norm_key) if args.model else None
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kept = [i for i in indices if os.path.exists(specforge_path(args.dst, i))]
+    try:
+        check_kept_records(args.src, args.dst, kept,
+                           {i: headers[i] for i in kept if i in headers} if args.model or
+                           args.loss_mask_from else read_file_headers(args.src, kept))
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

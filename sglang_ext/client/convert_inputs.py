@@ -1,6 +1,8 @@
 """What ``sglang-ext convert`` reads besides the hs_<i> files, each checked before a record
 is written (``client.convert``'s module doc says what it does with them):
 
+- the hs_<i> files themselves: one dump's, one layer set, hidden size and record dtype
+  (``check_one_dump``);
 - ``--model DIR``: the final RMSNorm's weight and eps (``load_final_norm``) and the layer
   count every file's metadata must agree with (``check_num_layers``);
 - ``--loss-mask-from DATA``: one ``loss_mask`` per row, its ``input_ids`` compared with the
@@ -46,8 +48,11 @@ def model_config(model_dir: str) -> dict:
                            f"Face checkpoint folder (config.json + *.safetensors)")
     try:
         with open(config_path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        return config
+    except (OSError, ValueError, RecursionError) as e:
         raise ConvertError(f"{config_path} is not readable JSON: {e}") from None
 
 
@@ -64,26 +69,50 @@ def load_final_norm(model_dir: str, key: Optional[str] = None) -> Tuple["object"
         eps = (config.get("text_config") or {}).get("rms_norm_eps")
     if eps is None:
         raise ConvertError(f"{model_dir}/config.json has no rms_norm_eps")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise ConvertError(f"{model_dir}/config.json's rms_norm_eps {str(eps)[:80]!r} is not a "
+                           f"number")
     index_path = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (OSError, ValueError, RecursionError, TypeError, KeyError):
+            raise ConvertError(f"--model {model_dir}: model.safetensors.index.json is not JSON "
+                               f"with a weight_map (tensor name -> file)") from None
     else:
         single = os.path.join(model_dir, "model.safetensors")
         if not os.path.exists(single):
             raise ConvertError(f"{model_dir}: no model.safetensors(.index.json)")
-        with safe_open(single, framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
+        try:
+            with safe_open(single, framework="pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - SafetensorError and the OS's words alike
+            raise ConvertError(f"--model {model_dir}: cannot read model.safetensors "
+                               f"({_first_line(e)})") from None
     candidates = [key] if key else [k for k in NORM_KEYS if k in weight_map]
     if not candidates or candidates[0] not in weight_map:
         raise ConvertError(
             f"{model_dir}: final norm weight not found (tried {list(NORM_KEYS) if not key else key}); "
             f"pass --norm-key"
         )
-    name = candidates[0]
-    with safe_open(os.path.join(model_dir, weight_map[name]), framework="pt") as f:
-        weight = f.get_tensor(name).float()
+    name, file = candidates[0], str(weight_map[candidates[0]])
+    try:
+        with safe_open(os.path.join(model_dir, file), framework="pt") as f:
+            weight = f.get_tensor(name).float()
+    except Exception as e:  # noqa: BLE001 - a missing shard, a truncated file
+        raise ConvertError(f"--model {model_dir}: cannot read {name} from {file} "
+                           f"({_first_line(e)})") from None
+    if weight.dim() != 1:
+        raise ConvertError(f"--model {model_dir}: {name} has shape {list(weight.shape)}, not "
+                           f"[hidden_size]; pass --norm-key naming the final norm")
     return weight, float(eps)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def model_num_layers(model_dir: str) -> Optional[int]:
@@ -114,6 +143,42 @@ def read_file_headers(src: str, indices: Sequence[int]) -> Dict[int, Tuple[list,
         except Exception:  # noqa: BLE001 - a truncated or foreign file: reported when converted
             continue
     return out
+
+
+_RECORD_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "bfloat16",  # fp8: dequantized to bf16
+                  "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def check_one_dump(src: str, indices: Sequence[int]) -> None:
+    """Raise ``ConvertError`` when ``SRC``'s files are not of one dump: a file whose layer
+    ids (metadata ``layer_ids``, else its slot count), hidden size or record dtype (fp8:
+    bfloat16) differ from the first file's. Only headers are read; a file that cannot be
+    read is left out (the conversion names it)."""
+    from safetensors import safe_open
+
+    first: Optional[Tuple[int, list, int, str]] = None
+    for index in indices:
+        path = os.path.join(src, f"hs_{index}.safetensors")
+        try:
+            if regular_or_why(path, follow_symlinks=True):
+                continue
+            with safe_open(path, framework="numpy") as f:
+                hs = f.get_slice(fmt.KEY_HIDDEN_STATES)
+                shape, dtype = hs.get_shape(), hs.get_dtype()
+                meta = f.metadata() or {}
+            layers = json.loads(meta["layer_ids"]) if "layer_ids" in meta else f"{shape[1]} slots"
+            got = (index, layers, int(shape[2]), _RECORD_DTYPES.get(dtype, dtype.lower()))
+        except Exception:  # noqa: BLE001 - a truncated or foreign file: reported when converted
+            continue
+        if first is None:
+            first = got
+            continue
+        for k, what in ((1, "layer ids"), (2, "hidden size"), (3, "dtype")):
+            if got[k] != first[k]:
+                raise ConvertError(
+                    f"hs_{index}.safetensors has {what} {str(got[k])[:80]}, "
+                    f"hs_{first[0]}.safetensors {str(first[k])[:80]}: SRC holds files of two dumps, whose records one drafter "
+                    f"cannot train on together; convert each dump's files into its own DST")
 
 
 def check_num_layers(model_dir: str, headers: Dict[int, Tuple[list, dict]]) -> None:
@@ -204,9 +269,9 @@ def image_token_ids(meta: Dict[str, str]) -> Optional[frozenset]:
         got = json.loads(value)
         got = [got] if isinstance(got, int) else got
         if not isinstance(got, list) or not got or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in got):
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63 for t in got):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         raise ConvertError(f"metadata image_token_id {value[:80]!r} is not a token id or a "
                            f"list of them; pass --image-token-id") from None
     return frozenset(got)
@@ -225,7 +290,7 @@ def image_rows(src: str) -> Dict[int, int]:
             for line in f:
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):  # a line nested past Python's limit too
                     continue
                 if isinstance(rec, dict) and isinstance(rec.get("index"), int):
                     n = rec.get("images")

@@ -237,7 +237,7 @@ def read_index(directory: str) -> list:
                         continue
                     try:
                         records.append(json.loads(line))
-                    except ValueError:
+                    except (ValueError, RecursionError):  # nested past the recursion limit
                         raise ValueError(f"{os.path.join(directory, part)} line {number} is not "
                                          f"JSON: {line[:80]!r}") from None
         return records

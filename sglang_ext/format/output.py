@@ -56,7 +56,11 @@ def fed_token_ids(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> List[
 def _decimal(meta: Mapping[str, str], key: str, shown: str) -> int:
     value = meta.get(key)
     if not (isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= _MAX_DIGITS):
-        raise DumpFormatError(f"{shown}: metadata {key} {value!r} is not a non-negative decimal integer")
+        if isinstance(value, str) and len(value) > 80:  # a hostile file's: megabytes
+            value = f"{value[:80]!r} ({len(value)} characters)"
+        else:
+            value = repr(value)
+        raise DumpFormatError(f"{shown}: metadata {key} {value} is not a non-negative decimal integer")
     return int(value)
 
 

@@ -106,12 +106,14 @@ def _check_layer_ids(path: str, meta: Dict[str, str], num_slots: int) -> None:
             layer_ids = None
         if (
             not isinstance(layer_ids, list)
-            or not all(isinstance(k, int) for k in layer_ids)
+            or not all(isinstance(k, int) and not isinstance(k, bool) for k in layer_ids)
             or layer_ids != sorted(set(layer_ids))
             or len(layer_ids) != num_slots
         ):
+            value = meta["layer_ids"]  # a hostile file's may be megabytes: 80 characters told
+            shown = repr(value[:80]) + (f" ({len(value)} characters)" if len(value) > 80 else "")
             raise DumpFormatError(
-                f"{path}: metadata layer_ids {meta['layer_ids']!r} is not a sorted list of "
+                f"{path}: metadata layer_ids {shown} is not a sorted list of "
                 f"{num_slots} distinct layer ids (one per slot)"
             )
 

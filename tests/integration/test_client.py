@@ -812,9 +812,11 @@ def test_convert_defaults_and_refusals(tmp_path, capsys):
     assert torch.equal(rec["hidden_state"][0], reference(ids)[:, 3])
     assert rec["aux_hidden_state"].shape == (1, 3, 3 * HIDDEN)
     bad = fmt.build_metadata(rid="r", layer_ids=[1, 2, 3, 7], num_layers=NUM_LAYERS)
+    (tmp_path / "hs_bad").mkdir()  # alone: beside hs_0, the two layer sets are refused first
     save_file({"hidden_states": reference(ids), "token_ids": torch.tensor(ids)},
-              str(src / "hs_1.safetensors"), metadata=bad)
-    assert main(["convert", "--to", "specforge", str(src), str(tmp_path / "c"), "--no-final-norm"]) == 1
+              str(tmp_path / "hs_bad" / "hs_1.safetensors"), metadata=bad)
+    assert main(["convert", "--to", "specforge", str(tmp_path / "hs_bad"), str(tmp_path / "c"),
+                 "--no-final-norm"]) == 1
     assert "not the last layer" in capsys.readouterr().err
 
 
