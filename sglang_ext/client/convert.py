@@ -434,8 +434,8 @@ def add_parser(subparsers) -> None:
                    help="write the pre-norm last layer as hidden_state (not what stock SpecForge expects)")
     p.add_argument("--loss-mask-from", default=None,
                    help="DATA given to extract, with loss_mask per row (default: all ones); "
-                        "files with output rows (extract --generate): 0 on the prompt, 1 on the "
-                        "generated tokens")
+                        "refused for files with output rows (extract --generate), whose mask is "
+                        "their own: 0 on the prompt, 1 on the generated tokens")
     p.add_argument("--image-token-id", type=int, action="append", default=None, metavar="ID",
                    help="token id of image placeholder positions, given loss_mask 0 (repeatable; "
                         "default: each file's metadata image_token_id); needed for prompts with "
