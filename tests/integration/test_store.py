@@ -415,3 +415,24 @@ def test_registered_buffers_are_reused_only_once_given_back(sink, reader):
         assert sink._registered(x.addr, x.nbytes) == (x.addr in kept)
     pool.close()
     assert not any(sink._registered(x.addr, x.nbytes) for x in (a, b, c))
+
+
+@needs_mooncake
+def test_registered_buffers_of_growing_samples_are_not_all_kept(sink):
+    """The reader's pool (``keep_bytes`` None, ``StoreFetcher``'s) fed samples in growing
+    size, one at a time (a dataset sorted by length, --concurrency 1): a buffer registered
+    because no free one fits replaces the free ones (all smaller), so the pool holds one
+    buffer, not one per 4 MiB step (before: 5 buffers, 45 MiB registered, and, as each was
+    written by its get, resident)."""
+    pool = RegisteredBuffers(sink)
+    before = len(sink._regions)
+    taken = []
+    for mib in (1, 5, 9, 13, 17):
+        buf = pool.take(mib * MiB)
+        buf.view[:mib * MiB] = b"\x01" * (mib * MiB)
+        taken.append(buf)
+        pool.give(buf)
+    assert [x.addr for x in pool.free] == [taken[-1].addr] and taken[-1].nbytes >= 17 * MiB
+    assert len(sink._regions) == before + 1  # the others unregistered (an address may come again)
+    assert pool.take(2 * MiB) is taken[-1]  # the larger one serves smaller samples
+    pool.close()
