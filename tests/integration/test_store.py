@@ -361,6 +361,27 @@ def test_store_full_is_one_sentence_and_nothing_visible(tmp_path):
 
 
 @needs_mooncake
+def test_a_sample_larger_than_the_segment_says_so(tmp_path):
+    """A sample larger than the whole global_segment_size (one master, one segment) never
+    fits: the sentence says so and asks for a larger segment, not for faster trainers
+    (before: "trainers must consume samples faster, or raise ...", on an empty store)."""
+    m = Master(tmp_path, "--eviction_ratio=0")
+    try:
+        small = StoreClient(_config(m, segment=16 * MiB)).connect()
+        arena = Arena(small, 20 * MiB)
+        rng = arena.place(b"\x07" * (20 * MiB))
+        with pytest.raises(st.StoreFull) as e:
+            small.put("huge", [rng])
+        msg = str(e.value)
+        assert "'huge' (20971520 bytes) is larger than" in msg and "global_segment_size 16777216" in msg, msg
+        assert "faster" not in msg and "\n" not in msg
+        assert not small.exists("huge")
+        small.close()
+    finally:
+        m.kill()
+
+
+@needs_mooncake
 def test_master_down_is_one_sentence(tmp_path):
     m = Master(tmp_path)
     s = StoreClient(_config(m)).connect()
