@@ -92,9 +92,9 @@ class MooncakeMissing(StoreUnreachable):
 
 def _ours(index: Any, rid: Any) -> bool:
     """Whether ``rid`` is one this command makes for row ``index`` (``runner``:
-    ``<prefix>-<index>-<try>-<8 hex>``)."""
+    ``<prefix>-<index>-<try>-<8 hex>``; ``--rid-prefix ""`` too)."""
     return (isinstance(index, int) and not isinstance(index, bool) and index >= 0 and isinstance(rid, str)
-            and re.fullmatch(r".+-%d-\d+-[0-9a-f]{8}" % index, rid, re.DOTALL) is not None)
+            and re.fullmatch(r".*-%d-\d+-[0-9a-f]{8}" % index, rid, re.DOTALL) is not None)
 
 
 _SENT_PREFIX = "sent:"  # journal key of a request not answered yet (no handle has ':')

@@ -643,13 +643,18 @@ def test_a_good_run_prints_no_mooncake_set_up_noise(master, server, tmp_path):
 
 
 @needs_mooncake
+@pytest.mark.parametrize("prefix", [None, ""])
 def test_killed_while_waiting_then_rerun_takes_the_journaled_objects_without_asking_again(
-        master, server, tmp_path):
+        master, server, tmp_path, prefix):
+    """``prefix`` "": --rid-prefix "" (rids ``-<i>-<try>-<8 hex>``) is journaled as any
+    (before, the rerun found none of its records its own: every row asked again, the
+    killed run's objects left in the store)."""
     data = rows(6)
     path = write_jsonl(tmp_path / "d.jsonl", data)
     out = tmp_path / "out"
     server.hold = threading.Event()  # answered at once, put only when the test says
-    proc = subprocess.Popen(_cmd(server, path, out, master), cwd=REPO, stdout=subprocess.DEVNULL,
+    cmd = _cmd(server, path, out, master) + ([] if prefix is None else [f"--rid-prefix={prefix}"])
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while sum(server.counts.values()) < 6 and time.monotonic() < deadline:
@@ -662,7 +667,7 @@ def test_killed_while_waiting_then_rerun_takes_the_journaled_objects_without_ask
     deadline = time.monotonic() + 10
     while sum(map(server.sink.exists, server.handles)) < 6 and time.monotonic() < deadline:
         time.sleep(0.01)
-    r = subprocess.run(_cmd(server, path, out, master), cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.split("extract summary: ")[1])["extracted"] == 6
     assert all(server.counts[tuple(ids)] == 1 for ids in data)  # taken from the store, not asked again
