@@ -257,7 +257,8 @@ def test_a_manifest_is_checked_against_the_request_before_anything_is_read():
     bad(lambda m: m["metadata"].update(total_aligned_bytes=10), "total_aligned_bytes 10")
     bad(lambda m: m["tensors"]["hidden_states"].update(dtype="torch.complex64"), "known dtype")
     bad(lambda m: m["metadata"].update(layer_ids="[1, 2]"), "do not name the 4 layer slots")
-    bad(lambda m: None, "differ from the run's first sample", shape=(4, 16, "bfloat16"))
+    with pytest.raises(fetch.OtherLayout, match="differ from the run's first sample"):  # the run stops
+        fetch.expect(good, rid, ids, (4, 16, "bfloat16"))
     with pytest.raises(fetch.FetchError, match="not an object"):
         fetch.expect("x", rid, ids)
     # a server that adds the file's metadata to the manifest: it goes into the file
@@ -712,3 +713,31 @@ def test_killed_half_way_then_rerun_takes_every_row_once(master, server, tmp_pat
         assert server.counts[tuple(data[i])] == 1
     assert server.left_in_store() == []  # taken or given up, every object is gone
     assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+@needs_mooncake
+def test_a_server_of_another_configuration_mid_run_stops_the_run(master, server, tmp_path, capsys):
+    """The server answers rows 0 and 1 in bf16, then (restarted with other flags, or
+    another server behind the endpoint) in fp16: no retry can change that, so the run
+    stops at the first such answer with the file path's sentence (exit 3), asking the
+    server once for each row; before, every later row was asked 1 + --max-retries times,
+    each refused as 'differ from the run's first sample', until --max-consecutive-failures."""
+    data = rows(6)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+
+    def switch():
+        if sum(server.counts.values()) > 1:
+            server.dtype = "float16"
+
+    server.before_answer = switch
+    rc = extract(server, path, out, "--concurrency", 1, "--max-retries", 3, store=trainer_url(master))
+    err = capsys.readouterr().err
+    assert rc == EXIT_ABORTED, err
+    assert "one dataset of two server configurations" in err and "float16" in err, err
+    assert set(server.counts.values()) == {1}, server.counts
+    assert hs_indices(out) == {0, 1}
+    server.before_answer, server.dtype = None, "bfloat16"  # the server as it was: the rerun completes
+    assert extract(server, path, out, "--concurrency", 1, store=trainer_url(master)) == 0
+    assert hs_indices(out) == set(range(6))
+    assert server.left_in_store() == []  # the stopped run's objects too (its journal)
