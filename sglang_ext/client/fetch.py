@@ -373,7 +373,9 @@ class StoreFetcher(Journal):
             if time.monotonic() >= deadline:
                 raise FetchError(f"the sample {exp.handle!r} did not appear in the Mooncake store at "
                                  f"{self.config.master_server_address} within {timeout:g} s "
-                                 f"(--store-timeout): is the server's writer alive?")
+                                 f"(--store-timeout): the server's writer is behind or gone, or the "
+                                 f"master evicted it before it was read (a store above its eviction "
+                                 f"watermark, docs/store.md)")
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
