@@ -414,6 +414,12 @@ def part_size(part: Part) -> int:
 
 def status_error(op: str, key: str, rc: int, nbytes: int, config: StoreConfig) -> StoreError:
     """One sentence for Mooncake status ``rc`` of ``op`` on ``key``."""
+    if rc == NO_AVAILABLE_HANDLE and 0 < config.global_segment_size < nbytes:  # 0: store nodes lend
+        return StoreFull(
+            f"the store object {key!r} ({nbytes} bytes) is larger than the whole segment this process "
+            f"lends (global_segment_size {config.global_segment_size} bytes) and no segment has room for "
+            f"it: raise global_segment_size above the largest sample's size (or let store nodes lend "
+            f"larger segments)")
     if rc == NO_AVAILABLE_HANDLE:
         return StoreFull(
             f"the Mooncake store has no room for {key!r} ({nbytes} bytes): trainers must consume "

@@ -421,9 +421,12 @@ class RegisteredBuffers:
     """Host buffers registered with ``client`` once and reused: the writer's staging
     buffers of chunked-prefill samples, the reader's ``get_into`` buffers. ``take(n)``
     hands out a free buffer of at least ``n`` bytes (the smallest that fits) or registers
-    a new one (sized up to ``BUFFER_GRANULE``); a buffer is never handed out again until
-    ``give`` returns it. Free buffers beyond ``keep_bytes`` in all are unregistered and
-    unmapped on ``give`` (None: all kept). Thread-safe."""
+    a new one (sized up to ``BUFFER_GRANULE``), which replaces the free ones (all smaller:
+    samples of growing size, a dataset sorted by length, would otherwise keep one buffer
+    per size step, each resident once read into), so the pool never holds more buffers
+    than were in use at once; a buffer is never handed out again until ``give`` returns
+    it. Free buffers beyond ``keep_bytes`` in all are unregistered and unmapped on
+    ``give`` (None: all kept). Thread-safe."""
 
     def __init__(self, client: StoreClient, keep_bytes: Optional[int] = None):
         self.client = client
@@ -440,6 +443,9 @@ class RegisteredBuffers:
                 buf = min(fits, key=lambda b: b.nbytes)
                 self.free.remove(buf)
                 return buf
+            smaller, self.free = self.free, []
+        for b in smaller:
+            self._drop(b)
         buf = Buffer(-(-max(nbytes, 1) // BUFFER_GRANULE) * BUFFER_GRANULE)
         try:
             self.client.register(buf.addr, buf.nbytes)

@@ -13,7 +13,8 @@ packed object under the manifest's ``handle``, visible only once complete, or th
    and ``total_aligned_bytes`` are exactly ``store.pack_layout(len(prompt), L, H, dtype)``'s
    (so ``hidden_states`` has one row per prompt token, fp8 scales are ``[T, L, 1]``); a
    ``layer_ids`` in its metadata must name L layers, and L, H and the dtype must be those
-   of the run's first sample. Anything else is the try's error (``FetchError``).
+   of the run's first sample (else ``OtherLayout``: the run stops). Anything else is the
+   try's error (``FetchError``).
 2. ``wait``: poll ``<handle>:error``, then ``<handle>`` (hs-connectors' ``get_generated``
    rule: 1 ms doubling to 50 ms, ``--store-timeout``, 120 s by default).
 3. ``take``: ``get_size`` must equal ``total_aligned_bytes``; ``get_into`` a registered
@@ -82,6 +83,11 @@ class FetchError(RequestError):
     """One try's sample could not be taken from the store (retried like a bad file)."""
 
 
+class OtherLayout(FatalError):
+    """An answer's hidden_states differ in L, H or dtype from the run's first sample: the
+    server's configuration changed (no retry helps), so the run stops."""
+
+
 class StoreUnreachable(RuntimeError):
     """The Mooncake client cannot be set up (the master does not answer): the run cannot start."""
 
@@ -92,9 +98,9 @@ class MooncakeMissing(StoreUnreachable):
 
 def _ours(index: Any, rid: Any) -> bool:
     """Whether ``rid`` is one this command makes for row ``index`` (``runner``:
-    ``<prefix>-<index>-<try>-<8 hex>``)."""
+    ``<prefix>-<index>-<try>-<8 hex>``; ``--rid-prefix ""`` too)."""
     return (isinstance(index, int) and not isinstance(index, bool) and index >= 0 and isinstance(rid, str)
-            and re.fullmatch(r".+-%d-\d+-[0-9a-f]{8}" % index, rid, re.DOTALL) is not None)
+            and re.fullmatch(r".*-%d-\d+-[0-9a-f]{8}" % index, rid, re.DOTALL) is not None)
 
 
 _SENT_PREFIX = "sent:"  # journal key of a request not answered yet (no handle has ':')
@@ -154,7 +160,7 @@ def expect(manifest: Any, rid: str, input_ids: Optional[List[int]],
     """Check an answer's manifest against the request (module doc, step 1); ``shape``:
     the run's ``(L, H, dtype)`` so far; ``input_ids`` None (a chat request with images
     whose answer gave no prompt token ids): the manifest's own token count stands.
-    Raises ``FetchError`` (one sentence)."""
+    Raises ``FetchError`` (one sentence); ``OtherLayout`` for L, H or dtype not ``shape``'s."""
     if not isinstance(manifest, dict):
         raise FetchError(f"hidden_states_manifest is not an object: {str(manifest)[:200]}")
     if manifest.get("version") != st.MANIFEST_VERSION:
@@ -193,8 +199,10 @@ def expect(manifest: Any, rid: str, input_ids: Optional[List[int]],
         raise FetchError(f"hidden_states_manifest: layer_ids {meta.get('layer_ids')!r} do not name "
                          f"the {dims[1]} layer slots of hidden_states")
     if shape is not None and shape != (dims[1], dims[2], dtype):
-        raise FetchError(f"hidden_states {dims} {dtype} differ from the run's first sample "
-                         f"([T, {shape[0]}, {shape[1]}] {shape[2]}): not taken")
+        raise OtherLayout(f"hidden_states {dims} {dtype} differ from the run's first sample "
+                          f"([T, {shape[0]}, {shape[1]}] {shape[2]}): one dataset of two server "
+                          f"configurations (a server restarted with other flags?), so it was not "
+                          f"taken and the run stops")
     return Expected(rid, handle, layout, _file_metadata(rid, dtype, meta))
 
 
@@ -365,7 +373,9 @@ class StoreFetcher(Journal):
             if time.monotonic() >= deadline:
                 raise FetchError(f"the sample {exp.handle!r} did not appear in the Mooncake store at "
                                  f"{self.config.master_server_address} within {timeout:g} s "
-                                 f"(--store-timeout): is the server's writer alive?")
+                                 f"(--store-timeout): the server's writer is behind or gone, or the "
+                                 f"master evicted it before it was read (a store above its eviction "
+                                 f"watermark, docs/store.md)")
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX_S)
 

@@ -53,8 +53,12 @@ async def resume_from_store(opts: Options, row: Row, taken: Set[int]) -> Optiona
                 continue
             size = await asyncio.to_thread(put_in_out, taken, row.index, store.take, exp, row.index,
                                            row.input_ids, opts.validate)
-        except FatalError:  # the master is gone (StoreFetcher.state): the run stops
-            raise
+        except FatalError as e:  # the master is gone (StoreFetcher.state): the run stops
+            if not isinstance(e, fetch.OtherLayout):  # an earlier server's object: asked again
+                raise
+            print(f"{row.name}: the sample an earlier run was answered for is not taken "
+                  f"({e}); requesting it again", file=sys.stderr)
+            continue
         except (RequestError, CheckError, OSError) as e:
             print(f"{row.name}: the sample an earlier run was answered for is not taken "
                   f"({e}); requesting it again", file=sys.stderr)

@@ -257,7 +257,8 @@ def test_a_manifest_is_checked_against_the_request_before_anything_is_read():
     bad(lambda m: m["metadata"].update(total_aligned_bytes=10), "total_aligned_bytes 10")
     bad(lambda m: m["tensors"]["hidden_states"].update(dtype="torch.complex64"), "known dtype")
     bad(lambda m: m["metadata"].update(layer_ids="[1, 2]"), "do not name the 4 layer slots")
-    bad(lambda m: None, "differ from the run's first sample", shape=(4, 16, "bfloat16"))
+    with pytest.raises(fetch.OtherLayout, match="differ from the run's first sample"):  # the run stops
+        fetch.expect(good, rid, ids, (4, 16, "bfloat16"))
     with pytest.raises(fetch.FetchError, match="not an object"):
         fetch.expect("x", rid, ids)
     # a server that adds the file's metadata to the manifest: it goes into the file
@@ -392,6 +393,7 @@ def test_a_missing_object_times_out_with_a_sentence(master, server, tmp_path, ca
     err = capsys.readouterr().err
     assert re.search(r"row 1 \(line 2 of d\.jsonl\): 1 tries failed; last: the sample 'extract-1-0-[0-9a-f]{8}-[0-9a-f]{32}' did not appear "
                      r"in the Mooncake store at 127\.0\.0\.1:\d+ within 0\.3 s \(--store-timeout\)", err), err
+    assert "or the master evicted it" in err, err  # put, then evicted, looks the same to a reader
     assert "Traceback" not in err
     assert hs_indices(out) == {0, 2}
     assert not (out / fetch.journal_path("", 0)).exists()  # swept at the end
@@ -643,13 +645,18 @@ def test_a_good_run_prints_no_mooncake_set_up_noise(master, server, tmp_path):
 
 
 @needs_mooncake
+@pytest.mark.parametrize("prefix", [None, ""])
 def test_killed_while_waiting_then_rerun_takes_the_journaled_objects_without_asking_again(
-        master, server, tmp_path):
+        master, server, tmp_path, prefix):
+    """``prefix`` "": --rid-prefix "" (rids ``-<i>-<try>-<8 hex>``) is journaled as any
+    (before, the rerun found none of its records its own: every row asked again, the
+    killed run's objects left in the store)."""
     data = rows(6)
     path = write_jsonl(tmp_path / "d.jsonl", data)
     out = tmp_path / "out"
     server.hold = threading.Event()  # answered at once, put only when the test says
-    proc = subprocess.Popen(_cmd(server, path, out, master), cwd=REPO, stdout=subprocess.DEVNULL,
+    cmd = _cmd(server, path, out, master) + ([] if prefix is None else [f"--rid-prefix={prefix}"])
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while sum(server.counts.values()) < 6 and time.monotonic() < deadline:
@@ -662,7 +669,7 @@ def test_killed_while_waiting_then_rerun_takes_the_journaled_objects_without_ask
     deadline = time.monotonic() + 10
     while sum(map(server.sink.exists, server.handles)) < 6 and time.monotonic() < deadline:
         time.sleep(0.01)
-    r = subprocess.run(_cmd(server, path, out, master), cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.split("extract summary: ")[1])["extracted"] == 6
     assert all(server.counts[tuple(ids)] == 1 for ids in data)  # taken from the store, not asked again
@@ -707,3 +714,31 @@ def test_killed_half_way_then_rerun_takes_every_row_once(master, server, tmp_pat
         assert server.counts[tuple(data[i])] == 1
     assert server.left_in_store() == []  # taken or given up, every object is gone
     assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+@needs_mooncake
+def test_a_server_of_another_configuration_mid_run_stops_the_run(master, server, tmp_path, capsys):
+    """The server answers rows 0 and 1 in bf16, then (restarted with other flags, or
+    another server behind the endpoint) in fp16: no retry can change that, so the run
+    stops at the first such answer with the file path's sentence (exit 3), asking the
+    server once for each row; before, every later row was asked 1 + --max-retries times,
+    each refused as 'differ from the run's first sample', until --max-consecutive-failures."""
+    data = rows(6)
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    out = tmp_path / "out"
+
+    def switch():
+        if sum(server.counts.values()) > 1:
+            server.dtype = "float16"
+
+    server.before_answer = switch
+    rc = extract(server, path, out, "--concurrency", 1, "--max-retries", 3, store=trainer_url(master))
+    err = capsys.readouterr().err
+    assert rc == EXIT_ABORTED, err
+    assert "one dataset of two server configurations" in err and "float16" in err, err
+    assert set(server.counts.values()) == {1}, server.counts
+    assert hs_indices(out) == {0, 1}
+    server.before_answer, server.dtype = None, "bfloat16"  # the server as it was: the rerun completes
+    assert extract(server, path, out, "--concurrency", 1, store=trainer_url(master)) == 0
+    assert hs_indices(out) == set(range(6))
+    assert server.left_in_store() == []  # the stopped run's objects too (its journal)

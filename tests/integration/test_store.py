@@ -361,6 +361,27 @@ def test_store_full_is_one_sentence_and_nothing_visible(tmp_path):
 
 
 @needs_mooncake
+def test_a_sample_larger_than_the_segment_says_so(tmp_path):
+    """A sample larger than the whole global_segment_size (one master, one segment) never
+    fits: the sentence says so and asks for a larger segment, not for faster trainers
+    (before: "trainers must consume samples faster, or raise ...", on an empty store)."""
+    m = Master(tmp_path, "--eviction_ratio=0")
+    try:
+        small = StoreClient(_config(m, segment=16 * MiB)).connect()
+        arena = Arena(small, 20 * MiB)
+        rng = arena.place(b"\x07" * (20 * MiB))
+        with pytest.raises(st.StoreFull) as e:
+            small.put("huge", [rng])
+        msg = str(e.value)
+        assert "'huge' (20971520 bytes) is larger than" in msg and "global_segment_size 16777216" in msg, msg
+        assert "faster" not in msg and "\n" not in msg
+        assert not small.exists("huge")
+        small.close()
+    finally:
+        m.kill()
+
+
+@needs_mooncake
 def test_master_down_is_one_sentence(tmp_path):
     m = Master(tmp_path)
     s = StoreClient(_config(m)).connect()
@@ -415,3 +436,24 @@ def test_registered_buffers_are_reused_only_once_given_back(sink, reader):
         assert sink._registered(x.addr, x.nbytes) == (x.addr in kept)
     pool.close()
     assert not any(sink._registered(x.addr, x.nbytes) for x in (a, b, c))
+
+
+@needs_mooncake
+def test_registered_buffers_of_growing_samples_are_not_all_kept(sink):
+    """The reader's pool (``keep_bytes`` None, ``StoreFetcher``'s) fed samples in growing
+    size, one at a time (a dataset sorted by length, --concurrency 1): a buffer registered
+    because no free one fits replaces the free ones (all smaller), so the pool holds one
+    buffer, not one per 4 MiB step (before: 5 buffers, 45 MiB registered, and, as each was
+    written by its get, resident)."""
+    pool = RegisteredBuffers(sink)
+    before = len(sink._regions)
+    taken = []
+    for mib in (1, 5, 9, 13, 17):
+        buf = pool.take(mib * MiB)
+        buf.view[:mib * MiB] = b"\x01" * (mib * MiB)
+        taken.append(buf)
+        pool.give(buf)
+    assert [x.addr for x in pool.free] == [taken[-1].addr] and taken[-1].nbytes >= 17 * MiB
+    assert len(sink._regions) == before + 1  # the others unregistered (an address may come again)
+    assert pool.take(2 * MiB) is taken[-1]  # the larger one serves smaller samples
+    pool.close()
