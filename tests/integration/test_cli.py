@@ -871,64 +871,48 @@ def test_data_from_a_pipe_is_refused_before_any_row(server, tmp_path):
     assert server.requests == 0 and not (tmp_path / "out").exists()
 
 
-def test_data_cut_short_during_the_run_stops_it_instead_of_saying_done(server, tmp_path):
-    """DATA rewritten (truncated) while extract runs: its rows were counted at the start,
-    then read as they are sent. Before, the run ended with exit 0 ("every row done") though
-    half its rows were never read; now the rows read are extracted and the run stops
-    (exit 3) saying so; with the whole DATA back, the same command finishes the rest."""
+@pytest.mark.parametrize("change", ["cut_short", "grown"])
+def test_data_changed_during_the_run_stops_it_instead_of_saying_done(server, tmp_path, change):
+    """DATA rewritten while extract runs: its rows were counted at the start, then read as
+    they are sent. Cut short (truncated, 20 rows to 10): before, the run ended with exit 0
+    ("every row done") though half its rows were never read. Grown (10 rows appended to
+    10): before, every row was sent and the summary said rows_for_rank 10, extracted 20.
+    Now the rows read (at most those counted) are extracted and the run stops (exit 3)
+    saying so; the same command on the whole DATA then finishes the rest."""
     data = [[(i + k) % 50 for k in range(3000)] for i in range(20)]  # ~12 KB lines: past read-ahead
     path = Path(write_jsonl(tmp_path / "d.jsonl", data))
     whole = path.read_bytes()
     first_ten = b"".join(whole.splitlines(keepends=True)[:10])
-    answer = server.generate
-
-    def truncate_at_the_first_request(body):
-        if server.requests == 0:
+    if change == "cut_short":
+        def during():
             path.write_bytes(first_ten)  # truncate, then write: as `> d.jsonl` would
-        return answer(body)
+        says = ("ended after 10 of this rank's 20 rows counted at the start: it changed during the run "
+                "(rewritten, truncated?); the rows sent are kept: run the same command again on the whole "
+                "DATA to resume")
+    else:
+        path.write_bytes(first_ten)
 
-    server.generate = truncate_at_the_first_request
-    r = cli(*extract_args(server, path, tmp_path / "out", "--concurrency", 1))
-    assert r.returncode == 3, (r.stdout[-500:], r.stderr[-500:])
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: --data {path} ended after 10 of this rank's 20 rows counted at the start: it "
-                      f"changed during the run (rewritten, truncated?); the rows sent are kept: run the same "
-                      f"command again on the whole DATA to resume"], r.stderr
-    assert sorted(p.name for p in (tmp_path / "out").glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(10))
-    server.generate = answer
-    path.write_bytes(whole)
-    r = cli(*extract_args(server, path, tmp_path / "out"))
-    assert r.returncode == 0 and summary(r.stdout)["resumed"] == 10, r.stderr
-    for i in range(20):
-        assert fmt.load(str(tmp_path / "out" / f"hs_{i}.safetensors")).token_ids.tolist() == data[i], i
-
-
-def test_data_grown_during_the_run_stops_after_the_rows_counted(server, tmp_path):
-    """DATA appended to while extract runs: the rows counted at the start are extracted, the
-    ones added are not read, and the run stops (exit 3) saying so; the same command again
-    extracts them. Before, every row was sent and the summary said rows_for_rank 10,
-    extracted 20."""
-    data = [[(i + k) % 50 for k in range(3000)] for i in range(20)]
-    path = Path(write_jsonl(tmp_path / "d.jsonl", data[:10]))
-    rest = b"".join(Path(write_jsonl(tmp_path / "rest.jsonl", data[10:])).read_bytes().splitlines(keepends=True))
+        def during():
+            with open(path, "ab") as f:  # as `>> d.jsonl` would
+                f.write(whole[len(first_ten):])
+        says = ("has more than the 10 rows of this rank counted at the start: it grew during the run; "
+                "those 10 were sent: run the same command again to extract the rows added")
     answer = server.generate
 
-    def append_at_the_first_request(body):
+    def change_at_the_first_request(body):
         if server.requests == 0:
-            with open(path, "ab") as f:
-                f.write(rest)
+            during()
         return answer(body)
 
-    server.generate = append_at_the_first_request
+    server.generate = change_at_the_first_request
     r = cli(*extract_args(server, path, tmp_path / "out", "--concurrency", 1))
     assert r.returncode == 3, (r.stdout[-500:], r.stderr[-500:])
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: --data {path} has more than the 10 rows of this rank counted at the start: "
-                      f"it grew during the run; those 10 were sent: run the same command again to extract "
-                      f"the rows added"], r.stderr
+    assert errors == [f"error: --data {path} {says}"], r.stderr
     assert summary(r.stdout)["extracted"] == 10, r.stdout
     assert sorted(p.name for p in (tmp_path / "out").glob("hs_*")) == sorted(f"hs_{i}.safetensors" for i in range(10))
     server.generate = answer
+    path.write_bytes(whole)
     r = cli(*extract_args(server, path, tmp_path / "out"))
     assert r.returncode == 0 and summary(r.stdout)["resumed"] == 10, r.stderr
     for i in range(20):

@@ -592,20 +592,26 @@ def test_a_dump_dir_this_user_may_not_change_stops_the_run_at_the_first_try(serv
 
 
 # ---- issue 50 item 3: OUT fills up ------------------------------------------------------------
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 1 MiB tmpfs (``mount -t tmpfs``, as root) at tmp_path/fs, unmounted after."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, f"mount -t tmpfs failed: {r.stderr}"
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs_fixture(size: str):
+    """A fixture: a real tmpfs of ``size`` (``mount -t tmpfs -o size=...``, as root) at
+    tmp_path/fs, unmounted after."""
+    @pytest.fixture
+    def small_fs(tmp_path):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mnt = tmp_path / "fs"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"mount -t tmpfs failed: {r.stderr}"
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return small_fs
+
+
+small_fs = small_fs_fixture("1m")
 
 
 def _fill(fs):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -17,6 +16,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from sglang_ext import format as fmt  # noqa: E402
 from sglang_ext.__main__ import main  # noqa: E402
+
+from test_client_edges import small_fs_fixture  # noqa: E402
 
 NUM_LAYERS = 5
 
@@ -201,20 +202,7 @@ def test_layer_ids_of_json_booleans_are_refused(tmp_path, capsys):
 
 
 # ---- a DST that fills up ------------------------------------------------------------------------
-@pytest.fixture
-def small_fs(tmp_path):
-    """A real 64 KiB tmpfs (``mount -t tmpfs``, as root) at tmp_path/fs, unmounted after."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, f"mount -t tmpfs failed: {r.stderr}"
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+small_fs = small_fs_fixture("64k")
 
 
 def test_a_full_dst_is_one_sentence_naming_the_record_and_leaves_no_partial_file(
@@ -300,10 +288,7 @@ def test_a_file_without_tokens_or_channels_is_one_sentence(tmp_path, capsys, sha
     a record of [1, 3, 0] written with exit 0."""
     src = tmp_path / "hs"
     src.mkdir()
-    save_file({"hidden_states": torch.zeros(shape, dtype=torch.bfloat16),
-               "token_ids": torch.arange(1, shape[0] + 1, dtype=torch.int64)},
-              str(src / "hs_0.safetensors"),
-              metadata=fmt.build_metadata(rid="r", layer_ids=[2, 4, 5], num_layers=NUM_LAYERS))
+    dump(src / "hs_0.safetensors", list(range(1, shape[0] + 1)), hidden=shape[2])
     assert convert(src, tmp_path / "sf") == 1
     assert error_line(capsys) == (
         f"error: {src / 'hs_0.safetensors'}: hidden_states {list(shape)} holds no "
@@ -318,9 +303,7 @@ def test_hidden_states_of_a_dtype_the_server_never_writes_are_refused(tmp_path, 
     dtype, exit 0."""
     src = tmp_path / "hs"
     src.mkdir()
-    save_file({"hidden_states": torch.ones(3, 3, 8).to(getattr(torch, dtype)),
-               "token_ids": torch.tensor([1, 2, 3])}, str(src / "hs_0.safetensors"),
-              metadata=fmt.build_metadata(rid="r", layer_ids=[2, 4, 5], num_layers=NUM_LAYERS))
+    dump(src / "hs_0.safetensors", [1, 2, 3], dtype=getattr(torch, dtype))
     assert convert(src, tmp_path / "sf") == 1
     assert error_line(capsys) == (
         f"error: {src / 'hs_0.safetensors'}: hidden_states of torch.{dtype}, not a dtype the "

@@ -187,14 +187,21 @@ def test_a_request_of_input_embeds_gets_an_error_not_a_file_of_made_up_ids(dump,
     from sglang.srt.managers.schedule_batch import Req as SGLangReq
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    sess = sessions.start(make_runner(dump, layers="2,4"))
     embeds = SGLangReq("embeds", "", array("q", [1]) * 5, SamplingParams(max_new_tokens=1),
                        input_embeds=[[0.5] * 16 for _ in range(5)])
     embeds.seed = 1
+    _refused_beside_a_plain_request(sessions, dump, embeds, "input_embeds")
+
+
+def _refused_beside_a_plain_request(sessions, dump, req, says):
+    """``req`` (SGLang's real Req of 5 prompt tokens) and a plain request in one extend
+    batch: ``req`` gets ``hidden_states_error`` holding ``says`` and no file; the plain one
+    its file, equal to its reference, the only file in ``dump``."""
+    sess = sessions.start(make_runner(dump, layers="2,4"))
     plain = Req("plain", 3, 2)
-    run_extend(sess, [(embeds, 0, 5), (plain, 0, 3)], [2, 4])
-    meta = finish(embeds)
-    assert "hidden_states_path" not in meta and "input_embeds" in meta["hidden_states_error"], meta
+    run_extend(sess, [(req, 0, 5), (plain, 0, 3)], [2, 4])
+    meta = finish(req)
+    assert "hidden_states_path" not in meta and says in meta["hidden_states_error"], meta
     rec = fmt.load(finish(plain)["hidden_states_path"])
     assert torch.equal(rec.hidden_states, reference(plain, [2, 4]))
     assert wait_for(lambda: sorted(os.listdir(dump)) == sorted(
@@ -214,21 +221,13 @@ def test_a_beam_search_request_gets_an_error_not_a_file_it_may_not_have_asked_fo
     from sglang.srt.managers.schedule_batch import Req as SGLangReq
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    sess = sessions.start(make_runner(dump, layers="2,4"))
     user = SamplingParams(max_new_tokens=4, beam_width=2, custom_params={fmt.DUMP_PARAM: False})
     beam = SGLangReq("beam", "", array("q", range(5, 10)), user)
     beam.seed = 1
     beam.sampling_params = neutral_member_sampling_params(user)  # as validate_and_init does
     beam.beam_group = BeamGroup(beam_width=2, max_new_tokens=4)
     beam.beam_group.leader = beam
-    plain = Req("plain", 3, 2)
-    run_extend(sess, [(beam, 0, 5), (plain, 0, 3)], [2, 4])
-    meta = finish(beam)
-    assert "hidden_states_path" not in meta and "beam" in meta["hidden_states_error"], meta
-    rec = fmt.load(finish(plain)["hidden_states_path"])
-    assert torch.equal(rec.hidden_states, reference(plain, [2, 4]))
-    assert wait_for(lambda: sorted(os.listdir(dump)) == sorted(
-        [os.path.basename(finish(plain)["hidden_states_path"]), "index.jsonl"])), os.listdir(dump)
+    _refused_beside_a_plain_request(sessions, dump, beam, "beam")
 
 
 def test_prefix_reuse_gives_an_error_not_a_short_file(dump, sessions):
