@@ -455,16 +455,32 @@ def test_a_whitespace_padded_dump_dir_is_refused_and_nothing_made(tmp_path, monk
     work.mkdir()
     monkeypatch.chdir(work)
     value = pad.format(str(tmp_path / "hs") if target == "dir" else "mooncake://127.0.0.1:50051")
+
+    def unmade_then_made():  # the entrypoint made no /hs either; the server is given one
+        assert not (tmp_path / "hs").exists()
+        (tmp_path / "hs").mkdir(mode=0o700)
+
+    _refused_by_entrypoint_and_server_alike(
+        value, work, capsys, "check_directory",
+        f"--dump-hidden-states-dir: {value!r} begins or ends with whitespace, which names another "
+        f"directory than meant; remove it", before_server=unmade_then_made)
+
+
+def _refused_by_entrypoint_and_server_alike(value, work, capsys, server_check, sentence, before_server=None):
+    """``prepare_dump_dir(value)`` is exit status 2 with ``kimi-sglang: <sentence>`` alone on
+    stderr and makes nothing (``work``, the working directory, stays empty); the server's
+    own check (``config.<server_check>``, after
+    ``before_server``) raises ``DumpConfigError`` with the same sentence."""
+    from sglang_ext import config
+
     assert ep.prepare_dump_dir(value) == 2
     err = capsys.readouterr().err
-    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} begins or ends with whitespace, "
-                   f"which names another directory than meant; remove it\n")
-    assert list(work.iterdir()) == [] and not (tmp_path / "hs").exists()
-    from sglang_ext.config import DumpConfigError, check_directory
-
-    (tmp_path / "hs").mkdir(mode=0o700)
-    with pytest.raises(DumpConfigError) as e:
-        check_directory(value)
+    assert err == f"kimi-sglang: {sentence}\n"
+    assert list(work.iterdir()) == []
+    if before_server is not None:
+        before_server()
+    with pytest.raises(config.DumpConfigError) as e:
+        getattr(config, server_check)(value)
     assert f"kimi-sglang: {e.value}\n" == err
 
 
@@ -552,16 +568,10 @@ def test_an_unexpanded_home_in_the_dump_dir_is_refused_and_nothing_made(tmp_path
     container's own file system. One sentence, exit status 2, nothing made; the server's
     own check says the same."""
     monkeypatch.chdir(tmp_path)
-    assert ep.prepare_dump_dir(value) == 2
-    err = capsys.readouterr().err
-    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} starts with '~', which only a shell "
-                   f"expands (none did): give the full path\n")
-    assert list(tmp_path.iterdir()) == []
-    from sglang_ext.config import DumpConfigError, check_directory
-
-    with pytest.raises(DumpConfigError) as e:
-        check_directory(value)
-    assert f"kimi-sglang: {e.value}\n" == err
+    _refused_by_entrypoint_and_server_alike(
+        value, tmp_path, capsys, "check_directory",
+        f"--dump-hidden-states-dir: {value!r} starts with '~', which only a shell expands (none did): "
+        f"give the full path")
 
 
 @pytest.mark.parametrize("value", ["moonckae://127.0.0.1:50051", "file:///data/hs", "s3://bucket/hs",
@@ -572,17 +582,11 @@ def test_a_url_of_another_scheme_is_no_directory(tmp_path, monkeypatch, capsys, 
     and the server dumped there. One sentence, exit status 2, nothing made; the server's
     own check says the same."""
     monkeypatch.chdir(tmp_path)
-    assert ep.prepare_dump_dir(value) == 2
-    err = capsys.readouterr().err
     scheme = value.split(":", 1)[0]
-    assert err == (f"kimi-sglang: --dump-hidden-states-dir: {value!r} is a {scheme}:// URL, which names "
-                   f"neither a directory nor a store (mooncake://HOST:PORT)\n")
-    assert list(tmp_path.iterdir()) == []
-    from sglang_ext.config import DumpConfigError, store_target
-
-    with pytest.raises(DumpConfigError) as e:
-        store_target(value)
-    assert f"kimi-sglang: {e.value}\n" == err
+    _refused_by_entrypoint_and_server_alike(
+        value, tmp_path, capsys, "store_target",
+        f"--dump-hidden-states-dir: {value!r} is a {scheme}:// URL, which names neither a directory nor "
+        f"a store (mooncake://HOST:PORT)")
 
 
 def test_a_config_file_given_as_one_word_is_read(tmp_path):
